@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both create (or reuse) the project's virtual environment in .venv first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+UNAME := $(shell uname -s)
+# Reinstall when the dependency list changes.
+STAMP := $(VENV)/.edge0-installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: venv demo test clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(UNAME),Linux)
+	@# CPU torch first (served from local disk) so opencompass does not pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+endif
+	$(PY) -m pip install -q -e '.[eval,test]'
+	@rm -f $(VENV)/.edge0-installed-*
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/edge0-eval demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
