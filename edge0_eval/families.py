@@ -1,0 +1,97 @@
+"""Per-family glue: where the MoE blocks are, which streaming twin replaces them, and the forward
+loop (mirroring mlx-lm's own `__call__`, plus a per-layer hook for the numerical guard and the
+prerouter features)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+from edge0_eval.errors import CheckpointError
+from edge0_eval.moe import BailingStreamingMoE, QwenStreamingMoE
+
+LayerHook = Callable[[int, mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    block_class: type
+    module_path: str   # template of a layer's MoE block path, with {layer}
+
+    def text_config(self, config: dict) -> dict:
+        return config.get("text_config", config) if self.name == "qwen3_5_moe" else config
+
+    def native_top_k(self, config: dict) -> int:
+        return int(self.text_config(config)["num_experts_per_tok"])
+
+    def num_experts(self, config: dict) -> int:
+        return int(self.text_config(config)["num_experts"])
+
+    def hidden_size(self, config: dict) -> int:
+        return int(self.text_config(config)["hidden_size"])
+
+    def layers(self, model: nn.Module) -> list:
+        return model.layers
+
+    def moe_layers(self, model: nn.Module) -> list[int]:
+        return [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
+
+    def forward(self, model: nn.Module, inputs: mx.array, cache: list,
+                hook: LayerHook | None = None) -> mx.array:
+        return _FORWARDS[self.name](model, inputs, cache, hook)
+
+
+def _qwen_forward(model, inputs, cache, hook):
+    text = model.language_model
+    inner = text.model
+    h = inner.embed_tokens(inputs)
+    fa_mask = create_attention_mask(h, cache[inner.fa_idx])
+    ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+        if hook is not None:
+            h = hook(i, h)
+    out = inner.norm(h)
+    if text.args.tie_word_embeddings:
+        return inner.embed_tokens.as_linear(out)
+    return text.lm_head(out)
+
+
+def _bailing_forward(model, inputs, cache, hook):
+    inner = model.model
+    h = inner.word_embeddings(inputs)
+    attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
+    attn_mask = create_attention_mask(h, attn_cache, return_array=True)
+    gla_mask = create_ssm_mask(h, cache[inner._gla_idx]) if inner._gla_idx is not None else None
+    offset = attn_cache.offset if attn_cache is not None else 0
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        h = layer(h, attn_mask if layer.is_global else gla_mask, c, offset=offset)
+        if hook is not None:
+            h = hook(i, h)
+    out = inner.norm(h)
+    if model.args.tie_word_embeddings:
+        return inner.word_embeddings.as_linear(out)
+    return model.lm_head(out)
+
+
+_FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward}
+
+FAMILIES = {
+    "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE, "language_model.model.layers.{layer}.mlp"),
+    "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp"),
+}
+
+
+def family_for(config: dict, where: str = "config.json") -> Family:
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise CheckpointError(
+            f"{where}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(FAMILIES)}"
+        )
+    return FAMILIES[model_type]

@@ -1,0 +1,248 @@
+"""Streaming MoE blocks: mlx-lm's MoE block with its routed experts served from a slot pool.
+
+Each family's block keeps mlx-lm's child modules under their original names (`gate`,
+`shared_expert(s)`, ...), so weights, LoRA keys and published adapters address the same paths;
+only `switch_mlp` changes, to a `StreamingSwitchGLU` that runs mlx-lm's own `SwitchGLU` over a
+small buffer of slots instead of all experts.
+
+Routing modes:
+  resident   every expert preloaded (slots == experts): the A/B baseline, no host sync
+  reactive   the true router picks; missing experts are read on demand, blocking
+  prerouted  the engine supplies the expert set (predicted one token ahead) and its weights
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+
+from edge0_eval.layout import PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.pool import LayerSlots
+from edge0_eval.store import ExpertStore
+
+
+class LoadCounters(SimpleNamespace):
+    """Shared by all blocks of an engine: time the decode path spent waiting for reads."""
+
+    def __init__(self):
+        super().__init__(blocked_seconds=0.0, blocked_loads=0, bundles_loaded=0)
+
+
+class StreamingSwitchGLU(nn.Module):
+    """mlx-lm's SwitchGLU over `n_slots` quantized slot buffers, filled from the expert store."""
+
+    def __init__(self, layer: int, index: ExpertIndex, store: ExpertStore, n_slots: int,
+                 counters: LoadCounters):
+        super().__init__()
+        spec = {t.name: t for t in index.tensors}
+        hidden_dims, packed_in = spec["gate_proj.weight"].shape
+        input_dims = packed_in * 32 // index.bits
+        self.glu = SwitchGLU(input_dims, hidden_dims, 1)
+        for proj in PROJECTIONS:
+            q = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
+            nn.Module.__init__(q)
+            q.group_size, q.bits, q.mode, q.global_scale = (index.group_size, index.bits,
+                                                            index.mode, None)
+            for part in ("weight", "scales", "biases"):
+                t = spec[f"{proj}.{part}"]
+                dtype = {"uint32": mx.uint32, "float16": mx.float16,
+                         "bfloat16": mx.bfloat16, "float32": mx.float32}[t.dtype]
+                setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
+            q.freeze()
+            setattr(self.glu, proj, q)
+        self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
+                                   slots=LayerSlots(n_slots), num_experts=index.num_experts,
+                                   resident=False)
+        # expert id -> slot, on the device so prerouted decode never syncs to map ids.
+        self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
+        mx.eval(self.glu.parameters())
+
+    @property
+    def slots(self) -> LayerSlots:
+        return self._io.slots
+
+    # -- loading ----------------------------------------------------------------------------
+    def load_experts(self, experts: list[int], blocking: bool = True,
+                     buffers: dict | None = None) -> int:
+        """Make `experts` resident (reading misses), update the slot table. Returns #loaded."""
+        io = self._io
+        mapping, loads = io.slots.assign(list(experts))
+        if loads:
+            started = time.perf_counter()
+            if buffers is not None and all(e in buffers for e, _ in loads):
+                bufs = [buffers[e] for e, _ in loads]
+            else:
+                try:
+                    bufs = io.store.read_many([(io.layer, e) for e, _ in loads])
+                except Exception:
+                    for e, _ in loads:
+                        io.slots.forget(e)
+                    raise
+            self._write_slots([s for _, s in loads], bufs)
+            if blocking:
+                io.counters.blocked_seconds += time.perf_counter() - started
+                io.counters.blocked_loads += len(loads)
+            io.counters.bundles_loaded += len(loads)
+        if loads or not io.resident:
+            ids = mx.array(list(mapping.keys()), dtype=mx.int32)
+            io.lut[ids] = mx.array(list(mapping.values()), dtype=mx.int32)
+        return len(loads)
+
+    def _write_slots(self, slots: list[int], bufs: list[np.ndarray]) -> None:
+        index = self._io.index
+        parts = [unpack_bundle(index, b) for b in bufs]
+        where = mx.array(slots, dtype=mx.int32)
+        for name in TENSOR_ORDER:
+            proj, part = name.split(".")
+            target = getattr(self.glu, proj)
+            values = mx.array(np.stack([p[name] for p in parts]))
+            buffer = target[part]
+            if buffer.dtype == mx.bfloat16:
+                values = values.view(mx.bfloat16)
+            buffer[where] = values
+            target[part] = buffer
+        mx.eval(self.glu.parameters())
+
+    def preload_all(self) -> None:
+        """Resident mode: every expert in its own slot, identity slot table."""
+        n = self._io.num_experts
+        if self._io.slots.n_slots < n:
+            raise ValueError("resident mode needs one slot per expert")
+        for start in range(0, n, 16):
+            self.load_experts(list(range(start, min(n, start + 16))), blocking=False)
+        self._io.resident = True
+
+    # -- compute ----------------------------------------------------------------------------
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        io = self._io
+        if io.resident:
+            return self.glu(x, indices)
+        mx.eval(indices)  # reactive: the true routing must reach the host to read misses
+        ids = np.array(indices)
+        unique = np.unique(ids).tolist()
+        if len(unique) <= io.slots.n_slots:
+            self.load_experts(unique)
+            return self.glu(x, io.lut[indices])
+        return self._call_in_groups(x, indices, ids, unique)
+
+    def _call_in_groups(self, x, indices, ids, unique):
+        """More distinct experts than slots (long prefill): load them a slot-full at a time.
+
+        Each (token, k) pair is computed in exactly one group and other groups add exact
+        zeros, so results equal the single-pass computation.
+        """
+        io = self._io
+        n = io.slots.n_slots
+        out = None
+        for start in range(0, len(unique), n):
+            group = unique[start: start + n]
+            self.load_experts(group)
+            member = mx.array(np.isin(ids, group))
+            slot_ids = mx.where(member, io.lut[indices], 0)
+            part = mx.where(member[..., None], self.glu(x, slot_ids), 0)
+            out = part if out is None else out + part
+            mx.eval(out)  # before the next group overwrites these slots
+        return out
+
+    def ensure_staged(self, experts: list[int], buffers: dict | None = None) -> int:
+        """Prerouted decode: stage a predicted set (buffers may come from a prefetch)."""
+        return self.load_experts(experts, blocking=buffers is None, buffers=buffers)
+
+
+class _StreamingBlock(nn.Module):
+    """Common plumbing: the engine may set a routing plan and reads back what executed."""
+
+    def _init_trace(self, layer: int, top_k: int):
+        self.top_k = top_k
+        self._trace = SimpleNamespace(layer=layer, plan=None, last_input=None, last_inds=None,
+                                      capture=False)
+
+    def set_plan(self, inds: mx.array | None, weights: mx.array | None = None) -> None:
+        """Execute exactly `inds` [B, L, K] with combination `weights` (None: true router's)."""
+        self._trace.plan = None if inds is None else (inds, weights)
+
+    def _routed(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        if self._trace.capture:
+            self._trace.last_input, self._trace.last_inds = x, inds
+        y = self.switch_mlp(x, inds)
+        return (y * scores[..., None]).sum(axis=-2)
+
+
+class QwenStreamingMoE(_StreamingBlock):
+    """qwen3_next / qwen3_5_moe block: softmax top-k, normalised, shared expert with sigmoid gate."""
+
+    def __init__(self, block, switch: StreamingSwitchGLU, layer: int, top_k: int):
+        super().__init__()
+        self.gate = block.gate
+        self.shared_expert = block.shared_expert
+        self.shared_expert_gate = block.shared_expert_gate
+        self.norm_topk_prob = block.norm_topk_prob
+        self.num_experts = block.num_experts
+        self.switch_mlp = switch
+        self._init_trace(layer, top_k)
+
+    def router_probs(self, x: mx.array) -> mx.array:
+        return mx.softmax(self.gate(x), axis=-1, precise=True)
+
+    def select(self, probs: mx.array, k: int) -> tuple[mx.array, mx.array]:
+        inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
+        return inds, self.combine(probs, inds)
+
+    def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return scores
+
+    def __call__(self, x: mx.array) -> mx.array:
+        plan = self._trace.plan
+        if plan is None:
+            inds, scores = self.select(self.router_probs(x), self.top_k)
+        else:
+            inds, scores = plan
+            if scores is None:
+                scores = self.combine(self.router_probs(x), inds)
+        y = self._routed(x, inds, scores)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y + shared
+
+
+class BailingStreamingMoE(_StreamingBlock):
+    """bailing_hybrid block: sigmoid + expert bias, group-limited top-k, routed scaling."""
+
+    def __init__(self, block, switch: StreamingSwitchGLU, layer: int, top_k: int):
+        super().__init__()
+        self.gate = block.gate            # mlx-lm's Gate: its own selection rule, reused as is
+        self.shared_experts = block.shared_experts
+        self.switch_mlp = switch
+        self.num_experts = switch._io.num_experts
+        self._init_trace(layer, top_k)
+        self.gate.top_k = top_k           # instance attribute: serves K != native top-k
+
+    def router_probs(self, x: mx.array) -> mx.array:
+        return mx.sigmoid(self.gate.gate_proj(x).astype(mx.float32))
+
+    def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
+        scores = mx.take_along_axis(probs, inds, axis=-1)
+        if inds.shape[-1] > 1 and self.gate.norm_topk_prob:
+            scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+        return scores * self.gate.routed_scaling_factor
+
+    def __call__(self, x: mx.array) -> mx.array:
+        plan = self._trace.plan
+        if plan is None:
+            inds, scores = self.gate(x)
+        else:
+            inds, scores = plan
+            if scores is None:
+                scores = self.combine(self.router_probs(x), inds)
+            scores = scores.astype(x.dtype)
+        out = self._routed(x, inds, scores)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
