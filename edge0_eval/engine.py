@@ -22,6 +22,7 @@ import mlx.nn as nn
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.families import Family, family_for
 from edge0_eval.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.mlx_compat import COMPUTE_DTYPES, cast_floating, resolve_compute_dtype
 from edge0_eval.moe import LoadCounters, StreamingSwitchGLU
 from edge0_eval.pool import slots_for_budget
 from edge0_eval.store import ExpertStore
@@ -44,8 +45,11 @@ class EngineOptions:
     io_workers: int = 4
     io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
     verify_crc: bool = False
+    prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
+    measure_recall: bool = False             # prerouted: compare plans with the true router
     clip_hidden: float | None = 1000.0       # per-layer hidden clipping (None disables the guard)
     prefill_chunk: int = 512
+    compute_dtype: str = "auto"              # auto: float32 on CPU (half is emulated there)
     seed: int = 0
 
     def validate(self) -> None:
@@ -57,6 +61,9 @@ class EngineOptions:
             raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
         if self.expert_budget_mib is not None and self.expert_budget_mib <= 0:
             raise ConfigError("expert_budget_mib must be positive")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of "
+                              f"{', '.join(COMPUTE_DTYPES)}")
         if self.io_throttle_mbps is not None and self.io_throttle_mbps <= 0:
             raise ConfigError("io_throttle_mbps must be positive")
 
@@ -92,6 +99,9 @@ class Engine:
         self.moe_layers = list(index.moe_layers)
         self.blocks = {i: family.layers(model)[i].mlp for i in self.moe_layers}
         self.cache = None
+        self.prerouter = None
+        self.lora = None
+        self._staging = False
         self._guard_events = mx.array(0, dtype=mx.int32)
         self._last = {}
         self.reset()
@@ -117,6 +127,7 @@ class Engine:
         if index.num_experts != num_experts:
             raise CheckpointError(f"{directory}: index has {index.num_experts} experts, "
                                   f"config.json {num_experts}; re-run convert")
+        _check_adapter_paths(directory, options)
         top_k = options.top_k or family.native_top_k(config)
         if top_k > num_experts:
             raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
@@ -143,6 +154,15 @@ class Engine:
         _quantize_like_mlx_lm(model, config, resident)
         _check_resident_names(model, resident, directory / RESIDENT_NAME)
         model.load_weights(list(resident.items()), strict=False)
+        # Slot buffers keep the file's dtype: reads land in them unconverted.
+        cast_floating(model, resolve_compute_dtype(options.compute_dtype), skip=".switch_mlp.glu.")
+        lora = None
+        lora_path = _lora_path(directory, options)
+        if lora_path is not None:
+            from edge0_eval.lora import load_adapter
+
+            # Unmerged: a parallel path on resident modules; int4 weights stay untouched.
+            lora = load_adapter(model, lora_path, expect_kind="lora", top_k=top_k)
         model.eval()
         mx.eval(model.parameters())
         del resident
@@ -151,13 +171,14 @@ class Engine:
         tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
         engine = cls(model, tokenizer, config, family, index, store, options, top_k, slots,
                      counters, directory)
+        engine.lora = lora
         if options.mode == "resident":
             for block in engine.blocks.values():
                 block.switch_mlp.preload_all()
         if options.mode == "prerouted":
-            from edge0_eval.prerouted import attach_prerouter  # noqa: F401  (issue 4)
+            from edge0_eval.prerouted import attach_prerouter
 
-            attach_prerouter(engine)
+            engine.prerouter = attach_prerouter(engine)
         store.reset_stats()
         mx.reset_peak_memory()
         return engine
@@ -169,16 +190,23 @@ class Engine:
         self.position = 0
         for block in self.blocks.values():
             block.set_plan(None)
+        if self.prerouter is not None:
+            self.prerouter.reset()
 
-    def _guard(self, layer: int, h: mx.array) -> mx.array:
+    def _after_layer(self, layer: int, h: mx.array) -> mx.array:
         limit = self.options.clip_hidden
-        bad = mx.logical_or(mx.isnan(h), mx.abs(h) > limit)
-        self._guard_events = self._guard_events + bad.sum().astype(mx.int32)
-        return mx.clip(mx.nan_to_num(h, nan=0.0), -limit, limit)
+        if limit:
+            bad = mx.logical_or(mx.isnan(h), mx.abs(h) > limit)
+            self._guard_events = self._guard_events + bad.sum().astype(mx.int32)
+            h = mx.clip(mx.nan_to_num(h, nan=0.0), -limit, limit)
+        if self._staging:
+            self.prerouter.before_layer(layer + 1, h)
+        return h
 
     def forward(self, tokens: mx.array) -> mx.array:
         """Logits for `tokens` [B, L] continuing the cached sequence."""
-        hook = self._guard if self.options.clip_hidden else None
+        self._staging = self.prerouter is not None and self.prerouter.has_plan
+        hook = self._after_layer if (self.options.clip_hidden or self._staging) else None
         logits = self.family.forward(self.model, tokens, self.cache, hook)
         self.position += tokens.shape[1]
         return logits
@@ -191,11 +219,16 @@ class Engine:
         for start in range(0, len(tokens), chunk):
             logits = self.forward(mx.array(tokens[start: start + chunk])[None])
             mx.eval(logits, self._guard_events, [c.state for c in self.cache])
+        if self.prerouter is not None:
+            self.prerouter.after_prefill()
         return logits[0, -1]
 
     def step(self, token: int) -> mx.array:
         logits = self.forward(mx.array([[token]]))
         mx.eval(logits, self._guard_events)
+        if self.prerouter is not None:
+            self.prerouter.counters.steps += int(self._staging)
+            self.prerouter.after_step()
         return logits[0, -1]
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
@@ -229,7 +262,9 @@ class Engine:
         pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
         return {
             "bytes": self.store.stats.bytes_read, "reads": self.store.stats.reads,
-            "blocked": self.counters.blocked_seconds, "hits": sum(p.hits for p in pool),
+            "blocked": self.counters.blocked_seconds + (
+                self.prerouter.counters.stage_wait_seconds if self.prerouter else 0.0),
+            "hits": sum(p.hits for p in pool),
             "misses": sum(p.misses for p in pool),
         }
 
@@ -276,6 +311,9 @@ class Engine:
             "guard_clip": self.options.clip_hidden,
             "guard_events": int(self._guard_events.item()),
         }
+        out["lora"] = str(self.lora["path"]) if self.lora else None
+        if self.prerouter is not None:
+            out.update(self.prerouter.stats())
         out.update(self._last)
         return out
 
@@ -348,3 +386,33 @@ def _check_resident_names(model: nn.Module, weights: dict, path: Path) -> None:
         if params[name].shape != value.shape:
             raise CheckpointError(f"{path}: {name} has shape {value.shape}, the model expects "
                                   f"{params[name].shape}; re-run convert")
+
+
+def _check_adapter_paths(directory: Path, options: EngineOptions) -> None:
+    """Fail before any weights load when a requested adapter or head file is missing."""
+    from edge0_eval.prerouted import PREROUTER_FILE
+
+    if options.lora_path and not options.no_lora and not Path(options.lora_path).is_file():
+        raise CheckpointError(f"LoRA adapter {options.lora_path} not found; pass an existing file "
+                              f"or --no-lora")
+    if options.mode == "prerouted" and not options.no_prerouter:
+        path = Path(options.prerouter_path or directory / PREROUTER_FILE)
+        if not path.is_file():
+            raise CheckpointError(
+                f"prerouted mode needs prerouter heads: {path} not found; train them with "
+                f"`edge0-eval train-prerouter`, pass --prerouter FILE, --no-prerouter, "
+                f"or use --mode reactive"
+            )
+
+
+LORA_FILE = "lora.safetensors"
+
+
+def _lora_path(directory: Path, options: EngineOptions) -> Path | None:
+    """The adapter to apply: the option, else `lora.safetensors` beside the model, else none."""
+    if options.no_lora:
+        return None
+    if options.lora_path:
+        return Path(options.lora_path)
+    default = directory / LORA_FILE
+    return default if default.is_file() else None

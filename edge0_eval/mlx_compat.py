@@ -28,3 +28,39 @@ def upcast_unquantized_experts_for_cpu(model: nn.Module) -> int:
                 module.bias = module.bias.astype(mx.float32)
             changed += 1
     return changed
+
+
+COMPUTE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+def resolve_compute_dtype(name: str = "auto"):
+    """The activation dtype to run in; None keeps the checkpoint's.
+
+    "auto" is float32 on the CPU and the checkpoint's dtype elsewhere: MLX's CPU backend emulates
+    half precision, measured here at ~440 ms for a 1x2048 by 2048x2048 int4 quantized_matmul in
+    float16 against ~8 ms in float32 (bfloat16: ~80 ms). Int4 weights stay int4 either way.
+    """
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, not {name!r}")
+    if name == "auto":
+        return mx.float32 if on_cpu() else None
+    return getattr(mx, name)
+
+
+def cast_floating(model: nn.Module, dtype, skip: str | None = None) -> None:
+    """Cast floating parameters (norms, embeddings, quantization scales) to `dtype`.
+
+    Packed integer weights are untouched. Parameter names containing `skip` are left alone.
+    """
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    if dtype is None:
+        return
+    changed = [
+        (name, value.astype(dtype))
+        for name, value in tree_flatten(model.parameters())
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype
+        and not (skip and skip in name)
+    ]
+    if changed:
+        model.update(tree_unflatten(changed))

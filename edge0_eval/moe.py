@@ -57,7 +57,7 @@ class StreamingSwitchGLU(nn.Module):
             setattr(self.glu, proj, q)
         self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
                                    slots=LayerSlots(n_slots), num_experts=index.num_experts,
-                                   resident=False)
+                                   resident=False, staged=False)
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
         self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
         mx.eval(self.glu.parameters())
@@ -122,6 +122,10 @@ class StreamingSwitchGLU(nn.Module):
         io = self._io
         if io.resident:
             return self.glu(x, indices)
+        if io.staged:
+            # Prediction-as-routing: the executed set is the staged set, mapped on the device.
+            io.staged = False
+            return self.glu(x, io.lut[indices])
         mx.eval(indices)  # reactive: the true routing must reach the host to read misses
         ids = np.array(indices)
         unique = np.unique(ids).tolist()
@@ -149,9 +153,44 @@ class StreamingSwitchGLU(nn.Module):
             mx.eval(out)  # before the next group overwrites these slots
         return out
 
-    def ensure_staged(self, experts: list[int], buffers: dict | None = None) -> int:
-        """Prerouted decode: stage a predicted set (buffers may come from a prefetch)."""
-        return self.load_experts(experts, blocking=buffers is None, buffers=buffers)
+    # -- staging (prerouted decode) ---------------------------------------------------------
+    def stage_begin(self, experts: list[int]) -> "StagedSet":
+        """Reserve slots for a predicted set and start reading the misses in the background.
+
+        Experts already resident keep their slot (sticky), so only changed slots are read and
+        written. Nothing else touches this layer's slots until `stage_finish`.
+        """
+        io = self._io
+        mapping, loads = io.slots.assign(list(experts))
+        futures = [io.store.submit(io.layer, e) for e, _ in loads]
+        return StagedSet(experts=list(experts), mapping=mapping, loads=loads, futures=futures)
+
+    def stage_finish(self, staged: "StagedSet") -> tuple[float, int]:
+        """Wait for the staged reads, write the changed slots, publish the slot table.
+
+        Returns (seconds blocked waiting, experts missing from the slots afterwards).
+        """
+        io = self._io
+        started = time.perf_counter()
+        try:
+            bufs = [f.result() for f in staged.futures]
+        except Exception:
+            for e, _ in staged.loads:
+                io.slots.forget(e)
+            raise
+        waited = time.perf_counter() - started
+        if staged.loads:
+            self._write_slots([s for _, s in staged.loads], bufs)
+            io.counters.bundles_loaded += len(staged.loads)
+        ids = mx.array(list(staged.mapping.keys()), dtype=mx.int32)
+        io.lut[ids] = mx.array(list(staged.mapping.values()), dtype=mx.int32)
+        dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
+        io.staged = True
+        return waited, dropped
+
+
+class StagedSet(SimpleNamespace):
+    """A predicted expert set on its way into a layer's slots."""
 
 
 class _StreamingBlock(nn.Module):
@@ -160,13 +199,24 @@ class _StreamingBlock(nn.Module):
     def _init_trace(self, layer: int, top_k: int):
         self.top_k = top_k
         self._trace = SimpleNamespace(layer=layer, plan=None, last_input=None, last_inds=None,
-                                      capture=False)
+                                      capture=False, measure_recall=False, recall=[])
 
     def set_plan(self, inds: mx.array | None, weights: mx.array | None = None) -> None:
         """Execute exactly `inds` [B, L, K] with combination `weights` (None: true router's)."""
         self._trace.plan = None if inds is None else (inds, weights)
 
+    def true_inds(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def _record_recall(self, x: mx.array, planned: mx.array) -> None:
+        """Online recall of a plan: |planned ∩ true top-k| / k, kept lazy (no sync here)."""
+        true = self.true_inds(x)
+        hit = (planned[..., :, None] == true[..., None, :]).any(axis=-1)
+        self._trace.recall.append(hit.astype(mx.float32).mean())
+
     def _routed(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
+        if self._trace.plan is not None and self._trace.measure_recall:
+            self._record_recall(x, inds)
         if self._trace.capture:
             self._trace.last_input, self._trace.last_inds = x, inds
         y = self.switch_mlp(x, inds)
@@ -188,6 +238,9 @@ class QwenStreamingMoE(_StreamingBlock):
 
     def router_probs(self, x: mx.array) -> mx.array:
         return mx.softmax(self.gate(x), axis=-1, precise=True)
+
+    def true_inds(self, x: mx.array) -> mx.array:
+        return self.select(self.router_probs(x), self.top_k)[0]
 
     def select(self, probs: mx.array, k: int) -> tuple[mx.array, mx.array]:
         inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
@@ -226,6 +279,9 @@ class BailingStreamingMoE(_StreamingBlock):
 
     def router_probs(self, x: mx.array) -> mx.array:
         return mx.sigmoid(self.gate.gate_proj(x).astype(mx.float32))
+
+    def true_inds(self, x: mx.array) -> mx.array:
+        return self.gate(x)[0]
 
     def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
         scores = mx.take_along_axis(probs, inds, axis=-1)

@@ -31,3 +31,33 @@ def tiny_qwen_q4(tmp_path_factory):
 def tiny_bailing_q4(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("ckpt") / "bailing_q4",
                       TinyShape(family="bailing_hybrid"), quantize_bits=4)
+
+
+def _convert(src, tmp_path_factory, name):
+    from edge0_eval.convert import convert
+
+    return convert(src, tmp_path_factory.mktemp("conv") / name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def edge0_qwen(tiny_qwen_q4, tmp_path_factory):
+    """tiny_qwen_q4 in the streaming layout."""
+    return _convert(tiny_qwen_q4, tmp_path_factory, "qwen")
+
+
+@pytest.fixture(scope="session")
+def edge0_bailing(tiny_bailing_q4, tmp_path_factory):
+    return _convert(tiny_bailing_q4, tmp_path_factory, "bailing")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen64_q4(tmp_path_factory):
+    """64 experts, top-8, wider experts: expert bytes dominate, so budgets show in memory."""
+    shape = TinyShape(family="qwen3_5_moe", experts=64, top_k=8, hidden=128, heads=4,
+                      moe_intermediate=128, seed=1)
+    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen64_q4", shape, quantize_bits=4)
+
+
+@pytest.fixture(scope="session")
+def edge0_qwen64(tiny_qwen64_q4, tmp_path_factory):
+    return _convert(tiny_qwen64_q4, tmp_path_factory, "qwen64")

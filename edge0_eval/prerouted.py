@@ -1,0 +1,191 @@
+"""Prerouted decode: prediction-as-routing with staged reads that overlap compute.
+
+After each decode step every prerouter head runs in one batched computation on the step's
+features; the predicted expert set of each consuming layer (owner + 1) starts loading in the
+background at once, and during the next step each consuming layer executes exactly that set.
+Layers before `start_layer`, prefill, and the first decode token after prefill route with the
+true router.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from edge0_eval.errors import CheckpointError, ConfigError
+
+WEIGHT_SOURCES = ("head", "router")
+PREROUTER_FILE = "prerouter.safetensors"
+
+
+@dataclass
+class StagingCounters:
+    steps: int = 0                  # decode steps that ran prerouted
+    staged_experts: int = 0         # experts in planned sets (K per consuming layer per step)
+    staged_loads: int = 0           # of those, bundles read (misses)
+    dropped_experts: int = 0        # planned experts absent from the slots at execution: must be 0
+    stage_wait_seconds: float = 0.0
+    head_seconds: float = 0.0
+
+
+class Prerouter:
+    """Owns the heads, the plans for the next step and the in-flight staged reads."""
+
+    def __init__(self, engine, heads, weight_source: str = "head", measure_recall: bool = False):
+        if weight_source not in WEIGHT_SOURCES:
+            raise ConfigError(f"prerouted weights must be one of {WEIGHT_SOURCES}")
+        self.engine, self.heads = engine, heads
+        cfg = heads.config
+        self.owners = list(cfg.owners)
+        self.start_layer = cfg.start_layer
+        moe = set(engine.moe_layers)
+        bad = [o for o in self.owners if o not in moe or o + 1 not in moe]
+        if bad:
+            raise CheckpointError(f"prerouter owners {bad} are not MoE layers followed by a MoE "
+                                  f"layer in this model (MoE layers: {sorted(moe)})")
+        self.consumers = [o + 1 for o in self.owners if o + 1 >= self.start_layer]
+        self.weight_source = weight_source
+        self.measure_recall = measure_recall
+        self.counters = StagingCounters()
+        self._prev_onehot = None
+        self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
+        for owner in self.owners:
+            engine.blocks[owner]._trace.capture = True
+
+    # -- per sequence -----------------------------------------------------------------------
+    def reset(self) -> None:
+        self._prev_onehot = None
+        self._drain()
+        self._plans = {}
+
+    def _drain(self) -> None:
+        for _, _, staged in self._plans.values():
+            for f in staged.futures:
+                f.cancel()
+            for f in staged.futures:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except Exception:
+                        pass
+            # The reserved slots were never written: forget them so nothing trusts them.
+            block = self.engine.blocks[staged.layer]
+            for e, _ in staged.loads:
+                block.switch_mlp.slots.forget(e)
+
+    # -- hooks used by the engine -----------------------------------------------------------
+    @property
+    def has_plan(self) -> bool:
+        return bool(self._plans)
+
+    def before_layer(self, layer: int, h: mx.array) -> None:
+        """Called as layer `layer` is about to be built: finish its staging and set its plan."""
+        plan = self._plans.pop(layer, None)
+        if plan is None:
+            return
+        inds, weights, staged = plan
+        mx.async_eval(h)  # let earlier layers compute while this layer's reads finish
+        block = self.engine.blocks[layer]
+        waited, dropped = block.switch_mlp.stage_finish(staged)
+        self.counters.stage_wait_seconds += waited
+        self.counters.dropped_experts += dropped
+        block.set_plan(inds, None if self.weight_source == "router" else weights)
+        if self.measure_recall:
+            block._trace.measure_recall = True
+
+    def after_prefill(self) -> None:
+        """Remember the prompt's last executed sets: the t-1 features of the first decode step."""
+        self.reset()
+        _, self._prev_onehot = self._features()
+        mx.eval(self._prev_onehot)
+
+    def after_step(self) -> None:
+        """Run all heads on this step's features and start staging the next step's sets."""
+        engine = self.engine
+        for layer in self.consumers:
+            engine.blocks[layer].set_plan(None)
+        started = time.perf_counter()
+        feats, onehot = self._features()
+        logits = self.heads(self._build(feats, onehot, self._prev_onehot))   # [O, 1, E]
+        self._prev_onehot = onehot
+        plans = {}
+        for o, owner in enumerate(self.owners):
+            layer = owner + 1
+            if layer not in self.consumers:
+                continue
+            inds, weights = self._select(engine.blocks[layer], logits[o][None])  # [1,1,K]
+            plans[layer] = (inds, weights)
+        mx.eval([p for pair in plans.values() for p in pair])
+        self.counters.head_seconds += time.perf_counter() - started
+        for layer, (inds, weights) in plans.items():
+            experts = np.array(inds).reshape(-1).tolist()
+            staged = engine.blocks[layer].switch_mlp.stage_begin(experts)
+            staged.layer = layer
+            self.counters.staged_experts += len(experts)
+            self.counters.staged_loads += len(staged.loads)
+            self._plans[layer] = (inds, weights, staged)
+
+    # -- pieces -----------------------------------------------------------------------------
+    def _features(self):
+        hs, onehots = [], []
+        E = self.heads.config.num_experts
+        for owner in self.owners:
+            trace = self.engine.blocks[owner]._trace
+            hs.append(trace.last_input[:, -1, :])                       # [1, H]
+            last = trace.last_inds[:, -1, :]                            # [1, K]
+            onehots.append(mx.put_along_axis(mx.zeros((last.shape[0], E)), last,
+                                             mx.array(1.0), axis=-1))
+        return mx.stack(hs), mx.stack(onehots)                          # [O,1,H], [O,1,E]
+
+    def _build(self, h, onehot_t, onehot_prev):
+        from edge0_eval.prerouter import build_features
+
+        return build_features(h, onehot_t, onehot_prev)
+
+    def _select(self, block, logits):
+        from edge0_eval.prerouter import select_experts
+
+        return select_experts(block, logits, self.engine.top_k)
+
+    def stats(self) -> dict:
+        c = self.counters
+        steps = max(1, c.steps)
+        out = {
+            "prerouted_steps": c.steps,
+            "staged_experts": c.staged_experts,
+            "staged_loads_per_step": c.staged_loads / steps,
+            "dropped_experts": c.dropped_experts,
+            "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
+            "head_ms_per_step": 1000 * c.head_seconds / steps,
+            "prerouter_owners": len(self.owners),
+            "prerouted_weights": self.weight_source,
+        }
+        if self.measure_recall:
+            values = [r for layer in self.consumers
+                      for r in self.engine.blocks[layer]._trace.recall]
+            out["online_recall"] = float(mx.mean(mx.stack(values)).item()) if values else None
+        return out
+
+
+def attach_prerouter(engine) -> Prerouter | None:
+    """Load heads for `engine.options` and hook them in; None when routing stays true."""
+    from edge0_eval.prerouter import load_heads
+
+    options = engine.options
+    if options.no_prerouter:
+        return None
+    path = options.prerouter_path or engine.directory / PREROUTER_FILE
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise CheckpointError(
+            f"prerouted mode needs prerouter heads: {path} not found; train them with "
+            f"`edge0-eval train-prerouter`, pass --prerouter FILE, or use --mode reactive"
+        )
+    heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
+                       num_experts=engine.index.num_experts, top_k=engine.top_k)
+    return Prerouter(engine, heads, weight_source=options.prerouted_weights,
+                     measure_recall=options.measure_recall)

@@ -1,0 +1,55 @@
+"""mlx-lm's own model over a converted directory, with every expert resident.
+
+The numerical and speed reference for the engine: the same int4 weights, loaded into mlx-lm's
+model class with the experts re-stacked from `experts.bin` (so it needs memory for all of them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from edge0_eval.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.store import ExpertStore
+
+
+def load_reference(directory: str | Path, compute_dtype: str = "auto"):
+    """Returns (mlx-lm model, tokenizer) for a converted directory, all experts in memory.
+
+    `compute_dtype` applies the engine's dtype policy (see mlx_compat) so both run alike.
+    """
+    from edge0_eval.mlx_compat import cast_floating, resolve_compute_dtype
+
+    from mlx_lm.utils import _get_classes, load_tokenizer
+
+    from edge0_eval.engine import _quantize_like_mlx_lm
+
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    index = ExpertIndex.load(directory)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(mx.load(str(directory / RESIDENT_NAME)))
+    store = ExpertStore(directory, index)
+    try:
+        for layer in index.moe_layers:
+            bundles = [unpack_bundle(index, store.read(layer, e)) for e in range(index.num_experts)]
+            prefix = index.module_path.format(layer=layer)
+            for name in TENSOR_ORDER:
+                stacked = mx.array(np.stack([b[name] for b in bundles]))
+                if index.tensor(name).dtype == "bfloat16":
+                    stacked = stacked.view(mx.bfloat16)
+                weights[f"{prefix}.{name}"] = stacked
+    finally:
+        store.close()
+    _quantize_like_mlx_lm(model, config, weights)
+    model.load_weights(list(weights.items()), strict=True)
+    cast_floating(model, resolve_compute_dtype(compute_dtype), skip=".switch_mlp.")
+    model.eval()
+    mx.eval(model.parameters())
+    eos = config.get("eos_token_id")
+    tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    return model, tokenizer
