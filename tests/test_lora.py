@@ -402,7 +402,11 @@ def converted(family, ckpt, tmp_path_factory):
 def test_engine_model_takes_the_same_adapter(family, ckpt, converted, tmp_path):
     from edge0_eval.engine import Engine, EngineOptions
 
+    from edge0_eval.mlx_compat import cast_floating, resolve_compute_dtype
+
     reference = load_model(ckpt)
+    # The engine's dtype policy (float32 activations on CPU), applied to mlx-lm's model too.
+    cast_floating(reference, resolve_compute_dtype("auto"), skip=".switch_mlp.")
     adapter = write(tmp_path / "a.safetensors",
                     random_pairs(reference, find_targets(reference, default_targets(family))),
                     published_metadata())
