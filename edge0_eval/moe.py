@@ -57,7 +57,7 @@ class StreamingSwitchGLU(nn.Module):
             setattr(self.glu, proj, q)
         self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
                                    slots=LayerSlots(n_slots), num_experts=index.num_experts,
-                                   resident=False, staged=False)
+                                   resident=False, staged=False, pinned=False)
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
         self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
         mx.eval(self.glu.parameters())
@@ -65,6 +65,10 @@ class StreamingSwitchGLU(nn.Module):
     @property
     def slots(self) -> LayerSlots:
         return self._io.slots
+
+    def pin(self, pinned: bool = True) -> None:
+        """Serve from the slot table without syncing (see __call__); for gradient passes."""
+        self._io.pinned = pinned
 
     # -- loading ----------------------------------------------------------------------------
     def load_experts(self, experts: list[int], blocking: bool = True,
@@ -122,8 +126,9 @@ class StreamingSwitchGLU(nn.Module):
         io = self._io
         if io.resident:
             return self.glu(x, indices)
-        if io.staged:
-            # Prediction-as-routing: the executed set is the staged set, mapped on the device.
+        if io.staged or io.pinned:
+            # Prediction-as-routing (staged) or training (pinned: the caller loaded every expert
+            # the batch routes to beforehand): map on the device, no host sync, differentiable.
             io.staged = False
             return self.glu(x, io.lut[indices])
         mx.eval(indices)  # reactive: the true routing must reach the host to read misses
