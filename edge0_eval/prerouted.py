@@ -185,7 +185,10 @@ def attach_prerouter(engine) -> Prerouter | None:
             f"prerouted mode needs prerouter heads: {path} not found; train them with "
             f"`edge0-eval train-prerouter`, pass --prerouter FILE, or use --mode reactive"
         )
+    from edge0_eval.mlx_compat import resolve_compute_dtype
+
     heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
-                       num_experts=engine.index.num_experts, top_k=engine.top_k)
+                       num_experts=engine.index.num_experts, top_k=engine.top_k,
+                       dtype=resolve_compute_dtype(options.compute_dtype))
     return Prerouter(engine, heads, weight_source=options.prerouted_weights,
                      measure_recall=options.measure_recall)
