@@ -1,0 +1,151 @@
+"""`edge0-eval gate`: CI regression gate, comparing a report.json with a baseline report.json.
+
+For every benchmark in the baseline, with hw = the current report's 95% half-width of the
+paired delta (so noise the interval explains does not fail the gate):
+  gap increase   (current gap - baseline gap)            > max_gap_increase + hw  -> FAIL
+  student drop   (baseline student - current student)    > max_drop + hw          -> FAIL
+and always FAIL (never pass) when the benchmark is missing from the report, an arm is missing,
+a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
+reproduce the metric, the item count differs from the baseline, or the prompt version changed.
+gap = teacher - student, in points. Both thresholds default to 2.0 points.
+Exit status: 0 all pass, 1 regression or failure, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge0_eval.errors import Edge0Error
+from edge0_eval.report import SCHEMA
+
+DEFAULT_MAX_GAP_INCREASE = 2.0
+DEFAULT_MAX_DROP = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("report", metavar="REPORT.json", help="report.json from edge0-eval report")
+    parser.add_argument("--baseline", required=True, metavar="BASELINE.json",
+                        help="the report.json to compare against")
+    parser.add_argument("--max-gap-increase", type=float, default=DEFAULT_MAX_GAP_INCREASE,
+                        metavar="P", help="allowed widening of teacher - student, in points, "
+                        f"beyond the 95%% half-width (default {DEFAULT_MAX_GAP_INCREASE})")
+    parser.add_argument("--max-drop", type=float, default=DEFAULT_MAX_DROP, metavar="P",
+                        help="allowed drop of the student's score, in points, beyond the "
+                        f"95%% half-width (default {DEFAULT_MAX_DROP})")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_gap_increase < 0 or args.max_drop < 0:
+        raise Edge0Error("--max-gap-increase and --max-drop must be >= 0")
+    current, baseline = load_report(args.report), load_report(args.baseline)
+    checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop)
+    print(format_table(checks))
+    failed = [c.benchmark for c in checks if c.result == "FAIL"]
+    if failed:
+        print(f"gate: FAIL ({len(failed)} of {len(baseline['benchmarks'])}: {', '.join(failed)})")
+        return 1
+    print(f"gate: pass ({len(checks)} benchmarks; max gap increase {args.max_gap_increase}, "
+          f"max drop {args.max_drop}, each plus the 95% half-width)")
+    return 0
+
+
+def load_report(path: str) -> dict:
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise Edge0Error(f"{path}: cannot read ({exc})") from exc
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        raise Edge0Error(f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
+                         f"make one with `edge0-eval report`)")
+    return report
+
+
+@dataclass
+class Check:
+    benchmark: str
+    result: str = "pass"            # pass | FAIL | new (in the report only; not gated)
+    reasons: list[str] = field(default_factory=list)
+    items: tuple = (None, None)     # (baseline, current)
+    gap: tuple = (None, None)
+    student: tuple = (None, None)
+    gap_increase: float | None = None
+    drop: float | None = None
+    half_width: float | None = None
+
+    def fail(self, reason: str) -> None:
+        self.result = "FAIL"
+        self.reasons.append(reason)
+
+
+def _arm_problems(row: dict) -> str:
+    """Which arms are not ok, e.g. 'student failed', for a row whose status is not ok."""
+    bad = [f"{arm} {a['status']}" for arm, a in row.get("arms", {}).items()
+           if arm in ("teacher", "student") and a["status"] != "ok"]
+    return f"{row['status']}" + (f" ({', '.join(bad)})" if bad else "")
+
+
+def evaluate(current: dict, baseline: dict, max_gap_increase: float,
+             max_drop: float) -> list[Check]:
+    rows = {r["benchmark"]: r for r in current["benchmarks"]}
+    checks = []
+    for base in baseline["benchmarks"]:
+        check = Check(base["benchmark"])
+        checks.append(check)
+        cur = rows.get(base["benchmark"])
+        if cur is None:
+            check.fail("missing from the report")
+            continue
+        check.items = (base["items"], cur["items"])
+        check.gap = (base["gap"], cur["gap"])
+        check.student = (base["student"], cur["student"])
+        if base["status"] != "ok":
+            check.fail(f"baseline not comparable: {_arm_problems(base)}")
+        if cur["status"] != "ok":
+            check.fail(_arm_problems(cur))
+        if check.result == "FAIL":
+            continue
+        if cur["items"] != base["items"]:
+            check.fail(f"{cur['items']} items, baseline {base['items']}")
+        if base["version"] and cur["version"] and base["version"] != cur["version"]:
+            check.fail(f"prompt version {cur['version']}, baseline {base['version']}")
+        # No interval (a single item) means no allowance for noise.
+        hw = cur["delta_half_width"] or 0.0
+        check.half_width = hw
+        check.gap_increase = cur["gap"] - base["gap"]
+        check.drop = base["student"] - cur["student"]
+        if check.gap_increase > max_gap_increase + hw:
+            check.fail(f"gap widened {check.gap_increase:+.2f} > {max_gap_increase:g} + {hw:.2f}")
+        if check.drop > max_drop + hw:
+            check.fail(f"student dropped {check.drop:.2f} > {max_drop:g} + {hw:.2f}")
+    known = {c.benchmark for c in checks}
+    for name, row in rows.items():
+        if name not in known:
+            checks.append(Check(name, "new", ["not in the baseline; not gated"],
+                                (None, row["items"]), (None, row["gap"]),
+                                (None, row["student"])))
+    return checks
+
+
+def _f(value, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.2f}" if signed else f"{value:.2f}"
+
+
+def format_table(checks: list[Check]) -> str:
+    header = ["benchmark", "items", "gap base", "gap now", "gap +", "student base",
+              "student now", "drop", "+-hw", "result", "why"]
+    rows = [[c.benchmark,
+             f"{c.items[0] if c.items[0] is not None else '-'}->"
+             f"{c.items[1] if c.items[1] is not None else '-'}",
+             _f(c.gap[0]), _f(c.gap[1]), _f(c.gap_increase, True), _f(c.student[0]),
+             _f(c.student[1]), _f(c.drop, True), _f(c.half_width), c.result,
+             "; ".join(c.reasons)] for c in checks]
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()
+             for r in [header] + rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,394 @@
+"""Read OpenCompass 0.5.4 output trees: per-item correctness, prompt versions, engine stats.
+
+A run folder (`outputs/<name>/<timestamp>/`) holds
+  results/<model>/<dataset>.json        metrics + per-item `details`
+  predictions/<model>/<dataset>.json    or shards <dataset>_0.json, _1.json, ...
+  summary/summary_<ts>.csv              dataset,version,metric,mode,<model>...  ('-' = failed)
+  configs/<ts>_<pid>.py                 the dumped config (dataset prompt configs)
+
+The datasets a run was meant to score come from the dumped config (else the summary rows and
+the files present); every model is checked on each, because OpenCompass exits 0 even when tasks
+fail: a missing or erroring results file is a failed task, never a skip. Prompt versions come
+from the summary's `version` column, else from the config via OpenCompass's get_prompt_hash.
+Engine stats: an "engine_stats" dict on each prediction, else predictions/<model>/<dataset>
+[_<shard>].engine_stats.json (a list of such dicts).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge0_eval.errors import Edge0Error
+
+# Per-item scores are in [0, 1]; reported metrics are percentages. Their mean must reproduce
+# the reported metric to this many points, else the details are not what the metric counted.
+METRIC_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    prefixes: tuple[str, ...]          # dataset abbr prefixes (case-insensitive)
+    metric: str | None                 # results-file metric; None: pick like the summarizer
+    item_key: str | None = None        # detail key holding per-item correctness; None: generic
+    pooled: bool = False               # several datasets (categories) pooled per question
+    extra: tuple[tuple[str, str], ...] = ()   # (metric, detail key) reported alongside
+
+
+# The five paper benchmarks. IFBench's headline is prompt-level strict accuracy (what its
+# `is_correct` holds); loose is reported too. MMLU-Pro is 14 category datasets, pooled per
+# question (the official figure), not the summarizer's mean of categories.
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark("AIME 2026", ("aime2026",), "accuracy"),
+    Benchmark("HumanEval", ("openai_humaneval", "humaneval"), "humaneval_pass@1"),
+    Benchmark("GPQA-Diamond", ("gpqa_diamond",), "accuracy"),
+    Benchmark("MMLU-Pro", ("mmlu_pro_",), "accuracy", pooled=True),
+    Benchmark("IFBench", ("ifbench",), "Prompt-level-strict-accuracy", "is_strict_correct",
+              extra=(("Prompt-level-loose-accuracy", "is_loose_correct"),)),
+)
+BENCHMARK_ORDER = [b.name for b in BENCHMARKS]
+# Summary group rows of configs/datasets/edge0_bundle.py: averages, not datasets.
+SUMMARY_GROUPS = {"mmlu_pro", "mmlu_pro_per_question"}
+
+# The summarizer's metric preference (opencompass.summarizers.default.METRIC_WHITELIST).
+_METRIC_PREFERENCE = ['score', 'auc_score', 'accuracy', 'humaneval_pass@1', 'rouge1',
+                      'avg_toxicity_score', 'bleurt_diff', 'matthews_correlation', 'truth', 'f1',
+                      'exact_match', 'extract_rate']
+_METRIC_IGNORED = {'bp', 'sys_len', 'ref_len', 'type'}
+
+
+def benchmark_for(dataset: str) -> Benchmark:
+    """The benchmark a dataset abbr belongs to; an unknown dataset is its own benchmark."""
+    low = dataset.lower()
+    for bench in BENCHMARKS:
+        if any(low.startswith(p) for p in bench.prefixes):
+            return bench
+    return Benchmark(dataset, (dataset,), None)
+
+
+# --------------------------------------------------------------------------- run folders
+
+@dataclass
+class Run:
+    path: Path
+    models: list[str]
+    datasets: list[str]
+    versions: dict[str, str]                  # dataset -> prompt version (6 hex chars)
+    summary_failed: set[tuple[str, str]]      # (model, dataset) cells shown as '-'
+    notes: list[str] = field(default_factory=list)
+
+
+def _is_run_dir(path: Path) -> bool:
+    return any((path / sub).is_dir() for sub in ("results", "predictions", "summary", "configs"))
+
+
+def expand_outputs(paths: list[str]) -> list[Path]:
+    """Run folders for the given paths; a work_dir stands for its latest run (as `-r` does)."""
+    runs = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise Edge0Error(f"{path}: not a directory (pass an OpenCompass output folder)")
+        if _is_run_dir(path):
+            runs.append(path)
+            continue
+        children = sorted(c for c in path.iterdir() if c.is_dir() and _is_run_dir(c))
+        if not children:
+            raise Edge0Error(f"{path}: no OpenCompass output here (expected results/ and "
+                             f"summary/, or timestamped folders holding them)")
+        runs.append(children[-1])
+    return runs
+
+
+def _latest(folder: Path, pattern: str) -> Path | None:
+    # OpenCompass names these by timestamp (YYYYmmdd_HHMMSS), so name order is time order.
+    files = sorted(folder.glob(pattern)) if folder.is_dir() else []
+    return files[-1] if files else None
+
+
+def _dataset_from_filename(name: str, siblings: set[str]) -> str | None:
+    """Dataset abbr for a results/predictions file name, or None for files that are not one."""
+    if not name.endswith(".json") or name.startswith("tmp_") or "_llm_judge" in name:
+        return None
+    stem = name[:-len(".json")]
+    if stem.endswith(".engine_stats"):
+        stem = stem[:-len(".engine_stats")]
+    shard = re.fullmatch(r"(.+)_(\d+)", stem)
+    # `X_3.json` is a shard of X only when X is sharded (X_0.json exists, X.json does not);
+    # otherwise `_3` is part of the abbr (e.g. GPQA_diamond_repeat_4).
+    if shard and f"{shard[1]}_0.json" in siblings and f"{shard[1]}.json" not in siblings:
+        return shard[1]
+    return stem
+
+
+def _read_summary(path: Path) -> tuple[list[str], dict[str, str], set[tuple[str, str]], list[str]]:
+    """(models, dataset -> version, failed cells, datasets) from a summary csv."""
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    if not rows or rows[0][:4] != ["dataset", "version", "metric", "mode"]:
+        raise Edge0Error(f"{path}: not an OpenCompass summary (header must start with "
+                         f"dataset,version,metric,mode)")
+    models = rows[0][4:]
+    versions, failed, datasets = {}, set(), []
+    for row in rows[1:]:
+        if len(row) < 4:
+            continue
+        dataset, version, metric = row[0], row[1], row[2]
+        # Group rows (e.g. `mmlu_pro` averages) have a metric but no version; a dataset whose
+        # every task failed has neither. Only the latter is a dataset of this run.
+        if version == "-" and metric != "-":
+            continue
+        if dataset not in datasets:
+            datasets.append(dataset)
+        if version != "-":
+            versions[dataset] = version
+        for model, cell in zip(models, row[4:]):
+            if cell.strip() == "-":
+                failed.add((model, dataset))
+    return models, versions, failed, datasets
+
+
+def _read_config(path: Path) -> tuple[list[str], list]:
+    """(model abbrs, dataset configs) from the dumped config."""
+    from mmengine.config import Config   # comes with opencompass; only needed here
+
+    cfg = Config.fromfile(str(path), format_python_code=False)
+    return [m["abbr"] for m in cfg.get("models", []) if "abbr" in m], list(cfg.get("datasets", []))
+
+
+def _dataset_abbr(cfg) -> str:   # opencompass.utils.abbr.dataset_abbr_from_cfg
+    if "abbr" in cfg:
+        return cfg["abbr"]
+    return (cfg["path"] + ("_" + cfg["name"] if "name" in cfg else "")).replace("/", "_")
+
+
+def _prompt_versions(dataset_cfgs: list) -> dict[str, str]:
+    """The summary's `version` column, computed with OpenCompass's own get_prompt_hash."""
+    from opencompass.utils.prompt import get_prompt_hash   # slow import: only when needed
+
+    # get_prompt_hash edits its argument; the summary shows the first 6 hex digits.
+    return {_dataset_abbr(d): get_prompt_hash(copy.deepcopy(d))[:6] for d in dataset_cfgs}
+
+
+def load_run(path: Path) -> Run:
+    models: list[str] = []
+    versions: dict[str, str] = {}
+    failed: set[tuple[str, str]] = set()
+    notes: list[str] = []
+    summary_datasets: list[str] = []
+    config_datasets: list | None = None
+
+    def add(seq, items):
+        seq.extend(i for i in items if i not in seq)
+
+    summary = _latest(path / "summary", "summary_*.csv")
+    if summary:
+        s_models, versions, failed, summary_datasets = _read_summary(summary)
+        add(models, s_models)
+
+    # The dumped config says which datasets the run was meant to score (the summary may list
+    # only some, e.g. with summarizer dataset_abbrs) and hashes prompts the summary lacks.
+    config = _latest(path / "configs", "*.py")
+    if config:
+        try:
+            c_models, config_datasets = _read_config(config)
+            add(models, c_models)
+            unversioned = [d for d in config_datasets if _dataset_abbr(d) not in versions]
+            if unversioned:
+                versions.update(_prompt_versions(unversioned))
+        except Exception as exc:  # a fallback: say why, and go on with what there is
+            notes.append(f"{config}: cannot read datasets or prompt versions "
+                         f"({type(exc).__name__}: {exc})")
+
+    file_datasets: list[str] = []
+    for sub in ("results", "predictions"):
+        if not (path / sub).is_dir():
+            continue
+        for mdir in sorted(p for p in (path / sub).iterdir() if p.is_dir()):
+            add(models, [mdir.name])
+            names = {f.name for f in mdir.iterdir()}
+            found = (_dataset_from_filename(n, names) for n in sorted(names))
+            add(file_datasets, [d for d in found if d])
+    if config_datasets is not None:
+        datasets = [_dataset_abbr(d) for d in config_datasets]
+    else:
+        # Without the config: the summary's dataset rows (a row of only '-' is a dataset whose
+        # every task failed, unless it is one of our summary groups) plus any result files.
+        datasets = [d for d in summary_datasets if d not in SUMMARY_GROUPS]
+        add(datasets, file_datasets)
+    if not models:
+        raise Edge0Error(f"{path}: no models found (no summary csv, config or results folders)")
+    return Run(path, models, datasets, versions, failed, notes)
+
+
+# --------------------------------------------------------------------------- per-item scores
+
+@dataclass
+class DatasetResult:
+    """One model on one dataset."""
+    model: str
+    dataset: str
+    status: str                       # ok | failed | no_details | inconsistent
+    metric: str | None = None
+    reported: float | None = None     # metric from the results file, full precision
+    scores: dict[str, float] = field(default_factory=dict)   # item id -> [0, 1]
+    extra: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> item -> [0,1]
+    version: str | None = None
+    engine: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _replicas(value) -> list:
+    # OpenCompass 0.5.4 regroups details per example and lists each key over the n replicas;
+    # older trees (and format_details) hold plain values.
+    return value if isinstance(value, list) else [value]
+
+
+def _mean_bool(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values)
+
+
+def item_correctness(detail: dict, key: str | None = None) -> float | None:
+    """Per-item correctness in [0, 1] from one `details` entry, whatever evaluator wrote it."""
+    if key is not None:
+        return _mean_bool(_replicas(detail[key])) if key in detail else None
+    # CascadeEvaluator: cascade_correct when the LLM judge ran, else the rule verdict.
+    # HumanEval/IFBench/AccwithDetails: is_correct. GPQA/MATHVerify/PPL: correct.
+    for k in ("cascade_correct", "is_correct", "correct"):
+        if k in detail:
+            return _mean_bool(_replicas(detail[k]))
+    if "rule_evaluation" in detail:
+        return _mean_bool(r.get("correct", False) for r in _replicas(detail["rule_evaluation"]))
+    # AccEvaluator gives no details; OpenCompass's format_details then stores the processed
+    # prediction and reference as strings, and AccEvaluator's verdict is their equality.
+    if "predictions" in detail and "references" in detail:
+        return float(str(detail["predictions"]) == str(detail["references"]))
+    return None
+
+
+def _detail_items(details) -> list[tuple[str, dict]]:
+    """(item id, detail) pairs; the id is the example index within the dataset."""
+    if isinstance(details, dict):   # format_details: {"type": "GEN", "0": {...}, ...}
+        pairs = [(k, v) for k, v in details.items() if k != "type" and isinstance(v, dict)]
+        return sorted(pairs, key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])
+    out = []
+    for pos, detail in enumerate(details):
+        m = re.search(r"_(\d+)$", str(detail.get("example_abbr", "")))
+        out.append((m[1] if m else str(pos), detail))
+    return out
+
+
+def _pick_metric(result: dict, wanted: str | None) -> str | None:
+    numeric = [k for k, v in result.items() if k not in _METRIC_IGNORED
+               and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if wanted is not None:
+        # n > 1 replicas rename the metric to "<metric> (n runs average)".
+        for k in numeric:
+            if k == wanted or k.startswith(wanted + " ("):
+                return k
+        return None
+    base = lambda k: k.split(" (")[0]  # noqa: E731
+    numeric.sort(key=lambda k: _METRIC_PREFERENCE.index(base(k))
+                 if base(k) in _METRIC_PREFERENCE else len(_METRIC_PREFERENCE))
+    return numeric[0] if numeric else None
+
+
+def _load_predictions(pred_dir: Path, dataset: str) -> list[dict] | None:
+    """Prediction items in order, from <dataset>.json or its shards _0, _1, ... (as OpenCompass)."""
+    files = [pred_dir / f"{dataset}.json"]
+    if not files[0].exists():
+        files = []
+        while (pred_dir / f"{dataset}_{len(files)}.json").exists():
+            files.append(pred_dir / f"{dataset}_{len(files)}.json")
+    if not files:
+        return None
+    preds = []
+    for f in files:
+        data = json.loads(f.read_text(encoding="utf-8"))
+        preds.extend(data[str(k)] for k in range(len(data)))
+    return preds
+
+
+def _engine_samples(pred_dir: Path, dataset: str, preds: list[dict] | None) -> list[dict]:
+    # Prefer stats stored on each prediction; the side file is the fallback (both may hold
+    # the same samples, so they are never added together).
+    samples = [p["engine_stats"] for p in preds or [] if isinstance(p.get("engine_stats"), dict)]
+    if samples:
+        return samples
+    for side in [pred_dir / f"{dataset}.engine_stats.json",
+                 *sorted(pred_dir.glob(f"{_glob_escape(dataset)}_[0-9]*.engine_stats.json"))]:
+        if side.exists():
+            data = json.loads(side.read_text(encoding="utf-8"))
+            samples.extend(s for s in data if isinstance(s, dict))
+    return samples
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) -> DatasetResult:
+    res = DatasetResult(model, dataset, "failed", version=run.versions.get(dataset))
+    pred_dir = run.path / "predictions" / model
+    preds = _load_predictions(pred_dir, dataset) if pred_dir.is_dir() else None
+    res.engine = _engine_samples(pred_dir, dataset, preds) if pred_dir.is_dir() else []
+
+    path = run.path / "results" / model / f"{dataset}.json"
+    if (model, dataset) in run.summary_failed:
+        res.notes.append("summary shows '-'")
+    if not path.exists():
+        res.notes.append(f"no results file {path}")
+        return res
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        res.notes.append(f"{path}: unreadable ({exc})")
+        return res
+    if "error" in result:
+        res.notes.append(f"{path}: error: {result['error']}")
+        return res
+    res.metric = _pick_metric(result, bench.metric)
+    if res.metric is None:
+        res.notes.append(f"{path}: no metric {bench.metric or '(numeric)'}")
+        return res
+    res.reported = float(result[res.metric])
+
+    details = result.get("details")
+    if not details:
+        res.status = "no_details"
+        res.notes.append(f"{path}: no per-item details (run OpenCompass with "
+                         f"--dump-eval-details, its default)")
+        return res
+    replicas = 1
+    for item_id, detail in _detail_items(details):
+        score = item_correctness(detail, bench.item_key)
+        if score is None:
+            res.status = "no_details"
+            res.notes.append(f"{path}: item {item_id} has no correctness field")
+            return res
+        res.scores[item_id] = score
+        for metric, key in bench.extra:
+            extra = item_correctness(detail, key)
+            if extra is not None:
+                res.extra.setdefault(metric, {})[item_id] = extra
+        if "example_abbr" in detail:  # regrouped: every other key lists the n replicas
+            replicas = max(replicas, max((len(v) for v in detail.values()
+                                          if isinstance(v, list)), default=1))
+
+    res.status = "ok"
+    mean = 100.0 * sum(res.scores.values()) / len(res.scores)
+    if abs(mean - res.reported) > METRIC_TOLERANCE:
+        res.status = "inconsistent"
+        res.notes.append(f"{path}: per-item mean {mean!r} does not reproduce "
+                         f"{res.metric} {res.reported!r}")
+    if preds is not None and len(preds) != len(res.scores) * replicas:
+        res.status = "inconsistent"
+        res.notes.append(f"{path}: {len(res.scores)} scored items x {replicas} replicas but "
+                         f"{len(preds)} predictions")
+    return res

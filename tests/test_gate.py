@@ -1,0 +1,160 @@
+"""`edge0-eval gate` outcomes on reports built from hand-made OpenCompass trees."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from edge0_eval.cli import main
+from edge0_eval.gate import evaluate
+from oc_tree import OCRun
+
+T, S = "qwen-teacher-fp16", "edge0-student"
+Z = 1.96
+
+# GPQA-Diamond with 100 items so the interval is narrow enough to matter. The teacher gets
+# items 0..79 right; the student gets the same items right except the first `lost` of them.
+# With k items lost the paired diffs are -100 (k times) and 0 (100 - k times): mean -k.
+
+
+def half_width(k: int) -> float:
+    var = (k * (100 - k) ** 2 + (100 - k) * k ** 2) / 99    # sum of squared deviations / (n-1)
+    return Z * math.sqrt(var / 100)
+
+
+def build(root: Path, lost: int, *, aime_failed=False, drop_ifbench=False, he_items=5,
+          gpqa_prompt="{question}") -> Path:
+    run = OCRun(root)
+    teacher = [1] * 80 + [0] * 20
+    student = [0] * lost + [1] * (80 - lost) + [0] * 20
+    run.add(T, "GPQA_diamond", teacher, prompt=gpqa_prompt)
+    run.add(S, "GPQA_diamond", student, prompt=gpqa_prompt)
+    run.add(T, "aime2026", [1, 1, 0, 0])
+    run.add(S, "aime2026", [1, 0, 0, 0], failed="missing" if aime_failed else None)
+    run.add(T, "openai_humaneval", [1] * he_items)
+    run.add(S, "openai_humaneval", [1] * (he_items - 1) + [0])
+    if not drop_ifbench:
+        run.add(T, "IFBench", [1, 1, 0, 0], loose=[1, 1, 1, 0])
+        run.add(S, "IFBench", [1, 0, 0, 0], loose=[1, 1, 0, 0])
+    return run.finish()
+
+
+def report(tmp_path: Path, name: str, **kw) -> Path:
+    run_dir = build(tmp_path / name, **kw)
+    out = tmp_path / f"{name}_report"
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0
+    return out / "report.json"
+
+
+def gate(current: Path, baseline: Path, *extra) -> int:
+    return main(["gate", str(current), "--baseline", str(baseline), *extra])
+
+
+@pytest.fixture
+def baseline(tmp_path):
+    return report(tmp_path, "base", lost=2)   # student gap 2 points on GPQA
+
+
+def test_identical_report_passes(tmp_path, baseline, capsys):
+    assert gate(report(tmp_path, "same", lost=2), baseline) == 0
+    out = capsys.readouterr().out
+    assert "gate: pass" in out
+    for name in ("AIME 2026", "HumanEval", "GPQA-Diamond", "IFBench"):
+        assert name in out
+
+
+def test_noise_within_interval_passes(tmp_path, baseline, capsys):
+    # 7 lost: gap 7, widened by 5 > 2.0, but the interval half-width 5.03 absorbs it
+    assert 5 > 2.0 and 5 <= 2.0 + half_width(7)
+    assert gate(report(tmp_path, "noise", lost=7), baseline) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("GPQA"))
+    assert "+5.00" in line and f"{half_width(7):.2f}" in line and "pass" in line
+
+
+def test_crafted_regression_fails(tmp_path, baseline, capsys):
+    # 15 lost: gap widened by 13 and student dropped 13, both > 2.0 + 7.03
+    assert 13 > 2.0 + half_width(15)
+    assert gate(report(tmp_path, "regress", lost=15), baseline) == 1
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("GPQA"))
+    assert "FAIL" in line
+    assert f"gap widened +13.00 > 2 + {half_width(15):.2f}" in line
+    assert f"student dropped 13.00 > 2 + {half_width(15):.2f}" in line
+    assert "gate: FAIL (1 of 4: GPQA-Diamond)" in out
+    # a looser threshold lets the same report through
+    assert gate(tmp_path / "regress_report" / "report.json", baseline,
+                "--max-gap-increase", "6", "--max-drop", "6") == 0
+
+
+def test_failed_task_fails(tmp_path, baseline, capsys):
+    assert gate(report(tmp_path, "failed", lost=2, aime_failed=True), baseline) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("AIME"))
+    assert "FAIL" in line and "failed (student failed)" in line
+
+
+def test_missing_benchmark_fails(tmp_path, baseline, capsys):
+    assert gate(report(tmp_path, "missing", lost=2, drop_ifbench=True), baseline) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("IFBench"))
+    assert "FAIL" in line and "missing from the report" in line
+
+
+def test_item_count_change_fails(tmp_path, baseline, capsys):
+    # one more HumanEval item; the gap is the same-ish but the benchmark is not the same
+    assert gate(report(tmp_path, "items", lost=2, he_items=6), baseline) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval"))
+    assert "FAIL" in line and "6 items, baseline 5" in line
+
+
+def test_prompt_version_change_fails(tmp_path, baseline, capsys):
+    assert gate(report(tmp_path, "prompt", lost=2, gpqa_prompt="Q: {question}"), baseline) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("GPQA"))
+    assert "FAIL" in line and "prompt version" in line
+
+
+def test_missing_arm_fails(tmp_path, baseline, capsys):
+    cur = json.loads(baseline.read_text())
+    row = next(r for r in cur["benchmarks"] if r["benchmark"] == "HumanEval")
+    row["status"] = "missing_arm"
+    row["arms"]["student"]["status"] = "missing"
+    path = tmp_path / "cur.json"
+    path.write_text(json.dumps(cur))
+    assert gate(path, baseline) == 1
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval"))
+    assert "missing_arm (student missing)" in line
+
+
+def _row(name, teacher, student, hw, items=100, status="ok", version="abcdef"):
+    return {"benchmark": name, "status": status, "items": items, "version": version,
+            "teacher": teacher, "student": student, "gap": teacher - student,
+            "delta_half_width": hw, "arms": {}}
+
+
+def test_thresholds_exactly():
+    base = {"benchmarks": [_row("A", 80.0, 78.0, 3.0), _row("B", 80.0, 78.0, 3.0)]}
+    # A: gap +5.0 == 2.0 + 3.0 (not beyond) -> pass; B: gap +5.5 > 5.0 -> FAIL
+    cur = {"benchmarks": [_row("A", 80.0, 73.0, 3.0), _row("B", 80.5, 73.0, 3.0),
+                          _row("C", 50.0, 50.0, 1.0)]}
+    checks = {c.benchmark: c for c in evaluate(cur, base, 2.0, 10.0)}
+    assert checks["A"].result == "pass" and checks["A"].gap_increase == pytest.approx(5.0)
+    assert checks["B"].result == "FAIL" and checks["B"].gap_increase == pytest.approx(5.5)
+    assert checks["B"].drop == pytest.approx(5.0)   # within max_drop 10 + 3
+    assert checks["C"].result == "new"          # not in the baseline: shown, not gated
+    # the student drop alone fails, even when the teacher dropped too (gap unchanged)
+    cur = {"benchmarks": [_row("A", 70.0, 68.0, 1.0), _row("B", 80.0, 78.0, 1.0)]}
+    checks = {c.benchmark: c for c in evaluate(cur, base, 2.0, 2.0)}
+    assert checks["A"].result == "FAIL" and checks["A"].reasons == [
+        "student dropped 10.00 > 2 + 1.00"]
+    assert checks["B"].result == "pass"
+    # a baseline row that was not ok cannot vouch for anything
+    bad_base = {"benchmarks": [_row("A", 80.0, 78.0, 3.0, status="failed")]}
+    assert evaluate(cur, bad_base, 2.0, 2.0)[0].result == "FAIL"
+
+
+def test_gate_rejects_non_report(tmp_path, baseline, capsys):
+    other = tmp_path / "x.json"
+    other.write_text(json.dumps({"arms": {}}))
+    assert gate(other, baseline) == 2
+    assert "not an edge0-eval report" in capsys.readouterr().err
