@@ -1,0 +1,339 @@
+"""`edge0-eval make-synthetic OUT --shape 35b|8b`: random weights at a real tier's shape.
+
+The checkpoint is written directly in the converted streaming layout (resident.safetensors,
+experts.bin + experts.index.json, config.json, tokenizer), int4 group 64 with the 8-bit router
+overrides that mlx-lm's `quant_predicate` produces, so engine speed and memory can be measured at
+full size without the real weights.
+
+Weights are generated already quantized with numpy (random packed codes, fp16 scales around
+1/(8*sqrt(in)), biases = -2**(bits-1) * scales so dequantized weights are centred with a std of
+about 0.58/sqrt(in), which keeps activations O(1)). Names, shapes and the quantization config come
+from mlx-lm's own model class, built lazily and quantized with `quantize_model`, so mlx-lm loads
+the result strictly. Experts are generated and written one layer at a time; every tensor has its
+own seeded generator, so a seed always gives the same bytes and `--layers N` gives the same first
+N layers as the full model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from edge0_eval.convert import (
+    BundleWriter, Plan, build_lazy_model, check_free_space, check_out_empty, finish_out,
+    lazy_quantize, new_index, prepare_out, quantized_modules, switch_layers,
+)
+from edge0_eval.errors import ConfigError
+from edge0_eval.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
+
+BITS = 4
+GROUP_SIZE = 64
+TOKENIZER_VOCAB = 512   # the tokenizer is small; the model's embedding has the real vocab
+
+# Qwen3.5/3.6-35B-A3B text tower (mlx-lm `qwen3_5_moe`, parameters under text_config).
+QWEN35_35B_TEXT = {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "full_attention_interval": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                        "mrope_interleaved": True},
+}
+
+# Ling 3.0 tiny (mlx-lm `bailing_hybrid`). Tier facts: hidden 1536, 24 layers, 128 experts, top-8,
+# sigmoid routing with expert bias, 8 groups keep 4, scaling 2.5, one shared expert, layer 0
+# dense. The rest is assumed (Ling 2.x conventions): 12 heads of 128, MLA every 8th layer with
+# kv_lora_rank 512 / rope 64 / nope 128 / v 128 and no q LoRA, expert width 512 (gives ~8B),
+# dense width 3840 (2.5 x hidden, as Ling-mini-2.0), vocab 157184.
+LING_8B = {
+    "model_type": "bailing_hybrid",
+    "hidden_size": 1536,
+    "intermediate_size": 3840,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 1,
+    "layer_group_size": 8,
+    "group_norm_size": 4,
+    "vocab_size": 157184,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 600000.0,
+    "max_position_embeddings": 32768,
+    "routed_scaling_factor": 2.5,
+    "head_dim": 128,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "q_lora_rank": None,
+    "partial_rotary_factor": 0.5,
+    "rope_interleave": True,
+    "score_function": "sigmoid",
+    "norm_topk_prob": True,
+    "moe_router_enable_expert_bias": True,
+    "use_qk_norm": True,
+    "use_bias": False,
+    "use_qkv_bias": False,
+    "tie_word_embeddings": False,
+}
+
+SHAPES = ("35b", "8b")
+
+
+def shape_config(shape: str, layers: int | None = None, overrides: dict | None = None) -> dict:
+    """The (unquantized) mlx-lm config.json for a tier; `overrides` patch the text parameters."""
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown --shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    text = copy.deepcopy(QWEN35_35B_TEXT if shape == "35b" else LING_8B)
+    text.update(overrides or {})
+    if layers is not None:
+        text["num_hidden_layers"] = layers
+    _validate(shape, text)
+    if shape == "35b":
+        return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
+    return text
+
+
+def _validate(shape: str, text: dict) -> None:
+    layers, experts, top_k = text["num_hidden_layers"], text["num_experts"], text["num_experts_per_tok"]
+    min_layers = 2 if shape == "8b" else 1     # Ling's layer 0 is dense
+    if layers < min_layers:
+        raise ConfigError(f"--layers must be at least {min_layers} for --shape {shape}")
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"--experts {experts} must be at least top-k {top_k}")
+    if shape == "8b":
+        groups, keep = text["n_group"], text["topk_group"]
+        if experts % groups or experts // groups < 2 or top_k > keep * experts // groups:
+            raise ConfigError(f"--experts {experts} does not fit {groups}-group routing keeping "
+                              f"{keep} groups with top-{top_k} (needs a multiple of {groups}, "
+                              f"at least {2 * groups})")
+
+
+# -- random quantized tensors ------------------------------------------------------------------
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """One generator per tensor: the bytes do not depend on generation order or layer count."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def random_quantized(rng, rows: tuple[int, ...], in_dim: int, bits: int = BITS,
+                     group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Packed affine codes + fp16 scales/biases of a `rows x in_dim` weight (mx.quantize layout)."""
+    weight = rng.integers(0, 2**32, size=(*rows, in_dim * bits // 32), dtype=np.uint32)
+    base = 2.0 / (2**bits * np.sqrt(in_dim))    # 4 bits: 1 / (8 sqrt(in))
+    scales = (base * rng.uniform(0.8, 1.2, size=(*rows, in_dim // group_size))).astype(np.float16)
+    biases = (scales * -(2 ** (bits - 1))).astype(np.float16)   # centres the codes on zero
+    return weight, scales, biases
+
+
+# Parameters the families' cast_predicate keeps in float32; everything else is float16.
+_FLOAT32_PARAMS = ("A_log", "expert_bias")
+
+
+def _random_dense(rng, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An unquantized parameter, initialised the way a trained model roughly looks."""
+    if name.endswith("A_log"):                   # GatedDeltaNet decay, as mlx-lm initialises it
+        return np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
+    if name.endswith("expert_bias"):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    if len(shape) == 1:                          # norms and dt_bias
+        return np.ones(shape, dtype=np.float16)
+    fan_in = int(np.prod(shape[1:])) if name.endswith("conv1d.weight") else shape[-1]
+    return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float16)
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+def _resident_nbytes(qmodel, expert_prefixes: tuple[str, ...]) -> int:
+    """Size of resident.safetensors' data, by the same dtype rules as `_resident`."""
+    from mlx.utils import tree_flatten
+
+    qmods, total = quantized_modules(qmodel), 0
+    for name, value in tree_flatten(qmodel.parameters()):
+        if name.startswith(expert_prefixes):
+            continue
+        module, _, leaf = name.rpartition(".")
+        wide = leaf == "weight" if module in qmods else name.endswith(_FLOAT32_PARAMS)
+        total += value.size * (4 if wide else 2)
+    return total
+
+
+def _resident(qmodel, expert_prefixes: tuple[str, ...], seed: int) -> dict:
+    """Every non-expert parameter of the quantized model, as MLX arrays."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    qmods = quantized_modules(qmodel)
+    out = {}
+    for name, value in tree_flatten(qmodel.parameters()):
+        if name.startswith(expert_prefixes):
+            continue
+        module, _, leaf = name.rpartition(".")
+        if module in qmods:
+            if leaf == "weight":
+                group, bits, _ = qmods[module]
+                in_dim = value.shape[-1] * 32 // bits
+                parts = random_quantized(_rng(seed, name), tuple(value.shape[:-1]), in_dim,
+                                         bits, group)
+                for part, arr in zip(("weight", "scales", "biases"), parts):
+                    out[f"{module}.{part}"] = mx.array(arr)
+            continue
+        out[name] = mx.array(_random_dense(_rng(seed, name), name, tuple(value.shape)))
+    return out
+
+
+def _expert_specs(switch) -> dict[str, tuple[list[int], str]]:
+    specs = {}
+    for proj, (out_dim, in_dim) in switch.dims.items():
+        specs[f"{proj}.weight"] = ([out_dim, in_dim * BITS // 32], "uint32")
+        specs[f"{proj}.scales"] = ([out_dim, in_dim // GROUP_SIZE], "float16")
+        specs[f"{proj}.biases"] = ([out_dim, in_dim // GROUP_SIZE], "float16")
+    return specs
+
+
+def _layer_experts(switch, seed: int):
+    """expert e -> its random bundle tensors; generated on demand, nothing kept."""
+    def arrays(e: int) -> dict[str, np.ndarray]:
+        rng = _rng(seed, f"{switch.path}.expert{e}")
+        out = {}
+        for proj, (out_dim, in_dim) in switch.dims.items():
+            parts = random_quantized(rng, (out_dim,), in_dim)
+            out.update({f"{proj}.{p}": a for p, a in zip(("weight", "scales", "biases"), parts)})
+        return out
+    return arrays
+
+
+def _write_tokenizer(directory: Path, config: dict) -> None:
+    from tokenizers import Tokenizer
+
+    from edge0_eval.tokenizer_build import build_tokenizer
+
+    build_tokenizer(directory, vocab_size=TOKENIZER_VOCAB)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    # transformers reads these from config.json; without them it falls back to defaults.
+    for section in (config, config.get("text_config", {})):
+        section["eos_token_id"], section["pad_token_id"], section["bos_token_id"] = eos, pad, None
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+
+
+def _prepare(shape: str, layers: int | None, overrides: dict | None):
+    """Config, quantized lazy model and expert plan for a tier (nothing evaluated)."""
+    config = shape_config(shape, layers, overrides)
+    switches = switch_layers(model := build_lazy_model(config))
+    qmodel, qconfig = lazy_quantize(model, config, GROUP_SIZE, BITS)
+    plan = Plan(config=qconfig, copy_config=False, switches=switches, bits=BITS,
+                group_size=GROUP_SIZE, specs=_expert_specs(next(iter(switches.values()))),
+                resident_names=[], quantize_resident={})
+    return qmodel, plan
+
+
+def estimate_bytes(shape: str, layers: int | None = None,
+                   overrides: dict | None = None) -> dict[str, int]:
+    """{"experts": experts.bin size, "resident": resident tensor bytes} for a tier."""
+    qmodel, plan = _prepare(shape, layers, overrides)
+    prefixes = tuple(s.path + "." for s in plan.switches.values())
+    return {"experts": new_index(plan, "").file_size,
+            "resident": _resident_nbytes(qmodel, prefixes)}
+
+
+def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = None,
+                    seed: int = 0, overrides: dict | None = None, progress: bool = True) -> Path:
+    """Write a random-weight checkpoint of tier `shape` in the streaming layout. Returns `out`.
+
+    `overrides` patch the text config (tests use e.g. {"num_experts": 8, "vocab_size": 1024}).
+    """
+    check_out_empty(out)         # before the slow mlx-lm import
+    import mlx.core as mx
+    from mlx_lm.utils import save_config
+    from tqdm import tqdm
+
+    qmodel, plan = _prepare(shape, layers, overrides)
+    qconfig = plan.config
+    index = new_index(plan, qconfig["model_type"])
+    prefixes = tuple(s.path + "." for s in plan.switches.values())
+    out, tmp = prepare_out(out)
+    try:
+        check_free_space(tmp, index.file_size + _resident_nbytes(qmodel, prefixes))
+        # Resident weights are ~7% of the model (1.4 GB at 35B): built in memory, saved once.
+        mx.save_safetensors(str(tmp / RESIDENT_NAME), _resident(qmodel, prefixes, seed),
+                            metadata={"format": "mlx"})
+        writer = BundleWriter(tmp / EXPERTS_NAME, index)
+        try:
+            for layer in tqdm(plan.moe_layers, desc=f"synthetic {shape} experts", unit="layer",
+                              disable=not progress):
+                writer.write_layer(layer, _layer_experts(plan.switches[layer], seed))
+        finally:
+            writer.close()
+        index.validate(tmp)
+        index.save(tmp)
+        _write_tokenizer(tmp, qconfig)
+        save_config(qconfig, tmp / "config.json")
+        finish_out(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", help="output directory (must not exist or be empty)")
+    parser.add_argument("--shape", required=True, choices=SHAPES,
+                        help="35b: Qwen3.5/3.6-35B-A3B (qwen3_5_moe); 8b: Ling (bailing_hybrid)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: the tier's full depth); same per-layer "
+                             "shape, for quick runs")
+    parser.add_argument("--seed", type=int, default=0)
+    # Test-only scale-downs; not part of the public interface.
+    parser.add_argument("--experts", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {}
+    if args.experts is not None:
+        overrides["num_experts"] = args.experts
+    if args.vocab is not None:
+        overrides["vocab_size"] = args.vocab
+    out = write_synthetic(args.out, args.shape, layers=args.layers, seed=args.seed,
+                          overrides=overrides)
+    index = ExpertIndex.load(out)
+    resident = (out / RESIDENT_NAME).stat().st_size
+    print(f"wrote {args.shape} synthetic checkpoint to {out}: {len(index.moe_layers)} MoE layers "
+          f"x {index.num_experts} experts, experts {index.file_size / 1e9:.2f} GB + resident "
+          f"{resident / 1e9:.2f} GB")
+    return 0
