@@ -23,7 +23,7 @@ import mlx.core as mx
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.errors import ConfigError
 
-ARMS = ("mlx-lm", "resident", "reactive", "prerouted")
+ARMS = ("mlx-lm", "resident", "compute-only", "reactive", "prerouted")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the arms")
     parser.add_argument("--raw-reads", type=int, default=256,
                         help="bundles read for the raw bandwidth figure (0 skips it)")
+    parser.add_argument("--emulate-balanced", action="store_true",
+                        help="set the storage throttle so pure read time equals the compute-only "
+                             "step time (where overlap gains most); figures are labelled emulated")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the split of a decode step per arm")
     parser.add_argument("--json", dest="json_path", default=None)
     add_engine_arguments(parser)
 
@@ -88,6 +93,38 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
         return stats
     finally:
         engine.close()
+
+
+def run_compute_only_arm(model_dir, args) -> dict:
+    """Decode with every needed expert already in the slots: the same greedy run twice, with
+    room for every expert the run touches; the second run reads nothing."""
+    from edge0_eval.engine import Engine
+    from edge0_eval.layout import ExpertIndex
+
+    index = ExpertIndex.load(model_dir)
+    options = options_from_args(args, mode="reactive", expert_budget_mib=None)
+    k = options.top_k or _native_top_k(model_dir)
+    options.slots_per_layer = min(index.num_experts, (args.prompt_tokens + args.tokens + 1) * k)
+    engine = Engine.load(model_dir, options)
+    try:
+        prompt = _prompt(engine.tokenizer, args.prompt_tokens)
+        engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
+        stats = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set()).stats
+        stats["mode"] = "compute-only"
+        if stats["decode_bytes_read"]:
+            stats["note"] = "some experts were read: not purely compute"
+        return stats
+    finally:
+        engine.close()
+
+
+def _native_top_k(model_dir) -> int:
+    from pathlib import Path
+
+    from edge0_eval.families import family_for
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return family_for(config).native_top_k(config)
 
 
 def run_mlx_lm_arm(model_dir, args) -> dict:
@@ -155,16 +192,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"raw positioned reads ({r['cache']}, qd {r['queue_depth']}, "
               f"{r['bundle_bytes'] / 2**20:.2f} MiB bundles): {r['gbps']:.2f} GB/s, "
               f"{r['ms_per_bundle']:.2f} ms/bundle")
+    if args.emulate_balanced:
+        args.io_throttle_mbps = _balanced_throttle(args, cold)
+        emulated = report["emulated"] = True
+        report["io_throttle_mbps"] = args.io_throttle_mbps
+        print(f"storage emulation: {args.io_throttle_mbps:.1f} MB/s makes pure read time equal "
+              f"the compute-only step time")
     for round_ in range(args.repeats):
         for arm in arms:
-            row = (run_mlx_lm_arm(args.model, args) if arm == "mlx-lm"
-                   else run_engine_arm(args.model, arm, args, cold))
-            row.update({"arm": arm, "round": round_, "cache": args.cache if arm != "mlx-lm"
-                        else "warm (all experts loaded)", "emulated": emulated})
+            if arm == "mlx-lm":
+                row = run_mlx_lm_arm(args.model, args)
+            elif arm == "compute-only":
+                row = run_compute_only_arm(args.model, args)
+            else:
+                row = run_engine_arm(args.model, arm, args, cold)
+            warm = arm in ("mlx-lm", "compute-only", "resident")
+            row.update({"arm": arm, "round": round_,
+                        "cache": "warm (experts in memory)" if warm else args.cache,
+                        "emulated": emulated and not warm})
             report["runs"].append(row)
     print(f"cache: {args.cache}; storage: "
           + (f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"))
     _print_table(report["runs"])
+    if args.profile:
+        for row in report["runs"]:
+            if "profile_ms_per_step" in row:
+                prof = ", ".join(f"{k} {v:.2f}" for k, v in row["profile_ms_per_step"].items())
+                extra = ""
+                if "stage_wait_ms_per_step" in row:
+                    extra = (f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads "
+                             f"{row['head_ms_per_step']:.2f}")
+                print(f"profile {row['arm']} (ms/step): {prof}{extra}")
+    report["targets"] = targets(report)
+    for name, value in report["targets"].items():
+        print(f"target {name}: {value}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=1, default=str)
@@ -177,4 +238,46 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         if key in ("model", "json_path") or value in (None, False):
             continue
         out.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
+    return out
+
+
+def _balanced_throttle(args, cold: bool) -> float:
+    """MB/s at which reading one decode step's bytes takes one compute-only step."""
+    compute = run_compute_only_arm(args.model, args)
+    reactive = run_engine_arm(args.model, "reactive", args, cold)
+    step_s = 1.0 / compute["decode_tok_s"]
+    return reactive["bytes_per_token"] / step_s / 1e6
+
+
+def _mean(rows, arm, key):
+    values = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def targets(report: dict) -> dict:
+    """The issue's ratios, from this run's arms (absent arms: not computed)."""
+    rows, out = report["runs"], {}
+    pre_tps, rea_tps = _mean(rows, "prerouted", "decode_tok_s"), _mean(rows, "reactive", "decode_tok_s")
+    comp_tps = _mean(rows, "compute-only", "decode_tok_s")
+    raw = report.get("raw_reads")
+    if pre_tps and comp_tps and raw:
+        bytes_tok = _mean(rows, "prerouted", "bytes_per_token")
+        read_s = bytes_tok / (raw["gbps"] * 1e9)
+        bound = max(1 / comp_tps, read_s)
+        out["prerouted_step_over_bound"] = round((1 / pre_tps) / bound, 3)
+        out["bound_ms"] = round(1000 * bound, 2)
+    pre_b = _mean(rows, "prerouted", "blocked_load_ms_per_step")
+    rea_b = _mean(rows, "reactive", "blocked_load_ms_per_step")
+    if pre_b is not None and rea_b:
+        out["blocked_prerouted_over_reactive"] = round(pre_b / rea_b, 3)
+    if pre_tps and rea_tps:
+        out["decode_prerouted_over_reactive"] = round(pre_tps / rea_tps, 3)
+    res_tps, ref_tps = _mean(rows, "resident", "decode_tok_s"), _mean(rows, "mlx-lm", "decode_tok_s")
+    if res_tps and ref_tps:
+        out["warm_engine_over_mlx_lm"] = round(res_tps / ref_tps, 3)
+    achieved = _mean(rows, "reactive", "blocked_gbps")
+    if achieved and raw:
+        out["reactive_read_gbps_over_raw"] = round(achieved / 1e9 / raw["gbps"], 3)
+    if report.get("emulated"):
+        out["note"] = f"storage emulated at {report['io_throttle_mbps']:.1f} MB/s"
     return out

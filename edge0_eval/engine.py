@@ -188,6 +188,7 @@ class Engine:
         """Forget the sequence (KV/SSM caches); the slot pool stays warm."""
         self.cache = self.model.make_cache()
         self.position = 0
+        self._profile = {"steps": 0, "build_s": 0.0, "eval_s": 0.0, "after_s": 0.0}
         for block in self.blocks.values():
             block.set_plan(None)
         if self.prerouter is not None:
@@ -224,11 +225,21 @@ class Engine:
         return logits[0, -1]
 
     def step(self, token: int) -> mx.array:
+        t0 = time.perf_counter()
         logits = self.forward(mx.array([[token]]))
+        t1 = time.perf_counter()
         mx.eval(logits, self._guard_events)
+        t2 = time.perf_counter()
         if self.prerouter is not None:
             self.prerouter.counters.steps += int(self._staging)
             self.prerouter.after_step()
+        prof = self._profile
+        prof["steps"] += 1
+        # build: Python building the graph, including blocking reads/stage waits and any compute
+        # a reactive layer forces (it syncs to learn its routing); eval: compute left at the end.
+        prof["build_s"] += t1 - t0
+        prof["eval_s"] += t2 - t1
+        prof["after_s"] += time.perf_counter() - t2
         return logits[0, -1]
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
@@ -285,6 +296,10 @@ class Engine:
                 1000 * (after["blocked"] - mid["blocked"]) / steps if steps else 0.0,
             "decode_hit_rate": (after["hits"] - mid["hits"]) / lookups if lookups else 0.0,
             "prefill_bytes_read": mid["bytes"] - before["bytes"],
+            "profile_ms_per_step": {
+                k[:-2] + "_ms": 1000 * v / max(1, self._profile["steps"])
+                for k, v in self._profile.items() if k.endswith("_s")
+            },
         }
 
     def stats(self) -> dict:
