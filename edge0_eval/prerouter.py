@@ -1,0 +1,493 @@
+"""Prerouter heads: owner layer N predicts layer N+1's routing for the *next* token.
+
+Features for owner N at token t (dimension hidden + 2E):
+    concat[ h_N(t)            layer N's MoE input (the post-attention norm output),
+            onehot(top-k executed at layer N, token t),
+            onehot(top-k executed at layer N, token t-1) ]
+Head:  logits = fc2(gelu_erf(fc1(x))) + linear(x)   (no biases, as in the published layout)
+
+`linear` is warm-started from layer N+1's router weight (zero-padded over the 2E one-hot
+columns) and `fc2` starts at zero, so an untrained head *is* the "next router on the current
+hidden state" baseline.
+
+All heads are evaluated together, once per step: the weights are stacked
+    fc1 [O, width, in], fc2 [O, E, width], linear [O, E, in]
+and `PrerouterHeads(feats [O, B, in]) -> logits [O, B, E]` is three batched matmuls.
+
+Files are safetensors in the published Edge0 layout
+    layers.<N>.fc1.weight [width, in], layers.<N>.fc2.weight [E, width],
+    layers.<N>.linear_init.weight [E, in]
+with string metadata kind="prerouter", K, owners (JSON list), start_layer, width, hidden,
+num_experts, format_version, source, model. `load_heads` reads files from the reference
+(which may lack start_layer/width/hidden/num_experts: they are then taken from the shapes)
+and checks everything against the model it will serve.
+
+Expert selection from head logits follows the consuming layer's family rule
+(`select_experts`): qwen softmax top-k (normalised); bailing sigmoid + expert bias,
+group-limited top-k, normalised x routed_scaling_factor, exactly like mlx-lm's `Gate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from edge0_eval.errors import CheckpointError, ConfigError
+
+KIND = "prerouter"
+FORMAT_VERSION = 1
+_KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+@dataclass
+class PrerouterConfig:
+    owners: list[int]          # owner layers N (each predicts layer N+1), ascending
+    start_layer: int           # first consuming layer (= owners[0] + 1)
+    width: int                 # fc1 width
+    top_k: int                 # the serving K the heads were trained for
+    hidden: int
+    num_experts: int
+
+    @property
+    def in_dim(self) -> int:
+        return self.hidden + 2 * self.num_experts
+
+    @property
+    def consumers(self) -> list[int]:
+        return [n + 1 for n in self.owners]
+
+
+# Reference tiers (shared/README.md): serving K, first consuming layer, fc1 width.
+# 8B: the reference's owners are 7..22, i.e. consumers 8..23, so start_layer 8.
+_TIERS = {
+    # (model_type, layers, hidden, experts): (K, start_layer, width)
+    ("qwen3_5_moe", 40, 2048, 256): (4, 7, 512),
+    ("bailing_hybrid", 24, 1536, 128): (8, 8, 512),
+}
+
+
+def tier_defaults(model_type: str, n_layers: int, hidden: int, num_experts: int,
+                  moe_layers: list[int]) -> dict:
+    """Defaults for top_k (None = the model's native), start_layer and width.
+
+    Known reference tiers get the reference values; any other model: start_layer = first MoE
+    layer + 1 (so every MoE->MoE pair gets a head) and width = min(512, 2 x hidden).
+    """
+    key = (model_type, n_layers, hidden, num_experts)
+    if key in _TIERS:
+        k, start, width = _TIERS[key]
+        return {"top_k": k, "start_layer": start, "width": width}
+    start = (moe_layers[0] + 1) if moe_layers else 1
+    return {"top_k": None, "start_layer": start, "width": min(512, 2 * hidden)}
+
+
+def default_owners(start_layer: int, n_layers: int, moe_layers: list[int]) -> list[int]:
+    """owners = range(start_layer - 1, n_layers - 1), keeping N with N and N+1 both MoE."""
+    moe = set(moe_layers)
+    return [n for n in range(max(0, start_layer - 1), n_layers - 1) if n in moe and n + 1 in moe]
+
+
+def check_owners(owners: list[int], moe_layers: list[int]) -> list[int]:
+    """Owners must be distinct MoE layers whose next layer is also a MoE layer. Sorted copy."""
+    moe = set(moe_layers)
+    owners = sorted(int(n) for n in owners)
+    if not owners:
+        raise ConfigError("no prerouter owners: the model has no MoE layer followed by another "
+                          "(check --owners / --start-layer)")
+    if len(set(owners)) != len(owners):
+        raise ConfigError(f"owners {owners} has duplicates")
+    bad = [n for n in owners if n not in moe or n + 1 not in moe]
+    if bad:
+        raise ConfigError(f"owner layer(s) {bad} cannot own a head: an owner N and the layer it "
+                          f"predicts (N+1) must both be MoE layers (MoE layers: {moe_layers})")
+    return owners
+
+
+# -- heads --------------------------------------------------------------------------------------
+
+class PrerouterHeads(nn.Module):
+    """All owners' heads as stacked weights; one batched computation per step."""
+
+    def __init__(self, config: PrerouterConfig, fc1: mx.array, fc2: mx.array, linear: mx.array):
+        super().__init__()
+        o, e, w, d = len(config.owners), config.num_experts, config.width, config.in_dim
+        for name, arr, shape in (("fc1", fc1, (o, w, d)), ("fc2", fc2, (o, e, w)),
+                                 ("linear", linear, (o, e, d))):
+            if tuple(arr.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {shape}")
+        self.config = config          # plain object attribute: not a parameter
+        self.fc1, self.fc2, self.linear = fc1, fc2, linear
+
+    @property
+    def owners(self) -> list[int]:
+        return list(self.config.owners)
+
+    @property
+    def dtype(self):
+        return self.fc1.dtype
+
+    def __call__(self, feats: mx.array) -> mx.array:
+        """feats [O, ..., in] -> logits [O, ..., E] (in the weights' dtype)."""
+        o = feats.shape[0]
+        lead = feats.shape[1:-1]
+        x = feats.reshape(o, -1, feats.shape[-1]).astype(self.fc1.dtype)
+        hid = nn.gelu(mx.matmul(x, self.fc1.swapaxes(1, 2)))          # exact erf GELU
+        out = mx.matmul(hid, self.fc2.swapaxes(1, 2)) + mx.matmul(x, self.linear.swapaxes(1, 2))
+        return out.reshape(o, *lead, out.shape[-1])
+
+    def select_owners(self, owners: list[int]) -> "PrerouterHeads":
+        """A PrerouterHeads holding only `owners` (a subset, any order kept ascending)."""
+        have = {n: i for i, n in enumerate(self.config.owners)}
+        missing = [n for n in owners if n not in have]
+        if missing:
+            raise ConfigError(f"no head for owner layer(s) {missing}; heads cover "
+                              f"{self.config.owners}")
+        owners = sorted(owners)
+        idx = mx.array([have[n] for n in owners])
+        cfg = PrerouterConfig(owners=owners, start_layer=owners[0] + 1, width=self.config.width,
+                              top_k=self.config.top_k, hidden=self.config.hidden,
+                              num_experts=self.config.num_experts)
+        return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
+
+    def astype(self, dtype) -> "PrerouterHeads":
+        return PrerouterHeads(self.config, self.fc1.astype(dtype), self.fc2.astype(dtype),
+                              self.linear.astype(dtype))
+
+
+def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
+    """[..., K] expert ids -> [..., E] with ones at the ids (a K-hot row)."""
+    hits = inds[..., None] == mx.arange(num_experts, dtype=inds.dtype)
+    return hits.any(axis=-2).astype(dtype)
+
+
+def build_features(h: mx.array, onehot_t: mx.array, onehot_prev: mx.array) -> mx.array:
+    """concat[h [O,B,H], onehot_t [O,B,E], onehot_prev [O,B,E]] -> [O, B, H + 2E]."""
+    if h.shape[:-1] != onehot_t.shape[:-1] or onehot_t.shape != onehot_prev.shape:
+        raise ValueError(f"feature shapes disagree: h {h.shape}, onehot_t {onehot_t.shape}, "
+                         f"onehot_prev {onehot_prev.shape}")
+    dtype = h.dtype if mx.issubdtype(h.dtype, mx.floating) else mx.float32
+    return mx.concatenate([h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)],
+                          axis=-1)
+
+
+def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = None,
+                   position: int = -1) -> tuple[mx.array, mx.array]:
+    """Features for all `owners` from the engine's last forward (MoE traces must be captured).
+
+    Uses token `position` of the last chunk. Returns (feats [O, B, in], onehot_t [O, B, E]);
+    pass onehot_t back as `onehot_prev` on the next step (None = zeros, the first token).
+    """
+    hs, ohs = [], []
+    num_experts = None
+    for n in owners:
+        trace = engine.blocks[n]._trace
+        if trace.last_input is None or trace.last_inds is None:
+            raise ConfigError(f"layer {n} has no captured trace; set _trace.capture = True "
+                              f"on the owner blocks before the forward")
+        num_experts = engine.blocks[n].num_experts
+        hs.append(trace.last_input[:, position])
+        ohs.append(onehot(trace.last_inds[:, position], num_experts, hs[-1].dtype))
+    h, oh_t = mx.stack(hs), mx.stack(ohs)
+    if onehot_prev is None:
+        onehot_prev = mx.zeros_like(oh_t)
+    return build_features(h, oh_t, onehot_prev), oh_t
+
+
+# -- routing rules ------------------------------------------------------------------------------
+
+@dataclass
+class RoutingRule:
+    """A family's selection rule, detached from the module (stackable over consumer layers)."""
+
+    score: str = "softmax"              # "softmax" | "sigmoid"
+    norm_topk_prob: bool = True
+    expert_bias: mx.array | None = None  # [E], or stacked [O, 1, E]; steers selection only
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_block(cls, block) -> "RoutingRule":
+        gate = block.gate
+        if hasattr(gate, "gate_proj"):      # bailing: mlx-lm Gate
+            return cls(score=getattr(gate, "score_function", "sigmoid"),
+                       norm_topk_prob=bool(gate.norm_topk_prob),
+                       expert_bias=gate.expert_bias, n_group=int(gate.n_group),
+                       topk_group=int(gate.topk_group),
+                       routed_scaling_factor=float(gate.routed_scaling_factor))
+        return cls(score="softmax", norm_topk_prob=bool(getattr(block, "norm_topk_prob", True)))
+
+    def to_json(self) -> dict:
+        return {"score": self.score, "norm_topk_prob": self.norm_topk_prob,
+                "n_group": self.n_group, "topk_group": self.topk_group,
+                "routed_scaling_factor": self.routed_scaling_factor,
+                "has_expert_bias": self.expert_bias is not None}
+
+    def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+        """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
+        logits = logits.astype(mx.float32)
+        if self.score == "sigmoid":
+            scores = mx.sigmoid(logits)
+        else:
+            scores = mx.softmax(logits, axis=-1, precise=True)
+        sel = scores if self.expert_bias is None else scores + self.expert_bias.astype(mx.float32)
+        n_drop = self.n_group - self.topk_group
+        if n_drop > 0:
+            sel = mx.unflatten(sel, axis=-1, shape=(self.n_group, -1))
+            group_scores = mx.topk(sel, 2, axis=-1).sum(axis=-1, keepdims=True)
+            drop = mx.argpartition(group_scores, kth=n_drop - 1, axis=-2)[..., :n_drop, :]
+            sel = mx.put_along_axis(sel, mx.stop_gradient(drop), mx.array(-mx.inf, sel.dtype),
+                                    axis=-2)
+            sel = mx.flatten(sel, -2, -1)
+        inds = mx.stop_gradient(mx.argpartition(-sel, kth=k - 1, axis=-1)[..., :k])
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        if k > 1 and self.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return inds, weights * self.routed_scaling_factor
+
+
+def stack_rules(rules: list[RoutingRule]) -> RoutingRule:
+    """One rule for logits [O, B, E] whose row o follows rules[o] (only expert_bias may differ)."""
+    first = rules[0]
+    for r in rules[1:]:
+        if (r.score, r.norm_topk_prob, r.n_group, r.topk_group, r.routed_scaling_factor) != (
+                first.score, first.norm_topk_prob, first.n_group, first.topk_group,
+                first.routed_scaling_factor):
+            raise ValueError("consumer layers follow different routing rules; select per layer")
+    bias = None
+    if first.expert_bias is not None:
+        bias = mx.stack([r.expert_bias for r in rules])[:, None, :]
+    return RoutingRule(first.score, first.norm_topk_prob, bias, first.n_group, first.topk_group,
+                       first.routed_scaling_factor)
+
+
+def consumer_rule(engine, owners: list[int]) -> RoutingRule:
+    """The stacked selection rule of the consumers (owner + 1) for logits [O, B, E]: build it
+    once, then each step `inds, weights = rule.select(heads(feats), k)` is one computation."""
+    return stack_rules([RoutingRule.from_block(engine.blocks[n + 1]) for n in owners])
+
+
+def select_experts(block, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Experts and combination weights for router-space `logits` under `block`'s family rule.
+
+    qwen: softmax, top-k, normalised. bailing: sigmoid (or the Gate's score function), plus the
+    consuming layer's expert_bias for the choice only, group-limited top-k like mlx-lm's Gate,
+    weights from the unbiased scores, normalised and x routed_scaling_factor.
+    """
+    return RoutingRule.from_block(block).select(logits, k)
+
+
+def router_logits(block, x: mx.array) -> mx.array:
+    """The block's router logits for input x (qwen: gate(x); bailing: gate.gate_proj(x))."""
+    gate = block.gate
+    return gate.gate_proj(x) if hasattr(gate, "gate_proj") else gate(x)
+
+
+def router_weight(block) -> tuple[mx.array, mx.array | None]:
+    """The router's weight [E, H] as float32 (8-bit routers dequantized) and bias [E] or None."""
+    linear = block.gate.gate_proj if hasattr(block.gate, "gate_proj") else block.gate
+    if isinstance(linear, nn.QuantizedLinear):
+        weight = mx.dequantize(linear.weight, linear.scales, linear.get("biases"),
+                               group_size=linear.group_size, bits=linear.bits,
+                               mode=getattr(linear, "mode", "affine"))
+    else:
+        weight = linear.weight
+    bias = linear.get("bias") if "bias" in linear else None
+    return weight.astype(mx.float32), None if bias is None else bias.astype(mx.float32)
+
+
+def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
+                              biases: list[mx.array | None], seed: int) -> PrerouterHeads:
+    """Warm start: linear = [W_next | b/K over the one-hot(t) columns | 0], fc2 = 0.
+
+    Routers have no bias in the supported families; if one had, spreading b/K over the K ones
+    of onehot_t reproduces it exactly, since that one-hot always has exactly K ones.
+    """
+    o, e, h, w = len(config.owners), config.num_experts, config.hidden, config.width
+    linear = []
+    for weight, bias in zip(weights, biases):
+        if tuple(weight.shape) != (e, h):
+            raise ConfigError(f"router weight has shape {tuple(weight.shape)}, expected {(e, h)}")
+        cols = [weight.astype(mx.float32)]
+        if bias is None:
+            cols.append(mx.zeros((e, 2 * e)))
+        else:
+            cols += [mx.broadcast_to(bias[:, None] / config.top_k, (e, e)), mx.zeros((e, e))]
+        linear.append(mx.concatenate(cols, axis=1))
+    key = mx.random.key(seed)
+    fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim ** -0.5)
+    heads = PrerouterHeads(config, fc1, mx.zeros((o, e, w)), mx.stack(linear))
+    mx.eval(heads.parameters())
+    return heads
+
+
+def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0,
+                            top_k: int | None = None) -> PrerouterHeads:
+    """Heads warm-started from each consumer's (owner + 1) router; untrained = that router."""
+    owners = check_owners(owners, engine.moe_layers)
+    hidden = int(engine.family.hidden_size(engine.config))
+    num_experts = int(engine.index.num_experts)
+    config = PrerouterConfig(owners=owners, start_layer=owners[0] + 1, width=int(width),
+                             top_k=int(top_k or engine.top_k), hidden=hidden,
+                             num_experts=num_experts)
+    pairs = [router_weight(engine.blocks[n + 1]) for n in owners]
+    return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed)
+
+
+# -- files --------------------------------------------------------------------------------------
+
+def _atomic_save(path: Path, arrays: dict, metadata: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+    os.replace(tmp, path)
+
+
+def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = None,
+               dtype=mx.float16) -> Path:
+    """Write heads in the published layout; `metadata` adds/overrides e.g. source and model.
+
+    Weights are stored as `dtype` (float16 like the published adapters; None keeps the heads').
+    """
+    path = Path(path)
+    cfg = heads.config
+    arrays = {}
+    for i, n in enumerate(cfg.owners):
+        for name, value in (("fc1", heads.fc1[i]), ("fc2", heads.fc2[i]),
+                            ("linear_init", heads.linear[i])):
+            arrays[f"layers.{n}.{name}.weight"] = value if dtype is None else value.astype(dtype)
+    meta = {"kind": KIND, "K": str(cfg.top_k), "owners": json.dumps(cfg.owners),
+            "start_layer": str(cfg.start_layer), "width": str(cfg.width),
+            "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
+            "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
+    for key, value in (metadata or {}).items():
+        if key in ("kind", "K", "owners", "width", "hidden", "num_experts", "format_version"):
+            continue  # these describe the tensors; they come from the heads
+        meta[key] = value if isinstance(value, str) else json.dumps(value)
+    _atomic_save(path, arrays, meta)
+    return path
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The safetensors metadata of a heads file (no tensor data read)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > path.stat().st_size - 8:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"prerouter file {path} not found") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"prerouter file {path} is not a readable safetensors file "
+                              f"({exc})") from None
+    return dict(header.get("__metadata__") or {})
+
+
+def _int_meta(meta: dict, key: str, path: Path) -> int | None:
+    if key not in meta:
+        return None
+    try:
+        return int(meta[key])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"prerouter file {path}: metadata {key}={meta[key]!r} is not an "
+                              f"integer") from None
+
+
+def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
+               owners: list[int] | None = None, dtype=None) -> PrerouterHeads:
+    """Load and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
+
+    `owners` (None: every head in the file) selects heads; each must be present. Any problem
+    (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
+    CheckpointError naming the file. `dtype` casts the weights (None keeps the stored dtype).
+    """
+    path = Path(path)
+    where = f"prerouter file {path}"
+    meta = read_metadata(path)
+    kind = meta.get("kind")
+    if kind != KIND:
+        raise CheckpointError(f"{where} has kind={kind!r}, expected {KIND!r}: not prerouter heads "
+                              f"(a LoRA adapter or another file?)")
+    version = _int_meta(meta, "format_version", path)
+    if version is not None and version > FORMAT_VERSION:
+        raise CheckpointError(f"{where} has format_version {version}; this build reads up to "
+                              f"{FORMAT_VERSION}")
+    k = _int_meta(meta, "K", path)
+    if k is None:
+        raise CheckpointError(f"{where} records no K (metadata key 'K')")
+    if k != top_k:
+        raise CheckpointError(f"{where} was trained for K={k} but the engine serves K={top_k}; "
+                              f"train heads for K={top_k} or serve with --top-k {k}")
+    for key, want in (("hidden", hidden), ("num_experts", num_experts)):
+        got = _int_meta(meta, key, path)
+        if got is not None and got != want:
+            raise CheckpointError(f"{where} has {key}={got}; the model has {want}")
+    try:
+        weights = mx.load(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{where} is unreadable ({exc}); the file is truncated or "
+                              f"corrupt") from None
+
+    layers: dict[int, dict[str, mx.array]] = {}
+    for name, value in weights.items():
+        m = _KEY.match(name)
+        if m is None:
+            raise CheckpointError(f"{where}: unexpected tensor {name!r}; expected only "
+                                  f"layers.<N>.(fc1|fc2|linear_init).weight")
+        layers.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    if "owners" in meta:
+        try:
+            listed = json.loads(meta["owners"])
+            listed = [int(n) for n in listed]
+        except (ValueError, TypeError):
+            raise CheckpointError(f"{where}: metadata owners={meta['owners']!r} is not a JSON "
+                                  f"list of layer numbers") from None
+        if sorted(listed) != sorted(layers):
+            raise CheckpointError(f"{where}: metadata owners {sorted(listed)} do not match the "
+                                  f"heads stored {sorted(layers)}")
+    if not layers:
+        raise CheckpointError(f"{where} holds no heads")
+    incomplete = {n: sorted({"fc1", "fc2", "linear_init"} - set(p)) for n, p in layers.items()}
+    incomplete = {n: miss for n, miss in incomplete.items() if miss}
+    if incomplete:
+        raise CheckpointError(f"{where}: heads incomplete, missing tensors {incomplete}")
+    if owners is None:
+        owners = sorted(layers)
+    else:
+        owners = sorted(int(n) for n in owners)
+        missing = [n for n in owners if n not in layers]
+        if missing:
+            raise CheckpointError(f"{where} has no head for owner layer(s) {missing} (it holds "
+                                  f"{sorted(layers)})")
+    in_dim = hidden + 2 * num_experts
+    width = int(layers[owners[0]]["fc1"].shape[0])
+    for n in owners:
+        for name, want in (("fc1", (width, in_dim)), ("fc2", (num_experts, width)),
+                           ("linear_init", (num_experts, in_dim))):
+            got = tuple(layers[n][name].shape)
+            if got != want:
+                raise CheckpointError(
+                    f"{where}: layers.{n}.{name}.weight has shape {list(got)}, expected "
+                    f"{list(want)} (hidden {hidden} + 2 x {num_experts} experts, width {width})")
+    meta_width = _int_meta(meta, "width", path)
+    if meta_width is not None and meta_width != width:
+        raise CheckpointError(f"{where}: metadata width={meta_width} but fc1 has width {width}")
+    _int_meta(meta, "start_layer", path)  # checked for form; the heads define the first consumer
+    config = PrerouterConfig(owners=owners, start_layer=owners[0] + 1,
+                             width=width, top_k=top_k, hidden=hidden, num_experts=num_experts)
+    stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
+    heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
+    if dtype is not None:
+        heads = heads.astype(dtype)
+    mx.eval(heads.parameters())
+    return heads
