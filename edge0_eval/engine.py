@@ -277,6 +277,7 @@ class Engine:
                 self.prerouter.counters.stage_wait_seconds if self.prerouter else 0.0),
             "hits": sum(p.hits for p in pool),
             "misses": sum(p.misses for p in pool),
+            "blocked_loads": self.counters.blocked_loads,
         }
 
     def _phase_stats(self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode) -> dict:
@@ -294,6 +295,8 @@ class Engine:
             "reads_per_token": (after["reads"] - mid["reads"]) / steps if steps else 0.0,
             "blocked_load_ms_per_step":
                 1000 * (after["blocked"] - mid["blocked"]) / steps if steps else 0.0,
+            "blocked_loads_per_step":
+                (after["blocked_loads"] - mid["blocked_loads"]) / steps if steps else 0.0,
             "decode_hit_rate": (after["hits"] - mid["hits"]) / lookups if lookups else 0.0,
             "prefill_bytes_read": mid["bytes"] - before["bytes"],
             "profile_ms_per_step": {

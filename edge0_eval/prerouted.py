@@ -54,6 +54,9 @@ class Prerouter:
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner]._trace.capture = True
+        from edge0_eval.prerouter import consumer_rule
+
+        self._rule = consumer_rule(engine, self.owners)
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -98,57 +101,36 @@ class Prerouter:
 
     def after_prefill(self) -> None:
         """Remember the prompt's last executed sets: the t-1 features of the first decode step."""
+        from edge0_eval.prerouter import trace_features
+
         self.reset()
-        _, self._prev_onehot = self._features()
+        _, self._prev_onehot = trace_features(self.engine, self.owners)
         mx.eval(self._prev_onehot)
 
     def after_step(self) -> None:
         """Run all heads on this step's features and start staging the next step's sets."""
+        from edge0_eval.prerouter import trace_features
+
         engine = self.engine
         for layer in self.consumers:
             engine.blocks[layer].set_plan(None)
         started = time.perf_counter()
-        feats, onehot = self._features()
-        logits = self.heads(self._build(feats, onehot, self._prev_onehot))   # [O, 1, E]
-        self._prev_onehot = onehot
-        plans = {}
+        feats, onehot_t = trace_features(engine, self.owners, self._prev_onehot)
+        self._prev_onehot = onehot_t
+        # One batched computation for every head, then every consumer's own selection rule.
+        inds, weights = self._rule.select(self.heads(feats), engine.top_k)     # [O, 1, K]
+        mx.eval(inds, weights, onehot_t)
+        self.counters.head_seconds += time.perf_counter() - started
+        ids = np.array(inds)
         for o, owner in enumerate(self.owners):
             layer = owner + 1
             if layer not in self.consumers:
                 continue
-            inds, weights = self._select(engine.blocks[layer], logits[o][None])  # [1,1,K]
-            plans[layer] = (inds, weights)
-        mx.eval([p for pair in plans.values() for p in pair])
-        self.counters.head_seconds += time.perf_counter() - started
-        for layer, (inds, weights) in plans.items():
-            experts = np.array(inds).reshape(-1).tolist()
-            staged = engine.blocks[layer].switch_mlp.stage_begin(experts)
+            staged = engine.blocks[layer].switch_mlp.stage_begin(ids[o].reshape(-1).tolist())
             staged.layer = layer
-            self.counters.staged_experts += len(experts)
+            self.counters.staged_experts += len(staged.experts)
             self.counters.staged_loads += len(staged.loads)
-            self._plans[layer] = (inds, weights, staged)
-
-    # -- pieces -----------------------------------------------------------------------------
-    def _features(self):
-        hs, onehots = [], []
-        E = self.heads.config.num_experts
-        for owner in self.owners:
-            trace = self.engine.blocks[owner]._trace
-            hs.append(trace.last_input[:, -1, :])                       # [1, H]
-            last = trace.last_inds[:, -1, :]                            # [1, K]
-            onehots.append(mx.put_along_axis(mx.zeros((last.shape[0], E)), last,
-                                             mx.array(1.0), axis=-1))
-        return mx.stack(hs), mx.stack(onehots)                          # [O,1,H], [O,1,E]
-
-    def _build(self, h, onehot_t, onehot_prev):
-        from edge0_eval.prerouter import build_features
-
-        return build_features(h, onehot_t, onehot_prev)
-
-    def _select(self, block, logits):
-        from edge0_eval.prerouter import select_experts
-
-        return select_experts(block, logits, self.engine.top_k)
+            self._plans[layer] = (inds[o][None], weights[o][None], staged)
 
     def stats(self) -> dict:
         c = self.counters

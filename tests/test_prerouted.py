@@ -1,0 +1,109 @@
+"""Prerouted decode: prediction-as-routing with staged reads."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0_eval.engine import Engine, EngineOptions
+from edge0_eval.errors import CheckpointError
+from edge0_eval.prerouter import default_owners, init_heads_from_routers, save_heads
+
+PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
+
+
+@pytest.fixture(scope="module", params=["qwen", "bailing"])
+def model_and_heads(request, tmp_path_factory):
+    converted = request.getfixturevalue(f"edge0_{request.param}")
+    engine = Engine.load(converted, EngineOptions(mode="reactive"))
+    owners = default_owners(engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers)
+    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+    # Perturb fc2 so the heads are not the plain next-router baseline.
+    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
+    path = save_heads(tmp_path_factory.mktemp("heads") / "prerouter.safetensors", heads)
+    engine.close()
+    return converted, path, owners
+
+
+def test_staged_set_equals_routed_set_every_step(model_and_heads):
+    converted, heads_path, owners = model_and_heads
+    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path),
+                                                  slots_per_layer=None))
+    consumers = engine.prerouter.consumers
+    assert consumers == [o + 1 for o in owners]
+    for layer in consumers:
+        engine.blocks[layer]._trace.capture = True
+    prompt = engine.tokenizer.encode(PROMPT)
+    logits = engine.prefill(prompt)
+    token = int(mx.argmax(logits).item())
+    checked = 0
+    for step in range(12):
+        planned = {layer: sorted(plan[2].experts) for layer, plan in engine.prerouter._plans.items()}
+        logits = engine.step(token)
+        if step == 0:
+            assert planned == {}   # the first decode token routes with the true router
+        else:
+            assert set(planned) == set(consumers)
+            for layer in consumers:
+                executed = sorted(np.array(engine.blocks[layer]._trace.last_inds).reshape(-1).tolist())
+                assert executed == planned[layer]
+                checked += 1
+        token = int(mx.argmax(logits).item())
+    stats = engine.stats()
+    engine.close()
+    assert checked == 11 * len(consumers)
+    assert stats["dropped_experts"] == 0
+    assert stats["prerouted_steps"] == 11
+    assert stats["staged_experts"] == 12 * len(consumers) * engine.top_k
+
+
+def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
+    converted, heads_path, _ = model_and_heads
+    results = {}
+    for mode in ("reactive", "prerouted"):
+        engine = Engine.load(converted, EngineOptions(mode=mode, prerouter_path=str(heads_path)))
+        k = engine.top_k
+        engine.close()
+        engine = Engine.load(converted, EngineOptions(mode=mode, prerouter_path=str(heads_path),
+                                                      slots_per_layer=k))
+        engine.store.evict_page_cache()
+        result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=16,
+                                 stop_token_ids=set())
+        results[mode] = result.stats
+        engine.close()
+    rea, pre = results["reactive"], results["prerouted"]
+    assert pre["dropped_experts"] == 0
+    # Both modes read about one bundle per routed expert (slots == K: almost no reuse) ...
+    assert pre["bytes_per_token"] == pytest.approx(rea["bytes_per_token"], rel=0.5)
+    # ... but prerouted blocks only on the layers before start_layer and the first token.
+    assert pre["blocked_loads_per_step"] < rea["blocked_loads_per_step"]
+    assert pre["staged_loads_per_step"] > 0
+
+
+def test_no_prerouter_routes_like_reactive(model_and_heads):
+    converted, heads_path, _ = model_and_heads
+    outs = []
+    for options in (EngineOptions(mode="reactive"),
+                    EngineOptions(mode="prerouted", no_prerouter=True)):
+        engine = Engine.load(converted, options)
+        outs.append(engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8).tokens)
+        engine.close()
+    assert outs[0] == outs[1]
+
+
+def test_router_weights_option(model_and_heads):
+    converted, heads_path, _ = model_and_heads
+    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path),
+                                                  prerouted_weights="router",
+                                                  measure_recall=True))
+    result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8, stop_token_ids=set())
+    engine.close()
+    assert result.stats["prerouted_weights"] == "router"
+    assert 0.0 <= result.stats["online_recall"] <= 1.0
+
+
+def test_missing_heads_fail_before_loading(edge0_qwen, tmp_path):
+    with pytest.raises(CheckpointError, match="prerouter"):
+        Engine.load(edge0_qwen, EngineOptions(mode="prerouted",
+                                              prerouter_path=str(tmp_path / "nope.safetensors")))
+    with pytest.raises(CheckpointError, match="prerouted mode needs prerouter heads"):
+        Engine.load(edge0_qwen, EngineOptions(mode="prerouted"))
