@@ -1,0 +1,226 @@
+"""Shared OpenCompass plumbing for the teacher (mlx-lm) and student (Edge0 engine) wrappers.
+
+Both arms go through this one class so prompt handling, chat templating, stop words, sampling
+options and per-sample statistics are identical; the subclasses only differ in how tokens are
+generated. Heavy imports (MLX) stay inside the subclasses so a config parse stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from opencompass.models.base import BaseModel
+from opencompass.models.base_api import APITemplateParser
+from opencompass.utils.logging import get_logger
+
+from edge0_eval.errors import ConfigError
+
+# HUMAN/BOT/SYSTEM items of an OpenCompass PromptList map onto chat roles. SYSTEM is a reserved
+# role so a dataset's `begin=[dict(role='SYSTEM', ...)]` reaches the chat template as a system
+# message instead of being folded into the user turn.
+DEFAULT_META_TEMPLATE = dict(
+    round=[
+        dict(role='HUMAN', api_role='HUMAN'),
+        dict(role='BOT', api_role='BOT', generate=True),
+    ],
+    reserved_roles=[dict(role='SYSTEM', api_role='SYSTEM')],
+)
+_ROLE_MAP = {'HUMAN': 'user', 'BOT': 'assistant', 'SYSTEM': 'system',
+             'user': 'user', 'assistant': 'assistant', 'system': 'system'}
+
+# Sampling options both arms understand. Anything else in generation_kwargs is refused at
+# construction so a typo cannot silently change one arm's decoding.
+SAMPLING_KEYS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty', 'do_sample',
+                 'seed')
+
+
+def to_messages(prompt: Any) -> List[Dict[str, str]]:
+    """Normalise what OpenCompass hands a model into chat messages.
+
+    Accepts a plain string, a PromptList of {'role': HUMAN|BOT|SYSTEM, 'prompt': ...} items (the
+    PromptTemplate configs) or a list of {'role', 'content'} dicts (the *_rawprompt_* configs).
+    Consecutive turns of one role are merged, as OpenCompass's HF chat wrapper does.
+    """
+    if isinstance(prompt, str):
+        messages = [{'role': 'user', 'content': prompt}]
+    else:
+        messages = []
+        for item in prompt:
+            if isinstance(item, str):
+                if item.strip():
+                    messages.append({'role': 'user', 'content': item})
+                continue
+            if 'section' in item and 'pos' in item:
+                continue
+            role = _ROLE_MAP.get(item.get('role'))
+            if role is None:
+                raise ValueError(f'unknown prompt role {item.get("role")!r} in {item!r}')
+            content = item['content'] if 'content' in item else item.get('prompt', '')
+            if content is None or content == '':
+                continue
+            messages.append({'role': role, 'content': str(content)})
+    merged: List[Dict[str, str]] = []
+    for msg in messages:
+        if merged and merged[-1]['role'] == msg['role']:
+            merged[-1] = {'role': msg['role'], 'content': merged[-1]['content'] + '\n' + msg['content']}
+        else:
+            merged.append(dict(msg))
+    return merged
+
+
+def trim_at_stop(text: str, stop_words: List[str]) -> tuple[str, Optional[str]]:
+    """Cut `text` at the earliest occurrence of any stop word; returns (text, stop hit)."""
+    best, hit = len(text), None
+    for stop in stop_words:
+        if not stop:
+            continue
+        pos = text.find(stop)
+        if 0 <= pos < best:
+            best, hit = pos, stop
+    return text[:best], hit
+
+
+def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, Any]:
+    """Validate generation kwargs and resolve them to explicit sampling options."""
+    unknown = sorted(set(generation_kwargs) - set(SAMPLING_KEYS) - {'max_new_tokens'})
+    if unknown:
+        raise ConfigError(f'{arm}: unsupported generation_kwargs {unknown}; '
+                          f'supported: {", ".join(SAMPLING_KEYS)}')
+    opts = {'temperature': 0.0, 'top_p': 1.0, 'top_k': 0, 'min_p': 0.0,
+            'repetition_penalty': None, 'seed': 0}
+    for key in opts:
+        if generation_kwargs.get(key) is not None:
+            opts[key] = generation_kwargs[key]
+    if generation_kwargs.get('do_sample') is False:
+        opts['temperature'] = 0.0
+    if opts['temperature'] < 0 or not 0 < opts['top_p'] <= 1:
+        raise ConfigError(f'{arm}: temperature must be >= 0 and top_p in (0, 1]')
+    return opts
+
+
+class ChatModelBase(BaseModel):
+    """An OpenCompass chat model: chat template, stop words, sampling and per-sample stats.
+
+    Subclasses implement `_load()` (returns the tokenizer) and
+    `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words) -> (tokens, stats)`.
+
+    Args (beyond BaseModel's):
+        generation_kwargs: sampling options (see SAMPLING_KEYS); identical keys for both arms.
+        stop_words: strings that end a generation; the text is trimmed at the first one.
+        chat_template_kwargs: extra arguments for the tokenizer's chat template, e.g.
+            dict(enable_thinking=True).
+        stats_jsonl: optional path; every sample's stats are also appended there as JSON lines.
+    """
+
+    arm = 'model'
+
+    def __init__(self,
+                 path: str,
+                 max_seq_len: int = 32768,
+                 tokenizer_only: bool = False,
+                 meta_template: Optional[Dict] = None,
+                 generation_kwargs: Optional[Dict] = None,
+                 stop_words: Optional[List[str]] = None,
+                 chat_template_kwargs: Optional[Dict] = None,
+                 stats_jsonl: Optional[str] = None,
+                 **kwargs):
+        super().__init__(path=path, max_seq_len=max_seq_len, tokenizer_only=tokenizer_only,
+                         meta_template=meta_template, generation_kwargs=generation_kwargs or {})
+        self.logger = get_logger()
+        if kwargs:
+            # A misspelt option would otherwise change one arm's behaviour silently.
+            raise ConfigError(f'{self.arm}: unknown model options {sorted(kwargs)}')
+        self.template_parser = APITemplateParser(meta_template or DEFAULT_META_TEMPLATE)
+        self.sampling = sampling_options(self.generation_kwargs, self.arm)
+        self.stop_words = [s for s in (stop_words or []) if s]
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.stats_jsonl = stats_jsonl
+        self.sample_stats: List[Dict[str, Any]] = []
+        self.tokenizer = self._load(tokenizer_only)
+
+    # -- subclass hooks ----------------------------------------------------------------------
+    def _load(self, tokenizer_only: bool):
+        raise NotImplementedError
+
+    def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
+                         stop_words: List[str]) -> tuple[List[int], Dict[str, Any]]:
+        raise NotImplementedError
+
+    # -- prompt handling ---------------------------------------------------------------------
+    def chat_text(self, prompt: Any) -> str:
+        messages = to_messages(prompt)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False, **self.chat_template_kwargs)
+
+    def encode_prompt(self, prompt: Any) -> List[int]:
+        # The chat template already holds any BOS/special tokens the model wants.
+        return list(self.tokenizer.encode(self.chat_text(prompt), add_special_tokens=False))
+
+    def get_token_len(self, prompt: Any) -> int:
+        return len(self.encode_prompt(prompt))
+
+    def encode(self, prompt: str):
+        import torch
+        return torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False)])
+
+    def decode(self, tokens) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    def _fit_prompt(self, ids: List[int], max_out_len: int) -> List[int]:
+        """Keep the head and tail of an over-long prompt (OpenCompass's 'mid' truncation)."""
+        budget = self.max_seq_len - max_out_len
+        if budget <= 0 or len(ids) <= budget:
+            return ids
+        self.logger.warning(f'{self.arm}: prompt of {len(ids)} tokens cut to {budget} '
+                            f'(max_seq_len {self.max_seq_len} - max_out_len {max_out_len})')
+        half = budget // 2
+        return ids[:half] + ids[len(ids) - (budget - half):]
+
+    def _stop_token_ids(self, stop_words: List[str]) -> set:
+        """EOS ids plus every stop word that is exactly one token (the engine stops on ids)."""
+        ids = set(getattr(self.tokenizer, 'eos_token_ids', None) or [])
+        for word in stop_words:
+            enc = self.tokenizer.encode(word, add_special_tokens=False)
+            if len(enc) == 1:
+                ids.add(int(enc[0]))
+        return ids
+
+    # -- OpenCompass entry points ------------------------------------------------------------
+    def generate(self, inputs: List[Any], max_out_len: int, min_out_len: Optional[int] = None,
+                 stopping_criteria: Optional[List[str]] = None, **kwargs) -> List[str]:
+        if self.tokenizer_only:
+            raise RuntimeError(f'{self.arm} was built with tokenizer_only=True')
+        if kwargs:
+            self.logger.debug(f'{self.arm}: ignoring per-call kwargs {sorted(kwargs)}')
+        stop_words = list(dict.fromkeys(self.stop_words + list(stopping_criteria or [])))
+        stop_ids = self._stop_token_ids(stop_words)
+        outputs = []
+        for prompt in inputs:
+            ids = self._fit_prompt(self.encode_prompt(prompt), max_out_len)
+            start = time.perf_counter()
+            tokens, stats = self._generate_tokens(ids, max_out_len, stop_ids, stop_words)
+            text = self.tokenizer.decode(tokens)
+            text, hit = trim_at_stop(text, stop_words)
+            stats = {'prompt_tokens': len(ids), 'tokens': len(tokens),
+                     'wall_s': round(time.perf_counter() - start, 4),
+                     'stop_word': hit, **stats}
+            self._record(stats)
+            outputs.append(text)
+        return outputs
+
+    # -- statistics --------------------------------------------------------------------------
+    def _record(self, stats: Dict[str, Any]) -> None:
+        stats = {'arm': self.arm, **stats}
+        self.sample_stats.append(stats)
+        if self.stats_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(self.stats_jsonl)), exist_ok=True)
+            with open(self.stats_jsonl, 'a', encoding='utf-8') as f:
+                f.write(json.dumps(stats) + '\n')
+
+    def pop_sample_stats(self) -> List[Dict[str, Any]]:
+        """Per-sample stats recorded since the last call (the inferencer writes them out)."""
+        out, self.sample_stats = self.sample_stats, []
+        return out

@@ -1,0 +1,112 @@
+"""A NaivePartitioner that checks data, checkpoints and adapters before any task starts.
+
+OpenCompass calls the partitioner in the launching process, after parsing the config and
+before it starts a single task, so this is the last point where a missing data file, an
+unconverted student or an absent adapter can stop the run with one message instead of failed
+tasks (whose failure OpenCompass reports with exit code 0). Configs are parsed in mmengine's
+lazy-import mode, where project code cannot run at parse time; hence the check lives here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, List
+
+from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
+from opencompass.registry import PARTITIONERS
+
+from edge0_eval.data import data_root, verify
+from edge0_eval.errors import ConfigError
+
+
+def benchmark_of(dataset_abbr: str) -> str | None:
+    """The staged benchmark a dataset config reads (None for datasets this project does not stage)."""
+    if dataset_abbr.startswith('mmlu_pro'):
+        return 'mmlu_pro'
+    return {'aime2026': 'aime2026', 'openai_humaneval': 'humaneval', 'GPQA_diamond': 'gpqa',
+            'IFBench': 'ifbench'}.get(dataset_abbr)
+
+
+def _type_name(cfg: dict) -> str:
+    kind = cfg.get('type')
+    return getattr(kind, '__name__', str(kind)).rsplit('.', 1)[-1]
+
+
+def model_problems(models: Iterable[dict]) -> List[str]:
+    problems = []
+    for model in models:
+        name = model.get('abbr') or model.get('path')
+        path = model.get('path')
+        if not path:
+            problems.append(f'{name}: no model path (is its environment variable set?)')
+            continue
+        if _type_name(model) == 'Edge0Model':
+            from model_wrappers.edge0_model import engine_fields, resolve_engine_options
+
+            try:
+                resolve_engine_options(path, **{k: model[k] for k in engine_fields() if k in model})
+            except ConfigError as exc:
+                problems.append(f'{name}: {exc}')
+        elif _type_name(model) == 'MLXLMModel':
+            if not os.path.isfile(os.path.join(path, 'config.json')):
+                problems.append(f'{name}: {path} has no config.json (not an mlx-lm checkpoint)')
+    return problems
+
+
+def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool = True,
+              check_models: bool = True) -> None:
+    """Exit with every problem listed, one per line, if the run cannot succeed."""
+    benchmarks = []
+    for d in datasets:
+        b = benchmark_of(d.get('abbr', ''))
+        if b and b not in benchmarks:
+            benchmarks.append(b)
+    problems = [c.message for c in verify(None, benchmarks, full=full_data) if not c.ok]
+    if check_models:
+        problems += model_problems(models)
+    if problems:
+        raise SystemExit('edge0-eval: cannot start the evaluation (data root '
+                         f'{data_root()}, from COMPASS_DATA_CACHE or the working directory):\n'
+                         '  - ' + '\n  - '.join(problems))
+
+
+@PARTITIONERS.register_module()
+class Edge0Partitioner(NaivePartitioner):
+    """NaivePartitioner + `preflight`.
+
+    Args:
+        full_data: require the full benchmarks' item counts (False for fixtures/smoke runs).
+        check_models: also check model paths and student adapters (off for eval-only runs).
+        n: model-dataset pairs per task; the default puts all of an arm's datasets in one task,
+            so each model loads once.
+    """
+
+    def __init__(self, out_dir: str, n: int = 10000, full_data: bool = True,
+                 check_models: bool = True, keep_keys=None):
+        super().__init__(out_dir=out_dir, n=n, keep_keys=keep_keys)
+        self.full_data = full_data
+        self.check_models = check_models
+
+    def __call__(self, cfg):
+        preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
+        return super().__call__(cfg)
+
+
+@PARTITIONERS.register_module()
+class Edge0NumWorkerPartitioner(NumWorkerPartitioner):
+    """NumWorkerPartitioner + `preflight`: splits each dataset into item chunks across
+    `num_worker` tasks per arm (several student workers on one node share the page cache).
+
+    It sizes datasets by loading them once and caches the sizes in `dataset_size_path`
+    (default `.cache/dataset_size.json` under the working directory), as OpenCompass does.
+    """
+
+    def __init__(self, out_dir: str, full_data: bool = True, check_models: bool = True,
+                 **kwargs):
+        super().__init__(out_dir=out_dir, **kwargs)
+        self.full_data = full_data
+        self.check_models = check_models
+
+    def __call__(self, cfg):
+        preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
+        return super().__call__(cfg)
