@@ -1,0 +1,372 @@
+"""The student's served path over whole (teacher-forced) sequences, with gradients.
+
+Serving (engine.generate) runs a prompt with the true router, and the first generated token too;
+from the second generated token on, every consuming layer c = owner + 1 executes the set that the
+prerouter head of owner c-1 predicted from the previous token's features (h_{c-1}(t-1),
+onehot(executed at c-1, t-1), onehot(executed at c-1, t-2)), with the head's combination weights
+(or the router's, `prerouted_weights="router"`). Layers that consume no head route truly.
+
+For a full sequence this is computed layer by layer in one forward pass: after layer N has run
+over all positions, its MoE input and executed sets are known everywhere, so head N runs over
+all positions at once, its logits are shifted one position to the right and become layer N+1's
+plan at every prerouted position. Positions t with t < n_true[b] (the prompt and the first
+generated token) keep the true router. This is the served computation exactly (same modules,
+same heads, same selection rule), not an approximation.
+
+A training step needs two passes (`ServedPath.discover`, then `ServedPath.forward` inside
+`mx.value_and_grad`):
+
+1. discover (no gradient, the engine's serving mode): the switches load whatever is routed
+   (reactive, host sync allowed) and every MoE layer's executed ids are recorded [B, L, K].
+2. the caller loads the union of each layer's ids into the slot pool (`load_routed`) and pins the
+   switches; the gradient pass *replays* the executed ids as fixed plans (no re-selection, so it
+   cannot route to an expert that is not resident) while the combination weights are recomputed
+   differentiably: the router's softmax/sigmoid at true positions, the head's at prerouted ones.
+   Gradients therefore flow through the routing weights into the LoRA, as in the served function.
+
+The MoE blocks are switched, per instance, to a subclass whose __call__ adds this plan logic
+(mlx-lm's and moe.py's classes are untouched; `close()` restores the instances). Gradient
+checkpointing wraps each decoder layer's call in `mx.checkpoint`, again per instance; the MoE
+input that the next layer's head needs and the head weights a layer consumes cross the
+checkpoint boundary as explicit outputs/inputs so their gradients are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+
+from edge0_eval.errors import ConfigError
+
+ROUTINGS = ("prerouted", "true")
+
+
+# -- per-instance block / layer subclasses ----------------------------------------------------------
+
+class _PlannedBlock:
+    """Mixin for the streaming MoE block: executes `_trace.train` plans (see module docstring)."""
+
+    def __call__(self, x):
+        tp = getattr(self._trace, "train", None)
+        if tp is None:
+            return super().__call__(x)
+        inds = tp.inds
+        if inds is None:                                   # discover: select now
+            true, _ = self._true_route(x)
+            inds = true if tp.plan_inds is None else mx.where(tp.mask[..., None],
+                                                              tp.plan_inds, true)
+        weights = self.combine(self.router_probs(x), inds)
+        if tp.plan_weights is not None:
+            # Served: head weights (float32) at prerouted tokens, the router's elsewhere.
+            dtype = (mx.float32 if mx.float32 in (weights.dtype, tp.plan_weights.dtype)
+                     else weights.dtype)
+            weights = mx.where(tp.mask[..., None], tp.plan_weights.astype(dtype),
+                               weights.astype(dtype))
+        self._trace.plan = (inds, weights)
+        try:
+            return super().__call__(x)
+        finally:
+            self._trace.plan = None
+
+    def _true_route(self, x):
+        if hasattr(self, "select"):                        # qwen: softmax top-k
+            return self.select(self.router_probs(x), self.top_k)
+        return self.gate(x)                                # bailing: mlx-lm's Gate
+
+
+class _CheckpointedLayer:
+    """Mixin for a decoder layer: its call runs under `mx.checkpoint` (recomputed on backward)."""
+
+    def __call__(self, x, *args, **kwargs):
+        base = self._e0_base_class
+        if not getattr(self, "_e0_checkpoint", False):
+            return base.__call__(self, x, *args, **kwargs)
+        mlp = getattr(self, "mlp", None)
+        tp = getattr(getattr(mlp, "_trace", None), "train", None)
+        extras = [tp.plan_weights] if tp is not None and tp.plan_weights is not None else []
+
+        def inner(params, x, extras):
+            # Also runs again during the backward pass, after the forward has returned: put
+            # this layer's plan back so the recomputation routes exactly like the forward.
+            self.update(params)
+            if tp is not None:
+                mlp._trace.train = tp
+            if extras:
+                tp.plan_weights = extras[0]
+            out = base.__call__(self, x, *args, **kwargs)
+            side = mlp._trace.last_input if tp is not None and mlp._trace.capture else None
+            return (out, side) if side is not None else (out,)
+
+        outs = mx.checkpoint(inner)(self.trainable_parameters(), x, extras)
+        if len(outs) == 2:
+            mlp._trace.last_input = outs[1]
+        return outs[0]
+
+
+_SUBCLASSES: dict = {}
+
+
+def _swap(obj, mixin) -> None:
+    if isinstance(obj, mixin):
+        return
+    base = type(obj)
+    key = (mixin, base)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"{mixin.__name__.strip('_')}{base.__name__}", (mixin, base),
+                                {"_e0_base_class": base})
+    obj.__class__ = _SUBCLASSES[key]
+
+
+def _unswap(obj) -> None:
+    base = getattr(type(obj), "_e0_base_class", None)
+    if base is not None:
+        obj.__class__ = base
+
+
+# -- plans ------------------------------------------------------------------------------------------
+
+@dataclass
+class Discovery:
+    """What the no-gradient pass routed: executed ids per MoE layer, as host arrays."""
+
+    inds: dict[int, np.ndarray]           # layer -> [B, L, K] int32
+    mask: np.ndarray                      # [B, L] bool: prerouted positions
+    valid: np.ndarray                     # [B, L] bool: real (non-padding) positions
+    logits: mx.array | None = None        # student logits of the pass (when asked for)
+    planned_layers: list[int] = field(default_factory=list)
+
+    def unions(self, rows: np.ndarray | None = None) -> dict[int, list[int]]:
+        """Distinct experts each layer routed to at the valid positions of `rows` (all rows)."""
+        out = {}
+        for layer, ids in self.inds.items():
+            sel = ids if rows is None else ids[rows]
+            valid = self.valid if rows is None else self.valid[rows]
+            out[layer] = np.unique(sel[valid]).astype(int).tolist()
+        return out
+
+
+class ServedPath:
+    """Trainable full-sequence forward of an engine's student, routed exactly as served."""
+
+    def __init__(self, engine, routing: str = "prerouted", grad_checkpoint: bool = False):
+        if routing not in ROUTINGS:
+            raise ConfigError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+        self.engine = engine
+        self.routing = routing
+        self.model = engine.model
+        self.family = engine.family
+        self.layers = self.family.layers(self.model)
+        self.n_layers = len(self.layers)
+        self.moe = list(engine.moe_layers)
+        self.blocks = engine.blocks
+        self.top_k = engine.top_k
+        self.clip = engine.options.clip_hidden
+        self.grad_checkpoint = grad_checkpoint
+        self.owner_of: dict[int, int] = {}      # consumer layer -> owner layer
+        self.heads = {}
+        self.rules = {}
+        self.weight_source = "head"
+        if routing == "prerouted":
+            from edge0_eval.prerouter import RoutingRule
+
+            pr = engine.prerouter
+            if pr is None:
+                raise ConfigError("prerouted routing needs the engine loaded in prerouted mode "
+                                  "with prerouter heads")
+            self.weight_source = pr.weight_source
+            for owner in pr.owners:
+                if owner + 1 in pr.consumers:
+                    self.owner_of[owner + 1] = owner
+                    self.heads[owner] = pr.heads.select_owners([owner])
+                    self.rules[owner + 1] = RoutingRule.from_block(self.blocks[owner + 1])
+        self.owners = sorted(self.owner_of.values())
+        self._saved_capture = {}
+        for layer in self.moe:
+            block = self.blocks[layer]
+            self._saved_capture[layer] = block._trace.capture
+            block._trace.capture = True
+            block._trace.train = None
+            _swap(block, _PlannedBlock)
+        if grad_checkpoint:
+            for layer in self.layers:
+                _swap(layer, _CheckpointedLayer)
+        self.closed = False
+
+    def close(self) -> None:
+        """Give the engine back its serving behaviour (instances restored, switches unpinned)."""
+        if self.closed:
+            return
+        for layer in self.moe:
+            block = self.blocks[layer]
+            block._trace.train = None
+            block._trace.plan = None
+            block._trace.capture = self._saved_capture[layer]
+            block._trace.last_input = block._trace.last_inds = None
+            block.switch_mlp.pin(False)
+            _unswap(block)
+        for layer in self.layers:
+            _unswap(layer)
+            layer.__dict__.pop("_e0_checkpoint", None)
+        self.closed = True
+
+    # -- passes -------------------------------------------------------------------------------
+    def _run(self, tokens: mx.array, mask: mx.array | None, replay: dict | None) -> mx.array:
+        """One forward with plans; replay: layer -> fixed ids (None: select while running)."""
+        for layer in self.moe:
+            self.blocks[layer]._trace.train = SimpleNamespace(
+                inds=None if replay is None else replay[layer], mask=mask, plan_inds=None,
+                plan_weights=None)
+        executed: dict[int, mx.array] = {}
+
+        def hook(i: int, h: mx.array) -> mx.array:
+            if self.clip:
+                h = mx.clip(mx.nan_to_num(h, nan=0.0), -self.clip, self.clip)
+            if i in self.blocks:
+                executed[i] = self.blocks[i]._trace.last_inds
+            consumer = i + 1
+            if consumer in self.owner_of and mask is not None:
+                owner = self.owner_of[consumer]
+                block = self.blocks[owner]
+                x = block._trace.last_input                      # [B, L, H]
+                ids = executed[owner]                            # [B, L, K]
+                num_experts = self.blocks[owner].num_experts
+                from edge0_eval.prerouter import build_features, onehot
+
+                oh = onehot(ids, num_experts, mx.float32)
+                oh_prev = mx.concatenate([mx.zeros_like(oh[:, :1]), oh[:, :-1]], axis=1)
+                feats = build_features(x[None], oh[None], oh_prev[None])
+                logits = self.heads[owner](feats)[0]             # [B, L, E]
+                # The plan for token t comes from the features of token t-1.
+                logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+                rule = self.rules[consumer]
+                tp = self.blocks[consumer]._trace.train
+                if tp.inds is None:
+                    plan_inds, plan_w = rule.select(logits, self.top_k)
+                    tp.plan_inds = plan_inds
+                else:
+                    plan_w = _weights_for(rule, logits, tp.inds)
+                tp.plan_weights = None if self.weight_source == "router" else plan_w
+            return h
+
+        cache = [None] * self.n_layers    # a cache-less full-sequence pass (causal masks)
+        checkpoint = self.grad_checkpoint and replay is not None
+        for layer in self.layers:
+            layer._e0_checkpoint = checkpoint
+        # The plans stay installed after the forward returns: a gradient transform may
+        # recompute (checkpointed) layers later. `clear_plans()` removes them.
+        return self.family.forward(self.model, tokens, cache, hook)
+
+    def clear_plans(self) -> None:
+        """Back to plain serving behaviour of the blocks (call after the gradient pass)."""
+        for layer in self.moe:
+            trace = self.blocks[layer]._trace
+            trace.train = None
+            trace.plan = None
+            trace.last_input = None
+        for layer in self.layers:
+            layer._e0_checkpoint = False
+
+    def discover(self, tokens: np.ndarray, valid: np.ndarray, n_true: np.ndarray,
+                 keep_logits: bool = False) -> Discovery:
+        """No-gradient pass in serving mode; records every MoE layer's executed ids.
+
+        tokens [B, L] int, valid [B, L] bool (False = padding, at the end of a row), n_true [B]:
+        positions t < n_true[b] route with the true router (prompt + first generated token).
+        """
+        for layer in self.moe:
+            self.blocks[layer].switch_mlp.pin(False)
+        mask = self._mask(tokens.shape, n_true)
+        logits = self._run(mx.array(tokens), None if mask is None else mx.array(mask), None)
+        inds = {layer: self.blocks[layer]._trace.last_inds for layer in self.moe}
+        mx.eval(logits, list(inds.values()))
+        self.clear_plans()
+        out = Discovery(inds={k: np.array(v).astype(np.int32) for k, v in inds.items()},
+                        mask=np.zeros(tokens.shape, bool) if mask is None else mask,
+                        valid=np.asarray(valid, bool),
+                        logits=logits if keep_logits else None,
+                        planned_layers=sorted(self.owner_of))
+        return out
+
+    def _mask(self, shape, n_true: np.ndarray) -> np.ndarray | None:
+        if not self.owner_of:
+            return None
+        positions = np.arange(shape[1])[None, :]
+        return positions >= np.asarray(n_true).reshape(-1, 1)
+
+    def load_routed(self, unions: dict[int, list[int]]) -> int:
+        """Make each layer's union resident (the memory bound: only these experts). #read."""
+        loaded = 0
+        for layer, experts in unions.items():
+            switch = self.blocks[layer].switch_mlp
+            if len(experts) > switch.slots.n_slots:
+                raise ConfigError(f"layer {layer}: {len(experts)} routed experts do not fit "
+                                  f"{switch.slots.n_slots} slots")
+            if experts:
+                loaded += switch.load_experts(experts)
+        return loaded
+
+    def replay_plan(self, disc: Discovery, rows: np.ndarray, unions: dict[int, list[int]]
+                    ) -> dict[int, mx.array]:
+        """Fixed ids for the gradient pass; padding positions point at a resident expert."""
+        plan = {}
+        valid = disc.valid[rows]
+        for layer, ids in disc.inds.items():
+            sel = ids[rows].copy()
+            fill = unions[layer][0] if unions[layer] else 0
+            sel[~valid] = fill
+            plan[layer] = mx.array(sel)
+        return plan
+
+    def forward(self, tokens: mx.array, mask: mx.array | None, plan: dict[int, mx.array]
+                ) -> mx.array:
+        """The served forward replaying `plan`, differentiable in the LoRA (switches pinned)."""
+        return self._run(tokens, mask, plan)
+
+    def pin(self, pinned: bool) -> None:
+        for layer in self.moe:
+            self.blocks[layer].switch_mlp.pin(pinned)
+
+
+def _weights_for(rule, logits: mx.array, inds: mx.array) -> mx.array:
+    """Combination weights of the given ids under `rule` (the weight half of rule.select)."""
+    logits = logits.astype(mx.float32)
+    scores = mx.sigmoid(logits) if rule.score == "sigmoid" else mx.softmax(logits, axis=-1,
+                                                                           precise=True)
+    weights = mx.take_along_axis(scores, inds, axis=-1)
+    if inds.shape[-1] > 1 and rule.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * rule.routed_scaling_factor
+
+
+def pack_rows(disc: Discovery, n_slots: int) -> list[np.ndarray]:
+    """Split the batch rows into micro-batches whose per-layer routed unions fit `n_slots`.
+
+    Greedy in row order (deterministic). A single row that alone needs more slots than there are
+    raises ConfigError: shorten --seq-len or raise --slots-per-layer.
+    """
+    rows = np.arange(disc.valid.shape[0])
+    groups, current, current_sets = [], [], None
+    for r in rows:
+        sets = {layer: set(np.unique(ids[r][disc.valid[r]]).tolist())
+                for layer, ids in disc.inds.items()}
+        worst = max((len(s) for s in sets.values()), default=0)
+        if worst > n_slots:
+            raise ConfigError(f"one sequence routes to {worst} distinct experts in a layer but "
+                              f"there are {n_slots} slots per layer; lower --seq-len or raise "
+                              f"--slots-per-layer")
+        if current_sets is None:
+            current, current_sets = [r], sets
+            continue
+        merged = {layer: current_sets[layer] | sets[layer] for layer in sets}
+        if max((len(s) for s in merged.values()), default=0) <= n_slots:
+            current.append(r)
+            current_sets = merged
+        else:
+            groups.append(np.array(current))
+            current, current_sets = [r], sets
+    if current:
+        groups.append(np.array(current))
+    return groups
