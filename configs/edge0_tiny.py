@@ -3,6 +3,8 @@
 #     edge0-eval demo          # makes the models and data, runs this config, checks the results
 # or by hand:
 #     edge0-eval make-tiny M/teacher --family qwen3_5_moe && edge0-eval convert M/teacher M/student
+#     edge0-eval train-prerouter M/student --text T --out M/student/prerouter.safetensors
+#     edge0-eval train-lora ... --out M/student/lora.safetensors
 #     edge0-eval data fixtures --root D
 #     COMPASS_DATA_CACHE=D EDGE0_TINY_TEACHER=M/teacher EDGE0_TINY_STUDENT=M/student \
 #         opencompass configs/edge0_tiny.py
@@ -34,7 +36,17 @@ tiny_generation = dict(max_out_len=24, max_seq_len=2048, batch_size=1,
                        generation_kwargs=dict(temperature=0.0),
                        chat_template_kwargs=dict(enable_thinking=False),
                        run_cfg=dict(num_gpus=0))
+# Arms (EDGE0_ARMS, comma-separated; `edge0-eval demo` runs all four):
+#   teacher           the fp16 tiny checkpoint through mlx-lm
+#   int4_exact        int4 experts streamed, exact routing (true router), no LoRA
+#   prerouted_nolora  prediction-as-routing with the student's prerouter heads, no LoRA
+#   student           prerouted + the recovery LoRA: exactly the served student path
 tiny_arms = os.environ.get('EDGE0_ARMS', 'teacher,student').split(',')
+unknown_arms = [a for a in tiny_arms
+                if a not in ('teacher', 'student', 'int4_exact', 'prerouted_nolora')]
+if unknown_arms:
+    raise SystemExit(f'edge0-eval: EDGE0_ARMS has unknown arms {unknown_arms}; choose from '
+                     'teacher, student, int4_exact, prerouted_nolora')
 models = []
 if 'teacher' in tiny_arms:
     if not os.environ.get('EDGE0_TINY_TEACHER'):
@@ -42,14 +54,20 @@ if 'teacher' in tiny_arms:
                          'checkpoint from `edge0-eval make-tiny` (or run `edge0-eval demo`)')
     models.append(dict(type=MLXLMModel, abbr='edge0-tiny-teacher',
                        path=os.environ['EDGE0_TINY_TEACHER'], **tiny_generation))
+if set(tiny_arms) - {'teacher'} and not os.environ.get('EDGE0_TINY_STUDENT'):
+    raise SystemExit('edge0-eval: EDGE0_TINY_STUDENT is not set: export it to the output of '
+                     '`edge0-eval convert` with its adapters (or run `edge0-eval demo`)')
+# A small slot pool, so the student arms really stream (the tiny model has 16 experts x 4 layers).
+tiny_student = dict(type=Edge0Model, path=os.environ.get('EDGE0_TINY_STUDENT', ''),
+                    slots_per_layer=8, **tiny_generation)
+if 'int4_exact' in tiny_arms:
+    models.append(dict(abbr='edge0-tiny-int4-exact', mode='reactive', no_lora=True,
+                       no_prerouter=True, **tiny_student))
+if 'prerouted_nolora' in tiny_arms:
+    models.append(dict(abbr='edge0-tiny-prerouted-nolora', mode='prerouted', no_lora=True,
+                       **tiny_student))
 if 'student' in tiny_arms:
-    if not os.environ.get('EDGE0_TINY_STUDENT'):
-        raise SystemExit('edge0-eval: EDGE0_TINY_STUDENT is not set: export it to the output '
-                         'of `edge0-eval convert` (or run `edge0-eval demo`)')
-    # The tiny student has no trained adapters: int4 experts streamed with exact routing.
-    models.append(dict(type=Edge0Model, abbr='edge0-tiny-student',
-                       path=os.environ['EDGE0_TINY_STUDENT'], mode='reactive', no_lora=True,
-                       no_prerouter=True, **tiny_generation))
+    models.append(dict(abbr='edge0-tiny-student', mode='prerouted', **tiny_student))
 
 infer = dict(
     # One task per arm (all datasets in it, so each model loads once), one arm at a time. The

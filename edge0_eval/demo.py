@@ -21,7 +21,9 @@ from pathlib import Path
 from edge0_eval.errors import Edge0Error
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
-TINY_MODELS = ('edge0-tiny-teacher', 'edge0-tiny-student')
+TINY_ARMS = ('teacher', 'int4_exact', 'prerouted_nolora', 'student')
+TINY_MODELS = ('edge0-tiny-teacher', 'edge0-tiny-int4-exact', 'edge0-tiny-prerouted-nolora',
+               'edge0-tiny-student')
 TINY_DATASETS = ('aime2026', 'IFBench', 'openai_humaneval', 'GPQA_diamond', 'mmlu_pro_math',
                  'mmlu_pro_physics')
 
@@ -33,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='OpenCompass config (default: configs/edge0_tiny.py of this checkout)')
     parser.add_argument('--fresh', action='store_true',
                         help='rebuild the tiny models instead of reusing them')
+    parser.add_argument('--baseline', default=None,
+                        help='gate the run against this report.json (default: '
+                             'reports/tiny/report.json of this checkout, when present)')
 
 
 def find_config(explicit: str | None = None) -> Path:
@@ -72,16 +77,62 @@ def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
         shutil.rmtree(student, ignore_errors=True)
         convert(str(teacher), str(student))
     write_fixtures(data)
+    train_student_adapters(work, teacher, student)
     return {'COMPASS_DATA_CACHE': str(data.resolve()), 'EDGE0_TINY_TEACHER': str(teacher.resolve()),
-            'EDGE0_TINY_STUDENT': str(student.resolve())}
+            'EDGE0_TINY_STUDENT': str(student.resolve()), 'EDGE0_ARMS': ','.join(TINY_ARMS)}
+
+
+def tiny_corpus(directory: Path) -> list[Path]:
+    """Text that ships with every Python, one document per file: stage-1 training text."""
+    import json as json_module
+    import string
+    import textwrap
+
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for module in (json_module, string, textwrap):
+        path = directory / f'{module.__name__.replace(".", "_")}.txt'
+        path.write_text(Path(module.__file__).read_text(encoding='utf-8'), encoding='utf-8')
+        files.append(path)
+    return files
+
+
+def tiny_prompts(path: Path) -> Path:
+    prompts = ['What is 2 + 2?', 'Write a Python function that reverses a string.',
+               'Name three primary colours.', 'Explain what a mixture of experts is.',
+               'Answer with one letter: (A) red (B) blue.', 'Write a haiku about disks.',
+               'def fib(n):', 'List the first five prime numbers.']
+    path.write_text('\n'.join(json.dumps({'prompt': p}) for p in prompts) + '\n')
+    return path
+
+
+def _edge0(*args: str) -> None:
+    cmd = [sys.executable, '-m', 'edge0_eval', *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise Edge0Error(f'`edge0-eval {" ".join(args[:1])}` failed:\n'
+                         f'{(proc.stderr or proc.stdout)[-2000:]}')
+
+
+def train_student_adapters(work: Path, teacher: Path, student: Path) -> None:
+    """The student's prerouter heads (stage 1) and recovery LoRA (stage 2), short runs."""
+    heads = student / 'prerouter.safetensors'
+    if not heads.exists():
+        corpus = tiny_corpus(work / 'corpus')
+        _edge0('train-prerouter', str(student), '--text', *map(str, corpus), '--out', str(heads),
+               '--steps', '300', '--max-tokens', '6000', '--no-progress')
+    lora = student / 'lora.safetensors'
+    if not lora.exists():
+        prompts = tiny_prompts(work / 'prompts.jsonl')
+        _edge0('train-lora', str(teacher), str(student), '--prompts', str(prompts),
+               '--out', str(lora), '--steps', '30', '--no-progress')
 
 
 def offline_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     # Nothing may reach a hub: make the HF libraries fail fast instead of trying.
-    env.update(HF_HUB_OFFLINE='1', HF_DATASETS_OFFLINE='1', TRANSFORMERS_OFFLINE='1',
-               EDGE0_ARMS='teacher,student')
+    env.update(HF_HUB_OFFLINE='1', HF_DATASETS_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
     return env
 
 
@@ -140,6 +191,32 @@ def run_tiny(work: Path, config: Path, env: dict[str, str]) -> Path:
     return new[-1]
 
 
+TINY_ARM_SPEC = ','.join(f'{arm}={model}' for arm, model in zip(TINY_ARMS, TINY_MODELS))
+
+
+def find_baseline(explicit: str | None) -> Path | None:
+    if explicit:
+        return Path(explicit)
+    default = Path(__file__).resolve().parent.parent / 'reports' / 'tiny' / 'report.json'
+    return default if default.is_file() else None
+
+
+def report_and_gate(run_dir: Path, out: Path, baseline: Path | None) -> Path:
+    """The gap report of a tiny run, gated against `baseline` (a committed report.json)."""
+    # Relative paths: the report records its command, and reports get committed.
+    _edge0('report', os.path.relpath(run_dir), '--out', os.path.relpath(out),
+           '--arms', TINY_ARM_SPEC)
+    if baseline is not None:
+        cmd = [sys.executable, '-m', 'edge0_eval', 'gate', str(out / 'report.json'),
+               '--baseline', str(baseline)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(proc.stdout)
+        if proc.returncode != 0:
+            raise Edge0Error(f'the gate against {baseline} failed:\n{proc.stdout[-3000:]}'
+                             f'{proc.stderr[-1000:]}')
+    return out / 'report.json'
+
+
 def run(args: argparse.Namespace) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -156,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     summary = sorted((run_dir / 'summary').glob('summary_*.csv'))
     if summary:
         print(summary[-1].read_text().replace(',', '\t'))
+    report = report_and_gate(run_dir, work / 'report', find_baseline(args.baseline))
+    print(f'report: {report}')
     print(f'demo ok: {len(TINY_MODELS)} arms x {len(TINY_DATASETS)} datasets scored in '
           f'{run_dir} ({time.perf_counter() - start:.0f}s)')
     return 0

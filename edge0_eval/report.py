@@ -74,6 +74,11 @@ def command_line(args: argparse.Namespace) -> str:
 
 # --------------------------------------------------------------------------- arms
 
+def _shown(path: Path) -> str:
+    """A run folder as the user gave it (relative stays relative: reports get committed)."""
+    return str(path)
+
+
 def _model_index(runs: list[Run]) -> dict[str, Run]:
     index: dict[str, Run] = {}
     for r in runs:
@@ -275,8 +280,8 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "outputs": [str(r.path.resolve()) for r in runs],
-        "arms": {arm: {"abbr": abbr, "run": str(r.path.resolve())}
+        "outputs": [_shown(r.path) for r in runs],
+        "arms": {arm: {"abbr": abbr, "run": _shown(r.path)}
                  for arm, (abbr, r) in arms.items()},
         "interval": {"method": "normal approximation on paired per-item differences "
                                "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1",

@@ -83,5 +83,5 @@ class MLXLMModel(ChatModelBase):
             'peak_memory_gib': round(mx.get_peak_memory() / 2**30, 4),
             'finish_reason': finish,
             'gen_wall_s': round(time.perf_counter() - tic, 4),
-            'cache': None,
+            'cache': 'resident',
         }

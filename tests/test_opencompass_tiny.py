@@ -50,7 +50,7 @@ def test_tiny_config_end_to_end(tiny_env, tmp_path):
                 assert 0 < s['tokens'] <= 24
                 assert {'decode_tok_s', 'prefill_tok_s', 'peak_memory_gib', 'cache'} <= set(s)
             if 'student' in model:
-                assert all(s['cache']['bytes_read'] > 0 for s in stats)
+                assert all(s['pool']['bytes_read'] > 0 for s in stats)
     # Raw-prompt and PromptList datasets both reached the models as chat messages.
     aime = json.loads((run_dir / 'predictions' / TINY_MODELS[0] / 'aime2026.json').read_text())
     assert aime['0']['origin_prompt'][0]['role'] == 'user'
@@ -73,9 +73,10 @@ def test_tiny_config_lists_what_the_demo_checks(tiny_env):
         os.environ.update(old)
     assert sorted(d['abbr'] for d in cfg['datasets']) == sorted(TINY_DATASETS)
     assert [m['abbr'] for m in cfg['models']] == list(TINY_MODELS)
-    teacher, student = cfg['models']
-    for key in ('max_out_len', 'generation_kwargs', 'chat_template_kwargs', 'max_seq_len'):
-        assert teacher[key] == student[key]
+    teacher, *students = cfg['models']
+    for student in students:
+        for key in ('max_out_len', 'generation_kwargs', 'chat_template_kwargs', 'max_seq_len'):
+            assert teacher[key] == student[key]
 
 
 def test_check_run_reports_failed_tasks(tmp_path):

@@ -142,7 +142,8 @@ def test_student_generates_with_engine_options_and_stats(student):
     for s in stats:
         assert s['arm'] == 'student' and 0 < s['tokens'] <= 6
         assert s['decode_tok_s'] >= 0 and s['prefill_tok_s'] > 0 and s['peak_memory_gib'] > 0
-        assert {'decode_hit_rate', 'bytes_read', 'blocked_load_ms_per_step'} <= set(s['cache'])
+        assert {'decode_hit_rate', 'bytes_read', 'blocked_load_ms_per_step'} <= set(s['pool'])
+        assert s['cache'] == 'not evicted'
         assert s['engine']['mode'] == 'reactive'
 
 
