@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval.demo import TINY_DATASETS, TINY_MODELS, check_run, offline_env, prepare
+from edge0_eval.demo import (TINY_DATASETS, TINY_MODELS, check_run, offline_env, prepare,
+                             report_and_gate)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / 'configs'
@@ -59,6 +60,9 @@ def test_tiny_config_end_to_end(tiny_env, tmp_path):
     for name in ('aime2026', 'openai_humaneval', 'GPQA_diamond', 'mmlu_pro_per_question',
                  'mmlu_pro', 'IFBench'):
         assert name in rows and '-' not in rows[name][4:], summary
+    # The CI gate: this run's gap report against the committed tiny baseline.
+    report = report_and_gate(run_dir, tmp_path / 'report', REPO / 'reports' / 'tiny' / 'report.json')
+    assert json.loads(report.read_text())['status'] == 'ok'
 
 
 def test_tiny_config_lists_what_the_demo_checks(tiny_env):
@@ -104,9 +108,13 @@ def test_unset_model_path_is_one_clear_error(tmp_path):
 def test_missing_data_and_adapters_stop_before_any_model_loads(tiny_env, tmp_path):
     empty = tmp_path / 'data'
     empty.mkdir()
+    # A student directory without its adapters (the demo's student has trained ones).
+    bare = tmp_path / 'student-bare'
+    shutil.copytree(tiny_env['EDGE0_TINY_STUDENT'], bare,
+                    ignore=shutil.ignore_patterns('lora*', 'prerouter*'))
     env = offline_env(tiny_env)
     env.update(COMPASS_DATA_CACHE=str(empty), EDGE0_8B_TEACHER=tiny_env['EDGE0_TINY_TEACHER'],
-               EDGE0_8B_STUDENT=tiny_env['EDGE0_TINY_STUDENT'],
+               EDGE0_8B_STUDENT=str(bare),
                EDGE0_ARMS='teacher,student,prerouted_nolora')
     proc = _opencompass(CONFIGS / 'edge0_8b.py', tmp_path / 'out', env, timeout=300)
     assert proc.returncode != 0
