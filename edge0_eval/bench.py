@@ -10,6 +10,7 @@ compute-only step time (engine resident mode: every expert already in memory).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -206,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
                 row = run_compute_only_arm(args.model, args)
             else:
                 row = run_engine_arm(args.model, arm, args, cold)
+            # Free the arm's engine before the next one: its buffers must not count there.
+            gc.collect()
+            mx.clear_cache()
             warm = arm in ("mlx-lm", "compute-only", "resident")
             row.update({"arm": arm, "round": round_,
                         "cache": "warm (experts in memory)" if warm else args.cache,

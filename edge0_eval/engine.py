@@ -102,6 +102,8 @@ class Engine:
         self.prerouter = None
         self.lora = None
         self._staging = False
+        self._plan_early = False
+        self._last_layer = len(family.layers(model)) - 1
         self._guard_events = mx.array(0, dtype=mx.int32)
         self._last = {}
         self.reset()
@@ -202,12 +204,23 @@ class Engine:
             h = mx.clip(mx.nan_to_num(h, nan=0.0), -limit, limit)
         if self._staging:
             self.prerouter.before_layer(layer + 1, h)
+        if self._plan_early and layer == self._last_layer:
+            # Plan the next step now, before the LM head is even built: its compute (the
+            # biggest single op) then overlaps the next step's staged reads.
+            self.prerouter.after_step()
+            self._plan_early = False
         return h
 
-    def forward(self, tokens: mx.array) -> mx.array:
-        """Logits for `tokens` [B, L] continuing the cached sequence."""
+    def forward(self, tokens: mx.array, plan_next: bool = False) -> mx.array:
+        """Logits for `tokens` [B, L] continuing the cached sequence.
+
+        plan_next (decode): run the prerouter heads right after the last layer and start
+        staging the next step's experts.
+        """
         self._staging = self.prerouter is not None and self.prerouter.has_plan
-        hook = self._after_layer if (self.options.clip_hidden or self._staging) else None
+        self._plan_early = plan_next and self.prerouter is not None
+        hook = (self._after_layer
+                if (self.options.clip_hidden or self._staging or self._plan_early) else None)
         logits = self.family.forward(self.model, tokens, self.cache, hook)
         self.position += tokens.shape[1]
         return logits
@@ -226,13 +239,12 @@ class Engine:
 
     def step(self, token: int) -> mx.array:
         t0 = time.perf_counter()
-        logits = self.forward(mx.array([[token]]))
+        logits = self.forward(mx.array([[token]]), plan_next=True)
         t1 = time.perf_counter()
         mx.eval(logits, self._guard_events)
         t2 = time.perf_counter()
         if self.prerouter is not None:
             self.prerouter.counters.steps += int(self._staging)
-            self.prerouter.after_step()
         prof = self._profile
         prof["steps"] += 1
         # build: Python building the graph, including blocking reads/stage waits and any compute

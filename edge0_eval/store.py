@@ -7,11 +7,13 @@ bytes are counted exactly; `edge0-eval bench` measures both against each other.
 
 from __future__ import annotations
 
+import itertools
 import os
+import queue
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +21,48 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError
 from edge0_eval.layout import ExpertIndex
+
+
+DEMAND, PREFETCH = 0, 1
+
+
+class _PriorityPool:
+    """A few I/O threads serving a priority queue (FIFO within a priority).
+
+    A stdlib ThreadPoolExecutor is FIFO: a layer blocked on its own reads would wait behind every
+    prefetch queued for later layers, which is exactly the wait prefetching exists to remove.
+    """
+
+    def __init__(self, workers: int):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"edge0-io-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((priority, next(self._order), future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            _, _, future, fn, args = self._queue.get()
+            if future is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put((99, next(self._order), None, None, None))
+        for t in self._threads:
+            t.join()
 
 
 @dataclass
@@ -70,8 +114,7 @@ class ExpertStore:
         self.verify_crc = verify_crc and bool(self.index.crc32)
         self.throttle_mbps = io_throttle_mbps
         self._throttle = _Throttle(io_throttle_mbps) if io_throttle_mbps else None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_workers),
-                                        thread_name_prefix="edge0-io")
+        self._queue = _PriorityPool(max(1, io_workers))
         self._lock = threading.Lock()
         self.stats = StoreStats()
 
@@ -112,14 +155,13 @@ class ExpertStore:
             self.stats.throttle_seconds += delay
         return buf
 
-    def submit(self, layer: int, expert: int) -> Future:
-        return self._pool.submit(self.read, layer, expert)
+    def submit(self, layer: int, expert: int, priority: int = PREFETCH) -> Future:
+        """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches."""
+        return self._queue.submit(priority, self.read, layer, expert)
 
     def read_many(self, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
-        """Read several bundles concurrently (queue depth = io_workers); blocking."""
-        if len(pairs) == 1:
-            return [self.read(*pairs[0])]
-        futures = [self.submit(l, e) for l, e in pairs]
+        """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches."""
+        futures = [self.submit(l, e, DEMAND) for l, e in pairs]
         return [f.result() for f in futures]
 
     # -- cache control ----------------------------------------------------------------------
@@ -135,7 +177,7 @@ class ExpertStore:
             self.stats = StoreStats()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._queue.shutdown()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
