@@ -279,9 +279,9 @@ def targets(report: dict) -> dict:
     res_tps, ref_tps = _mean(rows, "resident", "decode_tok_s"), _mean(rows, "mlx-lm", "decode_tok_s")
     if res_tps and ref_tps:
         out["warm_engine_over_mlx_lm"] = round(res_tps / ref_tps, 3)
-    achieved = _mean(rows, "reactive", "blocked_gbps")
+    achieved = _mean(rows, "reactive", "demand_read_gbps")
     if achieved and raw:
-        out["reactive_read_gbps_over_raw"] = round(achieved / 1e9 / raw["gbps"], 3)
+        out["reactive_read_gbps_over_raw"] = round(achieved / raw["gbps"], 3)
     if report.get("emulated"):
         out["note"] = f"storage emulated at {report['io_throttle_mbps']:.1f} MB/s"
     return out

@@ -290,6 +290,8 @@ class Engine:
             "hits": sum(p.hits for p in pool),
             "misses": sum(p.misses for p in pool),
             "blocked_loads": self.counters.blocked_loads,
+            "demand_read_s": self.counters.demand_read_seconds,
+            "demand_read_bytes": self.counters.demand_read_bytes,
         }
 
     def _phase_stats(self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode) -> dict:
@@ -309,6 +311,10 @@ class Engine:
                 1000 * (after["blocked"] - mid["blocked"]) / steps if steps else 0.0,
             "blocked_loads_per_step":
                 (after["blocked_loads"] - mid["blocked_loads"]) / steps if steps else 0.0,
+            # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
+            "demand_read_gbps": ((after["demand_read_bytes"] - mid["demand_read_bytes"])
+                                 / (after["demand_read_s"] - mid["demand_read_s"]) / 1e9
+                                 if after["demand_read_s"] > mid["demand_read_s"] else None),
             "decode_hit_rate": (after["hits"] - mid["hits"]) / lookups if lookups else 0.0,
             "prefill_bytes_read": mid["bytes"] - before["bytes"],
             "profile_ms_per_step": {

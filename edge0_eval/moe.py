@@ -30,7 +30,8 @@ class LoadCounters(SimpleNamespace):
     """Shared by all blocks of an engine: time the decode path spent waiting for reads."""
 
     def __init__(self):
-        super().__init__(blocked_seconds=0.0, blocked_loads=0, bundles_loaded=0)
+        super().__init__(blocked_seconds=0.0, blocked_loads=0, bundles_loaded=0,
+                         demand_read_seconds=0.0, demand_read_bytes=0)
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -87,6 +88,9 @@ class StreamingSwitchGLU(nn.Module):
                     for e, _ in loads:
                         io.slots.forget(e)
                     raise
+                # Wall time of the reads alone (the slot writes below are a memory copy).
+                io.counters.demand_read_seconds += time.perf_counter() - started
+                io.counters.demand_read_bytes += sum(b.nbytes for b in bufs)
             self._write_slots([s for _, s in loads], bufs)
             if blocking:
                 io.counters.blocked_seconds += time.perf_counter() - started
