@@ -135,7 +135,8 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
     from edge0_eval.reference import load_reference
 
     mx.reset_peak_memory()
-    model, tokenizer = load_reference(model_dir)
+    model, tokenizer = load_reference(model_dir, compute_dtype=args.compute_dtype,
+                                      top_k=args.top_k)
     prompt = mx.array(_prompt(tokenizer, args.prompt_tokens))
     times = []
     started = time.perf_counter()

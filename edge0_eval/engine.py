@@ -147,8 +147,9 @@ class Engine:
                             verify_crc=options.verify_crc)
         counters = LoadCounters()
         layers = family.layers(model)
+        compute_dtype = resolve_compute_dtype(options.compute_dtype)
         for i in index.moe_layers:
-            switch = StreamingSwitchGLU(i, index, store, slots, counters)
+            switch = StreamingSwitchGLU(i, index, store, slots, counters, scale_dtype=compute_dtype)
             # Instance-level replacement: mlx-lm's classes stay untouched.
             layers[i].mlp = family.block_class(layers[i].mlp, switch, i, top_k)
 
@@ -157,7 +158,8 @@ class Engine:
         _check_resident_names(model, resident, directory / RESIDENT_NAME)
         model.load_weights(list(resident.items()), strict=False)
         # Slot buffers keep the file's dtype: reads land in them unconverted.
-        cast_floating(model, resolve_compute_dtype(options.compute_dtype), skip=".switch_mlp.glu.")
+        # Slot buffers were made in their serving dtypes above and are filled by reads.
+        cast_floating(model, compute_dtype, skip=".switch_mlp.glu.")
         lora = None
         lora_path = _lora_path(directory, options)
         if lora_path is not None:

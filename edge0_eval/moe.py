@@ -38,7 +38,7 @@ class StreamingSwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU over `n_slots` quantized slot buffers, filled from the expert store."""
 
     def __init__(self, layer: int, index: ExpertIndex, store: ExpertStore, n_slots: int,
-                 counters: LoadCounters):
+                 counters: LoadCounters, scale_dtype=None):
         super().__init__()
         spec = {t.name: t for t in index.tensors}
         hidden_dims, packed_in = spec["gate_proj.weight"].shape
@@ -53,6 +53,10 @@ class StreamingSwitchGLU(nn.Module):
                 t = spec[f"{proj}.{part}"]
                 dtype = {"uint32": mx.uint32, "float16": mx.float16,
                          "bfloat16": mx.bfloat16, "float32": mx.float32}[t.dtype]
+                if part != "weight" and scale_dtype is not None:
+                    # On the CPU gather_qmm with float16 scales runs ~4x slower than with
+                    # float32 (measured: 15.8 vs 3.9 ms, K=4 of 256 experts, 2048->512).
+                    dtype = scale_dtype
                 setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
             q.freeze()
             setattr(self.glu, proj, q)
@@ -110,9 +114,9 @@ class StreamingSwitchGLU(nn.Module):
             target = getattr(self.glu, proj)
             values = mx.array(np.stack([p[name] for p in parts]))
             buffer = target[part]
-            if buffer.dtype == mx.bfloat16:
+            if index.tensor(name).dtype == "bfloat16":
                 values = values.view(mx.bfloat16)
-            buffer[where] = values
+            buffer[where] = values.astype(buffer.dtype)
             target[part] = buffer
         mx.eval(self.glu.parameters())
 

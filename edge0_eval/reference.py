@@ -16,7 +16,7 @@ from edge0_eval.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_b
 from edge0_eval.store import ExpertStore
 
 
-def load_reference(directory: str | Path, compute_dtype: str = "auto"):
+def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: int | None = None):
     """Returns (mlx-lm model, tokenizer) for a converted directory, all experts in memory.
 
     `compute_dtype` applies the engine's dtype policy (see mlx_compat) so both run alike.
@@ -47,9 +47,23 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto"):
         store.close()
     _quantize_like_mlx_lm(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
-    cast_floating(model, resolve_compute_dtype(compute_dtype), skip=".switch_mlp.")
+    cast_floating(model, resolve_compute_dtype(compute_dtype))
+    if top_k is not None:
+        set_top_k(model, top_k)
     model.eval()
     mx.eval(model.parameters())
     eos = config.get("eos_token_id")
     tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     return model, tokenizer
+
+
+def set_top_k(model, top_k: int) -> None:
+    """Serve mlx-lm's MoE blocks at `top_k` (instance attributes; classes untouched)."""
+    for layer in model.layers:
+        block = layer.mlp
+        if hasattr(block, "switch_mlp"):
+            gate = getattr(block, "gate", None)
+            if hasattr(gate, "top_k"):      # bailing: the Gate module selects
+                gate.top_k = top_k
+            else:                           # qwen: the block selects
+                block.top_k = top_k

@@ -31,7 +31,7 @@ def _parity(src, converted, steps=64, **options):
 
     ref, tok = load(str(src))
     # The engine's dtype policy (float32 activations on CPU), applied to mlx-lm's model too.
-    cast_floating(ref, resolve_compute_dtype("auto"), skip=".switch_mlp.")
+    cast_floating(ref, resolve_compute_dtype("auto"))
     engine = Engine.load(converted, EngineOptions(mode="reactive", **options))
     prompt = tok.encode(PROMPT)
     cache = ref.make_cache()
