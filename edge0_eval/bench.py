@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-balanced", action="store_true",
                         help="set the storage throttle so pure read time equals the compute-only "
                              "step time (where overlap gains most); figures are labelled emulated")
+    parser.add_argument("--compare-mmap", action="store_true",
+                        help="also copy the same number of random bundles out of an mmap")
     parser.add_argument("--profile", action="store_true",
                         help="print the split of a decode step per arm")
     parser.add_argument("--json", dest="json_path", default=None)
@@ -68,6 +70,34 @@ def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, see
                 "ms_per_bundle": 1000 * elapsed / n_reads}
     finally:
         store.close()
+
+
+def measure_mmap_reads(directory, n_reads: int, queue_depth: int, cold: bool,
+                       seed: int = 0) -> dict:
+    """The same random bundles copied out of an mmap of the file: the alternative to preadv."""
+    import mmap
+
+    from edge0_eval.layout import ExpertIndex
+
+    index = ExpertIndex.load(directory)
+    fd = os.open(os.path.join(directory, index.file), os.O_RDONLY)
+    try:
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        if cold:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        rng = random.Random(seed)
+        offsets = [index.bundle_offset(rng.choice(index.moe_layers), rng.randrange(index.num_experts))
+                   for _ in range(n_reads)]
+        copy = lambda o: bytes(mapped[o: o + index.bundle_stride])  # noqa: E731
+        started = time.perf_counter()
+        with ThreadPoolExecutor(queue_depth) as pool:
+            list(pool.map(copy, offsets))
+        elapsed = time.perf_counter() - started
+        mapped.close()
+        return {"reads": n_reads, "queue_depth": queue_depth, "cache": "cold" if cold else "warm",
+                "gbps": n_reads * index.bundle_stride / elapsed / 1e9}
+    finally:
+        os.close(fd)
 
 
 def _prompt(tokenizer, n: int) -> list[int]:
@@ -194,6 +224,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"raw positioned reads ({r['cache']}, qd {r['queue_depth']}, "
               f"{r['bundle_bytes'] / 2**20:.2f} MiB bundles): {r['gbps']:.2f} GB/s, "
               f"{r['ms_per_bundle']:.2f} ms/bundle")
+        if args.compare_mmap:
+            m = report["mmap_reads"] = measure_mmap_reads(args.model, args.raw_reads,
+                                                          args.io_workers, cold, seed=1)
+            print(f"same reads through mmap ({m['cache']}, qd {m['queue_depth']}): "
+                  f"{m['gbps']:.2f} GB/s")
     if args.emulate_balanced:
         args.io_throttle_mbps = _balanced_throttle(args, cold)
         emulated = report["emulated"] = True
