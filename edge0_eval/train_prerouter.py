@@ -49,6 +49,7 @@ from edge0_eval.prerouter import (
     heads_from_router_weights, load_heads, onehot, router_logits, router_weight, save_heads,
     stack_rules, tier_defaults,
 )
+from edge0_eval.train_state import load_training_state, save_training_state
 
 DATA_VERSION = 1
 STATE_NAME = "train_state.safetensors"
@@ -567,29 +568,13 @@ def save_state(path: Path, heads: PrerouterHeads, optimizer, step: int, fingerpr
                losses: list[float]) -> None:
     from mlx.utils import tree_flatten
 
-    arrays = {f"heads.{k}": v for k, v in tree_flatten(heads.parameters())}
-    arrays |= {f"opt.{k}": v for k, v in tree_flatten(optimizer.state)}
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata={
-        "step": str(step), "fingerprint": json.dumps(fingerprint, sort_keys=True),
-        "losses": json.dumps(losses[-10000:])})
-    os.replace(tmp, path)
+    save_training_state(path, dict(tree_flatten(heads.parameters())), optimizer,
+                        {"step": step, "fingerprint": fingerprint, "losses": losses[-10000:]})
 
 
 def load_state(path: Path) -> tuple[dict, dict, int, dict, list]:
-    from mlx.utils import tree_unflatten
-
-    try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
-        step = int(meta["step"])
-        fingerprint = json.loads(meta["fingerprint"])
-        losses = json.loads(meta.get("losses", "[]"))
-    except Exception as exc:
-        raise CheckpointError(f"training checkpoint {path} is unreadable ({exc}); rerun with "
-                              f"--fresh") from None
-    heads = {k[6:]: v for k, v in arrays.items() if k.startswith("heads.")}
-    opt = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
-    return heads, opt, step, fingerprint, losses
+    heads, opt, meta = load_training_state(path)
+    return heads, opt, int(meta["step"]), meta.get("fingerprint", {}), meta.get("losses", [])
 
 
 class Interrupted(Exception):

@@ -48,6 +48,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.train_state import load_training_state, save_training_state
 
 STATE_NAME = "state.safetensors"
 LATEST_NAME = "latest.safetensors"
@@ -754,38 +755,17 @@ def set_lora_state(model, arrays: dict[str, mx.array]) -> None:
 
 
 def save_state(path: Path, model, optimizer, step: int, fingerprint: dict, history: dict) -> None:
-    from mlx.utils import tree_flatten
-
-    arrays = {f"lora.{k}": v for k, v in lora_state(model).items()}
-    arrays.update({f"opt.{k}": v for k, v in tree_flatten(optimizer.state)})
-    meta = {"step": str(step), "fingerprint": json.dumps(fingerprint),
-            "history": json.dumps(history),
-            "data_position": json.dumps({"next_step": step,
-                                         "rule": "batch ids are a pure function of (seed, step)"}),
-            "rng": json.dumps({"scheme": "stateless: every random draw is seeded from "
-                                         "(seed, step, index)"})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    save_training_state(path, lora_state(model), optimizer, {
+        "step": step, "fingerprint": fingerprint, "history": history,
+        "data_position": {"next_step": step,
+                          "rule": "batch ids are a pure function of (seed, step)"},
+        "rng": {"scheme": "stateless: every random draw is seeded from (seed, step, index)"}})
 
 
 def load_state(path: Path) -> tuple[dict, dict, int, dict, dict]:
-    from mlx.utils import tree_unflatten
-
-    try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
-        step = int(meta["step"])
-        fingerprint = json.loads(meta["fingerprint"])
-        history = json.loads(meta.get("history", "{}"))
-    except Exception as exc:
-        raise CheckpointError(f"training checkpoint {path} is unreadable ({exc}); rerun with "
-                              f"--fresh") from None
-    lora_arrays = {k[5:]: v for k, v in arrays.items() if k.startswith("lora.")}
-    opt = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
-    return lora_arrays, opt, step, fingerprint, history
+    lora_arrays, opt, meta = load_training_state(path)
+    return (lora_arrays, opt, int(meta["step"]), meta.get("fingerprint", {}),
+            meta.get("history", {}))
 
 
 def maybe_kill(step: int) -> None:
