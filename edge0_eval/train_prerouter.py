@@ -44,6 +44,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.jsonl import iter_jsonl
 from edge0_eval.prerouter import (
     PrerouterConfig, PrerouterHeads, RoutingRule, check_owners, default_owners,
     heads_from_router_weights, load_heads, onehot, router_logits, router_weight, save_heads,
@@ -154,15 +155,7 @@ def read_documents(paths: list[str]) -> list[Document]:
             if raw.strip():
                 docs.append(Document(str(path), raw))
             continue
-        for lineno, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{lineno}: expected a JSON object")
+        for lineno, record in iter_jsonl(path, raw):
             if isinstance(record.get("text"), str):
                 text = record["text"]
             elif isinstance(record.get("prompt"), str) or isinstance(record.get("completion"), str):

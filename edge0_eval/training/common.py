@@ -48,6 +48,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.jsonl import iter_jsonl
 from edge0_eval.train_state import load_training_state, save_training_state
 
 STATE_NAME = "state.safetensors"
@@ -264,17 +265,10 @@ def read_prompts(paths: list[str], what: str = "--prompts") -> list[str]:
             raise ConfigError(f"{what} {path}: no such file")
         raw = path.read_text(encoding="utf-8", errors="replace")
         if path.suffix.lower() == ".jsonl":
-            for lineno, line in enumerate(raw.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            for lineno, record in iter_jsonl(path, raw):
+                if not isinstance(record.get("prompt"), str):
                     raise ConfigError(f"{path}:{lineno}: needs a string field \"prompt\" "
-                                      f"(got {keys})")
+                                      f"(got {sorted(record)})")
                 if record["prompt"].strip():
                     prompts.append(record["prompt"])
         else:
