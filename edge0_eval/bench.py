@@ -261,7 +261,10 @@ def run(args: argparse.Namespace) -> int:
                 extra = ""
                 if "stage_wait_ms_per_step" in row:
                     extra = (f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads "
-                             f"{row['head_ms_per_step']:.2f}")
+                             f"{row['head_ms_per_step']:.2f}, staged loads/step "
+                             f"{row['staged_loads_per_step']:.1f}")
+                    if row.get("online_recall") is not None:
+                        extra += f", online recall {row['online_recall']:.3f}"
                 print(f"profile {row['arm']} (ms/step): {prof}{extra}")
     report["targets"] = targets(report)
     for name, value in report["targets"].items():

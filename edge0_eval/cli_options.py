@@ -22,6 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, mode_default: str = "r
     g.add_argument("--no-prerouter", action="store_true",
                    help="route every layer with its true router")
     g.add_argument("--prerouted-weights", default="head", choices=("head", "router"))
+    g.add_argument("--measure-recall", action="store_true",
+                   help="prerouted: also run the true routers to report online recall (slower)")
     g.add_argument("--io-workers", type=int, default=4)
     g.add_argument("--io-throttle-mbps", type=float, default=None,
                    help="emulate storage of this bandwidth (figures are labelled emulated)")
