@@ -76,49 +76,43 @@ class StreamingSwitchGLU(nn.Module):
         self._io.pinned = pinned
 
     # -- loading ----------------------------------------------------------------------------
-    def load_experts(self, experts: list[int], blocking: bool = True,
-                     buffers: dict | None = None) -> int:
-        """Make `experts` resident (reading misses), update the slot table. Returns #loaded."""
+    def load_experts(self, experts: list[int], blocking: bool = True) -> int:
+        """Make `experts` resident (reading misses, blocking). Returns the number loaded."""
         io = self._io
-        mapping, loads = io.slots.assign(list(experts))
-        if loads:
-            started = time.perf_counter()
-            if buffers is not None and all(e in buffers for e, _ in loads):
-                bufs = [buffers[e] for e, _ in loads]
-            else:
-                try:
-                    bufs = io.store.read_many([(io.layer, e) for e, _ in loads])
-                except Exception:
-                    for e, _ in loads:
-                        io.slots.forget(e)
-                    raise
-                # Wall time of the reads alone (the slot writes below are a memory copy).
-                io.counters.demand_read_seconds += time.perf_counter() - started
-                io.counters.demand_read_bytes += sum(b.nbytes for b in bufs)
-            self._write_slots([s for _, s in loads], bufs)
-            if blocking:
-                io.counters.blocked_seconds += time.perf_counter() - started
-                io.counters.blocked_loads += len(loads)
-            io.counters.bundles_loaded += len(loads)
-        if loads or not io.resident:
-            ids = mx.array(list(mapping.keys()), dtype=mx.int32)
-            io.lut[ids] = mx.array(list(mapping.values()), dtype=mx.int32)
+        _, loads = io.slots.assign(list(experts))
+        if not loads:
+            return 0   # all hits: sticky slots, the slot table is already right
+        started = time.perf_counter()
+        try:
+            bufs = io.store.read_many([(io.layer, e) for e, _ in loads])
+        except Exception:
+            for e, _ in loads:
+                io.slots.forget(e)
+            raise
+        # Wall time of the reads alone (the slot writes below are a memory copy).
+        io.counters.demand_read_seconds += time.perf_counter() - started
+        io.counters.demand_read_bytes += sum(b.nbytes for b in bufs)
+        self._write_slots(loads, bufs)
+        if blocking:
+            io.counters.blocked_seconds += time.perf_counter() - started
+            io.counters.blocked_loads += len(loads)
+        io.counters.bundles_loaded += len(loads)
         return len(loads)
 
-    def _write_slots(self, slots: list[int], bufs: list[np.ndarray]) -> None:
+    def _write_slots(self, loads: list[tuple[int, int]], bufs: list[np.ndarray]) -> None:
+        """Copy bundles into their slots and point the slot table at them (changed slots only)."""
         index = self._io.index
         parts = [unpack_bundle(index, b) for b in bufs]
-        where = mx.array(slots, dtype=mx.int32)
+        where = mx.array([s for _, s in loads], dtype=mx.int32)
         for name in TENSOR_ORDER:
             proj, part = name.split(".")
-            target = getattr(self.glu, proj)
             values = mx.array(np.stack([p[name] for p in parts]))
-            buffer = target[part]
             if index.tensor(name).dtype == "bfloat16":
                 values = values.view(mx.bfloat16)
-            buffer[where] = values.astype(buffer.dtype)
-            target[part] = buffer
-        mx.eval(self.glu.parameters())
+            buffer = getattr(self.glu, proj)[part]
+            buffer[where] = values.astype(buffer.dtype)   # in place on the module's array
+        self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = where
+        mx.eval(self.glu.parameters(), self._io.lut)
 
     def preload_all(self) -> None:
         """Resident mode: every expert in its own slot, identity slot table."""
@@ -193,10 +187,8 @@ class StreamingSwitchGLU(nn.Module):
             raise
         waited = time.perf_counter() - started
         if staged.loads:
-            self._write_slots([s for _, s in staged.loads], bufs)
+            self._write_slots(staged.loads, bufs)
             io.counters.bundles_loaded += len(staged.loads)
-        ids = mx.array(list(staged.mapping.keys()), dtype=mx.int32)
-        io.lut[ids] = mx.array(list(staged.mapping.values()), dtype=mx.int32)
         dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
         io.staged = True
         return waited, dropped
