@@ -488,19 +488,25 @@ def check_out_empty(out: str | Path) -> Path:
     return out
 
 
-def prepare_out(out: str | Path) -> tuple[Path, Path]:
-    """Refuse a non-empty OUT; return (OUT, a fresh temp dir next to it)."""
+@contextlib.contextmanager
+def output_dir(out: str | Path):
+    """Build OUT in a temp dir next to it; rename into place on success, remove on failure.
+
+    A failed or interrupted write leaves nothing behind, and a non-empty OUT is refused.
+    """
     out = check_out_empty(out)
     parent = out.parent if str(out.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
-    return out, Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-
-
-def finish_out(tmp: Path, out: Path) -> None:
-    if out.exists():
-        out.rmdir()
-    tmp.chmod(0o755)
-    tmp.rename(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def check_free_space(directory: Path, needed: int) -> None:
@@ -563,8 +569,7 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None,
     ckpt = Checkpoint(src)
     plan = make_plan(ckpt, bits, group_size)
     index = new_index(plan, ckpt.model_type)
-    out, tmp = prepare_out(out)
-    try:
+    with output_dir(out) as tmp:
         resident_bytes = sum(ckpt.nbytes(n) for n in plan.resident_names)
         check_free_space(tmp, index.file_size + resident_bytes)
         # Hash SRC in the background: hashlib releases the GIL, so it overlaps conversion.
@@ -592,11 +597,7 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None,
 
             save_config(plan.config, tmp / "config.json")
         copy_side_files(ckpt.path, tmp)
-        finish_out(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shutil
 import zlib
 from pathlib import Path
 
 import numpy as np
 
 from edge0_eval.convert import (
-    BundleWriter, Plan, build_lazy_model, check_free_space, check_out_empty, finish_out,
-    lazy_quantize, new_index, prepare_out, quantized_modules, switch_layers,
+    BundleWriter, Plan, build_lazy_model, check_free_space, check_out_empty,
+    lazy_quantize, new_index, output_dir, quantized_modules, switch_layers,
 )
 from edge0_eval.errors import ConfigError
 from edge0_eval.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
@@ -287,8 +286,7 @@ def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = No
     qconfig = plan.config
     index = new_index(plan, qconfig["model_type"])
     prefixes = tuple(s.path + "." for s in plan.switches.values())
-    out, tmp = prepare_out(out)
-    try:
+    with output_dir(out) as tmp:
         check_free_space(tmp, index.file_size + _resident_nbytes(qmodel, prefixes))
         # Resident weights are ~7% of the model (1.4 GB at 35B): built in memory, saved once.
         mx.save_safetensors(str(tmp / RESIDENT_NAME), _resident(qmodel, prefixes, seed),
@@ -304,11 +302,7 @@ def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = No
         index.save(tmp)
         _write_tokenizer(tmp, qconfig)
         save_config(qconfig, tmp / "config.json")
-        finish_out(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 # -- CLI ---------------------------------------------------------------------------------------

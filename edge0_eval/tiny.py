@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,18 +166,11 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
     """Write the checkpoint to `out` (which must not exist or be empty). Returns the path."""
     from mlx_lm.utils import quantize_model, save_config, save_model
 
+    from edge0_eval.convert import output_dir
     from edge0_eval.tokenizer_build import build_tokenizer
 
     shape.validate()
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not empty; choose a new directory or remove it")
-
-    # Build into a sibling temp dir and rename, so a failure leaves nothing behind.
-    parent = out.parent if str(out.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
-    try:
+    with output_dir(out) as tmp:
         shape.vocab_size = build_tokenizer(tmp, vocab_size=shape.vocab_size)
         config = model_config(shape)
         model = build_model(config, shape.seed, shape.dtype)
@@ -193,14 +184,7 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out)
 
 
 def _token_id(path: Path, content: str) -> int:
