@@ -18,24 +18,11 @@ from edge0_eval.train_prerouter import (
     report_paths, split_documents, train_prerouter,
 )
 
-FAMILIES = ("qwen3_5_moe", "bailing_hybrid")
+from test_prerouter import FAMILIES, converted_model  # one tiny model per family and session
+
 STDLIB = Path(os.__file__).parent
 CORPUS = [STDLIB / f"{name}.py" for name in
           ("textwrap", "shlex", "bisect", "heapq", "fnmatch", "glob", "colorsys", "keyword")]
-
-
-def converted_model(tmp_path_factory, family: str) -> Path:
-    """Float32 tiny int4 model in the streaming layout (shared with test_prerouter per session)."""
-    from edge0_eval.convert import convert
-    from edge0_eval.tiny import TinyShape, write_tiny
-
-    base = tmp_path_factory.getbasetemp() / "prerouter_models"
-    out = base / family
-    if not (out / "experts.index.json").is_file():
-        src = write_tiny(base / f"{family}_src", TinyShape(family=family, dtype="float32"),
-                         quantize_bits=4)
-        convert(src, out, progress=False)
-    return out
 
 
 def options(model, out, **kw) -> TrainOptions:
