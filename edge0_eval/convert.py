@@ -37,7 +37,7 @@ from edge0_eval.layout import (
     make_tensor_specs, pack_bundle,
 )
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "bailing_hybrid")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 64
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
@@ -603,7 +603,8 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None,
 # -- CLI ---------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="mlx-lm checkpoint directory (qwen3_5_moe or bailing_hybrid)")
+    parser.add_argument("src", help=f"mlx-lm checkpoint directory "
+                                    f"({', '.join(SUPPORTED_MODEL_TYPES)})")
     parser.add_argument("out", help="output directory (must not exist or be empty)")
     parser.add_argument("--bits", type=int, default=None,
                         help=f"bits for a float SRC (default {DEFAULT_BITS}); a quantized SRC "

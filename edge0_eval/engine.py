@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.families import Family, family_for
@@ -190,7 +191,7 @@ class Engine:
     # -- stepping ---------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the sequence (KV/SSM caches); the slot pool stays warm."""
-        self.cache = self.model.make_cache()
+        self.cache = make_prompt_cache(self.model)   # qwen2_moe has no make_cache of its own
         self.position = 0
         self._profile = {"steps": 0, "build_s": 0.0, "eval_s": 0.0, "after_s": 0.0}
         for block in self.blocks.values():

@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from edge0_eval.errors import CheckpointError
-from edge0_eval.moe import BailingStreamingMoE, QwenStreamingMoE
+from edge0_eval.moe import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
 
 LayerHook = Callable[[int, mx.array], mx.array]
 
@@ -79,11 +79,24 @@ def _bailing_forward(model, inputs, cache, hook):
     return model.lm_head(out)
 
 
-_FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward}
+def _qwen2_forward(model, inputs, cache, hook):
+    inner = model.model
+    h = inner.embed_tokens(inputs)
+    mask = create_attention_mask(h, cache[0])
+    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        h = layer(h, mask, c)
+        if hook is not None:
+            h = hook(i, h)
+    return model.lm_head(inner.norm(h))   # mlx-lm's qwen2_moe always has its own lm_head
+
+
+_FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward,
+             "qwen2_moe": _qwen2_forward}
 
 FAMILIES = {
     "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE, "language_model.model.layers.{layer}.mlp"),
     "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp"),
+    "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp"),
 }
 
 

@@ -54,8 +54,8 @@ _FILE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.fl
 _FP16_MAX = 65504.0
 
 # Suffix patterns of resident linear layers, per family (checked against mlx-lm 0.32 model code:
-# qwen3_next.py / qwen3_5.py / bailing_hybrid.py). Patterns that a given config does not build
-# (e.g. MLA's q_a_proj when q_lora_rank is None) simply match nothing.
+# qwen3_next.py / qwen3_5.py / bailing_hybrid.py / qwen2_moe.py). Patterns that a given config
+# does not build (e.g. MLA's q_a_proj when q_lora_rank is None) simply match nothing.
 _TARGETS = {
     "qwen3_5_moe": [
         # full attention (every 4th layer)
@@ -69,6 +69,12 @@ _TARGETS = {
     "qwen3_next": [
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj",
+        "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+    ],
+    "qwen2_moe": [
+        # attention (every layer; q/k/v carry a bias, which LoRALinear's base keeps)
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        # shared expert (resident); `mlp.shared_expert_gate` (out=1) is left out by default
         "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
     ],
     "bailing_hybrid": [

@@ -236,7 +236,8 @@ class QwenStreamingMoE(_StreamingBlock):
         self.gate = block.gate
         self.shared_expert = block.shared_expert
         self.shared_expert_gate = block.shared_expert_gate
-        self.norm_topk_prob = block.norm_topk_prob
+        # qwen2_moe blocks have no such flag: they never normalise.
+        self.norm_topk_prob = getattr(block, "norm_topk_prob", False)
         self.num_experts = block.num_experts
         self.switch_mlp = switch
         self._init_trace(layer, top_k)
@@ -268,6 +269,18 @@ class QwenStreamingMoE(_StreamingBlock):
         y = self._routed(x, inds, scores)
         shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y + shared
+
+
+class Qwen2StreamingMoE(QwenStreamingMoE):
+    """qwen2_moe block: the same softmax router and gated shared expert, never normalised.
+
+    Selection is mlx-lm qwen2_moe's own (argpartition of -probs, first k): the order of the k
+    experts is the order of the weighted sum, so matching it keeps outputs bit-identical.
+    """
+
+    def select(self, probs: mx.array, k: int) -> tuple[mx.array, mx.array]:
+        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
+        return inds, self.combine(probs, inds)
 
 
 class BailingStreamingMoE(_StreamingBlock):

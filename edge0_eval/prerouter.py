@@ -23,8 +23,8 @@ num_experts, format_version, source, model. `load_heads` reads files from the re
 and checks everything against the model it will serve.
 
 Expert selection from head logits follows the consuming layer's family rule
-(`select_experts`): qwen softmax top-k (normalised); bailing sigmoid + expert bias,
-group-limited top-k, normalised x routed_scaling_factor, exactly like mlx-lm's `Gate`.
+(`select_experts`): qwen softmax top-k (normalised, but not in qwen2_moe); bailing sigmoid +
+expert bias, group-limited top-k, normalised x routed_scaling_factor, exactly like mlx-lm's `Gate`.
 """
 
 from __future__ import annotations
@@ -278,9 +278,10 @@ def consumer_rule(engine, owners: list[int]) -> RoutingRule:
 def select_experts(block, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """Experts and combination weights for router-space `logits` under `block`'s family rule.
 
-    qwen: softmax, top-k, normalised. bailing: sigmoid (or the Gate's score function), plus the
-    consuming layer's expert_bias for the choice only, group-limited top-k like mlx-lm's Gate,
-    weights from the unbiased scores, normalised and x routed_scaling_factor.
+    qwen: softmax, top-k, normalised (qwen2_moe: not normalised). bailing: sigmoid (or the
+    Gate's score function), plus the consuming layer's expert_bias for the choice only,
+    group-limited top-k like mlx-lm's Gate, weights from the unbiased scores, normalised and
+    x routed_scaling_factor.
     """
     return RoutingRule.from_block(block).select(logits, k)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from edge0_eval.errors import ConfigError
 
-FAMILIES = ("qwen3_5_moe", "bailing_hybrid")
+FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
 
 
 @dataclass
@@ -101,6 +101,24 @@ def model_config(shape: TinyShape) -> dict:
             },
         }
         return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
+    if shape.family == "qwen2_moe":
+        return {
+            "model_type": "qwen2_moe",
+            "hidden_size": shape.hidden,
+            "intermediate_size": shape.moe_intermediate * 4,   # unused: every layer is MoE
+            "num_hidden_layers": shape.layers,
+            "num_attention_heads": shape.heads,
+            "num_key_value_heads": shape.heads // 2 if shape.heads % 2 == 0 else shape.heads,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": shape.vocab_size,
+            "max_position_embeddings": 4096,
+            "rope_theta": 1000000.0,
+            "num_experts": shape.experts,
+            "num_experts_per_tok": shape.top_k,
+            "moe_intermediate_size": shape.moe_intermediate,
+            "shared_expert_intermediate_size": shape.moe_intermediate,
+            "tie_word_embeddings": False,
+        }
     groups = _bailing_groups(shape.experts)
     return {
         "model_type": "bailing_hybrid",

@@ -33,6 +33,18 @@ def tiny_bailing_q4(tmp_path_factory):
                       TinyShape(family="bailing_hybrid"), quantize_bits=4)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """fp16 qwen2_moe, 4 layers (all MoE, attention with q/k/v bias), 16 experts, top-4."""
+    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen2", TinyShape(family="qwen2_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_q4(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen2_q4",
+                      TinyShape(family="qwen2_moe"), quantize_bits=4)
+
+
 def _convert(src, tmp_path_factory, name):
     from edge0_eval.convert import convert
 
@@ -48,6 +60,11 @@ def edge0_qwen(tiny_qwen_q4, tmp_path_factory):
 @pytest.fixture(scope="session")
 def edge0_bailing(tiny_bailing_q4, tmp_path_factory):
     return _convert(tiny_bailing_q4, tmp_path_factory, "bailing")
+
+
+@pytest.fixture(scope="session")
+def edge0_qwen2(tiny_qwen2_q4, tmp_path_factory):
+    return _convert(tiny_qwen2_q4, tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,7 @@ def _assert_matches_quantize_model(src: Path, out: Path) -> None:
         assert (out / "config.json").read_text() == (Path(tmp) / "config.json").read_text()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_bailing"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_bailing", "tiny_qwen2"])
 def test_float_source_bit_exact_with_mlx_lm_quantize_model(fixture, request, tmp_path):
     src = request.getfixturevalue(fixture)
     out = convert(src, tmp_path / "out", progress=False)
@@ -139,7 +139,7 @@ def test_sharded_source_gives_the_same_output(tiny_qwen, tmp_path):
 
 # -- quantized source: repacked bit for bit ----------------------------------------------------
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen_q4", "tiny_bailing_q4"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen_q4", "tiny_bailing_q4", "tiny_qwen2_q4"])
 def test_quantized_source_same_logits_as_mlx_lm_load(fixture, request, tmp_path):
     from mlx_lm import load
 

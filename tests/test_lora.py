@@ -32,18 +32,21 @@ PUBLISHED = {
     "bailing_hybrid": ["model.layers.0.attention.query_key_value", "model.layers.0.mlp.up_proj",
                        "model.layers.1.attention.kv_a_proj_with_mqa",
                        "model.layers.3.mlp.shared_experts.gate_proj"],
+    "qwen2_moe": ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj",
+                  "model.layers.3.mlp.shared_expert.up_proj"],
 }
+CKPT = {"qwen3_5_moe": "tiny_qwen_q4", "bailing_hybrid": "tiny_bailing_q4",
+        "qwen2_moe": "tiny_qwen2_q4"}
 
 
-@pytest.fixture(params=["qwen3_5_moe", "bailing_hybrid"])
+@pytest.fixture(params=list(CKPT))
 def family(request):
     return request.param
 
 
 @pytest.fixture
 def ckpt(family, request):
-    return request.getfixturevalue("tiny_qwen_q4" if family == "qwen3_5_moe" else
-                                   "tiny_bailing_q4")
+    return request.getfixturevalue(CKPT[family])
 
 
 def load_model(path):
@@ -118,12 +121,17 @@ def test_default_targets_are_resident_linears_only(family, ckpt):
         assert all(p == "language_model.lm_head" or p.endswith((".mlp.gate",
                                                                  ".mlp.shared_expert_gate"))
                    for p in left), left
+    elif family == "qwen2_moe":
+        # 4 layers x (4 attention + 3 shared expert)
+        assert len(paths) == 28
+        assert all(p == "lm_head" or p.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
+                   for p in left), left
     else:
         # layer 0: linear attn 3 + dense MLP 3; layer 2: 3 + shared 3; MLA layers 1, 3: 3 + 3
         assert len(paths) == 24
         assert all(p == "lm_head" or p.endswith(".mlp.gate.gate_proj") for p in left), left
     # Routers and experts are refused outright when asked for.
-    router = "mlp.gate" if family == "qwen3_5_moe" else "mlp.gate.gate_proj"
+    router = "mlp.gate.gate_proj" if family == "bailing_hybrid" else "mlp.gate"
     with pytest.raises(ConfigError, match="router"):
         find_targets(model, [router])
     with pytest.raises(ConfigError, match="routed expert"):

@@ -11,7 +11,7 @@ from edge0_eval.prerouter import default_owners, init_heads_from_routers, save_h
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 
 
-@pytest.fixture(scope="module", params=["qwen", "bailing"])
+@pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
 def model_and_heads(request, tmp_path_factory):
     converted = request.getfixturevalue(f"edge0_{request.param}")
     engine = Engine.load(converted, EngineOptions(mode="reactive"))

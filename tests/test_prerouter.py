@@ -17,7 +17,7 @@ from edge0_eval.prerouter import (
     router_weight, save_heads, select_experts, stack_rules, tier_defaults, trace_features,
 )
 
-FAMILIES = ("qwen3_5_moe", "bailing_hybrid")
+FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
 
 
 def converted_model(tmp_path_factory, family: str):

@@ -13,7 +13,8 @@ def _digest(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_bailing", "tiny_qwen_q4", "tiny_bailing_q4"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_bailing", "tiny_qwen2", "tiny_qwen_q4",
+                                     "tiny_bailing_q4", "tiny_qwen2_q4"])
 def test_mlx_lm_loads_and_generates(fixture, request):
     from mlx_lm import generate, load
 

@@ -35,28 +35,39 @@ DISTILL_ARGS = ["--steps", "3", "--batch", "2", "--lr", "1e-4", "--seq-len", "48
                 "--seed", "0", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_qwen, tmp_path_factory):
-    """(teacher fp16 dir, int4 student dir with prerouter heads, prompts.jsonl)."""
+def _student(teacher, root: Path) -> Path:
+    """int4 `convert` of the teacher with untrained prerouter heads."""
     from edge0_eval.convert import convert
     from edge0_eval.engine import Engine, EngineOptions
     from edge0_eval.prerouter import default_owners, init_heads_from_routers, save_heads
 
-    root = tmp_path_factory.mktemp("training")
-    student = convert(tiny_qwen, root / "student", progress=False)
+    student = convert(teacher, root / "student", progress=False)
     engine = Engine.load(student, EngineOptions(mode="reactive", no_lora=True))
     owners = default_owners(engine.moe_layers[0] + 1, len(engine.family.layers(engine.model)),
                             engine.moe_layers)
     save_heads(Path(student) / "prerouter.safetensors",
                init_heads_from_routers(engine, owners, width=32, seed=0))
     engine.close()
+    return Path(student)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_qwen, tmp_path_factory):
+    """(teacher fp16 dir, int4 student dir with prerouter heads, prompts.jsonl)."""
+    root = tmp_path_factory.mktemp("training")
+    student = _student(tiny_qwen, root)
     rng = np.random.default_rng(0)
     prompts = root / "prompts.jsonl"
     with open(prompts, "w") as f:
         for _ in range(20):
             words = rng.choice(WORDS, size=int(rng.integers(3, 9)))
             f.write(json.dumps({"prompt": " ".join(words)}) + "\n")
-    return Path(tiny_qwen), Path(student), prompts
+    return Path(tiny_qwen), student, prompts
+
+
+@pytest.fixture(scope="module")
+def qwen2_student(tiny_qwen2, tmp_path_factory):
+    return _student(tiny_qwen2, tmp_path_factory.mktemp("training_qwen2"))
 
 
 def _cli(argv) -> int:
@@ -100,7 +111,8 @@ def distill_run(pair, sft_run, tmp_path_factory):
 
 # -- the served path ------------------------------------------------------------------------------
 
-def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(pair):
+@pytest.mark.parametrize("family", ["qwen", "qwen2"])
+def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family, request):
     """discover() over a whole sequence == the engine's prefill + prerouted decode, token by token;
     the gradient pass replays it exactly; gradient checkpointing leaves gradients unchanged."""
     from mlx.utils import tree_flatten
@@ -109,7 +121,8 @@ def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(pair):
     from edge0_eval.engine import Engine, EngineOptions
     from edge0_eval.training.served import ServedPath
 
-    _, student, _ = pair
+    student = (request.getfixturevalue("pair")[1] if family == "qwen" else
+               request.getfixturevalue("qwen2_student"))
     engine = Engine.load(student, EngineOptions(mode="prerouted", no_lora=True,
                                                 slots_per_layer=16))
     lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
