@@ -236,7 +236,10 @@ def check_mmlu_pro(directory: Path, full: bool) -> Check:
                  f'{counts["validation"]} validation', counts['test'])
 
 
-def check_ifbench(path: Path, full: bool, nltk_dir: Path | None = None) -> Check:
+def check_ifbench(path: Path, full: bool, nltk_dir: Path | None = None,
+                  items: slice | None = None) -> Check:
+    """`items`: only these prompts will be scored (a config's test_range), so only their
+    checks need to run."""
     rows = _read_jsonl(path)
     keys = ('key', 'prompt', 'instruction_id_list', 'kwargs')
     bad = [r.get('key', i) for i, r in enumerate(rows) if any(k not in r for k in keys)]
@@ -245,10 +248,12 @@ def check_ifbench(path: Path, full: bool, nltk_dir: Path | None = None) -> Check
     problem = _expect_count('ifbench', len(rows), full)
     if problem:
         return Check('ifbench', False, f'{path} {problem}', len(rows))
-    ids = [i for r in rows for i in r['instruction_id_list']]
+    scored = rows if items is None else rows[items]
+    ids = [i for r in scored for i in r['instruction_id_list']]
     missing = nltk_missing(ids, nltk_dir)
     if missing:
-        return Check('ifbench', False, f'{path}: {len(rows)} prompts, but its checks cannot run '
+        which = '' if items is None else f' ({len(scored)} scored)'
+        return Check('ifbench', False, f'{path}: {len(rows)} prompts{which}, but its checks cannot run '
                      f'(they would silently count as failed): missing ' + '; '.join(missing),
                      len(rows))
     return Check('ifbench', True, f'{path}: {len(rows)} prompts; NLTK data and packages for '
@@ -260,8 +265,9 @@ CHECKS = {'aime2026': check_aime, 'humaneval': check_humaneval, 'gpqa': check_gp
 
 
 def verify(root: str | os.PathLike | None = None, benchmarks=BENCHMARKS,
-           full: bool = True) -> list[Check]:
-    """Check each benchmark's files under the data root. `full`: also exact item counts."""
+           full: bool = True, ifbench_items: slice | None = None) -> list[Check]:
+    """Check each benchmark's files under the data root. `full`: also exact item counts;
+    `ifbench_items`: the IFBench prompts a run scores (default all)."""
     root = data_root(root)
     results = []
     for name in benchmarks:
@@ -274,7 +280,7 @@ def verify(root: str | os.PathLike | None = None, benchmarks=BENCHMARKS,
             continue
         try:
             if name == 'ifbench':
-                results.append(check_ifbench(path, full, root / 'nltk_data'))
+                results.append(check_ifbench(path, full, root / 'nltk_data', ifbench_items))
             else:
                 results.append(CHECKS[name](path, full))
         except (OSError, ValueError, KeyError) as exc:

@@ -10,6 +10,7 @@ lazy-import mode, where project code cannot run at parse time; hence the check l
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable, List
 
 from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
@@ -53,15 +54,30 @@ def model_problems(models: Iterable[dict]) -> List[str]:
     return problems
 
 
+def test_range_slice(dataset: dict) -> slice | None:
+    """A dataset's `reader_cfg.test_range` ('[a:b]', as OpenCompass slices it) as a slice."""
+    text = (dataset.get('reader_cfg') or {}).get('test_range')
+    if not text:
+        return None
+    match = re.fullmatch(r'\[\s*(-?\d*)\s*:\s*(-?\d*)\s*\]', str(text))
+    if not match:
+        return None            # another form: check every item, as without a range
+    start, stop = (int(v) if v else None for v in match.groups())
+    return slice(start, stop)
+
+
 def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool = True,
               check_models: bool = True) -> None:
     """Exit with every problem listed, one per line, if the run cannot succeed."""
-    benchmarks = []
+    benchmarks, ifbench_items = [], None
     for d in datasets:
         b = benchmark_of(d.get('abbr', ''))
         if b and b not in benchmarks:
             benchmarks.append(b)
-    problems = [c.message for c in verify(None, benchmarks, full=full_data) if not c.ok]
+        if b == 'ifbench':
+            ifbench_items = test_range_slice(d)
+    problems = [c.message for c in verify(None, benchmarks, full=full_data,
+                                          ifbench_items=ifbench_items) if not c.ok]
     if check_models:
         problems += model_problems(models)
     if problems:

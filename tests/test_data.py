@@ -284,3 +284,29 @@ def test_user_supplied_pos_tagger_is_copied_and_then_ifbench_is_complete(staged,
     assert proc.returncode == 0, proc.stderr[-2000:]
     with pytest.raises(data.Edge0Error, match='no averaged_perceptron_tagger_eng'):
         data.stage_nltk(copy / 'nltk_data', str(tmp_path))
+
+
+def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
+    """A run scoring IFBench[0:12] must not be refused for the POS tagger that only prompts
+    257-262 (words:start_verb) need; a slice holding them still is."""
+    root, _ = staged
+    proc = _in_fresh_python(f'''
+        import nltk
+        nltk.data.path[:] = []
+        from edge0_eval.data import verify
+        (head,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(0, 12))
+        (tail,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(250, 270))
+        assert head.ok, head.message
+        assert not tail.ok and "words:start_verb" in tail.message, tail.message
+        assert "(20 scored)" in tail.message
+    ''')
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_partitioner_reads_test_range_as_a_slice():
+    from model_wrappers.partitioner import test_range_slice
+
+    assert test_range_slice({'reader_cfg': {'test_range': '[0:12]'}}) == slice(0, 12)
+    assert test_range_slice({'reader_cfg': {'test_range': '[ 5 : ]'}}) == slice(5, None)
+    assert test_range_slice({'reader_cfg': {}}) is None
+    assert test_range_slice({'reader_cfg': {'test_range': '[0:10:2]'}}) is None   # check all
