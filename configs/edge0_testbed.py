@@ -1,0 +1,80 @@
+# The real-weight testbed (SmolLM2-135M-Instruct split into a qwen2_moe, see reports/testbed/):
+# teacher vs Edge0 student arms on the real HumanEval (164) and IFBench (294) data.
+#
+#   edge0-eval testbed build TB                      # TB/teacher, TB/dense, TB/corpus
+#   edge0-eval convert TB/teacher TB/student
+#   edge0-eval train-prerouter TB/student --text TB/corpus/fit_text.jsonl \
+#       --out TB/student/prerouter.safetensors
+#   edge0-eval train-lora TB/teacher TB/student --prompts TB/corpus/fit_prompts.jsonl \
+#       --out TB/student/lora.safetensors
+#   edge0-eval data stage --root D --benchmarks humaneval,ifbench [--nltk-data DIR]
+#   COMPASS_DATA_CACHE=D EDGE0_TESTBED=TB opencompass configs/edge0_testbed.py
+#
+# EDGE0_ARMS picks arms (default: all four). EDGE0_TESTBED_ITEMS=N scores the first N items of
+# each benchmark (a slice; the report says so); IFBench items 257-262 (words:start_verb) need
+# NLTK's POS tagger, which no PyPI package ships, and are refused without it.
+import os
+
+from mmengine.config import read_base
+
+from model_wrappers.edge0_model import Edge0Model
+from model_wrappers.mlx_lm_model import MLXLMModel
+from model_wrappers.partitioner import Edge0Partitioner
+from model_wrappers.summarizer import Edge0Summarizer
+from opencompass.runners import LocalRunner
+from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
+
+with read_base():
+    from .datasets.edge0_bundle import edge0_datasets
+
+datasets = [d for d in edge0_datasets if d['abbr'] in ('openai_humaneval', 'IFBench')]
+testbed_items = os.environ.get('EDGE0_TESTBED_ITEMS')
+if testbed_items:
+    for d in datasets:
+        d['reader_cfg']['test_range'] = f'[0:{int(testbed_items)}]'
+
+# Greedy for every arm, so differences come from the model, not sampling.
+testbed_generation = dict(max_out_len=int(os.environ.get('EDGE0_TESTBED_MAX_OUT', '512')),
+                          max_seq_len=4096, batch_size=1,
+                          generation_kwargs=dict(temperature=0.0),
+                          run_cfg=dict(num_gpus=0))
+testbed_arms = os.environ.get('EDGE0_ARMS', 'teacher,int4_exact,prerouted_nolora,student').split(',')
+unknown_arms = [a for a in testbed_arms
+                if a not in ('teacher', 'student', 'int4_exact', 'prerouted_nolora')]
+if unknown_arms:
+    raise SystemExit(f'edge0-eval: EDGE0_ARMS has unknown arms {unknown_arms}; choose from '
+                     'teacher, student, int4_exact, prerouted_nolora')
+if not os.environ.get('EDGE0_TESTBED'):
+    raise SystemExit('edge0-eval: EDGE0_TESTBED is not set: export it to the directory '
+                     '`edge0-eval testbed build` wrote (it holds teacher/ and student/)')
+testbed_dir = os.environ['EDGE0_TESTBED']
+
+models = []
+if 'teacher' in testbed_arms:
+    models.append(dict(type=MLXLMModel, abbr='edge0-testbed-teacher',
+                       path=f'{testbed_dir}/teacher', **testbed_generation))
+# 16 of 20 experts per layer fit in the pool: with K=8 a prerouted step stages a whole second
+# set, so anything smaller could not hold both; misses are still read from disk.
+testbed_student = dict(type=Edge0Model, path=f'{testbed_dir}/student', slots_per_layer=16,
+                       **testbed_generation)
+if 'int4_exact' in testbed_arms:
+    models.append(dict(abbr='edge0-testbed-int4-exact', mode='reactive', no_lora=True,
+                       no_prerouter=True, **testbed_student))
+if 'prerouted_nolora' in testbed_arms:
+    models.append(dict(abbr='edge0-testbed-prerouted-nolora', mode='prerouted', no_lora=True,
+                       **testbed_student))
+if 'student' in testbed_arms:
+    models.append(dict(abbr='edge0-testbed-student', mode='prerouted', **testbed_student))
+
+infer = dict(
+    partitioner=dict(type=Edge0Partitioner, full_data=False),
+    runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
+)
+eval = dict(
+    partitioner=dict(type=Edge0Partitioner, full_data=False, check_models=False),
+    runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
+)
+summarizer = dict(type=Edge0Summarizer, dataset_abbrs=['openai_humaneval', 'IFBench'])
+work_dir = 'outputs/edge0_testbed'
+
+del os  # a module in the config namespace would break the config dump OpenCompass re-reads
