@@ -48,7 +48,11 @@ class EngineOptions:
     verify_crc: bool = False
     prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
     measure_recall: bool = False             # prerouted: compare plans with the true router
-    clip_hidden: float | None = 1000.0       # per-layer hidden clipping (None disables the guard)
+    # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it. "auto": +-1000 on
+    # bailing_hybrid, where the reference found it prevents an fp16 overflow collapse, and off
+    # elsewhere: real models carry legitimate activations far above 1000 (SmolLM2: ~25,000),
+    # which clipping would destroy.
+    clip_hidden: float | str | None = "auto"
     prefill_chunk: int = 512
     compute_dtype: str = "auto"              # auto: float32 on CPU (half is emulated there)
     seed: int = 0
@@ -67,6 +71,15 @@ class EngineOptions:
                               f"{', '.join(COMPUTE_DTYPES)}")
         if self.io_throttle_mbps is not None and self.io_throttle_mbps <= 0:
             raise ConfigError("io_throttle_mbps must be positive")
+        if self.clip_hidden != "auto" and self.clip_hidden is not None and \
+                not (isinstance(self.clip_hidden, (int, float)) and self.clip_hidden > 0):
+            raise ConfigError(f"clip_hidden must be 'auto', None or positive, "
+                              f"not {self.clip_hidden!r}")
+
+    def resolved_clip(self, family: str) -> float | None:
+        if self.clip_hidden == "auto":
+            return 1000.0 if family == "bailing_hybrid" else None
+        return self.clip_hidden
 
 
 @dataclass
@@ -94,6 +107,7 @@ class Engine:
                  index: ExpertIndex, store: ExpertStore, options: EngineOptions,
                  top_k: int, slots_per_layer: int, counters: LoadCounters, directory: Path):
         self.model, self.tokenizer, self.config, self.family = model, tokenizer, config, family
+        self.clip = options.resolved_clip(family.name)
         self.index, self.store, self.options = index, store, options
         self.top_k, self.slots_per_layer, self.counters = top_k, slots_per_layer, counters
         self.directory = directory
@@ -200,7 +214,7 @@ class Engine:
             self.prerouter.reset()
 
     def _after_layer(self, layer: int, h: mx.array) -> mx.array:
-        limit = self.options.clip_hidden
+        limit = self.clip
         if limit:
             bad = mx.logical_or(mx.isnan(h), mx.abs(h) > limit)
             self._guard_events = self._guard_events + bad.sum().astype(mx.int32)
@@ -223,7 +237,7 @@ class Engine:
         self._staging = self.prerouter is not None and self.prerouter.has_plan
         self._plan_early = plan_next and self.prerouter is not None
         hook = (self._after_layer
-                if (self.options.clip_hidden or self._staging or self._plan_early) else None)
+                if (self.clip or self._staging or self._plan_early) else None)
         logits = self.family.forward(self.model, tokens, self.cache, hook)
         self.position += tokens.shape[1]
         return logits
@@ -347,7 +361,7 @@ class Engine:
             "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "evictions": sum(p.evictions for p in pool),
             "blocked_load_s": self.counters.blocked_seconds,
-            "guard_clip": self.options.clip_hidden,
+            "guard_clip": self.clip,
             "guard_events": int(self._guard_events.item()),
         }
         out["lora"] = str(self.lora["path"]) if self.lora else None

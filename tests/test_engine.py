@@ -191,3 +191,16 @@ def test_cli_bad_budget_is_one_line(edge0_qwen):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "expert_budget_mib" in proc.stderr
+
+
+def test_hidden_clipping_defaults_to_bailing_only():
+    """Clipping at +-1000 is the reference's fix for the 8B tier; on other models it would cut
+    legitimate activations (SmolLM2's reach ~25,000 and its int4 student then babbled)."""
+    auto = EngineOptions()
+    assert auto.resolved_clip("bailing_hybrid") == 1000.0
+    assert auto.resolved_clip("qwen3_5_moe") is None and auto.resolved_clip("qwen2_moe") is None
+    assert EngineOptions(clip_hidden=50.0).resolved_clip("qwen2_moe") == 50.0
+    assert EngineOptions(clip_hidden=None).resolved_clip("bailing_hybrid") is None
+    for bad in (0, -1.0, "big"):
+        with pytest.raises(ConfigError, match="clip_hidden"):
+            EngineOptions(clip_hidden=bad).validate()

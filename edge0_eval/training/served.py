@@ -163,7 +163,7 @@ class ServedPath:
         self.moe = list(engine.moe_layers)
         self.blocks = engine.blocks
         self.top_k = engine.top_k
-        self.clip = engine.options.clip_hidden
+        self.clip = engine.clip
         self.grad_checkpoint = grad_checkpoint
         self.owner_of: dict[int, int] = {}      # consumer layer -> owner layer
         self.heads = {}
