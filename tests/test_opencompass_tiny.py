@@ -96,12 +96,14 @@ def test_check_run_reports_failed_tasks(tmp_path):
     assert any('no summary csv' in p for p in problems)
 
 
-def test_unset_model_path_is_one_clear_error(tmp_path):
+@pytest.mark.parametrize('config,variable', [('edge0_35b.py', 'EDGE0_35B_TEACHER'),
+                                             ('edge0_testbed.py', 'EDGE0_TESTBED')])
+def test_unset_model_path_is_one_clear_error(tmp_path, config, variable):
     env = {k: v for k, v in os.environ.items() if not k.startswith('EDGE0_')}
-    proc = _opencompass(CONFIGS / 'edge0_35b.py', tmp_path / 'out', env, timeout=300)
+    proc = _opencompass(CONFIGS / config, tmp_path / 'out', env, timeout=300)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert 'edge0-eval: EDGE0_35B_TEACHER is not set' in out and 'Traceback' not in out
+    assert f'edge0-eval: {variable} is not set' in out and 'Traceback' not in out
     assert not (tmp_path / 'out').exists()
 
 
