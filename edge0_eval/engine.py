@@ -48,10 +48,8 @@ class EngineOptions:
     verify_crc: bool = False
     prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
     measure_recall: bool = False             # prerouted: compare plans with the true router
-    # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it. "auto": +-1000 on
-    # bailing_hybrid, where the reference found it prevents an fp16 overflow collapse, and off
-    # elsewhere: real models carry legitimate activations far above 1000 (SmolLM2: ~25,000),
-    # which clipping would destroy.
+    # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
+    # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
     clip_hidden: float | str | None = "auto"
     prefill_chunk: int = 512
     compute_dtype: str = "auto"              # auto: float32 on CPU (half is emulated there)
@@ -76,10 +74,8 @@ class EngineOptions:
             raise ConfigError(f"clip_hidden must be 'auto', None or positive, "
                               f"not {self.clip_hidden!r}")
 
-    def resolved_clip(self, family: str) -> float | None:
-        if self.clip_hidden == "auto":
-            return 1000.0 if family == "bailing_hybrid" else None
-        return self.clip_hidden
+    def resolved_clip(self, family: Family) -> float | None:
+        return family.clip_hidden if self.clip_hidden == "auto" else self.clip_hidden
 
 
 @dataclass
@@ -107,7 +103,7 @@ class Engine:
                  index: ExpertIndex, store: ExpertStore, options: EngineOptions,
                  top_k: int, slots_per_layer: int, counters: LoadCounters, directory: Path):
         self.model, self.tokenizer, self.config, self.family = model, tokenizer, config, family
-        self.clip = options.resolved_clip(family.name)
+        self.clip = options.resolved_clip(family)
         self.index, self.store, self.options = index, store, options
         self.top_k, self.slots_per_layer, self.counters = top_k, slots_per_layer, counters
         self.directory = directory

@@ -58,6 +58,7 @@ def test_reactive_matches_mlx_lm(family, request):
     worst, stats = _parity(src, converted)
     assert worst <= TOL
     assert stats["bytes_read"] > 0 and stats["guard_events"] == 0
+    assert stats["guard_clip"] == (1000.0 if family == "bailing" else None)   # family default
 
 
 @pytest.mark.parametrize("family", ["qwen", "bailing", "qwen2", "qwen64"])
@@ -196,11 +197,14 @@ def test_cli_bad_budget_is_one_line(edge0_qwen):
 def test_hidden_clipping_defaults_to_bailing_only():
     """Clipping at +-1000 is the reference's fix for the 8B tier; on other models it would cut
     legitimate activations (SmolLM2's reach ~25,000 and its int4 student then babbled)."""
+    from edge0_eval.families import FAMILIES
+
     auto = EngineOptions()
-    assert auto.resolved_clip("bailing_hybrid") == 1000.0
-    assert auto.resolved_clip("qwen3_5_moe") is None and auto.resolved_clip("qwen2_moe") is None
-    assert EngineOptions(clip_hidden=50.0).resolved_clip("qwen2_moe") == 50.0
-    assert EngineOptions(clip_hidden=None).resolved_clip("bailing_hybrid") is None
+    assert auto.resolved_clip(FAMILIES["bailing_hybrid"]) == 1000.0
+    assert auto.resolved_clip(FAMILIES["qwen3_5_moe"]) is None
+    assert auto.resolved_clip(FAMILIES["qwen2_moe"]) is None
+    assert EngineOptions(clip_hidden=50.0).resolved_clip(FAMILIES["qwen2_moe"]) == 50.0
+    assert EngineOptions(clip_hidden=None).resolved_clip(FAMILIES["bailing_hybrid"]) is None
     for bad in (0, -1.0, "big"):
         with pytest.raises(ConfigError, match="clip_hidden"):
             EngineOptions(clip_hidden=bad).validate()
