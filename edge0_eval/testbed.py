@@ -164,29 +164,15 @@ def dense_config(hf: dict) -> dict:
 
 
 def moe_config(hf: dict, num_experts: int, expert_size: int, shared: int, top_k: int) -> dict:
-    dense = dense_config(hf)
-    if dense["head_dim"] * dense["num_attention_heads"] != dense["hidden_size"]:
+    """dense_config's model as qwen2_moe: same attention and vocabulary, MLPs as experts."""
+    config = dense_config(hf)
+    if config.pop("head_dim") * config["num_attention_heads"] != config["hidden_size"]:
         raise ConfigError("qwen2_moe needs head_dim * heads == hidden_size")
-    return {
-        "model_type": "qwen2_moe",
-        "hidden_size": dense["hidden_size"],
-        "num_hidden_layers": dense["num_hidden_layers"],
-        "intermediate_size": dense["intermediate_size"],
-        "num_attention_heads": dense["num_attention_heads"],
-        "num_key_value_heads": dense["num_key_value_heads"],
-        "num_experts": num_experts,
-        "num_experts_per_tok": top_k,
-        "moe_intermediate_size": expert_size,
-        "shared_expert_intermediate_size": shared,
-        "rms_norm_eps": dense["rms_norm_eps"],
-        "vocab_size": dense["vocab_size"],
-        "rope_theta": dense["rope_theta"],
-        "tie_word_embeddings": False,
-        "max_position_embeddings": dense["max_position_embeddings"],
-        "bos_token_id": dense["bos_token_id"],
-        "eos_token_id": dense["eos_token_id"],
-        "torch_dtype": "float16",
-    }
+    del config["rope_traditional"]                  # qwen2_moe's default, not a field of its own
+    config.update(model_type="qwen2_moe", tie_word_embeddings=False,  # it always has lm_head
+                  num_experts=num_experts, num_experts_per_tok=top_k,
+                  moe_intermediate_size=expert_size, shared_expert_intermediate_size=shared)
+    return config
 
 
 def dense_weights(hf_weights: dict) -> dict:
@@ -252,16 +238,11 @@ def capture_mlp_inputs(torch_model, batches: np.ndarray, batch_size: int = 8) ->
 
 
 def load_mlx(directory: Path, top_k: int | None = None):
-    """mlx-lm's model from a checkpoint, in the engine's compute dtype (float32 on the CPU)."""
-    from mlx_lm import load
-
-    from edge0_eval.mlx_compat import (cast_floating, resolve_compute_dtype,
-                                       upcast_unquantized_experts_for_cpu)
+    """mlx-lm's model in the engine's compute dtype (the stages' teacher loader), at `top_k`."""
     from edge0_eval.reference import set_top_k
+    from edge0_eval.training.common import load_teacher
 
-    model, tokenizer = load(str(directory))
-    cast_floating(model, resolve_compute_dtype("auto"))
-    upcast_unquantized_experts_for_cpu(model)
+    model, tokenizer = load_teacher(directory)
     if top_k is not None:
         set_top_k(model, top_k)
     return model, tokenizer
@@ -408,8 +389,11 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
     dense_nll, dense_preds = mean_nll(dense, held)
     dense_texts = greedy_texts(dense, tokenizer, CHECK_PROMPTS, max_tokens)
     result = {"tokens": int(held.size), "dense_nll": round(dense_nll, 4), "widths": []}
+    from edge0_eval.reference import set_top_k
+
+    moe, _ = load_mlx(teacher_dir)
     for k in [num_experts] + [k for k in ks if k != num_experts]:
-        moe, _ = load_mlx(teacher_dir, top_k=k)
+        set_top_k(moe, k)
         nll, preds = mean_nll(moe, held)
         texts = greedy_texts(moe, tokenizer, CHECK_PROMPTS, max_tokens)
         result["widths"].append({
