@@ -23,6 +23,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import re
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -92,15 +93,32 @@ def stdlib_pairs(held_out_every: int = 10) -> tuple[list[dict], list[dict]]:
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError):
             continue
+        lines = _split_lines(source)
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef):
                 continue
             doc = ast.get_docstring(node)
-            code = ast.get_source_segment(source, node)
+            code = _source_segment(lines, node) if doc else None
             if doc and code and len(code) <= 2000:
                 pair = {"prompt": doc.split("\n\n")[0], "completion": code}
                 (held if n % held_out_every == 0 else fit).append(pair)
     return fit, held
+
+
+def _split_lines(source: str) -> list[str]:
+    """Lines with their ends, split only on \\r\\n, \\n and \\r, as ast.get_source_segment does
+    (which re-splits the whole file on every call: 43 s over the stdlib instead of <1 s)."""
+    return re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z", source)
+
+
+def _source_segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(source, node) from pre-split lines (column offsets are UTF-8)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset:].decode()
+    tail = lines[last].encode()[:node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1:last], tail])
 
 
 def chat_texts(tokenizer, pairs: list[dict]) -> list[str]:

