@@ -38,7 +38,8 @@ testbed_generation = dict(max_out_len=int(os.environ.get('EDGE0_TESTBED_MAX_OUT'
                           max_seq_len=4096, batch_size=1,
                           generation_kwargs=dict(temperature=0.0),
                           run_cfg=dict(num_gpus=0))
-testbed_arms = os.environ.get('EDGE0_ARMS', 'teacher,int4_exact,prerouted_nolora,student').split(',')
+testbed_arms = os.environ.get('EDGE0_ARMS',
+                              'teacher,int4_exact,prerouted_nolora,student').split(',')
 unknown_arms = [a for a in testbed_arms
                 if a not in ('teacher', 'student', 'int4_exact', 'prerouted_nolora')]
 if unknown_arms:

@@ -253,8 +253,9 @@ def check_ifbench(path: Path, full: bool, nltk_dir: Path | None = None,
     missing = nltk_missing(ids, nltk_dir)
     if missing:
         which = '' if items is None else f' ({len(scored)} scored)'
-        return Check('ifbench', False, f'{path}: {len(rows)} prompts{which}, but its checks cannot run '
-                     f'(they would silently count as failed): missing ' + '; '.join(missing),
+        return Check('ifbench', False, f'{path}: {len(rows)} prompts{which}, but its checks '
+                     f'cannot run (they would silently count as failed): missing '
+                     + '; '.join(missing),
                      len(rows))
     return Check('ifbench', True, f'{path}: {len(rows)} prompts; NLTK data and packages for '
                  f'its checks load', len(rows))

@@ -123,8 +123,8 @@ def _source_segment(lines: list[str], node: ast.AST) -> str:
 
 def chat_texts(tokenizer, pairs: list[dict]) -> list[str]:
     return [tokenizer.apply_chat_template(
-        [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["completion"]}],
-        tokenize=False) for p in pairs]
+        [{"role": "user", "content": p["prompt"]},
+         {"role": "assistant", "content": p["completion"]}], tokenize=False) for p in pairs]
 
 
 def write_corpus(directory: Path, tokenizer, fit: list[dict], held: list[dict]) -> None:

@@ -1,4 +1,4 @@
-"""The real-weight testbed's builder, on a tiny random dense llama (the SmolLM2 GGUF is optional)."""
+"""The real-weight testbed's builder, on a tiny random dense llama (no SmolLM2 GGUF needed)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_router_fit_recovers_planted_routing():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4000, 32)).astype(np.float32)
     planted = rng.standard_normal((8, 32)).astype(np.float32)
-    norms = np.exp(0.5 * x @ planted.T)                  # each expert's output grows along a direction
+    norms = np.exp(0.5 * x @ planted.T)        # each expert's output grows along a direction
     router = moefy.fit_router(x[:3000], norms[:3000])
     chosen = moefy.topk(x[3000:] @ router.T, 2)
     oracle = moefy.topk(norms[3000:], 2)
@@ -96,7 +96,8 @@ def test_all_experts_moe_equals_dense(tiny_dense, tmp_path):
     assert json.loads((out / "testbed.json").read_text()) == json.loads(json.dumps(report))
     teacher = json.loads((out / "teacher" / "config.json").read_text())
     assert teacher["model_type"] == "qwen2_moe" and teacher["num_experts"] == 3
-    assert teacher["moe_intermediate_size"] == 64 and teacher["shared_expert_intermediate_size"] == 64
+    assert teacher["moe_intermediate_size"] == 64
+    assert teacher["shared_expert_intermediate_size"] == 64
     checks = report["checks"]
     assert checks["all_experts_texts_equal"] is True
     widths = {w["top_k"]: w for w in checks["widths"]}
