@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from edge0_eval.layout import PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.layout import PARTS, PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.pool import LayerSlots
 from edge0_eval.store import ExpertStore
 
@@ -62,7 +62,9 @@ class StreamingSwitchGLU(nn.Module):
             setattr(self.glu, proj, q)
         self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
                                    slots=LayerSlots(n_slots), num_experts=index.num_experts,
-                                   resident=False, staged=False, pinned=False)
+                                   resident=False, staged=False, pinned=False,
+                                   slot_dtypes={f"{p}.{q}": getattr(self.glu, p)[q].dtype
+                                                for p in PROJECTIONS for q in PARTS})
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
         self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
         mx.eval(self.glu.parameters())
@@ -84,35 +86,51 @@ class StreamingSwitchGLU(nn.Module):
             return 0   # all hits: sticky slots, the slot table is already right
         started = time.perf_counter()
         try:
-            bufs = io.store.read_many([(io.layer, e) for e, _ in loads])
+            parts = io.store.read_many([(io.layer, e) for e, _ in loads], self._prepare)
         except Exception:
             for e, _ in loads:
                 io.slots.forget(e)
             raise
-        # Wall time of the reads alone (the slot writes below are a memory copy).
+        # Wall time of the reads (and their unpacking on the I/O threads).
         io.counters.demand_read_seconds += time.perf_counter() - started
-        io.counters.demand_read_bytes += sum(b.nbytes for b in bufs)
-        self._write_slots(loads, bufs)
+        io.counters.demand_read_bytes += len(loads) * io.index.bundle_stride
+        self._write_slots(loads, parts)
         if blocking:
             io.counters.blocked_seconds += time.perf_counter() - started
             io.counters.blocked_loads += len(loads)
         io.counters.bundles_loaded += len(loads)
         return len(loads)
 
-    def _write_slots(self, loads: list[tuple[int, int]], bufs: list[np.ndarray]) -> None:
-        """Copy bundles into their slots and point the slot table at them (changed slots only)."""
+    def _prepare(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """On an I/O thread: one bundle's tensors as numpy arrays in their slot dtypes.
+
+        Widening float16 scales for float32 slots happens here, off the thread that builds the
+        graph; any cast numpy cannot do (bfloat16) is left to `_write_slots` as a lazy MLX op.
+        Staged bundles stay host buffers until their layer is built, as the raw reads were.
+        """
+        out = unpack_bundle(self._io.index, buf)
+        for name, view in out.items():
+            if view.dtype == np.float16 and self._io.slot_dtypes[name] == mx.float32:
+                out[name] = view.astype(np.float32)
+        return out
+
+    def _write_slots(self, loads: list[tuple[int, int]], parts: list[dict]) -> None:
+        """Scatter prepared bundles into their slots and point the slot table at them.
+
+        Lazy on purpose: evaluating here would make the graph-building thread wait for every
+        earlier layer's compute before it could build the next layer. Only changed slots are
+        written; the writes run in stream order, before this layer's experts read the slots.
+        """
         index = self._io.index
-        parts = [unpack_bundle(index, b) for b in bufs]
         where = mx.array([s for _, s in loads], dtype=mx.int32)
         for name in TENSOR_ORDER:
             proj, part = name.split(".")
-            values = mx.array(np.stack([p[name] for p in parts]))
+            values = mx.stack([mx.array(p[name]) for p in parts])
             if index.tensor(name).dtype == "bfloat16":
                 values = values.view(mx.bfloat16)
             buffer = getattr(self.glu, proj)[part]
             buffer[where] = values.astype(buffer.dtype)   # in place on the module's array
         self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = where
-        mx.eval(self.glu.parameters(), self._io.lut)
 
     def preload_all(self) -> None:
         """Resident mode: every expert in its own slot, identity slot table."""
@@ -121,6 +139,7 @@ class StreamingSwitchGLU(nn.Module):
             raise ValueError("resident mode needs one slot per expert")
         for start in range(0, n, 16):
             self.load_experts(list(range(start, min(n, start + 16))), blocking=False)
+            mx.eval(self.glu.parameters(), self._io.lut)   # bound the pending writes
         self._io.resident = True
 
     # -- compute ----------------------------------------------------------------------------
@@ -169,7 +188,7 @@ class StreamingSwitchGLU(nn.Module):
         """
         io = self._io
         mapping, loads = io.slots.assign(list(experts))
-        futures = [io.store.submit(io.layer, e) for e, _ in loads]
+        futures = [io.store.submit(io.layer, e, prepare=self._prepare) for e, _ in loads]
         return StagedSet(experts=list(experts), mapping=mapping, loads=loads, futures=futures)
 
     def stage_finish(self, staged: "StagedSet") -> tuple[float, int]:
@@ -180,14 +199,14 @@ class StreamingSwitchGLU(nn.Module):
         io = self._io
         started = time.perf_counter()
         try:
-            bufs = [f.result() for f in staged.futures]
+            parts = [f.result() for f in staged.futures]
         except Exception:
             for e, _ in staged.loads:
                 io.slots.forget(e)
             raise
         waited = time.perf_counter() - started
         if staged.loads:
-            self._write_slots(staged.loads, bufs)
+            self._write_slots(staged.loads, parts)
             io.counters.bundles_loaded += len(staged.loads)
         dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
         io.staged = True

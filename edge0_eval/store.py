@@ -155,13 +155,19 @@ class ExpertStore:
             self.stats.throttle_seconds += delay
         return buf
 
-    def submit(self, layer: int, expert: int, priority: int = PREFETCH) -> Future:
-        """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches."""
-        return self._queue.submit(priority, self.read, layer, expert)
+    def submit(self, layer: int, expert: int, priority: int = PREFETCH, prepare=None) -> Future:
+        """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches.
 
-    def read_many(self, pairs: list[tuple[int, int]]) -> list[np.ndarray]:
+        `prepare(buf)`, when given, runs on the I/O thread after the read and its result is the
+        future's: callers move per-bundle unpacking off the thread that builds the graph.
+        """
+        if prepare is None:
+            return self._queue.submit(priority, self.read, layer, expert)
+        return self._queue.submit(priority, lambda: prepare(self.read(layer, expert)))
+
+    def read_many(self, pairs: list[tuple[int, int]], prepare=None) -> list:
         """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches."""
-        futures = [self.submit(l, e, DEMAND) for l, e in pairs]
+        futures = [self.submit(l, e, DEMAND, prepare) for l, e in pairs]
         return [f.result() for f in futures]
 
     # -- cache control ----------------------------------------------------------------------
