@@ -101,6 +101,29 @@ class StreamingSwitchGLU(nn.Module):
         io.counters.bundles_loaded += len(loads)
         return len(loads)
 
+    def load_in_expert_order(self, experts: list[int]) -> int:
+        """load_experts, then move `experts` so that their slot order follows their ids.
+
+        SwitchGLU sorts a large batch's rows by slot id, and that order changes the float
+        accumulation. With slots ordered like experts, a pass over a given set computes the same
+        bits whatever the pool held before, which bit-exact training resume relies on.
+        """
+        loaded = self.load_experts(experts)
+        io = self._io
+        order = sorted(experts)
+        current = [io.slots.slot_of(e) for e in order]
+        target = sorted(current)
+        if current != target:
+            src, dst = mx.array(current, dtype=mx.int32), mx.array(target, dtype=mx.int32)
+            for proj in PROJECTIONS:
+                linear = getattr(self.glu, proj)
+                for part in PARTS:
+                    buffer = linear[part]
+                    buffer[dst] = buffer[src]
+            io.slots.move(dict(zip(order, target)))
+            io.lut[mx.array(order, dtype=mx.int32)] = dst
+        return loaded
+
     def _prepare(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """On an I/O thread: one bundle's tensors as numpy arrays in their slot dtypes.
 

@@ -72,6 +72,13 @@ class LayerSlots:
             loads.append((e, slot))
         return mapping, loads
 
+    def move(self, slot_of: dict[int, int]) -> None:
+        """Re-seat resident experts among their own slots (a permutation; LRU order kept)."""
+        if sorted(self._slot_of[e] for e in slot_of) != sorted(slot_of.values()):
+            raise ValueError("move must permute the slots the experts already hold")
+        for e, slot in slot_of.items():
+            self._slot_of[e] = slot
+
     def forget(self, expert: int) -> None:
         """Drop an expert whose load failed, so its slot is not trusted."""
         slot = self._slot_of.pop(expert, None)

@@ -208,3 +208,27 @@ def test_hidden_clipping_defaults_to_bailing_only():
     for bad in (0, -1.0, "big"):
         with pytest.raises(ConfigError, match="clip_hidden"):
             EngineOptions(clip_hidden=bad).validate()
+
+
+def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwen64):
+    """Training loads each layer's union this way: the same set must compute the same bits
+    whatever the pool held before (slot order follows expert order)."""
+    union = [40, 2, 17, 33, 9, 60]
+    x = mx.random.normal((1, 16, 128), key=mx.random.key(0))
+    inds = mx.array([[[union[(t + j) % 6] for j in range(4)] for t in range(16)]])  # 64 rows
+    outs = []
+    for history in ([], [60, 40, 33], [9, 61, 2, 5, 40, 17, 12]):
+        engine = Engine.load(edge0_qwen64, EngineOptions(mode="reactive", slots_per_layer=12))
+        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+        x = x.astype(switch.glu.gate_proj.scales.dtype)
+        if history:
+            switch.load_experts(history)
+        switch.load_in_expert_order(union)
+        slots = [switch.slots.slot_of(e) for e in sorted(union)]
+        assert slots == sorted(slots)
+        assert mx.array_equal(switch._io.lut[mx.array(sorted(union))], mx.array(slots)).item()
+        switch.pin(True)
+        outs.append(switch(x, inds))
+        mx.eval(outs[-1])
+        engine.close()
+    assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])

@@ -305,7 +305,7 @@ class ServedPath:
                 raise ConfigError(f"layer {layer}: {len(experts)} routed experts do not fit "
                                   f"{switch.slots.n_slots} slots")
             if experts:
-                loaded += switch.load_experts(experts)
+                loaded += switch.load_in_expert_order(experts)
         return loaded
 
     def replay_plan(self, disc: Discovery, rows: np.ndarray, unions: dict[int, list[int]]
