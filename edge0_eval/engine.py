@@ -243,11 +243,14 @@ class Engine:
         if not tokens:
             raise ConfigError("empty prompt: nothing to prefill")
         chunk = max(1, self.options.prefill_chunk)
-        for start in range(0, len(tokens), chunk):
-            logits = self.forward(mx.array(tokens[start: start + chunk])[None])
+        bounds = list(range(0, len(tokens), chunk)) + [len(tokens)]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and chunk > 1:
+            bounds[-2] -= 1   # the last chunk keeps two tokens: the heads' t and t-1 features
+        for start, end in zip(bounds, bounds[1:]):
+            logits = self.forward(mx.array(tokens[start:end])[None])
             mx.eval(logits, self._guard_events, [c.state for c in self.cache])
         if self.prerouter is not None:
-            self.prerouter.after_prefill()
+            self.prerouter.after_prefill(len(tokens))
         return logits[0, -1]
 
     def step(self, token: int) -> mx.array:

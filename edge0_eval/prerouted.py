@@ -3,8 +3,9 @@
 After each decode step every prerouter head runs in one batched computation on the step's
 features; the predicted expert set of each consuming layer (owner + 1) starts loading in the
 background at once, and during the next step each consuming layer executes exactly that set.
-Layers before `start_layer`, prefill, and the first decode token after prefill route with the
-true router.
+The heads also run once on the prompt's last token after prefill, so the first decode token is
+prerouted too (the reference design left it on the true router: one fully blocking step per
+generation). Layers before `start_layer` and prefill itself route with the true router.
 """
 
 from __future__ import annotations
@@ -99,21 +100,34 @@ class Prerouter:
         if self.measure_recall:
             block._trace.measure_recall = True
 
-    def after_prefill(self) -> None:
-        """Remember the prompt's last executed sets: the t-1 features of the first decode step."""
+    def after_prefill(self, prompt_tokens: int) -> None:
+        """Plan the first decode step from the prompt's last token, as after_step plans the next.
+
+        Its t-1 features come from the token before it (prefill keeps the two in one chunk);
+        a one-token prompt has zeros there, as the first token of a document has in training.
+        """
         from edge0_eval.prerouter import trace_features
 
         self.reset()
-        _, self._prev_onehot = trace_features(self.engine, self.owners)
-        mx.eval(self._prev_onehot)
+        prev = None
+        if prompt_tokens >= 2 and self._chunk_length() >= 2:   # prefill_chunk=1 has no t-1
+            _, prev = trace_features(self.engine, self.owners, position=-2)
+        self._prev_onehot = prev
+        self._plan_next()
 
     def after_step(self) -> None:
         """Run all heads on this step's features and start staging the next step's sets."""
+        for layer in self.consumers:
+            self.engine.blocks[layer].set_plan(None)
+        self._plan_next()
+
+    def _chunk_length(self) -> int:
+        return self.engine.blocks[self.owners[0]]._trace.last_input.shape[1]
+
+    def _plan_next(self) -> None:
         from edge0_eval.prerouter import trace_features
 
         engine = self.engine
-        for layer in self.consumers:
-            engine.blocks[layer].set_plan(None)
         started = time.perf_counter()
         feats, onehot_t = trace_features(engine, self.owners, self._prev_onehot)
         self._prev_onehot = onehot_t

@@ -39,21 +39,19 @@ def test_staged_set_equals_routed_set_every_step(model_and_heads):
     for step in range(12):
         planned = {layer: sorted(plan[2].experts) for layer, plan in engine.prerouter._plans.items()}
         logits = engine.step(token)
-        if step == 0:
-            assert planned == {}   # the first decode token routes with the true router
-        else:
-            assert set(planned) == set(consumers)
-            for layer in consumers:
-                executed = sorted(np.array(engine.blocks[layer]._trace.last_inds).reshape(-1).tolist())
-                assert executed == planned[layer]
-                checked += 1
+        # Planned from the prompt's last token at step 0, from the previous step after that.
+        assert set(planned) == set(consumers)
+        for layer in consumers:
+            executed = sorted(np.array(engine.blocks[layer]._trace.last_inds).reshape(-1).tolist())
+            assert executed == planned[layer]
+            checked += 1
         token = int(mx.argmax(logits).item())
     stats = engine.stats()
     engine.close()
-    assert checked == 11 * len(consumers)
+    assert checked == 12 * len(consumers)
     assert stats["dropped_experts"] == 0
-    assert stats["prerouted_steps"] == 11
-    assert stats["staged_experts"] == 12 * len(consumers) * engine.top_k
+    assert stats["prerouted_steps"] == 12
+    assert stats["staged_experts"] == 13 * len(consumers) * engine.top_k
 
 
 def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
@@ -74,7 +72,7 @@ def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
     assert pre["dropped_experts"] == 0
     # Both modes read about one bundle per routed expert (slots == K: almost no reuse) ...
     assert pre["bytes_per_token"] == pytest.approx(rea["bytes_per_token"], rel=0.5)
-    # ... but prerouted blocks only on the layers before start_layer and the first token.
+    # ... but prerouted blocks only on the layers before start_layer.
     assert pre["blocked_loads_per_step"] < rea["blocked_loads_per_step"]
     assert pre["staged_loads_per_step"] > 0
 
@@ -107,3 +105,21 @@ def test_missing_heads_fail_before_loading(edge0_qwen, tmp_path):
                                               prerouter_path=str(tmp_path / "nope.safetensors")))
     with pytest.raises(CheckpointError, match="prerouted mode needs prerouter heads"):
         Engine.load(edge0_qwen, EngineOptions(mode="prerouted"))
+
+
+def test_first_decode_plan_does_not_depend_on_prefill_chunking(model_and_heads):
+    """The first step's plan uses the prompt's last two tokens; a chunk size that would leave
+    the last token alone must not lose the t-1 features."""
+    converted, heads_path, _ = model_and_heads
+    plans = []
+    for chunk in (512, None):
+        engine = Engine.load(converted, EngineOptions(mode="prerouted",
+                                                      prerouter_path=str(heads_path)))
+        prompt = engine.tokenizer.encode(PROMPT)
+        engine.options.prefill_chunk = chunk or len(prompt) - 1
+        engine.reset()
+        engine.prefill(prompt)
+        plans.append({layer: np.array(plan[0]).tolist()
+                      for layer, plan in engine.prerouter._plans.items()})
+        engine.close()
+    assert plans[0] and plans[0] == plans[1]

@@ -490,7 +490,7 @@ class Batch:
     targets: np.ndarray       # [B, L] next token
     valid: np.ndarray         # [B, L] real positions
     loss_mask: np.ndarray     # [B, L] positions that predict a completion token
-    n_true: np.ndarray        # [B] positions routed with the true router (prompt + 1)
+    n_true: np.ndarray        # [B] positions routed with the true router (the prompt)
 
     @property
     def n_loss(self) -> int:
@@ -519,7 +519,7 @@ def collate(examples: list[Example], pad_id: int = 0) -> Batch:
         targets[i, :n] = s[1:]
         valid[i, :n] = True
         loss_mask[i, len(e.prompt) - 1: n] = True
-    n_true = np.array([len(e.prompt) + 1 for e in examples])
+    n_true = np.array([len(e.prompt) for e in examples])
     return Batch(tokens, targets, valid, loss_mask, n_true)
 
 

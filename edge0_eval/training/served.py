@@ -1,16 +1,16 @@
 """The student's served path over whole (teacher-forced) sequences, with gradients.
 
-Serving (engine.generate) runs a prompt with the true router, and the first generated token too;
-from the second generated token on, every consuming layer c = owner + 1 executes the set that the
-prerouter head of owner c-1 predicted from the previous token's features (h_{c-1}(t-1),
+Serving (engine.generate) runs a prompt with the true router; from the first decode step on
+(its input is the first generated token), every consuming layer c = owner + 1 executes the set
+that the prerouter head of owner c-1 predicted from the previous token's features (h_{c-1}(t-1),
 onehot(executed at c-1, t-1), onehot(executed at c-1, t-2)), with the head's combination weights
 (or the router's, `prerouted_weights="router"`). Layers that consume no head route truly.
 
 For a full sequence this is computed layer by layer in one forward pass: after layer N has run
 over all positions, its MoE input and executed sets are known everywhere, so head N runs over
 all positions at once, its logits are shifted one position to the right and become layer N+1's
-plan at every prerouted position. Positions t with t < n_true[b] (the prompt and the first
-generated token) keep the true router. This is the served computation exactly (same modules,
+plan at every prerouted position. Positions t with t < n_true[b] (the prompt) keep the true
+router. This is the served computation exactly (same modules,
 same heads, same selection rule), not an approximation.
 
 A training step needs two passes (`ServedPath.discover`, then `ServedPath.forward` inside
@@ -274,7 +274,7 @@ class ServedPath:
         """No-gradient pass in serving mode; records every MoE layer's executed ids.
 
         tokens [B, L] int, valid [B, L] bool (False = padding, at the end of a row), n_true [B]:
-        positions t < n_true[b] route with the true router (prompt + first generated token).
+        positions t < n_true[b] route with the true router (the prompt).
         """
         for layer in self.moe:
             self.blocks[layer].switch_mlp.pin(False)
