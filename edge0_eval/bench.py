@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()} {platform.system()} {os.cpu_count()} cores, "
                    f"mlx {mx.__version__} device {mx.default_device()}",
         "cache": args.cache, "io_throttle_mbps": args.io_throttle_mbps, "emulated": emulated,
+        "checkpoint_bytes": checkpoint_bytes(args.model),
         "runs": [],
     }
     if args.raw_reads:
@@ -292,6 +293,17 @@ def _balanced_throttle(args, cold: bool) -> float:
     return reactive["bytes_per_token"] / step_s / 1e6
 
 
+def checkpoint_bytes(model_dir) -> int:
+    """Bytes of the converted checkpoint's weights: the expert file plus the resident file."""
+    from pathlib import Path
+
+    from edge0_eval.layout import RESIDENT_NAME, ExpertIndex
+
+    index = ExpertIndex.load(model_dir)
+    return sum(p.stat().st_size for p in (Path(model_dir) / index.file,
+                                           Path(model_dir) / RESIDENT_NAME))
+
+
 def _mean(rows, arm, key):
     values = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
     return sum(values) / len(values) if values else None
@@ -321,6 +333,11 @@ def targets(report: dict) -> dict:
     achieved = _mean(rows, "reactive", "demand_read_gbps")
     if achieved and raw:
         out["reactive_read_gbps_over_raw"] = round(achieved / raw["gbps"], 3)
+    total = report.get("checkpoint_bytes")
+    for arm in ("reactive", "prerouted"):
+        peak = _mean(rows, arm, "peak_memory_gib")
+        if peak and total:
+            out[f"peak_{arm}_over_checkpoint"] = round(peak * 2**30 / total, 4)
     if report.get("emulated"):
         out["note"] = f"storage emulated at {report['io_throttle_mbps']:.1f} MB/s"
     return out

@@ -184,6 +184,10 @@ def test_cli_generate_json_and_bench(edge0_qwen, tmp_path):
     report = json.loads(bench.read_text())
     assert [r["arm"] for r in report["runs"]] == ["mlx-lm", "resident", "reactive"]
     assert report["raw_reads"]["gbps"] > 0 and report["cache"] == "cold"
+    reactive = report["runs"][2]
+    assert report["targets"]["peak_reactive_over_checkpoint"] == pytest.approx(
+        reactive["peak_memory_gib"] * 2**30 / report["checkpoint_bytes"], rel=1e-3)
+    assert report["checkpoint_bytes"] > (edge0_qwen / "experts.bin").stat().st_size
 
 
 def test_cli_bad_budget_is_one_line(edge0_qwen):
