@@ -22,9 +22,23 @@ class MLXLMModel(ChatModelBase):
         dict(type=MLXLMModel, abbr='teacher', path='/models/teacher', max_out_len=4096,
              generation_kwargs=dict(temperature=0.6, top_p=0.95),
              chat_template_kwargs=dict(enable_thinking=True), run_cfg=dict(num_gpus=0))
+
+    compute_dtype: the engine's activation policy (`auto`: float32 on the CPU, where MLX
+    emulates half precision, the checkpoint's own dtype elsewhere; or float16/bfloat16/float32).
+    On the CPU `auto` doubles the memory of unquantized fp16 weights.
     """
 
     arm = 'teacher'
+
+    def __init__(self, path: str, compute_dtype: str = 'auto', **kwargs):
+        from edge0_eval.errors import ConfigError
+        from edge0_eval.mlx_compat import COMPUTE_DTYPES
+
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f'teacher: compute_dtype {compute_dtype!r} is not one of '
+                              f'{", ".join(COMPUTE_DTYPES)}')
+        self.compute_dtype = compute_dtype
+        super().__init__(path=path, **kwargs)
 
     def _load(self, tokenizer_only: bool):
         if not os.path.isfile(os.path.join(self.path, 'config.json')):
@@ -35,10 +49,12 @@ class MLXLMModel(ChatModelBase):
             return load_tokenizer(Path(self.path))
         from mlx_lm import load
 
-        from edge0_eval.mlx_compat import upcast_unquantized_experts_for_cpu
+        from edge0_eval.mlx_compat import (cast_floating, resolve_compute_dtype,
+                                           upcast_unquantized_experts_for_cpu)
 
         self.model, tokenizer = load(self.path)
-        # MLX's CPU gather_mm only runs float32: a no-op on Metal.
+        cast_floating(self.model, resolve_compute_dtype(self.compute_dtype))
+        # MLX's CPU gather_mm only runs float32 (a no-op on Metal and after a float32 cast).
         upcast_unquantized_experts_for_cpu(self.model)
         return tokenizer
 

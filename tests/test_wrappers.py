@@ -66,6 +66,30 @@ def test_unknown_model_option_is_refused(tiny_qwen):
         MLXLMModel(path=str(tiny_qwen), tokenizer_only=True, chat_template_kwarg={})
 
 
+def test_teacher_compute_dtype(tiny_qwen):
+    """`auto` follows the engine's policy (float32 on the CPU); an explicit dtype is kept;
+    a misspelt one is refused before loading."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from edge0_eval.mlx_compat import resolve_compute_dtype
+    from model_wrappers.mlx_lm_model import MLXLMModel
+
+    def floating(model):
+        # Unquantized experts are float32 on the CPU whatever the policy (gather_mm).
+        return {v.dtype for k, v in tree_flatten(model.model.parameters())
+                if mx.issubdtype(v.dtype, mx.floating) and 'switch_mlp' not in k}
+
+    auto = MLXLMModel(path=str(tiny_qwen))
+    want = resolve_compute_dtype('auto')
+    if want is not None:
+        assert floating(auto) == {want}
+    half = MLXLMModel(path=str(tiny_qwen), compute_dtype='bfloat16')
+    assert floating(half) == {mx.bfloat16}
+    with pytest.raises(ConfigError, match='compute_dtype'):
+        MLXLMModel(path=str(tiny_qwen), compute_dtype='fp8')
+
+
 def test_promptlist_and_raw_messages_give_the_same_prompt(teacher):
     text = teacher.chat_text(HUMAN)
     assert text == teacher.chat_text(RAW) == '<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n' \
