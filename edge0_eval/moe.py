@@ -145,15 +145,17 @@ class StreamingSwitchGLU(nn.Module):
         written; the writes run in stream order, before this layer's experts read the slots.
         """
         index = self._io.index
-        where = mx.array([s for _, s in loads], dtype=mx.int32)
-        for name in TENSOR_ORDER:
-            proj, part = name.split(".")
-            values = mx.stack([mx.array(p[name]) for p in parts])
-            if index.tensor(name).dtype == "bfloat16":
-                values = values.view(mx.bfloat16)
-            buffer = getattr(self.glu, proj)[part]
-            buffer[where] = values.astype(buffer.dtype)   # in place on the module's array
-        self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = where
+        # One slice update per bundle tensor rather than a stack + scatter: one copy fewer.
+        for (_, slot), bundle in zip(loads, parts):
+            for name in TENSOR_ORDER:
+                proj, part = name.split(".")
+                value = mx.array(bundle[name])
+                if index.tensor(name).dtype == "bfloat16":
+                    value = value.view(mx.bfloat16)
+                buffer = getattr(self.glu, proj)[part]
+                buffer[slot] = value.astype(buffer.dtype)   # in place on the module's array
+        self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = mx.array(
+            [s for _, s in loads], dtype=mx.int32)
 
     def preload_all(self) -> None:
         """Resident mode: every expert in its own slot, identity slot table."""
