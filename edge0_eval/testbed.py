@@ -65,9 +65,14 @@ def find_gguf(path: str | None) -> Path:
 def load_gguf(gguf: Path):
     """(hf config, {name: float32 array}, tokenizer, torch model) via transformers' GGUF reader,
     which dequantizes and undoes llama.cpp's q/k row permutation."""
+    import importlib.util
+
     import torch
     import transformers
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError("testbed build reads the GGUF with transformers, which needs the "
+                          "`gguf` package: pip install -e '.[testbed]' (or 'gguf>=0.10.0')")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -143,6 +143,17 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
         testbed.find_gguf(str(tmp_path / "missing.gguf"))
 
 
+def test_missing_gguf_reader_names_the_extra(tmp_path, monkeypatch):
+    """Without the gguf package transformers fails deep inside; say which install fixes it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"\.\[testbed\]"):
+        testbed.load_gguf(tmp_path / "model.gguf")
+
+
 def test_source_segments_match_ast_on_tricky_sources():
     """The corpus reader's pre-split segments equal ast.get_source_segment's (which it replaces
     for speed), with non-ASCII columns, CRLF and CR line ends and a form feed."""
