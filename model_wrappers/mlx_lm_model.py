@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 from opencompass.registry import MODELS
 
-from edge0_eval.errors import CheckpointError
+from edge0_eval.errors import CheckpointError, ConfigError
 
 from .chat import ChatModelBase
 
@@ -31,8 +31,7 @@ class MLXLMModel(ChatModelBase):
     arm = 'teacher'
 
     def __init__(self, path: str, compute_dtype: str = 'auto', **kwargs):
-        from edge0_eval.errors import ConfigError
-        from edge0_eval.mlx_compat import COMPUTE_DTYPES
+        from edge0_eval.mlx_compat import COMPUTE_DTYPES   # MLX loads only with a model
 
         if compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f'teacher: compute_dtype {compute_dtype!r} is not one of '
