@@ -25,7 +25,7 @@ with read_base():
     from .datasets.edge0_bundle import edge0_dataset_abbrs, edge0_datasets
     from .datasets.edge0_bundle_rawprompt import edge0_raw_datasets
 
-# The MMLU-Pro categories the fixture has (edge0_eval.fixtures.MMLU_PRO_FIXTURE_CATEGORIES).
+# The MMLU-Pro categories the fixture has (edge0_eval.evaluation.fixtures.MMLU_PRO_FIXTURE_CATEGORIES).
 tiny_mmlu_pro = ['mmlu_pro_math', 'mmlu_pro_physics']
 datasets = ([d for d in edge0_raw_datasets if d['abbr'] in ('aime2026', 'IFBench')]
             + [d for d in edge0_datasets

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0) -> dict:
     """Positioned reads of random bundles at `queue_depth`: the storage's physical limit here."""
-    from edge0_eval.store import ExpertStore
+    from edge0_eval.engine.store import ExpertStore
 
     store = ExpertStore(directory, io_workers=queue_depth)
     try:
@@ -77,7 +77,7 @@ def measure_mmap_reads(directory, n_reads: int, queue_depth: int, cold: bool,
     """The same random bundles copied out of an mmap of the file: the alternative to preadv."""
     import mmap
 
-    from edge0_eval.layout import ExpertIndex
+    from edge0_eval.engine.layout import ExpertIndex
 
     index = ExpertIndex.load(directory)
     fd = os.open(os.path.join(directory, index.file), os.O_RDONLY)
@@ -107,7 +107,7 @@ def _prompt(tokenizer, n: int) -> list[int]:
 
 
 def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
-    from edge0_eval.engine import Engine
+    from edge0_eval.engine.engine import Engine
 
     options = options_from_args(args, mode=mode)
     engine = Engine.load(model_dir, options)
@@ -129,8 +129,8 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
 def run_compute_only_arm(model_dir, args) -> dict:
     """Decode with every needed expert already in the slots: the same greedy run twice, with
     room for every expert the run touches; the second run reads nothing."""
-    from edge0_eval.engine import Engine
-    from edge0_eval.layout import ExpertIndex
+    from edge0_eval.engine.engine import Engine
+    from edge0_eval.engine.layout import ExpertIndex
 
     index = ExpertIndex.load(model_dir)
     options = options_from_args(args, mode="reactive", expert_budget_mib=None)
@@ -152,7 +152,7 @@ def run_compute_only_arm(model_dir, args) -> dict:
 def _native_top_k(model_dir) -> int:
     from pathlib import Path
 
-    from edge0_eval.families import family_for
+    from edge0_eval.engine.families import family_for
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return family_for(config).native_top_k(config)
@@ -162,7 +162,7 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from edge0_eval.reference import load_reference
+    from edge0_eval.checkpoints.reference import load_reference
 
     mx.reset_peak_memory()
     model, tokenizer = load_reference(model_dir, compute_dtype=args.compute_dtype,
@@ -297,7 +297,7 @@ def checkpoint_bytes(model_dir) -> int:
     """Bytes of the converted checkpoint's weights: the expert file plus the resident file."""
     from pathlib import Path
 
-    from edge0_eval.layout import RESIDENT_NAME, ExpertIndex
+    from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 
     index = ExpertIndex.load(model_dir)
     return sum(p.stat().st_size for p in (Path(model_dir) / index.file,

@@ -13,19 +13,19 @@ import sys
 
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny": ("edge0_eval.tiny", "write a tiny random-weight mlx-lm MoE checkpoint"),
-    "make-synthetic": ("edge0_eval.synthetic", "write a full-shape random checkpoint in streaming layout"),
-    "convert": ("edge0_eval.convert", "convert an mlx-lm checkpoint to the int4 streaming layout"),
-    "generate": ("edge0_eval.cmd_generate", "generate text with the streaming engine"),
+    "make-tiny": ("edge0_eval.checkpoints.tiny", "write a tiny random-weight mlx-lm MoE checkpoint"),
+    "make-synthetic": ("edge0_eval.checkpoints.synthetic", "write a full-shape random checkpoint in streaming layout"),
+    "convert": ("edge0_eval.checkpoints.convert", "convert an mlx-lm checkpoint to the int4 streaming layout"),
+    "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
     "bench": ("edge0_eval.bench", "benchmark the engine (arms interleaved in one process)"),
-    "train-prerouter": ("edge0_eval.train_prerouter", "stage 1: distil prerouter heads"),
+    "train-prerouter": ("edge0_eval.training.prerouter", "stage 1: distil prerouter heads"),
     "train-lora": ("edge0_eval.training.sft", "stage 2: student-path LoRA SFT"),
     "distill": ("edge0_eval.training.distill", "stage 3: on-policy distillation"),
-    "data": ("edge0_eval.data", "stage and verify OpenCompass benchmark data offline"),
-    "report": ("edge0_eval.report", "teacher-vs-student gap report from OpenCompass outputs"),
-    "gate": ("edge0_eval.gate", "CI regression gate on a report"),
+    "data": ("edge0_eval.evaluation.data", "stage and verify OpenCompass benchmark data offline"),
+    "report": ("edge0_eval.evaluation.report", "teacher-vs-student gap report from OpenCompass outputs"),
+    "gate": ("edge0_eval.evaluation.gate", "CI regression gate on a report"),
     "demo": ("edge0_eval.demo", "run the embedded default end to end"),
-    "testbed": ("edge0_eval.testbed", "real-weight MoE testbed from SmolLM2"),
+    "testbed": ("edge0_eval.checkpoints.testbed", "real-weight MoE testbed from SmolLM2"),
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from edge0_eval.engine import MODES, EngineOptions
+from edge0_eval.engine.engine import MODES, EngineOptions
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, mode_default: str = "reactive") -> None:

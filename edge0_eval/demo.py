@@ -61,9 +61,9 @@ def opencompass_command() -> list[str]:
 
 def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
     """Tiny teacher, student and fixture data under `work`; returns the run's environment."""
-    from edge0_eval.convert import convert
-    from edge0_eval.fixtures import write_fixtures
-    from edge0_eval.tiny import TinyShape, write_tiny
+    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.evaluation.fixtures import write_fixtures
+    from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
     teacher, student, data = work / 'tiny-teacher', work / 'tiny-student', work / 'data'
     if fresh:

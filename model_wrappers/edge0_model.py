@@ -26,7 +26,7 @@ def engine_fields() -> tuple[str, ...]:
     """Every EngineOptions field: each one is settable from a model config."""
     from dataclasses import fields
 
-    from edge0_eval.engine import EngineOptions
+    from edge0_eval.engine.engine import EngineOptions
     return tuple(f.name for f in fields(EngineOptions))
 
 
@@ -38,7 +38,7 @@ def resolve_engine_options(path: str, **options) -> dict:
     task. The LoRA adapter defaults to `<path>/lora.safetensors`, the prerouter heads (prerouted
     mode) to `<path>/prerouter.safetensors`; `no_lora` / `no_prerouter` turn them off.
     """
-    from edge0_eval.engine import EngineOptions
+    from edge0_eval.engine.engine import EngineOptions
 
     unknown = sorted(set(options) - set(engine_fields()))
     if unknown:
@@ -75,7 +75,7 @@ def resolve_engine_options(path: str, **options) -> dict:
 
 @MODELS.register_module()
 class Edge0Model(ChatModelBase):
-    """The Edge0 student: `edge0_eval.engine.Engine` over a converted model directory.
+    """The Edge0 student: `edge0_eval.engine.engine.Engine` over a converted model directory.
 
     Every EngineOptions field is a config key (mode, top_k, expert_budget_mib,
     slots_per_layer, lora_path, prerouter_path, no_lora, no_prerouter, io_throttle_mbps, ...).
@@ -102,7 +102,7 @@ class Edge0Model(ChatModelBase):
 
             from mlx_lm.utils import load_tokenizer
             return load_tokenizer(Path(self.path))
-        from edge0_eval.engine import Engine, EngineOptions
+        from edge0_eval.engine.engine import Engine, EngineOptions
 
         self._check_sampling_supported(Engine.generate)
         self.engine = Engine.load(self.path, EngineOptions(**self.engine_options))

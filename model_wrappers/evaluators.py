@@ -80,7 +80,7 @@ class CheckedIFBenchEvaluator(IFBenchEvaluator):
         self.nltk_data = nltk_data
 
     def score(self, predictions, references, origin_prompt):
-        from edge0_eval.data import nltk_missing
+        from edge0_eval.evaluation.data import nltk_missing
 
         ids = [i for ref in references for i in ref['instruction_id_list']]
         missing = nltk_missing(ids, self.nltk_data)

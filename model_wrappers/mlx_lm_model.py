@@ -31,7 +31,7 @@ class MLXLMModel(ChatModelBase):
     arm = 'teacher'
 
     def __init__(self, path: str, compute_dtype: str = 'auto', **kwargs):
-        from edge0_eval.mlx_compat import COMPUTE_DTYPES   # MLX loads only with a model
+        from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES   # MLX loads only with a model
 
         if compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f'teacher: compute_dtype {compute_dtype!r} is not one of '
@@ -48,7 +48,7 @@ class MLXLMModel(ChatModelBase):
             return load_tokenizer(Path(self.path))
         from mlx_lm import load
 
-        from edge0_eval.mlx_compat import (cast_floating, resolve_compute_dtype,
+        from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                            upcast_unquantized_experts_for_cpu)
 
         self.model, tokenizer = load(self.path)

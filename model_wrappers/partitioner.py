@@ -16,7 +16,7 @@ from typing import Iterable, List
 from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 
-from edge0_eval.data import data_root, verify
+from edge0_eval.evaluation.data import data_root, verify
 from edge0_eval.errors import ConfigError
 
 

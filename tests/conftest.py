@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge0_eval.tiny import TinyShape, write_tiny
+from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +46,7 @@ def tiny_qwen2_q4(tmp_path_factory):
 
 
 def _convert(src, tmp_path_factory, name):
-    from edge0_eval.convert import convert
+    from edge0_eval.checkpoints.convert import convert
 
     return convert(src, tmp_path_factory.mktemp("conv") / name, progress=False)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval import data
-from edge0_eval.fixtures import MMLU_PRO_FIXTURE_CATEGORIES, write_fixtures
+from edge0_eval.evaluation import data
+from edge0_eval.evaluation.fixtures import MMLU_PRO_FIXTURE_CATEGORIES, write_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def test_stage_writes_humaneval_and_ifbench_from_pypi_packages(staged):
 def test_staging_ifbench_never_imports_its_code(tmp_path):
     proc = _in_fresh_python(f'''
         import sys
-        from edge0_eval.data import stage_ifbench
+        from edge0_eval.evaluation.data import stage_ifbench
         stage_ifbench(__import__("pathlib").Path({str(tmp_path)!r}))
         assert "ifbench" not in sys.modules and "spacy" not in sys.modules, "imported"
     ''')
@@ -277,7 +277,7 @@ def test_user_supplied_pos_tagger_is_copied_and_then_ifbench_is_complete(staged,
     notes = data.stage_nltk(copy / 'nltk_data', str(tmp_path / 'nltk_data'))
     assert any('copied' in n for n in notes)
     proc = _in_fresh_python(f'''
-        from edge0_eval.data import verify
+        from edge0_eval.evaluation.data import verify
         (check,) = verify({str(copy)!r}, ("ifbench",), full=True)
         assert check.ok, check.message
     ''')
@@ -293,7 +293,7 @@ def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
     proc = _in_fresh_python(f'''
         import nltk
         nltk.data.path[:] = []
-        from edge0_eval.data import verify
+        from edge0_eval.evaluation.data import verify
         (head,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(0, 12))
         (tail,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(250, 270))
         assert head.ok, head.message

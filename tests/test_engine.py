@@ -8,9 +8,9 @@ import sys
 import mlx.core as mx
 import pytest
 
-from edge0_eval.engine import Engine, EngineOptions
+from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.layout import EXPERTS_NAME, INDEX_NAME
+from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b"
 
@@ -28,7 +28,7 @@ def _parity(src, converted, steps=64, **options):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from edge0_eval.mlx_compat import cast_floating, resolve_compute_dtype
+    from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 
     ref, tok = load(str(src))
     # The engine's dtype policy (float32 activations on CPU), applied to mlx-lm's model too.
@@ -100,7 +100,7 @@ def test_generate_is_deterministic_and_stops(edge0_qwen):
 
 
 def test_small_budget_peak_memory_below_resident(edge0_qwen64):
-    from edge0_eval.layout import ExpertIndex
+    from edge0_eval.engine.layout import ExpertIndex
 
     index = ExpertIndex.load(edge0_qwen64)
     peaks = {}
@@ -201,7 +201,7 @@ def test_cli_bad_budget_is_one_line(edge0_qwen):
 def test_hidden_clipping_defaults_to_bailing_only():
     """Clipping at +-1000 is the reference's fix for the 8B tier; on other models it would cut
     legitimate activations (SmolLM2's reach ~25,000 and its int4 student then babbled)."""
-    from edge0_eval.families import FAMILIES
+    from edge0_eval.engine.families import FAMILIES
 
     auto = EngineOptions()
     assert auto.resolved_clip(FAMILIES["bailing_hybrid"]) == 1000.0

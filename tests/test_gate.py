@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.cli import main
-from edge0_eval.gate import evaluate
+from edge0_eval.evaluation.gate import evaluate
 from oc_tree import OCRun
 
 T, S = "qwen-teacher-fp16", "edge0-student"

@@ -1,4 +1,4 @@
-"""Unmerged recovery LoRA (edge0_eval.lora): exactness, hand reference, file layouts, bad files.
+"""Unmerged recovery LoRA (edge0_eval.engine.lora): exactness, hand reference, file layouts, bad files.
 
 Models are tiny int4 checkpoints (conftest's session fixtures) loaded with `mlx_lm.load`; its
 module paths are the engine's for every resident module (checked at the end on a converted
@@ -17,7 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.lora import (LoRALinear, apply_lora, default_targets, find_targets, linear_dims,
+from edge0_eval.engine.lora import (LoRALinear, apply_lora, default_targets, find_targets, linear_dims,
                              load_adapter, lora_modules, mark_trainable, remove_lora,
                              save_adapter)
 
@@ -402,15 +402,15 @@ def test_failed_load_keeps_previous_adapter(tiny_qwen_q4, tmp_path):
 
 @pytest.fixture
 def converted(family, ckpt, tmp_path_factory):
-    from edge0_eval.convert import convert
+    from edge0_eval.checkpoints.convert import convert
 
     return convert(ckpt, tmp_path_factory.mktemp("edge0") / family, progress=False)
 
 
 def test_engine_model_takes_the_same_adapter(family, ckpt, converted, tmp_path):
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine, EngineOptions
 
-    from edge0_eval.mlx_compat import cast_floating, resolve_compute_dtype
+    from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 
     reference = load_model(ckpt)
     # The engine's dtype policy (float32 activations on CPU), applied to mlx-lm's model too.

@@ -4,9 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.engine import Engine, EngineOptions
+from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.errors import CheckpointError
-from edge0_eval.prerouter import default_owners, init_heads_from_routers, save_heads
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.prerouter import (
+from edge0_eval.engine.prerouter import (
     KIND, PrerouterConfig, PrerouterHeads, RoutingRule, build_features, check_owners,
     default_owners, init_heads_from_routers, load_heads, onehot, read_metadata, router_logits,
     router_weight, save_heads, select_experts, stack_rules, tier_defaults, trace_features,
@@ -26,8 +26,8 @@ def converted_model(tmp_path_factory, family: str):
     float32: MLX's fp16 matmuls are ~50x slower than fp32 on this CPU, and the prerouter logic
     does not depend on the dtype.
     """
-    from edge0_eval.convert import convert
-    from edge0_eval.tiny import TinyShape, write_tiny
+    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
     base = tmp_path_factory.getbasetemp() / "prerouter_models"
     out = base / family
@@ -40,7 +40,7 @@ def converted_model(tmp_path_factory, family: str):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, tmp_path_factory):
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine, EngineOptions
 
     eng = Engine.load(converted_model(tmp_path_factory, request.param),
                       EngineOptions(mode="reactive"))
@@ -162,7 +162,7 @@ def test_router_bias_is_folded_into_onehot_columns():
     block = type("B", (), {"gate": lin, "norm_topk_prob": True})()
     w, b = router_weight(block)
     assert b is not None
-    from edge0_eval.prerouter import heads_from_router_weights
+    from edge0_eval.engine.prerouter import heads_from_router_weights
 
     cfg = PrerouterConfig(owners=[0], start_layer=1, width=2, top_k=2, hidden=4, num_experts=3)
     heads = heads_from_router_weights(cfg, [w], [b], seed=0)

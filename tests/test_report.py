@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.cli import main
-from edge0_eval.opencompass_outputs import item_correctness
+from edge0_eval.evaluation.outputs import item_correctness
 from oc_tree import OCRun, infer_cfg, prompt_version
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval import moefy, testbed
+from edge0_eval.checkpoints import moefy, testbed
 from edge0_eval.errors import ConfigError
 
 
@@ -63,7 +63,7 @@ def tiny_dense(tmp_path_factory):
     import torch
     import transformers
 
-    from edge0_eval.tokenizer_build import build_tokenizer
+    from edge0_eval.checkpoints.tokenizer import build_tokenizer
 
     tok_dir = tmp_path_factory.mktemp("tok")
     vocab = build_tokenizer(tok_dir, vocab_size=320)

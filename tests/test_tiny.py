@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.tiny import TinyShape, write_tiny
+from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -18,7 +18,7 @@ def _digest(path: Path) -> dict[str, str]:
 def test_mlx_lm_loads_and_generates(fixture, request):
     from mlx_lm import generate, load
 
-    from edge0_eval.mlx_compat import upcast_unquantized_experts_for_cpu
+    from edge0_eval.engine.mlx_compat import upcast_unquantized_experts_for_cpu
 
     model, tokenizer = load(str(request.getfixturevalue(fixture)))
     upcast_unquantized_experts_for_cpu(model)
@@ -47,7 +47,7 @@ def test_same_seed_byte_identical(tmp_path):
 
 
 def test_realistic_shape_options_reach_config(tmp_path):
-    from edge0_eval.tiny import model_config
+    from edge0_eval.checkpoints.tiny import model_config
 
     cfg = model_config(TinyShape(family="qwen3_5_moe", experts=256, top_k=8, hidden=2048,
                                  heads=16, layers=40))

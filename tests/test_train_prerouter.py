@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.prerouter import load_heads, read_metadata
-from edge0_eval.train_prerouter import (
+from edge0_eval.engine.prerouter import load_heads, read_metadata
+from edge0_eval.training.prerouter import (
     FeatureStore, Interrupted, TrainOptions, parse_owners, positions, read_documents,
     report_paths, split_documents, train_prerouter,
 )
@@ -121,13 +121,13 @@ def test_report_and_heads_file(trained):
 
 def test_teacher_records_are_the_executed_routing(trained):
     """Stored top-K / MoE inputs equal a fresh engine run; targets are layer N+1 at t+1."""
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine, EngineOptions
 
     family, model, opts, _ = trained
     store = FeatureStore(Path(f"{opts.out}.ckpt") / "features").open()
     meta = store.meta
     name, start, length = meta["docs"][1]
-    from edge0_eval.train_prerouter import _encode_prefix
+    from edge0_eval.training.prerouter import _encode_prefix
 
     engine = Engine.load(model, EngineOptions(mode="reactive"))
     try:
@@ -146,7 +146,7 @@ def test_teacher_records_are_the_executed_routing(trained):
                                        atol=2e-3)
     finally:
         engine.close()
-    from edge0_eval.train_prerouter import Batches
+    from edge0_eval.training.prerouter import Batches
 
     owners = meta["pairs"]
     b = Batches(store, owners).get(np.array([start + 3, start]))

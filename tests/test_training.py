@@ -37,9 +37,9 @@ DISTILL_ARGS = ["--steps", "3", "--batch", "2", "--lr", "1e-4", "--seq-len", "48
 
 def _student(teacher, root: Path) -> Path:
     """int4 `convert` of the teacher with untrained prerouter heads."""
-    from edge0_eval.convert import convert
-    from edge0_eval.engine import Engine, EngineOptions
-    from edge0_eval.prerouter import default_owners, init_heads_from_routers, save_heads
+    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.engine.engine import Engine, EngineOptions
+    from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 
     student = convert(teacher, root / "student", progress=False)
     engine = Engine.load(student, EngineOptions(mode="reactive", no_lora=True))
@@ -117,8 +117,8 @@ def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family
     the gradient pass replays it exactly; gradient checkpointing leaves gradients unchanged."""
     from mlx.utils import tree_flatten
 
-    from edge0_eval import lora
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine import lora
+    from edge0_eval.engine.engine import Engine, EngineOptions
     from edge0_eval.training.served import ServedPath
 
     student = (request.getfixturevalue("pair")[1] if family == "qwen" else
@@ -192,8 +192,8 @@ def test_micro_batches_keep_the_expert_bound_and_the_gradient(pair):
     are resident, and the accumulated gradient equals the one-pass gradient."""
     import mlx.optimizers as optim
 
-    from edge0_eval import lora
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine import lora
+    from edge0_eval.engine.engine import Engine, EngineOptions
     from edge0_eval.training.common import cross_entropy_loss, lora_state
     from edge0_eval.training.served import ServedPath
 
@@ -261,7 +261,7 @@ def test_stage3_reports_against_stage2(pair, sft_run, distill_run):
 
 
 def test_trained_adapter_loads_in_the_engine_and_changes_outputs(pair, sft_run):
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine, EngineOptions
 
     _, student, _ = pair
     prompt = [1, 87, 85, 259, 201, 263, 312, 81, 299]

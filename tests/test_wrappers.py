@@ -72,7 +72,7 @@ def test_teacher_compute_dtype(tiny_qwen):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from edge0_eval.mlx_compat import resolve_compute_dtype
+    from edge0_eval.engine.mlx_compat import resolve_compute_dtype
     from model_wrappers.mlx_lm_model import MLXLMModel
 
     def floating(model):
@@ -177,7 +177,7 @@ def test_student_and_teacher_share_prompt_handling(student, teacher):
 
 
 def test_student_missing_adapters_fail_before_loading(edge0_qwen, tmp_path, monkeypatch):
-    from edge0_eval import engine
+    from edge0_eval.engine import engine
     from model_wrappers.edge0_model import Edge0Model
 
     def no_load(*a, **k):
@@ -197,8 +197,8 @@ def test_student_missing_adapters_fail_before_loading(edge0_qwen, tmp_path, monk
 
 
 def test_adapter_defaults_match_the_engine():
-    from edge0_eval import engine
-    from edge0_eval.prerouted import PREROUTER_FILE
+    from edge0_eval.engine import engine
+    from edge0_eval.engine.prerouted import PREROUTER_FILE
     from model_wrappers.edge0_model import LORA_NAME, PREROUTER_NAME
 
     assert PREROUTER_NAME == PREROUTER_FILE

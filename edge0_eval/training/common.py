@@ -49,7 +49,7 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.jsonl import iter_jsonl
-from edge0_eval.train_state import load_training_state, save_training_state
+from edge0_eval.training.state import load_training_state, save_training_state
 
 STATE_NAME = "state.safetensors"
 LATEST_NAME = "latest.safetensors"
@@ -342,7 +342,7 @@ def load_teacher(path: str | Path):
     """mlx-lm's model and tokenizer for the teacher, in the CPU-safe compute dtype."""
     from mlx_lm import load
 
-    from edge0_eval.mlx_compat import (cast_floating, resolve_compute_dtype,
+    from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                        upcast_unquantized_experts_for_cpu)
 
     try:
@@ -357,7 +357,7 @@ def load_teacher(path: str | Path):
 
 
 def default_slots(opts: StageOptions, student: str | Path) -> int:
-    from edge0_eval.families import family_for
+    from edge0_eval.engine.families import family_for
 
     config = json.loads((Path(student) / "config.json").read_text())
     family = family_for(config)
@@ -372,8 +372,8 @@ def default_slots(opts: StageOptions, student: str | Path) -> int:
 
 def load_student(opts: StageOptions, slots: int):
     """The student engine in its served routing mode, without any adapter."""
-    from edge0_eval.engine import Engine, EngineOptions
-    from edge0_eval.prerouted import PREROUTER_FILE
+    from edge0_eval.engine.engine import Engine, EngineOptions
+    from edge0_eval.engine.prerouted import PREROUTER_FILE
 
     if opts.routing == "prerouted":
         heads = Path(opts.prerouter or Path(opts.student) / PREROUTER_FILE)
@@ -391,7 +391,7 @@ def load_student(opts: StageOptions, slots: int):
 
 def attach_lora(engine, opts: StageOptions) -> dict:
     """Put the trainable LoRA on the student (zero-init or --init-adapter); freeze the rest."""
-    from edge0_eval import lora
+    from edge0_eval.engine import lora
 
     model = engine.model
     if opts.init_adapter:
@@ -423,7 +423,7 @@ def attach_lora(engine, opts: StageOptions) -> dict:
 
 
 def _resolve_targets(model, patterns: list[str]) -> list[str]:
-    from edge0_eval.lora import find_targets
+    from edge0_eval.engine.lora import find_targets
 
     found = []
     for pattern in patterns:
@@ -727,7 +727,7 @@ def bucket_kl(logits: mx.array, ids: mx.array, lt_top: mx.array, lt_tail: mx.arr
 # -- checkpoints ------------------------------------------------------------------------------------
 
 def lora_state(model) -> dict[str, mx.array]:
-    from edge0_eval.lora import lora_modules
+    from edge0_eval.engine.lora import lora_modules
 
     out = {}
     for p, m in lora_modules(model).items():
@@ -736,7 +736,7 @@ def lora_state(model) -> dict[str, mx.array]:
 
 
 def set_lora_state(model, arrays: dict[str, mx.array]) -> None:
-    from edge0_eval.lora import lora_modules
+    from edge0_eval.engine.lora import lora_modules
 
     modules = lora_modules(model)
     names = {f"{p}.lora_{x}" for p in modules for x in "AB"}
@@ -846,7 +846,7 @@ def fingerprint_base(opts: StageOptions, setup: Setup) -> dict:
     fp["eval_prompts"] = [sha256_file(Path(p)) for p in opts.eval_prompts or []]
     fp["init_adapter"] = sha256_file(Path(opts.init_adapter)) if opts.init_adapter else None
     if opts.routing == "prerouted":
-        from edge0_eval.prerouted import PREROUTER_FILE
+        from edge0_eval.engine.prerouted import PREROUTER_FILE
 
         heads = Path(opts.prerouter or Path(opts.student) / PREROUTER_FILE)
         fp["prerouter"] = sha256_file(heads)
@@ -881,7 +881,7 @@ def restore_or_start(opts: StageOptions, setup: Setup, fingerprint: dict, optimi
 
 def checkpoint(opts: StageOptions, setup: Setup, optimizer, step: int, fingerprint: dict,
                history: dict, metadata: dict) -> None:
-    from edge0_eval.lora import save_adapter
+    from edge0_eval.engine.lora import save_adapter
 
     ckpt = Path(f"{opts.out}.ckpt")
     save_adapter(setup.engine.model, ckpt / LATEST_NAME, {**metadata, "step": step},

@@ -26,7 +26,7 @@ from edge0_eval.training.common import Example, collate, teacher_log_probs
 
 
 def _set_variant(model, arrays: dict | None, saved_scales: dict) -> None:
-    from edge0_eval.lora import lora_modules
+    from edge0_eval.engine.lora import lora_modules
     from edge0_eval.training.common import set_lora_state
 
     modules = lora_modules(model)
@@ -44,7 +44,7 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
     """{variant: {kl, top1, nll, tokens, prompts}} over `examples` (see module docstring)."""
     from tqdm import tqdm
 
-    from edge0_eval.lora import lora_modules
+    from edge0_eval.engine.lora import lora_modules
     from edge0_eval.training.common import lora_state
 
     model = setup.engine.model
@@ -90,7 +90,7 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
 
 def adapter_arrays(path: str | Path) -> dict:
     """The LoRA matrices of an adapter file as float32 (what the engine will run)."""
-    from edge0_eval.lora import read_adapter_file
+    from edge0_eval.engine.lora import read_adapter_file
 
     arrays, _ = read_adapter_file(path)
     return {k: v.astype(mx.float32) for k, v in arrays.items()}

@@ -170,7 +170,7 @@ class ServedPath:
         self.rules = {}
         self.weight_source = "head"
         if routing == "prerouted":
-            from edge0_eval.prerouter import RoutingRule
+            from edge0_eval.engine.prerouter import RoutingRule
 
             pr = engine.prerouter
             if pr is None:
@@ -233,7 +233,7 @@ class ServedPath:
                 x = block._trace.last_input                      # [B, L, H]
                 ids = executed[owner]                            # [B, L, K]
                 num_experts = self.blocks[owner].num_experts
-                from edge0_eval.prerouter import build_features, onehot
+                from edge0_eval.engine.prerouter import build_features, onehot
 
                 oh = onehot(ids, num_experts, mx.float32)
                 oh_prev = mx.concatenate([mx.zeros_like(oh[:, :1]), oh[:, :-1]], axis=1)

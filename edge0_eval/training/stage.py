@@ -44,7 +44,7 @@ def run_stage(opts: StageOptions, impl: StageImpl, stop_after: int | None = None
     import mlx.optimizers as optim
     from tqdm import tqdm
 
-    from edge0_eval.lora import save_adapter
+    from edge0_eval.engine.lora import save_adapter
     from edge0_eval.training.evaluate import adapter_arrays, evaluate, markdown, write_report
 
     setup = prepare(opts)

@@ -532,7 +532,7 @@ def _print_checks(checks: list[Check]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == 'fixtures':
-        from edge0_eval.fixtures import write_fixtures
+        from edge0_eval.evaluation.fixtures import write_fixtures
 
         for line in write_fixtures(args.root):
             print(line)

@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from edge0_eval.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
-from edge0_eval.store import ExpertStore
+from edge0_eval.engine.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.engine.store import ExpertStore
 
 
 def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: int | None = None):
@@ -21,11 +21,11 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
 
     `compute_dtype` applies the engine's dtype policy (see mlx_compat) so both run alike.
     """
-    from edge0_eval.mlx_compat import cast_floating, resolve_compute_dtype
+    from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 
     from mlx_lm.utils import _get_classes, load_tokenizer
 
-    from edge0_eval.engine import _quantize_like_mlx_lm
+    from edge0_eval.engine.engine import _quantize_like_mlx_lm
 
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())

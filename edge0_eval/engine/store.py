@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0_eval.errors import CheckpointError
-from edge0_eval.layout import ExpertIndex
+from edge0_eval.engine.layout import ExpertIndex
 
 
 DEMAND, PREFETCH = 0, 1

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edge0_eval.engine import Engine
+    from edge0_eval.engine.engine import Engine
 
     engine = Engine.load(args.model, options_from_args(args))
     try:

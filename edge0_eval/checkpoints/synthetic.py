@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval.convert import (
+from edge0_eval.checkpoints.convert import (
     BundleWriter, Plan, build_lazy_model, check_free_space, check_out_empty,
     lazy_quantize, new_index, output_dir, quantized_modules, switch_layers,
 )
 from edge0_eval.errors import ConfigError
-from edge0_eval.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
+from edge0_eval.engine.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
 
 BITS = 4
 GROUP_SIZE = 64
@@ -240,7 +240,7 @@ def _layer_experts(switch, seed: int):
 def _write_tokenizer(directory: Path, config: dict) -> None:
     from tokenizers import Tokenizer
 
-    from edge0_eval.tokenizer_build import build_tokenizer
+    from edge0_eval.checkpoints.tokenizer import build_tokenizer
 
     build_tokenizer(directory, vocab_size=TOKENIZER_VOCAB)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))

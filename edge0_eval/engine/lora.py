@@ -5,7 +5,7 @@ quantized weights stay byte-identical and the adapter can be switched off (`remo
 LoRA goes only on resident linear layers (attention, linear attention, shared experts, the dense
 layer-0 MLP); never on routed experts (`switch_mlp`, streamed from disk) and never on routers.
 
-    from edge0_eval.lora import load_adapter
+    from edge0_eval.engine.lora import load_adapter
     meta = load_adapter(model, "lora.safetensors")          # validates everything, then applies
 
 File layout (ours and the published Edge0 one are the same; safetensors):

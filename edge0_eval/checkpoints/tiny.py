@@ -184,8 +184,8 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
     """Write the checkpoint to `out` (which must not exist or be empty). Returns the path."""
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from edge0_eval.convert import output_dir
-    from edge0_eval.tokenizer_build import build_tokenizer
+    from edge0_eval.checkpoints.convert import output_dir
+    from edge0_eval.checkpoints.tokenizer import build_tokenizer
 
     shape.validate()
     with output_dir(out) as tmp:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.layout import (
+from edge0_eval.engine.layout import (
     ALIGNMENT, EXPERTS_NAME, PARTS, PROJECTIONS, RESIDENT_NAME, ExpertIndex, align,
     make_tensor_specs, pack_bundle,
 )

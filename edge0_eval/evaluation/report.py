@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
-from edge0_eval.opencompass_outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
+from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
                                             expand_outputs, load_dataset_result, load_run)
 
 SCHEMA = "edge0-eval/report/v1"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.report import SCHEMA
+from edge0_eval.evaluation.report import SCHEMA
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
 DEFAULT_MAX_DROP = 2.0

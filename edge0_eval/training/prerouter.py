@@ -45,12 +45,12 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.jsonl import iter_jsonl
-from edge0_eval.prerouter import (
+from edge0_eval.engine.prerouter import (
     PrerouterConfig, PrerouterHeads, RoutingRule, check_owners, default_owners,
     heads_from_router_weights, load_heads, onehot, router_logits, router_weight, save_heads,
     stack_rules, tier_defaults,
 )
-from edge0_eval.train_state import load_training_state, save_training_state
+from edge0_eval.training.state import load_training_state, save_training_state
 
 DATA_VERSION = 1
 STATE_NAME = "train_state.safetensors"
@@ -223,8 +223,8 @@ class ModelFacts:
 
 
 def model_facts(model: Path) -> ModelFacts:
-    from edge0_eval.families import family_for
-    from edge0_eval.layout import ExpertIndex
+    from edge0_eval.engine.families import family_for
+    from edge0_eval.engine.layout import ExpertIndex
 
     config_path = model / "config.json"
     if not config_path.is_file():
@@ -316,7 +316,7 @@ def collect_features(opts: TrainOptions, store: FeatureStore, fingerprint: dict,
     """Run the model over the documents and fill the store (resuming per document)."""
     from tqdm import tqdm
 
-    from edge0_eval.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine, EngineOptions
 
     engine = Engine.load(opts.model, EngineOptions(mode="reactive", top_k=top_k,
                                                    expert_budget_mib=opts.expert_budget_mib))

@@ -21,12 +21,12 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.families import Family, family_for
-from edge0_eval.layout import RESIDENT_NAME, ExpertIndex
-from edge0_eval.mlx_compat import COMPUTE_DTYPES, cast_floating, resolve_compute_dtype
-from edge0_eval.moe import LoadCounters, StreamingSwitchGLU
-from edge0_eval.pool import slots_for_budget
-from edge0_eval.store import ExpertStore
+from edge0_eval.engine.families import Family, family_for
+from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES, cast_floating, resolve_compute_dtype
+from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
+from edge0_eval.engine.pool import slots_for_budget
+from edge0_eval.engine.store import ExpertStore
 
 MODES = ("resident", "reactive", "prerouted")
 
@@ -174,7 +174,7 @@ class Engine:
         lora = None
         lora_path = _lora_path(directory, options)
         if lora_path is not None:
-            from edge0_eval.lora import load_adapter
+            from edge0_eval.engine.lora import load_adapter
 
             # Unmerged: a parallel path on resident modules; int4 weights stay untouched.
             lora = load_adapter(model, lora_path, expect_kind="lora", top_k=top_k)
@@ -191,7 +191,7 @@ class Engine:
             for block in engine.blocks.values():
                 block.switch_mlp.preload_all()
         if options.mode == "prerouted":
-            from edge0_eval.prerouted import attach_prerouter
+            from edge0_eval.engine.prerouted import attach_prerouter
 
             engine.prerouter = attach_prerouter(engine)
         store.reset_stats()
@@ -442,7 +442,7 @@ def _check_resident_names(model: nn.Module, weights: dict, path: Path) -> None:
 
 def _check_adapter_paths(directory: Path, options: EngineOptions) -> None:
     """Fail before any weights load when a requested adapter or head file is missing."""
-    from edge0_eval.prerouted import PREROUTER_FILE
+    from edge0_eval.engine.prerouted import PREROUTER_FILE
 
     if options.lora_path and not options.no_lora and not Path(options.lora_path).is_file():
         raise CheckpointError(f"LoRA adapter {options.lora_path} not found; pass an existing file "

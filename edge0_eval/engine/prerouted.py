@@ -55,7 +55,7 @@ class Prerouter:
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner]._trace.capture = True
-        from edge0_eval.prerouter import consumer_rule
+        from edge0_eval.engine.prerouter import consumer_rule
 
         self._rule = consumer_rule(engine, self.owners)
 
@@ -106,7 +106,7 @@ class Prerouter:
         Its t-1 features come from the token before it (prefill keeps the two in one chunk);
         a one-token prompt has zeros there, as the first token of a document has in training.
         """
-        from edge0_eval.prerouter import trace_features
+        from edge0_eval.engine.prerouter import trace_features
 
         self.reset()
         prev = None
@@ -125,7 +125,7 @@ class Prerouter:
         return self.engine.blocks[self.owners[0]]._trace.last_input.shape[1]
 
     def _plan_next(self) -> None:
-        from edge0_eval.prerouter import trace_features
+        from edge0_eval.engine.prerouter import trace_features
 
         engine = self.engine
         started = time.perf_counter()
@@ -168,7 +168,7 @@ class Prerouter:
 
 def attach_prerouter(engine) -> Prerouter | None:
     """Load heads for `engine.options` and hook them in; None when routing stays true."""
-    from edge0_eval.prerouter import load_heads
+    from edge0_eval.engine.prerouter import load_heads
 
     options = engine.options
     if options.no_prerouter:
@@ -181,7 +181,7 @@ def attach_prerouter(engine) -> Prerouter | None:
             f"prerouted mode needs prerouter heads: {path} not found; train them with "
             f"`edge0-eval train-prerouter`, pass --prerouter FILE, or use --mode reactive"
         )
-    from edge0_eval.mlx_compat import resolve_compute_dtype
+    from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 
     heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
                        num_experts=engine.index.num_experts, top_k=engine.top_k,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval import moefy
+from edge0_eval.checkpoints import moefy
 from edge0_eval.errors import CheckpointError, ConfigError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -262,7 +262,7 @@ def capture_mlp_inputs(torch_model, batches: np.ndarray, batch_size: int = 8) ->
 
 def load_mlx(directory: Path, top_k: int | None = None):
     """mlx-lm's model in the engine's compute dtype (the stages' teacher loader), at `top_k`."""
-    from edge0_eval.reference import set_top_k
+    from edge0_eval.checkpoints.reference import set_top_k
     from edge0_eval.training.common import load_teacher
 
     model, tokenizer = load_teacher(directory)
@@ -325,7 +325,7 @@ def build_from_dense(out: Path, hf_config: dict, hf: dict, tokenizer, torch_mode
     transformers model holding those weights (to capture activations)."""
     from tqdm import tqdm
 
-    from edge0_eval.convert import output_dir
+    from edge0_eval.checkpoints.convert import output_dir
 
     t0 = time.time()
     o = options
@@ -412,7 +412,7 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
     dense_nll, dense_preds = mean_nll(dense, held)
     dense_texts = greedy_texts(dense, tokenizer, CHECK_PROMPTS, max_tokens)
     result = {"tokens": int(held.size), "dense_nll": round(dense_nll, 4), "widths": []}
-    from edge0_eval.reference import set_top_k
+    from edge0_eval.checkpoints.reference import set_top_k
 
     moe, _ = load_mlx(teacher_dir)
     for k in [num_experts] + [k for k in ks if k != num_experts]:

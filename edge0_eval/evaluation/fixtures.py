@@ -14,7 +14,7 @@ import gzip
 import json
 from pathlib import Path
 
-from edge0_eval.data import PATHS, _dist_file, stage_nltk
+from edge0_eval.evaluation.data import PATHS, _dist_file, stage_nltk
 
 AIME_ITEMS = [
     {'id': 'fixture-1', 'problem': 'Compute $2+3$.', 'answer': '5'},
