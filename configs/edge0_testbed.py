@@ -17,15 +17,12 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.edge0_model import Edge0Model
-from model_wrappers.mlx_lm_model import MLXLMModel
-from model_wrappers.partitioner import Edge0Partitioner
 from model_wrappers.summarizer import Edge0Summarizer
-from opencompass.runners import LocalRunner
-from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 
 with read_base():
     from .datasets.edge0_bundle import edge0_datasets
+    from .tiers.edge0_arms import edge0_arm_paths, edge0_arms
+    from .tiers.edge0_local import eval, infer
 
 datasets = [d for d in edge0_datasets if d['abbr'] in ('openai_humaneval', 'IFBench')]
 testbed_items = os.environ.get('EDGE0_TESTBED_ITEMS')
@@ -40,41 +37,21 @@ testbed_generation = dict(max_out_len=int(os.environ.get('EDGE0_TESTBED_MAX_OUT'
                           run_cfg=dict(num_gpus=0))
 testbed_arms = os.environ.get('EDGE0_ARMS',
                               'teacher,int4_exact,prerouted_nolora,student').split(',')
-unknown_arms = [a for a in testbed_arms
-                if a not in ('teacher', 'student', 'int4_exact', 'prerouted_nolora')]
-if unknown_arms:
-    raise SystemExit(f'edge0-eval: EDGE0_ARMS has unknown arms {unknown_arms}; choose from '
-                     'teacher, student, int4_exact, prerouted_nolora')
+if set(testbed_arms) - set(edge0_arms):
+    raise SystemExit(f'edge0-eval: EDGE0_ARMS has unknown arms '
+                     f'{sorted(set(testbed_arms) - set(edge0_arms))}; choose from '
+                     f'{", ".join(edge0_arms)}')
 if not os.environ.get('EDGE0_TESTBED'):
     raise SystemExit('edge0-eval: EDGE0_TESTBED is not set: export it to the directory '
                      '`edge0-eval testbed build` wrote (it holds teacher/ and student/)')
 testbed_dir = os.environ['EDGE0_TESTBED']
-
-models = []
-if 'teacher' in testbed_arms:
-    models.append(dict(type=MLXLMModel, abbr='edge0-testbed-teacher',
-                       path=f'{testbed_dir}/teacher', **testbed_generation))
 # 16 of 20 experts per layer fit in the pool: with K=8 a prerouted step stages a whole second
 # set, so anything smaller could not hold both; misses are still read from disk.
-testbed_student = dict(type=Edge0Model, path=f'{testbed_dir}/student', slots_per_layer=16,
-                       **testbed_generation)
-if 'int4_exact' in testbed_arms:
-    models.append(dict(abbr='edge0-testbed-int4-exact', mode='reactive', no_lora=True,
-                       no_prerouter=True, **testbed_student))
-if 'prerouted_nolora' in testbed_arms:
-    models.append(dict(abbr='edge0-testbed-prerouted-nolora', mode='prerouted', no_lora=True,
-                       **testbed_student))
-if 'student' in testbed_arms:
-    models.append(dict(abbr='edge0-testbed-student', mode='prerouted', **testbed_student))
+models = [dict(abbr='edge0-testbed-' + arm.replace('_', '-'),
+               path=f'{testbed_dir}/{edge0_arm_paths[arm]}', **edge0_arms[arm],
+               **({} if arm == 'teacher' else dict(slots_per_layer=16)), **testbed_generation)
+          for arm in testbed_arms]
 
-infer = dict(
-    partitioner=dict(type=Edge0Partitioner, full_data=False),
-    runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
-)
-eval = dict(
-    partitioner=dict(type=Edge0Partitioner, full_data=False, check_models=False),
-    runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
-)
 summarizer = dict(type=Edge0Summarizer, dataset_abbrs=['openai_humaneval', 'IFBench'])
 work_dir = 'outputs/edge0_testbed'
 

@@ -1,0 +1,70 @@
+# What the 35B and 8B tiers share: benchmarks, generation, arms, partitioning, summary. Each tier
+# config picks its entry of `edge0_tier_models` and stops on its `edge0_tier_problems`.
+#
+# Generation settings, identical for every arm (see configs/README.md):
+#   thinking on (chat template enable_thinking=True, ignored by a template without that switch;
+#   the <think> block is removed before scoring), temperature 0.6, top_p 0.95, seed 0, at most
+#   32768 new tokens, prompt + output within 40960 tokens, one sample per question.
+from mmengine.config import read_base
+
+from model_wrappers.partitioner import Edge0Partitioner
+from model_wrappers.summarizer import Edge0Summarizer
+from opencompass.runners import LocalRunner
+from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
+from opencompass.utils.text_postprocessors import extract_non_reasoning_content
+
+import os
+
+with read_base():
+    from ..datasets.edge0_bundle import (edge0_dataset_abbrs, edge0_datasets,
+                                         edge0_summary_groups)
+    from .edge0_arms import edge0_arm_paths, edge0_arms
+
+datasets = edge0_datasets
+
+generation = dict(
+    max_out_len=32768, max_seq_len=40960, batch_size=1,
+    generation_kwargs=dict(temperature=0.6, top_p=0.95, seed=0),
+    chat_template_kwargs=dict(enable_thinking=True),
+    pred_postprocessor=dict(type=extract_non_reasoning_content),
+    run_cfg=dict(num_gpus=0),
+)
+
+# One machine: each arm is one task holding all datasets (the model loads once), and arms run
+# one after another so the fp16 teacher and the students never share memory or SSD bandwidth.
+infer = dict(
+    partitioner=dict(type=Edge0Partitioner),
+    runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
+)
+eval = dict(
+    partitioner=dict(type=Edge0Partitioner, check_models=False),
+    runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
+)
+summarizer = dict(type=Edge0Summarizer, dataset_abbrs=edge0_dataset_abbrs,
+                  summary_groups=edge0_summary_groups)
+
+# Per tier: the Edge0Model settings every student arm shares. 35B: served at K=4 (native top-8),
+# as in the reference design; 8B: the native top-8 (the reference reduces K only on 35B).
+edge0_tier_students = {'35b': dict(top_k=4), '8b': dict(top_k=None)}
+edge0_roles = dict(teacher='the fp16 teacher (an mlx-lm checkpoint directory)',
+                   student='the student directory (`edge0-eval convert` output holding '
+                           'lora.safetensors and prerouter.safetensors)')
+edge0_selected = os.environ.get('EDGE0_ARMS', 'teacher,student').split(',')
+edge0_unknown = sorted(set(edge0_selected) - set(edge0_arms))
+edge0_tier_models, edge0_tier_problems = {}, {}
+for tier, student_settings in edge0_tier_students.items():
+    variables = {role: f'EDGE0_{tier.upper()}_{role.upper()}' for role in edge0_roles}
+    paths = {role: os.environ.get(v) for role, v in variables.items()}
+    edge0_tier_problems[tier] = (
+        [f'edge0-eval: EDGE0_ARMS has unknown arms {edge0_unknown}; choose from '
+         f'{", ".join(edge0_arms)}'] if edge0_unknown else
+        [f'edge0-eval: {variables[role]} is not set: export it to {what}'
+         for role, what in edge0_roles.items()
+         if not paths[role] and any(edge0_arm_paths[a] == role for a in edge0_selected)])
+    edge0_tier_models[tier] = [] if edge0_unknown else [
+        dict(abbr=f'edge0-{tier}-' + arm.replace('_', '-'), path=paths[edge0_arm_paths[arm]],
+             **edge0_arms[arm], **({} if arm == 'teacher' else student_settings), **generation)
+        for arm in edge0_selected]
+
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del os
