@@ -5,6 +5,8 @@
 #   thinking on (chat template enable_thinking=True, ignored by a template without that switch;
 #   the <think> block is removed before scoring), temperature 0.6, top_p 0.95, seed 0, at most
 #   32768 new tokens, prompt + output within 40960 tokens, one sample per question.
+import os
+
 from mmengine.config import read_base
 
 from model_wrappers.partitioner import Edge0Partitioner
@@ -12,8 +14,6 @@ from model_wrappers.summarizer import Edge0Summarizer
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 from opencompass.utils.text_postprocessors import extract_non_reasoning_content
-
-import os
 
 with read_base():
     from ..datasets.edge0_bundle import (edge0_dataset_abbrs, edge0_datasets,
