@@ -385,7 +385,7 @@ def collect_features(opts: TrainOptions, store: FeatureStore, fingerprint: dict,
         nr = np.load(store.dir / "nr.npy", mmap_mode="r+")
         blocks = [engine.blocks[n] for n in moe]
         for b in blocks:
-            b._trace.capture = True
+            b.set_capture(True)
         chunk = max(1, engine.options.prefill_chunk)
         bar = tqdm(total=meta["tokens"], initial=sum(d[2] for d in table[:done]),
                    desc="collect routing", unit="tok", disable=not opts.progress)
@@ -399,12 +399,12 @@ def collect_features(opts: TrainOptions, store: FeatureStore, fingerprint: dict,
                     logits = engine.forward(mx.array(piece)[None])
                     hs, nrs = [], []
                     for n in pairs:
-                        x = engine.blocks[n]._trace.last_input[0]
+                        x = engine.blocks[n].captured()[0][0]
                         hs.append(x)
                         nr_inds, _ = RoutingRule.from_block(engine.blocks[n + 1]).select(
                             router_logits(engine.blocks[n + 1], x), top_k)
                         nrs.append(nr_inds)
-                    ind = [b._trace.last_inds[0] for b in blocks]
+                    ind = [b.captured()[1][0] for b in blocks]
                     hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
                     mx.eval(logits, hs, nrs, ind, [c.state for c in engine.cache])
                     a, z = start + s, start + s + len(piece)
@@ -417,8 +417,7 @@ def collect_features(opts: TrainOptions, store: FeatureStore, fingerprint: dict,
         finally:
             bar.close()
             for b in blocks:
-                b._trace.capture = False
-                b._trace.last_input = b._trace.last_inds = None
+                b.set_capture(False)
     finally:
         engine.close()
 
