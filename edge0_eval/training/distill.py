@@ -28,11 +28,11 @@ import argparse
 import mlx.core as mx
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.training.common import (
-    Example, StageOptions, add_common_arguments, batch_indices, bucket_kl, collate, fit,
-    options_from_args, stable_seed, teacher_log_probs, teacher_topk,
-)
+from edge0_eval.training.batches import Example, batch_indices, collate, fit, stable_seed
+from edge0_eval.training.losses import bucket_kl, teacher_topk
+from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
 from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.teacher import teacher_log_probs
 
 
 class Distill(StageImpl):
@@ -82,13 +82,14 @@ class Distill(StageImpl):
                 "samples": "student, served path, seeded per (seed, step, row)"}
 
 
-def distill(opts: StageOptions, stop_after: int | None = None) -> dict:
+def distill(opts: StageOptions, stop_after: int | None = None,
+            kill_after: int | None = None) -> dict:
     opts.stage = "distill"
-    return run_stage(opts, Distill(opts), stop_after)
+    return run_stage(opts, Distill(opts), stop_after, kill_after)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, "distill")
+    add_stage_arguments(parser, "distill")
     parser.set_defaults(lr=5e-5)
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="student sampling temperature (0 = greedy)")
@@ -96,5 +97,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    distill(options_from_args(args, "distill"))
+    distill(options_from_args(args, "distill"), kill_after=args.kill_after_step)
     return 0

@@ -40,8 +40,7 @@ import numpy as np
 
 from edge0_eval.engine.prerouter import RoutingRule, build_features, onehot
 from edge0_eval.errors import ConfigError
-
-MODES = ("prerouted", "reactive")      # the engine's modes a student can be trained in
+from edge0_eval.training.options import MODES
 
 
 @dataclass

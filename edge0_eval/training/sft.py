@@ -22,7 +22,7 @@ greedy teacher raised held-out KL(student || teacher) in some settings where `kl
 Only the unmerged LoRA matrices on resident attention / linear-attention / shared-expert
 projections train; base weights are frozen and routed experts stay int4 and untrained.
 
-Checkpoints, resume rule, memory bound: see training/common.py. After training the adapter is
+Checkpoints, resume rule: see training/stage.py; memory bound: training/served.py. After training the adapter is
 written in the served format (metadata source, stage="sft", step, model, K) and evaluated on
 held-out prompts (training/evaluate.py); report `<out stem>.report.json` / `.md`.
 
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import argparse
 
-from edge0_eval.errors import ConfigError
 import mlx.core as mx
 
-from edge0_eval.training.common import (
-    StageOptions, add_common_arguments, batch_indices, bucket_kl, collate, cross_entropy_loss,
-    fit, options_from_args, teacher_log_probs, teacher_topk,
-)
+from edge0_eval.errors import ConfigError
+from edge0_eval.training.batches import batch_indices, collate, fit
+from edge0_eval.training.losses import bucket_kl, cross_entropy_loss, teacher_topk
+from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
 from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.teacher import teacher_log_probs
 
 
 class SFT(StageImpl):
@@ -86,13 +86,14 @@ class SFT(StageImpl):
                 "teacher_temperature": opts.teacher_temperature}
 
 
-def train_lora(opts: StageOptions, stop_after: int | None = None) -> dict:
+def train_lora(opts: StageOptions, stop_after: int | None = None,
+               kill_after: int | None = None) -> dict:
     opts.stage = "sft"
-    return run_stage(opts, SFT(opts), stop_after)
+    return run_stage(opts, SFT(opts), stop_after, kill_after)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, "sft")
+    add_stage_arguments(parser, "sft")
     parser.add_argument("--loss", default="kl", choices=("kl", "ce"),
                         help="kl: the teacher's next-token distribution on its completions "
                              "(forward KL, tail-aware top-k; default); ce: cross-entropy on the "
@@ -100,5 +101,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    train_lora(options_from_args(args, "sft"))
+    train_lora(options_from_args(args, "sft"), kill_after=args.kill_after_step)
     return 0
