@@ -13,16 +13,20 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.jsonl import iter_jsonl
 
 
+def _read(p: str | Path, what: str) -> tuple[Path, str]:
+    path = Path(p)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path}: no such file")
+    return path, path.read_text(encoding="utf-8", errors="replace")
+
+
 # -- stages 2 and 3: prompts ------------------------------------------------------------------------
 
 def read_prompts(paths: list[str], what: str = "--prompts") -> list[str]:
     """Prompts from text files (one per non-empty line) and .jsonl files (field "prompt")."""
     prompts = []
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise ConfigError(f"{what} {path}: no such file")
-        raw = path.read_text(encoding="utf-8", errors="replace")
+        path, raw = _read(p, what)
         if path.suffix.lower() == ".jsonl":
             for lineno, record in iter_jsonl(path, raw):
                 if not isinstance(record.get("prompt"), str):
@@ -69,10 +73,7 @@ def read_documents(paths: list[str]) -> list[Document]:
     """Plain text: one document per file. JSONL: one per line, "text" else prompt+completion."""
     docs = []
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise ConfigError(f"--text {path}: no such file")
-        raw = path.read_text(encoding="utf-8", errors="replace")
+        path, raw = _read(p, "--text")
         if path.suffix.lower() != ".jsonl":
             if raw.strip():
                 docs.append(Document(str(path), raw))

@@ -23,15 +23,13 @@ The models may also be given as `distill STUDENT --teacher TEACHER`.
 
 from __future__ import annotations
 
-import argparse
-
 import mlx.core as mx
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import Example, batch_indices, collate, fit, stable_seed
 from edge0_eval.training.losses import bucket_kl, teacher_topk
-from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
-from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.options import StageOptions
+from edge0_eval.training.stage import StageImpl, command, run_stage
 from edge0_eval.training.teacher import teacher_log_probs
 
 
@@ -84,18 +82,7 @@ class Distill(StageImpl):
 
 def distill(opts: StageOptions, stop_after: int | None = None,
             kill_after: int | None = None) -> dict:
-    opts.stage = "distill"
-    return run_stage(opts, Distill(opts), stop_after, kill_after)
+    return run_stage(opts, Distill, stop_after, kill_after)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, "distill")
-    parser.set_defaults(lr=5e-5)
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="student sampling temperature (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="student nucleus sampling")
-
-
-def run(args: argparse.Namespace) -> int:
-    distill(options_from_args(args, "distill"), kill_after=args.kill_after_step)
-    return 0
+add_arguments, run = command(Distill)

@@ -8,13 +8,14 @@ are defined once here for all of them.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from edge0_eval.errors import CheckpointError, ConfigError
 
 MODES = ("prerouted", "reactive")      # the engine modes a student is trained in, as served
 SAVE_DTYPES = ("float16", "bfloat16", "float32")
+DISTILL_LR = 5e-5                      # stage 3 starts from a trained adapter: a smaller step
 
 
 # -- what every stage shares ------------------------------------------------------------------------
@@ -160,14 +161,8 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prerouter_options_from_args(args: argparse.Namespace) -> TrainOptions:
     """Stage 1 options from its parsed arguments."""
-    return TrainOptions(
-        model=args.model, texts=list(args.text), out=args.out, owners=parse_owners(args.owners),
-        start_layer=args.start_layer, width=args.width, top_k=args.top_k, steps=args.steps,
-        lr=args.lr, batch=args.batch, holdout=args.holdout, seed=args.seed, resume=args.resume,
-        fresh=args.fresh, ckpt_every=args.ckpt_every, max_doc_tokens=args.max_doc_tokens,
-        max_tokens=args.max_tokens, expert_budget_mib=args.expert_budget_mib,
-        save_dtype=args.save_dtype, progress=not args.no_progress,
-    )
+    return _from_args(TrainOptions, args, texts=list(args.text),
+                      owners=parse_owners(args.owners))
 
 
 # -- stages 2 and 3 ---------------------------------------------------------------------------------
@@ -299,6 +294,16 @@ def add_stage_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
         parser.add_argument("--teacher-temperature", type=float, default=d.teacher_temperature,
                             help="teacher sampling temperature for its training completions "
                                  "(0 = greedy; held-out continuations are always greedy)")
+        parser.add_argument("--loss", default=d.loss, choices=("kl", "ce"),
+                            help="kl: the teacher's next-token distribution on its completions "
+                                 "(forward KL, tail-aware top-k; default); ce: cross-entropy on "
+                                 "the completion tokens only (classic hard-label SFT)")
+    else:
+        parser.set_defaults(lr=DISTILL_LR)
+        parser.add_argument("--temperature", type=float, default=d.temperature,
+                            help="student sampling temperature (0 = greedy)")
+        parser.add_argument("--top-p", type=float, default=d.top_p,
+                            help="student nucleus sampling")
     parser.add_argument("--max-prompts", type=int, default=None,
                         help="use at most this many prompts of --prompts (first ones)")
     parser.add_argument("--eval-batch", type=int, default=d.eval_batch,
@@ -321,21 +326,12 @@ def teacher_and_student(args: argparse.Namespace) -> tuple[str, str]:
 def options_from_args(args: argparse.Namespace, stage: str) -> StageOptions:
     """Stage 2 or 3 options from its parsed arguments."""
     teacher, student = teacher_and_student(args)
-    extra = {"kl_topk": args.kl_topk}
-    if stage == "distill":
-        extra.update(temperature=args.temperature, top_p=args.top_p)
-    else:
-        extra.update(loss=args.loss)
-    return StageOptions(
-        student=student, teacher=teacher, prompts=list(args.prompts), out=args.out,
-        stage=stage, eval_prompts=args.eval_prompts, heldout=args.heldout, rank=args.rank,
-        alpha=args.alpha, targets=args.targets, init_adapter=args.init_adapter, lr=args.lr,
-        steps=args.steps, batch=args.batch, seq_len=args.seq_len,
-        max_new_tokens=args.max_new_tokens, grad_checkpoint=args.grad_checkpoint,
-        mode=args.mode, prerouter=args.prerouter,
-        prerouted_weights=args.prerouted_weights, top_k=args.top_k,
-        slots_per_layer=args.slots_per_layer, ckpt_every=args.ckpt_every, seed=args.seed,
-        resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
-        save_dtype=args.save_dtype,
-        teacher_temperature=getattr(args, "teacher_temperature", 0.0),
-        max_prompts=args.max_prompts, eval_batch=args.eval_batch, **extra)
+    return _from_args(StageOptions, args, student=student, teacher=teacher,
+                      prompts=list(args.prompts), stage=stage)
+
+
+def _from_args(cls, args: argparse.Namespace, **given):
+    """`cls` from the parsed arguments of its fields' names; `given` values win."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls)
+              if f.name not in given and hasattr(args, f.name)}
+    return cls(**values, progress=not args.no_progress, **given)

@@ -31,15 +31,13 @@ The models may also be given as `train-lora STUDENT --teacher TEACHER`.
 
 from __future__ import annotations
 
-import argparse
-
 import mlx.core as mx
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import batch_indices, collate, fit
 from edge0_eval.training.losses import bucket_kl, cross_entropy_loss, teacher_topk
-from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
-from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.options import StageOptions
+from edge0_eval.training.stage import StageImpl, command, run_stage
 from edge0_eval.training.teacher import teacher_log_probs
 
 
@@ -88,18 +86,7 @@ class SFT(StageImpl):
 
 def train_lora(opts: StageOptions, stop_after: int | None = None,
                kill_after: int | None = None) -> dict:
-    opts.stage = "sft"
-    return run_stage(opts, SFT(opts), stop_after, kill_after)
+    return run_stage(opts, SFT, stop_after, kill_after)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_stage_arguments(parser, "sft")
-    parser.add_argument("--loss", default="kl", choices=("kl", "ce"),
-                        help="kl: the teacher's next-token distribution on its completions "
-                             "(forward KL, tail-aware top-k; default); ce: cross-entropy on the "
-                             "completion tokens only (classic hard-label SFT)")
-
-
-def run(args: argparse.Namespace) -> int:
-    train_lora(options_from_args(args, "sft"), kill_after=args.kill_after_step)
-    return 0
+add_arguments, run = command(SFT)

@@ -13,6 +13,7 @@ with the same adapter as an uninterrupted run (bit-identical on one machine).
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from edge0_eval.training.data import encode_prompt, read_prompts, split_prompts
 from edge0_eval.training.evaluate import adapter_arrays, evaluate, markdown, write_report
 from edge0_eval.training.models import (attach_lora, check_pair, check_tokenizers, load_student,
                                         load_teacher, student_heads_path, training_slots)
-from edge0_eval.training.options import StageOptions
+from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
 from edge0_eval.training.served import ServedPath
 from edge0_eval.training.state import (after_step, announce_resume, begin, check_fingerprint,
                                        load_training_state, model_fingerprint, save_training_state,
@@ -186,10 +187,12 @@ class StageImpl:
         return {}
 
 
-def run_stage(opts: StageOptions, impl: StageImpl, stop_after: int | None = None,
+def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int | None = None,
               kill_after: int | None = None) -> dict:
     """Run a stage end to end; returns the report. Test hooks (state.after_step): `stop_after`
     raises Interrupted after that step, `kill_after` SIGKILLs the process."""
+    opts.stage = impl_class.name
+    impl = impl_class(opts)
     setup = prepare(opts)
     try:
         engine = setup.engine
@@ -296,3 +299,16 @@ def run_stage(opts: StageOptions, impl: StageImpl, stop_after: int | None = None
     finally:
         setup.path.close()
         setup.engine.close()
+
+
+def command(impl_class: type[StageImpl]):
+    """The CLI verb of a stage: (add_arguments(parser), run(args) -> exit status)."""
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        add_stage_arguments(parser, impl_class.name)
+
+    def run(args: argparse.Namespace) -> int:
+        run_stage(options_from_args(args, impl_class.name), impl_class,
+                  kill_after=args.kill_after_step)
+        return 0
+
+    return add_arguments, run
