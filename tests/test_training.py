@@ -136,7 +136,7 @@ def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family
     valid = np.ones_like(tokens, bool)
     grads = {}
     for ckpt in (False, True):
-        path = ServedPath(engine, "prerouted", grad_checkpoint=ckpt)
+        path = ServedPath(engine, grad_checkpoint=ckpt)
         disc = path.discover(tokens, valid, np.array([len(prompt)]), keep_logits=True)
         got = disc.logits[0, len(prompt) - 1:]
         assert mx.allclose(got, served, atol=1e-4).item()
@@ -209,7 +209,7 @@ def test_micro_batches_keep_the_expert_bound_and_the_gradient(pair):
                                                     slots_per_layer=slots))
         lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
         lora.mark_trainable(engine.model)
-        path = ServedPath(engine, "prerouted")
+        path = ServedPath(engine)
         trainer = Trainer(engine, path, optim.SGD(learning_rate=1.0))
         stats = trainer.step(batch, cross_entropy_loss)
         assert stats.max_union <= slots

@@ -251,9 +251,9 @@ class StagedSet(SimpleNamespace):
 class BlockTrace:
     """What a streaming block is told to route and what it executed.
 
-    Written only through the block's methods below (`set_plan`, `set_planner`, `set_capture`)
-    and read through `captured`; the engine's prerouted decode and training's served path steer
-    the block that way instead of reaching into its attributes.
+    Written only through the block's methods below (`set_plan`, `set_planner`, `set_capture`,
+    `set_measure_recall`) and read through `captured` and `recalls`; the engine's prerouted
+    decode and training's served path steer the block that way instead of reaching into it.
     """
 
     layer: int
@@ -293,6 +293,14 @@ class _StreamingBlock(nn.Module):
     def captured(self) -> tuple[mx.array | None, mx.array | None]:
         """(MoE input [B, L, H], executed ids [B, L, K]) of the last call while capturing."""
         return self._trace.last_input, self._trace.last_inds
+
+    def set_measure_recall(self, on: bool) -> None:
+        """While a plan is set, also run the true router and keep the plan's recall."""
+        self._trace.measure_recall = on
+
+    def recalls(self) -> list[mx.array]:
+        """Online recall of each planned call while measuring (lazy scalars)."""
+        return list(self._trace.recall)
 
     def _current_plan(self, x: mx.array) -> tuple | None:
         if self._trace.planner is not None:

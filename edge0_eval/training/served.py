@@ -105,9 +105,11 @@ class Discovery:
 class ServedPath:
     """Trainable full-sequence forward of an engine's student, routed exactly as served."""
 
-    def __init__(self, engine, mode: str = "prerouted", grad_checkpoint: bool = False):
+    def __init__(self, engine, grad_checkpoint: bool = False):
+        mode = engine.options.mode                # trained as served: the engine's own mode
         if mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+            raise ConfigError(f"training runs the student in mode {' or '.join(MODES)}, not "
+                              f"{mode!r}")
         self.engine = engine
         self.mode = mode
         self.model = engine.model
@@ -126,8 +128,8 @@ class ServedPath:
         if mode == "prerouted":
             pr = engine.prerouter
             if pr is None:
-                raise ConfigError("prerouted training needs the engine loaded in prerouted mode "
-                                  "with prerouter heads")
+                raise ConfigError("prerouted training needs prerouter heads, and the engine has "
+                                  "none loaded")
             self.weight_source = pr.weight_source
             for owner in pr.owners:
                 if owner + 1 in pr.consumers:

@@ -91,7 +91,7 @@ def prepare(opts: StageOptions) -> Setup:
         encode = lambda text: encode_prompt(tok, text)  # noqa: E731
         train_prompts = [encode(t) for t in train_texts]
         eval_prompts = [encode(t) for t in eval_texts]
-        path = ServedPath(engine, opts.mode, grad_checkpoint=opts.grad_checkpoint)
+        path = ServedPath(engine, grad_checkpoint=opts.grad_checkpoint)
     except BaseException:
         engine.close()
         raise
