@@ -1,5 +1,16 @@
 """Training text of the three stages: stage 1's documents, stages 2 and 3's prompts, their
-held-out splits and their encoding."""
+held-out splits and their encoding.
+
+Stages 2 and 3, `--prompts` files: `.jsonl` gives one prompt per line from its string field
+"prompt"; any other file gives one prompt per non-empty line. Every prompt is wrapped as a single
+user turn in the student's chat template (`add_generation_prompt=True`), encoded exactly the way
+the OpenCompass wrappers encode prompts (template text, then `encode(add_special_tokens=False)`).
+Held-out prompts: `--eval-prompts FILE`, else a seeded `--heldout` fraction of `--prompts`
+(at least one prompt each side).
+
+Stage 1, `--text` files: plain text is one document per file; `.jsonl` gives one document per
+line, from its "text" field, or else "prompt" + "completion" concatenated. Held out by document.
+"""
 
 from __future__ import annotations
 

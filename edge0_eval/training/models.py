@@ -1,6 +1,13 @@
 """The models a stage trains with: architecture and tokenizer checks, the teacher (mlx-lm), the
 student (the engine, in the mode it is served in) with its trainable LoRA, stage 1's model facts.
 
+Stages 2 and 3: the teacher is `mlx_lm.load(TEACHER)` (on CPU: unquantized experts upcast,
+activations float32); the student is `Engine.load(STUDENT)` in the mode it is served in (`--mode
+prerouted`: prerouted with its heads; `--mode reactive`: the true router). Before anything heavy
+runs, config.json of both must agree on the architecture (model_type, vocab, hidden size,
+layers, experts, ...), the tokenizers must have identical vocabularies, and every LoRA target
+pattern must match at least one resident linear layer.
+
 The defaults a stage derives from a model are decided here, once each: `serving_top_k` (K),
 `training_slots` (the expert bound of stages 2 and 3), `student_heads_path`, `resolve_heads`
 (stage 1's K, owners and width); `student_options` and `collector_options` are the two

@@ -1,5 +1,14 @@
 """The optimizer step of stages 2 and 3 on the served path, the LoRA state it trains, and stage
-1's learning-rate schedule."""
+1's learning-rate schedule.
+
+The step (see served.py): a no-gradient pass learns which experts every layer routes the batch
+to, the union per layer is loaded into the slot pool (this *is* the memory bound: only the
+batch's experts are resident), switches are pinned and `mx.value_and_grad` runs over the LoRA
+matrices only (base weights frozen, experts int4 and never trained). If some layer's union
+exceeds `--slots-per-layer`, the batch is split into micro-batches whose unions fit and the
+gradients are accumulated (the loss is normalised by the whole batch's token count, so the
+result is the full-batch gradient).
+"""
 
 from __future__ import annotations
 
