@@ -261,10 +261,14 @@ def add_stage_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                         help="prompt files: .jsonl (one per line, field \"prompt\") or text "
                              "(one prompt per non-empty line); chat template applied")
+    parser.add_argument("--max-prompts", type=int, default=None,
+                        help="use at most this many prompts of --prompts (first ones)")
     parser.add_argument("--eval-prompts", nargs="+", default=None, metavar="FILE",
                         help="held-out prompts (default: a --heldout fraction of --prompts)")
     parser.add_argument("--heldout", type=float, default=d.heldout,
                         help="fraction of --prompts held out when --eval-prompts is not given")
+    parser.add_argument("--eval-batch", type=int, default=d.eval_batch,
+                        help="sequences per held-out evaluation batch")
     parser.add_argument("--rank", type=int, default=None, help="LoRA rank r (default 16)")
     parser.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default 32)")
     parser.add_argument("--targets", nargs="+", default=None, metavar="PATTERN",
@@ -290,6 +294,8 @@ def add_stage_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
                         help="expert slots per MoE layer while training: the memory bound "
                              "(default min(experts, batch x seq-len x K)); batches whose routed "
                              "experts do not fit are split into micro-batches")
+    parser.add_argument("--kl-topk", type=int, default=d.kl_topk,
+                        help="teacher top-k buckets (+ one tail bucket) of the KL losses")
     if stage == "sft":
         parser.add_argument("--teacher-temperature", type=float, default=d.teacher_temperature,
                             help="teacher sampling temperature for its training completions "
@@ -304,12 +310,6 @@ def add_stage_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
                             help="student sampling temperature (0 = greedy)")
         parser.add_argument("--top-p", type=float, default=d.top_p,
                             help="student nucleus sampling")
-    parser.add_argument("--max-prompts", type=int, default=None,
-                        help="use at most this many prompts of --prompts (first ones)")
-    parser.add_argument("--eval-batch", type=int, default=d.eval_batch,
-                        help="sequences per held-out evaluation batch")
-    parser.add_argument("--kl-topk", type=int, default=d.kl_topk,
-                        help="teacher top-k buckets (+ one tail bucket) of the KL losses")
 
 
 def teacher_and_student(args: argparse.Namespace) -> tuple[str, str]:
