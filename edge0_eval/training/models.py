@@ -17,7 +17,7 @@ The defaults a stage derives from a model are decided here, once each: `serving_
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -107,17 +107,18 @@ def training_slots(opts: StageOptions, student: str | Path) -> int:
     config = json.loads((Path(student) / "config.json").read_text())
     family = family_for(config)
     experts = family.num_experts(config)
-    k = serving_top_k(opts.top_k, family, config)
-    if opts.slots_per_layer is not None:
-        if opts.slots_per_layer < k:
-            raise ConfigError(f"--slots-per-layer {opts.slots_per_layer} is below top-k {k}")
-        return min(opts.slots_per_layer, experts)
+    k = serving_top_k(opts.engine.top_k, family, config)
+    given = opts.engine.slots_per_layer
+    if given is not None:
+        if given < k:
+            raise ConfigError(f"--slots-per-layer {given} is below top-k {k}")
+        return min(given, experts)
     return min(experts, opts.batch * opts.seq_len * k)
 
 
 def student_heads_path(opts: StageOptions) -> Path:
     """The prerouter heads a prerouted student is trained (and served) with."""
-    return Path(opts.prerouter or Path(opts.student) / PREROUTER_FILE)
+    return Path(opts.engine.prerouter_path or Path(opts.student) / PREROUTER_FILE)
 
 
 @dataclass
@@ -166,10 +167,8 @@ def resolve_heads(opts: TrainOptions, facts: ModelFacts) -> tuple[int, list[int]
 # -- the engines a stage runs -----------------------------------------------------------------------
 
 def student_options(opts: StageOptions, slots: int) -> EngineOptions:
-    """The student in its served mode, without any adapter (training attaches its own)."""
-    return EngineOptions(mode=opts.mode, top_k=opts.top_k, slots_per_layer=slots, no_lora=True,
-                         prerouter_path=opts.prerouter,
-                         prerouted_weights=opts.prerouted_weights, seed=opts.seed)
+    """The stage's student options with the training slot count (and never an adapter)."""
+    return replace(opts.engine, slots_per_layer=slots, no_lora=True)
 
 
 def collector_options(opts: TrainOptions, top_k: int) -> EngineOptions:
@@ -178,7 +177,7 @@ def collector_options(opts: TrainOptions, top_k: int) -> EngineOptions:
 
 
 def load_student(opts: StageOptions, slots: int):
-    if opts.mode == "prerouted":
+    if opts.engine.mode == "prerouted":
         heads = student_heads_path(opts)
         if not heads.is_file():
             raise CheckpointError(f"--mode prerouted trains the served path, which needs "

@@ -8,9 +8,10 @@ are defined once here for all of them.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 
 MODES = ("prerouted", "reactive")      # the engine modes a student is trained in, as served
@@ -51,8 +52,6 @@ def validate_run(opts) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if not opts.lr > 0:
         raise ConfigError("--lr must be positive")
-    if opts.top_k is not None and opts.top_k < 1:
-        raise ConfigError("--top-k must be at least 1")
     if opts.save_dtype not in SAVE_DTYPES:
         raise ConfigError("--save-dtype must be float16, bfloat16 or float32")
     if opts.resume and opts.fresh:
@@ -97,6 +96,8 @@ class TrainOptions:
             raise ConfigError("--max-doc-tokens and --max-tokens must be at least 2")
         if self.width is not None and self.width < 1:
             raise ConfigError("--width must be at least 1")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("--top-k must be at least 1")
 
 
 def parse_owners(values: list[str] | None) -> list[int] | None:
@@ -186,11 +187,10 @@ class StageOptions:
     seq_len: int = 512
     max_new_tokens: int = 128
     grad_checkpoint: bool = False
-    mode: str = "prerouted"                 # the engine mode served: prerouted | reactive
-    prerouter: str | None = None
-    prerouted_weights: str = "head"
-    top_k: int | None = None
-    slots_per_layer: int | None = None
+    # The student's engine, as served (mode, top_k, prerouter_path, prerouted_weights,
+    # slots_per_layer: None = `models.training_slots`); training attaches its own LoRA.
+    engine: EngineOptions = field(default_factory=lambda: EngineOptions(mode="prerouted",
+                                                                        no_lora=True))
     ckpt_every: int = 10
     seed: int = 0
     resume: bool = False
@@ -223,11 +223,12 @@ class StageOptions:
             raise ConfigError("--heldout must be a fraction strictly between 0 and 1")
         if self.loss not in ("kl", "ce"):
             raise ConfigError("--loss must be kl or ce")
-        if self.mode not in MODES:
+        self.engine.validate()
+        if self.engine.mode not in MODES:
             raise ConfigError(f"--mode must be {' or '.join(MODES)}")
-        if self.prerouted_weights not in ("head", "router"):
+        if self.engine.prerouted_weights not in ("head", "router"):
             raise ConfigError("--prerouted-weights must be head or router")
-        if self.slots_per_layer is not None and self.slots_per_layer < 1:
+        if self.engine.slots_per_layer is not None and self.engine.slots_per_layer < 1:
             raise ConfigError("--slots-per-layer must be at least 1")
         if self.teacher_temperature < 0 or self.temperature < 0:
             raise ConfigError("temperatures must be >= 0")
@@ -283,12 +284,12 @@ def add_stage_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
                         help="completion length cap (teacher data, student samples)")
     parser.add_argument("--grad-checkpoint", action="store_true",
                         help="recompute each decoder layer in the backward pass (mx.checkpoint)")
-    parser.add_argument("--mode", default=d.mode, choices=MODES,
+    parser.add_argument("--mode", default=d.engine.mode, choices=MODES,
                         help="the engine mode trained, as served: prerouted (prerouter "
                              "predictions as routing) or reactive (the true router everywhere)")
     parser.add_argument("--prerouter", default=None, metavar="FILE",
                         help="prerouter heads (default STUDENT/prerouter.safetensors)")
-    parser.add_argument("--prerouted-weights", default=d.prerouted_weights,
+    parser.add_argument("--prerouted-weights", default=d.engine.prerouted_weights,
                         choices=("head", "router"), help="as the engine option of that name")
     parser.add_argument("--slots-per-layer", type=int, default=None,
                         help="expert slots per MoE layer while training: the memory bound "
@@ -326,8 +327,11 @@ def teacher_and_student(args: argparse.Namespace) -> tuple[str, str]:
 def options_from_args(args: argparse.Namespace, stage: str) -> StageOptions:
     """Stage 2 or 3 options from its parsed arguments."""
     teacher, student = teacher_and_student(args)
+    engine = EngineOptions(mode=args.mode, top_k=args.top_k, slots_per_layer=args.slots_per_layer,
+                           prerouter_path=args.prerouter, no_lora=True,
+                           prerouted_weights=args.prerouted_weights, seed=args.seed)
     return _from_args(StageOptions, args, student=student, teacher=teacher,
-                      prompts=list(args.prompts), stage=stage)
+                      prompts=list(args.prompts), stage=stage, engine=engine)
 
 
 def _from_args(cls, args: argparse.Namespace, **given):

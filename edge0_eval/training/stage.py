@@ -102,9 +102,10 @@ def prepare(opts: StageOptions) -> Setup:
 
 def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     """Settings and inputs that determine the trained adapter (a change blocks resuming)."""
-    keys = ("stage", "heldout", "lr", "batch", "seq_len", "max_new_tokens", "mode",
-            "prerouted_weights", "top_k", "seed", "teacher_temperature", "max_prompts")
+    keys = ("stage", "heldout", "lr", "batch", "seq_len", "max_new_tokens", "seed",
+            "teacher_temperature", "max_prompts")
     fp = {k: getattr(opts, k) for k in keys}
+    fp.update({k: getattr(opts.engine, k) for k in ("mode", "prerouted_weights", "top_k")})
     if opts.stage == "distill":
         fp.update(kl_topk=opts.kl_topk, temperature=opts.temperature, top_p=opts.top_p)
     else:
@@ -115,7 +116,7 @@ def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     fp["prompts"] = [sha256_file(Path(p)) for p in opts.prompts]
     fp["eval_prompts"] = [sha256_file(Path(p)) for p in opts.eval_prompts or []]
     fp["init_adapter"] = sha256_file(Path(opts.init_adapter)) if opts.init_adapter else None
-    if opts.mode == "prerouted":
+    if opts.engine.mode == "prerouted":
         fp["prerouter"] = sha256_file(student_heads_path(opts))
     return fp
 
@@ -156,7 +157,7 @@ def adapter_metadata(opts: StageOptions, setup: Setup) -> dict:
         "source": {"teacher": Path(opts.teacher).resolve().name,
                    "student": Path(opts.student).resolve().name,
                    "prompts": [Path(p).name for p in opts.prompts],
-                   "mode": opts.mode, "lr": opts.lr, "batch": opts.batch,
+                   "mode": opts.engine.mode, "lr": opts.lr, "batch": opts.batch,
                    "seq_len": opts.seq_len, "seed": opts.seed,
                    "init_adapter": Path(opts.init_adapter).name if opts.init_adapter else None},
         "stage": opts.stage,
@@ -264,7 +265,7 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
             "stage": opts.stage, "adapter": str(out), "student": str(Path(opts.student).resolve()),
             "teacher": str(Path(opts.teacher).resolve()),
             "model_type": engine.config.get("model_type"), "top_k": engine.top_k,
-            "mode": opts.mode, "prerouted_weights": opts.prerouted_weights,
+            "mode": opts.engine.mode, "prerouted_weights": opts.engine.prerouted_weights,
             "lora": setup.lora, "init_adapter": opts.init_adapter,
             "heldout": {"prompts": len(heldout), "tokens": metrics["trained"]["tokens"],
                         "source": "--eval-prompts" if opts.eval_prompts else
