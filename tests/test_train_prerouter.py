@@ -15,7 +15,7 @@ from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.prerouter import load_heads, read_metadata
 from edge0_eval.training.data import read_documents, split_documents
 from edge0_eval.training.features import FeatureStore, positions
-from edge0_eval.training.options import TrainOptions, parse_owners
+from edge0_eval.training.options import PrerouterOptions, parse_owners
 from edge0_eval.training.prerouter import train_prerouter
 from edge0_eval.training.state import Interrupted, report_paths
 
@@ -26,12 +26,12 @@ CORPUS = [STDLIB / f"{name}.py" for name in
           ("textwrap", "shlex", "bisect", "heapq", "fnmatch", "glob", "colorsys", "keyword")]
 
 
-def options(model, out, **kw) -> TrainOptions:
+def options(model, out, **kw) -> PrerouterOptions:
     base = dict(model=str(model), texts=[str(p) for p in CORPUS], out=str(out), steps=40,
                 batch=64, lr=3e-3, holdout=0.25, max_doc_tokens=160, ckpt_every=10,
                 progress=False, save_dtype="float32")
     base.update(kw)
-    return TrainOptions(**base)
+    return PrerouterOptions(**base)
 
 
 # -- documents and splits ------------------------------------------------------------------------

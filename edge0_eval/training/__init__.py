@@ -1,6 +1,7 @@
 """The three training stages, one module each, on one shared stack.
 
-    prerouter.py  `edge0-eval train-prerouter`: stage 1, distil prerouter heads (features.py: its data)
+    prerouter.py  `edge0-eval train-prerouter`: stage 1, distil prerouter heads
+    features.py   stage 1's data: the teacher's routing records, batches of them
     sft.py        `edge0-eval train-lora`: stage 2, SFT on the fp16 teacher's completions
     distill.py    `edge0-eval distill`: stage 3, on-policy distillation, tail-aware top-k reverse KL
 

@@ -31,7 +31,7 @@ def _read(p: str | Path, what: str) -> tuple[Path, str]:
     return path, path.read_text(encoding="utf-8", errors="replace")
 
 
-# -- stages 2 and 3: prompts ------------------------------------------------------------------------
+# -- stages 2 and 3: prompts -----------------------------------------------------------------------
 
 def read_prompts(paths: list[str], what: str = "--prompts") -> list[str]:
     """Prompts from text files (one per non-empty line) and .jsonl files (field "prompt")."""
@@ -72,7 +72,7 @@ def split_prompts(n: int, heldout: float, seed: int) -> tuple[list[int], list[in
     return sorted(order[n_hold:]), sorted(order[:n_hold])
 
 
-# -- stage 1: documents -----------------------------------------------------------------------------
+# -- stage 1: documents ----------------------------------------------------------------------------
 
 @dataclass
 class Document:

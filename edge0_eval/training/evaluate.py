@@ -89,7 +89,7 @@ def adapter_arrays(path: str | Path) -> dict:
     return {k: v.astype(mx.float32) for k, v in arrays.items()}
 
 
-# -- report -----------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 def write_report(out: Path, report: dict) -> tuple[Path, Path]:
     json_path, md_path = report_paths(out)

@@ -17,14 +17,14 @@ from edge0_eval.engine.prerouter import (RoutingRule, onehot, router_logits, rou
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import read_documents, tokenize_documents
 from edge0_eval.training.models import collector_options
-from edge0_eval.training.options import TrainOptions
+from edge0_eval.training.options import PrerouterOptions
 from edge0_eval.training.state import model_fingerprint, sha256_file, write_json
 
 DATA_VERSION = 1
 
 
 
-def data_fingerprint(opts: TrainOptions, top_k: int) -> dict:
+def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
     return {
         "version": DATA_VERSION,
         "model": model_fingerprint(opts.model),
@@ -86,7 +86,7 @@ class FeatureStore:
         return stack_rules(rules)
 
 
-def collect_features(opts: TrainOptions, store: FeatureStore, fingerprint: dict, top_k: int
+def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: dict, top_k: int
                      ) -> None:
     """Run the model over the documents and fill the store (resuming per document)."""
     engine = Engine.load(opts.model, collector_options(opts, top_k))
@@ -192,7 +192,7 @@ def collect_features(opts: TrainOptions, store: FeatureStore, fingerprint: dict,
         engine.close()
 
 
-def _documents(engine, opts: TrainOptions) -> list[tuple[str, list[int]]]:
+def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:
     return tokenize_documents(engine.tokenizer, read_documents(opts.texts), opts.max_tokens,
                               opts.max_doc_tokens)
 

@@ -32,7 +32,7 @@ from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
 from edge0_eval.engine.prerouted import PREROUTER_FILE
 from edge0_eval.engine.prerouter import check_owners, default_owners, tier_defaults
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.training.options import StageOptions, TrainOptions
+from edge0_eval.training.options import PrerouterOptions, StageOptions
 
 # Architecture keys that teacher and student config.json must agree on (those present).
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
@@ -42,7 +42,7 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "nu
              "num_shared_experts", "linear_num_value_heads", "linear_num_key_heads")
 
 
-# -- teacher and student checks ---------------------------------------------------------------------
+# -- teacher and student checks --------------------------------------------------------------------
 
 def _text_config(config: dict) -> dict:
     return config.get("text_config", config) if config.get("model_type") == "qwen3_5_moe" \
@@ -95,7 +95,7 @@ def load_teacher(path: str | Path):
     return model, tokenizer
 
 
-# -- defaults derived from the model ----------------------------------------------------------------
+# -- defaults derived from the model ---------------------------------------------------------------
 
 def serving_top_k(top_k: int | None, family, config: dict) -> int:
     """The K a student is served (and trained) at: the requested one, else the native top-k."""
@@ -145,7 +145,7 @@ def model_facts(model: Path) -> ModelFacts:
                       family.native_top_k(config), list(index.moe_layers))
 
 
-def resolve_heads(opts: TrainOptions, facts: ModelFacts) -> tuple[int, list[int], int]:
+def resolve_heads(opts: PrerouterOptions, facts: ModelFacts) -> tuple[int, list[int], int]:
     """(K, owners, width) from the options and the tier defaults."""
     d = tier_defaults(facts.model_type, facts.n_layers, facts.hidden, facts.num_experts,
                       facts.moe_layers)
@@ -164,14 +164,14 @@ def resolve_heads(opts: TrainOptions, facts: ModelFacts) -> tuple[int, list[int]
     return k, owners, opts.width or d["width"]
 
 
-# -- the engines a stage runs -----------------------------------------------------------------------
+# -- the engines a stage runs ----------------------------------------------------------------------
 
 def student_options(opts: StageOptions, slots: int) -> EngineOptions:
     """The stage's student options with the training slot count (and never an adapter)."""
     return replace(opts.engine, slots_per_layer=slots, no_lora=True)
 
 
-def collector_options(opts: TrainOptions, top_k: int) -> EngineOptions:
+def collector_options(opts: PrerouterOptions, top_k: int) -> EngineOptions:
     """Stage 1's teacher: the model itself, reactive at the serving K (the exact executed top-K)."""
     return EngineOptions(mode="reactive", top_k=top_k, expert_budget_mib=opts.expert_budget_mib)
 

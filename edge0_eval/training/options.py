@@ -19,7 +19,7 @@ SAVE_DTYPES = ("float16", "bfloat16", "float32")
 DISTILL_LR = 5e-5                      # stage 3 starts from a trained adapter: a smaller step
 
 
-# -- what every stage shares ------------------------------------------------------------------------
+# -- what every stage shares -----------------------------------------------------------------------
 
 def add_run_arguments(parser: argparse.ArgumentParser, d, *, unit: str, product: str,
                       lr_help: str | None = None, fresh_help: str,
@@ -58,10 +58,10 @@ def validate_run(opts) -> None:
         raise ConfigError("--resume and --fresh contradict each other")
 
 
-# -- stage 1 ----------------------------------------------------------------------------------------
+# -- stage 1 ---------------------------------------------------------------------------------------
 
 @dataclass
-class TrainOptions:
+class PrerouterOptions:
     model: str
     texts: list[str]
     out: str
@@ -128,7 +128,7 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
 
 def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of stage 1."""
-    d = TrainOptions(model="", texts=[], out="")
+    d = PrerouterOptions(model="", texts=[], out="")
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
     add_run_arguments(parser, d, unit="tokens", product="heads",
                       top_k_help="serving K (35B tier 4, 8B tier 8; other models: native top-k)",
@@ -160,13 +160,13 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
         "collected from the model are reused while model, texts, K and token limits match.")
 
 
-def prerouter_options_from_args(args: argparse.Namespace) -> TrainOptions:
+def prerouter_options_from_args(args: argparse.Namespace) -> PrerouterOptions:
     """Stage 1 options from its parsed arguments."""
-    return _from_args(TrainOptions, args, texts=list(args.text),
+    return _from_args(PrerouterOptions, args, texts=list(args.text),
                       owners=parse_owners(args.owners))
 
 
-# -- stages 2 and 3 ---------------------------------------------------------------------------------
+# -- stages 2 and 3 --------------------------------------------------------------------------------
 
 @dataclass
 class StageOptions:

@@ -47,7 +47,7 @@ from edge0_eval.training.features import (Batches, FeatureStore, collect_feature
                                           data_fingerprint, positions)
 from edge0_eval.training.losses import khot_cross_entropy, recall
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.options import (TrainOptions, add_prerouter_arguments,
+from edge0_eval.training.options import (PrerouterOptions, add_prerouter_arguments,
                                          prerouter_options_from_args)
 from edge0_eval.training.state import (after_step, announce_resume, begin, check_fingerprint,
                                        digest, load_training_state, report_paths,
@@ -57,7 +57,7 @@ from edge0_eval.training.trainer import warmup_cosine
 STATE_NAME = "train_state.safetensors"
 
 
-def train_prerouter(opts: TrainOptions, stop_after: int | None = None,
+def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
                     kill_after: int | None = None) -> dict:
     """The whole stage; returns the report dict. Test hooks (state.after_step): `stop_after`
     raises Interrupted after that step, `kill_after` SIGKILLs the process."""
@@ -252,7 +252,7 @@ def _markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- CLI --------------------------------------------------------------------------------------------
+# -- CLI -------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prerouter_arguments(parser)

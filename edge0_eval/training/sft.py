@@ -22,9 +22,10 @@ greedy teacher raised held-out KL(student || teacher) in some settings where `kl
 Only the unmerged LoRA matrices on resident attention / linear-attention / shared-expert
 projections train; base weights are frozen and routed experts stay int4 and untrained.
 
-Checkpoints, resume rule: see training/stage.py; memory bound: training/served.py. After training the adapter is
-written in the served format (metadata source, stage="sft", step, model, K) and evaluated on
-held-out prompts (training/evaluate.py); report `<out stem>.report.json` / `.md`.
+Checkpoints and the resume rule: see training/stage.py; the memory bound: training/trainer.py.
+After training the adapter is written in the served format (metadata source, stage="sft", step,
+model, K) and evaluated on held-out prompts (training/evaluate.py); report `<out
+stem>.report.json` / `.md`.
 
 The models may also be given as `train-lora STUDENT --teacher TEACHER`.
 """

@@ -48,7 +48,7 @@ RANDOM_NOTE = ("If teacher and student are random-weight checkpoints (e.g. `edge
 
 
 
-# -- setup ------------------------------------------------------------------------------------------
+# -- setup -----------------------------------------------------------------------------------------
 
 @dataclass
 class Setup:
@@ -166,7 +166,7 @@ def adapter_metadata(opts: StageOptions, setup: Setup) -> dict:
     }
 
 
-# -- the loop ---------------------------------------------------------------------------------------
+# -- the loop --------------------------------------------------------------------------------------
 
 class StageImpl:
     """What differs between the stages."""

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from edge0_eval.errors import CheckpointError
 
 
-# -- checkpoint files -------------------------------------------------------------------------------
+# -- checkpoint files ------------------------------------------------------------------------------
 
 def save_training_state(path: Path, params: dict[str, mx.array], optimizer,
                         meta: dict[str, object]) -> None:
@@ -45,7 +45,7 @@ def load_training_state(path: Path) -> tuple[dict[str, mx.array], dict, dict]:
     return params, opt, meta
 
 
-# -- the resume rule --------------------------------------------------------------------------------
+# -- the resume rule -------------------------------------------------------------------------------
 
 def begin(state_path: Path, resume: bool, fresh: bool) -> None:
     """--resume insists that a checkpoint exists; --fresh drops it."""
@@ -81,7 +81,7 @@ def after_step(step: int, stop_after: int | None, kill_after: int | None) -> Non
         raise Interrupted(f"stopped after step {step}")
 
 
-# -- fingerprints -----------------------------------------------------------------------------------
+# -- fingerprints ----------------------------------------------------------------------------------
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -114,7 +114,7 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# -- reports ----------------------------------------------------------------------------------------
+# -- reports ---------------------------------------------------------------------------------------
 
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
