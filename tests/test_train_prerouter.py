@@ -13,10 +13,11 @@ import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.prerouter import load_heads, read_metadata
-from edge0_eval.training.prerouter import (
-    FeatureStore, Interrupted, TrainOptions, parse_owners, positions, read_documents,
-    report_paths, split_documents, train_prerouter,
-)
+from edge0_eval.training.data import read_documents, split_documents
+from edge0_eval.training.features import FeatureStore, positions
+from edge0_eval.training.options import PrerouterOptions, parse_owners
+from edge0_eval.training.prerouter import train_prerouter
+from edge0_eval.training.state import Interrupted, report_paths
 
 from test_prerouter import FAMILIES, converted_model  # one tiny model per family and session
 
@@ -25,12 +26,12 @@ CORPUS = [STDLIB / f"{name}.py" for name in
           ("textwrap", "shlex", "bisect", "heapq", "fnmatch", "glob", "colorsys", "keyword")]
 
 
-def options(model, out, **kw) -> TrainOptions:
+def options(model, out, **kw) -> PrerouterOptions:
     base = dict(model=str(model), texts=[str(p) for p in CORPUS], out=str(out), steps=40,
                 batch=64, lr=3e-3, holdout=0.25, max_doc_tokens=160, ckpt_every=10,
                 progress=False, save_dtype="float32")
     base.update(kw)
-    return TrainOptions(**base)
+    return PrerouterOptions(**base)
 
 
 # -- documents and splits ------------------------------------------------------------------------
@@ -127,26 +128,26 @@ def test_teacher_records_are_the_executed_routing(trained):
     store = FeatureStore(Path(f"{opts.out}.ckpt") / "features").open()
     meta = store.meta
     name, start, length = meta["docs"][1]
-    from edge0_eval.training.prerouter import _encode_prefix
+    from edge0_eval.training.data import encode_prefix
 
     engine = Engine.load(model, EngineOptions(mode="reactive"))
     try:
         text = Path(name).read_text()
-        tokens = _encode_prefix(engine.tokenizer, text, length)
+        tokens = encode_prefix(engine.tokenizer, text, length)
         for n in engine.moe_layers:
-            engine.blocks[n]._trace.capture = True
+            engine.blocks[n].set_capture(True)
         engine.forward(mx.array(tokens)[None])
         for m, n in enumerate(meta["moe_layers"]):
             got = np.sort(np.array(store.inds[start: start + length, m]), axis=-1)
-            want = np.sort(np.array(engine.blocks[n]._trace.last_inds[0]), axis=-1)
+            want = np.sort(np.array(engine.blocks[n].captured()[1][0]), axis=-1)
             assert (got == want).mean() > 0.99, f"layer {n}"
         for p, n in enumerate(meta["pairs"]):
-            h = np.array(engine.blocks[n]._trace.last_input[0].astype(mx.float32))
+            h = np.array(engine.blocks[n].captured()[0][0].astype(mx.float32))
             np.testing.assert_allclose(store.h[start: start + length, p], h, rtol=2e-3,
                                        atol=2e-3)
     finally:
         engine.close()
-    from edge0_eval.training.prerouter import Batches
+    from edge0_eval.training.features import Batches
 
     owners = meta["pairs"]
     b = Batches(store, owners).get(np.array([start + 3, start]))

@@ -8,7 +8,6 @@ the figures check mechanics, not quality.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,9 +19,9 @@ import numpy as np
 import pytest
 
 from edge0_eval import cli
-from edge0_eval.training.common import (
-    KILL_ENV, Example, Trainer, bucket_kl, collate, teacher_topk,
-)
+from edge0_eval.training.batches import Example, collate
+from edge0_eval.training.losses import bucket_kl, teacher_topk
+from edge0_eval.training.trainer import Trainer
 
 WORDS = ("the a cat dog runs jumps over under blue red green house tree river sky small big "
          "happy sad quick slow what why how is are was to from with and or but not").split()
@@ -137,7 +136,7 @@ def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family
     valid = np.ones_like(tokens, bool)
     grads = {}
     for ckpt in (False, True):
-        path = ServedPath(engine, "prerouted", grad_checkpoint=ckpt)
+        path = ServedPath(engine, grad_checkpoint=ckpt)
         disc = path.discover(tokens, valid, np.array([len(prompt)]), keep_logits=True)
         got = disc.logits[0, len(prompt) - 1:]
         assert mx.allclose(got, served, atol=1e-4).item()
@@ -194,7 +193,8 @@ def test_micro_batches_keep_the_expert_bound_and_the_gradient(pair):
 
     from edge0_eval.engine import lora
     from edge0_eval.engine.engine import Engine, EngineOptions
-    from edge0_eval.training.common import cross_entropy_loss, lora_state
+    from edge0_eval.training.losses import cross_entropy_loss
+    from edge0_eval.training.trainer import lora_state
     from edge0_eval.training.served import ServedPath
 
     _, student, _ = pair
@@ -209,7 +209,7 @@ def test_micro_batches_keep_the_expert_bound_and_the_gradient(pair):
                                                     slots_per_layer=slots))
         lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
         lora.mark_trainable(engine.model)
-        path = ServedPath(engine, "prerouted")
+        path = ServedPath(engine)
         trainer = Trainer(engine, path, optim.SGD(learning_rate=1.0))
         stats = trainer.step(batch, cross_entropy_loss)
         assert stats.max_union <= slots
@@ -230,7 +230,7 @@ def test_stage2_lowers_heldout_kl_and_writes_the_served_adapter(pair, sft_run):
     report = _report(sft_run)
     m = report["heldout"]["metrics"]
     print("stage 2 held-out:", json.dumps(m))
-    assert report["stage"] == "sft" and report["routing"] == "prerouted"
+    assert report["stage"] == "sft" and report["mode"] == "prerouted"
     assert m["trained"]["kl"] < m["no_lora"]["kl"]
     assert m["trained"]["tokens"] > 0 and report["heldout"]["prompts"] >= 1
     _, meta = _arrays(sft_run)
@@ -300,8 +300,8 @@ def test_sft_killed_mid_run_resumes_to_the_same_adapter(pair, sft_run, tmp_path)
     resumes from step 3 and ends with the adapter of the uninterrupted run, bit for bit."""
     out = tmp_path / "lora.safetensors"
     argv = [str(a) for a in _sft_argv(pair, out)] + ["--ckpt-every", "1"]
-    env = dict(os.environ, **{KILL_ENV: "3"})
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval.cli", *argv], env=env,
+    kill = ["--kill-after-step", "3"]        # the test hook: SIGKILL after step 3's checkpoint
+    proc = subprocess.run([sys.executable, "-m", "edge0_eval.cli", *argv, *kill],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not out.exists()
@@ -317,7 +317,8 @@ def test_sft_killed_mid_run_resumes_to_the_same_adapter(pair, sft_run, tmp_path)
 
 
 def test_distill_interrupted_resumes_to_the_same_adapter(pair, sft_run, distill_run, tmp_path):
-    from edge0_eval.training.common import Interrupted, options_from_args
+    from edge0_eval.training.options import options_from_args
+    from edge0_eval.training.state import Interrupted
     from edge0_eval.training.distill import add_arguments, distill
 
     import argparse
@@ -351,7 +352,7 @@ def test_models_as_teacher_student_or_with_teacher_option():
     import argparse
 
     from edge0_eval.errors import ConfigError
-    from edge0_eval.training.common import options_from_args
+    from edge0_eval.training.options import options_from_args
     from edge0_eval.training.sft import add_arguments
 
     parser = argparse.ArgumentParser()
@@ -415,4 +416,4 @@ def test_prerouted_training_without_heads(pair, tmp_path, capsys):
     bare = tmp_path / "bare_student"
     shutil.copytree(student, bare, ignore=shutil.ignore_patterns("prerouter.safetensors"))
     _fails(["train-lora", bare, "--teacher", teacher, "--prompts", prompts, "--out",
-            tmp_path / "a.safetensors"], capsys, "prerouter heads", "--routing true")
+            tmp_path / "a.safetensors"], capsys, "prerouter heads", "--mode reactive")

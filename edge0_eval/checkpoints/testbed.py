@@ -263,7 +263,7 @@ def capture_mlp_inputs(torch_model, batches: np.ndarray, batch_size: int = 8) ->
 def load_mlx(directory: Path, top_k: int | None = None):
     """mlx-lm's model in the engine's compute dtype (the stages' teacher loader), at `top_k`."""
     from edge0_eval.checkpoints.reference import set_top_k
-    from edge0_eval.training.common import load_teacher
+    from edge0_eval.training.models import load_teacher
 
     model, tokenizer = load_teacher(directory)
     if top_k is not None:

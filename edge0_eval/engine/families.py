@@ -15,6 +15,13 @@ from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.moe import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
 
 LayerHook = Callable[[int, mx.array], mx.array]
+# How a decoder layer is called: call(i, layer, *args, **kwargs); training's served path uses it
+# to run layers under mx.checkpoint.
+LayerCall = Callable[..., mx.array]
+
+
+def _call(i: int, layer: nn.Module, *args, **kwargs) -> mx.array:
+    return layer(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -44,18 +51,18 @@ class Family:
         return [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
 
     def forward(self, model: nn.Module, inputs: mx.array, cache: list,
-                hook: LayerHook | None = None) -> mx.array:
-        return _FORWARDS[self.name](model, inputs, cache, hook)
+                hook: LayerHook | None = None, call: LayerCall | None = None) -> mx.array:
+        return _FORWARDS[self.name](model, inputs, cache, hook, call or _call)
 
 
-def _qwen_forward(model, inputs, cache, hook):
+def _qwen_forward(model, inputs, cache, hook, call):
     text = model.language_model
     inner = text.model
     h = inner.embed_tokens(inputs)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+        h = call(i, layer, h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
         if hook is not None:
             h = hook(i, h)
     out = inner.norm(h)
@@ -64,7 +71,7 @@ def _qwen_forward(model, inputs, cache, hook):
     return text.lm_head(out)
 
 
-def _bailing_forward(model, inputs, cache, hook):
+def _bailing_forward(model, inputs, cache, hook, call):
     inner = model.model
     h = inner.word_embeddings(inputs)
     attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
@@ -72,7 +79,7 @@ def _bailing_forward(model, inputs, cache, hook):
     gla_mask = create_ssm_mask(h, cache[inner._gla_idx]) if inner._gla_idx is not None else None
     offset = attn_cache.offset if attn_cache is not None else 0
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, attn_mask if layer.is_global else gla_mask, c, offset=offset)
+        h = call(i, layer, h, attn_mask if layer.is_global else gla_mask, c, offset=offset)
         if hook is not None:
             h = hook(i, h)
     out = inner.norm(h)
@@ -81,12 +88,12 @@ def _bailing_forward(model, inputs, cache, hook):
     return model.lm_head(out)
 
 
-def _qwen2_forward(model, inputs, cache, hook):
+def _qwen2_forward(model, inputs, cache, hook, call):
     inner = model.model
     h = inner.embed_tokens(inputs)
     mask = create_attention_mask(h, cache[0])
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, mask, c)
+        h = call(i, layer, h, mask, c)
         if hook is not None:
             h = hook(i, h)
     return model.lm_head(inner.norm(h))   # mlx-lm's qwen2_moe always has its own lm_head

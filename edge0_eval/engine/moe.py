@@ -14,7 +14,9 @@ Routing modes:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -245,17 +247,65 @@ class StagedSet(SimpleNamespace):
     """A predicted expert set on its way into a layer's slots."""
 
 
+@dataclass
+class BlockTrace:
+    """What a streaming block is told to route and what it executed.
+
+    Written only through the block's methods below (`set_plan`, `set_planner`, `set_capture`,
+    `set_measure_recall`) and read through `captured` and `recalls`; the engine's prerouted
+    decode and training's served path steer the block that way instead of reaching into it.
+    """
+
+    layer: int
+    plan: tuple | None = None          # (inds, weights | None): execute exactly these
+    planner: Callable | None = None    # (block, x) -> (inds, weights): decided at call time
+    capture: bool = False              # keep the last call's MoE input and executed ids
+    last_input: mx.array | None = None
+    last_inds: mx.array | None = None
+    measure_recall: bool = False
+    recall: list = field(default_factory=list)
+
+
 class _StreamingBlock(nn.Module):
     """Common plumbing: the engine may set a routing plan and reads back what executed."""
 
     def _init_trace(self, layer: int, top_k: int):
         self.top_k = top_k
-        self._trace = SimpleNamespace(layer=layer, plan=None, last_input=None, last_inds=None,
-                                      capture=False, measure_recall=False, recall=[])
+        self._trace = BlockTrace(layer)
 
     def set_plan(self, inds: mx.array | None, weights: mx.array | None = None) -> None:
         """Execute exactly `inds` [B, L, K] with combination `weights` (None: true router's)."""
         self._trace.plan = None if inds is None else (inds, weights)
+
+    def set_planner(self, planner: Callable | None) -> None:
+        """Route every call by `planner(block, x) -> (inds, weights)` (None: back to normal)."""
+        self._trace.planner = planner
+
+    def set_capture(self, on: bool) -> None:
+        """Keep each call's MoE input and executed ids for `captured`; clears what was kept."""
+        self._trace.capture = on
+        self._trace.last_input = self._trace.last_inds = None
+
+    @property
+    def capturing(self) -> bool:
+        return self._trace.capture
+
+    def captured(self) -> tuple[mx.array | None, mx.array | None]:
+        """(MoE input [B, L, H], executed ids [B, L, K]) of the last call while capturing."""
+        return self._trace.last_input, self._trace.last_inds
+
+    def set_measure_recall(self, on: bool) -> None:
+        """While a plan is set, also run the true router and keep the plan's recall."""
+        self._trace.measure_recall = on
+
+    def recalls(self) -> list[mx.array]:
+        """Online recall of each planned call while measuring (lazy scalars)."""
+        return list(self._trace.recall)
+
+    def _current_plan(self, x: mx.array) -> tuple | None:
+        if self._trace.planner is not None:
+            return self._trace.planner(self, x)
+        return self._trace.plan
 
     def true_inds(self, x: mx.array) -> mx.array:
         raise NotImplementedError
@@ -306,7 +356,7 @@ class QwenStreamingMoE(_StreamingBlock):
         return scores
 
     def __call__(self, x: mx.array) -> mx.array:
-        plan = self._trace.plan
+        plan = self._current_plan(x)
         if plan is None:
             inds, scores = self.select(self.router_probs(x), self.top_k)
         else:
@@ -355,7 +405,7 @@ class BailingStreamingMoE(_StreamingBlock):
         return scores * self.gate.routed_scaling_factor
 
     def __call__(self, x: mx.array) -> mx.array:
-        plan = self._trace.plan
+        plan = self._current_plan(x)
         if plan is None:
             inds, scores = self.gate(x)
         else:

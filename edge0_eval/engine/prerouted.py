@@ -54,7 +54,7 @@ class Prerouter:
         self._prev_onehot = None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
-            engine.blocks[owner]._trace.capture = True
+            engine.blocks[owner].set_capture(True)
         from edge0_eval.engine.prerouter import consumer_rule
 
         self._rule = consumer_rule(engine, self.owners)
@@ -122,7 +122,7 @@ class Prerouter:
         self._plan_next()
 
     def _chunk_length(self) -> int:
-        return self.engine.blocks[self.owners[0]]._trace.last_input.shape[1]
+        return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
 
     def _plan_next(self) -> None:
         from edge0_eval.engine.prerouter import trace_features

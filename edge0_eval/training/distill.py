@@ -23,16 +23,14 @@ The models may also be given as `distill STUDENT --teacher TEACHER`.
 
 from __future__ import annotations
 
-import argparse
-
 import mlx.core as mx
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.training.common import (
-    Example, StageOptions, add_common_arguments, batch_indices, bucket_kl, collate, fit,
-    options_from_args, stable_seed, teacher_log_probs, teacher_topk,
-)
-from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.batches import Example, batch_indices, collate, fit, stable_seed
+from edge0_eval.training.losses import bucket_kl, teacher_topk
+from edge0_eval.training.options import StageOptions
+from edge0_eval.training.stage import StageImpl, command, run_stage
+from edge0_eval.training.teacher import teacher_log_probs
 
 
 class Distill(StageImpl):
@@ -82,19 +80,9 @@ class Distill(StageImpl):
                 "samples": "student, served path, seeded per (seed, step, row)"}
 
 
-def distill(opts: StageOptions, stop_after: int | None = None) -> dict:
-    opts.stage = "distill"
-    return run_stage(opts, Distill(opts), stop_after)
+def distill(opts: StageOptions, stop_after: int | None = None,
+            kill_after: int | None = None) -> dict:
+    return run_stage(opts, Distill, stop_after, kill_after)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, "distill")
-    parser.set_defaults(lr=5e-5)
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="student sampling temperature (0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="student nucleus sampling")
-
-
-def run(args: argparse.Namespace) -> int:
-    distill(options_from_args(args, "distill"))
-    return 0
+add_arguments, run = command(Distill)

@@ -21,14 +21,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
-from edge0_eval.training.common import Example, collate, teacher_log_probs
+from edge0_eval.engine.lora import lora_modules, read_adapter_file
+from edge0_eval.training.batches import Example, collate
+from edge0_eval.training.state import report_paths, write_json
+from edge0_eval.training.teacher import teacher_log_probs
+from edge0_eval.training.trainer import lora_state, set_lora_state
 
 
 def _set_variant(model, arrays: dict | None, saved_scales: dict) -> None:
-    from edge0_eval.engine.lora import lora_modules
-    from edge0_eval.training.common import set_lora_state
-
     modules = lora_modules(model)
     if arrays is None:
         for m in modules.values():
@@ -42,11 +44,6 @@ def _set_variant(model, arrays: dict | None, saved_scales: dict) -> None:
 def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
              batch_size: int = 4, progress: bool = False) -> dict:
     """{variant: {kl, top1, nll, tokens, prompts}} over `examples` (see module docstring)."""
-    from tqdm import tqdm
-
-    from edge0_eval.engine.lora import lora_modules
-    from edge0_eval.training.common import lora_state
-
     model = setup.engine.model
     path = setup.path
     modules = lora_modules(model)
@@ -76,8 +73,6 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
     finally:
         for p, m in modules.items():
             m.scale = saved_scales[p]
-        from edge0_eval.training.common import set_lora_state
-
         set_lora_state(model, current)
     out = {}
     for name, s in sums.items():
@@ -90,17 +85,13 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
 
 def adapter_arrays(path: str | Path) -> dict:
     """The LoRA matrices of an adapter file as float32 (what the engine will run)."""
-    from edge0_eval.engine.lora import read_adapter_file
-
     arrays, _ = read_adapter_file(path)
     return {k: v.astype(mx.float32) for k, v in arrays.items()}
 
 
-# -- report -----------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 
 def write_report(out: Path, report: dict) -> tuple[Path, Path]:
-    from edge0_eval.training.common import report_paths, write_json
-
     json_path, md_path = report_paths(out)
     write_json(json_path, report)
     md_path.write_text(markdown(report))
@@ -152,8 +143,8 @@ def markdown(r: dict) -> str:
     t = r["training"]
     lines = [f"# {('Stage 2: LoRA SFT' if r['stage'] == 'sft' else 'Stage 3: on-policy distillation')}"
              f" - {Path(r['adapter']).name}", "",
-             f"Student `{Path(r['student']).name}` ({r['model_type']}, K={r['top_k']}, routing "
-             f"{r['routing']}), teacher `{Path(r['teacher']).name}`. LoRA r={r['lora']['r']}, "
+             f"Student `{Path(r['student']).name}` ({r['model_type']}, K={r['top_k']}, mode "
+             f"{r['mode']}), teacher `{Path(r['teacher']).name}`. LoRA r={r['lora']['r']}, "
              f"alpha={r['lora']['alpha']} on {len(r['lora']['targets'])} resident layers.", "",
              f"Held-out: {r['heldout']['prompts']} prompts, {r['heldout']['tokens']} positions "
              f"(teacher greedy continuations, teacher-forced).", "",

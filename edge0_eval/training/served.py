@@ -24,9 +24,9 @@ A training step needs two passes (`ServedPath.discover`, then `ServedPath.forwar
    differentiably: the router's softmax/sigmoid at true positions, the head's at prerouted ones.
    Gradients therefore flow through the routing weights into the LoRA, as in the served function.
 
-The MoE blocks are switched, per instance, to a subclass whose __call__ adds this plan logic
-(mlx-lm's and moe.py's classes are untouched; `close()` restores the instances). Gradient
-checkpointing wraps each decoder layer's call in `mx.checkpoint`, again per instance; the MoE
+Nothing is patched: every MoE block gets a `TrainingPlan` through its planner interface
+(`set_planner`, engine/moe.py), and the decoder layers are called through the family forward's
+`call` argument, which runs each layer under `mx.checkpoint` for gradient checkpointing. The MoE
 input that the next layer's head needs and the head weights a layer consumes cross the
 checkpoint boundary as explicit outputs/inputs so their gradients are kept.
 """
@@ -34,99 +34,53 @@ checkpoint boundary as explicit outputs/inputs so their gradients are kept.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 
+from edge0_eval.engine.prerouter import RoutingRule, build_features, onehot
 from edge0_eval.errors import ConfigError
+from edge0_eval.training.options import MODES
 
-ROUTINGS = ("prerouted", "true")
 
+@dataclass
+class TrainingPlan:
+    """One MoE block's routing for one pass; the block calls it with its input (`set_planner`).
 
-# -- per-instance block / layer subclasses ----------------------------------------------------------
+    inds: fixed ids to replay [B, L, K] (the gradient pass), or None: select now (discover), the
+    true router's choice except where `mask` marks a prerouted position and `plan_inds` (the
+    head's choice) is given. Weights are recomputed differentiably from the router, replaced by
+    `plan_weights` (the head's) at prerouted positions when given.
+    """
 
-class _PlannedBlock:
-    """Mixin for the streaming MoE block: executes `_trace.train` plans (see module docstring)."""
+    inds: mx.array | None = None
+    mask: mx.array | None = None
+    plan_inds: mx.array | None = None
+    plan_weights: mx.array | None = None
 
-    def __call__(self, x):
-        tp = getattr(self._trace, "train", None)
-        if tp is None:
-            return super().__call__(x)
-        inds = tp.inds
-        if inds is None:                                   # discover: select now
-            true, _ = self._true_route(x)
-            inds = true if tp.plan_inds is None else mx.where(tp.mask[..., None],
-                                                              tp.plan_inds, true)
-        weights = self.combine(self.router_probs(x), inds)
-        if tp.plan_weights is not None:
+    def __call__(self, block, x: mx.array) -> tuple[mx.array, mx.array]:
+        inds = self.inds
+        if inds is None:
+            true, _ = _true_route(block, x)
+            inds = true if self.plan_inds is None else mx.where(self.mask[..., None],
+                                                                self.plan_inds, true)
+        weights = block.combine(block.router_probs(x), inds)
+        if self.plan_weights is not None:
             # Served: head weights (float32) at prerouted tokens, the router's elsewhere.
-            dtype = (mx.float32 if mx.float32 in (weights.dtype, tp.plan_weights.dtype)
+            dtype = (mx.float32 if mx.float32 in (weights.dtype, self.plan_weights.dtype)
                      else weights.dtype)
-            weights = mx.where(tp.mask[..., None], tp.plan_weights.astype(dtype),
+            weights = mx.where(self.mask[..., None], self.plan_weights.astype(dtype),
                                weights.astype(dtype))
-        self._trace.plan = (inds, weights)
-        try:
-            return super().__call__(x)
-        finally:
-            self._trace.plan = None
-
-    def _true_route(self, x):
-        if hasattr(self, "select"):                        # qwen: softmax top-k
-            return self.select(self.router_probs(x), self.top_k)
-        return self.gate(x)                                # bailing: mlx-lm's Gate
+        return inds, weights
 
 
-class _CheckpointedLayer:
-    """Mixin for a decoder layer: its call runs under `mx.checkpoint` (recomputed on backward)."""
-
-    def __call__(self, x, *args, **kwargs):
-        base = self._e0_base_class
-        if not getattr(self, "_e0_checkpoint", False):
-            return base.__call__(self, x, *args, **kwargs)
-        mlp = getattr(self, "mlp", None)
-        tp = getattr(getattr(mlp, "_trace", None), "train", None)
-        extras = [tp.plan_weights] if tp is not None and tp.plan_weights is not None else []
-
-        def inner(params, x, extras):
-            # Also runs again during the backward pass, after the forward has returned: put
-            # this layer's plan back so the recomputation routes exactly like the forward.
-            self.update(params)
-            if tp is not None:
-                mlp._trace.train = tp
-            if extras:
-                tp.plan_weights = extras[0]
-            out = base.__call__(self, x, *args, **kwargs)
-            side = mlp._trace.last_input if tp is not None and mlp._trace.capture else None
-            return (out, side) if side is not None else (out,)
-
-        outs = mx.checkpoint(inner)(self.trainable_parameters(), x, extras)
-        if len(outs) == 2:
-            mlp._trace.last_input = outs[1]
-        return outs[0]
+def _true_route(block, x):
+    if hasattr(block, "select"):                       # qwen: softmax top-k
+        return block.select(block.router_probs(x), block.top_k)
+    return block.gate(x)                               # bailing: mlx-lm's Gate
 
 
-_SUBCLASSES: dict = {}
-
-
-def _swap(obj, mixin) -> None:
-    if isinstance(obj, mixin):
-        return
-    base = type(obj)
-    key = (mixin, base)
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"{mixin.__name__.strip('_')}{base.__name__}", (mixin, base),
-                                {"_e0_base_class": base})
-    obj.__class__ = _SUBCLASSES[key]
-
-
-def _unswap(obj) -> None:
-    base = getattr(type(obj), "_e0_base_class", None)
-    if base is not None:
-        obj.__class__ = base
-
-
-# -- plans ------------------------------------------------------------------------------------------
+# -- plans -----------------------------------------------------------------------------------------
 
 @dataclass
 class Discovery:
@@ -151,11 +105,13 @@ class Discovery:
 class ServedPath:
     """Trainable full-sequence forward of an engine's student, routed exactly as served."""
 
-    def __init__(self, engine, routing: str = "prerouted", grad_checkpoint: bool = False):
-        if routing not in ROUTINGS:
-            raise ConfigError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+    def __init__(self, engine, grad_checkpoint: bool = False):
+        mode = engine.options.mode                # trained as served: the engine's own mode
+        if mode not in MODES:
+            raise ConfigError(f"training runs the student in mode {' or '.join(MODES)}, not "
+                              f"{mode!r}")
         self.engine = engine
-        self.routing = routing
+        self.mode = mode
         self.model = engine.model
         self.family = engine.family
         self.layers = self.family.layers(self.model)
@@ -169,13 +125,11 @@ class ServedPath:
         self.heads = {}
         self.rules = {}
         self.weight_source = "head"
-        if routing == "prerouted":
-            from edge0_eval.engine.prerouter import RoutingRule
-
+        if mode == "prerouted":
             pr = engine.prerouter
             if pr is None:
-                raise ConfigError("prerouted routing needs the engine loaded in prerouted mode "
-                                  "with prerouter heads")
+                raise ConfigError("prerouted training needs prerouter heads, and the engine has "
+                                  "none loaded")
             self.weight_source = pr.weight_source
             for owner in pr.owners:
                 if owner + 1 in pr.consumers:
@@ -183,91 +137,105 @@ class ServedPath:
                     self.heads[owner] = pr.heads.select_owners([owner])
                     self.rules[owner + 1] = RoutingRule.from_block(self.blocks[owner + 1])
         self.owners = sorted(self.owner_of.values())
+        self._plans: dict[int, TrainingPlan] = {}       # MoE layer -> its plan of this pass
+        self._inputs: dict[int, mx.array] = {}          # MoE layer -> its input of this pass
+        self._checkpoint = False
         self._saved_capture = {}
         for layer in self.moe:
             block = self.blocks[layer]
-            self._saved_capture[layer] = block._trace.capture
-            block._trace.capture = True
-            block._trace.train = None
-            _swap(block, _PlannedBlock)
-        if grad_checkpoint:
-            for layer in self.layers:
-                _swap(layer, _CheckpointedLayer)
+            self._saved_capture[layer] = block.capturing
+            block.set_capture(True)
         self.closed = False
 
     def close(self) -> None:
-        """Give the engine back its serving behaviour (instances restored, switches unpinned)."""
+        """Give the engine back its serving behaviour (planners removed, switches unpinned)."""
         if self.closed:
             return
+        self.clear_plans()
         for layer in self.moe:
             block = self.blocks[layer]
-            block._trace.train = None
-            block._trace.plan = None
-            block._trace.capture = self._saved_capture[layer]
-            block._trace.last_input = block._trace.last_inds = None
+            block.set_capture(self._saved_capture[layer])
             block.switch_mlp.pin(False)
-            _unswap(block)
-        for layer in self.layers:
-            _unswap(layer)
-            layer.__dict__.pop("_e0_checkpoint", None)
         self.closed = True
 
     # -- passes -------------------------------------------------------------------------------
+    def _call_layer(self, i: int, layer, x, *args, **kwargs):
+        """How the family forward calls decoder layer i: plainly, or under mx.checkpoint."""
+        plan = self._plans.get(i)
+        block = self.blocks.get(i)
+        if not self._checkpoint:
+            out = layer(x, *args, **kwargs)
+            if block is not None:
+                self._inputs[i] = block.captured()[0]
+            return out
+        extras = [plan.plan_weights] if plan is not None and plan.plan_weights is not None else []
+
+        def inner(params, x, extras):
+            # Also runs again during the backward pass, after the forward has returned: put
+            # this layer's plan back so the recomputation routes exactly like the forward.
+            layer.update(params)
+            if plan is not None:
+                block.set_planner(plan)
+                if extras:
+                    plan.plan_weights = extras[0]
+            out = layer(x, *args, **kwargs)
+            side = block.captured()[0] if block is not None else None
+            return (out, side) if side is not None else (out,)
+
+        outs = mx.checkpoint(inner)(layer.trainable_parameters(), x, extras)
+        if len(outs) == 2:
+            self._inputs[i] = outs[1]
+        return outs[0]
+
     def _run(self, tokens: mx.array, mask: mx.array | None, replay: dict | None) -> mx.array:
         """One forward with plans; replay: layer -> fixed ids (None: select while running)."""
+        self._plans = {}
         for layer in self.moe:
-            self.blocks[layer]._trace.train = SimpleNamespace(
-                inds=None if replay is None else replay[layer], mask=mask, plan_inds=None,
-                plan_weights=None)
+            plan = TrainingPlan(inds=None if replay is None else replay[layer], mask=mask)
+            self._plans[layer] = plan
+            self.blocks[layer].set_planner(plan)
+        self._inputs = {}
         executed: dict[int, mx.array] = {}
 
         def hook(i: int, h: mx.array) -> mx.array:
             if self.clip:
                 h = mx.clip(mx.nan_to_num(h, nan=0.0), -self.clip, self.clip)
             if i in self.blocks:
-                executed[i] = self.blocks[i]._trace.last_inds
+                executed[i] = self.blocks[i].captured()[1]
             consumer = i + 1
             if consumer in self.owner_of and mask is not None:
                 owner = self.owner_of[consumer]
-                block = self.blocks[owner]
-                x = block._trace.last_input                      # [B, L, H]
+                x = self._inputs[owner]                          # [B, L, H]
                 ids = executed[owner]                            # [B, L, K]
-                num_experts = self.blocks[owner].num_experts
-                from edge0_eval.engine.prerouter import build_features, onehot
-
-                oh = onehot(ids, num_experts, mx.float32)
+                oh = onehot(ids, self.blocks[owner].num_experts, mx.float32)
                 oh_prev = mx.concatenate([mx.zeros_like(oh[:, :1]), oh[:, :-1]], axis=1)
                 feats = build_features(x[None], oh[None], oh_prev[None])
                 logits = self.heads[owner](feats)[0]             # [B, L, E]
                 # The plan for token t comes from the features of token t-1.
                 logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
                 rule = self.rules[consumer]
-                tp = self.blocks[consumer]._trace.train
-                if tp.inds is None:
+                plan = self._plans[consumer]
+                if plan.inds is None:
                     plan_inds, plan_w = rule.select(logits, self.top_k)
-                    tp.plan_inds = plan_inds
+                    plan.plan_inds = plan_inds
                 else:
-                    plan_w = _weights_for(rule, logits, tp.inds)
-                tp.plan_weights = None if self.weight_source == "router" else plan_w
+                    plan_w = _weights_for(rule, logits, plan.inds)
+                plan.plan_weights = None if self.weight_source == "router" else plan_w
             return h
 
         cache = [None] * self.n_layers    # a cache-less full-sequence pass (causal masks)
-        checkpoint = self.grad_checkpoint and replay is not None
-        for layer in self.layers:
-            layer._e0_checkpoint = checkpoint
+        self._checkpoint = self.grad_checkpoint and replay is not None
         # The plans stay installed after the forward returns: a gradient transform may
         # recompute (checkpointed) layers later. `clear_plans()` removes them.
-        return self.family.forward(self.model, tokens, cache, hook)
+        return self.family.forward(self.model, tokens, cache, hook, self._call_layer)
 
     def clear_plans(self) -> None:
         """Back to plain serving behaviour of the blocks (call after the gradient pass)."""
         for layer in self.moe:
-            trace = self.blocks[layer]._trace
-            trace.train = None
-            trace.plan = None
-            trace.last_input = None
-        for layer in self.layers:
-            layer._e0_checkpoint = False
+            self.blocks[layer].set_planner(None)
+            self.blocks[layer].set_capture(True)
+        self._plans, self._inputs = {}, {}
+        self._checkpoint = False
 
     def discover(self, tokens: np.ndarray, valid: np.ndarray, n_true: np.ndarray,
                  keep_logits: bool = False) -> Discovery:
@@ -280,7 +248,7 @@ class ServedPath:
             self.blocks[layer].switch_mlp.pin(False)
         mask = self._mask(tokens.shape, n_true)
         logits = self._run(mx.array(tokens), None if mask is None else mx.array(mask), None)
-        inds = {layer: self.blocks[layer]._trace.last_inds for layer in self.moe}
+        inds = {layer: self.blocks[layer].captured()[1] for layer in self.moe}
         mx.eval(logits, list(inds.values()))
         self.clear_plans()
         out = Discovery(inds={k: np.array(v).astype(np.int32) for k, v in inds.items()},

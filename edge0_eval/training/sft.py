@@ -22,25 +22,24 @@ greedy teacher raised held-out KL(student || teacher) in some settings where `kl
 Only the unmerged LoRA matrices on resident attention / linear-attention / shared-expert
 projections train; base weights are frozen and routed experts stay int4 and untrained.
 
-Checkpoints, resume rule, memory bound: see training/common.py. After training the adapter is
-written in the served format (metadata source, stage="sft", step, model, K) and evaluated on
-held-out prompts (training/evaluate.py); report `<out stem>.report.json` / `.md`.
+Checkpoints and the resume rule: see training/stage.py; the memory bound: training/trainer.py.
+After training the adapter is written in the served format (metadata source, stage="sft", step,
+model, K) and evaluated on held-out prompts (training/evaluate.py); report `<out
+stem>.report.json` / `.md`.
 
 The models may also be given as `train-lora STUDENT --teacher TEACHER`.
 """
 
 from __future__ import annotations
 
-import argparse
-
-from edge0_eval.errors import ConfigError
 import mlx.core as mx
 
-from edge0_eval.training.common import (
-    StageOptions, add_common_arguments, batch_indices, bucket_kl, collate, cross_entropy_loss,
-    fit, options_from_args, teacher_log_probs, teacher_topk,
-)
-from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.errors import ConfigError
+from edge0_eval.training.batches import batch_indices, collate, fit
+from edge0_eval.training.losses import bucket_kl, cross_entropy_loss, teacher_topk
+from edge0_eval.training.options import StageOptions
+from edge0_eval.training.stage import StageImpl, command, run_stage
+from edge0_eval.training.teacher import teacher_log_probs
 
 
 class SFT(StageImpl):
@@ -86,19 +85,9 @@ class SFT(StageImpl):
                 "teacher_temperature": opts.teacher_temperature}
 
 
-def train_lora(opts: StageOptions, stop_after: int | None = None) -> dict:
-    opts.stage = "sft"
-    return run_stage(opts, SFT(opts), stop_after)
+def train_lora(opts: StageOptions, stop_after: int | None = None,
+               kill_after: int | None = None) -> dict:
+    return run_stage(opts, SFT, stop_after, kill_after)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser, "sft")
-    parser.add_argument("--loss", default="kl", choices=("kl", "ce"),
-                        help="kl: the teacher's next-token distribution on its completions "
-                             "(forward KL, tail-aware top-k; default); ce: cross-entropy on the "
-                             "completion tokens only (classic hard-label SFT)")
-
-
-def run(args: argparse.Namespace) -> int:
-    train_lora(options_from_args(args, "sft"))
-    return 0
+add_arguments, run = command(SFT)

@@ -1,0 +1,242 @@
+"""Stage 1's training data: the teacher's per-token routing records, collected once into
+`<out>.ckpt/features/` (resumable per document), and batches gathered from them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.prerouter import (RoutingRule, onehot, router_logits, router_weight,
+                                         stack_rules)
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.training.data import read_documents, tokenize_documents
+from edge0_eval.training.models import collector_options
+from edge0_eval.training.options import PrerouterOptions
+from edge0_eval.training.state import model_fingerprint, sha256_file, write_json
+
+DATA_VERSION = 1
+
+
+
+def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
+    return {
+        "version": DATA_VERSION,
+        "model": model_fingerprint(opts.model),
+        "texts": [[str(Path(t).resolve()), sha256_file(Path(t))] for t in opts.texts],
+        "top_k": top_k,
+        "max_doc_tokens": opts.max_doc_tokens,
+        "max_tokens": opts.max_tokens,
+    }
+
+
+class FeatureStore:
+    """Per-token teacher records for every MoE layer, in `<out>.ckpt/features/`.
+
+    h.npy   [T, P, H] float16  MoE input of each pair owner N (pairs: N and N+1 both MoE)
+    inds.npy [T, M, K] int16    executed top-K of every MoE layer
+    nr.npy  [T, P, K] int16     baseline: layer N+1's router on layer N's input, family rule
+    routers.safetensors         consumers' router weights (warm start) and expert biases
+    data.json                   fingerprint, layers, routing rule, documents [name, start, len]
+    progress.json               documents completed (collection resumes per document)
+    """
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.meta: dict = {}
+
+    @property
+    def complete(self) -> bool:
+        try:
+            meta = json.loads((self.dir / "data.json").read_text())
+            done = json.loads((self.dir / "progress.json").read_text())["docs_done"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return done == len(meta["docs"])
+
+    def matches(self, fingerprint: dict) -> bool:
+        try:
+            meta = json.loads((self.dir / "data.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return meta.get("fingerprint") == fingerprint
+
+    def open(self) -> "FeatureStore":
+        self.meta = json.loads((self.dir / "data.json").read_text())
+        self.h = np.load(self.dir / "h.npy", mmap_mode="r")
+        self.inds = np.load(self.dir / "inds.npy", mmap_mode="r")
+        self.nr = np.load(self.dir / "nr.npy", mmap_mode="r")
+        return self
+
+    def routers(self) -> dict:
+        return mx.load(str(self.dir / "routers.safetensors"))
+
+    def rule(self, consumers: list[int]) -> RoutingRule:
+        r = self.meta["rule"]
+        arrays = self.routers()
+        rules = [RoutingRule(r["score"], r["norm_topk_prob"],
+                             arrays.get(f"expert_bias.{c}") if r["has_expert_bias"] else None,
+                             r["n_group"], r["topk_group"], r["routed_scaling_factor"])
+                 for c in consumers]
+        return stack_rules(rules)
+
+
+def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: dict, top_k: int
+                     ) -> None:
+    """Run the model over the documents and fill the store (resuming per document)."""
+    engine = Engine.load(opts.model, collector_options(opts, top_k))
+    try:
+        moe = list(engine.moe_layers)
+        pairs = [n for n in moe if n + 1 in set(moe)]
+        if not pairs:
+            raise ConfigError(f"{opts.model}: no MoE layer is followed by another MoE layer; "
+                              f"nothing to preroute")
+        hidden = int(engine.family.hidden_size(engine.config))
+        num_experts = int(engine.index.num_experts)
+        if not store.matches(fingerprint):
+            if store.dir.exists():
+                print(f"train-prerouter: features in {store.dir} were collected for another "
+                      f"model, texts, K or token limits; collecting again", flush=True)
+                shutil.rmtree(store.dir)
+            store.dir.mkdir(parents=True)
+            docs = _documents(engine, opts)
+            if len(docs) < 2:
+                raise ConfigError(f"need at least 2 documents of 2+ tokens for a held-out split "
+                                  f"by document; got {len(docs)} from {opts.texts}")
+            table, start = [], 0
+            for name, toks in docs:
+                table.append([name, start, len(toks)])
+                start += len(toks)
+            total = start
+            rule = RoutingRule.from_block(engine.blocks[moe[-1]])
+            routers = {}
+            for n in pairs:
+                w, b = router_weight(engine.blocks[n + 1])
+                routers[f"router.{n + 1}"] = w
+                if b is not None:
+                    routers[f"router_bias.{n + 1}"] = b
+            for n in moe:
+                bias = RoutingRule.from_block(engine.blocks[n]).expert_bias
+                if bias is not None:
+                    routers[f"expert_bias.{n}"] = bias.astype(mx.float32)
+            mx.save_safetensors(str(store.dir / "routers.safetensors"), routers)
+            np.lib.format.open_memmap(store.dir / "h.npy", "w+", np.float16,
+                                      (total, len(pairs), hidden)).flush()
+            np.lib.format.open_memmap(store.dir / "inds.npy", "w+", np.int16,
+                                      (total, len(moe), top_k)).flush()
+            np.lib.format.open_memmap(store.dir / "nr.npy", "w+", np.int16,
+                                      (total, len(pairs), top_k)).flush()
+            meta = {"fingerprint": fingerprint, "model_type": engine.config["model_type"],
+                    "moe_layers": moe, "pairs": pairs, "hidden": hidden,
+                    "num_experts": num_experts, "top_k": top_k, "rule": rule.to_json(),
+                    "docs": table, "tokens": total,
+                    "n_layers": len(engine.family.layers(engine.model))}
+            write_json(store.dir / "progress.json", {"docs_done": 0})
+            write_json(store.dir / "data.json", meta)    # last: marks the store as set up
+            tokens_of = dict(enumerate(t for _, t in docs))
+        else:
+            meta = json.loads((store.dir / "data.json").read_text())
+            tokens_of = None
+        done = json.loads((store.dir / "progress.json").read_text())["docs_done"]
+        table = meta["docs"]
+        if tokens_of is None:  # resuming collection: re-tokenize (deterministic)
+            toks = _documents(engine, opts)
+            if [[n, len(t)] for n, t in toks] != [[d[0], d[2]] for d in table]:
+                raise CheckpointError(f"{store.dir}: tokenization no longer matches the "
+                                      f"collected documents; rerun with --fresh")
+            tokens_of = dict(enumerate(t for _, t in toks))
+        h = np.load(store.dir / "h.npy", mmap_mode="r+")
+        inds = np.load(store.dir / "inds.npy", mmap_mode="r+")
+        nr = np.load(store.dir / "nr.npy", mmap_mode="r+")
+        blocks = [engine.blocks[n] for n in moe]
+        for b in blocks:
+            b.set_capture(True)
+        chunk = max(1, engine.options.prefill_chunk)
+        bar = tqdm(total=meta["tokens"], initial=sum(d[2] for d in table[:done]),
+                   desc="collect routing", unit="tok", disable=not opts.progress)
+        try:
+            for d in range(done, len(table)):
+                _, start, length = table[d]
+                tokens = tokens_of[d]
+                engine.reset()
+                for s in range(0, length, chunk):
+                    piece = tokens[s: s + chunk]
+                    logits = engine.forward(mx.array(piece)[None])
+                    hs, nrs = [], []
+                    for n in pairs:
+                        x = engine.blocks[n].captured()[0][0]
+                        hs.append(x)
+                        nr_inds, _ = RoutingRule.from_block(engine.blocks[n + 1]).select(
+                            router_logits(engine.blocks[n + 1], x), top_k)
+                        nrs.append(nr_inds)
+                    ind = [b.captured()[1][0] for b in blocks]
+                    hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
+                    mx.eval(logits, hs, nrs, ind, [c.state for c in engine.cache])
+                    a, z = start + s, start + s + len(piece)
+                    h[a:z] = np.clip(np.array(hs.astype(mx.float32)), -65000, 65000)
+                    nr[a:z] = np.array(nrs).astype(np.int16)
+                    inds[a:z] = np.array(ind).astype(np.int16)
+                    bar.update(len(piece))
+                h.flush(), nr.flush(), inds.flush()
+                write_json(store.dir / "progress.json", {"docs_done": d + 1})
+        finally:
+            bar.close()
+            for b in blocks:
+                b.set_capture(False)
+    finally:
+        engine.close()
+
+
+def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:
+    return tokenize_documents(engine.tokenizer, read_documents(opts.texts), opts.max_tokens,
+                              opts.max_doc_tokens)
+
+
+def positions(docs: list, ids: list[int]) -> np.ndarray:
+    """Token positions t with t+1 in the same document (features at t, target at t+1)."""
+    parts = [np.arange(docs[i][1], docs[i][1] + docs[i][2] - 1) for i in ids]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class Batches:
+    """Gathers [O, B, ...] arrays for token positions from the store (numpy, then MLX)."""
+
+    def __init__(self, store: FeatureStore, owners: list[int]):
+        meta = store.meta
+        self.store = store
+        self.num_experts = meta["num_experts"]
+        self.k = meta["top_k"]
+        pair_pos = {n: i for i, n in enumerate(meta["pairs"])}
+        moe_pos = {n: i for i, n in enumerate(meta["moe_layers"])}
+        self.owner_p = np.array([pair_pos[n] for n in owners])
+        self.owner_m = np.array([moe_pos[n] for n in owners])
+        self.consumer_m = np.array([moe_pos[n + 1] for n in owners])
+        first = np.zeros(meta["tokens"], dtype=bool)
+        for _, start, _ in meta["docs"]:
+            first[start] = True
+        self.first = first
+
+    def get(self, t: np.ndarray) -> dict:
+        s = self.store
+        h = np.asarray(s.h[t])[:, self.owner_p]                      # [B, O, H]
+        rows = np.asarray(s.inds[t])                                # [B, M, K]
+        prev_rows = np.asarray(s.inds[np.maximum(t - 1, 0)])
+        nxt = np.asarray(s.inds[t + 1])[:, self.consumer_m]           # target
+        cur = rows[:, self.owner_m]
+        prev = prev_rows[:, self.owner_m].astype(np.int32)
+        prev[self.first[t]] = -1                                    # first token: zeros
+        tr = lambda a: mx.array(np.ascontiguousarray(np.swapaxes(a, 0, 1)))  # noqa: E731
+        return {"h": tr(h).astype(mx.float32), "cur": tr(cur.astype(np.int32)),
+                "prev": tr(prev), "target": tr(nxt.astype(np.int32)),
+                "prev_token": tr(rows[:, self.consumer_m].astype(np.int32)),
+                "next_router": tr(np.asarray(s.nr[t])[:, self.owner_p].astype(np.int32))}
+
+    def features(self, batch: dict) -> mx.array:
+        e = self.num_experts
+        return mx.concatenate([batch["h"], onehot(batch["cur"], e), onehot(batch["prev"], e)],
+                              axis=-1)
