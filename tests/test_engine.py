@@ -8,7 +8,8 @@ import sys
 import mlx.core as mx
 import pytest
 
-from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME
 
