@@ -290,7 +290,7 @@ def _mean(rows, arm, key):
 
 
 def targets(report: dict) -> dict:
-    """The issue's ratios, from this run's arms (absent arms: not computed)."""
+    """Speed and memory ratios from this run's arms (absent arms: not computed)."""
     rows, out = report["runs"], {}
     pre_tps, rea_tps = _mean(rows, "prerouted", "decode_tok_s"), _mean(rows, "reactive", "decode_tok_s")
     comp_tps = _mean(rows, "compute-only", "decode_tok_s")

@@ -47,20 +47,28 @@ class Family:
         return _FORWARDS[self.name](model, inputs, cache, hook)
 
 
+def _layers(layers, h, cache, hook, call) -> mx.array:
+    """Each decoder layer (`call(layer, h, its cache)`), then the hook on its output."""
+    for i, (layer, c) in enumerate(zip(layers, cache)):
+        h = call(layer, h, c)
+        if hook is not None:
+            h = hook(i, h)
+    return h
+
+
+def _logits(out, owner, tied: bool, embed) -> mx.array:
+    return embed.as_linear(out) if tied else owner.lm_head(out)
+
+
 def _qwen_forward(model, inputs, cache, hook):
     text = model.language_model
     inner = text.model
     h = inner.embed_tokens(inputs)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
-        if hook is not None:
-            h = hook(i, h)
-    out = inner.norm(h)
-    if text.args.tie_word_embeddings:
-        return inner.embed_tokens.as_linear(out)
-    return text.lm_head(out)
+    h = _layers(inner.layers, h, cache, hook, lambda layer, h, c: layer(
+        h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c))
+    return _logits(inner.norm(h), text, text.args.tie_word_embeddings, inner.embed_tokens)
 
 
 def _bailing_forward(model, inputs, cache, hook):
@@ -70,24 +78,16 @@ def _bailing_forward(model, inputs, cache, hook):
     attn_mask = create_attention_mask(h, attn_cache, return_array=True)
     gla_mask = create_ssm_mask(h, cache[inner._gla_idx]) if inner._gla_idx is not None else None
     offset = attn_cache.offset if attn_cache is not None else 0
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, attn_mask if layer.is_global else gla_mask, c, offset=offset)
-        if hook is not None:
-            h = hook(i, h)
-    out = inner.norm(h)
-    if model.args.tie_word_embeddings:
-        return inner.word_embeddings.as_linear(out)
-    return model.lm_head(out)
+    h = _layers(inner.layers, h, cache, hook, lambda layer, h, c: layer(
+        h, attn_mask if layer.is_global else gla_mask, c, offset=offset))
+    return _logits(inner.norm(h), model, model.args.tie_word_embeddings, inner.word_embeddings)
 
 
 def _qwen2_forward(model, inputs, cache, hook):
     inner = model.model
     h = inner.embed_tokens(inputs)
     mask = create_attention_mask(h, cache[0])
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = layer(h, mask, c)
-        if hook is not None:
-            h = hook(i, h)
+    h = _layers(inner.layers, h, cache, hook, lambda layer, h, c: layer(h, mask, c))
     return model.lm_head(inner.norm(h))   # mlx-lm's qwen2_moe always has its own lm_head
 
 

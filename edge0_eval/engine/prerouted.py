@@ -22,6 +22,8 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
+# training/common imports the name from here until it resolves through EngineOptions.
+from edge0_eval.engine.options import PREROUTER_FILE  # noqa: F401
 from edge0_eval.engine.prerouter import consumer_rule, load_heads, trace_features
 
 
