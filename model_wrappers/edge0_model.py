@@ -12,7 +12,7 @@ from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.errors import ConfigError
 
 from .chat import ChatModelBase
@@ -49,7 +49,10 @@ def resolve_engine_options(path: str, **options) -> EngineOptions:
         raise ConfigError(f'{path} is not a converted Edge0 model (no experts.index.json); '
                           f'run `edge0-eval convert TEACHER {path}` first')
     opts = EngineOptions(**options)
-    opts.resolve(path, require_lora=True)
+    try:
+        opts.resolve(path, require_lora=True)
+    except MissingAdapterError as exc:
+        raise MissingAdapterError(f'student {exc}') from None   # the preflight names the arm
     return opts
 
 

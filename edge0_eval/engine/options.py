@@ -156,9 +156,10 @@ class EngineOptions:
         path = Path(self.prerouter_path) if self.prerouter_path else directory / PREROUTER_FILE
         if not path.is_file():
             raise MissingAdapterError(
-                f"prerouted mode needs prerouter heads: {path} is missing; train them with "
-                f"`edge0-eval train-prerouter`, pass --prerouter FILE (prerouter_path), "
-                f"route truly with --no-prerouter (no_prerouter=True), or use mode reactive")
+                f"prerouter heads {path} is missing (prerouted mode needs prerouter heads); "
+                f"train them with `edge0-eval train-prerouter`, pass --prerouter FILE "
+                f"(prerouter_path), route truly with --no-prerouter (no_prerouter=True), or use "
+                f"mode reactive")
         return path
 
 
