@@ -12,16 +12,24 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import platform
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
 
+from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
 
 ARMS = ("mlx-lm", "resident", "compute-only", "reactive", "prerouted")
@@ -50,8 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0) -> dict:
     """Positioned reads of random bundles at `queue_depth`: the storage's physical limit here."""
-    from edge0_eval.engine.store import ExpertStore
-
     store = ExpertStore(directory, io_workers=queue_depth)
     try:
         if cold:
@@ -75,10 +81,6 @@ def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, see
 def measure_mmap_reads(directory, n_reads: int, queue_depth: int, cold: bool,
                        seed: int = 0) -> dict:
     """The same random bundles copied out of an mmap of the file: the alternative to preadv."""
-    import mmap
-
-    from edge0_eval.engine.layout import ExpertIndex
-
     index = ExpertIndex.load(directory)
     fd = os.open(os.path.join(directory, index.file), os.O_RDONLY)
     try:
@@ -107,8 +109,6 @@ def _prompt(tokenizer, n: int) -> list[int]:
 
 
 def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
-    from edge0_eval.engine.engine import Engine
-
     options = options_from_args(args, mode=mode)
     engine = Engine.load(model_dir, options)
     try:
@@ -129,13 +129,11 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
 def run_compute_only_arm(model_dir, args) -> dict:
     """Decode with every needed expert already in the slots: the same greedy run twice, with
     room for every expert the run touches; the second run reads nothing."""
-    from edge0_eval.engine.engine import Engine
-    from edge0_eval.engine.layout import ExpertIndex
-
-    index = ExpertIndex.load(model_dir)
-    options = options_from_args(args, mode="reactive", expert_budget_mib=None)
-    k = options.top_k or _native_top_k(model_dir)
-    options.slots_per_layer = min(index.num_experts, (args.prompt_tokens + args.tokens + 1) * k)
+    options = options_from_args(args, mode="reactive", expert_budget_mib=None,
+                                slots_per_layer=None)
+    resolved = options.resolve(model_dir)
+    options.slots_per_layer = min(resolved.num_experts,
+                                  (args.prompt_tokens + args.tokens + 1) * resolved.top_k)
     engine = Engine.load(model_dir, options)
     try:
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
@@ -149,21 +147,7 @@ def run_compute_only_arm(model_dir, args) -> dict:
         engine.close()
 
 
-def _native_top_k(model_dir) -> int:
-    from pathlib import Path
-
-    from edge0_eval.engine.families import family_for
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return family_for(config).native_top_k(config)
-
-
 def run_mlx_lm_arm(model_dir, args) -> dict:
-    from mlx_lm.generate import generate_step
-    from mlx_lm.sample_utils import make_sampler
-
-    from edge0_eval.checkpoints.reference import load_reference
-
     mx.reset_peak_memory()
     model, tokenizer = load_reference(model_dir, compute_dtype=args.compute_dtype,
                                       top_k=args.top_k)
@@ -295,10 +279,6 @@ def _balanced_throttle(args, cold: bool) -> float:
 
 def checkpoint_bytes(model_dir) -> int:
     """Bytes of the converted checkpoint's weights: the expert file plus the resident file."""
-    from pathlib import Path
-
-    from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
-
     index = ExpertIndex.load(model_dir)
     return sum(p.stat().st_size for p in (Path(model_dir) / index.file,
                                            Path(model_dir) / RESIDENT_NAME))
@@ -310,7 +290,7 @@ def _mean(rows, arm, key):
 
 
 def targets(report: dict) -> dict:
-    """The issue's ratios, from this run's arms (absent arms: not computed)."""
+    """Speed and memory ratios from this run's arms (absent arms: not computed)."""
     rows, out = report["runs"], {}
     pre_tps, rea_tps = _mean(rows, "prerouted", "decode_tok_s"), _mean(rows, "reactive", "decode_tok_s")
     comp_tps = _mean(rows, "compute-only", "decode_tok_s")

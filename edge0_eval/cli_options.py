@@ -5,34 +5,39 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from edge0_eval.engine.engine import MODES, EngineOptions
+from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
+from edge0_eval.engine.options import (LORA_FILE, MODES, PREROUTER_FILE, WEIGHT_SOURCES,
+                                       EngineOptions)
+
+# Every flag's default is the EngineOptions field's: one owner.
+_DEFAULTS = EngineOptions()
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, mode_default: str = "reactive") -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--mode", default=mode_default, choices=MODES)
+    g.add_argument("--mode", default=_DEFAULTS.mode, choices=MODES)
     g.add_argument("--top-k", type=int, default=None, help="routing width (default: native)")
     g.add_argument("--expert-budget-mib", type=float, default=None,
                    help="memory for expert slots across all MoE layers")
     g.add_argument("--slots-per-layer", type=int, default=None)
-    g.add_argument("--lora", dest="lora_path", default=None, help="LoRA adapter safetensors")
+    g.add_argument("--lora", dest="lora_path", default=None, help=f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)")
     g.add_argument("--prerouter", dest="prerouter_path", default=None,
-                   help="prerouter heads safetensors (default: MODEL/prerouter.safetensors)")
+                   help=f"prerouter heads safetensors (default: MODEL/{PREROUTER_FILE})")
     g.add_argument("--no-lora", action="store_true")
     g.add_argument("--no-prerouter", action="store_true",
                    help="route every layer with its true router")
-    g.add_argument("--prerouted-weights", default="head", choices=("head", "router"))
+    g.add_argument("--prerouted-weights", default=_DEFAULTS.prerouted_weights,
+                   choices=WEIGHT_SOURCES)
     g.add_argument("--measure-recall", action="store_true",
                    help="prerouted: also run the true routers to report online recall (slower)")
-    g.add_argument("--io-workers", type=int, default=4)
+    g.add_argument("--io-workers", type=int, default=_DEFAULTS.io_workers)
     g.add_argument("--io-throttle-mbps", type=float, default=None,
                    help="emulate storage of this bandwidth (figures are labelled emulated)")
     g.add_argument("--verify-crc", action="store_true")
-    g.add_argument("--compute-dtype", default="auto",
-                   choices=("auto", "float16", "bfloat16", "float32"),
+    g.add_argument("--compute-dtype", default=_DEFAULTS.compute_dtype, choices=COMPUTE_DTYPES,
                    help="activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)")
     g.add_argument("--no-guard", action="store_true", help="disable hidden-state clipping")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=_DEFAULTS.seed)
 
 
 def options_from_args(args: argparse.Namespace, **overrides) -> EngineOptions:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
+from edge0_eval.engine.engine import Engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from edge0_eval.engine.engine import Engine
-
     engine = Engine.load(args.model, options_from_args(args))
     try:
         tok = engine.tokenizer

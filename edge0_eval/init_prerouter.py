@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads, \
-    tier_defaults
+from pathlib import Path
+
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads
+from edge0_eval.training.models import model_facts, resolve_heads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,20 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    facts = model_facts(Path(args.model))
+    top_k, owners, width = resolve_heads(facts, top_k=args.top_k, start_layer=args.start_layer,
+                                         width=args.width)
     probe = Engine.load(args.model, EngineOptions(mode="reactive", no_lora=True,
                                                   no_prerouter=True))
     try:
-        n_layers = len(probe.family.layers(probe.model))
-        defaults = tier_defaults(probe.config["model_type"], n_layers,
-                                 int(probe.family.hidden_size(probe.config)),
-                                 int(probe.index.num_experts), probe.moe_layers)
-        start = defaults["start_layer"] if args.start_layer is None else args.start_layer
-        owners = default_owners(start, n_layers, probe.moe_layers)
-        top_k = args.top_k or defaults["top_k"] or probe.top_k
-        heads = init_heads_from_routers(probe, owners, width=args.width or defaults["width"],
-                                        seed=args.seed, top_k=top_k)
+        heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k)
         path = save_heads(args.out, heads, metadata={"source": "init-prerouter (untrained)",
-                                                     "model": probe.config["model_type"]})
+                                                     "model": facts.model_type})
     finally:
         probe.close()
     cfg = heads.config

@@ -2,7 +2,7 @@
 
 Both arms go through this one class so prompt handling, chat templating, stop words, sampling
 options and per-sample statistics are identical; the subclasses only differ in how tokens are
-generated. Heavy imports (MLX) stay inside the subclasses so a config parse stays cheap.
+generated; MLX is imported by the subclasses' modules only.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class ChatModelBase(BaseModel):
         return len(self.encode_prompt(prompt))
 
     def encode(self, prompt: str):
-        import torch
+        import torch  # cost: only OpenCompass's perplexity paths call encode
         return torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False)])
 
     def decode(self, tokens) -> str:

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any, Dict, List
 
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
+from edge0_eval.engine.mlx_compat import (COMPUTE_DTYPES, cast_floating, resolve_compute_dtype,
+                                          upcast_unquantized_experts_for_cpu)
 from edge0_eval.errors import CheckpointError, ConfigError
 
 from .chat import ChatModelBase
@@ -31,8 +39,6 @@ class MLXLMModel(ChatModelBase):
     arm = 'teacher'
 
     def __init__(self, path: str, compute_dtype: str = 'auto', **kwargs):
-        from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES   # MLX loads only with a model
-
         if compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f'teacher: compute_dtype {compute_dtype!r} is not one of '
                               f'{", ".join(COMPUTE_DTYPES)}')
@@ -43,14 +49,7 @@ class MLXLMModel(ChatModelBase):
         if not os.path.isfile(os.path.join(self.path, 'config.json')):
             raise CheckpointError(f'{self.path}: no config.json; not an mlx-lm checkpoint')
         if tokenizer_only:
-            from mlx_lm.utils import load_tokenizer
-            from pathlib import Path
             return load_tokenizer(Path(self.path))
-        from mlx_lm import load
-
-        from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
-                                           upcast_unquantized_experts_for_cpu)
-
         self.model, tokenizer = load(self.path)
         cast_floating(self.model, resolve_compute_dtype(self.compute_dtype))
         # MLX's CPU gather_mm only runs float32 (a no-op on Metal and after a float32 cast).
@@ -59,10 +58,6 @@ class MLXLMModel(ChatModelBase):
 
     def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
                          stop_words: List[str]) -> tuple[List[int], Dict[str, Any]]:
-        import mlx.core as mx
-        from mlx_lm.generate import stream_generate
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
         s = self.sampling
         # Re-seed per sample: a sample's output does not depend on what ran before it.
         mx.random.seed(int(s['seed']))

@@ -17,7 +17,7 @@ from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 
 from edge0_eval.evaluation.data import data_root, verify
-from edge0_eval.errors import ConfigError
+from edge0_eval.errors import Edge0Error
 
 
 def benchmark_of(dataset_abbr: str) -> str | None:
@@ -46,7 +46,7 @@ def model_problems(models: Iterable[dict]) -> List[str]:
 
             try:
                 resolve_engine_options(path, **{k: model[k] for k in engine_fields() if k in model})
-            except ConfigError as exc:
+            except Edge0Error as exc:   # the student's index/config are read too
                 problems.append(f'{name}: {exc}')
         elif _type_name(model) == 'MLXLMModel':
             if not os.path.isfile(os.path.join(path, 'config.json')):

@@ -1,14 +1,17 @@
 """Streaming engine core: parity with mlx-lm, bounded memory, clear errors."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 
-from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.engine import Engine, NonFiniteError
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME
 
@@ -236,3 +239,35 @@ def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwe
         mx.eval(outs[-1])
         engine.close()
     assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])
+
+
+def _poison(model, pattern: str) -> str:
+    """Set the first resident norm weight whose name matches `pattern` to NaN; its name."""
+    name = next(k for k, _ in tree_flatten(model.parameters()) if re.search(pattern, k))
+    value = dict(tree_flatten(model.parameters()))[name]
+    model.update(tree_unflatten([(name, mx.full(value.shape, mx.nan, value.dtype))]))
+    return name
+
+
+@pytest.mark.parametrize("family", ["qwen", "bailing", "qwen2"])
+def test_non_finite_hidden_states_are_an_error(family, request):
+    """A NaN resident weight must end in one clear error, not in end-of-text tokens."""
+    converted = request.getfixturevalue(f"edge0_{family}")
+    # Unclipped (every family's default but bailing's): a NaN in a layer's norm reaches the
+    # logits; found at the decode step it first appears in.
+    engine = Engine.load(converted, EngineOptions(mode="reactive", clip_hidden=None))
+    prompt = engine.tokenizer.encode(PROMPT)
+    token = int(mx.argmax(engine.prefill(prompt)).item())
+    _poison(engine.model, r"layers\.0\..*norm.*weight$")
+    with pytest.raises(NonFiniteError, match="non-finite logits at decode step 1"):
+        engine.step(token)
+    assert engine.stats()["nonfinite_events"] == 1
+    engine.close()
+    # With the family's default clipping, a NaN after the last layer (the final norm) still
+    # cannot decode silently: generate raises in the prefill.
+    engine = Engine.load(converted, EngineOptions(mode="reactive"))
+    _poison(engine.model, r"(^|\.)model\.norm\.weight$")
+    with pytest.raises(NonFiniteError, match="in the prefill"):
+        engine.generate(prompt, max_tokens=4)
+    assert engine.stats()["nonfinite_events"] == 1
+    engine.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from edge0_eval import cli
-from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import read_metadata
 
 

@@ -408,7 +408,8 @@ def converted(family, ckpt, tmp_path_factory):
 
 
 def test_engine_model_takes_the_same_adapter(family, ckpt, converted, tmp_path):
-    from edge0_eval.engine.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine
+    from edge0_eval.engine.options import EngineOptions
 
     from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 

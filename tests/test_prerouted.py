@@ -4,7 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 

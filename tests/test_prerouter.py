@@ -40,7 +40,8 @@ def converted_model(tmp_path_factory, family: str):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, tmp_path_factory):
-    from edge0_eval.engine.engine import Engine, EngineOptions
+    from edge0_eval.engine.engine import Engine
+    from edge0_eval.engine.options import EngineOptions
 
     eng = Engine.load(converted_model(tmp_path_factory, request.param),
                       EngineOptions(mode="reactive"))

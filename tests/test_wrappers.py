@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -196,13 +197,33 @@ def test_student_missing_adapters_fail_before_loading(edge0_qwen, tmp_path, monk
         Edge0Model(path=str(edge0_qwen), mode='streaming', no_lora=True)
 
 
-def test_adapter_defaults_match_the_engine():
-    from edge0_eval.engine import engine
-    from edge0_eval.engine.prerouted import PREROUTER_FILE
-    from model_wrappers.edge0_model import LORA_NAME, PREROUTER_NAME
+def test_student_refuses_sampling_options_the_engine_ignores(edge0_qwen, monkeypatch):
+    from edge0_eval.engine.engine import Engine
+    from model_wrappers.edge0_model import Edge0Model
 
-    assert PREROUTER_NAME == PREROUTER_FILE
-    assert LORA_NAME == getattr(engine, 'LORA_FILE', LORA_NAME)
+    def no_load(*a, **k):
+        raise AssertionError('the engine must not load')
+
+    monkeypatch.setattr(Engine, 'load', no_load)
+    for extra in (dict(top_k=5), dict(min_p=0.1), dict(repetition_penalty=1.1)):
+        with pytest.raises(ConfigError, match='does not support'):
+            Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True,
+                       generation_kwargs=dict(temperature=0.6, **extra))
+
+
+def test_adapter_defaults_match_the_engine(edge0_qwen, tmp_path):
+    from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE, EngineOptions
+    from model_wrappers.edge0_model import resolve_engine_options
+
+    student = tmp_path / 'student'
+    shutil.copytree(edge0_qwen, student)
+    for name in (LORA_FILE, PREROUTER_FILE):
+        (student / name).write_bytes(b'')
+    opts = resolve_engine_options(str(student), mode='prerouted')
+    resolved = opts.resolve(student)
+    assert (resolved.lora_path, resolved.prerouter_path) == (student / LORA_FILE,
+                                                             student / PREROUTER_FILE)
+    assert EngineOptions(mode='prerouted').resolve(student) == resolved
 
 
 def test_classes_resolve_by_dotted_path_in_a_fresh_process(tmp_path):

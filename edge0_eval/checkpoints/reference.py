@@ -11,8 +11,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.utils import _get_classes, load_tokenizer
 
 from edge0_eval.engine.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.store import ExpertStore
 
 
@@ -21,12 +23,6 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
 
     `compute_dtype` applies the engine's dtype policy (see mlx_compat) so both run alike.
     """
-    from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
-
-    from mlx_lm.utils import _get_classes, load_tokenizer
-
-    from edge0_eval.engine.engine import _quantize_like_mlx_lm
-
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     index = ExpertIndex.load(directory)
@@ -45,7 +41,7 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
                 weights[f"{prefix}.{name}"] = stacked
     finally:
         store.close()
-    _quantize_like_mlx_lm(model, config, weights)
+    quantize_like_mlx_lm(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
     cast_floating(model, resolve_compute_dtype(compute_dtype))
     if top_k is not None:

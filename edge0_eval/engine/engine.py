@@ -5,77 +5,41 @@
     print(result.tokens, engine.stats())
 
 The model object is mlx-lm's own class for the family; only each MoE block's instance is
-replaced (see moe.py). The forward loop (families.py) mirrors mlx-lm's and adds the per-layer
-numerical guard.
+replaced (see moe.py). The forward loop (families.py) mirrors mlx-lm's and adds a per-layer hook
+(`_after_layer`: the numerical guard and the prerouter's staging). One decode token:
+`step` -> `forward` -> `Family.forward` -> each layer (its MoE block -> `StreamingSwitchGLU`)
+-> `_after_layer` -> the logits, checked finite before they are returned.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import _get_classes, load_tokenizer
 
-from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
 from edge0_eval.engine.families import Family, family_for
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
-from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES, cast_floating, resolve_compute_dtype
+from edge0_eval.engine.lora import load_adapter
+from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
-from edge0_eval.engine.pool import slots_for_budget
+from edge0_eval.engine.options import EngineOptions, ResolvedOptions
+from edge0_eval.engine.prerouted import attach_prerouter
 from edge0_eval.engine.store import ExpertStore
 
-MODES = ("resident", "reactive", "prerouted")
 
-
-@dataclass
-class EngineOptions:
-    """Every engine option, as one typed object from CLI/config to where it is used."""
-
-    mode: str = "reactive"
-    top_k: int | None = None                 # routing width; None = the model's native top-k
-    expert_budget_mib: float | None = None   # expert slot buffers across all MoE layers
-    slots_per_layer: int | None = None       # alternative to the budget
-    lora_path: str | None = None
-    prerouter_path: str | None = None
-    no_lora: bool = False
-    no_prerouter: bool = False
-    io_workers: int = 4
-    io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
-    verify_crc: bool = False
-    prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
-    measure_recall: bool = False             # prerouted: compare plans with the true router
-    # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
-    # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
-    clip_hidden: float | str | None = "auto"
-    prefill_chunk: int = 512
-    compute_dtype: str = "auto"              # auto: float32 on CPU (half is emulated there)
-    seed: int = 0
-
-    def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError("top_k must be at least 1")
-        if self.expert_budget_mib is not None and self.slots_per_layer is not None:
-            raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
-        if self.expert_budget_mib is not None and self.expert_budget_mib <= 0:
-            raise ConfigError("expert_budget_mib must be positive")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of "
-                              f"{', '.join(COMPUTE_DTYPES)}")
-        if self.io_throttle_mbps is not None and self.io_throttle_mbps <= 0:
-            raise ConfigError("io_throttle_mbps must be positive")
-        if self.clip_hidden != "auto" and self.clip_hidden is not None and \
-                not (isinstance(self.clip_hidden, (int, float)) and self.clip_hidden > 0):
-            raise ConfigError(f"clip_hidden must be 'auto', None or positive, "
-                              f"not {self.clip_hidden!r}")
-
-    def resolved_clip(self, family: Family) -> float | None:
-        return family.clip_hidden if self.clip_hidden == "auto" else self.clip_hidden
+class NonFiniteError(Edge0Error):
+    """The model produced NaN/Inf logits: corrupt weights or an activation overflow."""
 
 
 @dataclass
@@ -93,39 +57,36 @@ def _rss_gib() -> float:
                     return int(line.split()[1]) * 1024 / 2**30
     except OSError:
         pass
-    import resource  # macOS: ru_maxrss is the peak in bytes, the best cheap figure there
-
+    # macOS: ru_maxrss is the peak in bytes, the best cheap figure there
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30
 
 
 class Engine:
-    def __init__(self, model: nn.Module, tokenizer, config: dict, family: Family,
-                 index: ExpertIndex, store: ExpertStore, options: EngineOptions,
-                 top_k: int, slots_per_layer: int, counters: LoadCounters, directory: Path):
-        self.model, self.tokenizer, self.config, self.family = model, tokenizer, config, family
-        self.clip = options.resolved_clip(family)
+    def __init__(self, model: nn.Module, tokenizer, config: dict, index: ExpertIndex,
+                 store: ExpertStore, options: EngineOptions, resolved: ResolvedOptions,
+                 counters: LoadCounters, directory: Path):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.resolved = resolved
+        self.family: Family = resolved.family
+        self.clip = resolved.clip_hidden
         self.index, self.store, self.options = index, store, options
-        self.top_k, self.slots_per_layer, self.counters = top_k, slots_per_layer, counters
-        self.directory = directory
+        self.top_k, self.slots_per_layer = resolved.top_k, resolved.slots_per_layer
+        self.counters, self.directory = counters, directory
         self.moe_layers = list(index.moe_layers)
-        self.blocks = {i: family.layers(model)[i].mlp for i in self.moe_layers}
+        self.blocks = {i: self.family.layers(model)[i].mlp for i in self.moe_layers}
         self.cache = None
         self.prerouter = None
         self.lora = None
-        self._staging = False
-        self._plan_early = False
-        self._last_layer = len(family.layers(model)) - 1
+        self._last_layer = len(self.family.layers(model)) - 1
         self._guard_events = mx.array(0, dtype=mx.int32)
+        self.nonfinite_events = 0
         self._last = {}
         self.reset()
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, options: EngineOptions | None = None) -> "Engine":
-        from mlx_lm.utils import _get_classes, load_tokenizer
-
         options = options or EngineOptions()
-        options.validate()
         directory = Path(directory)
         config_path = directory / "config.json"
         if not config_path.is_file():
@@ -140,11 +101,9 @@ class Engine:
         if index.num_experts != num_experts:
             raise CheckpointError(f"{directory}: index has {index.num_experts} experts, "
                                   f"config.json {num_experts}; re-run convert")
-        _check_adapter_paths(directory, options)
-        top_k = options.top_k or family.native_top_k(config)
-        if top_k > num_experts:
-            raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
-        slots = _slots_per_layer(options, index, top_k)
+        # Every model-dependent decision, before any weights load (a missing file fails here).
+        resolved = options.resolve(directory, config, index)
+        top_k, slots = resolved.top_k, resolved.slots_per_layer
 
         mx.random.seed(options.seed)
         model_class, args_class = _get_classes(config)
@@ -165,35 +124,29 @@ class Engine:
             layers[i].mlp = family.block_class(layers[i].mlp, switch, i, top_k)
 
         resident = _load_resident(directory / RESIDENT_NAME)
-        _quantize_like_mlx_lm(model, config, resident)
+        quantize_like_mlx_lm(model, config, resident)
         _check_resident_names(model, resident, directory / RESIDENT_NAME)
         model.load_weights(list(resident.items()), strict=False)
-        # Slot buffers keep the file's dtype: reads land in them unconverted.
         # Slot buffers were made in their serving dtypes above and are filled by reads.
         cast_floating(model, compute_dtype, skip=".switch_mlp.glu.")
         lora = None
-        lora_path = _lora_path(directory, options)
-        if lora_path is not None:
-            from edge0_eval.engine.lora import load_adapter
-
+        if resolved.lora_path is not None:
             # Unmerged: a parallel path on resident modules; int4 weights stay untouched.
-            lora = load_adapter(model, lora_path, expect_kind="lora", top_k=top_k)
+            lora = load_adapter(model, resolved.lora_path, expect_kind="lora", top_k=top_k)
         model.eval()
         mx.eval(model.parameters())
         del resident
 
         eos = config.get("eos_token_id")
         tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-        engine = cls(model, tokenizer, config, family, index, store, options, top_k, slots,
-                     counters, directory)
+        engine = cls(model, tokenizer, config, index, store, options, resolved, counters,
+                     directory)
         engine.lora = lora
         if options.mode == "resident":
             for block in engine.blocks.values():
                 block.switch_mlp.preload_all()
-        if options.mode == "prerouted":
-            from edge0_eval.engine.prerouted import attach_prerouter
-
-            engine.prerouter = attach_prerouter(engine)
+        if resolved.prerouter_path is not None:
+            engine.prerouter = attach_prerouter(engine, resolved.prerouter_path)
         store.reset_stats()
         mx.reset_peak_memory()
         return engine
@@ -203,25 +156,27 @@ class Engine:
         """Forget the sequence (KV/SSM caches); the slot pool stays warm."""
         self.cache = make_prompt_cache(self.model)   # qwen2_moe has no make_cache of its own
         self.position = 0
-        self._profile = {"steps": 0, "build_s": 0.0, "eval_s": 0.0, "after_s": 0.0}
+        self._profile = {"steps": 0, "build_s": 0.0, "eval_s": 0.0}
         for block in self.blocks.values():
             block.set_plan(None)
         if self.prerouter is not None:
             self.prerouter.reset()
 
-    def _after_layer(self, layer: int, h: mx.array) -> mx.array:
+    def _after_layer(self, layer: int, h: mx.array, *, staging: bool, plan_next: bool
+                     ) -> mx.array:
+        """After layer `layer`: clip h, hand it to the next layer's staged plan, and after the
+        last layer plan the next step (decode)."""
         limit = self.clip
         if limit:
             bad = mx.logical_or(mx.isnan(h), mx.abs(h) > limit)
             self._guard_events = self._guard_events + bad.sum().astype(mx.int32)
             h = mx.clip(mx.nan_to_num(h, nan=0.0), -limit, limit)
-        if self._staging:
+        if staging:
             self.prerouter.before_layer(layer + 1, h)
-        if self._plan_early and layer == self._last_layer:
+        if plan_next and layer == self._last_layer:
             # Plan the next step now, before the LM head is even built: its compute (the
             # biggest single op) then overlaps the next step's staged reads.
             self.prerouter.after_step()
-            self._plan_early = False
         return h
 
     def forward(self, tokens: mx.array, plan_next: bool = False) -> mx.array:
@@ -230,13 +185,34 @@ class Engine:
         plan_next (decode): run the prerouter heads right after the last layer and start
         staging the next step's experts.
         """
-        self._staging = self.prerouter is not None and self.prerouter.has_plan
-        self._plan_early = plan_next and self.prerouter is not None
-        hook = (self._after_layer
-                if (self.clip or self._staging or self._plan_early) else None)
+        prerouter = self.prerouter
+        staging = prerouter is not None and prerouter.has_plan    # this forward runs plans
+        plan_next = plan_next and prerouter is not None
+        if staging and plan_next:
+            prerouter.counters.steps += 1
+        hook = None
+        if self.clip or staging or plan_next:
+            hook = partial(self._after_layer, staging=staging, plan_next=plan_next)
         logits = self.family.forward(self.model, tokens, self.cache, hook)
         self.position += tokens.shape[1]
         return logits
+
+    def _checked(self, logits: mx.array, where: str, *also) -> mx.array:
+        """Evaluate the last position's logits with one finiteness reduction; raise on NaN/Inf.
+
+        Without clipping a NaN/Inf hidden state reaches the logits, where sampling would
+        silently turn it into end-of-text.
+        """
+        last = logits[0, -1]
+        finite = mx.isfinite(last).all()
+        mx.eval(last, finite, self._guard_events, *also)
+        if not finite.item():
+            self.nonfinite_events += 1
+            raise NonFiniteError(
+                f"{self.directory}: non-finite logits {where} (position {self.position}); a "
+                f"resident weight, expert or adapter holds NaN/Inf, or an activation overflowed "
+                f"(try --verify-crc, --compute-dtype float32, or re-run convert)")
+        return last
 
     def prefill(self, tokens: list[int]) -> mx.array:
         """Process a prompt; returns the last position's logits [vocab]."""
@@ -247,33 +223,29 @@ class Engine:
         if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and chunk > 1:
             bounds[-2] -= 1   # the last chunk keeps two tokens: the heads' t and t-1 features
         for start, end in zip(bounds, bounds[1:]):
-            logits = self.forward(mx.array(tokens[start:end])[None])
-            mx.eval(logits, self._guard_events, [c.state for c in self.cache])
+            logits = self._checked(self.forward(mx.array(tokens[start:end])[None]),
+                                   f"in the prefill of tokens {start}..{end - 1}",
+                                   [c.state for c in self.cache])
         if self.prerouter is not None:
             self.prerouter.after_prefill(len(tokens))
-        return logits[0, -1]
+        return logits
 
     def step(self, token: int) -> mx.array:
         t0 = time.perf_counter()
         logits = self.forward(mx.array([[token]]), plan_next=True)
         t1 = time.perf_counter()
-        mx.eval(logits, self._guard_events)
+        logits = self._checked(logits, f"at decode step {self._profile['steps'] + 1}")
         t2 = time.perf_counter()
-        if self.prerouter is not None:
-            self.prerouter.counters.steps += int(self._staging)
         prof = self._profile
         prof["steps"] += 1
         # build: Python building the graph, including blocking reads/stage waits and any compute
         # a reactive layer forces (it syncs to learn its routing); eval: compute left at the end.
         prof["build_s"] += t1 - t0
         prof["eval_s"] += t2 - t1
-        prof["after_s"] += time.perf_counter() - t2
-        return logits[0, -1]
+        return logits
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, stop_token_ids: set[int] | None = None) -> GenerationResult:
-        from mlx_lm.sample_utils import make_sampler
-
         stop = set(self.tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)
         sampler = make_sampler(temp=temperature, top_p=top_p)
         mx.random.seed(self.options.seed)
@@ -362,6 +334,7 @@ class Engine:
             "blocked_load_s": self.counters.blocked_seconds,
             "guard_clip": self.clip,
             "guard_events": int(self._guard_events.item()),
+            "nonfinite_events": self.nonfinite_events,
         }
         out["lora"] = str(self.lora["path"]) if self.lora else None
         if self.prerouter is not None:
@@ -371,26 +344,6 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
-
-
-def _slots_per_layer(options: EngineOptions, index: ExpertIndex, top_k: int) -> int:
-    n_layers, bundle = len(index.moe_layers), index.bundle_stride
-    if options.mode == "resident":
-        return index.num_experts
-    if options.slots_per_layer is not None:
-        slots, source = options.slots_per_layer, f"slots_per_layer={options.slots_per_layer}"
-    elif options.expert_budget_mib is not None:
-        slots = slots_for_budget(options.expert_budget_mib, bundle, n_layers)
-        source = f"expert_budget_mib={options.expert_budget_mib:g}"
-    else:
-        slots, source = 2 * top_k, "default"
-    if slots < top_k:
-        need = top_k * bundle * n_layers / 2**20
-        raise ConfigError(
-            f"{source} gives {slots} expert slots per layer, fewer than top_k={top_k}; one "
-            f"layer's top-k bundles across {n_layers} MoE layers need at least {need:.2f} MiB"
-        )
-    return min(slots, index.num_experts)
 
 
 def _load_resident(path: Path) -> dict:
@@ -403,28 +356,7 @@ def _load_resident(path: Path) -> dict:
                               f"re-run `edge0-eval convert`") from None
 
 
-def _quantize_like_mlx_lm(model: nn.Module, config: dict, weights: dict) -> None:
-    """The same per-module quantization mlx_lm.utils.load_model applies, driven by the weights."""
-    from mlx_lm.utils import infer_quant_config
-
-    quantization = config.get("quantization")
-    if quantization is None:
-        return
-
-    def predicate(path, module):
-        if path in quantization:
-            return quantization[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, module, weights)
-
-    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
-                mode=quantization.get("mode", "affine"), class_predicate=predicate)
-
-
 def _check_resident_names(model: nn.Module, weights: dict, path: Path) -> None:
-    from mlx.utils import tree_flatten
-
     expected = {k for k, _ in tree_flatten(model.parameters()) if ".switch_mlp.glu." not in k}
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
@@ -438,33 +370,3 @@ def _check_resident_names(model: nn.Module, weights: dict, path: Path) -> None:
         if params[name].shape != value.shape:
             raise CheckpointError(f"{path}: {name} has shape {value.shape}, the model expects "
                                   f"{params[name].shape}; re-run convert")
-
-
-def _check_adapter_paths(directory: Path, options: EngineOptions) -> None:
-    """Fail before any weights load when a requested adapter or head file is missing."""
-    from edge0_eval.engine.prerouted import PREROUTER_FILE
-
-    if options.lora_path and not options.no_lora and not Path(options.lora_path).is_file():
-        raise CheckpointError(f"LoRA adapter {options.lora_path} not found; pass an existing file "
-                              f"or --no-lora")
-    if options.mode == "prerouted" and not options.no_prerouter:
-        path = Path(options.prerouter_path or directory / PREROUTER_FILE)
-        if not path.is_file():
-            raise CheckpointError(
-                f"prerouted mode needs prerouter heads: {path} not found; train them with "
-                f"`edge0-eval train-prerouter`, pass --prerouter FILE, --no-prerouter, "
-                f"or use --mode reactive"
-            )
-
-
-LORA_FILE = "lora.safetensors"
-
-
-def _lora_path(directory: Path, options: EngineOptions) -> Path | None:
-    """The adapter to apply: the option, else `lora.safetensors` beside the model, else none."""
-    if options.no_lora:
-        return None
-    if options.lora_path:
-        return Path(options.lora_path)
-    default = directory / LORA_FILE
-    return default if default.is_file() else None

@@ -28,7 +28,6 @@ def _call(i: int, layer: nn.Module, *args, **kwargs) -> mx.array:
 class Family:
     name: str
     block_class: type
-    module_path: str   # template of a layer's MoE block path, with {layer}
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.
     clip_hidden: float | None = None
 
@@ -55,20 +54,30 @@ class Family:
         return _FORWARDS[self.name](model, inputs, cache, hook, call or _call)
 
 
+def _layers(layers, h, cache, hook, call, args) -> mx.array:
+    """Each decoder layer as `call(i, layer, *a, **kw)`, (a, kw) = `args(layer, h, its cache)`,
+    then the hook on its output."""
+    for i, (layer, c) in enumerate(zip(layers, cache)):
+        a, kw = args(layer, h, c)
+        h = call(i, layer, *a, **kw)
+        if hook is not None:
+            h = hook(i, h)
+    return h
+
+
+def _logits(out, owner, tied: bool, embed) -> mx.array:
+    return embed.as_linear(out) if tied else owner.lm_head(out)
+
+
 def _qwen_forward(model, inputs, cache, hook, call):
     text = model.language_model
     inner = text.model
     h = inner.embed_tokens(inputs)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = call(i, layer, h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
-        if hook is not None:
-            h = hook(i, h)
-    out = inner.norm(h)
-    if text.args.tie_word_embeddings:
-        return inner.embed_tokens.as_linear(out)
-    return text.lm_head(out)
+    h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: (
+        (h,), dict(mask=ssm_mask if layer.is_linear else fa_mask, cache=c)))
+    return _logits(inner.norm(h), text, text.args.tie_word_embeddings, inner.embed_tokens)
 
 
 def _bailing_forward(model, inputs, cache, hook, call):
@@ -78,24 +87,16 @@ def _bailing_forward(model, inputs, cache, hook, call):
     attn_mask = create_attention_mask(h, attn_cache, return_array=True)
     gla_mask = create_ssm_mask(h, cache[inner._gla_idx]) if inner._gla_idx is not None else None
     offset = attn_cache.offset if attn_cache is not None else 0
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = call(i, layer, h, attn_mask if layer.is_global else gla_mask, c, offset=offset)
-        if hook is not None:
-            h = hook(i, h)
-    out = inner.norm(h)
-    if model.args.tie_word_embeddings:
-        return inner.word_embeddings.as_linear(out)
-    return model.lm_head(out)
+    h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: (
+        (h, attn_mask if layer.is_global else gla_mask, c), dict(offset=offset)))
+    return _logits(inner.norm(h), model, model.args.tie_word_embeddings, inner.word_embeddings)
 
 
 def _qwen2_forward(model, inputs, cache, hook, call):
     inner = model.model
     h = inner.embed_tokens(inputs)
     mask = create_attention_mask(h, cache[0])
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
-        h = call(i, layer, h, mask, c)
-        if hook is not None:
-            h = hook(i, h)
+    h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: ((h, mask, c), {}))
     return model.lm_head(inner.norm(h))   # mlx-lm's qwen2_moe always has its own lm_head
 
 
@@ -103,13 +104,12 @@ _FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward,
              "qwen2_moe": _qwen2_forward}
 
 FAMILIES = {
-    "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE, "language_model.model.layers.{layer}.mlp"),
-    # The reference found +-1000 clipping prevents an fp16 overflow collapse on this tier. Other
-    # families run unclipped: real models carry legitimate activations far above 1000 (SmolLM2
-    # turned MoE: ~25,000), which clipping destroys.
-    "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
-                             clip_hidden=1000.0),
-    "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp"),
+    "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE),
+    # +-1000 clipping prevents an fp16 overflow collapse on this tier. Other families run
+    # unclipped: real models carry legitimate activations far above 1000 (SmolLM2 turned MoE:
+    # ~25,000), which clipping destroys.
+    "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, clip_hidden=1000.0),
+    "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE),
 }
 
 

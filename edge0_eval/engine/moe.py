@@ -25,6 +25,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from edge0_eval.engine.layout import PARTS, PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.engine.pool import LayerSlots
+from edge0_eval.engine import routing
 from edge0_eval.engine.store import ExpertStore
 
 
@@ -32,8 +33,8 @@ class LoadCounters(SimpleNamespace):
     """Shared by all blocks of an engine: time the decode path spent waiting for reads."""
 
     def __init__(self):
-        super().__init__(blocked_seconds=0.0, blocked_loads=0, bundles_loaded=0,
-                         demand_read_seconds=0.0, demand_read_bytes=0)
+        super().__init__(blocked_seconds=0.0, blocked_loads=0, demand_read_seconds=0.0,
+                         demand_read_bytes=0)
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -56,15 +57,15 @@ class StreamingSwitchGLU(nn.Module):
                 dtype = {"uint32": mx.uint32, "float16": mx.float16,
                          "bfloat16": mx.bfloat16, "float32": mx.float32}[t.dtype]
                 if part != "weight" and scale_dtype is not None:
-                    # On the CPU gather_qmm with float16 scales runs ~4x slower than with
-                    # float32 (measured: 15.8 vs 3.9 ms, K=4 of 256 experts, 2048->512).
+                    # The compute dtype: on the CPU gather_qmm with float16 scales runs
+                    # several times slower than with float32 ones.
                     dtype = scale_dtype
                 setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
             q.freeze()
             setattr(self.glu, proj, q)
         self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
                                    slots=LayerSlots(n_slots), num_experts=index.num_experts,
-                                   resident=False, staged=False, pinned=False)
+                                   resident=False, pinned=False)
         # Per bundle tensor, once: (name, projection, part, stored as bfloat16, slot dtype).
         self._io.tensors = []
         for name in TENSOR_ORDER:
@@ -80,7 +81,12 @@ class StreamingSwitchGLU(nn.Module):
         return self._io.slots
 
     def pin(self, pinned: bool = True) -> None:
-        """Serve from the slot table without syncing (see __call__); for gradient passes."""
+        """Serve from the slot table without syncing, until pin(False).
+
+        The caller guarantees that every expert this layer will be asked for is in the slots:
+        the prerouter while a layer executes its staged plan, training while a pass replays
+        the experts it loaded. Whoever installs such a plan pins, and unpins with it.
+        """
         self._io.pinned = pinned
 
     # -- loading ----------------------------------------------------------------------------
@@ -104,7 +110,6 @@ class StreamingSwitchGLU(nn.Module):
         if blocking:
             io.counters.blocked_seconds += time.perf_counter() - started
             io.counters.blocked_loads += len(loads)
-        io.counters.bundles_loaded += len(loads)
         return len(loads)
 
     def load_in_expert_order(self, experts: list[int]) -> int:
@@ -150,8 +155,8 @@ class StreamingSwitchGLU(nn.Module):
         earlier layer's compute before it could build the next layer. Only changed slots are
         written; the writes run in stream order, before this layer's experts read the slots.
         """
-        # One slice update per bundle tensor: measured 3.8 ms per layer of 4 35B-shape bundles
-        # (already in memory, CPU) against 17 ms for a stack of the bundles and one scatter.
+        # One slice update per bundle tensor: several times faster than stacking the bundles
+        # for one scatter.
         for (_, slot), bundle in zip(loads, parts):
             for name, proj, part, bf16, slot_dtype in self._io.tensors:
                 value = mx.array(bundle[name])
@@ -177,10 +182,9 @@ class StreamingSwitchGLU(nn.Module):
         io = self._io
         if io.resident:
             return self.glu(x, indices)
-        if io.staged or io.pinned:
-            # Prediction-as-routing (staged) or training (pinned: the caller loaded every expert
-            # the batch routes to beforehand): map on the device, no host sync, differentiable.
-            io.staged = False
+        if io.pinned:
+            # A staged plan or a training replay (see pin): map on the device, no host sync,
+            # differentiable.
             return self.glu(x, io.lut[indices])
         mx.eval(indices)  # reactive: the true routing must reach the host to read misses
         ids = np.array(indices)
@@ -237,9 +241,7 @@ class StreamingSwitchGLU(nn.Module):
         waited = time.perf_counter() - started
         if staged.loads:
             self._write_slots(staged.loads, parts)
-            io.counters.bundles_loaded += len(staged.loads)
         dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
-        io.staged = True
         return waited, dropped
 
 
@@ -345,15 +347,14 @@ class QwenStreamingMoE(_StreamingBlock):
     def true_inds(self, x: mx.array) -> mx.array:
         return self.select(self.router_probs(x), self.top_k)[0]
 
+    selection_order = "last"     # mlx-lm qwen3_next / qwen3_5_moe
+
     def select(self, probs: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
+        inds = routing.top_k(probs, k, self.selection_order)
         return inds, self.combine(probs, inds)
 
     def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
-        scores = mx.take_along_axis(probs, inds, axis=-1)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(axis=-1, keepdims=True)
-        return scores
+        return routing.combine(probs, inds, normalize=self.norm_topk_prob)
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._current_plan(x)
@@ -375,9 +376,7 @@ class Qwen2StreamingMoE(QwenStreamingMoE):
     experts is the order of the weighted sum, so matching it keeps outputs bit-identical.
     """
 
-    def select(self, probs: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
-        return inds, self.combine(probs, inds)
+    selection_order = "first"
 
 
 class BailingStreamingMoE(_StreamingBlock):
@@ -399,10 +398,10 @@ class BailingStreamingMoE(_StreamingBlock):
         return self.gate(x)[0]
 
     def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
-        scores = mx.take_along_axis(probs, inds, axis=-1)
-        if inds.shape[-1] > 1 and self.gate.norm_topk_prob:
-            scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
-        return scores * self.gate.routed_scaling_factor
+        # mlx-lm's Gate: normalised only for k > 1, then scaled.
+        return routing.combine(probs, inds,
+                               normalize=inds.shape[-1] > 1 and self.gate.norm_topk_prob,
+                               eps=routing.NORM_EPS, scaling=self.gate.routed_scaling_factor)
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._current_plan(x)

@@ -4,22 +4,25 @@ After each decode step every prerouter head runs in one batched computation on t
 features; the predicted expert set of each consuming layer (owner + 1) starts loading in the
 background at once, and during the next step each consuming layer executes exactly that set.
 The heads also run once on the prompt's last token after prefill, so the first decode token is
-prerouted too (the reference design left it on the true router: one fully blocking step per
-generation). Layers before `start_layer` and prefill itself route with the true router.
+prerouted too (on the true router it would be one fully blocking step per generation). Layers
+before `start_layer` and prefill itself route with the true router.
+
+A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
+sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from edge0_eval.errors import CheckpointError, ConfigError
-
-WEIGHT_SOURCES = ("head", "router")
-PREROUTER_FILE = "prerouter.safetensors"
+from edge0_eval.errors import CheckpointError
+from edge0_eval.engine.mlx_compat import resolve_compute_dtype
+from edge0_eval.engine.prerouter import consumer_rule, load_heads, trace_features
 
 
 @dataclass
@@ -36,8 +39,6 @@ class Prerouter:
     """Owns the heads, the plans for the next step and the in-flight staged reads."""
 
     def __init__(self, engine, heads, weight_source: str = "head", measure_recall: bool = False):
-        if weight_source not in WEIGHT_SOURCES:
-            raise ConfigError(f"prerouted weights must be one of {WEIGHT_SOURCES}")
         self.engine, self.heads = engine, heads
         cfg = heads.config
         self.owners = list(cfg.owners)
@@ -55,8 +56,6 @@ class Prerouter:
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
-        from edge0_eval.engine.prerouter import consumer_rule
-
         self._rule = consumer_rule(engine, self.owners)
 
     # -- per sequence -----------------------------------------------------------------------
@@ -64,6 +63,13 @@ class Prerouter:
         self._prev_onehot = None
         self._drain()
         self._plans = {}
+        self._clear_plans()
+
+    def _clear_plans(self) -> None:
+        for layer in self.consumers:
+            block = self.engine.blocks[layer]
+            block.set_plan(None)
+            block.switch_mlp.pin(False)
 
     def _drain(self) -> None:
         for _, _, staged in self._plans.values():
@@ -97,6 +103,7 @@ class Prerouter:
         self.counters.stage_wait_seconds += waited
         self.counters.dropped_experts += dropped
         block.set_plan(inds, None if self.weight_source == "router" else weights)
+        block.switch_mlp.pin(True)      # the plan's experts are in the slots now
         if self.measure_recall:
             block._trace.measure_recall = True
 
@@ -106,8 +113,6 @@ class Prerouter:
         Its t-1 features come from the token before it (prefill keeps the two in one chunk);
         a one-token prompt has zeros there, as the first token of a document has in training.
         """
-        from edge0_eval.engine.prerouter import trace_features
-
         self.reset()
         prev = None
         if prompt_tokens >= 2 and self._chunk_length() >= 2:   # prefill_chunk=1 has no t-1
@@ -117,16 +122,13 @@ class Prerouter:
 
     def after_step(self) -> None:
         """Run all heads on this step's features and start staging the next step's sets."""
-        for layer in self.consumers:
-            self.engine.blocks[layer].set_plan(None)
+        self._clear_plans()
         self._plan_next()
 
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
 
     def _plan_next(self) -> None:
-        from edge0_eval.engine.prerouter import trace_features
-
         engine = self.engine
         started = time.perf_counter()
         feats, onehot_t = trace_features(engine, self.owners, self._prev_onehot)
@@ -166,23 +168,9 @@ class Prerouter:
         return out
 
 
-def attach_prerouter(engine) -> Prerouter | None:
-    """Load heads for `engine.options` and hook them in; None when routing stays true."""
-    from edge0_eval.engine.prerouter import load_heads
-
+def attach_prerouter(engine, path: Path) -> Prerouter:
+    """Load the heads in `path` for `engine` (resolved by EngineOptions.resolve) and hook them in."""
     options = engine.options
-    if options.no_prerouter:
-        return None
-    path = options.prerouter_path or engine.directory / PREROUTER_FILE
-    from pathlib import Path
-
-    if not Path(path).is_file():
-        raise CheckpointError(
-            f"prerouted mode needs prerouter heads: {path} not found; train them with "
-            f"`edge0-eval train-prerouter`, pass --prerouter FILE, or use --mode reactive"
-        )
-    from edge0_eval.engine.mlx_compat import resolve_compute_dtype
-
     heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
                        num_experts=engine.index.num_experts, top_k=engine.top_k,
                        dtype=resolve_compute_dtype(options.compute_dtype))

@@ -22,8 +22,8 @@ num_experts, format_version, source, model. `load_heads` reads files from the re
 (which may lack start_layer/width/hidden/num_experts: they are then taken from the shapes)
 and checks everything against the model it will serve.
 
-Expert selection from head logits follows the consuming layer's family rule
-(`select_experts`): qwen softmax top-k (normalised, but not in qwen2_moe); bailing sigmoid +
+Expert selection from head logits follows the consuming layer's family rule (`select_experts`,
+a `routing.RoutingRule`): qwen softmax top-k (normalised, but not in qwen2_moe); bailing sigmoid +
 expert bias, group-limited top-k, normalised x routed_scaling_factor, exactly like mlx-lm's `Gate`.
 """
 
@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.engine.routing import RoutingRule, stack_rules
 
 KIND = "prerouter"
 FORMAT_VERSION = 1
@@ -202,72 +203,6 @@ def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = Non
 
 
 # -- routing rules ------------------------------------------------------------------------------
-
-@dataclass
-class RoutingRule:
-    """A family's selection rule, detached from the module (stackable over consumer layers)."""
-
-    score: str = "softmax"              # "softmax" | "sigmoid"
-    norm_topk_prob: bool = True
-    expert_bias: mx.array | None = None  # [E], or stacked [O, 1, E]; steers selection only
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-
-    @classmethod
-    def from_block(cls, block) -> "RoutingRule":
-        gate = block.gate
-        if hasattr(gate, "gate_proj"):      # bailing: mlx-lm Gate
-            return cls(score=getattr(gate, "score_function", "sigmoid"),
-                       norm_topk_prob=bool(gate.norm_topk_prob),
-                       expert_bias=gate.expert_bias, n_group=int(gate.n_group),
-                       topk_group=int(gate.topk_group),
-                       routed_scaling_factor=float(gate.routed_scaling_factor))
-        return cls(score="softmax", norm_topk_prob=bool(getattr(block, "norm_topk_prob", True)))
-
-    def to_json(self) -> dict:
-        return {"score": self.score, "norm_topk_prob": self.norm_topk_prob,
-                "n_group": self.n_group, "topk_group": self.topk_group,
-                "routed_scaling_factor": self.routed_scaling_factor,
-                "has_expert_bias": self.expert_bias is not None}
-
-    def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
-        logits = logits.astype(mx.float32)
-        if self.score == "sigmoid":
-            scores = mx.sigmoid(logits)
-        else:
-            scores = mx.softmax(logits, axis=-1, precise=True)
-        sel = scores if self.expert_bias is None else scores + self.expert_bias.astype(mx.float32)
-        n_drop = self.n_group - self.topk_group
-        if n_drop > 0:
-            sel = mx.unflatten(sel, axis=-1, shape=(self.n_group, -1))
-            group_scores = mx.topk(sel, 2, axis=-1).sum(axis=-1, keepdims=True)
-            drop = mx.argpartition(group_scores, kth=n_drop - 1, axis=-2)[..., :n_drop, :]
-            sel = mx.put_along_axis(sel, mx.stop_gradient(drop), mx.array(-mx.inf, sel.dtype),
-                                    axis=-2)
-            sel = mx.flatten(sel, -2, -1)
-        inds = mx.stop_gradient(mx.argpartition(-sel, kth=k - 1, axis=-1)[..., :k])
-        weights = mx.take_along_axis(scores, inds, axis=-1)
-        if k > 1 and self.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return inds, weights * self.routed_scaling_factor
-
-
-def stack_rules(rules: list[RoutingRule]) -> RoutingRule:
-    """One rule for logits [O, B, E] whose row o follows rules[o] (only expert_bias may differ)."""
-    first = rules[0]
-    for r in rules[1:]:
-        if (r.score, r.norm_topk_prob, r.n_group, r.topk_group, r.routed_scaling_factor) != (
-                first.score, first.norm_topk_prob, first.n_group, first.topk_group,
-                first.routed_scaling_factor):
-            raise ValueError("consumer layers follow different routing rules; select per layer")
-    bias = None
-    if first.expert_bias is not None:
-        bias = mx.stack([r.expert_bias for r in rules])[:, None, :]
-    return RoutingRule(first.score, first.norm_topk_prob, bias, first.n_group, first.topk_group,
-                       first.routed_scaling_factor)
-
 
 def consumer_rule(engine, owners: list[int]) -> RoutingRule:
     """The stacked selection rule of the consumers (owner + 1) for logits [O, B, E]: build it

@@ -8,10 +8,10 @@ runs, config.json of both must agree on the architecture (model_type, vocab, hid
 layers, experts, ...), the tokenizers must have identical vocabularies, and every LoRA target
 pattern must match at least one resident linear layer.
 
-The defaults a stage derives from a model are decided here, once each: `serving_top_k` (K),
-`training_slots` (the expert bound of stages 2 and 3), `student_heads_path`, `resolve_heads`
-(stage 1's K, owners and width); `student_options` and `collector_options` are the two
-`EngineOptions` the stages run the engine with.
+K, slots, adapter and heads paths are the engine's decisions (`EngineOptions.resolve`); what only
+training decides is here, once each: `training_slots` (the expert bound of stages 2 and 3),
+`resolve_heads` (stage 1's K, owners and width); `student_options` and `collector_options` are the
+two `EngineOptions` the stages run the engine with.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from edge0_eval.engine.families import family_for
 from edge0_eval.engine.layout import ExpertIndex
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
-from edge0_eval.engine.prerouted import PREROUTER_FILE
 from edge0_eval.engine.prerouter import check_owners, default_owners, tier_defaults
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.options import PrerouterOptions, StageOptions
@@ -97,28 +96,21 @@ def load_teacher(path: str | Path):
 
 # -- defaults derived from the model ---------------------------------------------------------------
 
-def serving_top_k(top_k: int | None, family, config: dict) -> int:
-    """The K a student is served (and trained) at: the requested one, else the native top-k."""
-    return top_k or family.native_top_k(config)
-
-
 def training_slots(opts: StageOptions, student: str | Path) -> int:
-    """Expert slots per MoE layer while training: the memory bound of stages 2 and 3."""
-    config = json.loads((Path(student) / "config.json").read_text())
-    family = family_for(config)
-    experts = family.num_experts(config)
-    k = serving_top_k(opts.engine.top_k, family, config)
+    """Expert slots per MoE layer while training: the memory bound of stages 2 and 3.
+
+    K comes from the engine's resolver; the default differs from serving's on purpose: a pass
+    over batch x seq_len tokens routes up to that many x K distinct experts per layer.
+    """
+    resolved = replace(opts.engine, slots_per_layer=None, expert_budget_mib=None,
+                       no_lora=True, no_prerouter=True).resolve(student)
+    k, experts = resolved.top_k, resolved.num_experts
     given = opts.engine.slots_per_layer
     if given is not None:
         if given < k:
             raise ConfigError(f"--slots-per-layer {given} is below top-k {k}")
         return min(given, experts)
     return min(experts, opts.batch * opts.seq_len * k)
-
-
-def student_heads_path(opts: StageOptions) -> Path:
-    """The prerouter heads a prerouted student is trained (and served) with."""
-    return Path(opts.engine.prerouter_path or Path(opts.student) / PREROUTER_FILE)
 
 
 @dataclass
@@ -145,23 +137,25 @@ def model_facts(model: Path) -> ModelFacts:
                       family.native_top_k(config), list(index.moe_layers))
 
 
-def resolve_heads(opts: PrerouterOptions, facts: ModelFacts) -> tuple[int, list[int], int]:
-    """(K, owners, width) from the options and the tier defaults."""
+def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[int] | None = None,
+                  start_layer: int | None = None, width: int | None = None
+                  ) -> tuple[int, list[int], int]:
+    """(K, owners, width) of a heads file: the given values, else the tier defaults."""
     d = tier_defaults(facts.model_type, facts.n_layers, facts.hidden, facts.num_experts,
                       facts.moe_layers)
-    k = opts.top_k or d["top_k"] or facts.native_top_k
+    k = top_k or d["top_k"] or facts.native_top_k
     if k > facts.num_experts:
         raise ConfigError(f"--top-k {k} exceeds the model's {facts.num_experts} experts")
-    if opts.owners:
-        owners = check_owners(opts.owners, facts.moe_layers)
-        if opts.start_layer is not None and opts.start_layer != owners[0] + 1:
-            raise ConfigError(f"--start-layer {opts.start_layer} disagrees with --owners (first "
+    if owners:
+        owners = check_owners(owners, facts.moe_layers)
+        if start_layer is not None and start_layer != owners[0] + 1:
+            raise ConfigError(f"--start-layer {start_layer} disagrees with --owners (first "
                               f"owner {owners[0]} -> first consuming layer {owners[0] + 1})")
     else:
-        start = opts.start_layer if opts.start_layer is not None else d["start_layer"]
+        start = start_layer if start_layer is not None else d["start_layer"]
         owners = check_owners(default_owners(start, facts.n_layers, facts.moe_layers),
                               facts.moe_layers)
-    return k, owners, opts.width or d["width"]
+    return k, owners, width or d["width"]
 
 
 # -- the engines a stage runs ----------------------------------------------------------------------
@@ -177,13 +171,7 @@ def collector_options(opts: PrerouterOptions, top_k: int) -> EngineOptions:
 
 
 def load_student(opts: StageOptions, slots: int):
-    if opts.engine.mode == "prerouted":
-        heads = student_heads_path(opts)
-        if not heads.is_file():
-            raise CheckpointError(f"--mode prerouted trains the served path, which needs "
-                                  f"prerouter heads: {heads} not found; train them with "
-                                  f"`edge0-eval train-prerouter`, pass --prerouter FILE, or use "
-                                  f"--mode reactive")
+    """The student engine in its served mode (prerouted: Engine.load requires its heads)."""
     return Engine.load(opts.student, student_options(opts, slots))
 
 

@@ -65,7 +65,8 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     model = Path(opts.model)
     out = Path(opts.out)
     facts = model_facts(model)
-    top_k, owners, width = resolve_heads(opts, facts)
+    top_k, owners, width = resolve_heads(facts, top_k=opts.top_k, owners=opts.owners,
+                                         start_layer=opts.start_layer, width=opts.width)
     ckpt = Path(f"{out}.ckpt")
     store = FeatureStore(ckpt / "features")
     state_path = ckpt / STATE_NAME

@@ -28,7 +28,7 @@ from edge0_eval.training.batches import fit, stable_seed
 from edge0_eval.training.data import encode_prompt, read_prompts, split_prompts
 from edge0_eval.training.evaluate import adapter_arrays, evaluate, markdown, write_report
 from edge0_eval.training.models import (attach_lora, check_pair, check_tokenizers, load_student,
-                                        load_teacher, student_heads_path, training_slots)
+                                        load_teacher, training_slots)
 from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
 from edge0_eval.training.served import ServedPath
 from edge0_eval.training.state import (after_step, announce_resume, begin, check_fingerprint,
@@ -117,7 +117,7 @@ def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     fp["eval_prompts"] = [sha256_file(Path(p)) for p in opts.eval_prompts or []]
     fp["init_adapter"] = sha256_file(Path(opts.init_adapter)) if opts.init_adapter else None
     if opts.engine.mode == "prerouted":
-        fp["prerouter"] = sha256_file(student_heads_path(opts))
+        fp["prerouter"] = sha256_file(setup.engine.resolved.prerouter_path)
     return fp
 
 

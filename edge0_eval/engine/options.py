@@ -1,0 +1,176 @@
+"""Engine options: every option as one typed object, and the one place that resolves them.
+
+    options = EngineOptions(mode="prerouted", top_k=4)
+    resolved = options.resolve("model-edge0")   # K, slots per layer, adapter files, clipping
+
+The CLI (cli_options), the OpenCompass student (model_wrappers/edge0_model) and the training
+stages build an `EngineOptions` and hand it to `Engine.load` unchanged; `resolve` is where
+every default that depends on the model is decided.
+
+Adapter files. The LoRA adapter is `lora_path`, else `lora.safetensors` beside the model; the
+prerouter heads (prerouted mode only) are `prerouter_path`, else `prerouter.safetensors` beside
+the model. `no_lora` / `no_prerouter` turn them off. A file given explicitly must exist. A
+missing default file means "no adapter" for the LoRA (the base model is served), unless the
+caller requires it (`require_lora=True`: the OpenCompass student arm, which must not score the
+base model by accident); prerouted mode always requires its heads. Every missing file is the
+same `MissingAdapterError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.engine.families import Family, family_for
+from edge0_eval.engine.layout import ExpertIndex
+from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
+from edge0_eval.engine.pool import slots_for_budget
+
+MODES = ("resident", "reactive", "prerouted")
+LORA_FILE = "lora.safetensors"
+PREROUTER_FILE = "prerouter.safetensors"
+WEIGHT_SOURCES = ("head", "router")
+
+
+class MissingAdapterError(CheckpointError, ConfigError):
+    """An adapter file that an option names or a mode needs is not there: a missing checkpoint
+    file and an option to fix, so callers catching either kind see it."""
+
+
+@dataclass
+class EngineOptions:
+    """Every engine option, as one typed object from CLI/config to where it is used."""
+
+    mode: str = "reactive"
+    top_k: int | None = None                 # routing width; None = the model's native top-k
+    expert_budget_mib: float | None = None   # expert slot buffers across all MoE layers
+    slots_per_layer: int | None = None       # alternative to the budget
+    lora_path: str | None = None             # None: LORA_FILE beside the model, if present
+    prerouter_path: str | None = None        # None: PREROUTER_FILE beside the model
+    no_lora: bool = False
+    no_prerouter: bool = False
+    io_workers: int = 4
+    io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
+    verify_crc: bool = False
+    prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
+    measure_recall: bool = False             # prerouted: compare plans with the true router
+    # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
+    # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
+    clip_hidden: float | str | None = "auto"
+    prefill_chunk: int = 512
+    compute_dtype: str = "auto"              # auto: float32 on CPU (half is emulated there)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("top_k must be at least 1")
+        if self.expert_budget_mib is not None and self.slots_per_layer is not None:
+            raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
+        if self.expert_budget_mib is not None and self.expert_budget_mib <= 0:
+            raise ConfigError("expert_budget_mib must be positive")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of "
+                              f"{', '.join(COMPUTE_DTYPES)}")
+        if self.io_throttle_mbps is not None and self.io_throttle_mbps <= 0:
+            raise ConfigError("io_throttle_mbps must be positive")
+        if self.prerouted_weights not in WEIGHT_SOURCES:
+            raise ConfigError(f"prerouted_weights {self.prerouted_weights!r} is not one of "
+                              f"{', '.join(WEIGHT_SOURCES)}")
+        if self.clip_hidden != "auto" and self.clip_hidden is not None and \
+                not (isinstance(self.clip_hidden, (int, float)) and self.clip_hidden > 0):
+            raise ConfigError(f"clip_hidden must be 'auto', None or positive, "
+                              f"not {self.clip_hidden!r}")
+
+    def resolved_clip(self, family: Family) -> float | None:
+        return family.clip_hidden if self.clip_hidden == "auto" else self.clip_hidden
+
+    def resolve(self, directory: str | Path, config: dict | None = None,
+                index: ExpertIndex | None = None, *, require_lora: bool = False
+                ) -> "ResolvedOptions":
+        """Validate, then decide everything that depends on the model in `directory`.
+
+        `config` / `index` (config.json and the expert index, read from `directory` when not
+        given) let a caller that has them already avoid reading them twice. Nothing heavy is
+        loaded: this is cheap enough for a config preflight.
+        """
+        self.validate()
+        directory = Path(directory)
+        if config is None:
+            config_path = directory / "config.json"
+            if not config_path.is_file():
+                raise CheckpointError(f"{config_path} not found; is {directory} a converted "
+                                      f"model?")
+            config = json.loads(config_path.read_text())
+        family = family_for(config, str(directory / "config.json"))
+        index = index if index is not None else ExpertIndex.load(directory)
+        num_experts = family.num_experts(config)
+        top_k = self.top_k or family.native_top_k(config)
+        if top_k > num_experts:
+            raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
+        return ResolvedOptions(
+            family=family, top_k=top_k, num_experts=num_experts,
+            slots_per_layer=self._slots_per_layer(index, top_k),
+            lora_path=self._lora_path(directory, require_lora),
+            prerouter_path=self._prerouter_path(directory),
+            clip_hidden=self.resolved_clip(family))
+
+    def _slots_per_layer(self, index: ExpertIndex, top_k: int) -> int:
+        n_layers, bundle = len(index.moe_layers), index.bundle_stride
+        if self.mode == "resident":
+            return index.num_experts
+        if self.slots_per_layer is not None:
+            slots, source = self.slots_per_layer, f"slots_per_layer={self.slots_per_layer}"
+        elif self.expert_budget_mib is not None:
+            slots = slots_for_budget(self.expert_budget_mib, bundle, n_layers)
+            source = f"expert_budget_mib={self.expert_budget_mib:g}"
+        else:
+            slots, source = 2 * top_k, "default"
+        if slots < top_k:
+            need = top_k * bundle * n_layers / 2**20
+            raise ConfigError(
+                f"{source} gives {slots} expert slots per layer, fewer than top_k={top_k}; one "
+                f"layer's top-k bundles across {n_layers} MoE layers need at least {need:.2f} MiB"
+            )
+        return min(slots, index.num_experts)
+
+    def _lora_path(self, directory: Path, required: bool) -> Path | None:
+        if self.no_lora:
+            return None
+        path = Path(self.lora_path) if self.lora_path else directory / LORA_FILE
+        if path.is_file():
+            return path
+        if self.lora_path or required:
+            raise MissingAdapterError(
+                f"LoRA adapter {path} is missing; train it (`edge0-eval train-lora`), pass an "
+                f"existing file (--lora / lora_path), or serve without it (--no-lora / "
+                f"no_lora=True, e.g. for an ablation arm)")
+        return None
+
+    def _prerouter_path(self, directory: Path) -> Path | None:
+        if self.mode != "prerouted" or self.no_prerouter:
+            return None
+        path = Path(self.prerouter_path) if self.prerouter_path else directory / PREROUTER_FILE
+        if not path.is_file():
+            raise MissingAdapterError(
+                f"prerouter heads {path} is missing (prerouted mode needs prerouter heads); "
+                f"train them with `edge0-eval train-prerouter`, pass --prerouter FILE "
+                f"(prerouter_path), route truly with --no-prerouter (no_prerouter=True), or use "
+                f"--mode reactive (mode='reactive')")
+        return path
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """What `EngineOptions.resolve` decided for one model."""
+
+    family: Family
+    top_k: int                      # the serving K (option, else the model's native top-k)
+    num_experts: int
+    slots_per_layer: int
+    lora_path: Path | None          # the adapter to apply; None: none
+    prerouter_path: Path | None     # the heads to load; None: every layer routes truly
+    clip_hidden: float | None       # per-layer hidden clipping limit; None: off
