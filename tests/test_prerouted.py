@@ -32,7 +32,7 @@ def test_staged_set_equals_routed_set_every_step(model_and_heads):
     consumers = engine.prerouter.consumers
     assert consumers == [o + 1 for o in owners]
     for layer in consumers:
-        engine.blocks[layer]._trace.capture = True
+        engine.blocks[layer].set_capture(True)
     prompt = engine.tokenizer.encode(PROMPT)
     logits = engine.prefill(prompt)
     token = int(mx.argmax(logits).item())
@@ -43,7 +43,7 @@ def test_staged_set_equals_routed_set_every_step(model_and_heads):
         # Planned from the prompt's last token at step 0, from the previous step after that.
         assert set(planned) == set(consumers)
         for layer in consumers:
-            executed = sorted(np.array(engine.blocks[layer]._trace.last_inds).reshape(-1).tolist())
+            executed = sorted(np.array(engine.blocks[layer].captured()[1]).reshape(-1).tolist())
             assert executed == planned[layer]
             checked += 1
         token = int(mx.argmax(logits).item())

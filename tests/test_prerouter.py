@@ -222,7 +222,7 @@ def test_stack_rules_equals_per_layer_rules():
 def test_trace_features_from_engine(engine):
     owners = [n for n in engine.moe_layers if n + 1 in engine.moe_layers]
     for n in owners:
-        engine.blocks[n]._trace.capture = True
+        engine.blocks[n].set_capture(True)
     try:
         engine.reset()
         engine.forward(mx.array([[5, 6, 7]]))
@@ -234,7 +234,7 @@ def test_trace_features_from_engine(engine):
         assert mx.array_equal(feats2[..., -engine.index.num_experts:], oh)
     finally:
         for n in owners:
-            engine.blocks[n]._trace.capture = False
+            engine.blocks[n].set_capture(False)
         engine.reset()
 
 

@@ -105,7 +105,7 @@ class Prerouter:
         block.set_plan(inds, None if self.weight_source == "router" else weights)
         block.switch_mlp.pin(True)      # the plan's experts are in the slots now
         if self.measure_recall:
-            block._trace.measure_recall = True
+            block.set_measure_recall(True)
 
     def after_prefill(self, prompt_tokens: int) -> None:
         """Plan the first decode step from the prompt's last token, as after_step plans the next.
@@ -163,7 +163,7 @@ class Prerouter:
         }
         if self.measure_recall:
             values = [r for layer in self.consumers
-                      for r in self.engine.blocks[layer]._trace.recall]
+                      for r in self.engine.blocks[layer].recalls()]
             out["online_recall"] = float(mx.mean(mx.stack(values)).item()) if values else None
         return out
 

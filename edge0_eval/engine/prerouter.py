@@ -189,13 +189,13 @@ def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = Non
     hs, ohs = [], []
     num_experts = None
     for n in owners:
-        trace = engine.blocks[n]._trace
-        if trace.last_input is None or trace.last_inds is None:
-            raise ConfigError(f"layer {n} has no captured trace; set _trace.capture = True "
-                              f"on the owner blocks before the forward")
+        last_input, last_inds = engine.blocks[n].captured()
+        if last_input is None or last_inds is None:
+            raise ConfigError(f"layer {n} has no captured trace; call set_capture(True) on the "
+                              f"owner blocks before the forward")
         num_experts = engine.blocks[n].num_experts
-        hs.append(trace.last_input[:, position])
-        ohs.append(onehot(trace.last_inds[:, position], num_experts, hs[-1].dtype))
+        hs.append(last_input[:, position])
+        ohs.append(onehot(last_inds[:, position], num_experts, hs[-1].dtype))
     h, oh_t = mx.stack(hs), mx.stack(ohs)
     if onehot_prev is None:
         onehot_prev = mx.zeros_like(oh_t)
