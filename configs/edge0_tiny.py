@@ -9,7 +9,9 @@
 #     COMPASS_DATA_CACHE=D EDGE0_TINY_TEACHER=M/teacher EDGE0_TINY_STUDENT=M/student \
 #         opencompass configs/edge0_tiny.py
 # AIME and IFBench use the raw-prompt ({role, content}) configs, the rest PromptLists, so one
-# run exercises both prompt shapes. EDGE0_ARMS=teacher (or student) runs one arm.
+# run exercises both prompt shapes. EDGE0_ARMS=teacher (or student) runs one arm. Fidelity
+# (configs/datasets/edge0_fidelity.py) needs a set from the teacher:
+#     edge0-eval fidelity make M/teacher --out D/data/fidelity/fidelity_set.json --limit 4
 import os
 
 from mmengine.config import read_base
@@ -24,12 +26,15 @@ from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 with read_base():
     from .datasets.edge0_bundle import edge0_dataset_abbrs, edge0_datasets
     from .datasets.edge0_bundle_rawprompt import edge0_raw_datasets
+    from .datasets.edge0_fidelity import edge0_fidelity_datasets
 
 # The MMLU-Pro categories the fixture has (edge0_eval.evaluation.fixtures.MMLU_PRO_FIXTURE_CATEGORIES).
 tiny_mmlu_pro = ['mmlu_pro_math', 'mmlu_pro_physics']
 datasets = ([d for d in edge0_raw_datasets if d['abbr'] in ('aime2026', 'IFBench')]
             + [d for d in edge0_datasets
-               if d['abbr'] in ('openai_humaneval', 'GPQA_diamond', *tiny_mmlu_pro)])
+               if d['abbr'] in ('openai_humaneval', 'GPQA_diamond', *tiny_mmlu_pro)]
+            # Teacher-forced fidelity on the set `edge0-eval demo` makes from the tiny teacher.
+            + edge0_fidelity_datasets)
 
 # Identical generation settings for both arms: greedy, thinking off, 24 new tokens.
 tiny_generation = dict(max_out_len=24, max_seq_len=2048, batch_size=1,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 
 from edge0_eval.evaluation.fidelity import (DEFAULT_MAX_NEW, DEFAULT_TOP_K, SOURCES,
-                                            gather_prompts, make_set, source_counts, write_set)
+                                            gather_prompts, make_set)
+from edge0_eval.evaluation.fidelity_set import source_counts, write_set
 from edge0_eval.errors import ConfigError
 
 

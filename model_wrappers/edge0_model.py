@@ -152,6 +152,11 @@ class Edge0Model(ChatModelBase):
             'engine': {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
         }
 
+    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
+        """Teacher-forced log-probs on the served decode path (configs/datasets/edge0_fidelity.py)."""
+        from edge0_eval.evaluation.fidelity import model_logprobs   # MLX: only with a model
+        return model_logprobs(self.engine, prompt_ids, tokens, topk_ids)
+
     def __del__(self):
         engine = getattr(self, 'engine', None)
         if engine is not None:

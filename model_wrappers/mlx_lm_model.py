@@ -100,3 +100,8 @@ class MLXLMModel(ChatModelBase):
             'gen_wall_s': round(time.perf_counter() - tic, 4),
             'cache': 'resident',
         }
+
+    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
+        """Teacher-forced log-probs, mlx-lm's prefill-then-step (configs/datasets/edge0_fidelity.py)."""
+        from edge0_eval.evaluation.fidelity import model_logprobs   # MLX: only with a model
+        return model_logprobs(self.model, prompt_ids, tokens, topk_ids)

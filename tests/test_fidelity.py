@@ -15,6 +15,8 @@ from edge0_eval.engine.lora import apply_lora, save_adapter
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity as fid
+from edge0_eval.evaluation import fidelity_report as fr
+from edge0_eval.evaluation import fidelity_set as fs
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 MODES = ("resident", "reactive", "prerouted")
@@ -64,3 +66,182 @@ def test_scorer_equals_step_by_step_decode(served, mode):
     if mode == "prerouted":
         assert engine.stats()["prerouted_steps"] > 0
     engine.close()
+
+
+# --------------------------------------------------------------------------- the set
+
+TEXTS = ["What is 2 + 2?", "Write a Python function that reverses a string.",
+         "Name three primary colours.", "Explain what a mixture of experts is.",
+         "def fib(n):", "List the first five prime numbers.", "Write a haiku about disks.",
+         "Describe a river in two sentences."]
+
+
+def _text_prompts():
+    return [fid.Prompt(f"text/{i}", "humaneval" if i % 2 else "ifbench", t)
+            for i, t in enumerate(TEXTS)]
+
+
+@pytest.fixture(scope="module")
+def teacher_set(tiny_qwen, tmp_path_factory):
+    loaded = fid.load_teacher(tiny_qwen)
+    fset = fid.make_set(tiny_qwen, _text_prompts(), {"test": {"items": len(TEXTS)}},
+                        max_new=12, top_k=8, loaded=loaded)
+    path = fs.write_set(fset, tmp_path_factory.mktemp("fset") / "set.json.gz")
+    return tiny_qwen, loaded[0], path
+
+
+def test_set_round_trips_and_teacher_scores_exactly_zero(teacher_set):
+    teacher, model, path = teacher_set
+    fset = fs.read_set(path)
+    assert fset["teacher"]["fingerprint"] == fid.fingerprint(teacher)
+    assert all(len(it["topk_ids"][0]) == 8 and 1 <= len(it["tokens"]) <= 12
+               for it in fset["items"])
+    rows = fid.score_model(model, fset)
+    assert all(r["kl"] == 0.0 and r["agreement"] == 1.0 and
+               r["greedy_match"] == r["positions"] for r in rows)
+    assert all(r["nll"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.update(format="edge0-eval/fidelity/v0"), "format"),
+    (lambda s: s["items"][0]["tokens"].pop(), "top-k rows do not match"),
+    (lambda s: s["items"][1]["topk_ids"][0].reverse(), "is not the top-1 id"),
+    (lambda s: s.pop("teacher"), "no 'teacher'"),
+])
+def test_bad_set_is_one_clear_error(teacher_set, tmp_path, edit, message):
+    fset = fs.read_set(teacher_set[2])
+    edit(fset)
+    bad = fs.write_set(fset, tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match=message) as err:
+        fs.read_set(bad)
+    assert str(bad) in str(err.value) and "edge0-eval fidelity make" in str(err.value)
+    with pytest.raises(ConfigError, match="not found"):
+        fs.read_set(tmp_path / "none.json")
+
+
+# --------------------------------------------------------------------------- silent faults
+
+ARM_OPTIONS = {"int4_exact": dict(mode="reactive", no_lora=True, no_prerouter=True),
+               "prerouted_nolora": dict(mode="prerouted", no_lora=True),
+               "student": dict(mode="prerouted")}
+
+
+@pytest.fixture(scope="module")
+def student_dir(tiny_qwen, tmp_path_factory):
+    """The fp16 tiny teacher converted to int4, with heads and a small trained-looking LoRA."""
+    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.engine.lora import lora_modules
+
+    out = convert(tiny_qwen, tmp_path_factory.mktemp("student") / "s", progress=False)
+    engine = Engine.load(out, EngineOptions(mode="reactive", no_lora=True))
+    owners = default_owners(engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers)
+    save_heads(out / "prerouter.safetensors", init_heads_from_routers(engine, owners, width=32))
+    apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
+    for module in lora_modules(engine.model).values():
+        module.lora_B = module.lora_B * 0.05
+    save_adapter(engine.model, out / "lora.safetensors")
+    engine.close()
+    return out
+
+
+def _fidelity(teacher_set, student) -> dict:
+    """The report's fidelity section for the four arms, scored directly (no OpenCompass)."""
+    _, model, path = teacher_set
+    fset = fs.read_set(path)
+    loaded = {"teacher": fr.arm_items("teacher", fid.score_model(model, fset))}
+    for arm, options in ARM_OPTIONS.items():
+        # verify_crc: the faults below keep the index's checksums right, so only fidelity sees them.
+        engine = Engine.load(student, EngineOptions(slots_per_layer=8, verify_crc=True,
+                                                    **options))
+        loaded[arm] = fr.arm_items(arm, fid.score_model(engine, fset))
+        engine.close()
+    return {"fidelity": fr.summarize(loaded)}
+
+
+@pytest.fixture(scope="module")
+def baseline(teacher_set, student_dir):
+    return _fidelity(teacher_set, student_dir)
+
+
+def _rewrite_bundles(directory, edit):
+    """edit(index, experts uint8 memmap) in place, then the index's crc32 recomputed."""
+    from edge0_eval.engine.layout import EXPERTS_NAME, ExpertIndex
+
+    index = ExpertIndex.load(directory)
+    data = np.memmap(directory / EXPERTS_NAME, dtype=np.uint8, mode="r+")
+    edit(index, data)
+    data.flush()
+    stride = index.bundle_stride
+    index.crc32 = [[zlib.crc32(data[index.bundle_offset(layer, e):][:stride].tobytes())
+                    for e in range(index.num_experts)] for layer in index.moe_layers]
+    del data
+    index.save(directory)
+
+
+def fault_expert_scales(directory):
+    def edit(index, data):
+        spec = index.tensor("down_proj.scales")
+        layer = index.moe_layers[1]
+        for e in range(index.num_experts):
+            start = index.bundle_offset(layer, e) + spec.offset
+            scales = data[start:start + spec.nbytes].view(np.float16)
+            scales *= np.float16(1.25)
+    _rewrite_bundles(directory, edit)
+
+
+def fault_swap_experts(directory):
+    def edit(index, data):
+        stride = index.bundle_stride
+        for layer in index.moe_layers:
+            a, b = index.bundle_offset(layer, 0), index.bundle_offset(layer, 1)
+            first = data[a:a + stride].copy()
+            data[a:a + stride] = data[b:b + stride]
+            data[b:b + stride] = first
+    _rewrite_bundles(directory, edit)
+
+
+def fault_lora_b(directory):
+    path = str(directory / "lora.safetensors")
+    arrays, meta = mx.load(path, return_metadata=True)
+    arrays = {k: v * 4 if k.endswith(".lora_B") else v for k, v in arrays.items()}
+    mx.save_safetensors(path, arrays, metadata=meta)
+
+
+def _failed(checks):
+    return {c["name"]: c["reasons"] for c in checks if c["result"] == "FAIL"}
+
+
+def test_unmodified_student_passes_the_fidelity_gate(teacher_set, student_dir, baseline):
+    fid_section = baseline["fidelity"]
+    assert fid_section["status"] == "ok" and fid_section["teacher_sanity"]["ok"]
+    assert set(fid_section["decomposition"]) == {"quantization", "routing", "lora_recovery"}
+    assert fid_section["arms"]["int4_exact"]["kl"] > 0
+    again = _fidelity(teacher_set, student_dir)
+    checks = fr.gate_checks(again, baseline)
+    assert [c["name"] for c in checks] == [f"fidelity {a}" for a in fr.ARMS]
+    assert _failed(checks) == {}
+
+
+# Each fault is caught on the arm where it is the largest change. On this random-weight model
+# the prerouted arms' KL moves less than their thresholds for the expert faults; permuting the
+# prerouter heads' output rows (tried) moves no arm beyond its threshold, so it is not here.
+@pytest.mark.parametrize("fault,failing,passing", [
+    (fault_expert_scales, {"int4_exact"}, set()),
+    (fault_swap_experts, {"int4_exact"}, set()),
+    (fault_lora_b, {"student"}, {"int4_exact", "prerouted_nolora"}),
+])
+def test_silent_fault_fails_the_fidelity_gate(teacher_set, student_dir, baseline, tmp_path,
+                                              fault, failing, passing):
+    broken = tmp_path / "broken"
+    shutil.copytree(student_dir, broken)
+    fault(broken)
+    checks = fr.gate_checks(_fidelity(teacher_set, broken), baseline)
+    failed = _failed(checks)
+    assert {f"fidelity {a}" for a in failing} <= set(failed), checks
+    assert not {f"fidelity {a}" for a in passing | {"teacher"}} & set(failed), failed
+    # The real gate's table and verdict name fidelity and the arm.
+    from edge0_eval.evaluation.gate import Check, format_table
+    table = format_table([Check(c["name"], c["result"], c["reasons"]) for c in checks])
+    for arm in failing:
+        line = next(l for l in table.splitlines() if l.startswith(f"fidelity {arm} "))
+        assert "FAIL" in line and "KL rose" in line

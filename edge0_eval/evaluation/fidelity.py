@@ -2,9 +2,9 @@
 
 A fidelity set is made once from the teacher (`edge0-eval fidelity make`): prompts with the chat
 template applied, the teacher's greedy continuation of each, and at every continuation position
-the teacher's top-k log-probabilities plus the remaining mass. It is one JSON file (optionally
-gzipped) carrying the teacher's fingerprint and the prompts' source, so the teacher can run on
-one machine and the students on another.
+the teacher's top-k log-probabilities plus the remaining mass. It is one versioned file
+(fidelity_set.py: format, validation, metrics) carrying the teacher's fingerprint and the
+prompts' source, so the teacher can run on one machine and the students on another.
 
 An arm is scored by forcing the teacher's tokens through exactly the path it serves: for the
 Edge0 engine `reset`, `prefill(prompt)`, then `step(token)` per teacher token (int4 slot pool,
@@ -23,7 +23,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,18 +32,14 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.fidelity_set import FORMAT, score_item, tail_mass
 
-FORMAT = "edge0-eval/fidelity/v1"
 DEFAULT_MAX_NEW = 32
 DEFAULT_TOP_K = 20
-# Where `data stage` lays a set and configs/datasets/edge0_fidelity.py looks (under the data root).
-SET_PATH = "data/fidelity/fidelity_set.json"
 # mlx-lm's generate_step prefill chunk (prefill_step_size): the teacher path mirrors it.
 MLX_PREFILL_STEP = 2048
-# Tail masses below this are treated as this (log of zero); the same floor for both sides.
-TAIL_FLOOR = 1e-12
-METRICS = ("kl", "agreement", "nll", "greedy_match")
-HUMANEVAL_TEMPLATE = "Complete the following python code:\n{prompt}"   # OpenCompass's humaneval_gen
+# OpenCompass's humaneval_gen prompt.
+HUMANEVAL_TEMPLATE = "Complete the following python code:\n{prompt}"
 SOURCES = ("humaneval", "ifbench")
 
 
@@ -124,12 +119,6 @@ def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
             "argmax": [int(a) for a in argmax]}
 
 
-def tail_mass(logprobs) -> np.ndarray:
-    """1 - sum(exp(top-k log-probs)) per position, floored; computed identically for both sides."""
-    lp = np.asarray(logprobs, dtype=np.float64)
-    return np.maximum(1.0 - np.exp(lp).sum(axis=-1), TAIL_FLOOR)
-
-
 def greedy_continuation(runner, prompt_ids: list[int], max_new: int, top_k: int,
                         stop_ids: set[int]) -> dict:
     """The teacher's greedy continuation and its top-k log-probs at every position."""
@@ -147,33 +136,6 @@ def greedy_continuation(runner, prompt_ids: list[int], max_new: int, top_k: int,
         lp = runner.advance(token)
     return {"tokens": tokens, "topk_ids": topk_ids, "topk_logprobs": topk_lp,
             "rest": [float(r) for r in tail_mass(np.asarray(topk_lp, dtype=np.float32))]}
-
-
-# --------------------------------------------------------------------------- metrics
-
-def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
-    """Per-item fidelity of one arm against the set's teacher row `item`."""
-    t_lp = np.asarray(item["topk_logprobs"], dtype=np.float32).astype(np.float64)
-    a_lp = np.asarray(arm_logprobs, dtype=np.float32).astype(np.float64)
-    argmax = np.asarray(arm_argmax, dtype=np.int64)
-    tokens = np.asarray(item["tokens"], dtype=np.int64)
-    if a_lp.shape != t_lp.shape or argmax.shape != tokens.shape:
-        raise ConfigError(f"item {item['id']}: the arm returned log-probs {a_lp.shape} and "
-                          f"{argmax.shape} argmax for the set's {t_lp.shape} positions")
-    t_rest = np.maximum(np.asarray(item["rest"], dtype=np.float64), TAIL_FLOOR)
-    a_rest = tail_mass(a_lp)
-    kl = (np.exp(t_lp) * (t_lp - a_lp)).sum(axis=-1) + t_rest * (np.log(t_rest) - np.log(a_rest))
-    agree = argmax == tokens
-    miss = np.flatnonzero(~agree)
-    # tokens[i] is the teacher's argmax, the set's first top-k id: its arm log-prob is column 0.
-    return {"kl": float(kl.mean()), "agreement": float(agree.mean()),
-            "nll": float(-a_lp[:, 0].mean()),
-            "greedy_match": int(miss[0]) if miss.size else int(tokens.size),
-            "positions": int(tokens.size)}
-
-
-def mean_metrics(rows: list[dict]) -> dict:
-    return {m: sum(r[m] for r in rows) / len(rows) for m in METRICS} if rows else {}
 
 
 def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
@@ -266,84 +228,6 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
                         "model_type": config.get("model_type"), "compute_dtype": compute_dtype},
             "max_new": max_new, "top_k": top_k, "thinking": thinking,
             "sources": sources, "items": items}
-
-
-# --------------------------------------------------------------------------- the file
-
-def write_set(fset: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(fset, separators=(",", ":")) + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".gz":
-        with gzip.open(tmp, "wt", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return path
-
-
-def read_set(path: str | Path) -> dict:
-    """A fidelity set, validated; any problem is one ConfigError naming the file and the fix."""
-    path = Path(path)
-    fix = "make it with `edge0-eval fidelity make TEACHER --out FILE`"
-    if not path.is_file():
-        raise ConfigError(f"fidelity set {path} not found; {fix} (or `edge0-eval data stage "
-                          f"--fidelity FILE` to lay one there)")
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                fset = json.load(f)
-        else:
-            fset = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, EOFError) as exc:
-        raise ConfigError(f"fidelity set {path} is unreadable ({exc}); {fix}") from None
-    problem = _problem(fset)
-    if problem:
-        raise ConfigError(f"fidelity set {path}: {problem}; {fix}")
-    return fset
-
-
-def _problem(fset) -> str | None:
-    if not isinstance(fset, dict) or fset.get("format") != FORMAT:
-        got = fset.get("format") if isinstance(fset, dict) else type(fset).__name__
-        return f"format {got!r}, expected {FORMAT!r}"
-    for key in ("teacher", "max_new", "top_k", "sources", "items"):
-        if key not in fset:
-            return f"no {key!r}"
-    if not isinstance(fset["items"], list) or not fset["items"]:
-        return "no items"
-    k = fset["top_k"]
-    seen = set()
-    for n, item in enumerate(fset["items"]):
-        keys = ("id", "source", "prompt_ids", "tokens", "topk_ids", "topk_logprobs", "rest")
-        if not isinstance(item, dict) or any(key not in item for key in keys):
-            return f"item {n} lacks one of {keys}"
-        where = f"item {n} ({item['id']})"
-        if item["id"] in seen:
-            return f"{where}: duplicate id"
-        seen.add(item["id"])
-        p = len(item["tokens"])
-        if not item["prompt_ids"] or not p or p > fset["max_new"]:
-            return f"{where}: empty prompt, or not 1..max_new continuation tokens"
-        if not (len(item["topk_ids"]) == len(item["topk_logprobs"]) == len(item["rest"]) == p):
-            return f"{where}: top-k rows do not match its {p} tokens"
-        for i, (ids, lps) in enumerate(zip(item["topk_ids"], item["topk_logprobs"])):
-            if len(ids) != len(lps) or not 1 <= len(ids) <= k:
-                return f"{where} position {i}: {len(ids)} ids and {len(lps)} log-probs, top_k {k}"
-            if ids[0] != item["tokens"][i]:
-                return f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
-            if any(not math.isfinite(v) or v > 0 for v in lps):
-                return f"{where} position {i}: log-probs must be finite and <= 0"
-    return None
-
-
-def source_counts(fset: dict) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in fset["items"]:
-        counts[item["source"]] = counts.get(item["source"], 0) + 1
-    return counts
 
 
 # --------------------------------------------------------------------------- prompts
