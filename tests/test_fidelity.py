@@ -245,3 +245,54 @@ def test_silent_fault_fails_the_fidelity_gate(teacher_set, student_dir, baseline
     for arm in failing:
         line = next(l for l in table.splitlines() if l.startswith(f"fidelity {arm} "))
         assert "FAIL" in line and "KL rose" in line
+
+
+def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
+    from edge0_eval.cli import main
+    from edge0_eval.evaluation.report import SCHEMA
+
+    def report(fidelity):
+        return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity}
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(report(baseline["fidelity"])))
+    worse = json.loads(json.dumps(baseline["fidelity"]))
+    worse["arms"]["student"]["kl"] *= 1.5
+    worse["per_item"]["student"] = {i: [kl * 1.5, a] for i, (kl, a)
+                                    in worse["per_item"]["student"].items()}
+    cur = tmp_path / "cur.json"
+    cur.write_text(json.dumps(report(worse)))
+    assert main(["gate", str(base), "--baseline", str(base)]) == 0
+    capsys.readouterr()
+    assert main(["gate", str(cur), "--baseline", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "gate: FAIL (1 of 4: fidelity student)" in out and "KL rose" in out
+    # Generous thresholds let the same change through.
+    assert main(["gate", str(cur), "--baseline", str(base), "--max-kl-rise", "1.0"]) == 0
+
+
+def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
+    """The regrouped details OpenCompass writes (each key a list over replicas) -> the section."""
+    from edge0_eval.evaluation.outputs import Run
+
+    per_item = baseline["fidelity"]["per_item"]
+    arms = {}
+    for arm in fr.ARMS:
+        rdir = tmp_path / "results" / arm
+        rdir.mkdir(parents=True)
+        details = [{"example_abbr": f"edge0_fidelity_{n}", "id": [i], "source": ["humaneval"],
+                    "kl": [kl], "agreement": [agree], "nll": [1.0], "greedy_match": [0],
+                    "positions": [12]} for n, (i, (kl, agree)) in enumerate(per_item[arm].items())]
+        (rdir / "edge0_fidelity.json").write_text(json.dumps({"kl": 0.0, "details": details}))
+        arms[arm] = (arm, Run(tmp_path, list(fr.ARMS), ["edge0_fidelity"], {}, set()))
+    section = fr.build(arms)
+    assert section["status"] == "ok" and section["items"] == len(per_item["teacher"])
+    for arm in fr.ARMS:
+        assert section["arms"][arm]["kl"] == pytest.approx(baseline["fidelity"]["arms"][arm]["kl"])
+    assert fr.gate_checks({"fidelity": section}, baseline)[1]["result"] == "pass"
+    # A failed arm is named, never skipped.
+    (tmp_path / "results" / "student" / "edge0_fidelity.json").write_text('{"error": "boom"}')
+    section = fr.build(arms)
+    assert section["status"] == "incomplete" and section["arms"]["student"]["status"] == "failed"
+    failed = _failed(fr.gate_checks({"fidelity": section}, baseline))
+    assert list(failed) == ["fidelity student"]

@@ -35,7 +35,8 @@ from edge0_eval.evaluation.outputs import Run
 
 Z95 = 1.96
 ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
-# (name, worse arm, better arm): each step's loss is worse - better in KL.
+# (step, arm a, arm b): the step's figure is KL(a) - KL(b) and agreement(b) - agreement(a), so
+# quantization and routing are losses and lora_recovery a gain, each positive when as named.
 STEPS = (("quantization", "int4_exact", "teacher"), ("routing", "prerouted_nolora", "int4_exact"),
          ("lora_recovery", "prerouted_nolora", "student"))
 DEFAULT_MAX_KL_RISE = 0.05          # relative: 5% of the baseline's KL
@@ -141,20 +142,22 @@ def summarize(loaded: dict) -> dict:
             notes.append(f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
                          f"the teacher {len(ids)}; not paired")
         if entry["status"] == "ok" and ids:
-            entry.update(_summary(got["items"], ids, teacher["items"]))
+            # The teacher's interval against itself says nothing: none.
+            versus = None if arm == "teacher" else teacher["items"]
+            entry.update(_summary(got["items"], ids, versus))
             sources = sorted({got["items"][i]["source"] for i in ids})
             entry["by_source"] = {s: _summary(got["items"], [i for i in ids if
                                                              got["items"][i]["source"] == s],
-                                              teacher["items"]) for s in sources}
+                                              versus) for s in sources}
         table[arm] = entry
     per_item = {arm: {i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
                       for i in ids} for arm, e in table.items() if e["status"] == "ok" and ids}
     decomposition = {}
-    for step, worse, better in STEPS:
-        if all(table.get(a, {}).get("status") == "ok" for a in (worse, better)) and ids:
+    for step, a, b in STEPS:
+        if all(table.get(x, {}).get("status") == "ok" for x in (a, b)) and ids:
             decomposition[step] = {m: dict(zip(("delta", "half_width"), _paired(
-                [(loaded[worse]["items"][i][m] - loaded[better]["items"][i][m]) * _scale(m)
-                 for i in ids]))) for m in ("kl", "agreement")}
+                [sign * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m]) * _scale(m)
+                 for i in ids]))) for m, sign in (("kl", 1.0), ("agreement", -1.0))}
     sanity = None
     if table.get("teacher", {}).get("status") == "ok":
         t = table["teacher"]
@@ -212,10 +215,10 @@ def markdown(fid: dict | None) -> str:
                      _pm(e["greedy_match"], e.get("greedy_match_half_width"), 2)])
     md.append(_table(["arm", "model", "items", "KL", "agreement", "NLL", "greedy match"], rows))
     if fid["decomposition"]:
-        md.append("Decomposition (quantization = int4 exact vs teacher, routing = prerouted no "
-                  "LoRA vs int4 exact, LoRA recovery = prerouted no LoRA vs student: positive "
-                  "KL / negative agreement = that step loses fidelity; recovery positive = "
-                  "the LoRA gains it back):\n")
+        md.append("Decomposition: quantization loss = int4 exact vs teacher, routing loss = "
+                  "prerouted no LoRA vs int4 exact, LoRA recovery = student vs prerouted no LoRA; "
+                  "KL in nats (rise for a loss, fall for the recovery), agreement in points "
+                  "(drop for a loss, gain for the recovery); positive = as named.\n")
         md.append(_table(["step", "KL", "agreement"],
                          [[s, _pm(d["kl"]["delta"], d["kl"]["half_width"], 4),
                            _pm(d["agreement"]["delta"], d["agreement"]["half_width"], 2)]
@@ -252,14 +255,14 @@ def write_plot(fid: dict | None, path) -> None:
             e = fid["arms"][arm]
             values = [e[metric] if g == "all" else e["by_source"].get(g, {}).get(metric, 0.0)
                       for g in groups]
-            errs = [(e.get(f"{metric}_half_width") or 0.0) if g == "all" else 0.0
-                    for g in groups]
+            errs = [(e if g == "all" else e["by_source"].get(g, {})).get(f"{metric}_half_width")
+                    or 0.0 for g in groups]
             xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
             ax.bar(xs, values, width, yerr=errs, capsize=3, label=arm)
         ax.set_xticks(range(len(groups)), groups)
         ax.set_title(label, fontsize=9)
     axes[1].set_ylim(0, 105)
-    axes[1].legend(fontsize=8, loc="lower right")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
     fig.suptitle(f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
                  f"interval vs the teacher)", fontsize=10)
     fig.tight_layout()
@@ -279,7 +282,8 @@ def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_
     checks = []
     for arm, b in base["arms"].items():
         check = {"name": f"fidelity {arm}", "result": "pass", "reasons": [],
-                 "kl": (b.get("kl"), None), "agreement": (b.get("agreement"), None)}
+                 "items": (b.get("items"), None), "kl": (b.get("kl"), None),
+                 "agreement": (b.get("agreement"), None)}
         checks.append(check)
 
         def fail(reason):
@@ -297,6 +301,7 @@ def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_
         if check["result"] == "FAIL":
             continue
         check["kl"], check["agreement"] = (b["kl"], c["kl"]), (b["agreement"], c["agreement"])
+        check["items"] = (b["items"], c["items"])
         if c["items"] != b["items"]:
             fail(f"{c['items']} items, baseline {b['items']}")
         if arm == "teacher":

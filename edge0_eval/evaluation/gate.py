@@ -61,8 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
         return 1
-    print(f"gate: pass ({len(checks)} benchmarks; max gap increase {args.max_gap_increase}, "
-          f"max drop {args.max_drop}, each plus the 95% half-width)")
+    arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
+    print(f"gate: pass ({len(checks) - arms} benchmarks; max gap increase {args.max_gap_increase}, "
+          f"max drop {args.max_drop}, each plus the 95% half-width"
+          + (f"; fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the baseline, max "
+             f"agreement drop {args.max_agreement_drop:g}, each plus the paired change's "
+             f"half-width" if arms else "") + ")")
     return 0
 
 
@@ -143,7 +147,7 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: f
                                 (None, row["items"]), (None, row["gap"]),
                                 (None, row["student"])))
     for fc in fidelity_report.gate_checks(current, baseline, max_kl_rise, max_agreement_drop):
-        checks.append(Check(fc["name"], fc["result"], fc["reasons"]))
+        checks.append(Check(fc["name"], fc["result"], fc["reasons"], fc["items"]))
     return checks
 
 
