@@ -153,7 +153,7 @@ class Edge0Model(ChatModelBase):
         }
 
     def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
-        """Teacher-forced log-probs on the served decode path (configs/datasets/edge0_fidelity.py)."""
+        """Teacher-forced log-probs on the served decode path (datasets/edge0_fidelity.py)."""
         from edge0_eval.evaluation.fidelity import model_logprobs   # MLX: only with a model
         return model_logprobs(self.engine, prompt_ids, tokens, topk_ids)
 

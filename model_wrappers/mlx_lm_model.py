@@ -102,6 +102,6 @@ class MLXLMModel(ChatModelBase):
         }
 
     def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
-        """Teacher-forced log-probs, mlx-lm's prefill-then-step (configs/datasets/edge0_fidelity.py)."""
+        """Teacher-forced log-probs, mlx-lm's prefill then steps (datasets/edge0_fidelity.py)."""
         from edge0_eval.evaluation.fidelity import model_logprobs   # MLX: only with a model
         return model_logprobs(self.model, prompt_ids, tokens, topk_ids)

@@ -296,3 +296,21 @@ def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
     assert section["status"] == "incomplete" and section["arms"]["student"]["status"] == "failed"
     failed = _failed(fr.gate_checks({"fidelity": section}, baseline))
     assert list(failed) == ["fidelity student"]
+
+
+def test_teacher_runner_equals_mlx_lm_generation(teacher_set):
+    """The teacher arm's path: mlx-lm's own stream_generate, log-probs bit for bit."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    teacher, model, path = teacher_set
+    tokenizer = fid.load_teacher(teacher)[1]
+    item = fs.read_set(path)["items"][0]
+    got = list(stream_generate(model, tokenizer, item["prompt_ids"], max_tokens=8,
+                               sampler=make_sampler(temp=0.0)))
+    tokens = [int(r.token) for r in got]
+    assert tokens == item["tokens"][:len(tokens)]
+    lp, argmax = fid.teacher_forced(fid.MLXRunner(model), item["prompt_ids"], tokens,
+                                    [list(range(tokenizer.vocab_size))] * len(tokens))
+    assert argmax.tolist() == tokens
+    assert np.array_equal(lp, np.stack([np.array(r.logprobs.astype(mx.float32)) for r in got]))

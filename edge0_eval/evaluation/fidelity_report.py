@@ -20,8 +20,8 @@ baseline when the change is intended.
 The KL threshold is relative (KL scales differ by orders of magnitude between models) with a
 floor of MIN_KL_RISE nats; the interval is that of the change, not the baseline's spread over
 prompts, which is far wider than any run-to-run noise of this deterministic measure and would
-hide real faults (a quarter more on one layer's expert scales raises the tiny int4 arm's KL by
-~15%, well inside the spread over prompts). FAIL also when the arm's fidelity is missing or failed, the items differ from the baseline's, or the
+hide real faults (the expert-scale fault of tests/test_fidelity.py stays inside it). FAIL also
+when the arm's fidelity is missing or failed, the items differ from the baseline's, or the
 teacher row is not KL 0 / agreement 100 (the set was made from another teacher).
 """
 
