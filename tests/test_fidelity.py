@@ -267,6 +267,12 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     assert main(["gate", str(cur), "--baseline", str(base)]) == 1
     out = capsys.readouterr().out
     assert "gate: FAIL (1 of 4: fidelity student)" in out and "KL rose" in out
+    # A baseline without fidelity gates nothing of it, and says so.
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(report(None)))
+    assert main(["gate", str(cur), "--baseline", str(plain)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("fidelity "))
+    assert " new " in line and "not in the baseline; not gated" in line
     # Generous thresholds let the same change through.
     assert main(["gate", str(cur), "--baseline", str(base), "--max-kl-rise", "1.0"]) == 0
 

@@ -277,7 +277,9 @@ def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_
     """One check per baseline arm: {name, result (pass | FAIL), reasons, kl, agreement}."""
     base = baseline.get("fidelity")
     if not base:
-        return []
+        now = current.get("fidelity")
+        return [] if not now else [{"name": "fidelity", "result": "new", "items": (None,
+                                    now["items"]), "reasons": ["not in the baseline; not gated"]}]
     cur = current.get("fidelity") or {"arms": {}, "items": None, "teacher_sanity": None}
     checks = []
     for arm, b in base["arms"].items():
