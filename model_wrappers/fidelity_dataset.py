@@ -15,8 +15,28 @@ from datasets import Dataset
 from opencompass.datasets.base import BaseDataset
 from opencompass.registry import LOAD_DATASET
 
+from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data import data_root
-from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set
+from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, SET_PATH, read_set
+
+
+def set_file(path: str | None = None) -> Path:
+    """The set a dataset config reads: `path` relative to the data root ($COMPASS_DATA_CACHE)
+    unless absolute; default the place `edge0-eval data stage --fidelity FILE` lays it."""
+    file = Path(path or SET_PATH)
+    return file if file.is_absolute() else data_root() / file
+
+
+def preflight_problems(datasets) -> list[str]:
+    """What is wrong with the sets of the fidelity datasets among `datasets` (before any task)."""
+    problems = []
+    for d in datasets:
+        if str(d.get('abbr', '')).startswith(DATASET_ABBR):
+            try:
+                read_set(set_file(d.get('path')))
+            except ConfigError as exc:
+                problems.append(str(exc))
+    return problems
 
 
 @LOAD_DATASET.register_module()
@@ -24,12 +44,8 @@ class FidelityDataset(BaseDataset):
 
     @staticmethod
     def load(path: str | None = None, limit: int | None = None):
-        """path: the set, relative to the data root ($COMPASS_DATA_CACHE) unless absolute
-        (default: the place `edge0-eval data stage --fidelity FILE` lays it)."""
-        file = Path(path or SET_PATH)
-        if not file.is_absolute():
-            file = data_root() / file
-        fset = read_set(file)
+        """path: see set_file."""
+        fset = read_set(set_file(path))
         items = fset['items'][:limit]
         return Dataset.from_list([{'id': it['id'], 'source': it['source'],
                                    'prompt': it.get('prompt', ''), 'item': json.dumps(it)}

@@ -351,3 +351,16 @@ def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
     assert main(["fidelity", "make", str(tiny_qwen), "--out", str(out),
                  "--prompts-from", "gsm8k"]) == 2
     assert "unknown ['gsm8k']" in capsys.readouterr().err
+
+
+def test_missing_set_stops_the_run_before_any_task(teacher_set, tmp_path, monkeypatch):
+    from model_wrappers.fidelity_dataset import FidelityDataset
+    from model_wrappers.partitioner import preflight
+
+    monkeypatch.setenv("COMPASS_DATA_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit, match="fidelity_set.json not found"):
+        preflight([], [{"abbr": "edge0_fidelity"}], full_data=False, check_models=False)
+    preflight([], [{"abbr": "edge0_fidelity", "path": str(teacher_set[2])}], full_data=False,
+              check_models=False)
+    rows = FidelityDataset.load(path=str(teacher_set[2]), limit=3)
+    assert len(rows) == 3 and json.loads(rows[0]["item"])["tokens"]
