@@ -21,6 +21,7 @@ from model_wrappers.summarizer import Edge0Summarizer
 
 with read_base():
     from .datasets.edge0_bundle import edge0_datasets
+    from .datasets.edge0_fidelity import edge0_fidelity_datasets
     from .tiers.edge0_arms import edge0_arm_paths, edge0_arms
     from .tiers.edge0_local import eval, infer
 
@@ -29,6 +30,9 @@ testbed_items = os.environ.get('EDGE0_TESTBED_ITEMS')
 if testbed_items:
     for d in datasets:
         d['reader_cfg']['test_range'] = f'[0:{int(testbed_items)}]'
+# Teacher-forced fidelity, the testbed's quality headline (the set: `edge0-eval fidelity make
+# TB/teacher`, laid out with `data stage --fidelity`); never sliced.
+datasets += edge0_fidelity_datasets
 
 # Greedy for every arm, so differences come from the model, not sampling.
 testbed_generation = dict(max_out_len=int(os.environ.get('EDGE0_TESTBED_MAX_OUT', '512')),

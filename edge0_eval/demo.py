@@ -1,7 +1,8 @@
 """`edge0-eval demo`: the embedded default, end to end, offline.
 
 1. builds a tiny fp16 teacher (`make-tiny`) and its int4 streaming student (`convert`),
-2. writes fixture data for all five benchmarks (`data fixtures`),
+2. writes fixture data for all five benchmarks (`data fixtures`) and the fidelity set from the
+   teacher (`fidelity make`: HumanEval and IFBench prompts, the teacher's continuations),
 3. runs the real `opencompass configs/edge0_tiny.py` with environment variables pointing at them,
 4. checks the result files itself (OpenCompass exits 0 even when every task failed): every
    benchmark must have predictions, engine stats and a scored results file for both arms.
@@ -18,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set, write_set
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ('teacher', 'int4_exact', 'prerouted_nolora', 'student')
@@ -26,6 +29,9 @@ TINY_MODELS = ('edge0-tiny-teacher', 'edge0-tiny-int4-exact', 'edge0-tiny-prerou
                'edge0-tiny-student')
 TINY_DATASETS = ('aime2026', 'IFBench', 'openai_humaneval', 'GPQA_diamond', 'mmlu_pro_math',
                  'mmlu_pro_physics')
+TINY_FIDELITY = 'edge0_fidelity'
+# The tiny fidelity set: prompts per source and teacher tokens per prompt.
+TINY_FIDELITY_LIMIT, TINY_FIDELITY_MAX_NEW = 6, 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,9 +83,24 @@ def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
         shutil.rmtree(student, ignore_errors=True)
         convert(str(teacher), str(student))
     write_fixtures(data)
+    make_tiny_fidelity_set(teacher, data / SET_PATH)
     train_student_adapters(work, teacher, student)
     return {'COMPASS_DATA_CACHE': str(data.resolve()), 'EDGE0_TINY_TEACHER': str(teacher.resolve()),
             'EDGE0_TINY_STUDENT': str(student.resolve()), 'EDGE0_ARMS': ','.join(TINY_ARMS)}
+
+
+def make_tiny_fidelity_set(teacher: Path, path: Path) -> Path:
+    """The fidelity set of the tiny teacher; remade when the teacher changed."""
+    from edge0_eval.evaluation.fidelity import fingerprint, gather_prompts, make_set
+
+    if path.is_file():
+        try:
+            if read_set(path)['teacher']['fingerprint'] == fingerprint(teacher):
+                return path
+        except Edge0Error:
+            pass   # unreadable or stale: make it again
+    prompts, sources = gather_prompts(['humaneval', 'ifbench'], [], TINY_FIDELITY_LIMIT)
+    return write_set(make_set(teacher, prompts, sources, max_new=TINY_FIDELITY_MAX_NEW), path)
 
 
 def tiny_corpus(directory: Path) -> list[Path]:
@@ -116,12 +137,12 @@ def _edge0(*args: str) -> None:
 
 def train_student_adapters(work: Path, teacher: Path, student: Path) -> None:
     """The student's prerouter heads (stage 1) and recovery LoRA (stage 2), short runs."""
-    heads = student / 'prerouter.safetensors'
+    heads = student / PREROUTER_FILE
     if not heads.exists():
         corpus = tiny_corpus(work / 'corpus')
         _edge0('train-prerouter', str(student), '--text', *map(str, corpus), '--out', str(heads),
                '--steps', '300', '--max-tokens', '6000', '--no-progress')
-    lora = student / 'lora.safetensors'
+    lora = student / LORA_FILE
     if not lora.exists():
         prompts = tiny_prompts(work / 'prompts.jsonl')
         _edge0('train-lora', str(teacher), str(student), '--prompts', str(prompts),
@@ -140,7 +161,8 @@ def _count_items(path: Path) -> int:
     return len(json.loads(path.read_text(encoding='utf-8')))
 
 
-def check_run(run_dir: Path, models=TINY_MODELS, datasets=TINY_DATASETS) -> list[str]:
+def check_run(run_dir: Path, models=TINY_MODELS,
+              datasets=TINY_DATASETS + (TINY_FIDELITY,)) -> list[str]:
     """Everything wrong with an OpenCompass run folder: missing or failed (model, dataset)."""
     problems = []
     for model in models:
@@ -235,6 +257,6 @@ def run(args: argparse.Namespace) -> int:
         print(summary[-1].read_text().replace(',', '\t'))
     report = report_and_gate(run_dir, work / 'report', find_baseline(args.baseline))
     print(f'report: {report}')
-    print(f'demo ok: {len(TINY_MODELS)} arms x {len(TINY_DATASETS)} datasets scored in '
+    print(f'demo ok: {len(TINY_MODELS)} arms x {len(TINY_DATASETS)} datasets + fidelity scored in '
           f'{run_dir} ({time.perf_counter() - start:.0f}s)')
     return 0

@@ -14,6 +14,7 @@ from opencompass.registry import MODELS
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.fidelity import model_logprobs
 
 from .chat import ChatModelBase
 
@@ -122,6 +123,10 @@ class Edge0Model(ChatModelBase):
             'pool': {k: stats[k] for k in POOL_KEYS if k in stats} or None,
             'engine': {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
         }
+
+    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
+        """Teacher-forced log-probs on the served decode path (datasets/edge0_fidelity.py)."""
+        return model_logprobs(self.engine, prompt_ids, tokens, topk_ids)
 
     def __del__(self):
         engine = getattr(self, 'engine', None)

@@ -17,6 +17,7 @@ from opencompass.registry import MODELS
 from edge0_eval.engine.mlx_compat import (COMPUTE_DTYPES, cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.evaluation.fidelity import model_logprobs
 
 from .chat import ChatModelBase
 
@@ -95,3 +96,7 @@ class MLXLMModel(ChatModelBase):
             'gen_wall_s': round(time.perf_counter() - tic, 4),
             'cache': 'resident',
         }
+
+    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
+        """Teacher-forced log-probs, mlx-lm's prefill then steps (datasets/edge0_fidelity.py)."""
+        return model_logprobs(self.model, prompt_ids, tokens, topk_ids)

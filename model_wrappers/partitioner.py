@@ -19,6 +19,8 @@ from opencompass.registry import PARTITIONERS
 from edge0_eval.evaluation.data import data_root, verify
 from edge0_eval.errors import Edge0Error
 
+from .fidelity_dataset import preflight_problems as fidelity_preflight
+
 
 def benchmark_of(dataset_abbr: str) -> str | None:
     """The staged benchmark a dataset config reads (None for datasets this project does not stage)."""
@@ -70,6 +72,7 @@ def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool 
               check_models: bool = True) -> None:
     """Exit with every problem listed, one per line, if the run cannot succeed."""
     benchmarks, ifbench_items = [], None
+    datasets = list(datasets)
     for d in datasets:
         b = benchmark_of(d.get('abbr', ''))
         if b and b not in benchmarks:
@@ -78,6 +81,7 @@ def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool 
             ifbench_items = test_range_slice(d)
     problems = [c.message for c in verify(None, benchmarks, full=full_data,
                                           ifbench_items=ifbench_items) if not c.ok]
+    problems += fidelity_preflight(datasets)
     if check_models:
         problems += model_problems(models)
     if problems:

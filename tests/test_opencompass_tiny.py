@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval.demo import (TINY_DATASETS, TINY_MODELS, check_run, offline_env, prepare,
-                             report_and_gate)
+from edge0_eval.demo import (TINY_DATASETS, TINY_FIDELITY, TINY_MODELS, check_run, offline_env,
+                             prepare, report_and_gate)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / 'configs'
@@ -60,9 +60,16 @@ def test_tiny_config_end_to_end(tiny_env, tmp_path):
     for name in ('aime2026', 'openai_humaneval', 'GPQA_diamond', 'mmlu_pro_per_question',
                  'mmlu_pro', 'IFBench'):
         assert name in rows and '-' not in rows[name][4:], summary
+    # Every arm scored the fidelity set on its served path; the teacher reproduces itself.
+    for model in TINY_MODELS:
+        preds = json.loads((run_dir / 'predictions' / model / f'{TINY_FIDELITY}.json').read_text())
+        assert len(preds) == len(json.loads((run_dir / 'results' / model /
+                                             f'{TINY_FIDELITY}.json').read_text())['details'])
     # The CI gate: this run's gap report against the committed tiny baseline.
     report = report_and_gate(run_dir, tmp_path / 'report', REPO / 'reports' / 'tiny' / 'report.json')
-    assert json.loads(report.read_text())['status'] == 'ok'
+    report = json.loads(report.read_text())
+    assert report['status'] == 'ok'
+    assert report['fidelity']['status'] == 'ok' and report['fidelity']['teacher_sanity']['ok']
 
 
 def test_tiny_config_lists_what_the_demo_checks(tiny_env):
@@ -75,7 +82,7 @@ def test_tiny_config_lists_what_the_demo_checks(tiny_env):
     finally:
         os.environ.clear()
         os.environ.update(old)
-    assert sorted(d['abbr'] for d in cfg['datasets']) == sorted(TINY_DATASETS)
+    assert sorted(d['abbr'] for d in cfg['datasets']) == sorted(TINY_DATASETS + (TINY_FIDELITY,))
     assert [m['abbr'] for m in cfg['models']] == list(TINY_MODELS)
     teacher, *students = cfg['models']
     for student in students:

@@ -18,9 +18,12 @@ from opencompass.utils.text_postprocessors import extract_non_reasoning_content
 with read_base():
     from ..datasets.edge0_bundle import (edge0_dataset_abbrs, edge0_datasets,
                                          edge0_summary_groups)
+    from ..datasets.edge0_fidelity import edge0_fidelity_datasets
     from .edge0_arms import edge0_arm_paths, edge0_arms
 
-datasets = edge0_datasets
+# The five benchmarks, then teacher-forced fidelity on a set made from the tier's fp16 teacher
+# (`edge0-eval fidelity make`, laid out by `edge0-eval data stage --fidelity FILE`).
+datasets = edge0_datasets + edge0_fidelity_datasets
 
 generation = dict(
     max_out_len=32768, max_seq_len=40960, batch_size=1,

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge0_eval.evaluation.fidelity_set import SET_PATH as FIDELITY_SET_PATH, read_set
 from edge0_eval.errors import ConfigError, Edge0Error
 
 BENCHMARKS = ('aime2026', 'humaneval', 'gpqa', 'mmlu_pro', 'ifbench')
@@ -468,7 +469,7 @@ def _place_mmlu_pro(sources: list[str], root: Path) -> list[str]:
 
 
 def stage(root, benchmarks=BENCHMARKS, aime2026=None, gpqa=None, mmlu_pro=None,
-          nltk_data=None, full=True) -> tuple[list[str], list[Check]]:
+          nltk_data=None, full=True, fidelity=None) -> tuple[list[str], list[Check]]:
     """Write/copy what can be staged, then verify. Returns (actions, checks)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -484,6 +485,9 @@ def stage(root, benchmarks=BENCHMARKS, aime2026=None, gpqa=None, mmlu_pro=None,
         actions.append(_place(gpqa, root / PATHS['gpqa']))
     if mmlu_pro:
         actions += _place_mmlu_pro(mmlu_pro, root)
+    if fidelity:
+        read_set(fidelity)   # refuse a bad set here, not in the middle of a run
+        actions.append(_place(fidelity, root / FIDELITY_SET_PATH))
     return actions, verify(root, benchmarks, full=full)
 
 
@@ -496,6 +500,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument('--gpqa', metavar='FILE', help='gpqa_diamond.csv to copy into place')
     st.add_argument('--mmlu-pro', metavar='PATH', nargs='+',
                     help='MMLU-Pro parquet files, or a directory holding them')
+    st.add_argument('--fidelity', metavar='FILE', help='a fidelity set from `edge0-eval '
+                    'fidelity make` to lay where configs/datasets/edge0_fidelity.py looks')
     st.add_argument('--nltk-data', metavar='DIR',
                     help='an nltk_data directory holding averaged_perceptron_tagger_eng')
     for p in (st, sub.add_parser('verify', help='check the data tree under --root')):
@@ -543,7 +549,7 @@ def run(args: argparse.Namespace) -> int:
         return _print_checks(verify(args.root, benchmarks, full=not args.subset))
     actions, checks = stage(args.root, benchmarks, aime2026=args.aime2026, gpqa=args.gpqa,
                             mmlu_pro=args.mmlu_pro, nltk_data=args.nltk_data,
-                            full=not args.subset)
+                            full=not args.subset, fidelity=args.fidelity)
     for line in actions:
         print(f'  {line}')
     print(f'data root {Path(args.root).resolve()} (export COMPASS_DATA_CACHE to use it):')

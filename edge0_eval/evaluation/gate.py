@@ -8,6 +8,8 @@ and always FAIL (never pass) when the benchmark is missing from the report, an a
 a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
 reproduce the metric, the item count differs from the baseline, or the prompt version changed.
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
+With fidelity in the baseline, one more check per arm (fidelity_report.gate_checks: KL rise and
+agreement drop, each beyond its threshold plus the baseline's interval), named `fidelity ARM`.
 Exit status: 0 all pass, 1 regression or failure, 2 bad input.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.report import SCHEMA
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
@@ -35,20 +38,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-drop", type=float, default=DEFAULT_MAX_DROP, metavar="P",
                         help="allowed drop of the student's score, in points, beyond the "
                         f"95%% half-width (default {DEFAULT_MAX_DROP})")
+    parser.add_argument("--max-kl-rise", type=float,
+                        default=fidelity_report.DEFAULT_MAX_KL_RISE, metavar="NATS",
+                        help="fidelity: allowed KL rise per arm beyond the baseline's 95%% "
+                        f"half-width (default {fidelity_report.DEFAULT_MAX_KL_RISE})")
+    parser.add_argument("--max-agreement-drop", type=float,
+                        default=fidelity_report.DEFAULT_MAX_AGREEMENT_DROP, metavar="P",
+                        help="fidelity: allowed top-1 agreement drop per arm, in points, beyond "
+                        "the baseline's 95%% half-width (default "
+                        f"{fidelity_report.DEFAULT_MAX_AGREEMENT_DROP})")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_gap_increase < 0 or args.max_drop < 0:
-        raise Edge0Error("--max-gap-increase and --max-drop must be >= 0")
+    if min(args.max_gap_increase, args.max_drop, args.max_kl_rise, args.max_agreement_drop) < 0:
+        raise Edge0Error("--max-gap-increase, --max-drop, --max-kl-rise and "
+                         "--max-agreement-drop must be >= 0")
     current, baseline = load_report(args.report), load_report(args.baseline)
-    checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop)
+    checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
+                      args.max_kl_rise, args.max_agreement_drop)
     print(format_table(checks))
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
     if failed:
-        print(f"gate: FAIL ({len(failed)} of {len(baseline['benchmarks'])}: {', '.join(failed)})")
+        print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
         return 1
-    print(f"gate: pass ({len(checks)} benchmarks; max gap increase {args.max_gap_increase}, "
-          f"max drop {args.max_drop}, each plus the 95% half-width)")
+    arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
+    print(f"gate: pass ({len(checks) - arms} benchmarks; max gap increase {args.max_gap_increase}, "
+          f"max drop {args.max_drop}, each plus the 95% half-width"
+          + (f"; fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the baseline, max "
+             f"agreement drop {args.max_agreement_drop:g}, each plus the paired change's "
+             f"half-width" if arms else "") + ")")
     return 0
 
 
@@ -87,8 +105,10 @@ def _arm_problems(row: dict) -> str:
     return f"{row['status']}" + (f" ({', '.join(bad)})" if bad else "")
 
 
-def evaluate(current: dict, baseline: dict, max_gap_increase: float,
-             max_drop: float) -> list[Check]:
+def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: float,
+             max_kl_rise: float = fidelity_report.DEFAULT_MAX_KL_RISE,
+             max_agreement_drop: float = fidelity_report.DEFAULT_MAX_AGREEMENT_DROP
+             ) -> list[Check]:
     rows = {r["benchmark"]: r for r in current["benchmarks"]}
     checks = []
     for base in baseline["benchmarks"]:
@@ -126,6 +146,8 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float,
             checks.append(Check(name, "new", ["not in the baseline; not gated"],
                                 (None, row["items"]), (None, row["gap"]),
                                 (None, row["student"])))
+    for fc in fidelity_report.gate_checks(current, baseline, max_kl_rise, max_agreement_drop):
+        checks.append(Check(fc["name"], fc["result"], fc["reasons"], fc["items"]))
     return checks
 
 

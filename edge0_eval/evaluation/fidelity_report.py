@@ -1,0 +1,339 @@
+"""The fidelity section of the gap report, and its gate checks.
+
+Reads each arm's fidelity results (configs/datasets/edge0_fidelity.py: per-item kl, agreement,
+nll, greedy_match, source in `details`) from the OpenCompass runs the report reads. Per arm: the
+means, a 95% interval from the paired per-item differences against the teacher (mean +- 1.96 *
+sd / sqrt(n), as the benchmark tables), a per-source breakdown, and the decomposition
+  quantization   int4_exact        vs teacher
+  routing        prerouted_nolora  vs int4_exact
+  LoRA recovery  student           vs prerouted_nolora (positive: the LoRA brought it back)
+in KL (nats) and agreement (points). The teacher row is a sanity check: KL 0, agreement 100.
+
+Gate: per non-teacher arm of the baseline, with hw the 95% half-width of the paired per-item
+changes (current - baseline, same prompts; the section keeps each arm's per-item values), FAIL when
+  KL rise          current KL - baseline KL                > max_kl_rise * baseline KL + hw
+  KL fall          baseline KL - current KL                > the same allowance
+  agreement drop   baseline agreement - current agreement  > max_agreement_drop + hw
+A fall fails too: the measure is deterministic, so a move either way means the served path's
+numerics changed (on a random-weight model a wrong expert can as well lower KL); refresh the
+baseline when the change is intended.
+The KL threshold is relative (KL scales differ by orders of magnitude between models) with a
+floor of MIN_KL_RISE nats; the interval is that of the change, not the baseline's spread over
+prompts, which is far wider than any run-to-run noise of this deterministic measure and would
+hide real faults (the expert-scale fault of tests/test_fidelity.py stays inside it). FAIL also
+when the arm's fidelity is missing or failed, the items differ from the baseline's, or the
+teacher row is not KL 0 / agreement 100 (the set was made from another teacher).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, METRICS
+from edge0_eval.evaluation.outputs import Run
+
+Z95 = 1.96
+ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
+# (step, arm a, arm b): the step's figure is KL(a) - KL(b) and agreement(b) - agreement(a), so
+# quantization and routing are losses and lora_recovery a gain, each positive when as named.
+STEPS = (("quantization", "int4_exact", "teacher"), ("routing", "prerouted_nolora", "int4_exact"),
+         ("lora_recovery", "prerouted_nolora", "student"))
+DEFAULT_MAX_KL_RISE = 0.05          # relative: 5% of the baseline's KL
+MIN_KL_RISE = 1e-4                  # nats: below this a rise is float noise
+DEFAULT_MAX_AGREEMENT_DROP = 2.0    # points
+# The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
+SANITY_KL = 1e-9
+
+
+def is_fidelity(dataset: str) -> bool:
+    return dataset.startswith(DATASET_ABBR)
+
+
+def _first(value):
+    # OpenCompass regroups details per example, each key a list over replicas (n = 1 here).
+    return value[0] if isinstance(value, list) and value else value
+
+
+def load_arm(abbr: str, run: Run) -> dict:
+    """{status, dataset, items: {id: {metric..., source}}, notes} of one arm's fidelity."""
+    datasets = [d for d in run.datasets if is_fidelity(d)]
+    out = {"abbr": abbr, "status": "missing", "dataset": None, "items": {}, "notes": []}
+    if not datasets:
+        out["notes"].append(f"{abbr}: no fidelity dataset in {run.path}")
+        return out
+    out["dataset"] = datasets[0]
+    path = run.path / "results" / abbr / f"{datasets[0]}.json"
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        out["status"] = "failed"
+        out["notes"].append(f"{path}: unreadable or missing ({type(exc).__name__})")
+        return out
+    if "error" in result or not result.get("details"):
+        out["status"] = "failed"
+        out["notes"].append(f"{path}: {result.get('error') or 'no per-item details'}")
+        return out
+    details = result["details"]
+    details = list(details.values()) if isinstance(details, dict) else details
+    for detail in details:
+        if not isinstance(detail, dict) or "id" not in detail:
+            continue
+        row = {m: float(_first(detail[m])) for m in METRICS if m in detail}
+        if len(row) != len(METRICS):
+            out["status"] = "failed"
+            out["notes"].append(f"{path}: item {_first(detail['id'])} lacks one of {METRICS}")
+            return out
+        row["source"] = str(_first(detail.get("source", "")))
+        out["items"][str(_first(detail["id"]))] = row
+    out["status"] = "ok" if out["items"] else "failed"
+    return out
+
+
+def _paired(diffs: list[float]) -> tuple[float, float | None]:
+    """(mean, 95% half-width) of paired per-item differences; no width below two items."""
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if n < 2:
+        return mean, None
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return mean, Z95 * math.sqrt(var / n)
+
+
+def _scale(metric: str) -> float:
+    return 100.0 if metric == "agreement" else 1.0   # agreement in points
+
+
+def _summary(items: dict, ids: list[str], teacher: dict | None) -> dict:
+    out = {"items": len(ids)}
+    for m in METRICS:
+        values = [items[i][m] * _scale(m) for i in ids]
+        out[m] = sum(values) / len(values)
+        if teacher is not None:
+            _, hw = _paired([v - teacher[i][m] * _scale(m) for i, v in zip(ids, values)])
+            out[f"{m}_half_width"] = hw
+    return out
+
+
+def build(arms: dict) -> dict | None:
+    """The report's `fidelity` entry from arm -> (abbr, run); None when no run has fidelity."""
+    if not any(is_fidelity(d) for _, r in arms.values() for d in r.datasets):
+        return None
+    return summarize({arm: load_arm(abbr, r) for arm, (abbr, r) in arms.items()})
+
+
+def arm_items(abbr: str, rows: list[dict]) -> dict:
+    """load_arm's shape from scored rows (fidelity.score_model): for tests and tools."""
+    return {"abbr": abbr, "status": "ok", "dataset": DATASET_ABBR, "notes": [],
+            "items": {r["id"]: {**{m: float(r[m]) for m in METRICS}, "source": r["source"]}
+                      for r in rows}}
+
+
+def summarize(loaded: dict) -> dict:
+    """The section from arm -> load_arm(...) results."""
+    notes = [n for a in loaded.values() for n in a["notes"]]
+    teacher = loaded.get("teacher")
+    ids = sorted(teacher["items"]) if teacher and teacher["status"] == "ok" else []
+    table = {}
+    for arm, got in loaded.items():
+        entry = {"abbr": got["abbr"], "status": got["status"], "dataset": got["dataset"]}
+        if got["status"] == "ok" and ids and set(got["items"]) != set(ids):
+            entry["status"] = "items_mismatch"
+            notes.append(f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
+                         f"the teacher {len(ids)}; not paired")
+        if entry["status"] == "ok" and ids:
+            # The teacher's interval against itself says nothing: none.
+            versus = None if arm == "teacher" else teacher["items"]
+            entry.update(_summary(got["items"], ids, versus))
+            sources = sorted({got["items"][i]["source"] for i in ids})
+            entry["by_source"] = {s: _summary(got["items"], [i for i in ids if
+                                                             got["items"][i]["source"] == s],
+                                              versus) for s in sources}
+        table[arm] = entry
+    per_item = {arm: {i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
+                      for i in ids} for arm, e in table.items() if e["status"] == "ok" and ids}
+    decomposition = {}
+    for step, a, b in STEPS:
+        if all(table.get(x, {}).get("status") == "ok" for x in (a, b)) and ids:
+            decomposition[step] = {m: dict(zip(("delta", "half_width"), _paired(
+                [sign * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m]) * _scale(m)
+                 for i in ids]))) for m, sign in (("kl", 1.0), ("agreement", -1.0))}
+    sanity = None
+    if table.get("teacher", {}).get("status") == "ok":
+        t = table["teacher"]
+        sanity = {"kl": t["kl"], "agreement": t["agreement"],
+                  "ok": abs(t["kl"]) <= SANITY_KL and t["agreement"] == 100.0}
+        if not sanity["ok"]:
+            notes.append(f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
+                         f"{t['agreement']:.2f} on its own set: the set was made from another "
+                         f"teacher or path")
+    ok = (bool(ids) and all(e["status"] == "ok" for e in table.values())
+          and bool(sanity and sanity["ok"]))
+    return {"status": "ok" if ok else "incomplete", "items": len(ids),
+            "units": {"kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
+                      "agreement": "points: % of positions whose argmax is the teacher's token",
+                      "nll": "nats per teacher token", "greedy_match": "positions"},
+            "interval": "95%, paired per-item differences against the teacher",
+            "arms": table, "decomposition": decomposition, "teacher_sanity": sanity,
+            "per_item": per_item, "notes": notes}
+
+
+# --------------------------------------------------------------------------- writers
+
+def _f(value, digits: int = 4, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _pm(value, hw, digits: int) -> str:
+    return _f(value, digits) + (f" \u00b1{hw:.{digits}f}" if hw is not None else "")
+
+
+def _table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]) + "\n"
+
+
+def markdown(fid: dict | None) -> str:
+    if fid is None:
+        return ""
+    md = ["## Fidelity (teacher-forced)\n",
+          f"Each arm's next-token log-probs on the teacher's own greedy continuations, "
+          f"{fid['items']} prompts; KL(teacher || arm) in nats over the teacher's top-k plus a "
+          f"tail bucket, agreement = % of positions where the arm's argmax is the teacher's "
+          f"token, NLL of the teacher's tokens, greedy match = positions before the first "
+          f"disagreement. \u00b1: {fid['interval']}. Status: {fid['status']}.\n"]
+    rows = []
+    for arm, e in fid["arms"].items():
+        if e["status"] != "ok" or "kl" not in e:
+            rows.append([arm, e["abbr"], e["status"], "", "", "", ""])
+            continue
+        rows.append([arm, e["abbr"], e["items"], _pm(e["kl"], e.get("kl_half_width"), 4),
+                     _pm(e["agreement"], e.get("agreement_half_width"), 2),
+                     _pm(e["nll"], e.get("nll_half_width"), 3),
+                     _pm(e["greedy_match"], e.get("greedy_match_half_width"), 2)])
+    md.append(_table(["arm", "model", "items", "KL", "agreement", "NLL", "greedy match"], rows))
+    if fid["decomposition"]:
+        md.append("Decomposition: quantization loss = int4 exact vs teacher, routing loss = "
+                  "prerouted no LoRA vs int4 exact, LoRA recovery = student vs prerouted no LoRA; "
+                  "KL in nats (rise for a loss, fall for the recovery), agreement in points "
+                  "(drop for a loss, gain for the recovery); positive = as named.\n")
+        md.append(_table(["step", "KL", "agreement"],
+                         [[s, _pm(d["kl"]["delta"], d["kl"]["half_width"], 4),
+                           _pm(d["agreement"]["delta"], d["agreement"]["half_width"], 2)]
+                          for s, d in fid["decomposition"].items()]))
+    src_rows = [[arm, s, v["items"], _f(v["kl"]), _f(v["agreement"], 2), _f(v["nll"], 3),
+                 _f(v["greedy_match"], 2)]
+                for arm, e in fid["arms"].items() for s, v in (e.get("by_source") or {}).items()]
+    if src_rows:
+        md.append("Per source:\n")
+        md.append(_table(["arm", "source", "items", "KL", "agreement", "NLL", "greedy match"],
+                         src_rows))
+    if fid["notes"]:
+        md.extend(f"- {n}" for n in fid["notes"])
+        md.append("")
+    md.append("![fidelity](fidelity.png)\n")
+    return "\n".join(md)
+
+
+def write_plot(fid: dict | None, path) -> None:
+    if fid is None:
+        return
+    import matplotlib   # slow import: only when writing a report
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS if fid["arms"].get(a, {}).get("status") == "ok"
+            and "kl" in fid["arms"][a]]
+    groups = ["all"] + sorted({s for a in arms for s in fid["arms"][a].get("by_source", {})})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(arms))
+    for ax, metric, label in ((axes[0], "kl", "KL(teacher || arm), nats (lower is better)"),
+                              (axes[1], "agreement", "top-1 agreement, % (higher is better)")):
+        for i, arm in enumerate(arms):
+            e = fid["arms"][arm]
+            values = [e[metric] if g == "all" else e["by_source"].get(g, {}).get(metric, 0.0)
+                      for g in groups]
+            errs = [(e if g == "all" else e["by_source"].get(g, {})).get(f"{metric}_half_width")
+                    or 0.0 for g in groups]
+            xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
+            ax.bar(xs, values, width, yerr=errs, capsize=3, label=arm)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_title(label, fontsize=9)
+    axes[1].set_ylim(0, 105)
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+    fig.suptitle(f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
+                 f"interval vs the teacher)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- gate
+
+def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_KL_RISE,
+                max_agreement_drop: float = DEFAULT_MAX_AGREEMENT_DROP) -> list[dict]:
+    """One check per baseline arm: {name, result (pass | FAIL), reasons, kl, agreement}."""
+    base = baseline.get("fidelity")
+    if not base:
+        now = current.get("fidelity")
+        return [] if not now else [{"name": "fidelity", "result": "new", "items": (None,
+                                    now["items"]), "reasons": ["not in the baseline; not gated"]}]
+    cur = current.get("fidelity") or {"arms": {}, "items": None, "teacher_sanity": None}
+    checks = []
+    for arm, b in base["arms"].items():
+        check = {"name": f"fidelity {arm}", "result": "pass", "reasons": [],
+                 "items": (b.get("items"), None), "kl": (b.get("kl"), None),
+                 "agreement": (b.get("agreement"), None)}
+        checks.append(check)
+
+        def fail(reason):
+            check["result"] = "FAIL"
+            check["reasons"].append(reason)
+
+        c = cur["arms"].get(arm)
+        if c is None:
+            fail("missing from the report")
+            continue
+        if b["status"] != "ok" or "kl" not in b:
+            fail(f"baseline not comparable ({b['status']})")
+        if c["status"] != "ok" or "kl" not in c:
+            fail(c["status"])
+        if check["result"] == "FAIL":
+            continue
+        check["kl"], check["agreement"] = (b["kl"], c["kl"]), (b["agreement"], c["agreement"])
+        check["items"] = (b["items"], c["items"])
+        if c["items"] != b["items"]:
+            fail(f"{c['items']} items, baseline {b['items']}")
+        if arm == "teacher":
+            sanity = cur.get("teacher_sanity") or {}
+            if not sanity.get("ok"):
+                fail(f"teacher on its own set: KL {c['kl']:.3g}, agreement "
+                     f"{c['agreement']:.2f} (want 0 and 100): not the set's teacher")
+            continue
+        check["reasons"].append(f"KL {b['kl']:.4f}->{c['kl']:.4f}, agreement "
+                                f"{b['agreement']:.2f}->{c['agreement']:.2f}")
+        kl_hw, ag_hw = _change_widths(base.get("per_item", {}).get(arm),
+                                      cur.get("per_item", {}).get(arm))
+        rise, drop = c["kl"] - b["kl"], b["agreement"] - c["agreement"]
+        allowed = max(max_kl_rise * b["kl"], MIN_KL_RISE)
+        if rise > allowed + kl_hw:
+            fail(f"KL rose {rise:+.5f} > {allowed:.5f} ({max_kl_rise:g} of the baseline) "
+                 f"+ {kl_hw:.5f}")
+        elif -rise > allowed + kl_hw:
+            fail(f"KL fell {rise:+.5f} beyond {allowed:.5f} + {kl_hw:.5f}: the served path "
+                 f"changed; refresh the baseline if that is intended")
+        if drop > max_agreement_drop + ag_hw:
+            fail(f"agreement dropped {drop:.2f} > {max_agreement_drop:g} + {ag_hw:.2f}")
+    return checks
+
+
+def _change_widths(base: dict | None, cur: dict | None) -> tuple[float, float]:
+    """95% half-widths (KL, agreement points) of the paired per-item changes; 0 unpaired."""
+    if not base or not cur or set(base) != set(cur):
+        return 0.0, 0.0
+    ids = sorted(base)
+    kl = _paired([cur[i][0] - base[i][0] for i in ids])[1]
+    agree = _paired([100.0 * (cur[i][1] - base[i][1]) for i in ids])[1]
+    return kl or 0.0, agree or 0.0

@@ -1,0 +1,142 @@
+"""The fidelity set file and the metrics on it (numpy only: configs and the report import this
+without MLX). The set is made by edge0_eval/evaluation/fidelity.py (`edge0-eval fidelity make`).
+
+File (JSON, or gzipped JSON when the name ends in .gz), format "edge0-eval/fidelity/v1":
+  teacher   {name, fingerprint (sha256 of config, tokenizer and weight headers), model_type,
+             compute_dtype}
+  max_new, top_k, thinking, created, sources {source: {file, items, ...}}
+  items     [{id, source, prompt (text), prompt_ids (chat template applied), tokens (the
+             teacher's greedy continuation), topk_ids [P][K] (first = the token),
+             topk_logprobs [P][K], rest [P] (1 - top-k mass)}]
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from edge0_eval.errors import ConfigError
+
+FORMAT = "edge0-eval/fidelity/v1"
+# Where `data stage` lays a set and configs/datasets/edge0_fidelity.py looks (under the data root).
+SET_PATH = "data/fidelity/fidelity_set.json"
+# The dataset abbr of configs/datasets/edge0_fidelity.py; the report tells fidelity rows by it.
+DATASET_ABBR = "edge0_fidelity"
+# Tail masses below this are treated as this (log of zero); the same floor for both sides.
+TAIL_FLOOR = 1e-12
+METRICS = ("kl", "agreement", "nll", "greedy_match")
+
+
+def tail_mass(logprobs) -> np.ndarray:
+    """1 - sum(exp(top-k log-probs)) per position, floored; computed identically for both sides."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    return np.maximum(1.0 - np.exp(lp).sum(axis=-1), TAIL_FLOOR)
+
+
+# --------------------------------------------------------------------------- metrics
+
+def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
+    """Per-item fidelity of one arm against the set's teacher row `item`."""
+    t_lp = np.asarray(item["topk_logprobs"], dtype=np.float32).astype(np.float64)
+    a_lp = np.asarray(arm_logprobs, dtype=np.float32).astype(np.float64)
+    argmax = np.asarray(arm_argmax, dtype=np.int64)
+    tokens = np.asarray(item["tokens"], dtype=np.int64)
+    if a_lp.shape != t_lp.shape or argmax.shape != tokens.shape:
+        raise ConfigError(f"item {item['id']}: the arm returned log-probs {a_lp.shape} and "
+                          f"{argmax.shape} argmax for the set's {t_lp.shape} positions")
+    t_rest = np.maximum(np.asarray(item["rest"], dtype=np.float64), TAIL_FLOOR)
+    a_rest = tail_mass(a_lp)
+    kl = (np.exp(t_lp) * (t_lp - a_lp)).sum(axis=-1) + t_rest * (np.log(t_rest) - np.log(a_rest))
+    agree = argmax == tokens
+    miss = np.flatnonzero(~agree)
+    # tokens[i] is the teacher's argmax, the set's first top-k id: its arm log-prob is column 0.
+    return {"kl": float(kl.mean()), "agreement": float(agree.mean()),
+            "nll": float(-a_lp[:, 0].mean()),
+            "greedy_match": int(miss[0]) if miss.size else int(tokens.size),
+            "positions": int(tokens.size)}
+
+
+def mean_metrics(rows: list[dict]) -> dict:
+    return {m: sum(r[m] for r in rows) / len(rows) for m in METRICS} if rows else {}
+
+
+# --------------------------------------------------------------------------- the file
+
+def write_set(fset: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(fset, separators=(",", ":")) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".gz":
+        with gzip.open(tmp, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def read_set(path: str | Path) -> dict:
+    """A fidelity set, validated; any problem is one ConfigError naming the file and the fix."""
+    path = Path(path)
+    fix = "make it with `edge0-eval fidelity make TEACHER --out FILE`"
+    if not path.is_file():
+        raise ConfigError(f"fidelity set {path} not found; {fix} (or `edge0-eval data stage "
+                          f"--fidelity FILE` to lay one there)")
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                fset = json.load(f)
+        else:
+            fset = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, EOFError) as exc:
+        raise ConfigError(f"fidelity set {path} is unreadable ({exc}); {fix}") from None
+    problem = _problem(fset)
+    if problem:
+        raise ConfigError(f"fidelity set {path}: {problem}; {fix}")
+    return fset
+
+
+def _problem(fset) -> str | None:
+    if not isinstance(fset, dict) or fset.get("format") != FORMAT:
+        got = fset.get("format") if isinstance(fset, dict) else type(fset).__name__
+        return f"format {got!r}, expected {FORMAT!r}"
+    for key in ("teacher", "max_new", "top_k", "sources", "items"):
+        if key not in fset:
+            return f"no {key!r}"
+    if not isinstance(fset["items"], list) or not fset["items"]:
+        return "no items"
+    k = fset["top_k"]
+    seen = set()
+    for n, item in enumerate(fset["items"]):
+        keys = ("id", "source", "prompt_ids", "tokens", "topk_ids", "topk_logprobs", "rest")
+        if not isinstance(item, dict) or any(key not in item for key in keys):
+            return f"item {n} lacks one of {keys}"
+        where = f"item {n} ({item['id']})"
+        if item["id"] in seen:
+            return f"{where}: duplicate id"
+        seen.add(item["id"])
+        p = len(item["tokens"])
+        if not item["prompt_ids"] or not p or p > fset["max_new"]:
+            return f"{where}: empty prompt, or not 1..max_new continuation tokens"
+        if not (len(item["topk_ids"]) == len(item["topk_logprobs"]) == len(item["rest"]) == p):
+            return f"{where}: top-k rows do not match its {p} tokens"
+        for i, (ids, lps) in enumerate(zip(item["topk_ids"], item["topk_logprobs"])):
+            if len(ids) != len(lps) or not 1 <= len(ids) <= k:
+                return f"{where} position {i}: {len(ids)} ids and {len(lps)} log-probs, top_k {k}"
+            if ids[0] != item["tokens"][i]:
+                return f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
+            if any(not math.isfinite(v) or v > 0 for v in lps):
+                return f"{where} position {i}: log-probs must be finite and <= 0"
+    return None
+
+
+def source_counts(fset: dict) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in fset["items"]:
+        counts[item["source"]] = counts.get(item["source"], 0) + 1
+    return counts

@@ -1,0 +1,59 @@
+"""`edge0-eval fidelity make TEACHER --out FILE`: the fidelity set, made once from the teacher.
+
+The set (see edge0_eval/evaluation/fidelity.py) holds prompts, the teacher's greedy continuation
+of each and the teacher's top-k log-probs at every position; every arm is later scored on it
+(configs/datasets/edge0_fidelity.py). Make it where the teacher fits, copy the one file to where
+the students run, and `edge0-eval data stage --root R --fidelity FILE` lays it where the config
+looks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from edge0_eval.evaluation.fidelity import (DEFAULT_MAX_NEW, DEFAULT_TOP_K, SOURCES,
+                                            gather_prompts, make_set)
+from edge0_eval.evaluation.fidelity_set import source_counts, write_set
+from edge0_eval.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    mk = sub.add_parser("make", help="make a fidelity set from a teacher checkpoint")
+    mk.add_argument("teacher", metavar="TEACHER", help="mlx-lm teacher checkpoint directory")
+    mk.add_argument("--out", required=True, metavar="FILE",
+                    help="the set to write (.json, or .json.gz for a gzipped one)")
+    mk.add_argument("--max-new", type=int, default=DEFAULT_MAX_NEW, metavar="N",
+                    help=f"teacher tokens per prompt (default {DEFAULT_MAX_NEW})")
+    mk.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
+                    help=f"teacher log-probs kept per position (default {DEFAULT_TOP_K})")
+    mk.add_argument("--prompts-from", default=",".join(SOURCES), metavar="SRC,...",
+                    help=f"packaged prompt sources, comma-separated, from {', '.join(SOURCES)} "
+                         f"(default all; '' for none)")
+    mk.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="at most N prompts from each source (default all)")
+    mk.add_argument("--text", nargs="+", default=[], metavar="FILE",
+                    help="extra prompts: a .jsonl of {\"prompt\": ...} lines, or a text file "
+                         "(one prompt)")
+    mk.add_argument("--compute-dtype", default="auto",
+                    help="the teacher's activation dtype, as the teacher arm's compute_dtype "
+                         "(default auto)")
+    mk.add_argument("--thinking", action="store_true",
+                    help="chat template with enable_thinking=True (default off, as the configs)")
+    mk.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError("--limit must be at least 1")
+    sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]
+    prompts, info = gather_prompts(sources, args.text, args.limit)
+    fset = make_set(args.teacher, prompts, info, max_new=args.max_new, top_k=args.top_k,
+                    compute_dtype=args.compute_dtype, thinking=args.thinking,
+                    progress=not args.no_progress)
+    path = write_set(fset, args.out)
+    counts = ", ".join(f"{k} {v}" for k, v in source_counts(fset).items())
+    positions = sum(len(i["tokens"]) for i in fset["items"])
+    print(f"wrote {path}: {len(fset['items'])} prompts ({counts}), {positions} positions, "
+          f"top-{fset['top_k']}, teacher {fset['teacher']['fingerprint'][:12]}")
+    return 0

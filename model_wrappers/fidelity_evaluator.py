@@ -1,0 +1,30 @@
+"""Evaluator for the fidelity dataset: an arm's log-probs against the teacher's, per item.
+
+Metrics (edge0_eval/evaluation/fidelity.py): kl (nats, KL(teacher || arm) over the top-k plus a
+tail bucket), agreement (share of positions whose argmax is the teacher's token), nll (of the
+teacher's tokens), greedy_match (positions before the first disagreement); each per item in
+`details` (with the item's id and source) and averaged over items.
+"""
+
+from __future__ import annotations
+
+import json
+
+from opencompass.openicl.icl_evaluator import BaseEvaluator
+from opencompass.registry import ICL_EVALUATORS
+
+from edge0_eval.evaluation.fidelity_set import mean_metrics, score_item
+
+
+@ICL_EVALUATORS.register_module()
+class FidelityEvaluator(BaseEvaluator):
+
+    def score(self, predictions, references):
+        if len(predictions) != len(references):
+            return {'error': 'preds and refrs have different length'}
+        details = []
+        for pred, ref in zip(predictions, references):
+            item, out = json.loads(ref), json.loads(pred)
+            details.append({'id': item['id'], 'source': item['source'],
+                            **score_item(item, out['logprobs'], out['argmax'])})
+        return {**mean_metrics(details), 'items': len(details), 'details': details}

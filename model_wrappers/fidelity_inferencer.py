@@ -1,0 +1,56 @@
+"""Inferencer for the fidelity dataset: each arm's teacher-forced log-probs, not generations.
+
+For every row it hands the teacher's prompt ids, tokens and top-k ids to the model's
+`fidelity_logprobs` (MLXLMModel and Edge0Model have one; both run their served decode path) and
+writes the result as the row's prediction (JSON), in OpenCompass's predictions file, plus the
+per-item stats side file the other datasets have (predictions/<model>/<dataset>.engine_stats.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from opencompass.openicl.icl_inferencer.icl_base_inferencer import BaseInferencer
+from opencompass.registry import ICL_INFERENCERS
+
+from edge0_eval.errors import ConfigError
+
+from .inferencer import stats_path
+
+
+@ICL_INFERENCERS.register_module()
+class FidelityInferencer(BaseInferencer):
+
+    def __init__(self, model, max_out_len=None, min_out_len=None, **kwargs):
+        # max/min_out_len come from the model config for every dataset; the set fixes the length.
+        super().__init__(model=model, **kwargs)
+
+    def inference(self, retriever, ice_template=None, prompt_template=None,
+                  output_json_filepath=None, output_json_filename=None):
+        out_dir = output_json_filepath or self.output_json_filepath
+        out_file = output_json_filename or self.output_json_filename
+        score = getattr(self.model, 'fidelity_logprobs', None)
+        if score is None:
+            raise ConfigError(f'{type(self.model).__name__} has no fidelity_logprobs; the '
+                              f'fidelity dataset runs on MLXLMModel and Edge0Model arms')
+        preds, stats = {}, []
+        for index, row in enumerate(retriever.test_ds):
+            item = json.loads(row['item'])
+            start = time.perf_counter()
+            out = score(item['prompt_ids'], item['tokens'], item['topk_ids'])
+            wall = time.perf_counter() - start
+            preds[str(index)] = {'origin_prompt': row['prompt'], 'prediction': json.dumps(out),
+                                 'gold': item['id']}
+            stats.append({'index': index, 'arm': getattr(self.model, 'arm', None),
+                          'prompt_tokens': len(item['prompt_ids']),
+                          'tokens': len(item['tokens']), 'wall_s': round(wall, 4),
+                          'tok_s': round(len(item['tokens']) / wall, 2) if wall > 0 else None})
+        if self.is_main_process:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, out_file), 'w', encoding='utf-8') as f:
+                json.dump(preds, f, indent=1)
+            with open(stats_path(out_dir, out_file), 'w', encoding='utf-8') as f:
+                json.dump(stats, f, indent=1)
+        return [p['prediction'] for p in preds.values()]
