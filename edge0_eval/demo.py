@@ -14,14 +14,20 @@ import argparse
 import json
 import os
 import shutil
+import string
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+from edge0_eval.checkpoints.convert import convert
+from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.fidelity import fingerprint, gather_prompts, make_set
 from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set, write_set
+from edge0_eval.evaluation.fixtures import write_fixtures
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ('teacher', 'int4_exact', 'prerouted_nolora', 'student')
@@ -67,10 +73,6 @@ def opencompass_command() -> list[str]:
 
 def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
     """Tiny teacher, student and fixture data under `work`; returns the run's environment."""
-    from edge0_eval.checkpoints.convert import convert
-    from edge0_eval.evaluation.fixtures import write_fixtures
-    from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
-
     teacher, student, data = work / 'tiny-teacher', work / 'tiny-student', work / 'data'
     if fresh:
         for path in (teacher, student):
@@ -91,8 +93,6 @@ def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
 
 def make_tiny_fidelity_set(teacher: Path, path: Path) -> Path:
     """The fidelity set of the tiny teacher; remade when the teacher changed."""
-    from edge0_eval.evaluation.fidelity import fingerprint, gather_prompts, make_set
-
     if path.is_file():
         try:
             if read_set(path)['teacher']['fingerprint'] == fingerprint(teacher):
@@ -105,13 +105,9 @@ def make_tiny_fidelity_set(teacher: Path, path: Path) -> Path:
 
 def tiny_corpus(directory: Path) -> list[Path]:
     """Text that ships with every Python, one document per file: stage-1 training text."""
-    import json as json_module
-    import string
-    import textwrap
-
     directory.mkdir(parents=True, exist_ok=True)
     files = []
-    for module in (json_module, string, textwrap):
+    for module in (json, string, textwrap):
         path = directory / f'{module.__name__.replace(".", "_")}.txt'
         path.write_text(Path(module.__file__).read_text(encoding='utf-8'), encoding='utf-8')
         files.append(path)

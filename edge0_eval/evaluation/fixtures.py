@@ -14,6 +14,9 @@ import gzip
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from edge0_eval.evaluation.data import PATHS, _dist_file, stage_nltk
 
 AIME_ITEMS = [
@@ -96,9 +99,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _write_mmlu_pro(directory: Path) -> None:
     """HF TIGER-Lab/MMLU-Pro layout: data/test-*.parquet and data/validation-*.parquet."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     def table(rows):
         cols = {'question_id': [], 'question': [], 'options': [], 'answer': [],
                 'answer_index': [], 'cot_content': [], 'category': [], 'src': []}

@@ -1,0 +1,166 @@
+"""Reading an mlx-lm checkpoint: safetensors headers checked up front, tensors read one at a time.
+
+Nothing is memory-mapped and nothing is loaded as a whole, so `convert` holds one source tensor
+(or one layer's experts) at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.utils import _decode_tagged_floats
+
+from edge0_eval.errors import CheckpointError
+
+# safetensors dtype code -> (our dtype string, numpy dtype). bfloat16 travels as raw uint16.
+_ST_DTYPES = {
+    "F16": ("float16", np.float16), "BF16": ("bfloat16", np.uint16), "F32": ("float32", np.float32),
+    "F64": ("float64", np.float64), "U32": ("uint32", np.uint32), "I32": ("int32", np.int32),
+    "U8": ("uint8", np.uint8), "I8": ("int8", np.int8), "U16": ("uint16", np.uint16),
+    "I16": ("int16", np.int16), "I64": ("int64", np.int64), "U64": ("uint64", np.uint64),
+    "BOOL": ("bool", np.bool_),
+}
+
+
+class SafetensorsFile:
+    """One safetensors file: header parsed and checked up front, tensors read on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError("shorter than the 8-byte header length")
+                n = int.from_bytes(head, "little")
+                if n > size - 8 or n > 100 * 2**20:
+                    raise ValueError(f"header length {n} exceeds the file size {size} "
+                                     f"(truncated?)")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            self._data_start = 8 + n
+            self.tensors: dict[str, tuple[str, list[int], int, int]] = {}
+            for name, info in header.items():
+                code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+                if code not in _ST_DTYPES:
+                    raise ValueError(f"tensor {name} has unsupported dtype {code}")
+                want = int(np.prod(shape)) * np.dtype(_ST_DTYPES[code][1]).itemsize
+                if end - begin != want or begin < 0:
+                    raise ValueError(f"tensor {name}: offsets {begin}..{end} do not match its shape")
+                if self._data_start + end > size:
+                    raise ValueError(f"tensor {name} ends at byte {self._data_start + end} "
+                                     f"but the file has {size} bytes (truncated?)")
+                self.tensors[name] = (code, list(shape), begin, end)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{path} is not a valid safetensors file ({exc}); "
+                                  f"re-download or re-save the checkpoint") from None
+
+    def dtype(self, name: str) -> str:
+        return _ST_DTYPES[self.tensors[name][0]][0]
+
+    def shape(self, name: str) -> list[int]:
+        return self.tensors[name][1]
+
+    def nbytes(self, name: str) -> int:
+        _, _, begin, end = self.tensors[name]
+        return end - begin
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor read into a fresh numpy array (bfloat16 as uint16).
+
+        A plain read rather than a memory map: mapped pages would count as this process's
+        memory until the kernel drops them, while a read buffer is freed as soon as it is used.
+        """
+        code, shape, begin, end = self.tensors[name]
+        dtype = np.dtype(_ST_DTYPES[code][1])
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin)
+            arr = np.fromfile(f, dtype=dtype, count=(end - begin) // dtype.itemsize)
+        if arr.nbytes != end - begin:
+            raise CheckpointError(f"{self.path} is truncated (it changed while being read?)")
+        return arr.reshape(shape)
+
+
+class Checkpoint:
+    """An mlx-lm checkpoint directory: config plus tensors spread over one or more shards."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path} not found or not a directory: SRC must be an "
+                                  f"mlx-lm checkpoint directory")
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path} not found: SRC must be an mlx-lm checkpoint "
+                                  f"directory (config.json + *.safetensors)")
+        try:
+            self.config = _decode_tagged_floats(json.loads(config_path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{config_path} is not valid JSON ({exc})") from None
+        self.files = [SafetensorsFile(p) for p in self._weight_files()]
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for name in f.tensors:
+                self._where[name] = f
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+                raise CheckpointError(f"{index} is malformed ({exc})") from None
+            missing = [n for n in names if not (self.path / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{index} lists shard(s) missing from {self.path}: "
+                                      f"{', '.join(missing)}")
+            return [self.path / n for n in names]
+        files = sorted(self.path.glob("model*.safetensors")) or sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors weights in {self.path}")
+        return files
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def quantization(self) -> dict | None:
+        return self.config.get("quantization")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name].shape(name)
+
+    def dtype(self, name: str) -> str:
+        return self._where[name].dtype(name)
+
+    def nbytes(self, name: str) -> int:
+        return self._where[name].nbytes(name)
+
+    def array(self, name: str) -> np.ndarray:
+        return self._where[name].array(name)
+
+    def mx_array(self, name: str):
+        """The tensor in MLX with its true dtype (bfloat16 reinterpreted from raw uint16)."""
+        arr = mx.array(self.array(name))
+        return arr.view(mx.bfloat16) if self.dtype(name) == "bfloat16" else arr
+
+    def source_files(self) -> list[Path]:
+        return [self.path / "config.json"] + [f.path for f in self.files]
+
+
+def to_numpy(arr) -> np.ndarray:
+    """MLX -> numpy, bfloat16 as raw uint16 (numpy has no bfloat16)."""
+    if arr.dtype == mx.bfloat16:
+        arr = arr.view(mx.uint16)
+    return np.array(arr, copy=False)
