@@ -27,7 +27,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, mode_default: str = "r
     g.add_argument("--io-workers", type=int, default=4)
     g.add_argument("--io-throttle-mbps", type=float, default=None,
                    help="emulate storage of this bandwidth (figures are labelled emulated)")
-    g.add_argument("--verify-crc", action="store_true")
+    g.add_argument("--verify-crc", action=argparse.BooleanOptionalAction, default=True,
+                   help="crc32 of each expert bundle on its first read (default on)")
     g.add_argument("--compute-dtype", default="auto",
                    choices=("auto", "float16", "bfloat16", "float32"),
                    help="activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)")

@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.engine.checks import (check_index_model, check_resident,
+                                      load_tokenizer_checked, read_config)
 from edge0_eval.engine.families import Family, family_for
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES, cast_floating, resolve_compute_dtype
@@ -45,7 +47,7 @@ class EngineOptions:
     no_prerouter: bool = False
     io_workers: int = 4
     io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
-    verify_crc: bool = False
+    verify_crc: bool = True                  # crc32 of each bundle on its first read
     prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
     measure_recall: bool = False             # prerouted: compare plans with the true router
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
@@ -122,7 +124,7 @@ class Engine:
     # -- loading ----------------------------------------------------------------------------
     @classmethod
     def load(cls, directory: str | Path, options: EngineOptions | None = None) -> "Engine":
-        from mlx_lm.utils import _get_classes, load_tokenizer
+        from mlx_lm.utils import _get_classes
 
         options = options or EngineOptions()
         options.validate()
@@ -130,9 +132,10 @@ class Engine:
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} not found; is {directory} a converted model?")
-        config = json.loads(config_path.read_text())
+        config = read_config(config_path)
         family = family_for(config, str(config_path))
         index = ExpertIndex.load(directory)
+        check_index_model(index, config, family, directory)
         if index.model_type != config["model_type"]:
             raise CheckpointError(f"{directory}: index is for {index.model_type!r} but config.json "
                                   f"says {config['model_type']!r}; re-run convert")
@@ -164,6 +167,7 @@ class Engine:
             # Instance-level replacement: mlx-lm's classes stay untouched.
             layers[i].mlp = family.block_class(layers[i].mlp, switch, i, top_k)
 
+        check_resident(directory / RESIDENT_NAME, index)
         resident = _load_resident(directory / RESIDENT_NAME)
         _quantize_like_mlx_lm(model, config, resident)
         _check_resident_names(model, resident, directory / RESIDENT_NAME)
@@ -183,7 +187,7 @@ class Engine:
         del resident
 
         eos = config.get("eos_token_id")
-        tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+        tokenizer = load_tokenizer_checked(directory, [eos] if isinstance(eos, int) else eos)
         engine = cls(model, tokenizer, config, family, index, store, options, top_k, slots,
                      counters, directory)
         engine.lora = lora

@@ -38,6 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from edge0_eval.engine.checks import read_safetensors_header
 from edge0_eval.errors import CheckpointError, ConfigError
 
 KIND = "prerouter"
@@ -326,7 +327,12 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
     key = mx.random.key(seed)
     fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim ** -0.5)
     heads = PrerouterHeads(config, fc1, mx.zeros((o, e, w)), mx.stack(linear))
-    mx.eval(heads.parameters())
+    finite = mx.stack([mx.all(mx.isfinite(heads.fc1)), mx.all(mx.isfinite(heads.fc2)),
+                       mx.all(mx.isfinite(heads.linear))]).tolist()
+    bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
+    if bad:
+        raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
+                              f"the heads are corrupt, train them again")
     return heads
 
 
@@ -378,20 +384,11 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
 
 
 def read_metadata(path: str | Path) -> dict:
-    """The safetensors metadata of a heads file (no tensor data read)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > path.stat().st_size - 8:
-                raise ValueError("bad header length")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointError(f"prerouter file {path} not found") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"prerouter file {path} is not a readable safetensors file "
-                              f"({exc})") from None
-    return dict(header.get("__metadata__") or {})
+    """The safetensors metadata of a heads file (header checked, no tensor data read)."""
+    _, meta = read_safetensors_header(path, "prerouter heads",
+                                      "train them again with `edge0-eval train-prerouter`, "
+                                      "or run with --no-prerouter")
+    return meta
 
 
 def _int_meta(meta: dict, key: str, path: Path) -> int | None:
@@ -490,5 +487,10 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
     if dtype is not None:
         heads = heads.astype(dtype)
-    mx.eval(heads.parameters())
+    finite = mx.stack([mx.all(mx.isfinite(heads.fc1)), mx.all(mx.isfinite(heads.fc2)),
+                       mx.all(mx.isfinite(heads.linear))]).tolist()
+    bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
+    if bad:
+        raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
+                              f"the heads are corrupt, train them again")
     return heads
