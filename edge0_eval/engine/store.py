@@ -71,6 +71,8 @@ class StoreStats:
     bytes_read: int = 0
     read_seconds: float = 0.0      # time spent inside read calls (summed over I/O threads)
     throttle_seconds: float = 0.0  # time added by the storage emulation
+    crc_bundles: int = 0           # bundles checksummed (each once per store)
+    crc_seconds: float = 0.0       # time spent in those checksums (summed over I/O threads)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -173,7 +175,12 @@ class ExpertStore:
                 self._stamp = stamp
         if self._verified[pos, expert]:
             return
-        if zlib.crc32(buf) != self.index.crc32[pos][expert]:
+        started = time.perf_counter()
+        crc = zlib.crc32(buf)
+        with self._lock:
+            self.stats.crc_bundles += 1
+            self.stats.crc_seconds += time.perf_counter() - started
+        if crc != self.index.crc32[pos][expert]:
             raise CheckpointError(
                 f"{self.path}: checksum mismatch for layer {layer} expert {expert}; the file is "
                 f"corrupt, was overwritten, or does not belong to {INDEX_NAME}; re-run "

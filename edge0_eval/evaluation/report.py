@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval import cli_types as ct
 from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
                                             expand_outputs, load_dataset_result, load_run)
 
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenCompass output folders: a run (<work_dir>/<timestamp>) or a "
                              "work_dir (its latest run); teacher and student may be in "
                              "different ones")
-    parser.add_argument("--out", required=True, metavar="DIR",
+    parser.add_argument("--out", required=True, metavar="DIR", type=ct.directory,
                         help="folder for report.md, report.csv, report.json, report.png")
     parser.add_argument("--arms", metavar="NAME=ABBR,...",
                         help="model abbr per arm: teacher, student (prerouted + LoRA), and "
