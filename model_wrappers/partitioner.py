@@ -17,7 +17,8 @@ from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 
 from edge0_eval.evaluation.data import data_root, verify
-from edge0_eval.errors import ConfigError
+from edge0_eval.engine.checks import check_model_dir, read_safetensors_header
+from edge0_eval.errors import Edge0Error
 
 
 def benchmark_of(dataset_abbr: str) -> str | None:
@@ -45,8 +46,16 @@ def model_problems(models: Iterable[dict]) -> List[str]:
             from model_wrappers.edge0_model import engine_fields, resolve_engine_options
 
             try:
-                resolve_engine_options(path, **{k: model[k] for k in engine_fields() if k in model})
-            except ConfigError as exc:
+                opts = resolve_engine_options(
+                    path, **{k: model[k] for k in engine_fields() if k in model})
+                # The files themselves, as Engine.load reads them: a corrupt or foreign student
+                # stops the run here, not as failed tasks after the teacher's.
+                check_model_dir(path, verify_crc=opts.get('verify_crc', True))
+                for key, what in (('lora_path', 'LoRA adapter'),
+                                  ('prerouter_path', 'prerouter heads')):
+                    if opts.get(key):
+                        read_safetensors_header(opts[key], what, 'train or copy it again')
+            except Edge0Error as exc:
                 problems.append(f'{name}: {exc}')
         elif _type_name(model) == 'MLXLMModel':
             if not os.path.isfile(os.path.join(path, 'config.json')):

@@ -95,7 +95,11 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
         hints = {}
     for f in dataclasses.fields(args_class):
         key = prefix + f.name
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        # mlx-lm gives some fields a None default without Optional: they must be in the file.
+        hint = hints.get(f.name)
+        required = (f.default is dataclasses.MISSING and
+                    f.default_factory is dataclasses.MISSING) or \
+            (f.default is None and hint is not None and not _type_ok(None, hint))
         if f.name not in params:
             if required:
                 raise CheckpointError(f"{path}: required key {key!r} is missing; restore config.json "
@@ -110,6 +114,10 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
         if hints.get(f.name) is int and f.name not in ("bos_token_id", "pad_token_id") \
                 and isinstance(value, int) and value < 0:
             raise CheckpointError(f"{path}: key {key!r} is {value}; it must not be negative")
+
+
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def read_config(path: str | Path) -> dict:
@@ -139,6 +147,14 @@ def read_config(path: str | Path) -> dict:
                                              "TextModelArgs", None)
         if text_args is not None:
             _check_args(text_args, text, path, "text_config.")
+    # mlx-lm defaults these to some other model's sizes when absent; the engine needs them.
+    family = family_for(config, str(path))
+    text_config = family.text_config(config)
+    for key in REQUIRED_KEYS:
+        if key not in text_config:
+            where = "text_config." if text_config is not config else ""
+            raise CheckpointError(f"{path}: required key {where + key!r} is missing; restore "
+                                  f"config.json from the source checkpoint and {_RECONVERT}")
     quant = config.get("quantization")
     if quant is not None:
         _check_quantization(quant, path)
@@ -268,10 +284,11 @@ def check_resident(path: str | Path, index=None) -> dict:
                 raise CheckpointError(f"{path}: {base}.weight is {tensors[f'{base}.weight'][0]}"
                                       f", but a quantized weight is packed U32; {_RECONVERT}")
             scale_codes.setdefault(code, name)
-        elif code == "U32" and name.endswith(".weight"):
-            if f"{name[:-len('.weight')]}.scales" not in tensors:
-                raise CheckpointError(f"{path}: {name} is packed U32 but "
-                                      f"{name[:-len('.weight')]}.scales is missing; {_RECONVERT}")
+        elif code == "U32":
+            if not name.endswith(".weight") or \
+                    f"{name[:-len('.weight')]}.scales" not in tensors:
+                raise CheckpointError(f"{path}: {name} is packed U32 but has no "
+                                      f"quantization scales beside it; {_RECONVERT}")
     halves = {}
     for name, (code, _, _, _) in tensors.items():
         if code in ("F16", "BF16"):
@@ -349,3 +366,36 @@ def check_index_model(index, config: dict, family, directory: str | Path) -> Non
         if isinstance(value, int) and value != got:
             raise CheckpointError(f"{where}: expert bundles imply {key}={got} but config.json says "
                                   f"{value}; the index belongs to another model, {_RECONVERT}")
+    n_layers = text.get("num_hidden_layers")
+    if isinstance(n_layers, int) and max(index.moe_layers) >= n_layers:
+        raise CheckpointError(f"{where}: moe_layers {index.moe_layers} go past the model's "
+                              f"{n_layers} layers; {_RECONVERT}")
+    if index.module_path != f"{family.module_path}.switch_mlp":
+        raise CheckpointError(f"{where}: module_path {index.module_path!r} is not "
+                              f"{family.module_path + '.switch_mlp'!r} of a {family.name} model; "
+                              f"{_RECONVERT}")
+
+
+def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
+    """What Engine.load checks before reading weights, without loading any (a preflight).
+
+    config.json, the expert index against the expert file's size and the config, CRCs present
+    (unless opted out), the resident header against the index, and a tokenizer file.
+    """
+    from edge0_eval.engine.layout import INDEX_NAME, RESIDENT_NAME, ExpertIndex
+
+    directory = Path(directory)
+    config = read_config(directory / "config.json")
+    family = family_for(config, str(directory / "config.json"))
+    index = ExpertIndex.load(directory)
+    if index.model_type != config["model_type"]:
+        raise CheckpointError(f"{directory / INDEX_NAME}: index is for {index.model_type!r} but "
+                              f"config.json says {config['model_type']!r}; {_RECONVERT}")
+    check_index_model(index, config, family, directory)
+    if verify_crc and not index.crc32:
+        raise CheckpointError(f"{directory / INDEX_NAME} records no crc32 checksums; "
+                              f"{_RECONVERT}, or opt out with verify_crc=False")
+    check_resident(directory / RESIDENT_NAME, index)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
+                              f"the source checkpoint's tokenizer files into it")

@@ -175,7 +175,8 @@ class ExpertIndex:
         if directory is not None:
             path = Path(directory) / self.file
             if not path.is_file():
-                raise CheckpointError(f"{path} is missing; re-run `edge0-eval convert`")
+                raise CheckpointError(f"{path} is missing (the expert file {INDEX_NAME} names "
+                                      f"in 'file'); re-run `edge0-eval convert`")
             actual = path.stat().st_size
             if actual != self.file_size:
                 raise CheckpointError(

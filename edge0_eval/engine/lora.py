@@ -449,6 +449,9 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                                   f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})")
         ranks.setdefault(r, key_a)
         planned.append((module_path, base, a, b))
+    if len(file_dtypes) > 1:
+        raise CheckpointError(f"{path}: tensors mix dtypes {sorted(file_dtypes)}; an adapter is "
+                              f"saved in one dtype, so the header is corrupt")
     if len(ranks) > 1 and r_meta is None:
         (r1, k1), (r2, k2) = list(ranks.items())[:2]
         raise CheckpointError(f"{path}: metadata key 'r' is missing and ranks differ "

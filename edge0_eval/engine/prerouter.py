@@ -402,12 +402,14 @@ def _int_meta(meta: dict, key: str, path: Path) -> int | None:
 
 
 def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
-               owners: list[int] | None = None, dtype=None) -> PrerouterHeads:
+               owners: list[int] | None = None, dtype=None,
+               model_type: str | None = None) -> PrerouterHeads:
     """Load and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
 
     `owners` (None: every head in the file) selects heads; each must be present. Any problem
     (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
     CheckpointError naming the file. `dtype` casts the weights (None keeps the stored dtype).
+    `model_type`: the serving model's; refused when the file's metadata names another.
     """
     path = Path(path)
     where = f"prerouter file {path}"
@@ -426,6 +428,9 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     if k != top_k:
         raise CheckpointError(f"{where} was trained for K={k} but the engine serves K={top_k}; "
                               f"train heads for K={top_k} or serve with --top-k {k}")
+    if model_type is not None and meta.get("model_type") not in (None, "", model_type):
+        raise CheckpointError(f"{where} holds heads for a {meta['model_type']} model, but this "
+                              f"model is {model_type}; train heads for this model")
     for key, want in (("hidden", hidden), ("num_experts", num_experts)):
         got = _int_meta(meta, key, path)
         if got is not None and got != want:
@@ -436,6 +441,10 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         raise CheckpointError(f"{where} is unreadable ({exc}); the file is truncated or "
                               f"corrupt") from None
 
+    dtypes = {str(v.dtype).split(".")[-1] for v in weights.values()}
+    if len(dtypes) > 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
+        raise CheckpointError(f"{where}: tensors are {sorted(dtypes)}; heads are saved in one "
+                              f"floating dtype, so the header is corrupt")
     layers: dict[int, dict[str, mx.array]] = {}
     for name, value in weights.items():
         m = _KEY.match(name)
