@@ -54,7 +54,7 @@ def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, see
     """Positioned reads of random bundles at `queue_depth`: the storage's physical limit here."""
     from edge0_eval.engine.store import ExpertStore
 
-    store = ExpertStore(directory, io_workers=queue_depth)
+    store = ExpertStore(directory, io_workers=queue_depth, verify_crc=False)  # storage only
     try:
         if cold:
             store.evict_page_cache()
