@@ -682,3 +682,9 @@ def test_fuzz_oracle_sees_an_injected_fault(edge0_qwen, tmp_path, monkeypatch):
         (model / INDEX_NAME).write_text(json.dumps(data))
         kinds.append(outcome(_full_check(model))[0])
     assert set(kinds) - {"error"}, kinds
+
+
+@pytest.mark.parametrize("kw", [{"io_workers": 0}, {"io_throttle_mbps": float("nan")},
+                                {"io_throttle_mbps": -1.0}])
+def test_store_options_refused(kw, edge0_qwen):
+    expect_clear_error(lambda: ExpertStore(edge0_qwen, **kw), next(iter(kw)))

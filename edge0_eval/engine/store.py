@@ -8,6 +8,7 @@ bytes are counted exactly; `edge0-eval bench` measures both against each other.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import queue
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval.errors import CheckpointError
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 
 
@@ -82,8 +83,9 @@ class _Throttle:
     """Caps aggregate read bandwidth to emulate slower storage (a shared, serial device)."""
 
     def __init__(self, mbps: float):
-        if mbps <= 0:
-            raise ValueError("io throttle must be positive MB/s")
+        if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
+            raise ConfigError(f"io_throttle_mbps {mbps!r}: the storage emulation needs a "
+                              f"positive, finite MB/s (--io-throttle-mbps)")
         self.bytes_per_s = mbps * 1e6
         self._lock = threading.Lock()
         self._free_at = 0.0
@@ -106,6 +108,11 @@ class ExpertStore:
     def __init__(self, directory: str | Path, index: ExpertIndex | None = None, *,
                  io_workers: int = 4, io_throttle_mbps: float | None = None,
                  verify_crc: bool = True):
+        if not (isinstance(io_workers, int) and io_workers >= 1):
+            raise ConfigError(f"io_workers {io_workers!r}: at least one I/O thread is needed "
+                              f"(--io-workers)")
+        throttle = _Throttle(io_throttle_mbps) if io_throttle_mbps is not None else None
+        self._fd = -1
         self.directory = Path(directory)
         self.index = index or ExpertIndex.load(self.directory)
         self.path = self.directory / self.index.file
@@ -114,7 +121,6 @@ class ExpertStore:
                 f"{self.directory / INDEX_NAME} records no crc32 checksums, so corrupt expert "
                 f"data could not be detected; re-run `edge0-eval convert`, or opt out with "
                 f"--no-verify-crc (EngineOptions(verify_crc=False))")
-        self._fd = -1
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
@@ -125,8 +131,8 @@ class ExpertStore:
         self._verified = np.zeros((len(self.index.moe_layers), self.index.num_experts), bool)
         self._stamp = self._file_stamp()
         self.throttle_mbps = io_throttle_mbps
-        self._throttle = _Throttle(io_throttle_mbps) if io_throttle_mbps else None
-        self._queue = _PriorityPool(max(1, io_workers))
+        self._throttle = throttle
+        self._queue = _PriorityPool(io_workers)
         self._lock = threading.Lock()
         self.stats = StoreStats()
 
@@ -215,13 +221,16 @@ class ExpertStore:
             self.stats = StoreStats()
 
     def close(self) -> None:
-        self._queue.shutdown()
+        if getattr(self, "_queue", None) is not None:
+            self._queue.shutdown()
+            self._queue = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     def __del__(self):
         try:
-            self.close()
+            if getattr(self, "_fd", -1) >= 0 or getattr(self, "_queue", None) is not None:
+                self.close()
         except Exception:
             pass
