@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from edge0_eval import cli_types as ct
 from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
@@ -37,13 +38,14 @@ ARMS = ("mlx-lm", "resident", "compute-only", "reactive", "prerouted")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory")
-    parser.add_argument("--arms", default=None,
+    parser.add_argument("--arms", default=None, type=ct.name_list,
                         help=f"comma list from {', '.join(ARMS)} (default: the --mode arm)")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold")
-    parser.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the arms")
-    parser.add_argument("--raw-reads", type=int, default=256,
+    parser.add_argument("--tokens", type=ct.positive_int, default=32, help="decode tokens per run")
+    parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
+    parser.add_argument("--repeats", type=ct.positive_int, default=1,
+                        help="interleaved rounds over the arms")
+    parser.add_argument("--raw-reads", type=ct.nonneg_int, default=256,
                         help="bundles read for the raw bandwidth figure (0 skips it)")
     parser.add_argument("--emulate-balanced", action="store_true",
                         help="set the storage throttle so pure read time equals the compute-only "
@@ -52,13 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also copy the same number of random bundles out of an mmap")
     parser.add_argument("--profile", action="store_true",
                         help="print the split of a decode step per arm")
-    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
     add_engine_arguments(parser)
 
 
 def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0) -> dict:
     """Positioned reads of random bundles at `queue_depth`: the storage's physical limit here."""
-    store = ExpertStore(directory, io_workers=queue_depth)
+    store = ExpertStore(directory, io_workers=queue_depth, verify_crc=False)  # storage only
     try:
         if cold:
             store.evict_page_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from edge0_eval import cli_types as ct
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.engine.options import (LORA_FILE, MODES, PREROUTER_FILE, WEIGHT_SOURCES,
                                        EngineOptions)
@@ -16,11 +17,13 @@ _DEFAULTS = EngineOptions()
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--mode", default=_DEFAULTS.mode, choices=MODES)
-    g.add_argument("--top-k", type=int, default=None, help="routing width (default: native)")
-    g.add_argument("--expert-budget-mib", type=float, default=None,
+    g.add_argument("--top-k", type=ct.positive_int, default=None,
+                   help="routing width (default: native)")
+    g.add_argument("--expert-budget-mib", type=ct.positive_float, default=None,
                    help="memory for expert slots across all MoE layers")
-    g.add_argument("--slots-per-layer", type=int, default=None)
-    g.add_argument("--lora", dest="lora_path", default=None, help=f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)")
+    g.add_argument("--slots-per-layer", type=ct.positive_int, default=None)
+    g.add_argument("--lora", dest="lora_path", default=None,
+                   help=f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)")
     g.add_argument("--prerouter", dest="prerouter_path", default=None,
                    help=f"prerouter heads safetensors (default: MODEL/{PREROUTER_FILE})")
     g.add_argument("--no-lora", action="store_true")
@@ -30,14 +33,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    choices=WEIGHT_SOURCES)
     g.add_argument("--measure-recall", action="store_true",
                    help="prerouted: also run the true routers to report online recall (slower)")
-    g.add_argument("--io-workers", type=int, default=_DEFAULTS.io_workers)
-    g.add_argument("--io-throttle-mbps", type=float, default=None,
+    g.add_argument("--io-workers", type=ct.positive_int, default=_DEFAULTS.io_workers)
+    g.add_argument("--io-throttle-mbps", type=ct.positive_float, default=None,
                    help="emulate storage of this bandwidth (figures are labelled emulated)")
-    g.add_argument("--verify-crc", action="store_true")
+    g.add_argument("--verify-crc", action=argparse.BooleanOptionalAction,
+                   default=_DEFAULTS.verify_crc,
+                   help="crc32 of each expert bundle on its first read (default on)")
     g.add_argument("--compute-dtype", default=_DEFAULTS.compute_dtype, choices=COMPUTE_DTYPES,
                    help="activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)")
     g.add_argument("--no-guard", action="store_true", help="disable hidden-state clipping")
-    g.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    g.add_argument("--seed", type=ct.nonneg_int, default=_DEFAULTS.seed)
 
 
 def options_from_args(args: argparse.Namespace, **overrides) -> EngineOptions:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from edge0_eval import cli_types as ct
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 
@@ -13,10 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temp", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--json", dest="json_path", default=None,
+    parser.add_argument("--max-tokens", type=ct.positive_int, default=64)
+    parser.add_argument("--temp", type=ct.nonneg_float, default=0.0)
+    parser.add_argument("--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0)
+    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file,
                         help="write generated token ids, text and stats here")
     add_engine_arguments(parser)
 

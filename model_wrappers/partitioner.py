@@ -17,8 +17,10 @@ from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 
 from edge0_eval.evaluation.data import data_root, verify
+from edge0_eval.engine.checks import check_model_dir, read_safetensors_header
 from edge0_eval.errors import Edge0Error
 
+from .edge0_model import engine_fields, resolve_engine_options
 from .fidelity_dataset import preflight_problems as fidelity_preflight
 
 
@@ -44,10 +46,17 @@ def model_problems(models: Iterable[dict]) -> List[str]:
             problems.append(f'{name}: no model path (is its environment variable set?)')
             continue
         if _type_name(model) == 'Edge0Model':
-            from model_wrappers.edge0_model import engine_fields, resolve_engine_options
-
             try:
-                resolve_engine_options(path, **{k: model[k] for k in engine_fields() if k in model})
+                opts = resolve_engine_options(
+                    path, **{k: model[k] for k in engine_fields() if k in model})
+                resolved = opts.resolve(path, require_lora=True)
+                # The files themselves, as Engine.load reads them: a corrupt or foreign student
+                # stops the run here, not as failed tasks after the teacher's.
+                check_model_dir(path, verify_crc=opts.verify_crc)
+                for file, what in ((resolved.lora_path, 'LoRA adapter'),
+                                   (resolved.prerouter_path, 'prerouter heads')):
+                    if file is not None:
+                        read_safetensors_header(file, what, 'train or copy it again')
             except Edge0Error as exc:   # the student's index/config are read too
                 problems.append(f'{name}: {exc}')
         elif _type_name(model) == 'MLXLMModel':

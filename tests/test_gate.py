@@ -42,10 +42,10 @@ def build(root: Path, lost: int, *, aime_failed=False, drop_ifbench=False, he_it
     return run.finish()
 
 
-def report(tmp_path: Path, name: str, **kw) -> Path:
+def report(tmp_path: Path, name: str, rc: int = 0, **kw) -> Path:
     run_dir = build(tmp_path / name, **kw)
     out = tmp_path / f"{name}_report"
-    assert main(["report", str(run_dir), "--out", str(out)]) == 0
+    assert main(["report", str(run_dir), "--out", str(out)]) == rc
     return out / "report.json"
 
 
@@ -90,7 +90,7 @@ def test_crafted_regression_fails(tmp_path, baseline, capsys):
 
 
 def test_failed_task_fails(tmp_path, baseline, capsys):
-    assert gate(report(tmp_path, "failed", lost=2, aime_failed=True), baseline) == 1
+    assert gate(report(tmp_path, "failed", rc=1, lost=2, aime_failed=True), baseline) == 1
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("AIME"))
     assert "FAIL" in line and "failed (student failed)" in line
 

@@ -81,8 +81,11 @@ def standard_run(root: Path, ablations: bool = False, **student_kw) -> Path:
 def make_report(tmp_path: Path, *outputs, args=(), name="rep") -> dict:
     out = tmp_path / name
     rc = main(["report", *map(str, outputs), "--out", str(out), *args])
-    assert rc == 0
-    return json.loads((out / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    # A report with any benchmark not ok (missing, failed, ...) exits 1: it must fail loudly.
+    complete = bool(report["benchmarks"]) and all(r["status"] == "ok" for r in report["benchmarks"])
+    assert rc == (0 if complete else 1)
+    return report
 
 
 def rows(report: dict) -> dict:

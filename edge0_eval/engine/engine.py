@@ -13,7 +13,6 @@ replaced (see moe.py). The forward loop (families.py) mirrors mlx-lm's and adds 
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from dataclasses import dataclass, field
@@ -25,9 +24,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import _get_classes, load_tokenizer
+from mlx_lm.utils import _get_classes
 
 from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
+from edge0_eval.engine.checks import (check_index_model, check_resident,
+                                      load_tokenizer_checked, read_config)
 from edge0_eval.engine.families import Family, family_for
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.lora import load_adapter
@@ -91,9 +92,10 @@ class Engine:
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} not found; is {directory} a converted model?")
-        config = json.loads(config_path.read_text())
+        config = read_config(config_path)
         family = family_for(config, str(config_path))
         index = ExpertIndex.load(directory)
+        check_index_model(index, config, family, directory)
         if index.model_type != config["model_type"]:
             raise CheckpointError(f"{directory}: index is for {index.model_type!r} but config.json "
                                   f"says {config['model_type']!r}; re-run convert")
@@ -123,6 +125,7 @@ class Engine:
             # Instance-level replacement: mlx-lm's classes stay untouched.
             layers[i].mlp = family.block_class(layers[i].mlp, switch, i, top_k)
 
+        check_resident(directory / RESIDENT_NAME, index)
         resident = _load_resident(directory / RESIDENT_NAME)
         quantize_like_mlx_lm(model, config, resident)
         _check_resident_names(model, resident, directory / RESIDENT_NAME)
@@ -138,7 +141,7 @@ class Engine:
         del resident
 
         eos = config.get("eos_token_id")
-        tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+        tokenizer = load_tokenizer_checked(directory, [eos] if isinstance(eos, int) else eos)
         engine = cls(model, tokenizer, config, index, store, options, resolved, counters,
                      directory)
         engine.lora = lora

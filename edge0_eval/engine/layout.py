@@ -111,6 +111,8 @@ class ExpertIndex:
 
     @classmethod
     def load(cls, directory: str | Path, check_file: bool = True) -> "ExpertIndex":
+        from edge0_eval.engine.checks import read_json_file  # checks imports this module
+
         directory = Path(directory)
         path = directory / INDEX_NAME
         if not path.is_file():
@@ -118,10 +120,7 @@ class ExpertIndex:
                 f"{path} not found: {directory} is not a converted Edge0 model; "
                 f"run `edge0-eval convert SRC {directory}` first"
             )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} is not valid JSON ({exc}); re-run convert") from None
+        data = read_json_file(path, "expert index", _RECONVERT)
         if data.get("format") != FORMAT:
             raise CheckpointError(f"{path}: format {data.get('format')!r} is not {FORMAT!r}")
         if data.get("format_version") != FORMAT_VERSION:
@@ -129,41 +128,172 @@ class ExpertIndex:
                 f"{path}: format_version {data.get('format_version')!r} is not supported "
                 f"(this build reads version {FORMAT_VERSION}); re-run `edge0-eval convert`"
             )
-        try:
-            data["tensors"] = [TensorSpec(**t) for t in data["tensors"]]
-            index = cls(**data)
-        except (TypeError, KeyError) as exc:
-            raise CheckpointError(f"{path}: malformed index ({exc}); re-run convert") from None
+        check_index_fields(data, path)
+        data = dict(data)
+        data["tensors"] = [TensorSpec(**t) for t in data["tensors"]]
+        index = cls(**data)
         index.validate(directory if check_file else None)
         return index
 
     def validate(self, directory: str | Path | None = None) -> None:
-        """Check internal consistency and, given the directory, the expert file's size."""
+        """Check internal consistency and, given the directory, the expert file's size.
+
+        The bundle layout is fully determined by the tensors' shapes and dtypes (TENSOR_ORDER,
+        64-byte aligned), so any other offset (swapped gate/up, overlaps) is a corrupt index.
+        """
         where = f"{Path(directory) / INDEX_NAME}" if directory else INDEX_NAME
         names = [t.name for t in self.tensors]
-        if sorted(names) != sorted(TENSOR_ORDER):
-            raise CheckpointError(f"{where}: bundle tensors {names} are not {list(TENSOR_ORDER)}")
-        end = 0
-        for spec in self.tensors:
-            want = int(np.prod(spec.shape)) * np.dtype(_NP_DTYPES[spec.dtype]).itemsize
-            if spec.nbytes != want or spec.offset < end:
-                raise CheckpointError(f"{where}: tensor {spec.name} has inconsistent size/offset")
-            end = spec.offset + spec.nbytes
-        if end > self.bundle_bytes or self.bundle_stride < self.bundle_bytes:
-            raise CheckpointError(f"{where}: bundle size {self.bundle_bytes} inconsistent")
+        if names != list(TENSOR_ORDER):
+            raise CheckpointError(f"{where}: bundle tensors {names} are not {list(TENSOR_ORDER)} "
+                                  f"in that order; {_RECONVERT}")
+        _check_quant(self, where)
+        want, nbytes = make_tensor_specs({t.name: (t.shape, t.dtype) for t in self.tensors})
+        for spec, good in zip(self.tensors, want):
+            if (spec.offset, spec.nbytes) != (good.offset, good.nbytes):
+                raise CheckpointError(
+                    f"{where}: tensor {spec.name} is at offset {spec.offset} ({spec.nbytes} "
+                    f"bytes) but the bundle layout puts it at {good.offset} ({good.nbytes} "
+                    f"bytes): offsets swapped, overlapping or sized wrong; {_RECONVERT}")
+        if self.bundle_bytes != nbytes or self.alignment != ALIGNMENT \
+                or self.bundle_stride != align(nbytes, ALIGNMENT):
+            raise CheckpointError(f"{where}: bundle_bytes {self.bundle_bytes} / bundle_stride "
+                                  f"{self.bundle_stride} / alignment {self.alignment} do not "
+                                  f"match the tensors ({nbytes} bytes, stride "
+                                  f"{align(nbytes, ALIGNMENT)}); {_RECONVERT}")
+        if len(set(self.moe_layers)) != len(self.moe_layers) or \
+                self.moe_layers != sorted(self.moe_layers):
+            raise CheckpointError(f"{where}: moe_layers {self.moe_layers} must be distinct and "
+                                  f"ascending; {_RECONVERT}")
         if self.file_size != self.expected_file_size():
             raise CheckpointError(f"{where}: file_size {self.file_size} does not match "
                                   f"{len(self.moe_layers)} layers x {self.num_experts} experts")
+        if self.crc32 and (len(self.crc32) != len(self.moe_layers) or
+                           any(len(row) != self.num_experts for row in self.crc32)):
+            raise CheckpointError(f"{where}: crc32 must hold one row of {self.num_experts} "
+                                  f"checksums per MoE layer ({len(self.moe_layers)}); "
+                                  f"{_RECONVERT}")
         if directory is not None:
             path = Path(directory) / self.file
             if not path.is_file():
-                raise CheckpointError(f"{path} is missing; re-run `edge0-eval convert`")
+                raise CheckpointError(f"{path} is missing (the expert file {INDEX_NAME} names "
+                                      f"in 'file'); re-run `edge0-eval convert`")
             actual = path.stat().st_size
             if actual != self.file_size:
                 raise CheckpointError(
                     f"{path} is {actual} bytes but {INDEX_NAME} says {self.file_size}: "
                     f"the file is truncated or belongs to another conversion; re-run convert"
                 )
+
+
+_RECONVERT = "re-run `edge0-eval convert`"
+# What mx.quantize accepts: mode -> (bits, group sizes); scales dtype per mode.
+QUANT_MODES = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128))}
+_HALF = ("float16", "bfloat16", "float32")
+
+# field -> (JSON type, check, what it must be)
+_FIELDS = {
+    "model_type": (str, bool, "a model type string"),
+    "num_experts": (int, lambda v: v > 0, "a positive integer"),
+    "moe_layers": (list, lambda v: len(v) > 0 and all(_is_int(x) and x >= 0 for x in v),
+                   "a non-empty list of layer numbers"),
+    "module_path": (str, lambda v: "{layer}" in v, "a path template containing {layer}"),
+    "bits": (int, lambda v: v > 0, "a positive integer"),
+    "group_size": (int, lambda v: v > 0, "a positive integer"),
+    "mode": (str, bool, "a quantization mode such as 'affine'"),
+    "tensors": (list, bool, "a list of tensor entries"),
+    "bundle_bytes": (int, lambda v: v > 0, "a positive integer"),
+    "bundle_stride": (int, lambda v: v > 0, "a positive integer"),
+    "file": (str, lambda v: bool(v) and "/" not in v and v not in (".", ".."),
+             "a file name beside the index"),
+    "file_size": (int, lambda v: v >= 0, "a byte count"),
+    "alignment": (int, lambda v: v > 0, "a positive integer"),
+    "source": (dict, lambda v: True, "an object"),
+    "crc32": (list, lambda v: all(isinstance(r, list) and all(_is_int(c) and 0 <= c < 2**32
+                                                             for c in r) for r in v),
+              "a list of rows of 32-bit checksums"),
+    "format": (str, bool, "'edge0-experts'"),
+    "format_version": (int, bool, "an integer"),
+}
+_REQUIRED = ("model_type", "num_experts", "moe_layers", "module_path", "bits", "group_size",
+             "mode", "tensors", "bundle_bytes", "bundle_stride")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_index_fields(data: dict, path) -> None:
+    """Types and ranges of every index field, before any dataclass or numpy sees them."""
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise CheckpointError(f"{path}: unknown field(s) {unknown}; {_RECONVERT}")
+    for key in _REQUIRED:
+        if key not in data:
+            raise CheckpointError(f"{path}: required field {key!r} is missing; {_RECONVERT}")
+    for key, value in data.items():
+        kind, ok, want = _FIELDS[key]
+        good = _is_int(value) if kind is int else isinstance(value, kind)
+        if not good or not ok(value):
+            raise CheckpointError(f"{path}: field {key!r} is {_short(value)}; it must be {want}; "
+                                  f"{_RECONVERT}")
+    for i, t in enumerate(data["tensors"]):
+        if not isinstance(t, dict) or set(t) != {"name", "shape", "dtype", "offset", "nbytes"}:
+            raise CheckpointError(f"{path}: tensors[{i}] must be an object with name, shape, "
+                                  f"dtype, offset, nbytes; {_RECONVERT}")
+        if t["dtype"] not in _NP_DTYPES:
+            raise CheckpointError(f"{path}: tensors[{i}] ({t['name']!r}) has dtype "
+                                  f"{_short(t['dtype'])}; known: {', '.join(_NP_DTYPES)}")
+        if not (isinstance(t["name"], str) and isinstance(t["shape"], list) and t["shape"]
+                and all(_is_int(d) and d > 0 for d in t["shape"])
+                and _is_int(t["offset"]) and t["offset"] >= 0
+                and _is_int(t["nbytes"]) and t["nbytes"] > 0):
+            raise CheckpointError(f"{path}: tensors[{i}] has a bad name, shape, offset or nbytes "
+                                  f"({_short(t)}); {_RECONVERT}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def _check_quant(index: "ExpertIndex", where) -> None:
+    """Bits/group/mode MLX can serve, and tensor shapes/dtypes that follow from them."""
+    if index.mode not in QUANT_MODES:
+        raise CheckpointError(f"{where}: mode {index.mode!r} is not supported (supported: "
+                              f"{', '.join(QUANT_MODES)}); {_RECONVERT}")
+    bits, groups = QUANT_MODES[index.mode]
+    if index.bits not in bits or index.group_size not in groups:
+        raise CheckpointError(f"{where}: bits {index.bits} / group_size {index.group_size} are "
+                              f"not supported by {index.mode} (bits {bits}, groups {groups}); "
+                              f"{_RECONVERT}")
+    specs = {t.name: t for t in index.tensors}
+    halves = set()
+    for proj in PROJECTIONS:
+        w, s, b = (specs[f"{proj}.{p}"] for p in PARTS)
+        if w.dtype != "uint32":
+            raise CheckpointError(f"{where}: {w.name} is {w.dtype}; packed weights are uint32")
+        if len(w.shape) != 2 or s.shape != b.shape or len(s.shape) != 2 or \
+                s.shape[0] != w.shape[0] or \
+                w.shape[1] * 32 != s.shape[1] * index.group_size * index.bits:
+            raise CheckpointError(
+                f"{where}: {proj} shapes weight {w.shape} / scales {s.shape} / biases {b.shape} "
+                f"do not fit {index.bits}-bit groups of {index.group_size}; {_RECONVERT}")
+        for spec in (s, b):
+            if spec.dtype not in _HALF:
+                raise CheckpointError(f"{where}: {spec.name} is {spec.dtype}; scales and biases "
+                                      f"are one of {', '.join(_HALF)}")
+            halves.add(spec.dtype)
+    if len(halves) > 1:
+        raise CheckpointError(f"{where}: scales/biases mix dtypes {sorted(halves)}; a conversion "
+                              f"writes one; {_RECONVERT}")
+    gate, up, down = (specs[f"{p}.weight"] for p in PROJECTIONS)
+    if gate.shape != up.shape:
+        raise CheckpointError(f"{where}: gate_proj {gate.shape} and up_proj {up.shape} differ")
+    inter = gate.shape[0]
+    hidden = gate.shape[1] * 32 // index.bits
+    if down.shape[0] != hidden or down.shape[1] * 32 // index.bits != inter:
+        raise CheckpointError(f"{where}: down_proj {down.shape} does not map the experts' "
+                              f"{inter} features back to {hidden}; {_RECONVERT}")
 
 
 def make_tensor_specs(shapes: dict[str, tuple[list[int], str]]) -> tuple[list[TensorSpec], int]:

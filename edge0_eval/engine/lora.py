@@ -45,11 +45,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from edge0_eval.engine.checks import read_safetensors_header
 from edge0_eval.errors import CheckpointError, ConfigError
 
 KIND = "lora"
 FORMAT_VERSION = "1"
 SUFFIX_A, SUFFIX_B = ".lora_A", ".lora_B"
+# Above this the LoRA path dominates any base layer (published adapters: 32 at r=16).
+MAX_ALPHA = 4096.0
 _FILE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _FP16_MAX = 65504.0
 
@@ -331,6 +334,8 @@ def read_adapter_file(path: str | Path, what: str = "LoRA adapter",
     if not path.is_file():
         raise CheckpointError(f"{path}: {what} file not found; give an existing .safetensors "
                               f"file, or run without it ({disable})")
+    # The header is checked by the format's rules first: MLX is never handed a malformed one.
+    read_safetensors_header(path, what, f"download or save it again, or run without it ({disable})")
     try:
         arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(list(arrays.values()))
@@ -401,6 +406,10 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                               f"r=16, alpha=32)")
     if r_meta is not None and r_meta < 1:
         raise CheckpointError(f"{path}: metadata key 'r' is {r_meta}; must be at least 1")
+    if not 0 < alpha_value <= MAX_ALPHA:
+        raise CheckpointError(f"{path}: alpha {alpha_value:g} is outside (0, {MAX_ALPHA:g}]; the "
+                              f"LoRA scale alpha/r would swamp the base model (Edge0 adapters "
+                              f"use r=16, alpha=32)")
 
     planned, ranks, file_dtypes = [], {}, set()
     for module_path, keys in pairs.items():
@@ -440,6 +449,9 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                                   f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})")
         ranks.setdefault(r, key_a)
         planned.append((module_path, base, a, b))
+    if len(file_dtypes) > 1:
+        raise CheckpointError(f"{path}: tensors mix dtypes {sorted(file_dtypes)}; an adapter is "
+                              f"saved in one dtype, so the header is corrupt")
     if len(ranks) > 1 and r_meta is None:
         (r1, k1), (r2, k2) = list(ranks.items())[:2]
         raise CheckpointError(f"{path}: metadata key 'r' is missing and ranks differ "
@@ -460,7 +472,10 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
     if owners:
         try:
             owners = json.loads(owners)
-        except json.JSONDecodeError:
+            if not isinstance(owners, list) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in owners):
+                raise ValueError
+        except ValueError:
             raise CheckpointError(f"{path}: metadata key 'owners' is {owners!r}, not a JSON "
                                   f"list") from None
 

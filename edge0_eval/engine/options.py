@@ -53,7 +53,7 @@ class EngineOptions:
     no_prerouter: bool = False
     io_workers: int = 4
     io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
-    verify_crc: bool = False
+    verify_crc: bool = True                  # crc32 of each bundle on its first read
     prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
     measure_recall: bool = False             # prerouted: compare plans with the true router
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the

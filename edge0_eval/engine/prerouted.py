@@ -173,6 +173,7 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     options = engine.options
     heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
                        num_experts=engine.index.num_experts, top_k=engine.top_k,
+                       model_type=engine.config.get("model_type"),
                        dtype=resolve_compute_dtype(options.compute_dtype))
     return Prerouter(engine, heads, weight_source=options.prerouted_weights,
                      measure_recall=options.measure_recall)

@@ -38,6 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from edge0_eval.engine.checks import read_safetensors_header
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.routing import RoutingRule, stack_rules
 
@@ -313,20 +314,11 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
 
 
 def read_metadata(path: str | Path) -> dict:
-    """The safetensors metadata of a heads file (no tensor data read)."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > path.stat().st_size - 8:
-                raise ValueError("bad header length")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointError(f"prerouter file {path} not found") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"prerouter file {path} is not a readable safetensors file "
-                              f"({exc})") from None
-    return dict(header.get("__metadata__") or {})
+    """The safetensors metadata of a heads file (header checked, no tensor data read)."""
+    _, meta = read_safetensors_header(path, "prerouter heads",
+                                      "train them again with `edge0-eval train-prerouter`, "
+                                      "or run with --no-prerouter")
+    return meta
 
 
 def _int_meta(meta: dict, key: str, path: Path) -> int | None:
@@ -340,12 +332,14 @@ def _int_meta(meta: dict, key: str, path: Path) -> int | None:
 
 
 def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
-               owners: list[int] | None = None, dtype=None) -> PrerouterHeads:
+               owners: list[int] | None = None, dtype=None,
+               model_type: str | None = None) -> PrerouterHeads:
     """Load and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
 
     `owners` (None: every head in the file) selects heads; each must be present. Any problem
     (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
     CheckpointError naming the file. `dtype` casts the weights (None keeps the stored dtype).
+    `model_type`: the serving model's; refused when the file's metadata names another.
     """
     path = Path(path)
     where = f"prerouter file {path}"
@@ -364,6 +358,9 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     if k != top_k:
         raise CheckpointError(f"{where} was trained for K={k} but the engine serves K={top_k}; "
                               f"train heads for K={top_k} or serve with --top-k {k}")
+    if model_type is not None and meta.get("model_type") not in (None, "", model_type):
+        raise CheckpointError(f"{where} holds heads for a {meta['model_type']} model, but this "
+                              f"model is {model_type}; train heads for this model")
     for key, want in (("hidden", hidden), ("num_experts", num_experts)):
         got = _int_meta(meta, key, path)
         if got is not None and got != want:
@@ -374,6 +371,10 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         raise CheckpointError(f"{where} is unreadable ({exc}); the file is truncated or "
                               f"corrupt") from None
 
+    dtypes = {str(v.dtype).split(".")[-1] for v in weights.values()}
+    if len(dtypes) > 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
+        raise CheckpointError(f"{where}: tensors are {sorted(dtypes)}; heads are saved in one "
+                              f"floating dtype, so the header is corrupt")
     layers: dict[int, dict[str, mx.array]] = {}
     for name, value in weights.items():
         m = _KEY.match(name)
@@ -425,5 +426,10 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
     if dtype is not None:
         heads = heads.astype(dtype)
-    mx.eval(heads.parameters())
+    finite = mx.stack([mx.all(mx.isfinite(heads.fc1)), mx.all(mx.isfinite(heads.fc2)),
+                       mx.all(mx.isfinite(heads.linear))]).tolist()
+    bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
+    if bad:
+        raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
+                              f"the heads are corrupt, train them again")
     return heads

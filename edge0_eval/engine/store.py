@@ -8,6 +8,7 @@ bytes are counted exactly; `edge0-eval bench` measures both against each other.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import queue
 import threading
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval.errors import CheckpointError
-from edge0_eval.engine.layout import ExpertIndex
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 
 
 DEMAND, PREFETCH = 0, 1
@@ -71,6 +72,8 @@ class StoreStats:
     bytes_read: int = 0
     read_seconds: float = 0.0      # time spent inside read calls (summed over I/O threads)
     throttle_seconds: float = 0.0  # time added by the storage emulation
+    crc_bundles: int = 0           # bundles checksummed (each once per store)
+    crc_seconds: float = 0.0       # time spent in those checksums (summed over I/O threads)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -80,8 +83,9 @@ class _Throttle:
     """Caps aggregate read bandwidth to emulate slower storage (a shared, serial device)."""
 
     def __init__(self, mbps: float):
-        if mbps <= 0:
-            raise ValueError("io throttle must be positive MB/s")
+        if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
+            raise ConfigError(f"io_throttle_mbps {mbps!r}: the storage emulation needs a "
+                              f"positive, finite MB/s (--io-throttle-mbps)")
         self.bytes_per_s = mbps * 1e6
         self._lock = threading.Lock()
         self._free_at = 0.0
@@ -103,18 +107,32 @@ class ExpertStore:
 
     def __init__(self, directory: str | Path, index: ExpertIndex | None = None, *,
                  io_workers: int = 4, io_throttle_mbps: float | None = None,
-                 verify_crc: bool = False):
+                 verify_crc: bool = True):
+        if not (isinstance(io_workers, int) and io_workers >= 1):
+            raise ConfigError(f"io_workers {io_workers!r}: at least one I/O thread is needed "
+                              f"(--io-workers)")
+        throttle = _Throttle(io_throttle_mbps) if io_throttle_mbps is not None else None
+        self._fd = -1
         self.directory = Path(directory)
         self.index = index or ExpertIndex.load(self.directory)
         self.path = self.directory / self.index.file
+        if verify_crc and not self.index.crc32:
+            raise CheckpointError(
+                f"{self.directory / INDEX_NAME} records no crc32 checksums, so corrupt expert "
+                f"data could not be detected; re-run `edge0-eval convert`, or opt out with "
+                f"--no-verify-crc (EngineOptions(verify_crc=False))")
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
             raise CheckpointError(f"cannot open {self.path}: {exc.strerror}") from None
-        self.verify_crc = verify_crc and bool(self.index.crc32)
+        self.verify_crc = verify_crc
+        # Each bundle is checked the first time this store reads it, then trusted; a change of
+        # the file under us (in-place rewrite) forgets every verdict.
+        self._verified = np.zeros((len(self.index.moe_layers), self.index.num_experts), bool)
+        self._stamp = self._file_stamp()
         self.throttle_mbps = io_throttle_mbps
-        self._throttle = _Throttle(io_throttle_mbps) if io_throttle_mbps else None
-        self._queue = _PriorityPool(max(1, io_workers))
+        self._throttle = throttle
+        self._queue = _PriorityPool(io_workers)
         self._lock = threading.Lock()
         self.stats = StoreStats()
 
@@ -142,18 +160,38 @@ class ExpertStore:
         elapsed = time.perf_counter() - started
         delay = self._throttle.wait_for(stride, started) if self._throttle else 0.0
         if self.verify_crc:
-            pos = self.index.layer_position(layer)
-            if zlib.crc32(buf) != self.index.crc32[pos][expert]:
-                raise CheckpointError(
-                    f"{self.path}: checksum mismatch for layer {layer} expert {expert}; "
-                    f"the file is corrupt or does not match {self.index.file}'s index"
-                )
+            self._verify(layer, expert, buf)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += stride
             self.stats.read_seconds += elapsed
             self.stats.throttle_seconds += delay
         return buf
+
+    def _file_stamp(self) -> tuple:
+        st = os.fstat(self._fd)
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _verify(self, layer: int, expert: int, buf: np.ndarray) -> None:
+        pos = self.index.layer_position(layer)
+        stamp = self._file_stamp()
+        if stamp != self._stamp:
+            with self._lock:
+                self._verified[:] = False
+                self._stamp = stamp
+        if self._verified[pos, expert]:
+            return
+        started = time.perf_counter()
+        crc = zlib.crc32(buf)
+        with self._lock:
+            self.stats.crc_bundles += 1
+            self.stats.crc_seconds += time.perf_counter() - started
+        if crc != self.index.crc32[pos][expert]:
+            raise CheckpointError(
+                f"{self.path}: checksum mismatch for layer {layer} expert {expert}; the file is "
+                f"corrupt, was overwritten, or does not belong to {INDEX_NAME}; re-run "
+                f"`edge0-eval convert`")
+        self._verified[pos, expert] = True
 
     def submit(self, layer: int, expert: int, priority: int = PREFETCH, prepare=None) -> Future:
         """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches.
@@ -183,13 +221,16 @@ class ExpertStore:
             self.stats = StoreStats()
 
     def close(self) -> None:
-        self._queue.shutdown()
+        if getattr(self, "_queue", None) is not None:
+            self._queue.shutdown()
+            self._queue = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     def __del__(self):
         try:
-            self.close()
+            if getattr(self, "_fd", -1) >= 0 or getattr(self, "_queue", None) is not None:
+                self.close()
         except Exception:
             pass

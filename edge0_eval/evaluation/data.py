@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge0_eval import cli_types as ct
 from edge0_eval.evaluation.fidelity_set import SET_PATH as FIDELITY_SET_PATH, read_set
 from edge0_eval.errors import ConfigError, Edge0Error
 
@@ -123,10 +124,23 @@ def _read_jsonl(path: Path) -> list[dict]:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, RecursionError) as exc:
                     raise ValueError(f'line {n} is not JSON ({exc})') from None
+                if not isinstance(row, dict):
+                    raise ValueError(f'line {n} is a JSON {type(row).__name__}, not an object '
+                                     f'(one item per line)')
+                rows.append(row)
     return rows
+
+
+def _duplicates(values) -> list:
+    seen, dupes = set(), []
+    for v in values:
+        if v in seen and v not in dupes:
+            dupes.append(v)
+        seen.add(v)
+    return dupes
 
 
 def _expect_count(name: str, count: int, full: bool) -> str | None:
@@ -141,9 +155,16 @@ def _expect_count(name: str, count: int, full: bool) -> str | None:
 def check_aime(path: Path, full: bool) -> Check:
     rows = _read_jsonl(path)
     bad = [i for i, r in enumerate(rows, 1)
-           if not str(r.get('problem', '')).strip() or str(r.get('answer', '')).strip() == '']
+           if not isinstance(r.get('problem'), str) or not r['problem'].strip()
+           or not isinstance(r.get('answer'), (str, int)) or isinstance(r.get('answer'), bool)
+           or str(r['answer']).strip() == '']
     if bad:
-        return Check('aime2026', False, f'{path}: lines {bad[:5]} lack "problem" or "answer"')
+        return Check('aime2026', False, f'{path}: lines {bad[:5]} lack "problem" or "answer" '
+                     f'(the answer a number or a string; null is not an answer)')
+    dupes = _duplicates(r['problem'].strip() for r in rows)
+    if dupes:
+        return Check('aime2026', False, f'{path}: {len(dupes)} problem(s) appear more than once '
+                     f'(e.g. {dupes[0][:60]!r}); each problem must be listed once', len(rows))
     not_int = [r['answer'] for r in rows if not str(r['answer']).strip().isdigit()]
     notes = [f'answers {not_int[:3]} are not integers 0-999'] if not_int and full else []
     problem = _expect_count('aime2026', len(rows), full)
@@ -158,6 +179,9 @@ def check_humaneval(path: Path, full: bool) -> Check:
     bad = [r.get('task_id', i) for i, r in enumerate(rows) if any(k not in r for k in keys)]
     if bad:
         return Check('humaneval', False, f'{path}: items {bad[:5]} lack one of {keys}')
+    dupes = _duplicates(str(r['task_id']) for r in rows)
+    if dupes:
+        return Check('humaneval', False, f'{path}: task_id(s) {dupes[:5]} appear more than once')
     problem = _expect_count('humaneval', len(rows), full)
     if problem:
         return Check('humaneval', False, f'{path} {problem}', len(rows))
@@ -176,7 +200,16 @@ def check_gpqa(path: Path, full: bool) -> Check:
         return Check('gpqa', False, f'{path}: header must have ' + ', '.join(
             f'column {i} = {name!r}' for i, name in wrong.items())
             + " (the layout of GPQA's released csv)")
+    short = [n for n, r in enumerate(rows[1:], 2) if any(c.strip() for c in r) and len(r) <= 11]
+    if short:
+        return Check('gpqa', False, f'{path}: rows {short[:5]} have fewer than 12 columns '
+                     f'(row {short[0]}: {len(rows[short[0] - 1])}); the questions and answers are '
+                     f'read from columns 7-11')
     items = [r for r in rows[1:] if len(r) > 11 and r[7].strip()]
+    dupes = _duplicates(r[7].strip() for r in items)
+    if dupes:
+        return Check('gpqa', False, f'{path}: {len(dupes)} question(s) appear more than once '
+                     f'(e.g. {dupes[0][:60]!r})')
     empty = [n for n, r in enumerate(items, 2) if not all(r[i].strip() for i in range(8, 12))]
     if empty:
         return Check('gpqa', False, f'{path}: rows {empty[:5]} have an empty answer column')
@@ -215,6 +248,9 @@ def check_mmlu_pro(directory: Path, full: bool) -> Check:
             if absent:
                 return Check('mmlu_pro', False, f'{p}: missing columns {absent}')
             n += table.num_rows
+            bad = _mmlu_pro_bad_rows(table)
+            if bad:
+                return Check('mmlu_pro', False, f'{p}: {bad}')
             if split == 'test':
                 for cat in table.column('category').to_pylist():
                     categories[cat] = categories.get(cat, 0) + 1
@@ -237,6 +273,28 @@ def check_mmlu_pro(directory: Path, full: bool) -> Check:
                  f'{counts["validation"]} validation', counts['test'])
 
 
+def _mmlu_pro_bad_rows(table) -> str | None:
+    """Rows whose category, answer letter or answer index cannot be scored."""
+    cols = {c: table.column(c).to_pylist() for c in ('question_id', 'options', 'answer',
+                                                      'answer_index', 'category')}
+    for i, qid in enumerate(cols['question_id']):
+        options, answer, index = cols['options'][i], cols['answer'][i], cols['answer_index'][i]
+        cat = cols['category'][i]
+        if not isinstance(cat, str) or not cat:
+            return f'question_id {qid}: category is {cat!r}'
+        n = len(options) if isinstance(options, list) else 0
+        letters = 'ABCDEFGHIJKLMNOP'[:n]
+        if not isinstance(answer, str) or len(answer) != 1 or answer not in letters:
+            return (f'question_id {qid}: answer {answer!r} is not one of its {n} option '
+                    f'letters {letters or "(no options)"}')
+        if not isinstance(index, int) or letters.index(answer) != index:
+            return f'question_id {qid}: answer_index {index!r} does not match answer {answer!r}'
+    dupes = _duplicates(cols['question_id'])
+    if dupes:
+        return f'question_id(s) {dupes[:5]} appear more than once'
+    return None
+
+
 def check_ifbench(path: Path, full: bool, nltk_dir: Path | None = None,
                   items: slice | None = None) -> Check:
     """`items`: only these prompts will be scored (a config's test_range), so only their
@@ -246,6 +304,9 @@ def check_ifbench(path: Path, full: bool, nltk_dir: Path | None = None,
     bad = [r.get('key', i) for i, r in enumerate(rows) if any(k not in r for k in keys)]
     if bad:
         return Check('ifbench', False, f'{path}: items {bad[:5]} lack one of {keys}')
+    dupes = _duplicates(str(r['key']) for r in rows)
+    if dupes:
+        return Check('ifbench', False, f'{path}: keys {dupes[:5]} appear more than once')
     problem = _expect_count('ifbench', len(rows), full)
     if problem:
         return Check('ifbench', False, f'{path} {problem}', len(rows))
@@ -271,6 +332,10 @@ def verify(root: str | os.PathLike | None = None, benchmarks=BENCHMARKS,
     """Check each benchmark's files under the data root. `full`: also exact item counts;
     `ifbench_items`: the IFBench prompts a run scores (default all)."""
     root = data_root(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f'data root {root} is a file; give the folder that holds data/')
+    if not benchmarks:
+        raise ConfigError(f'no benchmarks to check; choose from {", ".join(BENCHMARKS)}')
     results = []
     for name in benchmarks:
         if name not in PATHS:
@@ -285,7 +350,7 @@ def verify(root: str | os.PathLike | None = None, benchmarks=BENCHMARKS,
                 results.append(check_ifbench(path, full, root / 'nltk_data', ifbench_items))
             else:
                 results.append(CHECKS[name](path, full))
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             results.append(Check(name, False, f'{path} cannot be read: {exc}'))
     return results
 
@@ -495,7 +560,8 @@ def stage(root, benchmarks=BENCHMARKS, aime2026=None, gpqa=None, mmlu_pro=None,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest='action', metavar='ACTION', required=True)
     st = sub.add_parser('stage', help='lay out the data tree under --root and verify it')
-    st.add_argument('--root', required=True, help='data root (use it as COMPASS_DATA_CACHE)')
+    st.add_argument('--root', required=True, type=ct.directory,
+                    help='data root (use it as COMPASS_DATA_CACHE)')
     st.add_argument('--aime2026', metavar='FILE', help='AIME 2026 jsonl to copy into place')
     st.add_argument('--gpqa', metavar='FILE', help='gpqa_diamond.csv to copy into place')
     st.add_argument('--mmlu-pro', metavar='PATH', nargs='+',
@@ -506,13 +572,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help='an nltk_data directory holding averaged_perceptron_tagger_eng')
     for p in (st, sub.add_parser('verify', help='check the data tree under --root')):
         if p is not st:
-            p.add_argument('--root', help='data root (default: $COMPASS_DATA_CACHE or CWD)')
-        p.add_argument('--benchmarks', default=','.join(BENCHMARKS),
+            p.add_argument('--root', type=ct.directory,
+                           help='data root (default: $COMPASS_DATA_CACHE or CWD)')
+        p.add_argument('--benchmarks', default=','.join(BENCHMARKS), type=ct.name_list,
                        help=f'comma-separated subset of {",".join(BENCHMARKS)}')
         p.add_argument('--subset', action='store_true',
                        help='accept fewer items than the full benchmarks (fixtures, smoke runs)')
     fx = sub.add_parser('fixtures', help='write the tiny fixture data tree for all benchmarks')
-    fx.add_argument('--root', required=True)
+    fx.add_argument('--root', required=True, type=ct.directory)
 
 
 def _benchmarks(text: str) -> tuple[str, ...]:

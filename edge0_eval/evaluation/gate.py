@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.report import SCHEMA
@@ -32,17 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("report", metavar="REPORT.json", help="report.json from edge0-eval report")
     parser.add_argument("--baseline", required=True, metavar="BASELINE.json",
                         help="the report.json to compare against")
-    parser.add_argument("--max-gap-increase", type=float, default=DEFAULT_MAX_GAP_INCREASE,
+    parser.add_argument("--max-gap-increase", type=ct.nonneg_float,
+                        default=DEFAULT_MAX_GAP_INCREASE,
                         metavar="P", help="allowed widening of teacher - student, in points, "
                         f"beyond the 95%% half-width (default {DEFAULT_MAX_GAP_INCREASE})")
-    parser.add_argument("--max-drop", type=float, default=DEFAULT_MAX_DROP, metavar="P",
+    parser.add_argument("--max-drop", type=ct.nonneg_float, default=DEFAULT_MAX_DROP, metavar="P",
                         help="allowed drop of the student's score, in points, beyond the "
                         f"95%% half-width (default {DEFAULT_MAX_DROP})")
-    parser.add_argument("--max-kl-rise", type=float,
+    parser.add_argument("--max-kl-rise", type=ct.nonneg_float,
                         default=fidelity_report.DEFAULT_MAX_KL_RISE, metavar="NATS",
                         help="fidelity: allowed KL rise per arm beyond the baseline's 95%% "
                         f"half-width (default {fidelity_report.DEFAULT_MAX_KL_RISE})")
-    parser.add_argument("--max-agreement-drop", type=float,
+    parser.add_argument("--max-agreement-drop", type=ct.nonneg_float,
                         default=fidelity_report.DEFAULT_MAX_AGREEMENT_DROP, metavar="P",
                         help="fidelity: allowed top-1 agreement drop per arm, in points, beyond "
                         "the baseline's 95%% half-width (default "
@@ -50,9 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.max_gap_increase, args.max_drop, args.max_kl_rise, args.max_agreement_drop) < 0:
-        raise Edge0Error("--max-gap-increase, --max-drop, --max-kl-rise and "
-                         "--max-agreement-drop must be >= 0")
+    for flag, value in (("--max-gap-increase", args.max_gap_increase),
+                        ("--max-drop", args.max_drop), ("--max-kl-rise", args.max_kl_rise),
+                        ("--max-agreement-drop", args.max_agreement_drop)):
+        if not (math.isfinite(value) and value >= 0):
+            raise Edge0Error(f"{flag} {value}: must be a finite number >= 0")
     current, baseline = load_report(args.report), load_report(args.baseline)
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
                       args.max_kl_rise, args.max_agreement_drop)
@@ -71,14 +76,62 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load_report(path: str) -> dict:
+    """A report.json, every field the gate reads checked: a NaN or a missing score is an error."""
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise Edge0Error(f"{path}: cannot read ({exc})") from exc
+        report = json.loads(Path(path).read_text(encoding="utf-8"),
+                            parse_constant=_reject_constant)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise Edge0Error(f"{path}: cannot read ({exc})") from None
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
         raise Edge0Error(f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
                          f"make one with `edge0-eval report`)")
+    rows = report.get("benchmarks")
+    if not isinstance(rows, list) or not rows:
+        raise Edge0Error(f"{path}: no benchmarks; a report with nothing in it gates nothing "
+                         f"(make it again with `edge0-eval report`)")
+    seen = set()
+    for i, row in enumerate(rows):
+        where = f"{path}: benchmarks[{i}]"
+        if not isinstance(row, dict) or not isinstance(row.get("benchmark"), str) \
+                or not isinstance(row.get("status"), str):
+            raise Edge0Error(f"{where} needs a benchmark name and a status")
+        where = f"{path}: benchmark {row['benchmark']!r}"
+        if row["benchmark"] in seen:
+            raise Edge0Error(f"{where} appears twice")
+        seen.add(row["benchmark"])
+        arms = row.get("arms")
+        if not isinstance(arms, dict) or not all(isinstance(a, dict) and
+                                                 isinstance(a.get("status"), str)
+                                                 for a in arms.values()):
+            raise Edge0Error(f"{where}: 'arms' must map each arm to an object with a status")
+        for key in ("gap", "student", "delta_half_width", "teacher"):
+            value = row.get(key)
+            if value is not None and not _number(value):
+                raise Edge0Error(f"{where}: {key} is {value!r}, not a finite number")
+        if row.get("version") is not None and not isinstance(row["version"], str):
+            raise Edge0Error(f"{where}: version is {row['version']!r}, not a string")
+        if row["status"] == "ok":
+            missing = [a for a in ("teacher", "student") if a not in arms]
+            if missing:
+                raise Edge0Error(f"{where}: status ok but arm(s) {missing} are absent")
+            items = row.get("items")
+            if not (isinstance(items, int) and not isinstance(items, bool) and items > 0):
+                raise Edge0Error(f"{where}: status ok but items is {items!r}")
+            for key in ("gap", "student"):
+                if row.get(key) is None:
+                    raise Edge0Error(f"{where}: status ok but {key} is missing")
+            hw = row.get("delta_half_width")
+            if hw is not None and hw < 0:
+                raise Edge0Error(f"{where}: delta_half_width {hw} is negative")
     return report
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 @dataclass
@@ -100,8 +153,9 @@ class Check:
 
 def _arm_problems(row: dict) -> str:
     """Which arms are not ok, e.g. 'student failed', for a row whose status is not ok."""
-    bad = [f"{arm} {a['status']}" for arm, a in row.get("arms", {}).items()
-           if arm in ("teacher", "student") and a["status"] != "ok"]
+    arms = row.get("arms", {})
+    bad = [f"{arm} {arms[arm]['status'] if arm in arms else 'absent'}"
+           for arm in ("teacher", "student") if arm not in arms or arms[arm]["status"] != "ok"]
     return f"{row['status']}" + (f" ({', '.join(bad)})" if bad else "")
 
 

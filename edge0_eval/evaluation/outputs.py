@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,8 +250,14 @@ def _replicas(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _mean_bool(values) -> float:
-    values = [float(v) for v in values]
+def _mean_bool(values) -> float | None:
+    """Mean of per-replica verdicts; None (not scorable) for empty, non-numeric or NaN ones."""
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        return None
+    if not values or not all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in values):
+        return None
     return sum(values) / len(values)
 
 
@@ -264,7 +271,8 @@ def item_correctness(detail: dict, key: str | None = None) -> float | None:
         if k in detail:
             return _mean_bool(_replicas(detail[k]))
     if "rule_evaluation" in detail:
-        return _mean_bool(r.get("correct", False) for r in _replicas(detail["rule_evaluation"]))
+        return _mean_bool(r.get("correct", False) if isinstance(r, dict) else None
+                          for r in _replicas(detail["rule_evaluation"]))
     # AccEvaluator gives no details; OpenCompass's format_details then stores the processed
     # prediction and reference as strings, and AccEvaluator's verdict is their equality.
     if "predictions" in detail and "references" in detail:
@@ -310,9 +318,27 @@ def _load_predictions(pred_dir: Path, dataset: str) -> list[dict] | None:
         return None
     preds = []
     for f in files:
-        data = json.loads(f.read_text(encoding="utf-8"))
+        data = _read_json(f, "predictions")
+        if not isinstance(data, dict) or any(str(k) not in data or not isinstance(data[str(k)], dict)
+                                             for k in range(len(data))):
+            raise Edge0Error(f"{f}: predictions must be an object of items keyed \"0\"..\"n-1\" "
+                             f"(as OpenCompass writes them); the file is corrupt, re-run that "
+                             f"task (delete the file first)")
         preds.extend(data[str(k)] for k in range(len(data)))
     return preds
+
+
+def _read_json(path: Path, what: str):
+    """A JSON output file; one Edge0Error naming it when unreadable (NaN is not JSON)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise Edge0Error(f"{path}: {what} file is not readable JSON ({exc}); re-run that task "
+                         f"(delete the file first)") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _engine_samples(pred_dir: Path, dataset: str, preds: list[dict] | None) -> list[dict]:
@@ -324,9 +350,28 @@ def _engine_samples(pred_dir: Path, dataset: str, preds: list[dict] | None) -> l
     for side in [pred_dir / f"{dataset}.engine_stats.json",
                  *sorted(pred_dir.glob(f"{_glob_escape(dataset)}_[0-9]*.engine_stats.json"))]:
         if side.exists():
-            data = json.loads(side.read_text(encoding="utf-8"))
-            samples.extend(s for s in data if isinstance(s, dict))
+            data = _read_json(side, "engine stats")
+            if not isinstance(data, list) or not all(isinstance(s, dict) for s in data):
+                raise Edge0Error(f"{side}: engine stats must be a JSON list of objects; the file "
+                                 f"is corrupt, re-run that task (delete its predictions first)")
+            samples.extend(data)
     return samples
+
+
+def engine_stats_problem(samples: list[dict], n_predictions: int | None) -> str | None:
+    """Why a dataset's engine stats do not describe its predictions (None: they do, or none).
+
+    A run killed and resumed with `-r` keeps the old predictions but only the new samples'
+    stats; figures from such a subset would be reported as if they covered the dataset.
+    """
+    if not samples or n_predictions is None:
+        return None
+    # Counts, not indices: shards (<dataset>_<k>) number their samples from 0 each.
+    if len(samples) != n_predictions:
+        return (f"engine stats cover {len(samples)} of {n_predictions} predictions (a resumed "
+                f"run?); re-run the dataset without -r (delete its predictions) for complete "
+                f"engine figures")
+    return None
 
 
 def _glob_escape(text: str) -> str:
@@ -346,9 +391,12 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         res.notes.append(f"no results file {path}")
         return res
     try:
-        result = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        result = json.loads(path.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+    except (OSError, ValueError, RecursionError) as exc:
         res.notes.append(f"{path}: unreadable ({exc})")
+        return res
+    if not isinstance(result, dict):
+        res.notes.append(f"{path}: a JSON {type(result).__name__}, not a results object")
         return res
     if "error" in result:
         res.notes.append(f"{path}: error: {result['error']}")
@@ -358,6 +406,9 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         res.notes.append(f"{path}: no metric {bench.metric or '(numeric)'}")
         return res
     res.reported = float(result[res.metric])
+    if not math.isfinite(res.reported):
+        res.notes.append(f"{path}: {res.metric} is {res.reported}")
+        return res
 
     details = result.get("details")
     if not details:
@@ -387,6 +438,10 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         res.status = "inconsistent"
         res.notes.append(f"{path}: per-item mean {mean!r} does not reproduce "
                          f"{res.metric} {res.reported!r}")
+    stats_problem = engine_stats_problem(res.engine, len(preds) if preds is not None else None)
+    if stats_problem:
+        res.status = "inconsistent"
+        res.notes.append(f"{pred_dir}: {stats_problem}")
     if preds is not None and len(preds) != len(res.scores) * replicas:
         res.status = "inconsistent"
         res.notes.append(f"{path}: {len(res.scores)} scored items x {replicas} replicas but "

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval import cli_types as ct
 from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
                                             expand_outputs, load_dataset_result, load_run)
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenCompass output folders: a run (<work_dir>/<timestamp>) or a "
                              "work_dir (its latest run); teacher and student may be in "
                              "different ones")
-    parser.add_argument("--out", required=True, metavar="DIR",
+    parser.add_argument("--out", required=True, metavar="DIR", type=ct.directory,
                         help="folder for report.md, report.csv, report.json, report.png")
     parser.add_argument("--arms", metavar="NAME=ABBR,...",
                         help="model abbr per arm: teacher, student (prerouted + LoRA), and "
@@ -53,15 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; --out names a folder for report.md, "
+                          f"report.csv, report.json and report.png")
     runs = [load_run(p) for p in expand_outputs(args.outputs)]
     reference = load_reference(args.reference) if args.reference else None
     command = command_line(args)
     report = build_report(runs, parse_arms(args.arms, _model_index(runs)), reference, command)
-    out = Path(args.out)
     write_report(report, out)
     bad = [f"{b['benchmark']}: {b['status']}" for b in report["benchmarks"] if b["status"] != "ok"]
+    if not report["benchmarks"]:
+        bad = ["no benchmark results found"]
     print(f"wrote {out}/report.{{md,csv,json,png}}"
           + (f"; not ok: {', '.join(bad)}" if bad else ""))
+    if bad:
+        # Missing or failed results must not look like a finished report to a script.
+        print("edge0-eval report: incomplete (see the notes in report.md); exit 1")
+        return 1
     return 0
 
 
@@ -110,6 +120,13 @@ def parse_arms(spec: str | None, index: dict[str, Run]) -> dict[str, tuple[str, 
                               f"{', '.join(ARM_NAMES)}")
         if abbr not in index:
             raise ConfigError(f"--arms: no model {abbr!r} in the outputs (found: {found})")
+        if name in arms:
+            raise ConfigError(f"--arms names {name} twice")
+        twice = [other for other, (a, _) in arms.items() if a == abbr]
+        if twice:
+            raise ConfigError(f"--arms: {abbr!r} is given as both {twice[0]} and {name}; each "
+                              f"arm must be a different model (a teacher compared with itself "
+                              f"always shows gap 0)")
         arms[name] = (abbr, index[abbr])
     for needed in ("teacher", "student"):
         if needed not in arms:
@@ -232,17 +249,22 @@ def _engine_summary(samples: list[dict]) -> dict | None:
 
 def load_reference(path: str) -> dict:
     try:
-        ref = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        ref = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError) as exc:
         raise Edge0Error(f"--reference {path}: cannot read ({exc})") from exc
     arms = ref.get("arms") if isinstance(ref, dict) else None
     if not isinstance(arms, dict) or not all(
-            isinstance(v, dict) and all(isinstance(x, (int, float)) for x in v.values())
+            isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                        for x in v.values())
             for v in arms.values()):
         raise Edge0Error(f"--reference {path}: expected {{\"arms\": {{\"teacher\": "
                          f"{{BENCHMARK: score}}, \"student\": {{...}}}}}}")
     ref.setdefault("file", str(path))
     return ref
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _sub(a, b):
@@ -425,8 +447,16 @@ def _average_row(rows: list[dict], reference: dict | None) -> dict:
 # --------------------------------------------------------------------------- writers
 
 def write_report(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    try:
+        text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    except ValueError:
+        raise Edge0Error("the report holds NaN or infinite values (a corrupt results file?); "
+                         "refusing to write it: see the results files named in the notes") from None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"--out {out}: a file is in the way; name a folder") from None
+    (out / "report.json").write_text(text, encoding="utf-8")
     _write_csv(report, out / "report.csv")
     _write_plot(report, out / "report.png")
     fidelity_report.write_plot(report.get("fidelity"), out / "fidelity.png")

@@ -1,0 +1,97 @@
+"""argparse `type=` validators: a bad value is refused at parse time, naming the option.
+
+argparse turns the ArgumentTypeError raised here into "argument --x: <message>" and exit 2, so
+`--temp nan`, `--io-workers 0` or `--arms ,` never reach the code that would misuse them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+
+def _number(text: str, kind=float):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def finite_float(text: str) -> float:
+    return _number(text)
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def float_range(low: float, high: float, low_open: bool = False):
+    """A finite float in [low, high] ((low, high] with low_open)."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if value < low or value > high or (low_open and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text} must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+        return value
+    parse.__name__ = f"number in range {low:g}..{high:g}"
+    return parse
+
+
+def name_list(text: str) -> str:
+    """A comma-separated list with at least one non-empty name and no empty or repeated one."""
+    names = [p.strip() for p in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing; give NAME[,NAME...]")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name between commas")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise argparse.ArgumentTypeError(f"{text!r} repeats {', '.join(dupes)}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file to write later: its folder must exist and it must not be a folder itself."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {parent} does not exist; create it first")
+    return text
+
+
+def directory(text: str) -> str:
+    """A folder that may not exist yet, but is not a file."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return text
