@@ -102,14 +102,15 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
             (f.default is None and hint is not None and not _type_ok(None, hint))
         if f.name not in params:
             if required:
-                raise CheckpointError(f"{path}: required key {key!r} is missing; restore config.json "
-                                  f"from the source checkpoint and {_RECONVERT}")
+                raise CheckpointError(f"{path}: required key {key!r} is missing; restore "
+                                      f"config.json from the source checkpoint and "
+                                      f"{_RECONVERT}")
             continue
         hint = hints.get(f.name)
         if hint is not None and not _type_ok(params[f.name], hint):
-            raise CheckpointError(f"{path}: key {key!r} is {params[f.name]!r}, which is not a valid "
-                              f"{getattr(hint, '__name__', hint)}; fix config.json or "
-                              f"{_RECONVERT}")
+            raise CheckpointError(f"{path}: key {key!r} is {params[f.name]!r}, which is not a "
+                                  f"valid {getattr(hint, '__name__', hint)}; fix config.json or "
+                                  f"{_RECONVERT}")
         value = params[f.name]
         if hints.get(f.name) is int and f.name not in ("bos_token_id", "pad_token_id") \
                 and isinstance(value, int) and value < 0:
@@ -122,21 +123,21 @@ REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "voc
 
 def read_config(path: str | Path) -> dict:
     """config.json of a converted model, checked against mlx-lm's ModelArgs for its family."""
-    from mlx_lm.utils import _get_classes  # mlx-lm's own model registry
+    from mlx_lm.utils import _get_classes  # mlx_lm.utils imports transformers: only when used
 
     path = Path(path)
     fix = "is the directory a converted model? restore config.json or " + _RECONVERT
     config = read_json_file(path, "config.json", fix)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
-        raise CheckpointError(f"{path}: key 'model_type' is {model_type!r}; it must be a model type "
-                          f"string such as 'qwen3_5_moe'")
+        raise CheckpointError(f"{path}: key 'model_type' is {model_type!r}; it must be a model "
+                              f"type string such as 'qwen3_5_moe'")
     family_for(config, str(path))
     try:
         model_class, args_class = _get_classes(config)
     except Exception as exc:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not supported by mlx-lm "
-                          f"({exc})") from None
+                              f"({exc})") from None
     _check_args(args_class, config, path)
     text = config.get("text_config")
     if isinstance(text, dict):
@@ -162,7 +163,7 @@ def read_config(path: str | Path) -> dict:
     if eos is not None and not (_type_ok(eos, int) or (isinstance(eos, list) and eos
                                                        and all(_type_ok(e, int) for e in eos))):
         raise CheckpointError(f"{path}: key 'eos_token_id' is {eos!r}; it must be a token id or a "
-                          f"list of token ids")
+                              f"list of token ids")
     return config
 
 
@@ -175,7 +176,7 @@ def _check_quantization(quant, path: Path) -> None:
         for key in ("bits", "group_size"):
             if key in q and not (_type_ok(q[key], int) and q[key] > 0):
                 raise CheckpointError(f"{path}: key '{where}.{key}' is {q[key]!r}; it must be a "
-                                  f"positive integer")
+                                      f"positive integer")
     for key in ("bits", "group_size"):
         if key not in quant:
             raise CheckpointError(f"{path}: key 'quantization.{key}' is missing; {_RECONVERT}")
@@ -195,8 +196,9 @@ def read_safetensors_header(path: str | Path, what: str, fix: str
     contiguous without overlap and ending exactly at the file's end.
     """
     path = Path(path)
-    bad = lambda why: CheckpointError(f"{path}: {what} is truncated or corrupt, not a valid "  # noqa
-                                      f"safetensors file ({why}); {fix}")
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what} is truncated or corrupt, not a valid "
+                               f"safetensors file ({why}); {fix}")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -319,7 +321,7 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
     model then writes empty text; corrupt files or a chat template that does not compile surface
     later as tracebacks. Both are one error here.
     """
-    from mlx_lm.utils import load_tokenizer
+    from mlx_lm.utils import load_tokenizer  # imports transformers: only when used
 
     directory = Path(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):

@@ -335,7 +335,8 @@ def read_adapter_file(path: str | Path, what: str = "LoRA adapter",
         raise CheckpointError(f"{path}: {what} file not found; give an existing .safetensors "
                               f"file, or run without it ({disable})")
     # The header is checked by the format's rules first: MLX is never handed a malformed one.
-    read_safetensors_header(path, what, f"download or save it again, or run without it ({disable})")
+    read_safetensors_header(path, what,
+                            f"download or save it again, or run without it ({disable})")
     try:
         arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(list(arrays.values()))

@@ -319,7 +319,7 @@ def _load_predictions(pred_dir: Path, dataset: str) -> list[dict] | None:
     preds = []
     for f in files:
         data = _read_json(f, "predictions")
-        if not isinstance(data, dict) or any(str(k) not in data or not isinstance(data[str(k)], dict)
+        if not isinstance(data, dict) or any(not isinstance(data.get(str(k)), dict)
                                              for k in range(len(data))):
             raise Edge0Error(f"{f}: predictions must be an object of items keyed \"0\"..\"n-1\" "
                              f"(as OpenCompass writes them); the file is corrupt, re-run that "
