@@ -28,6 +28,7 @@ def _call(i: int, layer: nn.Module, *args, **kwargs) -> mx.array:
 class Family:
     name: str
     block_class: type
+    module_path: str   # a layer's MoE block path, with {layer}: the index must name the same
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.
     clip_hidden: float | None = None
 
@@ -104,12 +105,14 @@ _FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward,
              "qwen2_moe": _qwen2_forward}
 
 FAMILIES = {
-    "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE),
+    "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE,
+                          "language_model.model.layers.{layer}.mlp"),
     # +-1000 clipping prevents an fp16 overflow collapse on this tier. Other families run
     # unclipped: real models carry legitimate activations far above 1000 (SmolLM2 turned MoE:
     # ~25,000), which clipping destroys.
-    "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, clip_hidden=1000.0),
-    "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE),
+    "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
+                             clip_hidden=1000.0),
+    "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp"),
 }
 
 
