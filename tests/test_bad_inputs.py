@@ -25,6 +25,7 @@ from edge0_eval.engine.lora import default_targets, find_targets, linear_dims, l
 from edge0_eval.engine.prerouter import (default_owners, init_heads_from_routers, load_heads,
                                          save_heads)
 from edge0_eval.engine.store import ExpertStore
+from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.gate import load_report
 
 FUZZ_SEED = 16
@@ -688,3 +689,13 @@ def test_fuzz_oracle_sees_an_injected_fault(edge0_qwen, tmp_path, monkeypatch):
                                 {"io_throttle_mbps": -1.0}])
 def test_store_options_refused(kw, edge0_qwen):
     expect_clear_error(lambda: ExpertStore(edge0_qwen, **kw), next(iter(kw)))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("expert_budget_mib", float("nan")), ("io_throttle_mbps", float("inf")), ("io_workers", 0),
+    ("seed", -1), ("top_k", 2.5), ("slots_per_layer", True), ("clip_hidden", float("nan")),
+    ("prefill_chunk", 0)])
+def test_engine_options_from_a_config_refuse_bad_values(field, value):
+    """A model config reaches EngineOptions without the CLI's parse-time checks."""
+    with pytest.raises(ConfigError, match=field):
+        EngineOptions(**{field: value}).validate()

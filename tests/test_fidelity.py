@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import zlib
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +18,8 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity as fid
 from edge0_eval.evaluation import fidelity_report as fr
 from edge0_eval.evaluation import fidelity_set as fs
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 MODES = ("resident", "reactive", "prerouted")
@@ -267,10 +270,17 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     assert main(["gate", str(cur), "--baseline", str(base)]) == 1
     out = capsys.readouterr().out
     assert "gate: FAIL (1 of 4: fidelity student)" in out and "KL rose" in out
-    # A baseline without fidelity gates nothing of it, and says so.
-    plain = tmp_path / "plain.json"
-    plain.write_text(json.dumps(report(None)))
-    assert main(["gate", str(cur), "--baseline", str(plain)]) == 0
+    # A baseline with nothing to gate is refused, not passed.
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(report(None)))
+    assert main(["gate", str(cur), "--baseline", str(empty)]) == 2
+    assert "no benchmarks and no fidelity" in capsys.readouterr().err
+    # A baseline without fidelity (benchmarks only) gates nothing of it, and says so.
+    tiny = json.loads((REPO / "reports" / "tiny" / "report.json").read_text())
+    plain, with_fidelity = tmp_path / "plain.json", tmp_path / "with_fidelity.json"
+    with_fidelity.write_text(json.dumps(tiny))
+    plain.write_text(json.dumps({k: v for k, v in tiny.items() if k != "fidelity"}))
+    assert main(["gate", str(with_fidelity), "--baseline", str(plain)]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("fidelity "))
     assert " new " in line and "not in the baseline; not gated" in line
     # Generous thresholds let the same change through.

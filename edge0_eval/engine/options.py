@@ -19,6 +19,7 @@ same `MissingAdapterError`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,25 +65,37 @@ class EngineOptions:
     seed: int = 0
 
     def validate(self) -> None:
+        """Types and ranges of every field (a config can pass anything, NaN included)."""
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError("top_k must be at least 1")
+        for name in ("top_k", "slots_per_layer"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}")
+        if not _is_int(self.io_workers) or self.io_workers < 1:
+            raise ConfigError(f"io_workers must be a whole number >= 1, not {self.io_workers!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed must be a whole number >= 0, not {self.seed!r}")
+        if not _is_int(self.prefill_chunk) or self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be a whole number >= 1, "
+                              f"not {self.prefill_chunk!r}")
         if self.expert_budget_mib is not None and self.slots_per_layer is not None:
             raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
-        if self.expert_budget_mib is not None and self.expert_budget_mib <= 0:
-            raise ConfigError("expert_budget_mib must be positive")
+        for name in ("expert_budget_mib", "io_throttle_mbps"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and math.isfinite(value)
+                                          and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, not {value!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of "
                               f"{', '.join(COMPUTE_DTYPES)}")
-        if self.io_throttle_mbps is not None and self.io_throttle_mbps <= 0:
-            raise ConfigError("io_throttle_mbps must be positive")
         if self.prerouted_weights not in WEIGHT_SOURCES:
             raise ConfigError(f"prerouted_weights {self.prerouted_weights!r} is not one of "
                               f"{', '.join(WEIGHT_SOURCES)}")
         if self.clip_hidden != "auto" and self.clip_hidden is not None and \
-                not (isinstance(self.clip_hidden, (int, float)) and self.clip_hidden > 0):
-            raise ConfigError(f"clip_hidden must be 'auto', None or positive, "
+                not (_is_number(self.clip_hidden) and math.isfinite(self.clip_hidden)
+                     and self.clip_hidden > 0):
+            raise ConfigError(f"clip_hidden must be 'auto', None or a finite number > 0, "
                               f"not {self.clip_hidden!r}")
 
     def resolved_clip(self, family: Family) -> float | None:
@@ -174,3 +187,11 @@ class ResolvedOptions:
     lora_path: Path | None          # the adapter to apply; None: none
     prerouter_path: Path | None     # the heads to load; None: every layer routes truly
     clip_hidden: float | None       # per-layer hidden clipping limit; None: off
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

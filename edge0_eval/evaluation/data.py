@@ -334,8 +334,6 @@ def verify(root: str | os.PathLike | None = None, benchmarks=BENCHMARKS,
     root = data_root(root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f'data root {root} is a file; give the folder that holds data/')
-    if not benchmarks:
-        raise ConfigError(f'no benchmarks to check; choose from {", ".join(BENCHMARKS)}')
     results = []
     for name in benchmarks:
         if name not in PATHS:

@@ -86,9 +86,9 @@ def load_report(path: str) -> dict:
         raise Edge0Error(f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
                          f"make one with `edge0-eval report`)")
     rows = report.get("benchmarks")
-    if not isinstance(rows, list) or not rows:
-        raise Edge0Error(f"{path}: no benchmarks; a report with nothing in it gates nothing "
-                         f"(make it again with `edge0-eval report`)")
+    if not isinstance(rows, list) or not (rows or report.get("fidelity")):
+        raise Edge0Error(f"{path}: no benchmarks and no fidelity; a report with nothing in it "
+                         f"gates nothing (make it again with `edge0-eval report`)")
     seen = set()
     for i, row in enumerate(rows):
         where = f"{path}: benchmarks[{i}]"
