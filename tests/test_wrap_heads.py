@@ -51,7 +51,7 @@ def test_default_owners_with_start_layer_zero_add_the_wrap_head():
     assert check_owners([3, 1, 2], [1, 2, 3], consumers=[1, 2, 3]) == [1, 2, 3]
     with pytest.raises(ConfigError, match=r"owner 2 -> layer 0"):
         check_owners([2], [0, 1, 2, 3], consumers=[0])              # only the last layer wraps
-    with pytest.raises(ConfigError, match="both must be MoE"):
+    with pytest.raises(ConfigError, match="must both be MoE"):
         check_owners([3], [1, 2, 3], consumers=[0])                 # layer 0 is dense
 
 
@@ -165,7 +165,7 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
 def test_old_file_owning_the_last_layer_is_refused_by_the_model(edge0_qwen, tmp_path):
     path, moe = wrap_heads_file(edge0_qwen, tmp_path / "w.safetensors", perturb=False)
     old = _rewrite(path, tmp_path / "old.safetensors", consumers=None)
-    with pytest.raises(CheckpointError, match=r"owner 3 -> layer 4: both must be MoE") as err:
+    with pytest.raises(CheckpointError, match=r"owner 3 -> layer 4: they must both be MoE") as err:
         Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(old),
                                               no_lora=True))
     assert str(old) in str(err.value)

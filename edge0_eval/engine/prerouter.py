@@ -132,7 +132,7 @@ def pair_problems(owners: list[int], consumers: list[int], moe_layers: list[int]
     problems = []
     for n, c in zip(owners, consumers):
         if n not in moe or c not in moe:
-            problems.append(f"owner {n} -> layer {c}: both must be MoE layers")
+            problems.append(f"owner {n} -> layer {c}: they must both be MoE layers")
         elif c != n + 1 and not (n == moe[-1] and c == moe[0]):
             problems.append(f"owner {n} -> layer {c}: a head predicts layer owner + 1, or (the "
                             f"wrap-around head, owner {moe[-1]}) the first MoE layer {moe[0]}")
