@@ -212,3 +212,74 @@ def test_init_prerouter_start_layer_zero(edge0_bailing, tmp_path, capsys):
     meta = read_metadata(out)
     assert json.loads(meta["owners"]) == [1, 2, 3]
     assert json.loads(meta["consumers"]) == [2, 3, 1]
+
+
+# -- stages 2/3: the served path with a wrap-around head ----------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen", "bailing"])
+def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_path):
+    """discover() with a wrap head == prefill + prerouted decode (logits and every layer's
+    executed ids, the first MoE layer's included); the full-sequence gradient pass replays it;
+    gradient checkpointing leaves the gradients unchanged."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from edge0_eval.engine import lora
+    from edge0_eval.training.served import ServedPath
+
+    converted = request.getfixturevalue(f"edge0_{family}")
+    path, moe = wrap_heads_file(converted, tmp_path / "h.safetensors")
+    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
+                                                  no_lora=True, slots_per_layer=16))
+    try:
+        lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
+        lora.mark_trainable(engine.model)
+        prompt, cont = [1, 87, 85, 259, 201, 263, 312, 81], [259, 71, 14, 223, 74, 294, 400]
+        for layer in moe:
+            engine.blocks[layer].set_capture(True)
+        engine.reset()
+        served = [engine.prefill(prompt)]
+        executed = []
+        for t in cont:
+            served.append(engine.step(t))
+            executed.append({n: sorted(np.array(engine.blocks[n].captured()[1]).reshape(-1)
+                                       .tolist()) for n in moe})
+        served = mx.stack(served)
+        assert engine.prerouter.counters.steps == len(cont)
+        tokens = np.array([prompt + cont])
+        valid = np.ones_like(tokens, bool)
+        grads = {}
+        for ckpt in (False, True):
+            served_path = ServedPath(engine, grad_checkpoint=ckpt)
+            assert served_path.wrap == (moe[-1], moe[0])
+            disc = served_path.discover(tokens, valid, np.array([len(prompt)]),
+                                        keep_logits=True)
+            assert sorted(disc.planned_layers) == moe
+            got = disc.logits[0, len(prompt) - 1:]
+            assert mx.allclose(got, served, atol=1e-4).item()
+            for s, want in enumerate(executed):
+                p = len(prompt) + s
+                for n in moe:
+                    assert sorted(disc.inds[n][0, p].tolist()) == want[n], (n, p)
+            unions = disc.unions()
+            served_path.load_routed(unions)
+            plan = served_path.replay_plan(disc, np.arange(1), unions)
+            mask = mx.array(disc.mask)
+            served_path.pin(True)
+
+            def objective(model):
+                logits = served_path.forward(mx.array(tokens), mask, plan)
+                return (logits.astype(mx.float32) ** 2).mean(), logits
+
+            (loss, logits), g = nn.value_and_grad(engine.model, objective)(engine.model)
+            mx.eval(loss, logits, g)
+            served_path.clear_plans()
+            served_path.pin(False)
+            assert mx.allclose(logits, disc.logits, atol=1e-4).item()
+            grads[ckpt] = dict(tree_flatten(g))
+            served_path.close()
+        assert any(mx.abs(v).max().item() > 0 for v in grads[False].values())
+        for k, v in grads[False].items():
+            assert mx.allclose(v, grads[True][k], atol=1e-6).item(), k
+    finally:
+        engine.close()
