@@ -160,6 +160,7 @@ class Prerouter:
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),
+            "prerouter_wrap_around": any(c != o + 1 for o, c in zip(self.owners, self.consumers)),
             "prerouted_weights": self.weight_source,
         }
         if self.measure_recall:
@@ -170,7 +171,7 @@ class Prerouter:
 
 
 def attach_prerouter(engine, path: Path) -> Prerouter:
-    """Load the heads in `path` for `engine` (resolved by EngineOptions.resolve) and hook them in."""
+    """Load the heads in `path` for `engine` (resolved by EngineOptions.resolve); hook them in."""
     options = engine.options
     heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
                        num_experts=engine.index.num_experts, top_k=engine.top_k,

@@ -362,8 +362,8 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
                             ("linear_init", heads.linear[i])):
             arrays[f"layers.{n}.{name}.weight"] = value if dtype is None else value.astype(dtype)
     meta = {"kind": KIND, "K": str(cfg.top_k), "owners": json.dumps(cfg.owners),
-            "consumers": json.dumps(cfg.consumers), "start_layer": str(cfg.start_layer), "width": str(cfg.width),
-            "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
+            "consumers": json.dumps(cfg.consumers), "start_layer": str(cfg.start_layer),
+            "width": str(cfg.width), "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
             "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
     for key, value in (metadata or {}).items():
         if key in ("kind", "K", "owners", "consumers", "width", "hidden", "num_experts",
@@ -519,8 +519,8 @@ def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]
                               f"(init-prerouter / train-prerouter)") from None
     odd = [f"{n} -> {c}" for n, c in zip(listed, consumers) if c != n + 1 and c > n]
     if odd or len(set(consumers)) != len(consumers):
+        what = ", ".join(odd) or "a layer twice"
         raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} pairs owners "
-                              f"with layers no head can predict ({', '.join(odd) or 'a layer twice'}); "
-                              f"a head predicts owner + 1, or wraps around to the "
-                              f"first MoE layer")
+                              f"with layers no head can predict ({what}); a head predicts owner "
+                              f"+ 1, or wraps around to the first MoE layer")
     return dict(zip(listed, consumers))
