@@ -142,7 +142,10 @@ class Prerouter:
         mx.eval(inds, weights, onehot_t)
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
-        for o, layer in enumerate(self.consumers):
+        # Queue the reads in the order the next step runs its layers (FIFO reads): a wrap head's
+        # first MoE layer is needed first, though its owner is the last.
+        for o in sorted(range(len(self.consumers)), key=self.consumers.__getitem__):
+            layer = self.consumers[o]
             staged = engine.blocks[layer].switch_mlp.stage_begin(ids[o].reshape(-1).tolist())
             staged.layer = layer
             self.counters.staged_experts += len(staged.experts)
