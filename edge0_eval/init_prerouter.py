@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
     parser.add_argument("--out", required=True, help="heads file to write (.safetensors)")
     parser.add_argument("--start-layer", type=int, default=None,
-                        help="first layer whose routing a head predicts (default: the tier's)")
+                        help="first layer whose routing a head predicts (default: the tier's); "
+                             "0 (or the first MoE layer): every MoE layer, with a wrap-around "
+                             "head from the last MoE layer")
     parser.add_argument("--top-k", type=int, default=None,
                         help="serving K the heads are for (default: the tier's, else native)")
     parser.add_argument("--width", type=int, default=None, help="fc1 width (default: the tier's)")
@@ -38,11 +40,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k)
         path = save_heads(args.out, heads, metadata={"source": "init-prerouter (untrained)",
-                                                     "model": facts.model_type})
+                                                     "model": Path(args.model).resolve().name,
+                                                     "model_type": facts.model_type})
     finally:
         probe.close()
     cfg = heads.config
+    wrap = [f"{n} -> {c}" for n, c in zip(cfg.owners, cfg.consumers) if c != n + 1]
     print(f"wrote {path}: {len(cfg.owners)} heads, owners {cfg.owners[0]}..{cfg.owners[-1]} "
-          f"(layers {cfg.start_layer}..{cfg.owners[-1] + 1} prerouted), K={cfg.top_k}, "
-          f"width {cfg.width}, untrained")
+          f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
+          f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
+          f"K={cfg.top_k}, width {cfg.width}, untrained")
     return 0

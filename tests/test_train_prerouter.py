@@ -150,14 +150,18 @@ def test_teacher_records_are_the_executed_routing(trained):
     from edge0_eval.training.features import Batches
 
     owners = meta["pairs"]
+    moe = meta["moe_layers"]
+    # Every MoE -> MoE pair, then the wrap-around pair: last MoE layer -> first, next token.
+    assert owners[-1] == moe[-1] and meta["consumers"][-1] == moe[0]
+    assert meta["consumers"][:-1] == [n + 1 for n in owners[:-1]]
     b = Batches(store, owners).get(np.array([start + 3, start]))
-    m_of = {n: i for i, n in enumerate(meta["moe_layers"])}
-    for o, n in enumerate(owners):
-        assert b["target"][o, 0].tolist() == store.inds[start + 4, m_of[n + 1]].tolist()
+    m_of = {n: i for i, n in enumerate(moe)}
+    for o, (n, c) in enumerate(zip(owners, meta["consumers"])):
+        assert b["target"][o, 0].tolist() == store.inds[start + 4, m_of[c]].tolist()
         assert b["cur"][o, 0].tolist() == store.inds[start + 3, m_of[n]].tolist()
         assert b["prev"][o, 0].tolist() == store.inds[start + 2, m_of[n]].tolist()
         assert b["prev"][o, 1].tolist() == [-1] * 4          # first token: no previous
-        assert b["prev_token"][o, 0].tolist() == store.inds[start + 3, m_of[n + 1]].tolist()
+        assert b["prev_token"][o, 0].tolist() == store.inds[start + 3, m_of[c]].tolist()
 
 
 def test_resume_after_kill_is_lossless(trained, tmp_path):
@@ -221,8 +225,8 @@ def test_option_errors(trained, tmp_path):
     out = tmp_path / "h.safetensors"
     with pytest.raises(ConfigError, match="holdout"):
         train_prerouter(options(model, out, holdout=0.0))
-    with pytest.raises(ConfigError, match="both be MoE"):
-        train_prerouter(options(model, out, owners=[3]))
+    with pytest.raises(ConfigError, match="must both be MoE"):
+        train_prerouter(options(model, out, owners=[7]))
     with pytest.raises(ConfigError, match="disagrees with --owners"):
         train_prerouter(options(model, out, owners=[1, 2], start_layer=5))
     with pytest.raises(ConfigError, match="at least 2 documents"):
@@ -245,3 +249,44 @@ def test_cli(trained, tmp_path, capsys):
     rc = main(["train-prerouter", str(model), "--text", str(tmp_path / "missing.txt"),
                "--out", str(out)])
     assert rc == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_wrap_around_head_trains_and_reports(trained, tmp_path):
+    """--start-layer 0: every MoE layer gets a head; the wrap row (last MoE layer -> first MoE
+    layer at t+1) is trained and reported against both baselines."""
+    from edge0_eval.engine.engine import Engine, EngineOptions
+    from edge0_eval.engine.prerouter import RoutingRule, router_logits
+    from edge0_eval.training.features import Batches
+
+    family, model, opts, _ = trained
+    out = tmp_path / "wrap.safetensors"
+    report = train_prerouter(options(model, out, start_layer=0, steps=60))
+    store = FeatureStore(Path(f"{out}.ckpt") / "features").open()
+    moe = store.meta["moe_layers"]
+    assert report["owners"] == moe and report["start_layer"] == moe[0]
+    assert report["consumers"] == moe[1:] + moe[:1]
+    wrap = [row for row in report["layers"] if row["wrap_around"]]
+    assert len(wrap) == 1 and wrap[0]["owner"] == moe[-1] and wrap[0]["consumer"] == moe[0]
+    row = wrap[0]
+    for key in ("recall_heads", "recall_prev_token", "recall_next_router"):
+        assert 0.0 <= row[key] <= 1.0
+    # untrained wrap head = first MoE layer's router on the last layer's input = its baseline
+    assert abs(row["recall_untrained_heads"] - row["recall_next_router"]) < 0.02
+    assert row["recall_heads"] > row["recall_next_router"]
+    md = Path(report_paths(out)[1]).read_text()
+    assert f"| {moe[-1]} | {moe[0]} (wrap) |" in md
+    assert json.loads(read_metadata(out)["consumers"]) == moe[1:] + moe[:1]
+    # The wrap pair's stored baseline is layer moe[0]'s router on layer moe[-1]'s input.
+    name, start, length = store.meta["docs"][0]
+    engine = Engine.load(model, EngineOptions(mode="reactive"))
+    try:
+        first = engine.blocks[moe[0]]
+        x = mx.array(np.asarray(store.h[start: start + length, -1]).astype(np.float32))
+        want, _ = RoutingRule.from_block(first).select(router_logits(first, x), 4)
+        got = np.sort(np.asarray(store.nr[start: start + length, -1]), axis=-1)
+        agree = (got == np.sort(np.array(want), axis=-1)).mean()
+        assert agree > 0.95
+    finally:
+        engine.close()
+    b = Batches(store, moe).get(np.array([start + 1]))
+    assert b["target"][-1, 0].tolist() == store.inds[start + 2, 0].tolist()

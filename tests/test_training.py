@@ -417,3 +417,37 @@ def test_prerouted_training_without_heads(pair, tmp_path, capsys):
     shutil.copytree(student, bare, ignore=shutil.ignore_patterns("prerouter.safetensors"))
     _fails(["train-lora", bare, "--teacher", teacher, "--prompts", prompts, "--out",
             tmp_path / "a.safetensors"], capsys, "prerouter heads", "--mode reactive")
+
+
+def test_stage2_with_every_layer_prerouted(pair, tmp_path):
+    """A student whose heads include the wrap-around head (start layer 0) trains on its served
+    path end to end, and a killed run resumed by the same command ends bit-identical."""
+    from edge0_eval.engine.engine import Engine, EngineOptions
+    from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
+
+    teacher, student, prompts = pair
+    wrapped = tmp_path / "student_wrap"
+    shutil.copytree(student, wrapped, ignore=shutil.ignore_patterns("prerouter.safetensors"))
+    engine = Engine.load(wrapped, EngineOptions(mode="reactive", no_lora=True))
+    owners = default_owners(0, len(engine.family.layers(engine.model)), engine.moe_layers)
+    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+    engine.close()
+    assert heads.config.consumers[-1] == 0                    # the wrap-around head
+    save_heads(wrapped / "prerouter.safetensors", heads)
+    argv = [str(a) for a in ["train-lora", wrapped, "--teacher", teacher, "--prompts", prompts,
+                             *SFT_ARGS]]
+    argv[argv.index("--steps") + 1] = "3"
+    ref, out = tmp_path / "ref.safetensors", tmp_path / "killed.safetensors"
+    assert _cli(argv + ["--out", ref]) == 0
+    report = _report(ref)
+    assert report["mode"] == "prerouted"
+    assert np.isfinite(report["heldout"]["metrics"]["trained"]["kl"])
+    resumed = argv + ["--out", str(out), "--ckpt-every", "1"]
+    proc = subprocess.run([sys.executable, "-m", "edge0_eval.cli", *resumed,
+                           "--kill-after-step", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert _cli(resumed) == 0
+    got, want = _arrays(out)[0], _arrays(ref)[0]
+    assert got.keys() == want.keys() and got
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k

@@ -193,6 +193,8 @@ class Engine:
         plan_next = plan_next and prerouter is not None
         if staging and plan_next:
             prerouter.counters.steps += 1
+        if staging:
+            prerouter.before_layer(0, None)    # a wrap-around head's plan for layer 0
         hook = None
         if self.clip or staging or plan_next:
             hook = partial(self._after_layer, staging=staging, plan_next=plan_next)

@@ -1,11 +1,13 @@
 """Prerouted decode: prediction-as-routing with staged reads that overlap compute.
 
 After each decode step every prerouter head runs in one batched computation on the step's
-features; the predicted expert set of each consuming layer (owner + 1) starts loading in the
-background at once, and during the next step each consuming layer executes exactly that set.
+features; the predicted expert set of each consuming layer (owner + 1, or for the wrap-around
+head, owned by the last MoE layer, the first MoE layer) starts loading in the background at once,
+and during the next step each consuming layer executes exactly that set.
 The heads also run once on the prompt's last token after prefill, so the first decode token is
 prerouted too (on the true router it would be one fully blocking step per generation). Layers
-before `start_layer` and prefill itself route with the true router.
+before `start_layer` and prefill itself route with the true router; with a wrap-around head
+(start layer 0) every MoE layer of every decode step is prerouted.
 
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
@@ -22,7 +24,8 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
-from edge0_eval.engine.prerouter import consumer_rule, load_heads, trace_features
+from edge0_eval.engine.prerouter import (consumer_rule, load_heads, pair_problems,
+                                         trace_features)
 
 
 @dataclass
@@ -43,12 +46,11 @@ class Prerouter:
         cfg = heads.config
         self.owners = list(cfg.owners)
         self.start_layer = cfg.start_layer
-        moe = set(engine.moe_layers)
-        bad = [o for o in self.owners if o not in moe or o + 1 not in moe]
-        if bad:
-            raise CheckpointError(f"prerouter owners {bad} are not MoE layers followed by a MoE "
-                                  f"layer in this model (MoE layers: {sorted(moe)})")
-        self.consumers = [o + 1 for o in self.owners if o + 1 >= self.start_layer]
+        problems = pair_problems(self.owners, cfg.consumers, engine.moe_layers)
+        if problems:
+            raise CheckpointError(f"prerouter heads do not fit this model: {'; '.join(problems)} "
+                                  f"(MoE layers: {engine.moe_layers})")
+        self.consumers = list(cfg.consumers)     # parallel to self.owners
         self.weight_source = weight_source
         self.measure_recall = measure_recall
         self.counters = StagingCounters()
@@ -56,7 +58,7 @@ class Prerouter:
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
-        self._rule = consumer_rule(engine, self.owners)
+        self._rule = consumer_rule(engine, self.consumers)
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -91,13 +93,15 @@ class Prerouter:
     def has_plan(self) -> bool:
         return bool(self._plans)
 
-    def before_layer(self, layer: int, h: mx.array) -> None:
-        """Called as layer `layer` is about to be built: finish its staging and set its plan."""
+    def before_layer(self, layer: int, h: mx.array | None) -> None:
+        """Called as layer `layer` is about to be built (h: the previous layer's output, None
+        before layer 0): finish its staging and set its plan."""
         plan = self._plans.pop(layer, None)
         if plan is None:
             return
         inds, weights, staged = plan
-        mx.async_eval(h)  # let earlier layers compute while this layer's reads finish
+        if h is not None:
+            mx.async_eval(h)  # let earlier layers compute while this layer's reads finish
         block = self.engine.blocks[layer]
         waited, dropped = block.switch_mlp.stage_finish(staged)
         self.counters.stage_wait_seconds += waited
@@ -138,10 +142,10 @@ class Prerouter:
         mx.eval(inds, weights, onehot_t)
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
-        for o, owner in enumerate(self.owners):
-            layer = owner + 1
-            if layer not in self.consumers:
-                continue
+        # Queue the reads in the order the next step runs its layers (FIFO reads): a wrap head's
+        # first MoE layer is needed first, though its owner is the last.
+        for o in sorted(range(len(self.consumers)), key=self.consumers.__getitem__):
+            layer = self.consumers[o]
             staged = engine.blocks[layer].switch_mlp.stage_begin(ids[o].reshape(-1).tolist())
             staged.layer = layer
             self.counters.staged_experts += len(staged.experts)
@@ -159,6 +163,7 @@ class Prerouter:
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),
+            "prerouter_wrap_around": any(c != o + 1 for o, c in zip(self.owners, self.consumers)),
             "prerouted_weights": self.weight_source,
         }
         if self.measure_recall:
@@ -169,11 +174,12 @@ class Prerouter:
 
 
 def attach_prerouter(engine, path: Path) -> Prerouter:
-    """Load the heads in `path` for `engine` (resolved by EngineOptions.resolve) and hook them in."""
+    """Load the heads in `path` for `engine` (resolved by EngineOptions.resolve); hook them in."""
     options = engine.options
     heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
                        num_experts=engine.index.num_experts, top_k=engine.top_k,
                        model_type=engine.config.get("model_type"),
+                       moe_layers=engine.moe_layers,
                        dtype=resolve_compute_dtype(options.compute_dtype))
     return Prerouter(engine, heads, weight_source=options.prerouted_weights,
                      measure_recall=options.measure_recall)

@@ -6,7 +6,13 @@ Features for owner N at token t (dimension hidden + 2E):
             onehot(top-k executed at layer N, token t-1) ]
 Head:  logits = fc2(gelu_erf(fc1(x))) + linear(x)   (no biases, as in the published layout)
 
-`linear` is warm-started from layer N+1's router weight (zero-padded over the 2E one-hot
+Wrap-around head: the owner may be the LAST MoE layer, predicting the FIRST MoE layer of the
+next token (qwen3_5_moe / qwen2_moe: layer 0; bailing_hybrid: layer 1, its layer 0 is dense).
+With it every MoE layer's reads can start a whole step early. A head's consumer is owner + 1,
+except the wrap head's (`default_consumers`); files record the list as metadata "consumers"
+(a file without it is read as owner + 1 for every head, as before).
+
+`linear` is warm-started from the consuming layer's router weight (zero-padded over the 2E one-hot
 columns) and `fc2` starts at zero, so an untrained head *is* the "next router on the current
 hidden state" baseline.
 
@@ -17,7 +23,8 @@ and `PrerouterHeads(feats [O, B, in]) -> logits [O, B, E]` is three batched matm
 Files are safetensors in the published Edge0 layout
     layers.<N>.fc1.weight [width, in], layers.<N>.fc2.weight [E, width],
     layers.<N>.linear_init.weight [E, in]
-with string metadata kind="prerouter", K, owners (JSON list), start_layer, width, hidden,
+with string metadata kind="prerouter", K, owners (JSON list), consumers (JSON list, parallel to
+owners; optional), start_layer, width, hidden,
 num_experts, format_version, source, model. `load_heads` reads files from the reference
 (which may lack start_layer/width/hidden/num_experts: they are then taken from the shapes)
 and checks everything against the model it will serve.
@@ -51,20 +58,28 @@ _KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
 
 @dataclass
 class PrerouterConfig:
-    owners: list[int]          # owner layers N (each predicts layer N+1), ascending
-    start_layer: int           # first consuming layer (= owners[0] + 1)
+    owners: list[int]          # owner layers N, ascending
+    start_layer: int           # first consuming layer (= min(consumers))
     width: int                 # fc1 width
     top_k: int                 # the serving K the heads were trained for
     hidden: int
     num_experts: int
+    consumers: list[int] | None = None   # layer each owner predicts (None: owner + 1 each)
+
+    def __post_init__(self):
+        if self.consumers is None:
+            self.consumers = [n + 1 for n in self.owners]
+        self.consumers = [int(c) for c in self.consumers]
+        if len(self.consumers) != len(self.owners):
+            raise ValueError(f"consumers {self.consumers} do not pair with owners {self.owners}")
 
     @property
     def in_dim(self) -> int:
         return self.hidden + 2 * self.num_experts
 
     @property
-    def consumers(self) -> list[int]:
-        return [n + 1 for n in self.owners]
+    def consumer_of(self) -> dict[int, int]:
+        return dict(zip(self.owners, self.consumers))
 
 
 # Reference tiers (shared/README.md): serving K, first consuming layer, fc1 width.
@@ -92,24 +107,65 @@ def tier_defaults(model_type: str, n_layers: int, hidden: int, num_experts: int,
 
 
 def default_owners(start_layer: int, n_layers: int, moe_layers: list[int]) -> list[int]:
-    """owners = range(start_layer - 1, n_layers - 1), keeping N with N and N+1 both MoE."""
+    """owners = range(start_layer - 1, n_layers - 1), keeping N with N and N+1 both MoE.
+
+    A start_layer at or before the first MoE layer (0 means "every MoE layer") also adds the
+    wrap-around owner, the last MoE layer, whose head predicts the first MoE layer.
+    """
     moe = set(moe_layers)
-    return [n for n in range(max(0, start_layer - 1), n_layers - 1) if n in moe and n + 1 in moe]
+    owners = [n for n in range(max(0, start_layer - 1), n_layers - 1)
+              if n in moe and n + 1 in moe]
+    if moe_layers and start_layer <= min(moe_layers) and max(moe_layers) not in owners:
+        owners.append(max(moe_layers))
+    return owners
 
 
-def check_owners(owners: list[int], moe_layers: list[int]) -> list[int]:
-    """Owners must be distinct MoE layers whose next layer is also a MoE layer. Sorted copy."""
+def default_consumers(owners: list[int], moe_layers: list[int]) -> list[int]:
+    """The layer each owner predicts: owner + 1, except the last MoE layer (the wrap-around
+    head), which predicts the first MoE layer of the next token."""
+    moe = sorted(moe_layers)
+    return [moe[0] if moe and n == moe[-1] else n + 1 for n in owners]
+
+
+def pair_problems(owners: list[int], consumers: list[int], moe_layers: list[int]) -> list[str]:
+    """Why (owner, consumer) pairs cannot serve this model; [] when they all can."""
+    moe = sorted(moe_layers)
+    problems = []
+    for n, c in zip(owners, consumers):
+        if n not in moe or c not in moe:
+            problems.append(f"owner {n} -> layer {c}: they must both be MoE layers")
+        elif c != n + 1 and not (n == moe[-1] and c == moe[0]):
+            problems.append(f"owner {n} -> layer {c}: a head predicts layer owner + 1, or (the "
+                            f"wrap-around head, owner {moe[-1]}) the first MoE layer {moe[0]}")
+    if len(set(consumers)) != len(consumers):
+        problems.append(f"consumers {consumers} repeat a layer")
+    return problems
+
+
+def check_owners(owners: list[int], moe_layers: list[int],
+                 consumers: list[int] | None = None) -> list[int]:
+    """Owners must be distinct MoE layers whose next layer is also a MoE layer (`consumers`
+    None), or pair validly with `consumers` (parallel to `owners`; the wrap-around head is
+    owner = last MoE layer, consumer = first MoE layer). Sorted copy of the owners."""
     moe = set(moe_layers)
-    owners = sorted(int(n) for n in owners)
+    raw = [int(n) for n in owners]
+    owners = sorted(raw)
     if not owners:
         raise ConfigError("no prerouter owners: the model has no MoE layer followed by another "
                           "(check --owners / --start-layer)")
     if len(set(owners)) != len(owners):
         raise ConfigError(f"owners {owners} has duplicates")
-    bad = [n for n in owners if n not in moe or n + 1 not in moe]
-    if bad:
-        raise ConfigError(f"owner layer(s) {bad} cannot own a head: an owner N and the layer it "
-                          f"predicts (N+1) must both be MoE layers (MoE layers: {moe_layers})")
+    if consumers is None:
+        bad = [n for n in owners if n not in moe or n + 1 not in moe]
+        if bad:
+            raise ConfigError(f"owner layer(s) {bad} cannot own a head: an owner N and the layer "
+                              f"it predicts (N+1) must both be MoE layers (MoE layers: "
+                              f"{moe_layers})")
+        return owners
+    problems = pair_problems(raw, [int(c) for c in consumers], moe_layers)
+    if problems:
+        raise ConfigError(f"prerouter heads cannot serve this model: {'; '.join(problems)} "
+                          f"(MoE layers: {moe_layers})")
     return owners
 
 
@@ -154,9 +210,10 @@ class PrerouterHeads(nn.Module):
                               f"{self.config.owners}")
         owners = sorted(owners)
         idx = mx.array([have[n] for n in owners])
-        cfg = PrerouterConfig(owners=owners, start_layer=owners[0] + 1, width=self.config.width,
+        consumers = [self.config.consumer_of[n] for n in owners]
+        cfg = PrerouterConfig(owners=owners, start_layer=min(consumers), width=self.config.width,
                               top_k=self.config.top_k, hidden=self.config.hidden,
-                              num_experts=self.config.num_experts)
+                              num_experts=self.config.num_experts, consumers=consumers)
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
 
     def astype(self, dtype) -> "PrerouterHeads":
@@ -205,10 +262,10 @@ def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = Non
 
 # -- routing rules ------------------------------------------------------------------------------
 
-def consumer_rule(engine, owners: list[int]) -> RoutingRule:
-    """The stacked selection rule of the consumers (owner + 1) for logits [O, B, E]: build it
+def consumer_rule(engine, consumers: list[int]) -> RoutingRule:
+    """The stacked selection rule of the consuming layers for logits [O, B, E]: build it
     once, then each step `inds, weights = rule.select(heads(feats), k)` is one computation."""
-    return stack_rules([RoutingRule.from_block(engine.blocks[n + 1]) for n in owners])
+    return stack_rules([RoutingRule.from_block(engine.blocks[c]) for c in consumers])
 
 
 def select_experts(block, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -268,14 +325,18 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
 
 def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0,
                             top_k: int | None = None) -> PrerouterHeads:
-    """Heads warm-started from each consumer's (owner + 1) router; untrained = that router."""
-    owners = check_owners(owners, engine.moe_layers)
+    """Heads warm-started from each consumer's router (owner + 1; the wrap-around head, owner =
+    the last MoE layer: the first MoE layer's); untrained = that router."""
+    moe = engine.moe_layers
+    owners = sorted(int(n) for n in owners)
+    consumers = default_consumers(owners, moe)
+    owners = check_owners(owners, moe, consumers)
     hidden = int(engine.family.hidden_size(engine.config))
     num_experts = int(engine.index.num_experts)
-    config = PrerouterConfig(owners=owners, start_layer=owners[0] + 1, width=int(width),
+    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=int(width),
                              top_k=int(top_k or engine.top_k), hidden=hidden,
-                             num_experts=num_experts)
-    pairs = [router_weight(engine.blocks[n + 1]) for n in owners]
+                             num_experts=num_experts, consumers=consumers)
+    pairs = [router_weight(engine.blocks[c]) for c in consumers]
     return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed)
 
 
@@ -302,11 +363,12 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
                             ("linear_init", heads.linear[i])):
             arrays[f"layers.{n}.{name}.weight"] = value if dtype is None else value.astype(dtype)
     meta = {"kind": KIND, "K": str(cfg.top_k), "owners": json.dumps(cfg.owners),
-            "start_layer": str(cfg.start_layer), "width": str(cfg.width),
-            "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
+            "consumers": json.dumps(cfg.consumers), "start_layer": str(cfg.start_layer),
+            "width": str(cfg.width), "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
             "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
     for key, value in (metadata or {}).items():
-        if key in ("kind", "K", "owners", "width", "hidden", "num_experts", "format_version"):
+        if key in ("kind", "K", "owners", "consumers", "width", "hidden", "num_experts",
+                   "format_version"):
             continue  # these describe the tensors; they come from the heads
         meta[key] = value if isinstance(value, str) else json.dumps(value)
     _atomic_save(path, arrays, meta)
@@ -333,8 +395,11 @@ def _int_meta(meta: dict, key: str, path: Path) -> int | None:
 
 def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
                owners: list[int] | None = None, dtype=None,
-               model_type: str | None = None) -> PrerouterHeads:
+               model_type: str | None = None,
+               moe_layers: list[int] | None = None) -> PrerouterHeads:
     """Load and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
+
+    `moe_layers` (the serving model's) checks every (owner, consumer) pair against it.
 
     `owners` (None: every head in the file) selects heads; each must be present. Any problem
     (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
@@ -394,6 +459,7 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
                                   f"heads stored {sorted(layers)}")
     if not layers:
         raise CheckpointError(f"{where} holds no heads")
+    consumer_of = _consumers_meta(meta, sorted(layers), where)
     incomplete = {n: sorted({"fc1", "fc2", "linear_init"} - set(p)) for n, p in layers.items()}
     incomplete = {n: miss for n, miss in incomplete.items() if miss}
     if incomplete:
@@ -420,8 +486,15 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     if meta_width is not None and meta_width != width:
         raise CheckpointError(f"{where}: metadata width={meta_width} but fc1 has width {width}")
     _int_meta(meta, "start_layer", path)  # checked for form; the heads define the first consumer
-    config = PrerouterConfig(owners=owners, start_layer=owners[0] + 1,
-                             width=width, top_k=top_k, hidden=hidden, num_experts=num_experts)
+    consumers = [consumer_of[n] for n in owners]
+    if moe_layers is not None:
+        problems = pair_problems(owners, consumers, list(moe_layers))
+        if problems:
+            raise CheckpointError(f"{where} does not fit this model: {'; '.join(problems)} (MoE "
+                                  f"layers: {list(moe_layers)}); train heads for this model")
+    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width,
+                             top_k=top_k, hidden=hidden, num_experts=num_experts,
+                             consumers=consumers)
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
     heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
     if dtype is not None:
@@ -433,3 +506,27 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
                               f"the heads are corrupt, train them again")
     return heads
+
+
+def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]:
+    """owner -> consumer from metadata "consumers" (parallel to "owners"); absent: owner + 1."""
+    if "consumers" not in meta:
+        return {n: n + 1 for n in stored}
+    try:
+        listed = [int(n) for n in json.loads(meta["owners"])]
+        consumers = json.loads(meta["consumers"])
+        if not isinstance(consumers, list) or len(consumers) != len(listed) or \
+                any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in consumers):
+            raise ValueError
+    except (KeyError, ValueError, TypeError):
+        raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} is not a JSON "
+                              f"list of layer numbers, one per owner in metadata owners="
+                              f"{meta.get('owners')!r}; write the file again with save_heads "
+                              f"(init-prerouter / train-prerouter)") from None
+    odd = [f"{n} -> {c}" for n, c in zip(listed, consumers) if c != n + 1 and c > n]
+    if odd or len(set(consumers)) != len(consumers):
+        what = ", ".join(odd) or "a layer twice"
+        raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} pairs owners "
+                              f"with layers no head can predict ({what}); a head predicts owner "
+                              f"+ 1, or wraps around to the first MoE layer")
+    return dict(zip(listed, consumers))

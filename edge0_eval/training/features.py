@@ -12,8 +12,8 @@ import numpy as np
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.prerouter import (RoutingRule, onehot, router_logits, router_weight,
-                                         stack_rules)
+from edge0_eval.engine.prerouter import (RoutingRule, default_consumers, onehot, router_logits,
+                                         router_weight, stack_rules)
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import read_documents, tokenize_documents
 from edge0_eval.training.models import collector_options
@@ -38,11 +38,14 @@ def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
 class FeatureStore:
     """Per-token teacher records for every MoE layer, in `<out>.ckpt/features/`.
 
-    h.npy   [T, P, H] float16  MoE input of each pair owner N (pairs: N and N+1 both MoE)
+    h.npy   [T, P, H] float16  MoE input of each pair owner N (pairs: N and N+1 both MoE, and
+                               the wrap-around pair: the last MoE layer -> the first MoE layer)
     inds.npy [T, M, K] int16    executed top-K of every MoE layer
-    nr.npy  [T, P, K] int16     baseline: layer N+1's router on layer N's input, family rule
+    nr.npy  [T, P, K] int16     baseline: the consumer's router on the owner's input, family rule
     routers.safetensors         consumers' router weights (warm start) and expert biases
-    data.json                   fingerprint, layers, routing rule, documents [name, start, len]
+    data.json                   fingerprint, layers, pairs and their consumers ("consumers"; absent
+                                in stores collected before wrap-around heads: owner + 1), routing
+                                rule, documents [name, start, len]
     progress.json               documents completed (collection resumes per document)
     """
 
@@ -73,6 +76,19 @@ class FeatureStore:
         self.nr = np.load(self.dir / "nr.npy", mmap_mode="r")
         return self
 
+    def consumers(self) -> list[int]:
+        """The layer each pair owner predicts (parallel to meta["pairs"])."""
+        return self.meta.get("consumers") or [n + 1 for n in self.meta["pairs"]]
+
+    def covers(self, owners: list[int]) -> bool:
+        """Whether the collected pairs include every owner (stores from before wrap-around
+        heads lack the last MoE layer's)."""
+        try:
+            meta = json.loads((self.dir / "data.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return set(owners) <= set(meta.get("pairs", []))
+
     def routers(self) -> dict:
         return mx.load(str(self.dir / "routers.safetensors"))
 
@@ -86,22 +102,27 @@ class FeatureStore:
         return stack_rules(rules)
 
 
-def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: dict, top_k: int
-                     ) -> None:
-    """Run the model over the documents and fill the store (resuming per document)."""
+def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: dict, top_k: int,
+                     owners: list[int] | None = None) -> None:
+    """Run the model over the documents and fill the store (resuming per document); a store
+    that lacks one of `owners` (collected before wrap-around heads) is collected again."""
     engine = Engine.load(opts.model, collector_options(opts, top_k))
     try:
         moe = list(engine.moe_layers)
-        pairs = [n for n in moe if n + 1 in set(moe)]
-        if not pairs:
-            raise ConfigError(f"{opts.model}: no MoE layer is followed by another MoE layer; "
-                              f"nothing to preroute")
+        if not moe:
+            raise ConfigError(f"{opts.model}: no MoE layer; nothing to preroute")
+        # Every MoE -> MoE pair, and the wrap-around pair (last MoE layer -> first, next token).
+        pairs = [n for n in moe if n + 1 in set(moe)] + [moe[-1]]
+        consumers = default_consumers(pairs, moe)
         hidden = int(engine.family.hidden_size(engine.config))
         num_experts = int(engine.index.num_experts)
-        if not store.matches(fingerprint):
+        stale = store.matches(fingerprint) and not store.covers(owners or [])
+        if not store.matches(fingerprint) or stale:
             if store.dir.exists():
-                print(f"train-prerouter: features in {store.dir} were collected for another "
-                      f"model, texts, K or token limits; collecting again", flush=True)
+                why = ("predate wrap-around heads" if stale else "were collected for another "
+                       "model, texts, K or token limits")
+                print(f"train-prerouter: features in {store.dir} {why}; collecting again",
+                      flush=True)
                 shutil.rmtree(store.dir)
             store.dir.mkdir(parents=True)
             docs = _documents(engine, opts)
@@ -115,11 +136,11 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
             total = start
             rule = RoutingRule.from_block(engine.blocks[moe[-1]])
             routers = {}
-            for n in pairs:
-                w, b = router_weight(engine.blocks[n + 1])
-                routers[f"router.{n + 1}"] = w
+            for c in consumers:
+                w, b = router_weight(engine.blocks[c])
+                routers[f"router.{c}"] = w
                 if b is not None:
-                    routers[f"router_bias.{n + 1}"] = b
+                    routers[f"router_bias.{c}"] = b
             for n in moe:
                 bias = RoutingRule.from_block(engine.blocks[n]).expert_bias
                 if bias is not None:
@@ -132,7 +153,8 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
             np.lib.format.open_memmap(store.dir / "nr.npy", "w+", np.int16,
                                       (total, len(pairs), top_k)).flush()
             meta = {"fingerprint": fingerprint, "model_type": engine.config["model_type"],
-                    "moe_layers": moe, "pairs": pairs, "hidden": hidden,
+                    "moe_layers": moe, "pairs": pairs, "consumers": consumers,
+                    "hidden": hidden,
                     "num_experts": num_experts, "top_k": top_k, "rule": rule.to_json(),
                     "docs": table, "tokens": total,
                     "n_layers": len(engine.family.layers(engine.model))}
@@ -150,6 +172,7 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                 raise CheckpointError(f"{store.dir}: tokenization no longer matches the "
                                       f"collected documents; rerun with --fresh")
             tokens_of = dict(enumerate(t for _, t in toks))
+        store_consumers = meta.get("consumers") or [n + 1 for n in meta["pairs"]]
         h = np.load(store.dir / "h.npy", mmap_mode="r+")
         inds = np.load(store.dir / "inds.npy", mmap_mode="r+")
         nr = np.load(store.dir / "nr.npy", mmap_mode="r+")
@@ -168,11 +191,11 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                     piece = tokens[s: s + chunk]
                     logits = engine.forward(mx.array(piece)[None])
                     hs, nrs = [], []
-                    for n in pairs:
+                    for n, c in zip(meta["pairs"], store_consumers):
                         x = engine.blocks[n].captured()[0][0]
                         hs.append(x)
-                        nr_inds, _ = RoutingRule.from_block(engine.blocks[n + 1]).select(
-                            router_logits(engine.blocks[n + 1], x), top_k)
+                        nr_inds, _ = RoutingRule.from_block(engine.blocks[c]).select(
+                            router_logits(engine.blocks[c], x), top_k)
                         nrs.append(nr_inds)
                     ind = [b.captured()[1][0] for b in blocks]
                     hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
@@ -213,9 +236,15 @@ class Batches:
         self.k = meta["top_k"]
         pair_pos = {n: i for i, n in enumerate(meta["pairs"])}
         moe_pos = {n: i for i, n in enumerate(meta["moe_layers"])}
+        consumer_of = dict(zip(meta["pairs"], store.consumers()))
+        missing = [n for n in owners if n not in pair_pos]
+        if missing:
+            raise CheckpointError(f"{store.dir}: no features for owner layer(s) {missing}; "
+                                  f"collected pairs {meta['pairs']}")
         self.owner_p = np.array([pair_pos[n] for n in owners])
         self.owner_m = np.array([moe_pos[n] for n in owners])
-        self.consumer_m = np.array([moe_pos[n + 1] for n in owners])
+        self.consumers = [consumer_of[n] for n in owners]
+        self.consumer_m = np.array([moe_pos[c] for c in self.consumers])
         first = np.zeros(meta["tokens"], dtype=bool)
         for _, start, _ in meta["docs"]:
             first[start] = True

@@ -29,7 +29,8 @@ from edge0_eval.engine.families import family_for
 from edge0_eval.engine.layout import ExpertIndex
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
-from edge0_eval.engine.prerouter import check_owners, default_owners, tier_defaults
+from edge0_eval.engine.prerouter import (check_owners, default_consumers, default_owners,
+                                         tier_defaults)
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.options import PrerouterOptions, StageOptions
 
@@ -140,21 +141,26 @@ def model_facts(model: Path) -> ModelFacts:
 def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[int] | None = None,
                   start_layer: int | None = None, width: int | None = None
                   ) -> tuple[int, list[int], int]:
-    """(K, owners, width) of a heads file: the given values, else the tier defaults."""
+    """(K, owners, width) of a heads file: the given values, else the tier defaults. Owners
+    that include the last MoE layer hold the wrap-around head (`default_consumers`)."""
     d = tier_defaults(facts.model_type, facts.n_layers, facts.hidden, facts.num_experts,
                       facts.moe_layers)
     k = top_k or d["top_k"] or facts.native_top_k
     if k > facts.num_experts:
         raise ConfigError(f"--top-k {k} exceeds the model's {facts.num_experts} experts")
+    moe = facts.moe_layers
     if owners:
-        owners = check_owners(owners, facts.moe_layers)
-        if start_layer is not None and start_layer != owners[0] + 1:
-            raise ConfigError(f"--start-layer {start_layer} disagrees with --owners (first "
-                              f"owner {owners[0]} -> first consuming layer {owners[0] + 1})")
+        owners = sorted(int(n) for n in owners)
+        owners = check_owners(owners, moe, default_consumers(owners, moe))
+        first = min(default_consumers(owners, moe))
+        if start_layer is not None and start_layer != first and \
+                not (first == moe[0] and start_layer <= first):
+            raise ConfigError(f"--start-layer {start_layer} disagrees with --owners (owners "
+                              f"{owners} -> first consuming layer {first})")
     else:
         start = start_layer if start_layer is not None else d["start_layer"]
-        owners = check_owners(default_owners(start, facts.n_layers, facts.moe_layers),
-                              facts.moe_layers)
+        owners = default_owners(start, facts.n_layers, moe)
+        owners = check_owners(owners, moe, default_consumers(owners, moe))
     return k, owners, width or d["width"]
 
 

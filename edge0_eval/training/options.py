@@ -137,11 +137,13 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training text: plain files (one document each) or .jsonl (one "
                              "document per line: \"text\", else \"prompt\" + \"completion\")")
     parser.add_argument("--owners", nargs="+", default=None,
-                        help="owner layers N (each predicts N+1): '6..38', '6-38', '6,7,8' or "
-                             "a list (default: start_layer-1 .. n_layers-2, MoE pairs only)")
+                        help="owner layers N (each predicts N+1; the last MoE layer: the first "
+                             "MoE layer of the next token): '6..38', '6-38', '6,7,8' or a list "
+                             "(default: start_layer-1 .. n_layers-2, MoE pairs only)")
     parser.add_argument("--start-layer", type=int, default=None,
                         help="first consuming layer (35B tier 7, 8B tier 8; other models: "
-                             "first MoE layer + 1)")
+                             "first MoE layer + 1); 0: every MoE layer, with the wrap-around "
+                             "head")
     parser.add_argument("--width", type=int, default=None,
                         help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
     parser.add_argument("--holdout", type=float, default=d.holdout,

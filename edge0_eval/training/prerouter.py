@@ -6,12 +6,15 @@
    routing is the exact executed top-K). For every document, every MoE layer's input (the
    post-attention norm output) and executed top-K ids are recorded per token, plus the
    "next router on the current hidden" baseline. Features at token t for owner N are paired
-   with layer N+1's executed set at token t+1 (the next token), within a document.
+   with layer N+1's executed set at token t+1 (the next token), within a document; the
+   wrap-around pair (owner = the last MoE layer, `--start-layer 0`) with the first MoE layer's
+   executed set at token t+1.
 2. Train all heads together with MLX (Adam, warmup + cosine) on softmax cross-entropy against
    the normalised K-hot target of the true set (see `losses.khot_cross_entropy` for why not BCE).
 3. Report top-K recall (|predicted & true| / K) per owner on held-out documents, next to two
-   baselines: layer N+1's routing of the previous token, and layer N+1's router applied to
-   layer N's hidden state; JSON + markdown next to --out.
+   baselines: the consumer's routing of the previous token, and the consumer's router applied
+   to the owner's hidden state (for the wrap-around head: the first MoE layer's router on the
+   last layer's input); JSON + markdown next to --out.
 
 Inputs: plain-text files are one document each; `.jsonl` files give one document per line,
 from its "text" field, or else "prompt" + "completion" concatenated. The held-out split is by
@@ -39,8 +42,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from edge0_eval.engine.prerouter import (PrerouterConfig, RoutingRule, heads_from_router_weights,
-                                         load_heads, save_heads)
+from edge0_eval.engine.prerouter import (PrerouterConfig, RoutingRule, default_consumers,
+                                         heads_from_router_weights, load_heads, save_heads)
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import split_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
@@ -77,19 +80,21 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
         raise CheckpointError(
             f"{ckpt} holds a training checkpoint for another model, texts, K or token "
             f"limits; rerun with --fresh to start over (or choose another --out)")
-    if not (store.matches(data_fp) and store.complete):
-        collect_features(opts, store, data_fp, top_k)
+    if not (store.matches(data_fp) and store.complete and store.covers(owners)):
+        collect_features(opts, store, data_fp, top_k, owners)
     store.open()
     meta = store.meta
 
     train_fp = {"data": digest(data_fp), "owners": owners, "width": width, "top_k": top_k,
                 "steps": opts.steps, "lr": opts.lr, "batch": opts.batch,
                 "holdout": opts.holdout, "seed": opts.seed}
-    config = PrerouterConfig(owners=owners, start_layer=owners[0] + 1, width=width, top_k=top_k,
-                             hidden=meta["hidden"], num_experts=meta["num_experts"])
+    consumers = default_consumers(owners, facts.moe_layers)
+    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
+                             hidden=meta["hidden"], num_experts=meta["num_experts"],
+                             consumers=consumers)
     routers = store.routers()
-    heads = heads_from_router_weights(config, [routers[f"router.{n + 1}"] for n in owners],
-                                      [routers.get(f"router_bias.{n + 1}") for n in owners],
+    heads = heads_from_router_weights(config, [routers[f"router.{c}"] for c in consumers],
+                                      [routers.get(f"router_bias.{c}") for c in consumers],
                                       opts.seed)
     init = heads.astype(mx.float32)
     optimizer = optim.Adam(learning_rate=warmup_cosine(0, opts.steps, opts.lr))
@@ -110,7 +115,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     if len(train_pos) == 0 or len(held_pos) == 0:
         raise ConfigError("not enough tokens for both a training and a held-out split")
     batches = Batches(store, owners)
-    rule = store.rule([n + 1 for n in owners])
+    rule = store.rule(consumers)
     value_and_grad = nn.value_and_grad(heads, khot_cross_entropy)
 
     bar = tqdm(total=opts.steps, initial=step, desc="train prerouter", unit="step",
@@ -144,7 +149,8 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     source = {"stage": "train-prerouter", "texts": [Path(t).name for t in opts.texts],
               "docs_train": len(train_docs), "docs_heldout": len(held_docs), "steps": opts.steps,
               "lr": opts.lr, "batch": opts.batch, "seed": opts.seed, "loss": "softmax-ce-khot"}
-    save_heads(out, heads, {"source": source, "model": model.resolve().name},
+    save_heads(out, heads, {"source": source, "model": model.resolve().name,
+                            "model_type": meta["model_type"]},
                dtype=save_dtype)
     saved = load_heads(out, hidden=meta["hidden"], num_experts=meta["num_experts"], top_k=top_k,
                        owners=owners, dtype=mx.float32)      # evaluate what was written
@@ -186,8 +192,9 @@ def evaluate(heads_list: dict, batches: Batches, rule: RoutingRule, pos: np.ndar
 def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs, train_pos,
             held_pos, seconds, out) -> dict:
     layers = []
-    for i, n in enumerate(config.owners):
-        row = {"owner": n, "consumer": n + 1, "recall_heads": held["heads"][i],
+    for i, (n, c) in enumerate(zip(config.owners, config.consumers)):
+        row = {"owner": n, "consumer": c, "wrap_around": c != n + 1,
+               "recall_heads": held["heads"][i],
                "recall_prev_token": held["prev_token"][i],
                "recall_next_router": held["next_router"][i],
                "recall_untrained_heads": held["init"][i],
@@ -202,11 +209,13 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
         "model_type": meta["model_type"], "top_k": config.top_k, "owners": config.owners,
         "start_layer": config.start_layer, "width": config.width, "hidden": config.hidden,
         "num_experts": config.num_experts, "selection_rule": meta["rule"],
-        "recall_definition": "|predicted top-K & true executed top-K| / K, layer N+1 at token "
-                             "t+1 from layer N's features at token t; held-out documents",
-        "baselines": {"prev_token": "layer N+1's executed set at token t",
-                      "next_router": "layer N+1's router on layer N's MoE input at token t, "
-                                     "family selection rule"},
+        "consumers": config.consumers,
+        "recall_definition": "|predicted top-K & true executed top-K| / K, the consumer (layer "
+                             "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
+                             "from owner N's features at token t; held-out documents",
+        "baselines": {"prev_token": "the consumer's executed set at token t",
+                      "next_router": "the consumer's router on the owner's MoE input at token "
+                                     "t, family selection rule"},
         "data": {"texts": opts.texts, "documents": len(meta["docs"]),
                  "docs_train": len(train_docs), "docs_heldout": len(held_docs),
                  "samples_train": int(len(train_pos)), "samples_heldout": int(len(held_pos)),
@@ -232,12 +241,14 @@ def _markdown(r: dict) -> str:
              f"{r['width']}, {r['training']['steps']} steps. Held-out: "
              f"{r['data']['docs_heldout']} documents / {r['data']['samples_heldout']} tokens "
              f"(train {r['data']['docs_train']} / {r['data']['samples_train']}).", "",
-             "Top-K recall of layer N+1's executed experts at token t+1 (held out):", "",
-             "| owner N | consumer N+1 | heads | prev-token baseline | next-router baseline | "
+             "Top-K recall of the consumer's executed experts at token t+1 (held out; consumer "
+             "N+1, or the first MoE layer for the wrap-around head, marked (wrap)):", "",
+             "| owner N | consumer | heads | prev-token baseline | next-router baseline | "
              "untrained heads | heads (train) | beats both |",
              "|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for row in r["layers"]:
-        lines.append(f"| {row['owner']} | {row['consumer']} | {row['recall_heads']:.3f} | "
+        wrap = " (wrap)" if row.get("wrap_around") else ""
+        lines.append(f"| {row['owner']} | {row['consumer']}{wrap} | {row['recall_heads']:.3f} | "
                      f"{row['recall_prev_token']:.3f} | {row['recall_next_router']:.3f} | "
                      f"{row['recall_untrained_heads']:.3f} | {row['recall_heads_train']:.3f} | "
                      f"{'yes' if row['beats_baselines'] else 'no'} |")

@@ -13,6 +13,16 @@ plan at every prerouted position. Positions t with t < n_true[b] (the prompt) ke
 router. This is the served computation exactly (same modules,
 same heads, same selection rule), not an approximation.
 
+The wrap-around head (owner: the last MoE layer, consumer: the first MoE layer, start layer 0)
+breaks that layer order: position p's first MoE layer needs position p-1's last layer. With it,
+the discovery pass runs position by position with a KV cache, exactly as decode does (every head
+plans position p from position p-1; positions t < n_true route truly, the first always). The
+gradient pass still runs the whole sequence at once, replaying the discovered ids; the wrap
+consumer's combination weights at prerouted positions come from the head logits the discovery
+computed, as constants: the forward is the served function, and the one gradient path left out
+is the one from position p-1's last-layer input through those weights (the LoRA gets every
+other gradient).
+
 A training step needs two passes (`ServedPath.discover`, then `ServedPath.forward` inside
 `mx.value_and_grad`):
 
@@ -37,6 +47,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_lm.models.cache import make_prompt_cache
 
 from edge0_eval.engine.prerouter import RoutingRule, build_features, onehot
 from edge0_eval.errors import ConfigError
@@ -91,6 +103,7 @@ class Discovery:
     valid: np.ndarray                     # [B, L] bool: real (non-padding) positions
     logits: mx.array | None = None        # student logits of the pass (when asked for)
     planned_layers: list[int] = field(default_factory=list)
+    wrap_logits: mx.array | None = None   # [B, L, E] the wrap head's plan logits per position
 
     def unions(self, rows: np.ndarray | None = None) -> dict[int, list[int]]:
         """Distinct experts each layer routed to at the valid positions of `rows` (all rows)."""
@@ -121,9 +134,10 @@ class ServedPath:
         self.top_k = engine.top_k
         self.clip = engine.clip
         self.grad_checkpoint = grad_checkpoint
-        self.owner_of: dict[int, int] = {}      # consumer layer -> owner layer
+        self.owner_of: dict[int, int] = {}      # consumer layer -> owner layer (owner + 1)
         self.heads = {}
         self.rules = {}
+        self.wrap: tuple[int, int] | None = None    # (owner, consumer) of a wrap-around head
         self.weight_source = "head"
         if mode == "prerouted":
             pr = engine.prerouter
@@ -131,12 +145,15 @@ class ServedPath:
                 raise ConfigError("prerouted training needs prerouter heads, and the engine has "
                                   "none loaded")
             self.weight_source = pr.weight_source
-            for owner in pr.owners:
-                if owner + 1 in pr.consumers:
-                    self.owner_of[owner + 1] = owner
-                    self.heads[owner] = pr.heads.select_owners([owner])
-                    self.rules[owner + 1] = RoutingRule.from_block(self.blocks[owner + 1])
+            for owner, consumer in zip(pr.owners, pr.consumers):
+                if consumer == owner + 1:
+                    self.owner_of[consumer] = owner
+                else:
+                    self.wrap = (owner, consumer)
+                self.heads[owner] = pr.heads.select_owners([owner])
+                self.rules[consumer] = RoutingRule.from_block(self.blocks[consumer])
         self.owners = sorted(self.owner_of.values())
+        self.planned = sorted(self.owner_of) + ([self.wrap[1]] if self.wrap else [])
         self._plans: dict[int, TrainingPlan] = {}       # MoE layer -> its plan of this pass
         self._inputs: dict[int, mx.array] = {}          # MoE layer -> its input of this pass
         self._checkpoint = False
@@ -194,6 +211,13 @@ class ServedPath:
             plan = TrainingPlan(inds=None if replay is None else replay[layer], mask=mask)
             self._plans[layer] = plan
             self.blocks[layer].set_planner(plan)
+        wrap_logits = getattr(replay, "wrap_logits", None)
+        if self.wrap is not None and mask is not None and replay is not None:
+            # The wrap consumer's weights: from the discovery's head logits (see the docstring).
+            consumer = self.wrap[1]
+            plan = self._plans[consumer]
+            plan.plan_weights = None if self.weight_source == "router" else \
+                _weights_for(self.rules[consumer], wrap_logits, plan.inds)
         self._inputs = {}
         executed: dict[int, mx.array] = {}
 
@@ -247,6 +271,8 @@ class ServedPath:
         for layer in self.moe:
             self.blocks[layer].switch_mlp.pin(False)
         mask = self._mask(tokens.shape, n_true)
+        if self.wrap is not None:
+            return self._discover_stepwise(tokens, valid, mask, keep_logits)
         logits = self._run(mx.array(tokens), None if mask is None else mx.array(mask), None)
         inds = {layer: self.blocks[layer].captured()[1] for layer in self.moe}
         mx.eval(logits, list(inds.values()))
@@ -258,8 +284,62 @@ class ServedPath:
                         planned_layers=sorted(self.owner_of))
         return out
 
+    def _discover_stepwise(self, tokens: np.ndarray, valid: np.ndarray, mask: np.ndarray,
+                           keep_logits: bool) -> Discovery:
+        """discover() with a wrap-around head: position by position with a KV cache, as decode
+        runs; every head plans position p from position p-1's features."""
+        b, length = tokens.shape
+        cache = make_prompt_cache(self.model)
+        owners = sorted(self.heads)
+        consumer_of = {o: c for c, o in self.owner_of.items()} | {self.wrap[0]: self.wrap[1]}
+        prev_oh = {o: None for o in owners}
+        next_logits: dict[int, mx.array] = {}          # consumer -> [B, 1, E] for position p
+        inds = {layer: [] for layer in self.moe}
+        outs, wrap_logits = [], []
+        e = self.blocks[owners[0]].num_experts
+
+        def hook(i: int, h: mx.array) -> mx.array:
+            if self.clip:
+                h = mx.clip(mx.nan_to_num(h, nan=0.0), -self.clip, self.clip)
+            return h
+
+        try:
+            for p in range(length):
+                m = mx.array(mask[:, p: p + 1])
+                for layer in self.moe:
+                    plan = TrainingPlan(mask=m)
+                    if layer in next_logits:
+                        plan.plan_inds, w = self.rules[layer].select(next_logits[layer],
+                                                                     self.top_k)
+                        plan.plan_weights = None if self.weight_source == "router" else w
+                    self.blocks[layer].set_planner(plan)
+                wrap_consumer = self.wrap[1]
+                wrap_logits.append(next_logits.get(wrap_consumer, mx.zeros((b, 1, e))))
+                logits = self.family.forward(self.model, mx.array(tokens[:, p: p + 1]), cache,
+                                             hook)
+                for layer in self.moe:
+                    inds[layer].append(self.blocks[layer].captured()[1])
+                for o in owners:
+                    x, ids = self.blocks[o].captured()
+                    oh = onehot(ids, e, mx.float32)
+                    prev = mx.zeros_like(oh) if prev_oh[o] is None else prev_oh[o]
+                    prev_oh[o] = oh
+                    feats = build_features(x[None], oh[None], prev[None])
+                    next_logits[consumer_of[o]] = self.heads[o](feats)[0]
+                mx.eval(logits, next_logits, [v[-1] for v in inds.values()],
+                        [c.state for c in cache])
+                outs.append(logits)
+        finally:
+            self.clear_plans()
+        return Discovery(inds={k: np.array(mx.concatenate(v, axis=1)).astype(np.int32)
+                               for k, v in inds.items()},
+                         mask=mask, valid=np.asarray(valid, bool),
+                         logits=mx.concatenate(outs, axis=1) if keep_logits else None,
+                         planned_layers=sorted(self.planned),
+                         wrap_logits=mx.concatenate(wrap_logits, axis=1))
+
     def _mask(self, shape, n_true: np.ndarray) -> np.ndarray | None:
-        if not self.owner_of:
+        if not self.planned:
             return None
         positions = np.arange(shape[1])[None, :]
         return positions >= np.asarray(n_true).reshape(-1, 1)
@@ -277,9 +357,11 @@ class ServedPath:
         return loaded
 
     def replay_plan(self, disc: Discovery, rows: np.ndarray, unions: dict[int, list[int]]
-                    ) -> dict[int, mx.array]:
+                    ) -> "Replay":
         """Fixed ids for the gradient pass; padding positions point at a resident expert."""
-        plan = {}
+        plan = Replay()
+        if disc.wrap_logits is not None:
+            plan.wrap_logits = disc.wrap_logits[mx.array(rows)]
         valid = disc.valid[rows]
         for layer, ids in disc.inds.items():
             sel = ids[rows].copy()
@@ -296,6 +378,12 @@ class ServedPath:
     def pin(self, pinned: bool) -> None:
         for layer in self.moe:
             self.blocks[layer].switch_mlp.pin(pinned)
+
+
+class Replay(dict):
+    """layer -> fixed ids [B, L, K] for the gradient pass, and the wrap head's logits (or None)."""
+
+    wrap_logits: mx.array | None = None
 
 
 def _weights_for(rule, logits: mx.array, inds: mx.array) -> mx.array:
