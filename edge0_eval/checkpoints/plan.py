@@ -18,12 +18,14 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import _get_classes, quantize_model
 
 from edge0_eval.checkpoints.source import Checkpoint
+from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.layout import (
     ALIGNMENT, PARTS, PROJECTIONS, ExpertIndex, align, make_tensor_specs,
 )
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
+# The families the engine serves are the ones convert accepts.
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 64
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)

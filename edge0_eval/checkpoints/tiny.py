@@ -18,9 +18,9 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 from edge0_eval.checkpoints.tokenizer import build_tokenizer
 from edge0_eval.checkpoints.writer import output_dir
+from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import ConfigError
 
-FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
 
 
 @dataclass
