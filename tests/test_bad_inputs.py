@@ -551,7 +551,8 @@ def data_root(tmp_path_factory):
 
 
 def _data_case(root: Path, case: str) -> str:
-    from edge0_eval.evaluation.data import PATHS, verify
+    from edge0_eval.evaluation.data_checks import verify
+    from edge0_eval.evaluation.data_paths import PATHS
 
     new = root.parent / f"{root.name}-{case.replace(' ', '_')}"
     shutil.copytree(root, new)
