@@ -175,7 +175,7 @@ def _markdown(report: dict) -> str:
 
 
 def _write_plot(report: dict, path: Path) -> None:
-    # slow import (measured with -X importtime): paid only when a plot is written
+    # slow import (-X importtime); `gate` imports report.py for SCHEMA and never plots
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
