@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
+import torch   # opencompass.models.base imports it already: no extra cost
 from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
@@ -163,7 +164,6 @@ class ChatModelBase(BaseModel):
         return len(self.encode_prompt(prompt))
 
     def encode(self, prompt: str):
-        import torch  # cost: only OpenCompass's perplexity paths call encode
         return torch.tensor([self.tokenizer.encode(prompt, add_special_tokens=False)])
 
     def decode(self, tokens) -> str:

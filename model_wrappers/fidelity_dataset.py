@@ -16,7 +16,7 @@ from opencompass.datasets.base import BaseDataset
 from opencompass.registry import LOAD_DATASET
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.data import data_root
+from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, SET_PATH, read_set
 
 

@@ -16,7 +16,8 @@ from typing import Iterable, List
 from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 
-from edge0_eval.evaluation.data import data_root, verify
+from edge0_eval.evaluation.data_checks import verify
+from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.engine.checks import check_model_dir, read_safetensors_header
 from edge0_eval.errors import Edge0Error
 

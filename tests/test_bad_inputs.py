@@ -18,10 +18,11 @@ import pytest
 from bad_inputs import (copy_model, edit_header, edit_json, expect_clear_error, mutate_header,
                         mutate_index, outcome, read_header, write_header, write_mutated)
 from edge0_eval.cli import main
+from edge0_eval.engine.adapters import load_adapter
 from edge0_eval.engine.checks import check_model_dir, load_tokenizer_checked, read_config
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
-from edge0_eval.engine.lora import default_targets, find_targets, linear_dims, load_adapter
+from edge0_eval.engine.lora import default_targets, find_targets, linear_dims
 from edge0_eval.engine.prerouter import (default_owners, init_heads_from_routers, load_heads,
                                          save_heads)
 from edge0_eval.engine.store import ExpertStore
@@ -550,7 +551,8 @@ def data_root(tmp_path_factory):
 
 
 def _data_case(root: Path, case: str) -> str:
-    from edge0_eval.evaluation.data import PATHS, verify
+    from edge0_eval.evaluation.data_checks import verify
+    from edge0_eval.evaluation.data_paths import PATHS
 
     new = root.parent / f"{root.name}-{case.replace(' ', '_')}"
     shutil.copytree(root, new)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval.evaluation import data
+from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation import data, data_checks, nltk_data
 from edge0_eval.evaluation.fixtures import MMLU_PRO_FIXTURE_CATEGORIES, write_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ def test_fixtures_pass_subset_checks_but_not_full_ones(tmp_path):
     assert 'has 3 items, the full benchmark has 12032' in full['mmlu_pro'].message
 
 
-def _mmlu_rows(n_per_category, categories=data.MMLU_PRO_CATEGORIES):
+def _mmlu_rows(n_per_category, categories=data_checks.MMLU_PRO_CATEGORIES):
     rows = []
     for cat in categories:
         for i in range(n_per_category):
@@ -110,7 +111,7 @@ def _write_parquet(path: Path, rows, drop=()):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols = {k: [r[k] for r in rows] for k in data.MMLU_PRO_COLUMNS if k not in drop}
+    cols = {k: [r[k] for r in rows] for k in data_checks.MMLU_PRO_COLUMNS if k not in drop}
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(cols), path)
 
@@ -268,22 +269,22 @@ def test_user_supplied_pos_tagger_is_copied_and_then_ifbench_is_complete(staged,
     src = tmp_path / 'nltk_data' / 'taggers' / 'averaged_perceptron_tagger_eng'
     src.mkdir(parents=True)
     weights, tagdict, classes = {'bias': {'VB': 1.0}}, {'Write': 'VB', 'it': 'PRP'}, ['VB', 'PRP']
-    for name, value in zip(data.TAGGER_FILES, (weights, tagdict, classes)):
+    for name, value in zip(nltk_data.TAGGER_FILES, (weights, tagdict, classes)):
         (src / name).write_text(json.dumps(value))
 
     root, _ = staged
     copy = tmp_path / 'root'
     shutil.copytree(root / 'data', copy / 'data')
-    notes = data.stage_nltk(copy / 'nltk_data', str(tmp_path / 'nltk_data'))
+    notes = nltk_data.stage_nltk(copy / 'nltk_data', str(tmp_path / 'nltk_data'))
     assert any('copied' in n for n in notes)
     proc = _in_fresh_python(f'''
-        from edge0_eval.evaluation.data import verify
+        from edge0_eval.evaluation.data_checks import verify
         (check,) = verify({str(copy)!r}, ("ifbench",), full=True)
         assert check.ok, check.message
     ''')
     assert proc.returncode == 0, proc.stderr[-2000:]
-    with pytest.raises(data.Edge0Error, match='no averaged_perceptron_tagger_eng'):
-        data.stage_nltk(copy / 'nltk_data', str(tmp_path))
+    with pytest.raises(Edge0Error, match='no averaged_perceptron_tagger_eng'):
+        nltk_data.stage_nltk(copy / 'nltk_data', str(tmp_path))
 
 
 def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
@@ -293,7 +294,7 @@ def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
     proc = _in_fresh_python(f'''
         import nltk
         nltk.data.path[:] = []
-        from edge0_eval.evaluation.data import verify
+        from edge0_eval.evaluation.data_checks import verify
         (head,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(0, 12))
         (tail,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(250, 270))
         assert head.ok, head.message

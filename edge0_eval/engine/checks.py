@@ -16,7 +16,11 @@ import math
 import typing
 from pathlib import Path
 
+from mlx_lm.utils import _get_classes, load_tokenizer
+
 from edge0_eval.engine.families import family_for
+from edge0_eval.engine.json_files import json_name, no_constant, read_json_file
+from edge0_eval.engine.layout import INDEX_NAME, RESIDENT_NAME, ExpertIndex
 from edge0_eval.errors import CheckpointError
 
 # safetensors dtype codes -> bytes per element (the format's full list).
@@ -26,39 +30,6 @@ ST_FLOAT = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 # A header larger than this is not a weights header (safetensors itself caps it at 100 MB).
 _MAX_HEADER = 100 * 2**20
 _RECONVERT = "re-run `edge0-eval convert`"
-
-
-def read_json_file(path: str | Path, what: str, fix: str, kind: type = dict):
-    """Parse a UTF-8 JSON file whose top level must be `kind`; one error naming the file."""
-    path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found; {fix}") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: {what} is a directory, not a file; {fix}") from None
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: {what} is not UTF-8 text (byte {exc.start}); {fix}") \
-            from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror}); {fix}") from None
-    try:
-        data = json.loads(text, parse_constant=_no_constant)
-    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc}); {fix}") from None
-    if not isinstance(data, kind):
-        raise CheckpointError(f"{path}: {what} must be a JSON {_json_name(kind)}, not "
-                              f"{_json_name(type(data))}; {fix}")
-    return data
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _json_name(kind) -> str:
-    return {dict: "object", list: "array", str: "string", int: "integer", float: "number",
-            bool: "boolean", type(None): "null"}.get(kind, kind.__name__)
 
 
 # -- config.json ------------------------------------------------------------------------------
@@ -123,8 +94,6 @@ REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "voc
 
 def read_config(path: str | Path) -> dict:
     """config.json of a converted model, checked against mlx-lm's ModelArgs for its family."""
-    from mlx_lm.utils import _get_classes  # mlx_lm.utils imports transformers: only when used
-
     path = Path(path)
     fix = "is the directory a converted model? restore config.json or " + _RECONVERT
     config = read_json_file(path, "config.json", fix)
@@ -216,11 +185,11 @@ def read_safetensors_header(path: str | Path, what: str, fix: str
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror}); {fix}") from None
     try:
-        header = json.loads(raw.decode("utf-8").rstrip(" "), parse_constant=_no_constant)
+        header = json.loads(raw.decode("utf-8").rstrip(" "), parse_constant=no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"header is not UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
-        raise bad(f"header is a JSON {_json_name(type(header))}, not an object")
+        raise bad(f"header is a JSON {json_name(type(header))}, not an object")
     meta = header.pop("__metadata__", None)
     if meta is None:
         meta = {}
@@ -321,8 +290,6 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
     model then writes empty text; corrupt files or a chat template that does not compile surface
     later as tracebacks. Both are one error here.
     """
-    from mlx_lm.utils import load_tokenizer  # imports transformers: only when used
-
     directory = Path(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
@@ -384,8 +351,6 @@ def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
     config.json, the expert index against the expert file's size and the config, CRCs present
     (unless opted out), the resident header against the index, and a tokenizer file.
     """
-    from edge0_eval.engine.layout import INDEX_NAME, RESIDENT_NAME, ExpertIndex
-
     directory = Path(directory)
     config = read_config(directory / "config.json")
     family = family_for(config, str(directory / "config.json"))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge0_eval.engine.json_files import read_json_file
 from edge0_eval.errors import CheckpointError
 
 FORMAT = "edge0-experts"
@@ -111,8 +112,6 @@ class ExpertIndex:
 
     @classmethod
     def load(cls, directory: str | Path, check_file: bool = True) -> "ExpertIndex":
-        from edge0_eval.engine.checks import read_json_file  # checks imports this module
-
         directory = Path(directory)
         path = directory / INDEX_NAME
         if not path.is_file():

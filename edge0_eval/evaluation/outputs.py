@@ -156,7 +156,8 @@ def _read_summary(path: Path) -> tuple[list[str], dict[str, str], set[tuple[str,
 
 def _read_config(path: Path) -> tuple[list[str], list]:
     """(model abbrs, dataset configs) from the dumped config."""
-    from mmengine.config import Config   # comes with opencompass; only needed here
+    # optional (mmengine comes with the [eval] extra); without it load_run notes why and goes on
+    from mmengine.config import Config
 
     cfg = Config.fromfile(str(path), format_python_code=False)
     return [m["abbr"] for m in cfg.get("models", []) if "abbr" in m], list(cfg.get("datasets", []))
@@ -170,7 +171,8 @@ def _dataset_abbr(cfg) -> str:   # opencompass.utils.abbr.dataset_abbr_from_cfg
 
 def _prompt_versions(dataset_cfgs: list) -> dict[str, str]:
     """The summary's `version` column, computed with OpenCompass's own get_prompt_hash."""
-    from opencompass.utils.prompt import get_prompt_hash   # slow import: only when needed
+    # optional ([eval] extra) and a slow import (-X importtime): only for runs without versions
+    from opencompass.utils.prompt import get_prompt_hash
 
     # get_prompt_hash edits its argument; the summary shows the first 6 hex digits.
     return {_dataset_abbr(d): get_prompt_hash(copy.deepcopy(d))[:6] for d in dataset_cfgs}

@@ -1,0 +1,45 @@
+"""JSON model files read one way: UTF-8, strict JSON (no NaN), the expected top-level type.
+
+Shared by engine/checks.py and engine/layout.py: checks imports layout, so layout cannot import
+checks for it; this module imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edge0_eval.errors import CheckpointError
+
+
+def read_json_file(path: str | Path, what: str, fix: str, kind: type = dict):
+    """Parse a UTF-8 JSON file whose top level must be `kind`; one error naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found; {fix}") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: {what} is a directory, not a file; {fix}") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: {what} is not UTF-8 text (byte {exc.start}); {fix}") \
+            from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror}); {fix}") from None
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(data, kind):
+        raise CheckpointError(f"{path}: {what} must be a JSON {json_name(kind)}, not "
+                              f"{json_name(type(data))}; {fix}")
+    return data
+
+
+def no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def json_name(kind) -> str:
+    return {dict: "object", list: "array", str: "string", int: "integer", float: "number",
+            bool: "boolean", type(None): "null"}.get(kind, kind.__name__)

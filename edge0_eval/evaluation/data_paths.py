@@ -1,0 +1,41 @@
+"""Where OpenCompass looks for benchmark data, and files shipped inside installed packages.
+
+The lowest layer of the data modules (data_checks, nltk_data and data import it; it imports none
+of them).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+from edge0_eval.errors import Edge0Error
+
+BENCHMARKS = ('aime2026', 'humaneval', 'gpqa', 'mmlu_pro', 'ifbench')
+
+# Paths relative to the data root, exactly where OpenCompass 0.5.4 looks.
+PATHS = {
+    'aime2026': 'data/aime2026/aime2026.jsonl',
+    'humaneval': 'data/humaneval/human-eval-v2-20210705.jsonl',
+    'gpqa': 'data/gpqa/gpqa_diamond.csv',
+    'mmlu_pro': 'data/mmlu_pro',
+    'ifbench': 'data/IFBench/IFBench_test.jsonl',
+}
+
+
+def data_root(root: str | os.PathLike | None = None) -> Path:
+    """The directory OpenCompass resolves `./data/...` against."""
+    return Path(root or os.environ.get('COMPASS_DATA_CACHE') or os.getcwd())
+
+
+def dist_file(dist_name: str, suffix: str) -> Path:
+    """A file shipped inside an installed distribution, found without importing its code."""
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise Edge0Error(f'{dist_name} is not installed; pip install "edge0-eval[eval]"') from None
+    for f in dist.files or ():
+        if str(f).replace('\\', '/').endswith(suffix):
+            return Path(dist.locate_file(f))
+    raise Edge0Error(f'{dist_name} {dist.version} does not contain {suffix}')

@@ -1,0 +1,219 @@
+"""The report's files: report.json, report.csv, report.md and report.png (and fidelity.png).
+
+Everything here reads the dict `report.build_report` makes; nothing is computed anew.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.evaluation import fidelity_report
+
+# Plot legend per arm (the arms themselves, and their order, come from report["arms"]).
+ARM_LABELS = {"teacher": "teacher (fp16)", "int4_exact": "int4 exact routing",
+              "prerouted_nolora": "prerouted, no LoRA", "student": "student"}
+
+
+def write_report(report: dict, out: Path) -> None:
+    try:
+        text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    except ValueError:
+        raise Edge0Error("the report holds NaN or infinite values (a corrupt results file?); "
+                         "refusing to write it: see the results files named in the notes") from None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"--out {out}: a file is in the way; name a folder") from None
+    (out / "report.json").write_text(text, encoding="utf-8")
+    _write_csv(report, out / "report.csv")
+    _write_plot(report, out / "report.png")
+    fidelity_report.write_plot(report.get("fidelity"), out / "fidelity.png")
+    (out / "report.md").write_text(_markdown(report), encoding="utf-8")
+
+
+CSV_COLUMNS = ["benchmark", "status", "items", "version", "teacher", "student", "delta",
+               "ci_low", "ci_high", "half_width", "int4_exact", "prerouted_nolora",
+               "quantization_loss", "routing_loss", "lora_recovery",
+               "ref_teacher", "ref_student", "ref_delta"]
+
+
+def _csv_row(row: dict, name: str) -> dict:
+    dec = row.get("decomposition") or {}
+    ref = row.get("reference") or {}
+    ci = row.get("delta_ci95") or [None, None]
+    values = {"benchmark": name, "status": row.get("status", ""), "items": row.get("items"),
+              "version": row.get("version"), "teacher": row["teacher"],
+              "student": row["student"], "delta": row["delta"], "ci_low": ci[0],
+              "ci_high": ci[1], "half_width": row["delta_half_width"],
+              "int4_exact": dec.get("int4_exact"), "prerouted_nolora": dec.get("prerouted_nolora"),
+              "quantization_loss": dec.get("quantization_loss"),
+              "routing_loss": dec.get("routing_loss"), "lora_recovery": dec.get("lora_recovery"),
+              "ref_teacher": ref.get("teacher"), "ref_student": ref.get("student"),
+              "ref_delta": ref.get("delta")}
+    return {k: "" if v is None else (repr(v) if isinstance(v, float) else v)
+            for k, v in values.items()}
+
+
+def _write_csv(report: dict, path: Path) -> None:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in report["benchmarks"]:
+            writer.writerow(_csv_row(row, row["benchmark"]))
+        avg = report["average"]
+        writer.writerow(_csv_row({**avg, "status": "ok" if avg["complete"] else "partial",
+                                  "items": None, "version": None}, "average"))
+
+
+def _fmt(value, digits: int = 2, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _ci_text(row: dict) -> str:
+    ci = row.get("delta_ci95")
+    return f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "n/a"
+
+
+def _markdown(report: dict) -> str:
+    arms = report["arms"]
+    has_ref = report["reference"] is not None
+    md = ["# Teacher-vs-student gap report\n",
+          f"- date: {report['created']}",
+          f"- command: `{report['command']}`",
+          "- arms: " + ", ".join(f"{a} = `{v['abbr']}`" for a, v in arms.items()),
+          f"- delta = student - teacher, in points; 95% interval: {report['interval']['method']}"]
+    if has_ref:
+        md.append(f"- reference: {report['reference'].get('name') or ''} "
+                  f"{report['reference'].get('source') or ''}".rstrip())
+    md.append("")
+
+    header = ["benchmark", "items", "teacher", "student", "delta", "95% CI", "status", "version"]
+    if has_ref:
+        header += ["ref teacher", "ref student", "ref delta"]
+    body = []
+    for r in report["benchmarks"] + [dict(report["average"], benchmark="average",
+                                          items=None, version=None)]:
+        line = [r["benchmark"], r["items"] if r["items"] is not None else "",
+                _fmt(r["teacher"]), _fmt(r["student"]), _fmt(r["delta"], signed=True),
+                _ci_text(r), r.get("status") or ("complete" if r["complete"] else
+                                                 f"over {len(r['benchmarks'])} ok"),
+                r["version"] or ""]
+        if has_ref:
+            ref = r.get("reference") or {}
+            line += [_fmt(ref.get("teacher"), 1), _fmt(ref.get("student"), 1),
+                     _fmt(ref.get("delta"), 1, signed=True)]
+        body.append(line)
+    md.append(_table(header, body))
+    md.append(fidelity_report.markdown(report.get("fidelity")))
+
+    decs = [(r["benchmark"], r["decomposition"]) for r in report["benchmarks"]
+            if r["decomposition"]]
+    if decs:
+        if report["average"]["decomposition"]:
+            decs.append(("average", report["average"]["decomposition"]))
+        md.append("## Gap decomposition\n")
+        md.append("quantization loss = teacher - int4 exact; routing loss = int4 exact - "
+                  "prerouted (no LoRA); LoRA recovery = student - prerouted (no LoRA); "
+                  "total gap = teacher - student = quantization + routing - recovery.\n")
+        md.append(_table(["benchmark", "teacher", "int4 exact", "prerouted, no LoRA", "student",
+                          "quantization loss", "routing loss", "LoRA recovery", "total gap"],
+                         [[n, *(_fmt(d[k]) for k in ("teacher", "int4_exact",
+                                                      "prerouted_nolora", "student")),
+                           *(_fmt(d[k], signed=True) for k in ("quantization_loss",
+                                                               "routing_loss", "lora_recovery",
+                                                               "total_gap"))]
+                          for n, d in decs]))
+
+    pooled = [(r["benchmark"], a, v) for r in report["benchmarks"] for a, v in r["arms"].items()
+              if "categories" in v]
+    if pooled:
+        md.append("## Pooled per question vs mean of categories\n")
+        md.append("The headline is pooled over all questions (official MMLU-Pro figure); "
+                  "OpenCompass's summary group is the unweighted mean of categories.\n")
+        md.append(_table(["benchmark", "arm", "items", "pooled per question",
+                          "mean of categories", "categories"],
+                         [[b, a, v["items"] or "", _fmt(v["score"]), _fmt(v["category_mean"]),
+                           len(v["datasets"])] for b, a, v in pooled]))
+
+    extras = [(r["benchmark"], a, m, s) for r in report["benchmarks"]
+              for a, v in r["arms"].items() for m, s in v["extra"].items()]
+    if extras:
+        md.append("## Secondary metrics\n")
+        md.append(_table(["benchmark", "arm", "metric", "score"],
+                         [[b, a, m, _fmt(s)] for b, a, m, s in extras]))
+
+    md.append("## Engine stats\n")
+    eng_rows = []
+    for arm, stats in report["engine"].items():
+        if stats is None:
+            eng_rows.append([arm, arms[arm]["abbr"]] + ["n/a"] * 6)
+            continue
+        cache = ", ".join(f"{k} {v}" for k, v in sorted(stats["cache"].items())) or "n/a"
+        eng_rows.append([arm, arms[arm]["abbr"], stats["samples"], _fmt(stats["decode_tok_s"]),
+                         _fmt(stats["prefill_tok_s"]), _fmt(stats["peak_memory_gib"]),
+                         stats["tokens"] if stats["tokens"] is not None else "n/a", cache])
+    md.append(_table(["arm", "model", "samples", "decode tok/s (mean)", "prefill tok/s (mean)",
+                      "peak memory GiB (max)", "tokens", "cache"], eng_rows))
+
+    if report["notes"]:
+        md.append("## Notes\n")
+        md.extend(f"- {n}" for n in report["notes"])
+        md.append("")
+    md.append("![teacher vs student](report.png)\n")
+    return "\n".join(md)
+
+
+def _write_plot(report: dict, path: Path) -> None:
+    # slow import (-X importtime); `gate` imports report.py for SCHEMA and never plots
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["benchmarks"] + [dict(report["average"], benchmark="average",
+                                        status="ok" if report["average"]["benchmarks"] else "n/a")]
+    arms = list(report["arms"])   # build_report lists them in report.ARM_NAMES order
+
+    def score(row, arm):
+        if arm in ("teacher", "student"):
+            return row[arm]
+        return (row.get("decomposition") or {}).get(arm)
+
+    width = 0.8 / len(arms)
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.6 * len(rows) + 2.0), 4.5))
+    for i, arm in enumerate(arms):
+        xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [score(r, arm) or 0.0 for r in rows], width, label=ARM_LABELS[arm])
+    for j, r in enumerate(rows):
+        ref = r.get("reference") or {}
+        top = max([score(r, a) or 0.0 for a in arms] + [ref.get(a) or 0.0 for a in arms])
+        if r["status"] == "ok" and r["gap"] is not None:
+            half = r.get("delta_half_width")
+            text = f"gap {r['gap']:.1f}" + (f"\n\u00b1{half:.1f}" if half is not None else "")
+        else:
+            text = r["status"]
+        ax.annotate(text, (j, top), xytext=(0, 3), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+        for i, arm in enumerate(arms):
+            if ref.get(arm) is not None:
+                x = j + (i - (len(arms) - 1) / 2) * width
+                ax.plot([x - width / 2, x + width / 2], [ref[arm]] * 2, color="black", lw=1.5)
+    ax.set_xticks(range(len(rows)), [r["benchmark"] for r in rows], fontsize=8)
+    ax.set_ylabel("score")
+    ax.set_ylim(0, 115)
+    ax.set_title("teacher vs student" + (" (black lines: reference)" if report["reference"]
+                                        else ""))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
