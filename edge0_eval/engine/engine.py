@@ -31,7 +31,7 @@ from edge0_eval.engine.checks import (check_index_model, check_resident,
                                       load_tokenizer_checked, read_config)
 from edge0_eval.engine.families import Family, family_for
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
-from edge0_eval.engine.lora import load_adapter
+from edge0_eval.engine.adapters import load_adapter
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions

@@ -282,15 +282,3 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
     mx.eval([m.parameters() for _, m in wrapped])
     return paths
 
-
-# The adapter-file functions moved to engine/adapters.py, which imports this module. engine.py and
-# training/ (another branch's files) still import them from here; answered lazily so the two
-# modules do not import each other at load time. Drop once they import engine.adapters.
-_MOVED_TO_ADAPTERS = ("load_adapter", "save_adapter", "read_adapter_file")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_ADAPTERS:
-        from edge0_eval.engine import adapters   # adapters imports this module (a cycle)
-        return getattr(adapters, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from edge0_eval.engine import lora
+from edge0_eval.engine.adapters import load_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.families import family_for
 from edge0_eval.engine.layout import ExpertIndex
@@ -185,7 +186,7 @@ def attach_lora(engine, opts: StageOptions) -> dict:
     """Put the trainable LoRA on the student (zero-init or --init-adapter); freeze the rest."""
     model = engine.model
     if opts.init_adapter:
-        meta = lora.load_adapter(model, opts.init_adapter, top_k=engine.top_k)
+        meta = load_adapter(model, opts.init_adapter, top_k=engine.top_k)
         for name, given, have in (("rank", opts.rank, meta["r"]), ("alpha", opts.alpha,
                                                                    meta["alpha"])):
             if given is not None and float(given) != float(have):
