@@ -12,23 +12,22 @@ import argparse
 
 from pathlib import Path
 
+from edge0_eval import cli_types as ct
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads
+from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.prerouter import init_heads_from_routers
 from edge0_eval.training.models import model_facts, resolve_heads
+from edge0_eval.training.options import add_head_layout_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
     parser.add_argument("--out", required=True, help="heads file to write (.safetensors)")
-    parser.add_argument("--start-layer", type=int, default=None,
-                        help="first layer whose routing a head predicts (default: the tier's); "
-                             "0 (or the first MoE layer): every MoE layer, with a wrap-around "
-                             "head from the last MoE layer")
-    parser.add_argument("--top-k", type=int, default=None,
+    add_head_layout_arguments(parser)
+    parser.add_argument("--top-k", type=ct.positive_int, default=None,
                         help="serving K the heads are for (default: the tier's, else native)")
-    parser.add_argument("--width", type=int, default=None, help="fc1 width (default: the tier's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=ct.nonneg_int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,8 @@ import pytest
 from edge0_eval.engine.adapters import save_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.lora import apply_lora
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
+from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity as fid
 from edge0_eval.evaluation import fidelity_report as fr
@@ -355,6 +356,11 @@ def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
     # data stage lays it where configs/datasets/edge0_fidelity.py looks, and refuses a bad one.
     actions, _ = stage(tmp_path / "root", benchmarks=(), fidelity=str(out))
     assert fs.read_set(tmp_path / "root" / fs.SET_PATH) == fset
+    # A gzipped set (the README's example name) is placed at the same .json path and still reads.
+    gz = fs.write_set(fset, tmp_path / "set.json.gz")
+    stage(tmp_path / "root_gz", benchmarks=(), fidelity=str(gz))
+    assert (tmp_path / "root_gz" / fs.SET_PATH).read_bytes()[:2] == fs.GZIP_MAGIC
+    assert fs.read_set(tmp_path / "root_gz" / fs.SET_PATH) == fset
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="bad.json"):

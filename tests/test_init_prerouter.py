@@ -1,4 +1,4 @@
-"""`edge0-eval init-prerouter`: untrained heads a prerouted engine serves, owners from --start-layer."""
+"""`edge0-eval init-prerouter`: untrained heads the engine serves; owners from --start-layer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import read_metadata
+from edge0_eval.engine.heads_file import read_metadata
 
 
 def test_init_prerouter_writes_heads_the_engine_serves(edge0_qwen, tmp_path, capsys):

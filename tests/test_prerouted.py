@@ -7,7 +7,8 @@ import pytest
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
+from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 

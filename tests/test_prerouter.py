@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.engine.heads_file import KIND, load_heads, read_metadata, save_heads
 from edge0_eval.engine.prerouter import (
-    KIND, PrerouterConfig, PrerouterHeads, RoutingRule, build_features, check_owners,
-    default_owners, init_heads_from_routers, load_heads, onehot, read_metadata, router_logits,
-    router_weight, save_heads, select_experts, stack_rules, tier_defaults, trace_features,
+    PrerouterConfig, PrerouterHeads, RoutingRule, build_features, check_owners, default_owners,
+    init_heads_from_routers, onehot, router_logits, router_weight, select_experts, stack_rules,
+    tier_defaults, trace_features,
 )
 
 FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")

@@ -12,10 +12,11 @@ import pytest
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import (PrerouterConfig, build_features, check_owners,
-                                         default_consumers, default_owners,
-                                         init_heads_from_routers, load_heads, onehot,
-                                         read_metadata, router_logits, save_heads)
+from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
+from edge0_eval.engine.prerouter import (
+    PrerouterConfig, build_features, check_owners, default_consumers, default_owners,
+    init_heads_from_routers, onehot, router_logits,
+)
 from edge0_eval.errors import CheckpointError, ConfigError
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"

@@ -24,8 +24,8 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
-from edge0_eval.engine.prerouter import (consumer_rule, load_heads, pair_problems,
-                                         trace_features)
+from edge0_eval.engine.heads_file import load_heads
+from edge0_eval.engine.prerouter import consumer_rule, pair_problems, trace_features
 
 
 @dataclass

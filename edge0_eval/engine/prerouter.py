@@ -20,14 +20,7 @@ All heads are evaluated together, once per step: the weights are stacked
     fc1 [O, width, in], fc2 [O, E, width], linear [O, E, in]
 and `PrerouterHeads(feats [O, B, in]) -> logits [O, B, E]` is three batched matmuls.
 
-Files are safetensors in the published Edge0 layout
-    layers.<N>.fc1.weight [width, in], layers.<N>.fc2.weight [E, width],
-    layers.<N>.linear_init.weight [E, in]
-with string metadata kind="prerouter", K, owners (JSON list), consumers (JSON list, parallel to
-owners; optional), start_layer, width, hidden,
-num_experts, format_version, source, model. `load_heads` reads files from the reference
-(which may lack start_layer/width/hidden/num_experts: they are then taken from the shapes)
-and checks everything against the model it will serve.
+Heads files (save, read, validate): `heads_file.py`.
 
 Expert selection from head logits follows the consuming layer's family rule (`select_experts`,
 a `routing.RoutingRule`): qwen softmax top-k (normalised, but not in qwen2_moe); bailing sigmoid +
@@ -36,22 +29,13 @@ expert bias, group-limited top-k, normalised x routed_scaling_factor, exactly li
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0_eval.engine.checks import read_safetensors_header
-from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.errors import ConfigError
 from edge0_eval.engine.routing import RoutingRule, stack_rules
-
-KIND = "prerouter"
-FORMAT_VERSION = 1
-_KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -338,195 +322,3 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
                              num_experts=num_experts, consumers=consumers)
     pairs = [router_weight(engine.blocks[c]) for c in consumers]
     return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed)
-
-
-# -- files --------------------------------------------------------------------------------------
-
-def _atomic_save(path: Path, arrays: dict, metadata: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
-    os.replace(tmp, path)
-
-
-def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = None,
-               dtype=mx.float16) -> Path:
-    """Write heads in the published layout; `metadata` adds/overrides e.g. source and model.
-
-    Weights are stored as `dtype` (float16 like the published adapters; None keeps the heads').
-    """
-    path = Path(path)
-    cfg = heads.config
-    arrays = {}
-    for i, n in enumerate(cfg.owners):
-        for name, value in (("fc1", heads.fc1[i]), ("fc2", heads.fc2[i]),
-                            ("linear_init", heads.linear[i])):
-            arrays[f"layers.{n}.{name}.weight"] = value if dtype is None else value.astype(dtype)
-    meta = {"kind": KIND, "K": str(cfg.top_k), "owners": json.dumps(cfg.owners),
-            "consumers": json.dumps(cfg.consumers), "start_layer": str(cfg.start_layer),
-            "width": str(cfg.width), "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
-            "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
-    for key, value in (metadata or {}).items():
-        if key in ("kind", "K", "owners", "consumers", "width", "hidden", "num_experts",
-                   "format_version"):
-            continue  # these describe the tensors; they come from the heads
-        meta[key] = value if isinstance(value, str) else json.dumps(value)
-    _atomic_save(path, arrays, meta)
-    return path
-
-
-def read_metadata(path: str | Path) -> dict:
-    """The safetensors metadata of a heads file (header checked, no tensor data read)."""
-    _, meta = read_safetensors_header(path, "prerouter heads",
-                                      "train them again with `edge0-eval train-prerouter`, "
-                                      "or run with --no-prerouter")
-    return meta
-
-
-def _int_meta(meta: dict, key: str, path: Path) -> int | None:
-    if key not in meta:
-        return None
-    try:
-        return int(meta[key])
-    except (TypeError, ValueError):
-        raise CheckpointError(f"prerouter file {path}: metadata {key}={meta[key]!r} is not an "
-                              f"integer") from None
-
-
-def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
-               owners: list[int] | None = None, dtype=None,
-               model_type: str | None = None,
-               moe_layers: list[int] | None = None) -> PrerouterHeads:
-    """Load and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
-
-    `moe_layers` (the serving model's) checks every (owner, consumer) pair against it.
-
-    `owners` (None: every head in the file) selects heads; each must be present. Any problem
-    (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
-    CheckpointError naming the file. `dtype` casts the weights (None keeps the stored dtype).
-    `model_type`: the serving model's; refused when the file's metadata names another.
-    """
-    path = Path(path)
-    where = f"prerouter file {path}"
-    meta = read_metadata(path)
-    kind = meta.get("kind")
-    if kind != KIND:
-        raise CheckpointError(f"{where} has kind={kind!r}, expected {KIND!r}: not prerouter heads "
-                              f"(a LoRA adapter or another file?)")
-    version = _int_meta(meta, "format_version", path)
-    if version is not None and version > FORMAT_VERSION:
-        raise CheckpointError(f"{where} has format_version {version}; this build reads up to "
-                              f"{FORMAT_VERSION}")
-    k = _int_meta(meta, "K", path)
-    if k is None:
-        raise CheckpointError(f"{where} records no K (metadata key 'K')")
-    if k != top_k:
-        raise CheckpointError(f"{where} was trained for K={k} but the engine serves K={top_k}; "
-                              f"train heads for K={top_k} or serve with --top-k {k}")
-    if model_type is not None and meta.get("model_type") not in (None, "", model_type):
-        raise CheckpointError(f"{where} holds heads for a {meta['model_type']} model, but this "
-                              f"model is {model_type}; train heads for this model")
-    for key, want in (("hidden", hidden), ("num_experts", num_experts)):
-        got = _int_meta(meta, key, path)
-        if got is not None and got != want:
-            raise CheckpointError(f"{where} has {key}={got}; the model has {want}")
-    try:
-        weights = mx.load(str(path))
-    except Exception as exc:
-        raise CheckpointError(f"{where} is unreadable ({exc}); the file is truncated or "
-                              f"corrupt") from None
-
-    dtypes = {str(v.dtype).split(".")[-1] for v in weights.values()}
-    if len(dtypes) > 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
-        raise CheckpointError(f"{where}: tensors are {sorted(dtypes)}; heads are saved in one "
-                              f"floating dtype, so the header is corrupt")
-    layers: dict[int, dict[str, mx.array]] = {}
-    for name, value in weights.items():
-        m = _KEY.match(name)
-        if m is None:
-            raise CheckpointError(f"{where}: unexpected tensor {name!r}; expected only "
-                                  f"layers.<N>.(fc1|fc2|linear_init).weight")
-        layers.setdefault(int(m.group(1)), {})[m.group(2)] = value
-    if "owners" in meta:
-        try:
-            listed = json.loads(meta["owners"])
-            listed = [int(n) for n in listed]
-        except (ValueError, TypeError):
-            raise CheckpointError(f"{where}: metadata owners={meta['owners']!r} is not a JSON "
-                                  f"list of layer numbers") from None
-        if sorted(listed) != sorted(layers):
-            raise CheckpointError(f"{where}: metadata owners {sorted(listed)} do not match the "
-                                  f"heads stored {sorted(layers)}")
-    if not layers:
-        raise CheckpointError(f"{where} holds no heads")
-    consumer_of = _consumers_meta(meta, sorted(layers), where)
-    incomplete = {n: sorted({"fc1", "fc2", "linear_init"} - set(p)) for n, p in layers.items()}
-    incomplete = {n: miss for n, miss in incomplete.items() if miss}
-    if incomplete:
-        raise CheckpointError(f"{where}: heads incomplete, missing tensors {incomplete}")
-    if owners is None:
-        owners = sorted(layers)
-    else:
-        owners = sorted(int(n) for n in owners)
-        missing = [n for n in owners if n not in layers]
-        if missing:
-            raise CheckpointError(f"{where} has no head for owner layer(s) {missing} (it holds "
-                                  f"{sorted(layers)})")
-    in_dim = hidden + 2 * num_experts
-    width = int(layers[owners[0]]["fc1"].shape[0])
-    for n in owners:
-        for name, want in (("fc1", (width, in_dim)), ("fc2", (num_experts, width)),
-                           ("linear_init", (num_experts, in_dim))):
-            got = tuple(layers[n][name].shape)
-            if got != want:
-                raise CheckpointError(
-                    f"{where}: layers.{n}.{name}.weight has shape {list(got)}, expected "
-                    f"{list(want)} (hidden {hidden} + 2 x {num_experts} experts, width {width})")
-    meta_width = _int_meta(meta, "width", path)
-    if meta_width is not None and meta_width != width:
-        raise CheckpointError(f"{where}: metadata width={meta_width} but fc1 has width {width}")
-    _int_meta(meta, "start_layer", path)  # checked for form; the heads define the first consumer
-    consumers = [consumer_of[n] for n in owners]
-    if moe_layers is not None:
-        problems = pair_problems(owners, consumers, list(moe_layers))
-        if problems:
-            raise CheckpointError(f"{where} does not fit this model: {'; '.join(problems)} (MoE "
-                                  f"layers: {list(moe_layers)}); train heads for this model")
-    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width,
-                             top_k=top_k, hidden=hidden, num_experts=num_experts,
-                             consumers=consumers)
-    stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
-    heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
-    if dtype is not None:
-        heads = heads.astype(dtype)
-    finite = mx.stack([mx.all(mx.isfinite(heads.fc1)), mx.all(mx.isfinite(heads.fc2)),
-                       mx.all(mx.isfinite(heads.linear))]).tolist()
-    bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
-    if bad:
-        raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
-                              f"the heads are corrupt, train them again")
-    return heads
-
-
-def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]:
-    """owner -> consumer from metadata "consumers" (parallel to "owners"); absent: owner + 1."""
-    if "consumers" not in meta:
-        return {n: n + 1 for n in stored}
-    try:
-        listed = [int(n) for n in json.loads(meta["owners"])]
-        consumers = json.loads(meta["consumers"])
-        if not isinstance(consumers, list) or len(consumers) != len(listed) or \
-                any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in consumers):
-            raise ValueError
-    except (KeyError, ValueError, TypeError):
-        raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} is not a JSON "
-                              f"list of layer numbers, one per owner in metadata owners="
-                              f"{meta.get('owners')!r}; write the file again with save_heads "
-                              f"(init-prerouter / train-prerouter)") from None
-    odd = [f"{n} -> {c}" for n, c in zip(listed, consumers) if c != n + 1 and c > n]
-    if odd or len(set(consumers)) != len(consumers):
-        what = ", ".join(odd) or "a layer twice"
-        raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} pairs owners "
-                              f"with layers no head can predict ({what}); a head predicts owner "
-                              f"+ 1, or wraps around to the first MoE layer")
-    return dict(zip(listed, consumers))

@@ -1,7 +1,8 @@
 """The fidelity set file and the metrics on it (numpy only: configs and the report import this
 without MLX). The set is made by edge0_eval/evaluation/fidelity.py (`edge0-eval fidelity make`).
 
-File (JSON, or gzipped JSON when the name ends in .gz), format "edge0-eval/fidelity/v1":
+File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
+"edge0-eval/fidelity/v1":
   teacher   {name, fingerprint (sha256 of config, tokenizer and weight headers), model_type,
              compute_dtype}
   max_new, top_k, thinking, created, sources {source: {file, items, ...}}
@@ -80,6 +81,9 @@ def write_set(fset: dict, path: str | Path) -> Path:
     return path
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def read_set(path: str | Path) -> dict:
     """A fidelity set, validated; any problem is one ConfigError naming the file and the fix."""
     path = Path(path)
@@ -88,11 +92,11 @@ def read_set(path: str | Path) -> dict:
         raise ConfigError(f"fidelity set {path} not found; {fix} (or `edge0-eval data stage "
                           f"--fidelity FILE` to lay one there)")
     try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                fset = json.load(f)
-        else:
-            fset = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        # By content, not by name: `data stage` lays a .json.gz set at a fixed .json path.
+        if raw[:2] == GZIP_MAGIC:
+            raw = gzip.decompress(raw)
+        fset = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError, EOFError) as exc:
         raise ConfigError(f"fidelity set {path} is unreadable ({exc}); {fix}") from None
     problem = _problem(fset)

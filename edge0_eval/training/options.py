@@ -126,6 +126,16 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
     return out
 
 
+def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which layers the heads serve and their width (stage 1 and init-prerouter)."""
+    parser.add_argument("--start-layer", type=int, default=None,
+                        help="first consuming layer (35B tier 7, 8B tier 8; other models: "
+                             "first MoE layer + 1); 0: every MoE layer, with the wrap-around "
+                             "head")
+    parser.add_argument("--width", type=int, default=None,
+                        help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
+
+
 def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of stage 1."""
     d = PrerouterOptions(model="", texts=[], out="")
@@ -140,12 +150,7 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
                         help="owner layers N (each predicts N+1; the last MoE layer: the first "
                              "MoE layer of the next token): '6..38', '6-38', '6,7,8' or a list "
                              "(default: start_layer-1 .. n_layers-2, MoE pairs only)")
-    parser.add_argument("--start-layer", type=int, default=None,
-                        help="first consuming layer (35B tier 7, 8B tier 8; other models: "
-                             "first MoE layer + 1); 0: every MoE layer, with the wrap-around "
-                             "head")
-    parser.add_argument("--width", type=int, default=None,
-                        help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
+    add_head_layout_arguments(parser)
     parser.add_argument("--holdout", type=float, default=d.holdout,
                         help="fraction of documents held out for the report")
     parser.add_argument("--max-doc-tokens", type=int, default=d.max_doc_tokens,
