@@ -20,6 +20,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity as fid
 from edge0_eval.evaluation import fidelity_report as fr
 from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.evaluation.report import build_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -308,10 +309,14 @@ def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
     for arm in fr.ARMS:
         assert section["arms"][arm]["kl"] == pytest.approx(baseline["fidelity"]["arms"][arm]["kl"])
     assert fr.gate_checks({"fidelity": section}, baseline)[1]["result"] == "pass"
-    # A failed arm is named, never skipped.
+    # A fidelity-only run (no benchmark datasets) is a complete report.
+    run = arms["teacher"][1]
+    assert build_report([run], arms, None, "test")["status"] == "ok"
+    # A failed arm is named, never skipped, and the report is incomplete.
     (tmp_path / "results" / "student" / "edge0_fidelity.json").write_text('{"error": "boom"}')
     section = fr.build(arms)
     assert section["status"] == "incomplete" and section["arms"]["student"]["status"] == "failed"
+    assert build_report([run], arms, None, "test")["status"] == "incomplete"
     failed = _failed(fr.gate_checks({"fidelity": section}, baseline))
     assert list(failed) == ["fidelity student"]
 

@@ -62,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(runs, parse_arms(args.arms, _model_index(runs)), reference, command)
     write_report(report, out)
     bad = [f"{b['benchmark']}: {b['status']}" for b in report["benchmarks"] if b["status"] != "ok"]
-    if not report["benchmarks"]:
-        bad = ["no benchmark results found"]
+    fidelity = report.get("fidelity")
+    if fidelity is not None and fidelity.get("status") != "ok":
+        bad.append(f"fidelity: {fidelity.get('status')}")
+    if not report["benchmarks"] and fidelity is None:
+        bad = ["no benchmark or fidelity results found"]
     print(f"wrote {out}/report.{{md,csv,json,png}}"
           + (f"; not ok: {', '.join(bad)}" if bad else ""))
     if bad:
@@ -275,6 +278,12 @@ def _ref_delta(ref: dict) -> float | None:
     return None if d is None else round(d, 10)
 
 
+def _status(rows: list[dict], fidelity: dict | None) -> str:
+    """ok: something was measured (benchmarks or fidelity) and every part of it is ok."""
+    parts = [r["status"] for r in rows] + ([fidelity["status"]] if fidelity is not None else [])
+    return "ok" if parts and all(s == "ok" for s in parts) else "incomplete"
+
+
 def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: dict | None,
                  command: str) -> dict:
     abbrs = {arm: abbr for arm, (abbr, _) in arms.items()}
@@ -300,6 +309,7 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
 
     engine = {arm: _engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
               for arm in arms}
+    fidelity = fidelity_report.build(arms)
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -310,11 +320,11 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
         "interval": {"method": "normal approximation on paired per-item differences "
                                "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1",
                      "level": 0.95, "z": Z95},
-        "status": "ok" if rows and all(r["status"] == "ok" for r in rows) else "incomplete",
+        "status": _status(rows, fidelity),
         "benchmarks": rows,
         "average": _average_row(rows, reference),
         "engine": engine,
-        "fidelity": fidelity_report.build(arms),
+        "fidelity": fidelity,
         "reference": None if reference is None else
         {k: reference.get(k) for k in ("name", "source", "file")},
         "notes": notes,
