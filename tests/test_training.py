@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+
+from served_pass import replay_gradients
 
 from edge0_eval import cli
 from edge0_eval.training.batches import Example, collate
@@ -115,8 +116,6 @@ def distill_run(pair, sft_run, tmp_path_factory):
 def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family, request):
     """discover() over a whole sequence == the engine's prefill + prerouted decode, token by token;
     the gradient pass replays it exactly; gradient checkpointing leaves gradients unchanged."""
-    from mlx.utils import tree_flatten
-
     from edge0_eval.engine import lora
     from edge0_eval.engine.engine import Engine, EngineOptions
     from edge0_eval.training.served import ServedPath
@@ -141,22 +140,8 @@ def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family
         disc = path.discover(tokens, valid, np.array([len(prompt)]), keep_logits=True)
         got = disc.logits[0, len(prompt) - 1:]
         assert mx.allclose(got, served, atol=1e-4).item()
-        unions = disc.unions()
-        path.load_routed(unions)
-        plan = path.replay_plan(disc, np.arange(1), unions)
-        mask = mx.array(disc.mask)
-        path.pin(True)
-
-        def objective(model):
-            logits = path.forward(mx.array(tokens), mask, plan)
-            return (logits.astype(mx.float32) ** 2).mean(), logits
-
-        (loss, logits), g = nn.value_and_grad(engine.model, objective)(engine.model)
-        mx.eval(loss, logits, g)
-        path.clear_plans()
-        path.pin(False)
+        logits, grads[ckpt] = replay_gradients(path, engine, disc, tokens)
         assert mx.array_equal(logits, disc.logits).item()
-        grads[ckpt] = dict(tree_flatten(g))
         path.close()
     assert any(mx.abs(v).max().item() > 0 for v in grads[False].values())
     for k, v in grads[False].items():

@@ -9,6 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from served_pass import replay_gradients
+
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
@@ -224,9 +226,6 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
     """discover() with a wrap head == prefill + prerouted decode (logits and every layer's
     executed ids, the first MoE layer's included); the full-sequence gradient pass replays it;
     gradient checkpointing leaves the gradients unchanged."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
     from edge0_eval.engine import lora
     from edge0_eval.training.served import ServedPath
 
@@ -264,22 +263,8 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
                 p = len(prompt) + s
                 for n in moe:
                     assert sorted(disc.inds[n][0, p].tolist()) == want[n], (n, p)
-            unions = disc.unions()
-            served_path.load_routed(unions)
-            plan = served_path.replay_plan(disc, np.arange(1), unions)
-            mask = mx.array(disc.mask)
-            served_path.pin(True)
-
-            def objective(model):
-                logits = served_path.forward(mx.array(tokens), mask, plan)
-                return (logits.astype(mx.float32) ** 2).mean(), logits
-
-            (loss, logits), g = nn.value_and_grad(engine.model, objective)(engine.model)
-            mx.eval(loss, logits, g)
-            served_path.clear_plans()
-            served_path.pin(False)
+            logits, grads[ckpt] = replay_gradients(served_path, engine, disc, tokens)
             assert mx.allclose(logits, disc.logits, atol=1e-4).item()
-            grads[ckpt] = dict(tree_flatten(g))
             served_path.close()
         assert any(mx.abs(v).max().item() > 0 for v in grads[False].values())
         for k, v in grads[False].items():
