@@ -388,13 +388,7 @@ class Replay(dict):
 
 def _weights_for(rule, logits: mx.array, inds: mx.array) -> mx.array:
     """Combination weights of the given ids under `rule` (the weight half of rule.select)."""
-    logits = logits.astype(mx.float32)
-    scores = mx.sigmoid(logits) if rule.score == "sigmoid" else mx.softmax(logits, axis=-1,
-                                                                           precise=True)
-    weights = mx.take_along_axis(scores, inds, axis=-1)
-    if inds.shape[-1] > 1 and rule.norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    return weights * rule.routed_scaling_factor
+    return rule.weights(rule.scores(logits), inds)
 
 
 def pack_rows(disc: Discovery, n_slots: int) -> list[np.ndarray]:
