@@ -345,12 +345,9 @@ def check_index_model(index, config: dict, family, directory: str | Path) -> Non
                               f"{_RECONVERT}")
 
 
-def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
-    """What Engine.load checks before reading weights, without loading any (a preflight).
-
-    config.json, the expert index against the expert file's size and the config, CRCs present
-    (unless opted out), the resident header against the index, and a tokenizer file.
-    """
+def open_model_dir(directory: str | Path) -> tuple[dict, object, ExpertIndex]:
+    """config.json, its family and the expert index of a converted model, checked against each
+    other (model type, expert count, bundle shapes, MoE block path): (config, family, index)."""
     directory = Path(directory)
     config = read_config(directory / "config.json")
     family = family_for(config, str(directory / "config.json"))
@@ -358,7 +355,22 @@ def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
     if index.model_type != config["model_type"]:
         raise CheckpointError(f"{directory / INDEX_NAME}: index is for {index.model_type!r} but "
                               f"config.json says {config['model_type']!r}; {_RECONVERT}")
+    num_experts = family.num_experts(config)
+    if index.num_experts != num_experts:
+        raise CheckpointError(f"{directory / INDEX_NAME}: index has {index.num_experts} experts, "
+                              f"config.json {num_experts}; {_RECONVERT}")
     check_index_model(index, config, family, directory)
+    return config, family, index
+
+
+def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
+    """What Engine.load checks before reading weights, without loading any (a preflight).
+
+    config.json, the expert index against the expert file's size and the config, CRCs present
+    (unless opted out), the resident header against the index, and a tokenizer file.
+    """
+    directory = Path(directory)
+    config, family, index = open_model_dir(directory)
     if verify_crc and not index.crc32:
         raise CheckpointError(f"{directory / INDEX_NAME} records no crc32 checksums; "
                               f"{_RECONVERT}, or opt out with verify_crc=False")

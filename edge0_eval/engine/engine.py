@@ -27,9 +27,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import _get_classes
 
 from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
-from edge0_eval.engine.checks import (check_index_model, check_resident,
-                                      load_tokenizer_checked, read_config)
-from edge0_eval.engine.families import Family, family_for
+from edge0_eval.engine.checks import check_resident, load_tokenizer_checked, open_model_dir
+from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
@@ -92,17 +91,7 @@ class Engine:
         config_path = directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path} not found; is {directory} a converted model?")
-        config = read_config(config_path)
-        family = family_for(config, str(config_path))
-        index = ExpertIndex.load(directory)
-        check_index_model(index, config, family, directory)
-        if index.model_type != config["model_type"]:
-            raise CheckpointError(f"{directory}: index is for {index.model_type!r} but config.json "
-                                  f"says {config['model_type']!r}; re-run convert")
-        num_experts = family.num_experts(config)
-        if index.num_experts != num_experts:
-            raise CheckpointError(f"{directory}: index has {index.num_experts} experts, "
-                                  f"config.json {num_experts}; re-run convert")
+        config, family, index = open_model_dir(directory)
         # Every model-dependent decision, before any weights load (a missing file fails here).
         resolved = options.resolve(directory, config, index)
         top_k, slots = resolved.top_k, resolved.slots_per_layer
