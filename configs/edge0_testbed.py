@@ -27,6 +27,11 @@ with read_base():
 
 datasets = [d for d in edge0_datasets if d['abbr'] in ('openai_humaneval', 'IFBench')]
 testbed_items = os.environ.get('EDGE0_TESTBED_ITEMS')
+testbed_max_out = os.environ.get('EDGE0_TESTBED_MAX_OUT', '512')
+for name, value in (('EDGE0_TESTBED_ITEMS', testbed_items or '1'),
+                    ('EDGE0_TESTBED_MAX_OUT', testbed_max_out)):
+    if not (value.isdigit() and int(value) > 0):
+        raise SystemExit(f'edge0-eval: {name}={value!r} is not a whole number > 0')
 if testbed_items:
     for d in datasets:
         d['reader_cfg']['test_range'] = f'[0:{int(testbed_items)}]'
@@ -35,7 +40,7 @@ if testbed_items:
 datasets += edge0_fidelity_datasets
 
 # Greedy for every arm, so differences come from the model, not sampling.
-testbed_generation = dict(max_out_len=int(os.environ.get('EDGE0_TESTBED_MAX_OUT', '512')),
+testbed_generation = dict(max_out_len=int(testbed_max_out),
                           max_seq_len=4096, batch_size=1,
                           generation_kwargs=dict(temperature=0.0),
                           run_cfg=dict(num_gpus=0))

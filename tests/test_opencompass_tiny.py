@@ -138,3 +138,16 @@ def test_missing_data_and_adapters_stop_before_any_model_loads(tiny_env, tmp_pat
     # Nothing ran: no task logs, predictions or results.
     (run_dir,) = list((tmp_path / 'out').iterdir())
     assert sorted(p.name for p in run_dir.iterdir()) == ['configs']
+
+
+@pytest.mark.parametrize('variable,value', [('EDGE0_TESTBED_ITEMS', 'abc'),
+                                            ('EDGE0_TESTBED_MAX_OUT', '-3')])
+def test_testbed_config_refuses_bad_numbers(variable, value):
+    env = {**os.environ, 'EDGE0_TESTBED': '/nonexistent', variable: value}
+    code = ('from mmengine.config import Config; '
+            f'Config.fromfile({str(CONFIGS / "edge0_testbed.py")!r}, format_python_code=False)')
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert f'edge0-eval: {variable}={value!r} is not a whole number > 0' in proc.stderr
+    assert 'Traceback' not in proc.stderr
