@@ -96,7 +96,8 @@ class BatchDecoder:
         if logits_trace is not None:
             logits_trace[:] = [[] for _ in prompts]
         self.decode = {"steps": 0, "tokens": 0, "seconds": 0.0, "bytes": 0, "reads": 0,
-                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0}
+                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0,
+                       "joined_running": 0}
 
     # -- rows -------------------------------------------------------------------------------
     def _join(self, index: int):
@@ -141,6 +142,8 @@ class BatchDecoder:
                 else:
                     joined.append((row, row_cache, row_feats))
             if joined:
+                if active:
+                    self.decode["joined_running"] += len(joined)
                 new = merge_caches([c for _, c, _ in joined])
                 if cache is None:
                     cache = new
@@ -219,6 +222,7 @@ class BatchDecoder:
             "batch_size": self.rows_at_once,
             "batch_rows": len(rows),
             "batch_steps": steps,
+            "batch_joined_running": d["joined_running"],   # rows that joined running rows
             "batch_mean_rows_per_step": tokens / steps if steps else 0.0,
             "batch_generated_tokens": sum(len(r.tokens) for r in rows),
             "batch_decode_tokens": tokens,
