@@ -137,23 +137,23 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
     for layer in consumers:
         engine.blocks[layer].set_capture(True)
     planned, checked = [], []
-    plan, clear = pr.plan, pr.clear_plans
+    plan, after_step = pr.plan, pr.after_step
 
     def recording_plan(feats, *also):
         plan(feats, *also)
         planned.append({l: (np.array(p[0]), sorted(p[2].experts)) for l, p in pr._plans.items()})
 
-    def checking_clear():
+    def checking_after_step():
         for layer in consumers:       # what each row executed vs its own plan, every layer
             inds, staged = planned[-1][layer]
             executed = np.array(engine.blocks[layer].captured()[1])
             assert (executed == inds).all()
             assert sorted(set(executed.reshape(-1).tolist())) == staged
             checked.append(len(staged))
-        clear()
+        after_step()
 
     monkeypatch.setattr(pr, "plan", recording_plan)
-    monkeypatch.setattr(pr, "clear_plans", checking_clear)
+    monkeypatch.setattr(pr, "after_step", checking_after_step)
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:6]]
     before = engine.stats()["dropped_experts"]
     results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=4, stop_token_ids=set())

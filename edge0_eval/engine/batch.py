@@ -11,8 +11,10 @@ MoE layers. Reactive: a layer reads the union of its rows' routed experts once
 (`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
 prediction as its routing ([B, 1, K] plans); each consuming layer stages the union of the rows'
 predicted sets and each row executes its own set, so a row's staged set is its routed set.
-Planning runs once per step, before it, on the per-row features (feats, t-1 one-hots) kept in
-row order: a joiner's come from its own prefill, exactly as `after_prefill` plans a solo run.
+As in a solo run, each step plans the next inside its forward (after the last layer), on the
+per-row features the prerouter keeps in row order (feats, t-1 one-hots); when rows leave or
+join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
+before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
 
 Slot pool. A layer's union can hold B x K experts. Batched decode grows each layer's pool to
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
@@ -132,8 +134,23 @@ class BatchDecoder:
         finished: list[_Row] = []
         active: list[_Row] = []
         cache = None
-        feats = onehot = None       # prerouted: per-row features, [O, B, ...] in active order
         while waiting or active:
+            # Between steps: finished rows leave, waiting prompts take their places.
+            t0, before = time.perf_counter(), e._snapshot()
+            keep = [j for j, r in enumerate(active) if not r.done]
+            if len(keep) < len(active):
+                if pr is not None:
+                    pr.abandon_plans()    # planned for the old rows (inside the last step)
+                    pr.set_rows(keep, [])
+                finished += [r for r in active if r.done]
+                active = [active[j] for j in keep]
+                if keep:
+                    idx = mx.array(keep, dtype=mx.int32)
+                    for c in cache:
+                        c.filter(idx)
+                else:
+                    cache = None
+            self._account(t0, before)
             joined = []
             while waiting and len(active) + len(joined) < self.rows_at_once:
                 row, row_cache, row_feats = self._join(waiting.popleft())
@@ -152,44 +169,24 @@ class BatchDecoder:
                         mine.extend(theirs)
                 active += [r for r, _, _ in joined]
                 if pr is not None:
-                    parts_f = ([feats] if feats is not None else []) + [f[0] for *_, f in joined]
-                    parts_o = ([onehot] if onehot is not None else []) + [f[1] for *_, f in joined]
-                    feats = mx.concatenate(parts_f, axis=1)
-                    onehot = mx.concatenate(parts_o, axis=1)
-            if not active:
-                continue
-            feats, onehot = self._step(active, cache, feats, onehot)
-            keep = [j for j, r in enumerate(active) if not r.done]
-            if len(keep) < len(active):
-                finished += [r for r in active if r.done]
-                active = [active[j] for j in keep]
-                if keep:
-                    idx = mx.array(keep, dtype=mx.int32)
-                    for c in cache:
-                        c.filter(idx)
-                    if pr is not None:
-                        feats, onehot = feats[:, idx], onehot[:, idx]
-                else:
-                    cache = feats = onehot = None
+                    pr.set_rows(None, [f for *_, f in joined])
+            if active:
+                self._step(active, cache)
         return sorted(finished, key=lambda r: r.index)
 
-    def _step(self, active, cache, feats, onehot):
-        """One decode step of the active rows; returns their next features (prerouted)."""
+    def _step(self, active: list[_Row], cache: list) -> None:
+        """One decode step of the active rows. Prerouted: a step plans the next one for the
+        same rows inside its forward, as a solo step does; after rows left or joined it plans
+        here first."""
         e, pr = self.engine, self.prerouter
         t0, before = time.perf_counter(), e._snapshot()
-        if pr is not None:
-            pr.plan(feats)
-            pr.counters.steps += 1
+        if pr is not None and not pr.has_plan:
+            pr.plan_rows()
         e.cache = cache
-        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]))
-        also = ()
-        if pr is not None:
-            pr.clear_plans()          # the planned layers are built
-            feats, onehot = pr.step_features(onehot)
-            also = (feats, onehot)
+        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True)
         t1 = time.perf_counter()
         last = e._checked_rows(logits, f"at batched decode step {self.decode['steps'] + 1}",
-                               [r.index for r in active], *also)
+                               [r.index for r in active])
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
         t2 = time.perf_counter()
@@ -197,20 +194,22 @@ class BatchDecoder:
         prof["steps"] += 1
         prof["build_s"] += t1 - t0
         prof["eval_s"] += t2 - t1
-        after = e._snapshot()
+        self.decode["steps"] += 1
+        self.decode["tokens"] += len(active)
+        self._account(t0, before)
         dt = t2 - t0
-        d = self.decode
-        d["steps"] += 1
-        d["tokens"] += len(active)
-        d["seconds"] += dt
-        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
-            d[key] += after[key] - before[key]
         for j, (r, t) in enumerate(zip(active, tokens)):
             r.steps += 1
             r.decode_share_s += dt / len(active)
             r.decode_wall_s += dt
             self._take(r, t, last[j])
-        return feats, onehot
+
+    def _account(self, t0: float, before: dict) -> None:
+        """Add the decode work since (t0, before) to the batch's decode figures."""
+        after, d = self.engine._snapshot(), self.decode
+        d["seconds"] += time.perf_counter() - t0
+        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
+            d[key] += after[key] - before[key]
 
     # -- figures ----------------------------------------------------------------------------
     def batch_stats(self, rows: list[_Row]) -> dict:
