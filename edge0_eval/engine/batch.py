@@ -218,7 +218,7 @@ class BatchDecoder:
         tokens, steps = d["tokens"], d["steps"]
         lookups = d["hits"] + d["misses"]
         return {
-            "batch_size": self.rows_at_once,
+            "batch_size": self.rows_at_once,       # rows at once: min(batch_size, prompts)
             "batch_rows": len(rows),
             "batch_steps": steps,
             "batch_joined_running": d["joined_running"],   # rows that joined running rows

@@ -3,6 +3,7 @@
     engine = Engine.load("model-edge0", EngineOptions(mode="reactive", expert_budget_mib=64))
     result = engine.generate(engine.tokenizer.encode("hi"), max_tokens=32)
     print(result.tokens, engine.stats())
+    results = engine.generate_batch([p1, p2, p3], max_tokens=32, batch_size=2)   # batch.py
 
 The model object is mlx-lm's own class for the family; only each MoE block's instance is
 replaced (see moe.py). The forward loop (families.py) mirrors mlx-lm's and adds a per-layer hook
