@@ -9,15 +9,17 @@ test_engine.py's parity). Greedy tokens are compared exactly everywhere.
 """
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import BatchKVCache
 
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
-from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.heads_file import save_heads
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
@@ -180,10 +182,32 @@ def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
     assert results[0].tokens != results[2].tokens          # same prompt, another seed
     greedy = engine.generate(prompts[0], 12, stop_token_ids=set()).tokens
     assert results[0].tokens != greedy                     # it really sampled
+    mx.random.seed(1234)                                   # the global RNG plays no part
+    assert engine.generate(prompts[0], 12, seed=5, **kw).tokens == results[0].tokens
     # The default seed is options.seed for every row.
     default = engine.generate_batch(prompts[:2], 12, **kw)
     assert [r.tokens for r in default] == [engine.generate(p, 12, seed=0, **kw).tokens
                                            for p in prompts[:2]]
+    engine.close()
+
+
+def test_non_finite_batch_logits_are_an_error(edge0_qwen2, monkeypatch):
+    """A NaN reaching the batch's logits raises, naming the rows, as a solo step does."""
+    engine = Engine.load(edge0_qwen2, EngineOptions(mode="reactive", clip_hidden=None))
+    merge = batch_module.merge_caches
+
+    def poisoned(caches):        # after every row's (clean) prefill, before the first step
+        name = next(k for k, _ in tree_flatten(engine.model.parameters())
+                    if re.search(r"layers\.0\..*norm.*weight$", k))
+        value = dict(tree_flatten(engine.model.parameters()))[name]
+        engine.model.update(tree_unflatten([(name, mx.full(value.shape, mx.nan, value.dtype))]))
+        return merge(caches)
+
+    monkeypatch.setattr(batch_module, "merge_caches", poisoned)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+    with pytest.raises(NonFiniteError, match=r"at batched decode step 1 \(prompt\(s\) \[0, 1, 2\]"):
+        engine.generate_batch(prompts, 4, stop_token_ids=set())
+    assert engine.stats()["nonfinite_events"] == 1
     engine.close()
 
 
