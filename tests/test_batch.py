@@ -22,6 +22,7 @@ from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.heads_file import save_heads
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 from edge0_eval.errors import ConfigError
 
@@ -160,13 +161,28 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
     before = engine.stats()["dropped_experts"]
     results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=4, stop_token_ids=set())
     s = results[0].stats
+    after = engine.stats()
     engine.close()
     assert s["dropped_experts"] == before == 0
-    assert s["slots_per_layer"] >= 4 * engine.top_k or s["slots_per_layer"] == \
-        engine.index.num_experts                                    # grown to hold B x K
+    # The batch held B x K slots per layer (the B = 1 default is 2K); then the pool went back.
+    assert s["slots_per_layer"] == min(4 * engine.top_k, engine.index.num_experts) > \
+        after["slots_per_layer"] == 2 * engine.top_k
+    assert s["expert_buffer_mib"] > after["expert_buffer_mib"]
     assert checked and max(checked) > engine.top_k                  # real unions were staged
     assert s["mean_union_per_layer"] > engine.top_k
     assert s["batch_decode_tokens"] == sum(len(r.tokens) - 1 for r in results)
+
+
+def test_slot_pool_resize_keeps_the_residents_below_the_cut():
+    slots = LayerSlots(4)
+    slots.assign([10, 11, 12, 13])
+    assert slots.resize(6) == [] and slots.n_slots == 6
+    mapping, loads = slots.assign([14, 15])
+    assert sorted(mapping.values()) == [4, 5] and len(loads) == 2      # the new slots
+    assert sorted(slots.resize(3)) == [13, 14, 15]                     # slots 3..5 go
+    assert [slots.slot_of(e) for e in (10, 11, 12)] == [0, 1, 2]
+    mapping, loads = slots.assign([13])
+    assert loads == [(13, mapping[13])] and mapping[13] < 3            # read again, in range
 
 
 def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):

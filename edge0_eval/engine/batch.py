@@ -16,11 +16,12 @@ per-row features the prerouter keeps in row order (feats, t-1 one-hots); when ro
 join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
 before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
 
-Slot pool. A layer's union can hold B x K experts. Batched decode grows each layer's pool to
+Slot pool. A layer's union can hold B x K experts. While a batch runs, each layer's pool holds
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
-slots_per_layer are the B = 1 budget); the grown buffer is `expert_buffer_mib` in the stats and
-stays for later calls. So prerouted never drops a planned expert, and reactive never splits a
-decode step into waves (it still would for a longer prefill, as at B = 1).
+slots_per_layer are the B = 1 budget); that buffer is the batch's `expert_buffer_mib` in the
+stats, and the pool returns to the configured size afterwards (Engine.generate_batch). So
+prerouted never drops a planned expert, and reactive never splits a decode step into waves (it
+still would for a longer prefill, as at B = 1).
 
 Numerics. Each row's decode is its own arithmetic: matmuls, gather_qmm and the recurrent
 states are per row, and the padded keys a batch row attends over are masked to exact zeros. On
