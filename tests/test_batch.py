@@ -232,10 +232,13 @@ def test_bad_batch_input_is_one_clear_error(edge0_qwen):
     cases = [(dict(prompts=[]), "prompts is empty"),
              (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
              (dict(prompts=[[1, 2]], batch_size=0), "batch_size"),
-             (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds")]
+             (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds has 2 entries"),
+             (dict(prompts=[[1, 2], [3]], seeds=[1, -1]), r"seeds\[1\]")]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             engine.generate_batch(max_tokens=2, **kwargs)
+    with pytest.raises(ConfigError, match="seed must be"):
+        engine.generate([1, 2], 2, seed=1.5)
     engine.close()
 
 

@@ -33,6 +33,7 @@ rounding (the tests' tolerance off the CPU), and its greedy tokens are still com
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -80,7 +81,14 @@ def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
     if seeds is not None and len(seeds) != len(prompts):
         raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
                           f"seed per prompt (or None: options.seed for every row)")
+    for i, seed in enumerate(seeds or []):
+        check_seed(seed, f"seeds[{i}]")
     return min(len(prompts), batch_size or len(prompts))
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ConfigError(f"{name} must be a whole number >= 0, not {seed!r}")
 
 
 class BatchDecoder:
@@ -93,7 +101,7 @@ class BatchDecoder:
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
         seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
-        self.samplers = [RowSampler(temperature, top_p, s) for s in seeds]
+        self.samplers = [RowSampler(temperature, top_p, int(s)) for s in seeds]
         # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
         self.logits_trace = logits_trace
         if logits_trace is not None:

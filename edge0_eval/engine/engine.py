@@ -31,7 +31,7 @@ from edge0_eval.engine.checks import check_resident, load_tokenizer_checked, ope
 from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
-from edge0_eval.engine.batch import BatchDecoder, check_batch_args
+from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
@@ -265,6 +265,8 @@ class Engine:
         see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
         seed s, sampled or greedy."""
         stop = self._stop_ids(stop_token_ids)
+        if seed is not None:
+            check_seed(seed)
         sampler = RowSampler(temperature, top_p, self.options.seed if seed is None else seed)
         self.reset()
         before = self._snapshot()
