@@ -147,9 +147,13 @@ class BatchDecoder:
             # Between steps: finished rows leave, waiting prompts take their places.
             t0, before = time.perf_counter(), e._snapshot()
             keep = [j for j, r in enumerate(active) if not r.done]
+            joining = bool(waiting) and len(keep) < self.rows_at_once
+            if pr is not None and (len(keep) < len(active) or joining):
+                # Planned for the old rows inside the last step; a joiner's prefill must not
+                # run it either.
+                pr.abandon_plans()
             if len(keep) < len(active):
                 if pr is not None:
-                    pr.abandon_plans()    # planned for the old rows (inside the last step)
                     pr.set_rows(keep, [])
                 finished += [r for r in active if r.done]
                 active = [active[j] for j in keep]

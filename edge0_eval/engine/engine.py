@@ -267,7 +267,7 @@ class Engine:
         stop = self._stop_ids(stop_token_ids)
         if seed is not None:
             check_seed(seed)
-        sampler = RowSampler(temperature, top_p, self.options.seed if seed is None else seed)
+        sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed))
         self.reset()
         before = self._snapshot()
         t0 = time.perf_counter()
