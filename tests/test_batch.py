@@ -99,9 +99,13 @@ def test_every_row_equals_its_solo_run(family, mode):
         for r, p in zip(results, prompts):
             assert r.prompt_tokens == len(p) == r.stats["prompt_tokens"]
             assert r.stats["generated_tokens"] == len(r.tokens)
-        if mode != "resident":
-            assert 1 <= s["mean_union_per_layer"] <= min(b * engine.top_k,
-                                                         engine.index.num_experts)
+        if mode == "resident":
+            assert s["mean_union_per_layer"] is None      # nothing looked up
+        elif b == 1:
+            assert s["mean_union_per_layer"] == engine.top_k
+        else:
+            assert engine.top_k < s["mean_union_per_layer"] <= min(b * engine.top_k,
+                                                                   engine.index.num_experts)
     if mode == "prerouted":
         assert engine.stats()["dropped_experts"] == 0
     engine.close()
