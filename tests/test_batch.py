@@ -111,6 +111,29 @@ def test_every_row_equals_its_solo_run(family, mode):
     engine.close()
 
 
+def test_wrap_around_heads_batch_equals_solo(edge0_qwen, tmp_path):
+    """Start layer 0: the last MoE layer's head plans the first MoE layer of the next step,
+    so every MoE layer of every batched step is prerouted (its plan is set before layer 0)."""
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    owners = default_owners(0, len(engine.model.layers), engine.moe_layers)
+    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(2)) * 0.5
+    path = save_heads(tmp_path / "wrap.safetensors", heads)
+    engine.close()
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path)))
+    assert engine.prerouter.consumers[-1] == engine.moe_layers[0]
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:5]]
+    stop = {_solo(engine, prompts[1], set())[0][2]}
+    solo = [_solo(engine, p, stop) for p in prompts]
+    trace = []
+    results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=3, stop_token_ids=stop,
+                                    logits_trace=trace)
+    engine.close()
+    assert _mismatches(solo, results, trace) == []
+    assert results[0].stats["dropped_experts"] == 0
+    assert results[0].stats["mean_union_per_layer"] > engine.top_k
+
+
 def test_fault_injection_the_equality_check_catches_a_changed_row(family, monkeypatch):
     """The check above can fail: a perturbed KV cache row, and rows swapped, are caught; the
     perturbation changes that row only (rows do not leak into each other)."""
