@@ -72,8 +72,9 @@ class Edge0Model(ChatModelBase):
     arm = 'student'
 
     def __init__(self, path: str, cold_cache: bool = False, **kwargs):
-        # cold_cache: evict the expert file from the page cache before every sample, so each
-        # sample's speed is a cold figure; otherwise the page cache is left as the OS keeps it.
+        # cold_cache: evict the expert file from the page cache before every batch (every
+        # sample at batch_size 1), so speeds are cold figures; otherwise the page cache is left
+        # as the OS keeps it.
         self.cold_cache = cold_cache
         engine = {k: kwargs.pop(k) for k in engine_fields() if k in kwargs}
         gen = kwargs.get('generation_kwargs') or {}

@@ -234,17 +234,17 @@ def test_opencompass_predictions_at_batch_size_4_equal_batch_size_1(oc_env, tmp_
     assert batched >= 2   # datasets whose rows really shared a batch
 
 
-def test_tier_and_tiny_configs_set_batch_size_per_arm(tmp_path):
+def test_configs_set_batch_size_per_arm(tmp_path):
     code = ('import json\nfrom mmengine.config import Config\n'
             'out = {}\n'
-            'for name in ("edge0_35b", "edge0_8b", "edge0_tiny"):\n'
+            'for name in ("edge0_35b", "edge0_8b", "edge0_tiny", "edge0_testbed"):\n'
             f'    cfg = Config.fromfile({str(REPO / "configs")!r} + f"/{{name}}.py")\n'
             '    out[name] = {m["abbr"]: m["batch_size"] for m in cfg["models"]}\n'
             'print(json.dumps(out))\n')
     env = offline_env({k: 'x' for k in ('EDGE0_35B_TEACHER', 'EDGE0_35B_STUDENT', 'EDGE0_8B_TEACHER',
                                         'EDGE0_8B_STUDENT', 'EDGE0_TINY_TEACHER',
-                                        'EDGE0_TINY_STUDENT')})
-    env['EDGE0_ARMS'] = 'teacher,student,int4_exact'
+                                        'EDGE0_TINY_STUDENT', 'EDGE0_TESTBED')})
+    env.update(EDGE0_ARMS='teacher,student,int4_exact', EDGE0_TESTBED_BATCH='3')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -253,7 +253,9 @@ def test_tier_and_tiny_configs_set_batch_size_per_arm(tmp_path):
                                   'edge0-35b-int4-exact': 8}
     assert set(sizes['edge0_8b'].values()) == {8}
     assert set(sizes['edge0_tiny'].values()) == {4}
-    env['EDGE0_TINY_BATCH'] = '0'
-    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)
-    assert proc.returncode != 0 and "EDGE0_TINY_BATCH='0' is not a whole number > 0" in proc.stderr
+    assert set(sizes['edge0_testbed'].values()) == {3}
+    for variable in ('EDGE0_TINY_BATCH', 'EDGE0_TESTBED_BATCH'):
+        proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                              env={**env, variable: '0'}, timeout=300, cwd=tmp_path)
+        assert proc.returncode != 0
+        assert f"{variable}='0' is not a whole number > 0" in proc.stderr
