@@ -11,14 +11,17 @@ MoE layers. Reactive: a layer reads the union of its rows' routed experts once
 (`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
 prediction as its routing ([B, 1, K] plans); each consuming layer stages the union of the rows'
 predicted sets and each row executes its own set, so a row's staged set is its routed set.
-Planning runs once per step, before it, on the per-row features (feats, t-1 one-hots) kept in
-row order: a joiner's come from its own prefill, exactly as `after_prefill` plans a solo run.
+As in a solo run, each step plans the next inside its forward (after the last layer), on the
+per-row features the prerouter keeps in row order (feats, t-1 one-hots); when rows leave or
+join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
+before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
 
-Slot pool. A layer's union can hold B x K experts. Batched decode grows each layer's pool to
+Slot pool. A layer's union can hold B x K experts. While a batch runs, each layer's pool holds
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
-slots_per_layer are the B = 1 budget); the grown buffer is `expert_buffer_mib` in the stats and
-stays for later calls. So prerouted never drops a planned expert, and reactive never splits a
-decode step into waves (it still would for a longer prefill, as at B = 1).
+slots_per_layer are the B = 1 budget); that buffer is the batch's `expert_buffer_mib` in the
+stats, and the pool returns to the configured size afterwards (Engine.generate_batch). So
+prerouted never drops a planned expert, and reactive never splits a decode step into waves (it
+still would for a longer prefill, as at B = 1).
 
 Numerics. Each row's decode is its own arithmetic: matmuls, gather_qmm and the recurrent
 states are per row, and the padded keys a batch row attends over are masked to exact zeros. On
@@ -30,6 +33,7 @@ rounding (the tests' tolerance off the CPU), and its greedy tokens are still com
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -77,7 +81,14 @@ def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
     if seeds is not None and len(seeds) != len(prompts):
         raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
                           f"seed per prompt (or None: options.seed for every row)")
+    for i, seed in enumerate(seeds or []):
+        check_seed(seed, f"seeds[{i}]")
     return min(len(prompts), batch_size or len(prompts))
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ConfigError(f"{name} must be a whole number >= 0, not {seed!r}")
 
 
 class BatchDecoder:
@@ -90,13 +101,14 @@ class BatchDecoder:
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
         seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
-        self.samplers = [RowSampler(temperature, top_p, s) for s in seeds]
+        self.samplers = [RowSampler(temperature, top_p, int(s)) for s in seeds]
         # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
         self.logits_trace = logits_trace
         if logits_trace is not None:
             logits_trace[:] = [[] for _ in prompts]
         self.decode = {"steps": 0, "tokens": 0, "seconds": 0.0, "bytes": 0, "reads": 0,
-                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0}
+                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0,
+                       "joined_running": 0}
 
     # -- rows -------------------------------------------------------------------------------
     def _join(self, index: int):
@@ -131,8 +143,27 @@ class BatchDecoder:
         finished: list[_Row] = []
         active: list[_Row] = []
         cache = None
-        feats = onehot = None       # prerouted: per-row features, [O, B, ...] in active order
         while waiting or active:
+            # Between steps: finished rows leave, waiting prompts take their places.
+            t0, before = time.perf_counter(), e._snapshot()
+            keep = [j for j, r in enumerate(active) if not r.done]
+            joining = bool(waiting) and len(keep) < self.rows_at_once
+            if pr is not None and (len(keep) < len(active) or joining):
+                # Planned for the old rows inside the last step; a joiner's prefill must not
+                # run it either.
+                pr.abandon_plans()
+            if len(keep) < len(active):
+                if pr is not None:
+                    pr.set_rows(keep, [])
+                finished += [r for r in active if r.done]
+                active = [active[j] for j in keep]
+                if keep:
+                    idx = mx.array(keep, dtype=mx.int32)
+                    for c in cache:
+                        c.filter(idx)
+                else:
+                    cache = None
+            self._account(t0, before)
             joined = []
             while waiting and len(active) + len(joined) < self.rows_at_once:
                 row, row_cache, row_feats = self._join(waiting.popleft())
@@ -141,6 +172,8 @@ class BatchDecoder:
                 else:
                     joined.append((row, row_cache, row_feats))
             if joined:
+                if active:
+                    self.decode["joined_running"] += len(joined)
                 new = merge_caches([c for _, c, _ in joined])
                 if cache is None:
                     cache = new
@@ -149,44 +182,24 @@ class BatchDecoder:
                         mine.extend(theirs)
                 active += [r for r, _, _ in joined]
                 if pr is not None:
-                    parts_f = ([feats] if feats is not None else []) + [f[0] for *_, f in joined]
-                    parts_o = ([onehot] if onehot is not None else []) + [f[1] for *_, f in joined]
-                    feats = mx.concatenate(parts_f, axis=1)
-                    onehot = mx.concatenate(parts_o, axis=1)
-            if not active:
-                continue
-            feats, onehot = self._step(active, cache, feats, onehot)
-            keep = [j for j, r in enumerate(active) if not r.done]
-            if len(keep) < len(active):
-                finished += [r for r in active if r.done]
-                active = [active[j] for j in keep]
-                if keep:
-                    idx = mx.array(keep, dtype=mx.int32)
-                    for c in cache:
-                        c.filter(idx)
-                    if pr is not None:
-                        feats, onehot = feats[:, idx], onehot[:, idx]
-                else:
-                    cache = feats = onehot = None
+                    pr.set_rows(None, [f for *_, f in joined])
+            if active:
+                self._step(active, cache)
         return sorted(finished, key=lambda r: r.index)
 
-    def _step(self, active, cache, feats, onehot):
-        """One decode step of the active rows; returns their next features (prerouted)."""
+    def _step(self, active: list[_Row], cache: list) -> None:
+        """One decode step of the active rows. Prerouted: a step plans the next one for the
+        same rows inside its forward, as a solo step does; after rows left or joined it plans
+        here first."""
         e, pr = self.engine, self.prerouter
         t0, before = time.perf_counter(), e._snapshot()
-        if pr is not None:
-            pr.plan(feats)
-            pr.counters.steps += 1
+        if pr is not None and not pr.has_plan:
+            pr.plan_rows()
         e.cache = cache
-        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]))
-        also = ()
-        if pr is not None:
-            pr.clear_plans()          # the planned layers are built
-            feats, onehot = pr.step_features(onehot)
-            also = (feats, onehot)
+        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True)
         t1 = time.perf_counter()
         last = e._checked_rows(logits, f"at batched decode step {self.decode['steps'] + 1}",
-                               [r.index for r in active], *also)
+                               [r.index for r in active])
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
         t2 = time.perf_counter()
@@ -194,20 +207,22 @@ class BatchDecoder:
         prof["steps"] += 1
         prof["build_s"] += t1 - t0
         prof["eval_s"] += t2 - t1
-        after = e._snapshot()
+        self.decode["steps"] += 1
+        self.decode["tokens"] += len(active)
+        self._account(t0, before)
         dt = t2 - t0
-        d = self.decode
-        d["steps"] += 1
-        d["tokens"] += len(active)
-        d["seconds"] += dt
-        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
-            d[key] += after[key] - before[key]
         for j, (r, t) in enumerate(zip(active, tokens)):
             r.steps += 1
             r.decode_share_s += dt / len(active)
             r.decode_wall_s += dt
             self._take(r, t, last[j])
-        return feats, onehot
+
+    def _account(self, t0: float, before: dict) -> None:
+        """Add the decode work since (t0, before) to the batch's decode figures."""
+        after, d = self.engine._snapshot(), self.decode
+        d["seconds"] += time.perf_counter() - t0
+        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
+            d[key] += after[key] - before[key]
 
     # -- figures ----------------------------------------------------------------------------
     def batch_stats(self, rows: list[_Row]) -> dict:
@@ -216,9 +231,10 @@ class BatchDecoder:
         tokens, steps = d["tokens"], d["steps"]
         lookups = d["hits"] + d["misses"]
         return {
-            "batch_size": self.rows_at_once,
+            "batch_size": self.rows_at_once,       # rows at once: min(batch_size, prompts)
             "batch_rows": len(rows),
             "batch_steps": steps,
+            "batch_joined_running": d["joined_running"],   # rows that joined running rows
             "batch_mean_rows_per_step": tokens / steps if steps else 0.0,
             "batch_generated_tokens": sum(len(r.tokens) for r in rows),
             "batch_decode_tokens": tokens,

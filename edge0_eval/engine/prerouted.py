@@ -34,6 +34,7 @@ class StagingCounters:
     staged_experts: int = 0         # experts staged: per consuming layer per step, the union
     #                                 of the rows' planned sets (K at B = 1)
     staged_layers: int = 0          # (step, consuming layer) stagings
+    abandoned_plans: int = 0        # batched decode: layer plans dropped as rows left/joined
     staged_loads: int = 0           # of those, bundles read (misses)
     dropped_experts: int = 0        # planned experts absent from the slots at execution: must be 0
     stage_wait_seconds: float = 0.0
@@ -56,7 +57,7 @@ class Prerouter:
         self.weight_source = weight_source
         self.measure_recall = measure_recall
         self.counters = StagingCounters()
-        self._prev_onehot = None
+        self._prev_onehot = self._feats = None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
@@ -64,7 +65,7 @@ class Prerouter:
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
-        self._prev_onehot = None
+        self._prev_onehot = self._feats = None
         self._drain()
         self._plans = {}
         self._clear_plans()
@@ -116,8 +117,8 @@ class Prerouter:
     def after_prefill(self, prompt_tokens: int) -> None:
         """Plan the first decode step from the prompt's last token, as after_step plans the next."""
         self.reset()
-        feats, self._prev_onehot = self.prefill_features(prompt_tokens)
-        self.plan(feats, self._prev_onehot)
+        self.set_rows(None, [self.prefill_features(prompt_tokens)])
+        self.plan_rows()
 
     def prefill_features(self, prompt_tokens: int) -> tuple[mx.array, mx.array]:
         """(feats [O, 1, in], onehot_t [O, 1, E]) of the prompt's last token, just prefilled.
@@ -130,19 +131,48 @@ class Prerouter:
             _, prev = trace_features(self.engine, self.owners, position=-2)
         return trace_features(self.engine, self.owners, prev)
 
-    def step_features(self, onehot_prev: mx.array | None) -> tuple[mx.array, mx.array]:
-        """(feats [O, B, in], onehot_t [O, B, E]) of the last decode step's rows (lazy)."""
-        return trace_features(self.engine, self.owners, onehot_prev)
-
     def after_step(self) -> None:
         """Run all heads on this step's features and start staging the next step's sets."""
-        self.clear_plans()
-        feats, self._prev_onehot = self.step_features(self._prev_onehot)
-        self.plan(feats, self._prev_onehot)
-
-    def clear_plans(self) -> None:
-        """Unpin and forget the executed plans (their layers are built)."""
         self._clear_plans()
+        self._feats, self._prev_onehot = trace_features(self.engine, self.owners,
+                                                        self._prev_onehot)
+        self.plan_rows()
+
+    # -- rows (batched decode) --------------------------------------------------------------
+    # The per-row state, [O, B, ...] in the batch's row order: the features the next plan runs
+    # on and each row's one-hot of its last token (the next step's t-1).
+    def set_rows(self, keep: list[int] | None, joining: list[tuple[mx.array, mx.array]]
+                 ) -> None:
+        """Keep rows `keep` (None: all; []: none), then append the joining rows' prefill
+        features (`prefill_features` of each)."""
+        feats, onehot = self._feats, self._prev_onehot
+        if keep is not None and feats is not None:
+            if keep:
+                idx = mx.array(keep, dtype=mx.int32)
+                feats, onehot = feats[:, idx], onehot[:, idx]
+            else:
+                feats = onehot = None
+        parts = ([(feats, onehot)] if feats is not None else []) + list(joining)
+        if parts:
+            feats = mx.concatenate([f for f, _ in parts], axis=1)
+            onehot = mx.concatenate([o for _, o in parts], axis=1)
+        self._feats, self._prev_onehot = feats, onehot
+
+    def plan_rows(self) -> None:
+        """Plan the next step of the current rows (after_step does it inside the forward)."""
+        self.plan(self._feats, self._prev_onehot)
+
+    def abandon_plans(self) -> None:
+        """Rows left or joined after the last step planned: finish the in-flight reads (their
+        experts land in the slots, where the next plan finds most of them) and drop the plans,
+        uncounted as staged sets since they never run."""
+        for layer, (_, _, staged) in sorted(self._plans.items()):
+            waited, _ = self.engine.blocks[layer].switch_mlp.stage_finish(staged)
+            self.counters.stage_wait_seconds += waited
+            self.counters.staged_experts -= len(staged.experts)
+            self.counters.staged_layers -= 1
+            self.counters.abandoned_plans += 1
+        self._plans = {}
 
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
@@ -181,6 +211,7 @@ class Prerouter:
             "staged_experts": c.staged_experts,
             "staged_loads_per_step": c.staged_loads / steps,
             "dropped_experts": c.dropped_experts,
+            "abandoned_plans": c.abandoned_plans,
             "mean_staged_union": c.staged_experts / c.staged_layers if c.staged_layers else 0.0,
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
             "head_ms_per_step": 1000 * c.head_seconds / steps,
