@@ -117,6 +117,12 @@ class MLXLMModel(ChatModelBase):
             'cache': 'resident',
         }
 
+    def _batch_generator(self, rows: int, max_tokens: int, stop_ids: set) -> BatchGenerator:
+        """mlx-lm's BatchGenerator as the batch path runs it (rows prefilled one at a time)."""
+        return BatchGenerator(self.model, max_tokens=max_tokens,
+                              stop_tokens=[[t] for t in sorted(stop_ids)],
+                              completion_batch_size=rows, prefill_batch_size=1)
+
     def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
                         stop_words: List[str], seeds: List[int]
                         ) -> List[tuple[List[int], Dict[str, Any]]]:
@@ -134,9 +140,7 @@ class MLXLMModel(ChatModelBase):
                    for _ in prompts]
         mx.reset_peak_memory()
         start = time.perf_counter()
-        gen = BatchGenerator(self.model, max_tokens=max_tokens,
-                             stop_tokens=[[t] for t in sorted(stop_ids)],
-                             completion_batch_size=len(prompts), prefill_batch_size=1)
+        gen = self._batch_generator(len(prompts), max_tokens, stop_ids)
         try:
             uids = gen.insert(prompts, [max_tokens] * len(prompts),
                               samplers=[self._sampler(seed) for seed in seeds],

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from edge0_eval.checkpoints.convert import convert
@@ -86,6 +87,50 @@ def test_teacher_rows_equal_their_solo_runs(family, gen, request):
         assert [t for t, _ in batch] != [t for t, _ in batch_vs_solo(greedy)[1]]
 
 
+# Logits tolerance of a batched row against its solo run. On the CPU they are bit-identical
+# (measured 0 for every family); a GPU's batched matmuls may round differently.
+LOGPROB_TOL = 1e-4
+
+
+def logprob_gap(model, gen) -> float:
+    """Largest |log-prob| difference between the rows of BatchGenerator `gen` (all of PROMPTS
+    at once) and each prompt's stream_generate run, over 12 greedy tokens."""
+    ids = [model.encode_prompt(p) for p in PROMPTS]
+    n = 12
+    solo = [[r.logprobs for r in stream_generate(model.model, model.tokenizer, i, max_tokens=n)]
+            for i in ids]
+    try:
+        uids = gen.insert(ids, [n] * len(ids))
+        batch = {u: [] for u in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                batch[r.uid].append(r.logprobs)
+    finally:
+        gen.close()
+    assert all(len(batch[u]) == len(row) == n for u, row in zip(uids, solo))
+    return max(float(mx.abs(a - b).max()) for u, row in zip(uids, solo)
+               for a, b in zip(batch[u], row))
+
+
+@pytest.mark.parametrize('family', ['tiny_qwen', 'tiny_bailing', 'tiny_qwen2'])
+def test_teacher_batch_logits_match_solo(family, request):
+    model = teacher(request.getfixturevalue(family), GREEDY)
+    gap = logprob_gap(model, model._batch_generator(len(PROMPTS), 12, set()))
+    assert gap <= LOGPROB_TOL
+    if mx.default_device() == mx.cpu:
+        assert gap == 0.0
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason='measured on the CPU kernels')
+def test_logits_check_fails_for_a_batched_prefill(tiny_bailing):
+    """The rejected design: mlx-lm's default batched prefill right-pads the shorter prompts,
+    which moves their logits on bailing_hybrid (the check must see it)."""
+    model = teacher(tiny_bailing, GREEDY)
+    gen = BatchGenerator(model.model, max_tokens=12, completion_batch_size=len(PROMPTS),
+                         prefill_batch_size=len(PROMPTS))
+    assert logprob_gap(model, gen) > 0.0
+
+
 def test_teacher_stop_ids_and_words_end_rows_as_alone(tiny_qwen):
     model = teacher(tiny_qwen, GREEDY)
     free = [t for t, _ in batch_vs_solo(model, max_out_len=16)[1]]
@@ -119,6 +164,22 @@ def test_student_rows_equal_their_solo_runs(edge0_dir, gen):
     assert [s['finish_reason'] for _, s in batch] == [s['finish_reason'] for _, s in solo]
     assert batch[2][0] == batch[4][0]
     assert mismatches(model) == []
+
+
+def test_student_stop_word_ends_rows_as_alone(edge0_dir):
+    model = student(edge0_dir, GREEDY)
+    text = model.generate([PROMPTS[3]], max_out_len=16)[0]
+    word = next(text[i:i + 4] for i in range(2, len(text) - 4)
+                if len(model.tokenizer.encode(text[i:i + 4], add_special_tokens=False)) > 1)
+    model.pop_sample_stats()
+    out = model.generate(PROMPTS, max_out_len=16, stopping_criteria=[word])
+    batch = model.pop_sample_stats()
+    assert out == [model.generate([p], max_out_len=16, stopping_criteria=[word])[0]
+                   for p in PROMPTS]
+    solo = model.pop_sample_stats()
+    assert [s['finish_reason'] for s in batch] == [s['finish_reason'] for s in solo]
+    assert batch[3]['finish_reason'] == 'stop_word' and batch[3]['stop_word'] == word
+    assert out[3] == text[:text.find(word)]
 
 
 def test_predictions_identical_at_batch_sizes_1_and_4_for_both_arms(tiny_qwen, edge0_dir):
