@@ -10,9 +10,10 @@
 #   edge0-eval data stage --root D --benchmarks humaneval,ifbench [--nltk-data DIR]
 #   COMPASS_DATA_CACHE=D EDGE0_TESTBED=TB opencompass configs/edge0_testbed.py
 #
-# EDGE0_ARMS picks arms (default: all four). EDGE0_TESTBED_ITEMS=N scores the first N items of
-# each benchmark (a slice; the report says so); IFBench items 257-262 (words:start_verb) need
-# NLTK's POS tagger, which no PyPI package ships, and are refused without it.
+# EDGE0_ARMS picks arms (default: all four), EDGE0_TESTBED_BATCH=B the batch size (default 1).
+# EDGE0_TESTBED_ITEMS=N scores the first N items of each benchmark (a slice; the report says
+# so); IFBench items 257-262 (words:start_verb) need NLTK's POS tagger, which no PyPI package
+# ships, and are refused without it.
 import os
 
 from mmengine.config import read_base
@@ -28,8 +29,10 @@ with read_base():
 datasets = [d for d in edge0_datasets if d['abbr'] in ('openai_humaneval', 'IFBench')]
 testbed_items = os.environ.get('EDGE0_TESTBED_ITEMS')
 testbed_max_out = os.environ.get('EDGE0_TESTBED_MAX_OUT', '512')
+testbed_batch = os.environ.get('EDGE0_TESTBED_BATCH', '1')
 for name, value in (('EDGE0_TESTBED_ITEMS', testbed_items or '1'),
-                    ('EDGE0_TESTBED_MAX_OUT', testbed_max_out)):
+                    ('EDGE0_TESTBED_MAX_OUT', testbed_max_out),
+                    ('EDGE0_TESTBED_BATCH', testbed_batch)):
     if not (value.isdigit() and int(value) > 0):
         raise SystemExit(f'edge0-eval: {name}={value!r} is not a whole number > 0')
 if testbed_items:
@@ -39,9 +42,11 @@ if testbed_items:
 # TB/teacher`, laid out with `data stage --fidelity`); never sliced.
 datasets += edge0_fidelity_datasets
 
-# Greedy for every arm, so differences come from the model, not sampling.
+# Greedy for every arm, so differences come from the model, not sampling. batch_size
+# (EDGE0_TESTBED_BATCH, default 1 as the committed reports were run): predictions are the same
+# at any batch size; only the speed figures change.
 testbed_generation = dict(max_out_len=int(testbed_max_out),
-                          max_seq_len=4096, batch_size=1,
+                          max_seq_len=4096, batch_size=int(testbed_batch),
                           generation_kwargs=dict(temperature=0.0),
                           run_cfg=dict(num_gpus=0))
 testbed_arms = os.environ.get('EDGE0_ARMS',

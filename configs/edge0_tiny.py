@@ -33,8 +33,13 @@ datasets = ([d for d in edge0_raw_datasets if d['abbr'] in ('aime2026', 'IFBench
             # Teacher-forced fidelity on the set `edge0-eval demo` makes from the tiny teacher.
             + edge0_fidelity_datasets)
 
-# Identical generation settings for both arms: greedy, thinking off, 24 new tokens.
-tiny_generation = dict(max_out_len=24, max_seq_len=2048, batch_size=1,
+# Identical generation settings for both arms: greedy, thinking off, 24 new tokens. batch_size
+# (EDGE0_TINY_BATCH, default 4): prompts decoded together; every row equals its run alone, so
+# predictions are those of batch_size 1 (tests/test_batch_wrappers.py runs both).
+tiny_batch = os.environ.get('EDGE0_TINY_BATCH', '4')
+if not (tiny_batch.isdigit() and int(tiny_batch) > 0):
+    raise SystemExit(f'edge0-eval: EDGE0_TINY_BATCH={tiny_batch!r} is not a whole number > 0')
+tiny_generation = dict(max_out_len=24, max_seq_len=2048, batch_size=int(tiny_batch),
                        generation_kwargs=dict(temperature=0.0),
                        chat_template_kwargs=dict(enable_thinking=False),
                        run_cfg=dict(num_gpus=0))

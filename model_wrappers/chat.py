@@ -7,6 +7,7 @@ generated; MLX is imported by the subclasses' modules only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -102,11 +103,66 @@ def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, A
     return opts
 
 
+def row_seed(seed: int, prompt_ids: List[int]) -> int:
+    """One sample's sampling seed, from the configured seed and its prompt alone.
+
+    So a sample never depends on its batch mates, its place in a batch or what ran before it:
+    a run is reproducible at any `batch_size` and after a resume, and each question draws its
+    own stream (one prompt asked twice draws the same one).
+    """
+    text = f'{int(seed)}:' + ','.join(str(int(t)) for t in prompt_ids)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'little') & 0x7FFFFFFF
+
+
+class RowStop:
+    """When one row's generation ends, token by token; both arms and every path share it.
+
+    A stop id ends the row without being output ('eos' for the tokenizer's EOS ids, else
+    'stop_token'); `max_tokens` output tokens end it ('length'); a multi-token stop word ends it
+    as soon as the streamed text holds one ('stop_word'; the text is trimmed at it later).
+    """
+
+    def __init__(self, tokenizer, max_tokens: int, stop_ids: set, stop_words: List[str]):
+        self.max_tokens = max_tokens
+        self.stop_ids = set(stop_ids)
+        self.eos_ids = set(getattr(tokenizer, 'eos_token_ids', None) or [])
+        self.stop_words = [w for w in stop_words if w]
+        self.detokenizer = tokenizer.detokenizer if self.stop_words else None
+        self.tail = ''   # the last characters of the text: enough to hold any stop word
+        self.keep = max((len(w) for w in self.stop_words), default=0)
+        self.tokens: List[int] = []
+        self.finish: Optional[str] = None
+
+    def add(self, token: int) -> bool:
+        """Take the next sampled token; True when the row has ended."""
+        if self.finish is not None:
+            return True
+        token = int(token)
+        if token in self.stop_ids:
+            self.finish = 'eos' if token in self.eos_ids else 'stop_token'
+            return True
+        self.tokens.append(token)
+        if len(self.tokens) >= self.max_tokens:
+            self.finish = 'length'
+            return True
+        if self.detokenizer is not None:
+            self.detokenizer.add_token(token)
+            text = self.tail + self.detokenizer.last_segment
+            if any(w in text for w in self.stop_words):
+                self.finish = 'stop_word'
+                return True
+            self.tail = text[-self.keep:]
+        return False
+
+
 class ChatModelBase(BaseModel):
     """An OpenCompass chat model: chat template, stop words, sampling and per-sample stats.
 
-    Subclasses implement `_load()` (returns the tokenizer) and
-    `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words) -> (tokens, stats)`.
+    Subclasses implement `_load()` (returns the tokenizer) and either
+    `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words, seed) -> (tokens, stats)`
+    (one prompt) or `_generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)` (the
+    batch OpenCompass hands `generate`: `batch_size` prompts per call). Every row's output and
+    sample must equal the same prompt's alone: its seed is `row_seed(seed, its prompt)`.
 
     Args (beyond BaseModel's):
         generation_kwargs: sampling options (see SAMPLING_KEYS); identical keys for both arms.
@@ -147,8 +203,19 @@ class ChatModelBase(BaseModel):
         raise NotImplementedError
 
     def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
-                         stop_words: List[str]) -> tuple[List[int], Dict[str, Any]]:
+                         stop_words: List[str], seed: int) -> tuple[List[int], Dict[str, Any]]:
         raise NotImplementedError
+
+    def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
+                        stop_words: List[str], seeds: List[int]
+                        ) -> List[tuple[List[int], Dict[str, Any]]]:
+        """(tokens, stats) per prompt, in prompt order; by default one prompt at a time."""
+        rows = []
+        for ids, seed in zip(prompts, seeds):
+            start = time.perf_counter()
+            tokens, stats = self._generate_tokens(ids, max_tokens, stop_ids, stop_words, seed)
+            rows.append((tokens, {'wall_s': time.perf_counter() - start, **stats}))
+        return rows
 
     # -- prompt handling ---------------------------------------------------------------------
     def chat_text(self, prompt: Any) -> str:
@@ -197,16 +264,21 @@ class ChatModelBase(BaseModel):
             self.logger.debug(f'{self.arm}: ignoring per-call kwargs {sorted(kwargs)}')
         stop_words = list(dict.fromkeys(self.stop_words + list(stopping_criteria or [])))
         stop_ids = self._stop_token_ids(stop_words)
+        prompts = [self._fit_prompt(self.encode_prompt(p), max_out_len) for p in inputs]
+        seeds = [row_seed(self.sampling['seed'], ids) for ids in prompts]
+        start = time.perf_counter()
+        rows = self._generate_batch(prompts, max_out_len, stop_ids, stop_words, seeds)
+        wall = time.perf_counter() - start
+        if len(rows) != len(prompts):
+            raise RuntimeError(f'{self.arm}: {len(rows)} outputs for {len(prompts)} prompts')
         outputs = []
-        for prompt in inputs:
-            ids = self._fit_prompt(self.encode_prompt(prompt), max_out_len)
-            start = time.perf_counter()
-            tokens, stats = self._generate_tokens(ids, max_out_len, stop_ids, stop_words)
-            text = self.tokenizer.decode(tokens)
-            text, hit = trim_at_stop(text, stop_words)
+        for ids, seed, (tokens, stats) in zip(prompts, seeds, rows):
+            text, hit = trim_at_stop(self.tokenizer.decode(tokens), stop_words)
+            # wall_s: this row's own time (from the call's start in a batch); batch_* keys
+            # hold the figures of the whole batch it ran in.
             stats = {'prompt_tokens': len(ids), 'tokens': len(tokens),
-                     'wall_s': round(time.perf_counter() - start, 4),
-                     'stop_word': hit, **stats}
+                     'wall_s': round(float(stats.pop('wall_s', wall)), 4),
+                     'stop_word': hit, 'seed': seed, 'batch_size': len(prompts), **stats}
             self._record(stats)
             outputs.append(text)
         return outputs

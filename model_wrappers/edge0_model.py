@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List
@@ -16,12 +17,13 @@ from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
 
-from .chat import ChatModelBase
+from .chat import ChatModelBase, RowStop
 
-# Per-sample engine figures gathered under "pool" in each sample's stats.
+# Per-sample engine figures gathered under "pool" in each sample's stats (in a batch,
+# bytes_per_token and the hit rates are the batch's: its rows share every read).
 POOL_KEYS = ('decode_hit_rate', 'cache_hit_rate', 'decode_bytes_read', 'prefill_bytes_read',
              'bytes_per_token', 'reads_per_token', 'blocked_load_ms_per_step', 'bytes_read',
-             'evictions', 'rss_gib')
+             'evictions', 'rss_gib', 'mean_union_per_layer', 'expert_buffer_mib')
 
 
 def engine_fields() -> tuple[str, ...]:
@@ -70,8 +72,9 @@ class Edge0Model(ChatModelBase):
     arm = 'student'
 
     def __init__(self, path: str, cold_cache: bool = False, **kwargs):
-        # cold_cache: evict the expert file from the page cache before every sample, so each
-        # sample's speed is a cold figure; otherwise the page cache is left as the OS keeps it.
+        # cold_cache: evict the expert file from the page cache before every batch (every
+        # sample at batch_size 1), so speeds are cold figures; otherwise the page cache is left
+        # as the OS keeps it.
         self.cold_cache = cold_cache
         engine = {k: kwargs.pop(k) for k in engine_fields() if k in kwargs}
         gen = kwargs.get('generation_kwargs') or {}
@@ -98,27 +101,60 @@ class Edge0Model(ChatModelBase):
         return self.engine.tokenizer
 
     def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
-                         stop_words: List[str]) -> tuple[List[int], Dict[str, Any]]:
+                         stop_words: List[str], seed: int) -> tuple[List[int], Dict[str, Any]]:
+        """One prompt: Engine.generate, the batch_size 1 path."""
         s = self.sampling
-        mx.random.seed(int(s['seed']))
         mx.reset_peak_memory()  # the engine reports the peak since this point: per sample
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
-        result = self.engine.generate(prompt_ids, max_tokens,
-                                      temperature=float(s['temperature']),
-                                      top_p=float(s['top_p']),
-                                      stop_token_ids=set(stop_ids))
-        tokens = [int(t) for t in result.tokens]
-        # Engine.generate ends on a stop token and includes it: it is not part of the answer.
-        finish = 'length'
-        if tokens and tokens[-1] in stop_ids:
-            tokens = tokens[:-1]
-            finish = 'stop_token'
+        result = self.engine.generate(prompt_ids, max_tokens, temperature=float(s['temperature']),
+                                      top_p=float(s['top_p']), stop_token_ids=set(stop_ids),
+                                      seed=seed)
+        return self._row(result, max_tokens, stop_ids, stop_words, evicted)
+
+    def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
+                        stop_words: List[str], seeds: List[int]
+                        ) -> List[tuple[List[int], Dict[str, Any]]]:
+        """Several prompts at once: Engine.generate_batch, each row on its own seed."""
+        if len(prompts) == 1:
+            return super()._generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)
+        s = self.sampling
+        mx.reset_peak_memory()
+        evicted = self.cold_cache and self.engine.store.evict_page_cache()
+        start = time.perf_counter()
+        results = self.engine.generate_batch(prompts, max_tokens,
+                                             temperature=float(s['temperature']),
+                                             top_p=float(s['top_p']),
+                                             stop_token_ids=set(stop_ids), seeds=list(seeds))
+        batch_wall = round(time.perf_counter() - start, 4)
+        rows = []
+        for result in results:
+            tokens, stats = self._row(result, max_tokens, stop_ids, stop_words, evicted)
+            e = result.stats
+            prefill = e.get('batch_prefill_s') or 0.0
+            stats.update(
+                # The row's own time: its prefill and the wall time of its decode steps.
+                wall_s=(e.get('prefill_s') or 0.0) + (e.get('decode_wall_s') or 0.0),
+                batch_wall_s=batch_wall,
+                batch_prefill_tok_s=round(sum(map(len, prompts)) / prefill, 2) if prefill else 0.0,
+                batch_decode_tok_s=round(float(e.get('batch_decode_tok_s') or 0.0), 2))
+            rows.append((tokens, stats))
+        return rows
+
+    def _row(self, result, max_tokens, stop_ids, stop_words, evicted
+             ) -> tuple[List[int], Dict[str, Any]]:
+        """The engine's tokens through the teacher's stop rules (RowStop), and its stats."""
+        # The engine ends on a stop id and includes it; a multi-token stop word it cannot see
+        # ends the row here, as it does the teacher's.
+        row = RowStop(self.tokenizer, max_tokens, stop_ids, stop_words)
+        for token in result.tokens:
+            if row.add(token):
+                break
         stats = result.stats
-        return tokens, {
+        return row.tokens, {
             'prefill_tok_s': stats.get('prefill_tok_s'),
             'decode_tok_s': stats.get('decode_tok_s'),
             'peak_memory_gib': stats.get('peak_memory_gib'),
-            'finish_reason': finish,
+            'finish_reason': row.finish or 'length',
             'cache': 'cold' if evicted else 'not evicted',
             'pool': {k: stats[k] for k in POOL_KEYS if k in stats} or None,
             'engine': {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},

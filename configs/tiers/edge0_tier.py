@@ -26,7 +26,7 @@ with read_base():
 datasets = edge0_datasets + edge0_fidelity_datasets
 
 generation = dict(
-    max_out_len=32768, max_seq_len=40960, batch_size=1,
+    max_out_len=32768, max_seq_len=40960,
     generation_kwargs=dict(temperature=0.6, top_p=0.95, seed=0),
     chat_template_kwargs=dict(enable_thinking=True),
     pred_postprocessor=dict(type=extract_non_reasoning_content),
@@ -45,6 +45,17 @@ eval = dict(
 )
 summarizer = dict(type=Edge0Summarizer, dataset_abbrs=edge0_dataset_abbrs,
                   summary_groups=edge0_summary_groups)
+
+# batch_size per tier and arm: the prompts OpenCompass hands a model per call, decoded together
+# (each row equals its run alone). A row costs, at the 40,960-token limit (a batch's caches pad
+# every row to the longest), 35B: 0.84 GiB of KV/SSM state + (student) K x 40 layers x 1.69 MiB
+# of expert slots (the pool grows to rows x K per layer); 8B: 0.15 GiB + 8 x 23 x 1.27 MiB.
+#   35B student: ~3 GiB at B=1 + 8 x 1.1 GiB <= 12 GiB, leaving a 24 GB machine ~10 GiB for
+#     the OS and the page cache the experts stream through (B=12 would leave ~6 GiB).
+#   8B student: 0.37 GiB a row; B=8 holds half of the 128 experts per layer, so it still streams.
+#   Teachers (fp16, on a bigger machine): 35B 64.6 GiB of weights + 8 x 0.84 GiB = 71 GiB, a
+#     128 GB machine (batch_size=1, 65 GiB, on 96 GB); 8B 14.5 + 8 x 0.15 = 16 GiB, 32 GB.
+edge0_tier_batch = {'35b': dict(teacher=8, student=8), '8b': dict(teacher=8, student=8)}
 
 # Per tier: the Edge0Model settings every student arm shares. 35B: served at K=4 (native top-8),
 # as in the reference design; 8B: the native top-8 (the reference reduces K only on 35B).
@@ -66,7 +77,8 @@ for tier, student_settings in edge0_tier_students.items():
          if not paths[role] and any(edge0_arm_paths[a] == role for a in edge0_selected)])
     edge0_tier_models[tier] = [] if edge0_unknown else [
         dict(abbr=f'edge0-{tier}-' + arm.replace('_', '-'), path=paths[edge0_arm_paths[arm]],
-             **edge0_arms[arm], **({} if arm == 'teacher' else student_settings), **generation)
+             **edge0_arms[arm], **({} if arm == 'teacher' else student_settings), **generation,
+             batch_size=edge0_tier_batch[tier]['teacher' if arm == 'teacher' else 'student'])
         for arm in edge0_selected]
 
 # A module in the config namespace would break the config dump OpenCompass re-reads.
