@@ -306,8 +306,10 @@ def test_engine_stats(tmp_path):
                  "tokens": 100, "cache": c}
                 for d, m, c in [(10.0, 2.0, "cold"), (20.0, 2.5, "warm"), (30.0, 2.9, "warm"),
                                 (40.0, 2.4, "warm")]]
+    # HumanEval ran in batches of 4: each row carries its batch's aggregate rate
     side = [{"decode_tok_s": 50.0, "prefill_tok_s": 200.0, "peak_memory_gib": 3.1,
-             "tokens": 10, "cache": "warm"}] * 5
+             "tokens": 10, "cache": "warm", "batch_size": 4, "batch_decode_tok_s": b}
+            for b in (180.0, 180.0, 180.0, 180.0, 60.0)]
     shard_stats = [{"decode_tok_s": 5.0, "peak_memory_gib": 1.0, "tokens": 1, "cache": "cold"}] * 4
     run_dir = standard_run(tmp_path, aime2026={"engine": per_item},
                            openai_humaneval={"engine_file": side},
@@ -322,11 +324,13 @@ def test_engine_stats(tmp_path):
     assert eng["peak_memory_gib"] == pytest.approx(3.1)
     assert eng["tokens"] == 400 + 50 + 4
     assert eng["cache"] == {"cold": 5, "warm": 8}
+    assert eng["batch_size"] == 4
+    assert eng["batch_decode_tok_s"] == pytest.approx((4 * 180 + 60) / 5)
     aime = rows(rep)["AIME 2026"]["arms"]["student"]["engine"]
     assert aime["decode_tok_s"] == pytest.approx(25.0) and aime["peak_memory_gib"] == 2.9
     assert rows(rep)["GPQA-Diamond"]["status"] == "ok"   # shards pair with the details
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| student | edge0-student | 13 | 28.46 | 155.56 | 3.10 | 454 | cold 5, warm 8 |" in md
+    assert "| student | edge0-student | 13 | 28.46 | 4 | 156.00 | 155.56 | 3.10 | 454 | cold 5, warm 8 |" in md
 
 
 def test_reference_columns(tmp_path):

@@ -157,13 +157,15 @@ def _markdown(report: dict) -> str:
     eng_rows = []
     for arm, stats in report["engine"].items():
         if stats is None:
-            eng_rows.append([arm, arms[arm]["abbr"]] + ["n/a"] * 6)
+            eng_rows.append([arm, arms[arm]["abbr"]] + ["n/a"] * 8)
             continue
         cache = ", ".join(f"{k} {v}" for k, v in sorted(stats["cache"].items())) or "n/a"
         eng_rows.append([arm, arms[arm]["abbr"], stats["samples"], _fmt(stats["decode_tok_s"]),
+                         stats.get("batch_size", 1), _fmt(stats.get("batch_decode_tok_s")),
                          _fmt(stats["prefill_tok_s"]), _fmt(stats["peak_memory_gib"]),
                          stats["tokens"] if stats["tokens"] is not None else "n/a", cache])
-    md.append(_table(["arm", "model", "samples", "decode tok/s (mean)", "prefill tok/s (mean)",
+    md.append(_table(["arm", "model", "samples", "decode tok/s per row (mean)", "batch size (max)",
+                      "batch decode tok/s (mean)", "prefill tok/s (mean)",
                       "peak memory GiB (max)", "tokens", "cache"], eng_rows))
 
     if report["notes"]:
