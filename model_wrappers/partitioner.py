@@ -46,6 +46,10 @@ def model_problems(models: Iterable[dict]) -> List[str]:
         if not path:
             problems.append(f'{name}: no model path (is its environment variable set?)')
             continue
+        batch = model.get('batch_size', 1)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            problems.append(f'{name}: batch_size {batch!r} must be a whole number >= 1 '
+                            f'(the prompts each generate call decodes at once)')
         if _type_name(model) == 'Edge0Model':
             try:
                 opts = resolve_engine_options(

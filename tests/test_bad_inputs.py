@@ -381,6 +381,19 @@ def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
     assert len(problems) == 1 and EXPERTS_NAME in problems[0]
 
 
+@pytest.mark.parametrize("batch", [0, -2, 2.5, "4", True, None])
+def test_preflight_refuses_a_bad_batch_size(tmp_path, batch):
+    from model_wrappers.partitioner import model_problems
+
+    (tmp_path / "config.json").write_text("{}")
+    good = model_problems([{"abbr": "t", "path": str(tmp_path), "type": "MLXLMModel",
+                            "batch_size": 4}])
+    assert good == []
+    problems = model_problems([{"abbr": "t", "path": str(tmp_path), "type": "MLXLMModel",
+                                "batch_size": batch}])
+    assert len(problems) == 1 and "t: batch_size" in problems[0]
+
+
 # -- CLI values ------------------------------------------------------------------------------
 
 CLI_CASES = [
