@@ -30,6 +30,7 @@ from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
 
@@ -118,7 +119,8 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
             engine.store.evict_page_cache()
         engine.store.reset_stats()
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
-        result = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
+        with wired_limit(engine.model):
+            result = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
         stats = result.stats
         stats["blocked_gbps"] = (stats["decode_bytes_read"] / (stats["blocked_load_ms_per_step"]
                                  * max(1, stats["generated_tokens"] - 1) / 1000)
@@ -139,8 +141,9 @@ def run_compute_only_arm(model_dir, args) -> dict:
     engine = Engine.load(model_dir, options)
     try:
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
-        engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
-        stats = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set()).stats
+        with wired_limit(engine.model):
+            engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
+            stats = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set()).stats
         stats["mode"] = "compute-only"
         if stats["decode_bytes_read"]:
             stats["note"] = "some experts were read: not purely compute"
@@ -155,10 +158,11 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
                                       top_k=args.top_k)
     prompt = mx.array(_prompt(tokenizer, args.prompt_tokens))
     times = []
-    started = time.perf_counter()
-    for _, _ in zip(range(args.tokens), generate_step(prompt, model, max_tokens=args.tokens,
-                                                      sampler=make_sampler(0.0))):
-        times.append(time.perf_counter())
+    with wired_limit(model):     # as mlx-lm's own generate runs generate_step
+        started = time.perf_counter()
+        for _, _ in zip(range(args.tokens), generate_step(prompt, model, max_tokens=args.tokens,
+                                                          sampler=make_sampler(0.0))):
+            times.append(time.perf_counter())
     prefill = times[0] - started
     decode = times[-1] - times[0]
     steps = len(times) - 1
