@@ -1,18 +1,32 @@
-"""`edge0-eval generate MODEL --prompt TEXT`: generate with the streaming engine."""
+"""`edge0-eval generate MODEL --prompt TEXT`: generate with the streaming engine.
+
+`--prompts FILE --batch B`: every line of FILE (JSON lines) is one row, {"prompt": TEXT} with
+an optional {"seed": N} (default --seed); rows decode B at a time (Engine.generate_batch,
+continuous batching). `--json` then writes one entry per row with its `tokens`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from edge0_eval import cli_types as ct
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
+from edge0_eval.errors import ConfigError
+from edge0_eval.jsonl import iter_jsonl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
-    parser.add_argument("--prompt", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompts", type=Path, default=None,
+                        help='JSON lines, one {"prompt": TEXT[, "seed": N]} per row')
+    parser.add_argument("--batch", type=ct.positive_int, default=None,
+                        help="--prompts: rows decoded at once (default 1); the expert buffer "
+                             "grows to B x top-k slots per layer when the budget holds fewer")
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-tokens", type=ct.positive_int, default=64)
     parser.add_argument("--temp", type=ct.nonneg_float, default=0.0)
@@ -22,29 +36,92 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+def read_prompts(path: Path) -> list[tuple[str, int | None]]:
+    """(prompt text, seed or None) per non-empty line of a --prompts file."""
+    if not path.is_file():
+        raise ConfigError(f"--prompts {path}: file not found; give a JSON-lines file with one "
+                          f'{{"prompt": ...}} per line')
+    rows = []
+    for lineno, record in iter_jsonl(path):
+        prompt, seed = record.get("prompt"), record.get("seed")
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f'--prompts {path}:{lineno}: needs a non-empty "prompt" string')
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f'--prompts {path}:{lineno}: "seed" must be a whole number >= 0, '
+                              f'not {seed!r}')
+        rows.append((prompt, seed))
+    if not rows:
+        raise ConfigError(f"--prompts {path}: no prompts in the file")
+    return rows
+
+
+def _encode(tok, text: str, raw: bool) -> list[int]:
+    if raw:
+        return tok.encode(text)
+    return tok.apply_chat_template([{"role": "user", "content": text}],
+                                   add_generation_prompt=True)
+
+
+def _summary(s: dict) -> str:
+    label = " (emulated storage)" if s["emulated"] else ""
+    return (f"decode {s['decode_tok_s']:.1f} tok/s, prefill {s['prefill_tok_s']:.1f} tok/s, "
+            f"peak {s['peak_memory_gib']:.3f} GiB, {s['bytes_per_token'] / 2**20:.2f} MiB "
+            f"read/token, blocked {s['blocked_load_ms_per_step']:.1f} ms/step{label}")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.batch is not None and args.prompts is None:
+        raise ConfigError("--batch needs --prompts FILE (one prompt per line)")
+    rows = read_prompts(args.prompts) if args.prompts is not None else None
     engine = Engine.load(args.model, options_from_args(args))
     try:
-        tok = engine.tokenizer
-        if args.raw:
-            prompt = tok.encode(args.prompt)
+        if rows is None:
+            _run_one(engine, args)
         else:
-            prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                             add_generation_prompt=True)
-        result = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp,
-                                 top_p=args.top_p)
-        text = tok.decode(result.tokens)
-        print(text)
-        s = result.stats
-        label = " (emulated storage)" if s["emulated"] else ""
-        print(f"-- {s['generated_tokens']} tokens, decode {s['decode_tok_s']:.1f} tok/s, "
-              f"prefill {s['prefill_tok_s']:.1f} tok/s, peak {s['peak_memory_gib']:.3f} GiB, "
-              f"{s['bytes_per_token'] / 2**20:.2f} MiB read/token, "
-              f"blocked {s['blocked_load_ms_per_step']:.1f} ms/step{label}")
-        if args.json_path:
-            with open(args.json_path, "w") as f:
-                json.dump({"prompt_tokens": prompt, "tokens": result.tokens, "text": text,
-                           "stats": s}, f, indent=1)
+            _run_batch(engine, args, rows)
     finally:
         engine.close()
     return 0
+
+
+def _run_one(engine: Engine, args) -> None:
+    tok = engine.tokenizer
+    prompt = _encode(tok, args.prompt, args.raw)
+    result = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp,
+                             top_p=args.top_p)
+    text = tok.decode(result.tokens)
+    print(text)
+    s = result.stats
+    print(f"-- {s['generated_tokens']} tokens, {_summary(s)}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"prompt_tokens": prompt, "tokens": result.tokens, "text": text,
+                       "stats": s}, f, indent=1)
+
+
+def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None:
+    tok = engine.tokenizer
+    prompts = [_encode(tok, text, args.raw) for text, _ in rows]
+    seeds = [engine.options.seed if seed is None else seed for _, seed in rows]
+    results = engine.generate_batch(prompts, max_tokens=args.max_tokens,
+                                    batch_size=args.batch or 1, temperature=args.temp,
+                                    top_p=args.top_p, seeds=seeds)
+    entries = []
+    for i, ((text, _), prompt, result) in enumerate(zip(rows, prompts, results)):
+        out = tok.decode(result.tokens)
+        print(f"[{i}] {out}")
+        entries.append({"prompt": text, "prompt_tokens": prompt, "tokens": result.tokens,
+                        "text": out, "stats": result.stats})
+    s = results[0].stats
+    label = " (emulated storage)" if s["emulated"] else ""
+    union = s["mean_union_per_layer"]
+    print(f"-- {len(rows)} rows, batch {s['batch_size']}: {s['batch_generated_tokens']} tokens, "
+          f"aggregate decode {s['batch_decode_tok_s']:.1f} tok/s, "
+          f"{s['bytes_per_token'] / 2**20:.2f} MiB read/token, "
+          f"union {'-' if union is None else f'{union:.1f}'} experts/layer, "
+          f"expert buffer {s['expert_buffer_mib']:.2f} MiB ({s['slots_per_layer']} slots/layer; "
+          f"grown to batch x top-k when the budget holds fewer), "
+          f"peak {s['peak_memory_gib']:.3f} GiB{label}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(entries, f, indent=1)

@@ -3,6 +3,7 @@
     engine = Engine.load("model-edge0", EngineOptions(mode="reactive", expert_budget_mib=64))
     result = engine.generate(engine.tokenizer.encode("hi"), max_tokens=32)
     print(result.tokens, engine.stats())
+    results = engine.generate_batch([p1, p2, p3], max_tokens=32, batch_size=2)   # batch.py
 
 The model object is mlx-lm's own class for the family; only each MoE block's instance is
 replaced (see moe.py). The forward loop (families.py) mirrors mlx-lm's and adds a per-layer hook
@@ -23,7 +24,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import _get_classes
 
 from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
@@ -31,10 +31,12 @@ from edge0_eval.engine.checks import check_resident, load_tokenizer_checked, ope
 from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
+from edge0_eval.engine.batch import BatchDecoder, check_batch_args
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
 from edge0_eval.engine.prerouted import attach_prerouter
+from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.engine.store import ExpertStore
 
 
@@ -210,8 +212,12 @@ class Engine:
                 f"(try --verify-crc, --compute-dtype float32, or re-run convert)")
         return last
 
-    def prefill(self, tokens: list[int]) -> mx.array:
-        """Process a prompt; returns the last position's logits [vocab]."""
+    def prefill(self, tokens: list[int], plan: bool = True) -> mx.array:
+        """Process a prompt; returns the last position's logits [vocab].
+
+        plan=False (batched decode): the prerouter does not plan the first step here; the
+        batch plans all its rows together.
+        """
         if not tokens:
             raise ConfigError("empty prompt: nothing to prefill")
         chunk = max(1, self.options.prefill_chunk)
@@ -222,9 +228,23 @@ class Engine:
             logits = self._checked(self.forward(mx.array(tokens[start:end])[None], last_only=True),
                                    f"in the prefill of tokens {start}..{end - 1}",
                                    [c.state for c in self.cache])
-        if self.prerouter is not None:
+        if self.prerouter is not None and plan:
             self.prerouter.after_prefill(len(tokens))
         return logits
+
+    def _checked_rows(self, logits: mx.array, where: str, rows: list[int], *also) -> mx.array:
+        """`_checked` for a batch: every row's last-position logits [B, vocab], evaluated."""
+        last = logits[:, -1]
+        finite = mx.isfinite(last).all(axis=-1)
+        mx.eval(last, finite, self._guard_events, *also)
+        bad = [r for r, ok in zip(rows, finite.tolist()) if not ok]
+        if bad:
+            self.nonfinite_events += 1
+            raise NonFiniteError(
+                f"{self.directory}: non-finite logits {where} (prompt(s) {bad}); a resident "
+                f"weight, expert or adapter holds NaN/Inf, or an activation overflowed (try "
+                f"--verify-crc, --compute-dtype float32, or re-run convert)")
+        return last
 
     def step(self, token: int) -> mx.array:
         t0 = time.perf_counter()
@@ -241,10 +261,13 @@ class Engine:
         return logits
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, stop_token_ids: set[int] | None = None) -> GenerationResult:
-        stop = set(self.tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)
-        sampler = make_sampler(temp=temperature, top_p=top_p)
-        mx.random.seed(self.options.seed)
+                 top_p: float = 1.0, stop_token_ids: set[int] | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        """One sequence. Sampling draws from the row's own key (`seed`, default options.seed;
+        see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
+        seed s, sampled or greedy."""
+        stop = self._stop_ids(stop_token_ids)
+        sampler = RowSampler(temperature, top_p, self.options.seed if seed is None else seed)
         self.reset()
         before = self._snapshot()
         t0 = time.perf_counter()
@@ -253,8 +276,7 @@ class Engine:
         mid = self._snapshot()
         tokens: list[int] = []
         while len(tokens) < max_tokens:
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            token = int(sampler(logprobs[None]).item())
+            token = int(sampler(logits).item())
             tokens.append(token)
             if token in stop or len(tokens) >= max_tokens:
                 break
@@ -263,6 +285,56 @@ class Engine:
         self._last = self._phase_stats(before, mid, self._snapshot(), len(prompt_tokens),
                                        len(tokens), t1 - t0, t2 - t1)
         return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_tokens), stats=self.stats())
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int, *,
+                       batch_size: int | None = None, temperature: float = 0.0,
+                       top_p: float = 1.0, stop_token_ids: set[int] | None = None,
+                       seeds: list[int] | None = None,
+                       logits_trace: list | None = None) -> list[GenerationResult]:
+        """Decode many prompts, `batch_size` rows at a time (None: all at once); continuous
+        batching: when a row finishes, the next waiting prompt joins (engine/batch.py).
+
+        Results in prompt order. Row i samples from its own key (`seeds[i]`, default
+        options.seed), so each row equals `generate(prompts[i], seed=seeds[i])` whatever its
+        batch mates. Each result's stats hold the row's own figures (prompt_tokens,
+        generated_tokens, prefill_s/prefill_tok_s of its own prefill, decode_s = its share of
+        the decode steps, decode_tok_s = its stream rate) and the batch's: batch_size,
+        batch_decode_tok_s (aggregate), bytes_per_token (per decoded token of the batch),
+        mean_union_per_layer, peak_memory_gib, expert_buffer_mib.
+
+        Slots: a non-resident pool grows to min(experts, rows x K) slots per layer when the
+        configured budget (expert_budget_mib / slots_per_layer: the B = 1 budget) holds fewer,
+        so a layer's union always fits (prerouted never drops a planned expert); the grown
+        buffer is reported as expert_buffer_mib and kept.
+
+        logits_trace: a list, filled with one list per prompt of the logits [vocab] each of
+        its tokens was sampled from (parity checks).
+        """
+        rows_at_once = check_batch_args(prompts, max_tokens, batch_size, seeds)
+        self._grow_slots(rows_at_once * self.top_k)
+        decoder = BatchDecoder(self, prompts, max_tokens, rows_at_once, temperature, top_p,
+                               self._stop_ids(stop_token_ids), seeds, logits_trace)
+        self.reset()
+        try:
+            rows = decoder.run()
+        finally:
+            self.reset()     # the batch's caches and any plan in flight are dropped
+        self._last = decoder.batch_stats(rows)
+        common = self.stats()
+        return [GenerationResult(tokens=r.tokens, prompt_tokens=len(r.prompt),
+                                 stats={**common, **decoder.row_stats(r)}) for r in rows]
+
+    def _stop_ids(self, stop_token_ids: set[int] | None) -> set[int]:
+        return set(self.tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)
+
+    def _grow_slots(self, wanted: int) -> None:
+        """Hold `wanted` experts per layer (capped at all of them) for batched decode."""
+        wanted = min(wanted, self.index.num_experts)
+        if self.options.mode == "resident" or wanted <= self.slots_per_layer:
+            return
+        for block in self.blocks.values():
+            block.switch_mlp.grow(wanted)
+        self.slots_per_layer = wanted
 
     # -- accounting -------------------------------------------------------------------------
     def _snapshot(self) -> dict:
@@ -276,6 +348,11 @@ class Engine:
             "blocked_loads": self.counters.blocked_loads,
             "demand_read_s": self.counters.demand_read_seconds,
             "demand_read_bytes": self.counters.demand_read_bytes,
+            # Distinct experts per layer call, and such calls (reactive unions + staged sets).
+            "union": self.counters.union_experts + (
+                self.prerouter.counters.staged_experts if self.prerouter else 0),
+            "union_layers": self.counters.union_calls + (
+                self.prerouter.counters.staged_layers if self.prerouter else 0),
         }
 
     def _phase_stats(self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode) -> dict:

@@ -33,8 +33,9 @@ class LoadCounters(SimpleNamespace):
     """Shared by all blocks of an engine: time the decode path spent waiting for reads."""
 
     def __init__(self):
+        # union_*: distinct experts per reactive layer call (the union of a batch's rows).
         super().__init__(blocked_seconds=0.0, blocked_loads=0, demand_read_seconds=0.0,
-                         demand_read_bytes=0)
+                         demand_read_bytes=0, union_experts=0, union_calls=0)
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -88,6 +89,24 @@ class StreamingSwitchGLU(nn.Module):
         the experts it loaded. Whoever installs such a plan pins, and unpins with it.
         """
         self._io.pinned = pinned
+
+    def grow(self, n_slots: int) -> None:
+        """Hold `n_slots` experts (batched decode: a layer's union of B rows); never shrinks.
+
+        Occupied slots keep their index and contents, so the slot table stays valid.
+        """
+        io = self._io
+        extra = n_slots - io.slots.n_slots
+        if extra <= 0 or io.resident:
+            return
+        for proj in PROJECTIONS:
+            linear = getattr(self.glu, proj)
+            for part in PARTS:
+                old = linear[part]
+                setattr(linear, part, mx.concatenate(
+                    [old, mx.zeros((extra, *old.shape[1:]), dtype=old.dtype)]))
+        io.slots.grow(n_slots)
+        mx.eval(self.glu.parameters())
 
     # -- loading ----------------------------------------------------------------------------
     def load_experts(self, experts: list[int], blocking: bool = True) -> int:
@@ -189,6 +208,8 @@ class StreamingSwitchGLU(nn.Module):
         mx.eval(indices)  # reactive: the true routing must reach the host to read misses
         ids = np.array(indices)
         unique = np.unique(ids).tolist()
+        io.counters.union_experts += len(unique)
+        io.counters.union_calls += 1
         if len(unique) <= io.slots.n_slots:
             self.load_experts(unique)
             return self.glu(x, io.lut[indices])

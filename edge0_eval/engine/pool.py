@@ -79,6 +79,14 @@ class LayerSlots:
         for e, slot in slot_of.items():
             self._slot_of[e] = slot
 
+    def grow(self, n_slots: int) -> None:
+        """Add free slots up to `n_slots` (batched decode holds a layer's union); never shrinks.
+        Residents keep their slots, so the slot buffers only need new rows at the end."""
+        if n_slots <= self.n_slots:
+            return
+        self._free = list(range(n_slots - 1, self.n_slots - 1, -1)) + self._free
+        self.n_slots = n_slots
+
     def forget(self, expert: int) -> None:
         """Drop an expert whose load failed, so its slot is not trusted."""
         slot = self._slot_of.pop(expert, None)

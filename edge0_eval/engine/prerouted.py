@@ -31,7 +31,10 @@ from edge0_eval.engine.prerouter import consumer_rule, pair_problems, trace_feat
 @dataclass
 class StagingCounters:
     steps: int = 0                  # decode steps that ran prerouted
-    staged_experts: int = 0         # experts in planned sets (K per consuming layer per step)
+    staged_experts: int = 0         # experts staged: per consuming layer per step, the union
+    #                                 of the rows' planned sets (K at B = 1)
+    staged_layers: int = 0          # (step, consuming layer) stagings
+    abandoned_plans: int = 0        # batched decode: layer plans dropped as rows left/joined
     staged_loads: int = 0           # of those, bundles read (misses)
     dropped_experts: int = 0        # planned experts absent from the slots at execution: must be 0
     stage_wait_seconds: float = 0.0
@@ -54,7 +57,7 @@ class Prerouter:
         self.weight_source = weight_source
         self.measure_recall = measure_recall
         self.counters = StagingCounters()
-        self._prev_onehot = None
+        self._prev_onehot = self._feats = None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
@@ -62,7 +65,7 @@ class Prerouter:
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
-        self._prev_onehot = None
+        self._prev_onehot = self._feats = None
         self._drain()
         self._plans = {}
         self._clear_plans()
@@ -112,45 +115,93 @@ class Prerouter:
             block.set_measure_recall(True)
 
     def after_prefill(self, prompt_tokens: int) -> None:
-        """Plan the first decode step from the prompt's last token, as after_step plans the next.
+        """Plan the first decode step from the prompt's last token, as after_step plans the next."""
+        self.reset()
+        self.set_rows(None, [self.prefill_features(prompt_tokens)])
+        self.plan_rows()
+
+    def prefill_features(self, prompt_tokens: int) -> tuple[mx.array, mx.array]:
+        """(feats [O, 1, in], onehot_t [O, 1, E]) of the prompt's last token, just prefilled.
 
         Its t-1 features come from the token before it (prefill keeps the two in one chunk);
         a one-token prompt has zeros there, as the first token of a document has in training.
         """
-        self.reset()
         prev = None
         if prompt_tokens >= 2 and self._chunk_length() >= 2:   # prefill_chunk=1 has no t-1
             _, prev = trace_features(self.engine, self.owners, position=-2)
-        self._prev_onehot = prev
-        self._plan_next()
+        return trace_features(self.engine, self.owners, prev)
 
     def after_step(self) -> None:
         """Run all heads on this step's features and start staging the next step's sets."""
         self._clear_plans()
-        self._plan_next()
+        self._feats, self._prev_onehot = trace_features(self.engine, self.owners,
+                                                        self._prev_onehot)
+        self.plan_rows()
+
+    # -- rows (batched decode) --------------------------------------------------------------
+    # The per-row state, [O, B, ...] in the batch's row order: the features the next plan runs
+    # on and each row's one-hot of its last token (the next step's t-1).
+    def set_rows(self, keep: list[int] | None, joining: list[tuple[mx.array, mx.array]]
+                 ) -> None:
+        """Keep rows `keep` (None: all; []: none), then append the joining rows' prefill
+        features (`prefill_features` of each)."""
+        feats, onehot = self._feats, self._prev_onehot
+        if keep is not None and feats is not None:
+            if keep:
+                idx = mx.array(keep, dtype=mx.int32)
+                feats, onehot = feats[:, idx], onehot[:, idx]
+            else:
+                feats = onehot = None
+        parts = ([(feats, onehot)] if feats is not None else []) + list(joining)
+        if parts:
+            feats = mx.concatenate([f for f, _ in parts], axis=1)
+            onehot = mx.concatenate([o for _, o in parts], axis=1)
+        self._feats, self._prev_onehot = feats, onehot
+
+    def plan_rows(self) -> None:
+        """Plan the next step of the current rows (after_step does it inside the forward)."""
+        self.plan(self._feats, self._prev_onehot)
+
+    def abandon_plans(self) -> None:
+        """Rows left or joined after the last step planned: finish the in-flight reads (their
+        experts land in the slots, where the next plan finds most of them) and drop the plans,
+        uncounted as staged sets since they never run."""
+        for layer, (_, _, staged) in sorted(self._plans.items()):
+            waited, _ = self.engine.blocks[layer].switch_mlp.stage_finish(staged)
+            self.counters.stage_wait_seconds += waited
+            self.counters.staged_experts -= len(staged.experts)
+            self.counters.staged_layers -= 1
+            self.counters.abandoned_plans += 1
+        self._plans = {}
 
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
 
-    def _plan_next(self) -> None:
+    def plan(self, feats: mx.array, *also) -> None:
+        """Plan the next step of every row from `feats` [O, B, in] and start staging.
+
+        Each row keeps its own predicted set as its routing ([B, 1, K] plans); each consuming
+        layer stages the union of its rows' sets (needs that many slots: the engine sizes the
+        pool for batched decode), so every row's staged set is its routed set.
+        """
         engine = self.engine
         started = time.perf_counter()
-        feats, onehot_t = trace_features(engine, self.owners, self._prev_onehot)
-        self._prev_onehot = onehot_t
         # One batched computation for every head, then every consumer's own selection rule.
-        inds, weights = self._rule.select(self.heads(feats), engine.top_k)     # [O, 1, K]
-        mx.eval(inds, weights, onehot_t)
+        inds, weights = self._rule.select(self.heads(feats), engine.top_k)     # [O, B, K]
+        mx.eval(inds, weights, *also)
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
         # Queue the reads in the order the next step runs its layers (FIFO reads): a wrap head's
         # first MoE layer is needed first, though its owner is the last.
         for o in sorted(range(len(self.consumers)), key=self.consumers.__getitem__):
             layer = self.consumers[o]
-            staged = engine.blocks[layer].switch_mlp.stage_begin(ids[o].reshape(-1).tolist())
+            union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))   # first-seen order
+            staged = engine.blocks[layer].switch_mlp.stage_begin(union)
             staged.layer = layer
             self.counters.staged_experts += len(staged.experts)
+            self.counters.staged_layers += 1
             self.counters.staged_loads += len(staged.loads)
-            self._plans[layer] = (inds[o][None], weights[o][None], staged)
+            self._plans[layer] = (inds[o][:, None], weights[o][:, None], staged)
 
     def stats(self) -> dict:
         c = self.counters
@@ -160,6 +211,8 @@ class Prerouter:
             "staged_experts": c.staged_experts,
             "staged_loads_per_step": c.staged_loads / steps,
             "dropped_experts": c.dropped_experts,
+            "abandoned_plans": c.abandoned_plans,
+            "mean_staged_union": c.staged_experts / c.staged_layers if c.staged_layers else 0.0,
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),

@@ -1,0 +1,257 @@
+"""Batched decode: B rows per step, with continuous batching (`Engine.generate_batch`).
+
+Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone by the
+B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its caches then join
+the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache` (left padding, a
+per-row offset that RoPE and the masks read) and `ArraysCache.merge` (GatedDeltaNet / GLA
+states), then `extend` into the running batch. A finishing row leaves with `filter`; the next
+waiting prompt joins in its place. Every step decodes the active rows as one [B, 1] forward.
+
+MoE layers. Reactive: a layer reads the union of its rows' routed experts once
+(`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
+prediction as its routing ([B, 1, K] plans); each consuming layer stages the union of the rows'
+predicted sets and each row executes its own set, so a row's staged set is its routed set.
+As in a solo run, each step plans the next inside its forward (after the last layer), on the
+per-row features the prerouter keeps in row order (feats, t-1 one-hots); when rows leave or
+join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
+before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
+
+Slot pool. A layer's union can hold B x K experts. Batched decode grows each layer's pool to
+min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
+slots_per_layer are the B = 1 budget); the grown buffer is `expert_buffer_mib` in the stats and
+stays for later calls. So prerouted never drops a planned expert, and reactive never splits a
+decode step into waves (it still would for a longer prefill, as at B = 1).
+
+Numerics. Each row's decode is its own arithmetic: matmuls, gather_qmm and the recurrent
+states are per row, and the padded keys a batch row attends over are masked to exact zeros. On
+the CPU (MLX 0.32) every row's logits are bit-identical to its solo run, all families and
+modes (tests/test_batch.py). Fused attention kernels elsewhere (Metal/CUDA SDPA with a mask
+over a longer, left-padded axis) may reduce in another order: there a row is equal to
+rounding (the tests' tolerance off the CPU), and its greedy tokens are still compared exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from edge0_eval.engine.sampling import RowSampler
+from edge0_eval.errors import ConfigError
+
+
+@dataclass
+class _Row:
+    index: int                       # position in the caller's prompt list
+    prompt: list[int]
+    sampler: RowSampler
+    tokens: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    prefill_bytes: int = 0
+    steps: int = 0                   # decode steps this row took part in
+    decode_share_s: float = 0.0      # its share of those steps' wall time (step time / rows)
+    decode_wall_s: float = 0.0       # wall time of those steps
+    done: bool = False
+
+
+def merge_caches(caches: list[list]) -> list:
+    """One B = 1 prompt cache per row (a list per layer) -> the batch's cache per layer."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+
+
+def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
+    """Validate generate_batch's arguments; the number of concurrent rows."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ConfigError("generate_batch: prompts is empty; give at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ConfigError(f"generate_batch: prompt {i} is empty (no tokens); every prompt "
+                              f"needs at least one token")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ConfigError(f"batch_size must be a whole number >= 1 (or None: all prompts at "
+                          f"once), not {batch_size!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ConfigError(f"max_tokens must be a whole number >= 0, not {max_tokens!r}")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
+                          f"seed per prompt (or None: options.seed for every row)")
+    return min(len(prompts), batch_size or len(prompts))
+
+
+class BatchDecoder:
+    """One generate_batch call: admits rows, steps the batch, keeps the accounting."""
+
+    def __init__(self, engine, prompts, max_tokens, batch_size, temperature, top_p, stop,
+                 seeds, logits_trace=None):
+        self.engine, self.prerouter = engine, engine.prerouter
+        self.prompts = [list(p) for p in prompts]
+        self.max_tokens, self.stop = max_tokens, stop
+        self.rows_at_once = batch_size
+        seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
+        self.samplers = [RowSampler(temperature, top_p, s) for s in seeds]
+        # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
+        self.logits_trace = logits_trace
+        if logits_trace is not None:
+            logits_trace[:] = [[] for _ in prompts]
+        self.decode = {"steps": 0, "tokens": 0, "seconds": 0.0, "bytes": 0, "reads": 0,
+                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0,
+                       "joined_running": 0}
+
+    # -- rows -------------------------------------------------------------------------------
+    def _join(self, index: int):
+        """Prefill prompt `index` alone (the B = 1 path); sample its first token."""
+        e, pr = self.engine, self.prerouter
+        row = _Row(index, self.prompts[index], self.samplers[index])
+        e.cache = make_prompt_cache(e.model)
+        e.position = 0
+        before, t0 = e._snapshot(), time.perf_counter()
+        logits = e.prefill(row.prompt, plan=False)
+        feats = pr.prefill_features(len(row.prompt)) if pr is not None else ()
+        mx.eval(*feats)
+        row.prefill_s = time.perf_counter() - t0
+        row.prefill_bytes = e._snapshot()["bytes"] - before["bytes"]
+        if self.max_tokens >= 1:
+            self._take(row, row.sampler(logits), logits)
+        else:
+            row.done = True
+        return row, e.cache, feats
+
+    def _take(self, row: _Row, token: mx.array, logits: mx.array) -> None:
+        if self.logits_trace is not None:
+            self.logits_trace[row.index].append(logits)
+        t = int(token.item())
+        row.tokens.append(t)
+        row.done = t in self.stop or len(row.tokens) >= self.max_tokens
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> list[_Row]:
+        e, pr = self.engine, self.prerouter
+        waiting = deque(range(len(self.prompts)))
+        finished: list[_Row] = []
+        active: list[_Row] = []
+        cache = None
+        while waiting or active:
+            # Between steps: finished rows leave, waiting prompts take their places.
+            t0, before = time.perf_counter(), e._snapshot()
+            keep = [j for j, r in enumerate(active) if not r.done]
+            if len(keep) < len(active):
+                if pr is not None:
+                    pr.abandon_plans()    # planned for the old rows (inside the last step)
+                    pr.set_rows(keep, [])
+                finished += [r for r in active if r.done]
+                active = [active[j] for j in keep]
+                if keep:
+                    idx = mx.array(keep, dtype=mx.int32)
+                    for c in cache:
+                        c.filter(idx)
+                else:
+                    cache = None
+            self._account(t0, before)
+            joined = []
+            while waiting and len(active) + len(joined) < self.rows_at_once:
+                row, row_cache, row_feats = self._join(waiting.popleft())
+                if row.done:
+                    finished.append(row)        # stopped on its first token: never joins
+                else:
+                    joined.append((row, row_cache, row_feats))
+            if joined:
+                if active:
+                    self.decode["joined_running"] += len(joined)
+                new = merge_caches([c for _, c, _ in joined])
+                if cache is None:
+                    cache = new
+                else:
+                    for mine, theirs in zip(cache, new):
+                        mine.extend(theirs)
+                active += [r for r, _, _ in joined]
+                if pr is not None:
+                    pr.set_rows(None, [f for *_, f in joined])
+            if active:
+                self._step(active, cache)
+        return sorted(finished, key=lambda r: r.index)
+
+    def _step(self, active: list[_Row], cache: list) -> None:
+        """One decode step of the active rows. Prerouted: a step plans the next one for the
+        same rows inside its forward, as a solo step does; after rows left or joined it plans
+        here first."""
+        e, pr = self.engine, self.prerouter
+        t0, before = time.perf_counter(), e._snapshot()
+        if pr is not None and not pr.has_plan:
+            pr.plan_rows()
+        e.cache = cache
+        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True)
+        t1 = time.perf_counter()
+        last = e._checked_rows(logits, f"at batched decode step {self.decode['steps'] + 1}",
+                               [r.index for r in active])
+        tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
+        mx.eval(*tokens)
+        t2 = time.perf_counter()
+        prof = e._profile
+        prof["steps"] += 1
+        prof["build_s"] += t1 - t0
+        prof["eval_s"] += t2 - t1
+        self.decode["steps"] += 1
+        self.decode["tokens"] += len(active)
+        self._account(t0, before)
+        dt = t2 - t0
+        for j, (r, t) in enumerate(zip(active, tokens)):
+            r.steps += 1
+            r.decode_share_s += dt / len(active)
+            r.decode_wall_s += dt
+            self._take(r, t, last[j])
+
+    def _account(self, t0: float, before: dict) -> None:
+        """Add the decode work since (t0, before) to the batch's decode figures."""
+        after, d = self.engine._snapshot(), self.decode
+        d["seconds"] += time.perf_counter() - t0
+        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
+            d[key] += after[key] - before[key]
+
+    # -- figures ----------------------------------------------------------------------------
+    def batch_stats(self, rows: list[_Row]) -> dict:
+        """The batch's own figures (the same in every row's stats)."""
+        d = self.decode
+        tokens, steps = d["tokens"], d["steps"]
+        lookups = d["hits"] + d["misses"]
+        return {
+            "batch_size": self.rows_at_once,       # rows at once: min(batch_size, prompts)
+            "batch_rows": len(rows),
+            "batch_steps": steps,
+            "batch_joined_running": d["joined_running"],   # rows that joined running rows
+            "batch_mean_rows_per_step": tokens / steps if steps else 0.0,
+            "batch_generated_tokens": sum(len(r.tokens) for r in rows),
+            "batch_decode_tokens": tokens,
+            "batch_decode_s": d["seconds"],
+            "batch_decode_tok_s": tokens / d["seconds"] if d["seconds"] > 0 else 0.0,
+            "batch_prefill_s": sum(r.prefill_s for r in rows),
+            "batch_prefill_bytes_read": sum(r.prefill_bytes for r in rows),
+            "batch_decode_bytes_read": d["bytes"],
+            # Per decoded token of the batch (every row's token of every step).
+            "bytes_per_token": d["bytes"] / tokens if tokens else 0.0,
+            "reads_per_token": d["reads"] / tokens if tokens else 0.0,
+            "blocked_load_ms_per_step": 1000 * d["blocked"] / steps if steps else 0.0,
+            "decode_hit_rate": d["hits"] / lookups if lookups else 0.0,
+            # Distinct experts a MoE layer needed per decode step (reactive: the rows' routed
+            # union; prerouted: the staged union); None when resident (nothing is looked up).
+            "mean_union_per_layer": d["union"] / d["union_layers"] if d["union_layers"] else None,
+        }
+
+    @staticmethod
+    def row_stats(row: _Row) -> dict:
+        """A row's own figures: its prefill, its tokens, its share of the decode steps."""
+        return {
+            "prompt_tokens": len(row.prompt),
+            "generated_tokens": len(row.tokens),
+            "prefill_s": row.prefill_s,
+            "prefill_tok_s": len(row.prompt) / row.prefill_s if row.prefill_s > 0 else 0.0,
+            "prefill_bytes_read": row.prefill_bytes,
+            "decode_steps": row.steps,
+            "decode_s": row.decode_share_s,
+            "decode_wall_s": row.decode_wall_s,
+            # The row's own stream rate: its tokens over the wall time of its steps.
+            "decode_tok_s": row.steps / row.decode_wall_s if row.decode_wall_s > 0 else 0.0,
+        }

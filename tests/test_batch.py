@@ -1,0 +1,251 @@
+"""Batched decode (Engine.generate_batch): every row equals the same prompt run alone.
+
+Tolerance. On the CPU every row's logits are bit-identical to its solo run (measured: max abs
+diff 0.0, every family x mode, B = 1, 3, 8): the B = 1 prefill is the solo prefill, and in
+decode the matmuls, gather_qmm, recurrent states and the masked attention over left-padded keys
+compute each row as alone. Fused attention kernels on Metal/CUDA may reduce the padded, masked
+axis in another order, so off the CPU the logits are allowed fp16 rounding (as
+test_engine.py's parity). Greedy tokens are compared exactly everywhere.
+"""
+
+import json
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import BatchKVCache
+
+from edge0_eval.cli import main
+from edge0_eval.engine import batch as batch_module
+from edge0_eval.engine.engine import Engine, NonFiniteError
+from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.errors import ConfigError
+
+TOL = 0.0 if mx.default_device() == mx.cpu else 2e-2
+MAX_TOKENS = 8
+TEXTS = ["x", "The quick brown fox jumps over the lazy dog.", "hi there",
+         "def add(a, b):\n    return a + b  # a longer prompt than the others, by far",
+         "Once upon a time", "1 2 3 4 5 6 7", "lorem ipsum dolor sit amet", "ok"]
+
+
+@pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
+def family(request, tmp_path_factory):
+    """(converted model, prerouter heads file) per family."""
+    converted = request.getfixturevalue(f"edge0_{request.param}")
+    engine = Engine.load(converted, EngineOptions(mode="reactive"))
+    owners = default_owners(engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers)
+    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+    # Not the plain next-router baseline: the plans then differ from the true routing.
+    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
+    path = save_heads(tmp_path_factory.mktemp("heads") / "prerouter.safetensors", heads)
+    engine.close()
+    return converted, path
+
+
+def _load(family, mode, **options):
+    converted, heads = family
+    return Engine.load(converted, EngineOptions(
+        mode=mode, prerouter_path=str(heads) if mode == "prerouted" else None, **options))
+
+
+def _solo(engine, prompt, stop):
+    """generate's own loop (prefill, step), keeping the logits each token came from."""
+    engine.reset()
+    logits, tokens, trace = engine.prefill(prompt), [], []
+    while True:
+        trace.append(logits)
+        tokens.append(int(mx.argmax(logits - mx.logsumexp(logits, keepdims=True)).item()))
+        if tokens[-1] in stop or len(tokens) >= MAX_TOKENS:
+            return tokens, trace
+        logits = engine.step(tokens[-1])
+
+
+def _mismatches(solo, results, trace, tol=TOL) -> list[int]:
+    """Rows whose tokens differ from their solo run or whose logits differ by more than tol."""
+    bad = []
+    for i, ((tokens, solo_logits), result, logits) in enumerate(zip(solo, results, trace)):
+        diff = max((float(mx.abs(a - b).max()) for a, b in zip(solo_logits, logits)),
+                   default=0.0)
+        if result.tokens != tokens or len(logits) != len(solo_logits) or diff > tol:
+            bad.append(i)
+    return bad
+
+
+@pytest.mark.parametrize("mode", ["resident", "reactive", "prerouted"])
+def test_every_row_equals_its_solo_run(family, mode):
+    engine = _load(family, mode)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS]
+    assert len({len(p) for p in prompts}) >= 6           # different lengths: left padding
+    # A stop token from one row's output: some rows finish early, the others run on.
+    stop = {_solo(engine, prompts[1], set())[0][2]}
+    solo = [_solo(engine, p, stop) for p in prompts]
+    lengths = [len(t) for t, _ in solo]
+    assert min(lengths) < MAX_TOKENS and max(lengths) == MAX_TOKENS
+    assert engine.generate(prompts[3], MAX_TOKENS, stop_token_ids=stop).tokens == solo[3][0]
+    for b in (1, 3, 8):
+        trace = []
+        results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=b, stop_token_ids=stop,
+                                        logits_trace=trace)
+        assert _mismatches(solo, results, trace) == [], f"batch_size={b}"
+        s = results[0].stats
+        assert s["batch_size"] == b and s["batch_rows"] == len(prompts)
+        if b == 3:
+            assert s["batch_joined_running"] > 0         # rows joined while others ran
+        for r, p in zip(results, prompts):
+            assert r.prompt_tokens == len(p) == r.stats["prompt_tokens"]
+            assert r.stats["generated_tokens"] == len(r.tokens)
+        if mode != "resident":
+            assert 1 <= s["mean_union_per_layer"] <= min(b * engine.top_k,
+                                                         engine.index.num_experts)
+    if mode == "prerouted":
+        assert engine.stats()["dropped_experts"] == 0
+    engine.close()
+
+
+def test_fault_injection_the_equality_check_catches_a_changed_row(family, monkeypatch):
+    """The check above can fail: a perturbed KV cache row, and rows swapped, are caught; the
+    perturbation changes that row only (rows do not leak into each other)."""
+    engine = _load(family, "reactive")
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
+    solo = [_solo(engine, p, set()) for p in prompts]
+    trace = []
+    results = engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set(), logits_trace=trace)
+    assert _mismatches(solo, results, trace) == []
+    assert _mismatches(solo[::-1], results, trace) != []           # swapped rows
+
+    merge = batch_module.merge_caches
+
+    def perturbed(caches):
+        merged = merge(caches)
+        kv = next(c for c in merged if isinstance(c, BatchKVCache))
+        kv.keys[2] = kv.keys[2] * 3.0 + 1.0
+        return merged
+
+    monkeypatch.setattr(batch_module, "merge_caches", perturbed)
+    trace = []
+    results = engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set(), logits_trace=trace)
+    engine.close()
+    assert _mismatches(solo, results, trace) == [2]
+
+
+def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkeypatch):
+    engine = _load(family, "prerouted", slots_per_layer=None)
+    pr = engine.prerouter
+    consumers = pr.consumers
+    for layer in consumers:
+        engine.blocks[layer].set_capture(True)
+    planned, checked = [], []
+    plan, after_step = pr.plan, pr.after_step
+
+    def recording_plan(feats, *also):
+        plan(feats, *also)
+        planned.append({l: (np.array(p[0]), sorted(p[2].experts)) for l, p in pr._plans.items()})
+
+    def checking_after_step():
+        for layer in consumers:       # what each row executed vs its own plan, every layer
+            inds, staged = planned[-1][layer]
+            executed = np.array(engine.blocks[layer].captured()[1])
+            assert (executed == inds).all()
+            assert sorted(set(executed.reshape(-1).tolist())) == staged
+            checked.append(len(staged))
+        after_step()
+
+    monkeypatch.setattr(pr, "plan", recording_plan)
+    monkeypatch.setattr(pr, "after_step", checking_after_step)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:6]]
+    before = engine.stats()["dropped_experts"]
+    results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=4, stop_token_ids=set())
+    s = results[0].stats
+    engine.close()
+    assert s["dropped_experts"] == before == 0
+    assert s["slots_per_layer"] >= 4 * engine.top_k or s["slots_per_layer"] == \
+        engine.index.num_experts                                    # grown to hold B x K
+    assert checked and max(checked) > engine.top_k                  # real unions were staged
+    assert s["mean_union_per_layer"] > engine.top_k
+    assert s["batch_decode_tokens"] == sum(len(r.tokens) - 1 for r in results)
+
+
+def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+    prompts = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[0]]
+    seeds = [5, 9, 6, 1, 5]
+    kw = dict(temperature=0.9, top_p=0.95, stop_token_ids=set())
+    results = engine.generate_batch(prompts, 12, batch_size=3, seeds=seeds, **kw)
+    for p, s, r in zip(prompts, seeds, results):
+        assert engine.generate(p, 12, seed=s, **kw).tokens == r.tokens
+    assert results[0].tokens == results[4].tokens          # same prompt, same seed
+    assert results[0].tokens != results[2].tokens          # same prompt, another seed
+    greedy = engine.generate(prompts[0], 12, stop_token_ids=set()).tokens
+    assert results[0].tokens != greedy                     # it really sampled
+    mx.random.seed(1234)                                   # the global RNG plays no part
+    assert engine.generate(prompts[0], 12, seed=5, **kw).tokens == results[0].tokens
+    # The default seed is options.seed for every row.
+    default = engine.generate_batch(prompts[:2], 12, **kw)
+    assert [r.tokens for r in default] == [engine.generate(p, 12, seed=0, **kw).tokens
+                                           for p in prompts[:2]]
+    engine.close()
+
+
+def test_non_finite_batch_logits_are_an_error(edge0_qwen2, monkeypatch):
+    """A NaN reaching the batch's logits raises, naming the rows, as a solo step does."""
+    engine = Engine.load(edge0_qwen2, EngineOptions(mode="reactive", clip_hidden=None))
+    merge = batch_module.merge_caches
+
+    def poisoned(caches):        # after every row's (clean) prefill, before the first step
+        name = next(k for k, _ in tree_flatten(engine.model.parameters())
+                    if re.search(r"layers\.0\..*norm.*weight$", k))
+        value = dict(tree_flatten(engine.model.parameters()))[name]
+        engine.model.update(tree_unflatten([(name, mx.full(value.shape, mx.nan, value.dtype))]))
+        return merge(caches)
+
+    monkeypatch.setattr(batch_module, "merge_caches", poisoned)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+    with pytest.raises(NonFiniteError, match=r"at batched decode step 1 \(prompt\(s\) \[0, 1, 2\]"):
+        engine.generate_batch(prompts, 4, stop_token_ids=set())
+    assert engine.stats()["nonfinite_events"] == 1
+    engine.close()
+
+
+def test_bad_batch_input_is_one_clear_error(edge0_qwen):
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    cases = [(dict(prompts=[]), "prompts is empty"),
+             (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+             (dict(prompts=[[1, 2]], batch_size=0), "batch_size"),
+             (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds")]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            engine.generate_batch(max_tokens=2, **kwargs)
+    engine.close()
+
+
+def test_cli_generate_prompts_file_batch(edge0_qwen, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n\n{"prompt": "def f(x):", "seed": 3}\n'
+                       '{"prompt": "a longer one, with more words in it"}\n')
+    out = tmp_path / "out.json"
+    assert main(["generate", str(edge0_qwen), "--prompts", str(prompts), "--batch", "2",
+                 "--max-tokens", "4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "expert buffer" in printed and "batch 2" in printed
+    entries = json.loads(out.read_text())
+    assert [e["prompt"] for e in entries] == ["hello", "def f(x):",
+                                              "a longer one, with more words in it"]
+    engine = Engine.load(edge0_qwen, EngineOptions())
+    for e in entries:
+        assert e["tokens"] == engine.generate(e["prompt_tokens"], 4).tokens
+        assert e["stats"]["batch_size"] == 2
+    engine.close()
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    for argv, message in ((["--prompts", str(tmp_path / "missing.jsonl")], "file not found"),
+                          (["--prompts", str(bad)], "bad.jsonl:2"),
+                          (["--prompt", "x", "--batch", "2"], "--batch needs --prompts")):
+        assert main(["generate", str(edge0_qwen), *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
