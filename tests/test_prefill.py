@@ -1,4 +1,5 @@
-"""Prefill: the LM head runs on the last position only, with the same bits as the full head."""
+"""Prefill: the LM head runs on the last position only, and the last two tokens run as their own
+piece (mlx-lm's generate_step shape) where that keeps the bits of a one-piece forward."""
 
 from __future__ import annotations
 
@@ -45,8 +46,23 @@ def test_prefill_asks_only_for_the_last_position(edge0_qwen, chunk):
     try:
         engine.forward = spy
         logits = engine.prefill(TOKENS)
-        # chunks 0..3, 4..6, 7..8 (the last keeps two tokens) or the whole prompt
-        assert shapes == [1] * (1 if chunk == 512 else 3)
+        # pieces 0..3, 4..6, 7..8 or 0..6, 7..8: the last two tokens run alone (split_prefill)
+        assert shapes == [1] * (2 if chunk == 512 else 3)
         assert logits.shape == (engine.forward(mx.array([[1]])).shape[-1],)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen", "bailing", "qwen2", "qwen64"])
+def test_prefill_logits_equal_a_one_piece_forward(family, request):
+    """Family.split_prefill holds what it claims: where the prefill cuts the prompt, the
+    logits keep the bits of the whole prompt in one forward (bailing is never cut short)."""
+    engine = Engine.load(request.getfixturevalue(f"edge0_{family}"),
+                         EngineOptions(mode="resident"))
+    try:
+        prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+        whole = engine.forward(mx.array(prompt)[None])[0, -1]
+        engine.reset()
+        assert mx.array_equal(engine.prefill(prompt), whole).item()
     finally:
         engine.close()

@@ -31,6 +31,10 @@ class Family:
     module_path: str   # a layer's MoE block path, with {layer}: the index must name the same
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.
     clip_hidden: float | None = None
+    # A prompt cut in two pieces computes the same bits as in one (mlx-lm's layers, CPU): then
+    # the prefill runs its last two tokens as their own piece, as mlx-lm's generate_step does
+    # its last one (Engine.prefill).
+    split_prefill: bool = True
 
     def text_config(self, config: dict) -> dict:
         return config.get("text_config", config) if self.name == "qwen3_5_moe" else config
@@ -124,8 +128,9 @@ FAMILIES = {
     # +-1000 clipping prevents an fp16 overflow collapse on this tier. Other families run
     # unclipped: real models carry legitimate activations far above 1000 (SmolLM2 turned MoE:
     # ~25,000), which clipping destroys.
+    # Its GLA sums a piece in 128-token blocks from the piece's start: a cut moves the sums.
     "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
-                             clip_hidden=1000.0),
+                             clip_hidden=1000.0, split_prefill=False),
     "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp"),
 }
 
