@@ -22,6 +22,7 @@ from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.heads_file import save_heads
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 from edge0_eval.errors import ConfigError
 
@@ -98,12 +99,39 @@ def test_every_row_equals_its_solo_run(family, mode):
         for r, p in zip(results, prompts):
             assert r.prompt_tokens == len(p) == r.stats["prompt_tokens"]
             assert r.stats["generated_tokens"] == len(r.tokens)
-        if mode != "resident":
-            assert 1 <= s["mean_union_per_layer"] <= min(b * engine.top_k,
-                                                         engine.index.num_experts)
+        if mode == "resident":
+            assert s["mean_union_per_layer"] is None      # nothing looked up
+        elif b == 1:
+            assert s["mean_union_per_layer"] == engine.top_k
+        else:
+            assert engine.top_k < s["mean_union_per_layer"] <= min(b * engine.top_k,
+                                                                   engine.index.num_experts)
     if mode == "prerouted":
         assert engine.stats()["dropped_experts"] == 0
     engine.close()
+
+
+def test_wrap_around_heads_batch_equals_solo(edge0_qwen, tmp_path):
+    """Start layer 0: the last MoE layer's head plans the first MoE layer of the next step,
+    so every MoE layer of every batched step is prerouted (its plan is set before layer 0)."""
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    owners = default_owners(0, len(engine.model.layers), engine.moe_layers)
+    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(2)) * 0.5
+    path = save_heads(tmp_path / "wrap.safetensors", heads)
+    engine.close()
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path)))
+    assert engine.prerouter.consumers[-1] == engine.moe_layers[0]
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:5]]
+    stop = {_solo(engine, prompts[1], set())[0][2]}
+    solo = [_solo(engine, p, stop) for p in prompts]
+    trace = []
+    results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=3, stop_token_ids=stop,
+                                    logits_trace=trace)
+    engine.close()
+    assert _mismatches(solo, results, trace) == []
+    assert results[0].stats["dropped_experts"] == 0
+    assert results[0].stats["mean_union_per_layer"] > engine.top_k
 
 
 def test_fault_injection_the_equality_check_catches_a_changed_row(family, monkeypatch):
@@ -160,13 +188,28 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
     before = engine.stats()["dropped_experts"]
     results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=4, stop_token_ids=set())
     s = results[0].stats
+    after = engine.stats()
     engine.close()
     assert s["dropped_experts"] == before == 0
-    assert s["slots_per_layer"] >= 4 * engine.top_k or s["slots_per_layer"] == \
-        engine.index.num_experts                                    # grown to hold B x K
+    # The batch held B x K slots per layer (the B = 1 default is 2K); then the pool went back.
+    assert s["slots_per_layer"] == min(4 * engine.top_k, engine.index.num_experts) > \
+        after["slots_per_layer"] == 2 * engine.top_k
+    assert s["expert_buffer_mib"] > after["expert_buffer_mib"]
     assert checked and max(checked) > engine.top_k                  # real unions were staged
     assert s["mean_union_per_layer"] > engine.top_k
     assert s["batch_decode_tokens"] == sum(len(r.tokens) - 1 for r in results)
+
+
+def test_slot_pool_resize_keeps_the_residents_below_the_cut():
+    slots = LayerSlots(4)
+    slots.assign([10, 11, 12, 13])
+    assert slots.resize(6) == [] and slots.n_slots == 6
+    mapping, loads = slots.assign([14, 15])
+    assert sorted(mapping.values()) == [4, 5] and len(loads) == 2      # the new slots
+    assert sorted(slots.resize(3)) == [13, 14, 15]                     # slots 3..5 go
+    assert [slots.slot_of(e) for e in (10, 11, 12)] == [0, 1, 2]
+    mapping, loads = slots.assign([13])
+    assert loads == [(13, mapping[13])] and mapping[13] < 3            # read again, in range
 
 
 def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
@@ -216,10 +259,13 @@ def test_bad_batch_input_is_one_clear_error(edge0_qwen):
     cases = [(dict(prompts=[]), "prompts is empty"),
              (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
              (dict(prompts=[[1, 2]], batch_size=0), "batch_size"),
-             (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds")]
+             (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds has 2 entries"),
+             (dict(prompts=[[1, 2], [3]], seeds=[1, -1]), r"seeds\[1\]")]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             engine.generate_batch(max_tokens=2, **kwargs)
+    with pytest.raises(ConfigError, match="seed must be"):
+        engine.generate([1, 2], 2, seed=1.5)
     engine.close()
 
 

@@ -16,11 +16,12 @@ per-row features the prerouter keeps in row order (feats, t-1 one-hots); when ro
 join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
 before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
 
-Slot pool. A layer's union can hold B x K experts. Batched decode grows each layer's pool to
+Slot pool. A layer's union can hold B x K experts. While a batch runs, each layer's pool holds
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
-slots_per_layer are the B = 1 budget); the grown buffer is `expert_buffer_mib` in the stats and
-stays for later calls. So prerouted never drops a planned expert, and reactive never splits a
-decode step into waves (it still would for a longer prefill, as at B = 1).
+slots_per_layer are the B = 1 budget); that buffer is the batch's `expert_buffer_mib` in the
+stats, and the pool returns to the configured size afterwards (Engine.generate_batch). So
+prerouted never drops a planned expert, and reactive never splits a decode step into waves (it
+still would for a longer prefill, as at B = 1).
 
 Numerics. Each row's decode is its own arithmetic: matmuls, gather_qmm and the recurrent
 states are per row, and the padded keys a batch row attends over are masked to exact zeros. On
@@ -32,6 +33,7 @@ rounding (the tests' tolerance off the CPU), and its greedy tokens are still com
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -79,7 +81,14 @@ def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
     if seeds is not None and len(seeds) != len(prompts):
         raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
                           f"seed per prompt (or None: options.seed for every row)")
+    for i, seed in enumerate(seeds or []):
+        check_seed(seed, f"seeds[{i}]")
     return min(len(prompts), batch_size or len(prompts))
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ConfigError(f"{name} must be a whole number >= 0, not {seed!r}")
 
 
 class BatchDecoder:
@@ -92,7 +101,7 @@ class BatchDecoder:
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
         seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
-        self.samplers = [RowSampler(temperature, top_p, s) for s in seeds]
+        self.samplers = [RowSampler(temperature, top_p, int(s)) for s in seeds]
         # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
         self.logits_trace = logits_trace
         if logits_trace is not None:
@@ -138,9 +147,13 @@ class BatchDecoder:
             # Between steps: finished rows leave, waiting prompts take their places.
             t0, before = time.perf_counter(), e._snapshot()
             keep = [j for j, r in enumerate(active) if not r.done]
+            joining = bool(waiting) and len(keep) < self.rows_at_once
+            if pr is not None and (len(keep) < len(active) or joining):
+                # Planned for the old rows inside the last step; a joiner's prefill must not
+                # run it either.
+                pr.abandon_plans()
             if len(keep) < len(active):
                 if pr is not None:
-                    pr.abandon_plans()    # planned for the old rows (inside the last step)
                     pr.set_rows(keep, [])
                 finished += [r for r in active if r.done]
                 active = [active[j] for j in keep]

@@ -31,7 +31,7 @@ from edge0_eval.engine.checks import check_resident, load_tokenizer_checked, ope
 from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
-from edge0_eval.engine.batch import BatchDecoder, check_batch_args
+from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
@@ -279,7 +279,9 @@ class Engine:
         see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
         seed s, sampled or greedy."""
         stop = self._stop_ids(stop_token_ids)
-        sampler = RowSampler(temperature, top_p, self.options.seed if seed is None else seed)
+        if seed is not None:
+            check_seed(seed)
+        sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed))
         self.reset()
         before = self._snapshot()
         t0 = time.perf_counter()
@@ -314,39 +316,42 @@ class Engine:
         batch_decode_tok_s (aggregate), bytes_per_token (per decoded token of the batch),
         mean_union_per_layer, peak_memory_gib, expert_buffer_mib.
 
-        Slots: a non-resident pool grows to min(experts, rows x K) slots per layer when the
-        configured budget (expert_budget_mib / slots_per_layer: the B = 1 budget) holds fewer,
-        so a layer's union always fits (prerouted never drops a planned expert); the grown
-        buffer is reported as expert_buffer_mib and kept.
+        Slots: while the batch runs, a non-resident pool holds min(experts, rows x K) slots per
+        layer when the configured budget (expert_budget_mib / slots_per_layer: the B = 1
+        budget) holds fewer, so a layer's union always fits (prerouted never drops a planned
+        expert). That buffer is the batch's expert_buffer_mib / slots_per_layer in the stats;
+        afterwards the pool returns to the configured size.
 
         logits_trace: a list, filled with one list per prompt of the logits [vocab] each of
         its tokens was sampled from (parity checks).
         """
         rows_at_once = check_batch_args(prompts, max_tokens, batch_size, seeds)
-        self._grow_slots(rows_at_once * self.top_k)
         decoder = BatchDecoder(self, prompts, max_tokens, rows_at_once, temperature, top_p,
                                self._stop_ids(stop_token_ids), seeds, logits_trace)
+        configured = self.resolved.slots_per_layer
         self.reset()
+        self._resize_slots(max(configured, min(rows_at_once * self.top_k,
+                                               self.index.num_experts)))
         try:
             rows = decoder.run()
+            self._last = decoder.batch_stats(rows)
+            common = self.stats()           # with the batch's expert buffer
         finally:
             self.reset()     # the batch's caches and any plan in flight are dropped
-        self._last = decoder.batch_stats(rows)
-        common = self.stats()
+            self._resize_slots(configured)
         return [GenerationResult(tokens=r.tokens, prompt_tokens=len(r.prompt),
                                  stats={**common, **decoder.row_stats(r)}) for r in rows]
 
     def _stop_ids(self, stop_token_ids: set[int] | None) -> set[int]:
         return set(self.tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)
 
-    def _grow_slots(self, wanted: int) -> None:
-        """Hold `wanted` experts per layer (capped at all of them) for batched decode."""
-        wanted = min(wanted, self.index.num_experts)
-        if self.options.mode == "resident" or wanted <= self.slots_per_layer:
+    def _resize_slots(self, n_slots: int) -> None:
+        """Every MoE layer's slot pool to `n_slots` (not in resident mode: all are held)."""
+        if self.options.mode == "resident" or n_slots == self.slots_per_layer:
             return
         for block in self.blocks.values():
-            block.switch_mlp.grow(wanted)
-        self.slots_per_layer = wanted
+            block.switch_mlp.resize(n_slots)
+        self.slots_per_layer = n_slots
 
     # -- accounting -------------------------------------------------------------------------
     def _snapshot(self) -> dict:

@@ -90,22 +90,28 @@ class StreamingSwitchGLU(nn.Module):
         """
         self._io.pinned = pinned
 
-    def grow(self, n_slots: int) -> None:
-        """Hold `n_slots` experts (batched decode: a layer's union of B rows); never shrinks.
+    def resize(self, n_slots: int) -> None:
+        """Hold `n_slots` experts (batched decode: a layer's union of B rows, then back).
 
-        Occupied slots keep their index and contents, so the slot table stays valid.
+        Occupied slots below `n_slots` keep their index and contents, so the slot table stays
+        valid for them; experts in slots that go are forgotten (read again when next needed).
+        Nothing may be staged or planned on this layer meanwhile.
         """
         io = self._io
-        extra = n_slots - io.slots.n_slots
-        if extra <= 0 or io.resident:
+        old_n = io.slots.n_slots
+        if n_slots == old_n or io.resident:
             return
+        io.slots.resize(n_slots)
         for proj in PROJECTIONS:
             linear = getattr(self.glu, proj)
             for part in PARTS:
                 old = linear[part]
-                setattr(linear, part, mx.concatenate(
-                    [old, mx.zeros((extra, *old.shape[1:]), dtype=old.dtype)]))
-        io.slots.grow(n_slots)
+                if n_slots > old_n:
+                    new = mx.concatenate(
+                        [old, mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype)])
+                else:
+                    new = mx.contiguous(old[:n_slots])   # a copy: the slice would keep it all
+                setattr(linear, part, new)
         mx.eval(self.glu.parameters())
 
     # -- loading ----------------------------------------------------------------------------

@@ -46,8 +46,8 @@ class EngineOptions:
 
     mode: str = "reactive"
     top_k: int | None = None                 # routing width; None = the model's native top-k
-    # Expert slot buffers across all MoE layers, for one row: batched decode (generate_batch)
-    # grows each layer to min(experts, rows x top_k) slots when this holds fewer.
+    # Expert slot buffers across all MoE layers, for one row: a batch (generate_batch) holds
+    # min(experts, rows x top_k) slots per layer while it runs when this holds fewer.
     expert_budget_mib: float | None = None
     slots_per_layer: int | None = None       # alternative to the budget
     lora_path: str | None = None             # None: LORA_FILE beside the model, if present

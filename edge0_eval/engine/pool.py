@@ -79,13 +79,23 @@ class LayerSlots:
         for e, slot in slot_of.items():
             self._slot_of[e] = slot
 
-    def grow(self, n_slots: int) -> None:
-        """Add free slots up to `n_slots` (batched decode holds a layer's union); never shrinks.
-        Residents keep their slots, so the slot buffers only need new rows at the end."""
-        if n_slots <= self.n_slots:
-            return
-        self._free = list(range(n_slots - 1, self.n_slots - 1, -1)) + self._free
+    def resize(self, n_slots: int) -> list[int]:
+        """Hold `n_slots` slots (batched decode holds a layer's union while it runs).
+
+        Growing adds free slots at the end; shrinking forgets the experts in the slots that go.
+        Other residents keep their slots, so the slot buffers only gain or lose rows at the
+        end. Returns the experts forgotten.
+        """
+        if n_slots < 1:
+            raise ValueError("a layer needs at least one slot")
+        gone = [e for e, slot in self._slot_of.items() if slot >= n_slots]
+        for e in gone:
+            del self._slot_of[e]
+        self._free = [s for s in self._free if s < n_slots]
+        if n_slots > self.n_slots:
+            self._free = list(range(n_slots - 1, self.n_slots - 1, -1)) + self._free
         self.n_slots = n_slots
+        return gone
 
     def forget(self, expert: int) -> None:
         """Drop an expert whose load failed, so its slot is not trusted."""
