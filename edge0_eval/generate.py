@@ -14,6 +14,7 @@ from pathlib import Path
 from edge0_eval import cli_types as ct
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.errors import ConfigError
 from edge0_eval.jsonl import iter_jsonl
 
@@ -75,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     rows = read_prompts(args.prompts) if args.prompts is not None else None
     engine = Engine.load(args.model, options_from_args(args))
     try:
-        if rows is None:
-            _run_one(engine, args)
-        else:
-            _run_batch(engine, args, rows)
+        with wired_limit(engine.model):
+            if rows is None:
+                _run_one(engine, args)
+            else:
+                _run_batch(engine, args, rows)
     finally:
         engine.close()
     return 0

@@ -13,6 +13,7 @@ from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
@@ -106,9 +107,11 @@ class Edge0Model(ChatModelBase):
         s = self.sampling
         mx.reset_peak_memory()  # the engine reports the peak since this point: per sample
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
-        result = self.engine.generate(prompt_ids, max_tokens, temperature=float(s['temperature']),
-                                      top_p=float(s['top_p']), stop_token_ids=set(stop_ids),
-                                      seed=seed)
+        with wired_limit(self.engine.model):
+            result = self.engine.generate(prompt_ids, max_tokens,
+                                          temperature=float(s['temperature']),
+                                          top_p=float(s['top_p']), stop_token_ids=set(stop_ids),
+                                          seed=seed)
         return self._row(result, max_tokens, stop_ids, stop_words, evicted)
 
     def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
@@ -121,10 +124,11 @@ class Edge0Model(ChatModelBase):
         mx.reset_peak_memory()
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
         start = time.perf_counter()
-        results = self.engine.generate_batch(prompts, max_tokens,
-                                             temperature=float(s['temperature']),
-                                             top_p=float(s['top_p']),
-                                             stop_token_ids=set(stop_ids), seeds=list(seeds))
+        with wired_limit(self.engine.model):
+            results = self.engine.generate_batch(prompts, max_tokens,
+                                                 temperature=float(s['temperature']),
+                                                 top_p=float(s['top_p']),
+                                                 stop_token_ids=set(stop_ids), seeds=list(seeds))
         batch_wall = round(time.perf_counter() - start, 4)
         rows = []
         for result in results:
