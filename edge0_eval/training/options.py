@@ -13,6 +13,7 @@ from pathlib import Path
 
 from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AGREEMENT
 
 MODES = ("prerouted", "reactive")      # the engine modes a student is trained in, as served
 SAVE_DTYPES = ("float16", "bfloat16", "float32")
@@ -82,9 +83,16 @@ class PrerouterOptions:
     expert_budget_mib: float | None = None
     save_dtype: str = "float16"
     progress: bool = True
+    collect: str = "served"       # or "float32": collect_fp32.py
+    check_tokens: int = CHECK_TOKENS
 
     def validate(self) -> None:
         validate_run(self)
+        if self.collect not in COLLECT_MODES:
+            raise ConfigError(f"--collect must be one of {', '.join(COLLECT_MODES)}, "
+                              f"not {self.collect!r}")
+        if self.check_tokens < 1:
+            raise ConfigError("--check-tokens must be at least 1")
         if not self.texts:
             raise ConfigError("give at least one --text file")
         for text in self.texts:
@@ -159,6 +167,13 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
                         help="total tokens collected over all documents")
     parser.add_argument("--expert-budget-mib", type=float, default=None,
                         help="engine expert slot budget while collecting (default 2K slots/layer)")
+    parser.add_argument("--collect", default=d.collect, choices=COLLECT_MODES,
+                        help="served: the engine as served (int4 kernels); float32: the same "
+                             "weights dequantized to float32 once (fast on a CPU with BLAS; "
+                             "checked against the served path first, refused if routing "
+                             f"agrees below {MIN_AGREEMENT} on any layer)")
+    parser.add_argument("--check-tokens", type=int, default=d.check_tokens,
+                        help="tokens of the first documents the float32 check runs on")
     parser.epilog = (
         "Resume rule: checkpoints go to <out>.ckpt/ every --ckpt-every steps; running the same "
         "command again continues from the last one automatically (bit-identical to an "

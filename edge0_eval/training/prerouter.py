@@ -165,6 +165,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     train_eval = evaluate({"heads": saved}, batches, rule, np.sort(cap))
     report = _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                      train_pos, held_pos, train_seconds, out)
+    report["collection"] = store.collection()
     json_path, md_path = report_paths(out)
     write_json(json_path, report)
     md_path.write_text(_markdown(report))
@@ -262,6 +263,20 @@ def _markdown(r: dict) -> str:
                  f"{m['recall_next_router']:.3f} | {m['recall_untrained_heads']:.3f} | "
                  f"{m['recall_heads_train']:.3f} | "
                  f"{'all' if r['all_layers_beat_baselines'] else 'not all'} |")
+    c = r.get("collection") or {}
+    runs = c.get("runs") or []
+    if runs:
+        tokens, seconds = sum(x["tokens"] for x in runs), sum(x["seconds"] for x in runs)
+        lines += ["", f"Collected with the {c.get('path', 'served')} path: {tokens} tokens in "
+                      f"{seconds:.0f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)."]
+    if c.get("check"):
+        k = c["check"]
+        lines.append(f"Float32 check against the served path on {k['tokens']} tokens: top-K "
+                     f"agreement mean {k['mean_agreement']:.4f}, worst "
+                     f"{k['worst_agreement']:.4f} (layer {k['worst_layer']}, required "
+                     f"{k['min_agreement']}); feature max relative difference "
+                     f"{k['feature_max_rel_diff']:.2e}; {k['served_tok_s']:.1f} (served) vs "
+                     f"{k['float32_tok_s']:.1f} (float32) tok/s.")
     t = r["training"]
     if t["first_loss"] is not None:
         lines += ["", f"Loss (softmax CE vs normalised K-hot): {t['first_loss']:.4f} at step 1 "
