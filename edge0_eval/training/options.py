@@ -85,6 +85,7 @@ class PrerouterOptions:
     progress: bool = True
     collect: str = "served"       # or "float32": collect_fp32.py
     check_tokens: int = CHECK_TOKENS
+    train_tokens: int | None = None   # train on a random subset of the training documents
 
     def validate(self) -> None:
         validate_run(self)
@@ -93,6 +94,8 @@ class PrerouterOptions:
                               f"not {self.collect!r}")
         if self.check_tokens < 1:
             raise ConfigError("--check-tokens must be at least 1")
+        if self.train_tokens is not None and self.train_tokens < 2:
+            raise ConfigError("--train-tokens must be at least 2")
         if not self.texts:
             raise ConfigError("give at least one --text file")
         for text in self.texts:
@@ -174,6 +177,10 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
                              f"agrees below {MIN_AGREEMENT} on any layer)")
     parser.add_argument("--check-tokens", type=int, default=d.check_tokens,
                         help="tokens of the first documents the float32 check runs on")
+    parser.add_argument("--train-tokens", type=int, default=None,
+                        help="train on a seeded random subset of the training documents of "
+                             "about this many tokens (learning curves; the held-out documents "
+                             "stay the same)")
     parser.epilog = (
         "Resume rule: checkpoints go to <out>.ckpt/ every --ckpt-every steps; running the same "
         "command again continues from the last one automatically (bit-identical to an "

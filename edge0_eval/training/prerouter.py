@@ -50,7 +50,7 @@ from edge0_eval.engine.prerouter import (
 
 )
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.training.data import split_documents
+from edge0_eval.training.data import split_documents, subset_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
                                           data_fingerprint, positions)
 from edge0_eval.training.losses import khot_cross_entropy, recall
@@ -93,6 +93,8 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     train_fp = {"data": digest(data_fp), "owners": owners, "width": width, "top_k": top_k,
                 "steps": opts.steps, "lr": opts.lr, "batch": opts.batch,
                 "holdout": opts.holdout, "seed": opts.seed}
+    if opts.train_tokens is not None:      # absent otherwise: earlier states stay valid
+        train_fp["train_tokens"] = opts.train_tokens
     consumers = default_consumers(owners, facts.moe_layers)
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
@@ -115,6 +117,9 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
         announce_resume("train-prerouter", state_path, step, opts.steps)
 
     train_docs, held_docs = split_documents(len(meta["docs"]), opts.holdout, opts.seed)
+    if opts.train_tokens is not None:
+        train_docs = subset_documents(train_docs, [d[2] for d in meta["docs"]],
+                                      opts.train_tokens, opts.seed)
     train_pos = positions(meta["docs"], train_docs)
     held_pos = positions(meta["docs"], held_docs)
     if len(train_pos) == 0 or len(held_pos) == 0:
@@ -226,6 +231,7 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                  "docs_train": len(train_docs), "docs_heldout": len(held_docs),
                  "samples_train": int(len(train_pos)), "samples_heldout": int(len(held_pos)),
                  "tokens": meta["tokens"], "split": "by document, seeded shuffle",
+                 "train_tokens_cap": opts.train_tokens,
                  "jsonl_fields": "text, else prompt + completion"},
         "training": {"steps": opts.steps, "lr": opts.lr, "batch": opts.batch, "seed": opts.seed,
                      "loss": "softmax cross-entropy vs normalised K-hot target",

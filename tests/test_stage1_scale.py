@@ -1,5 +1,6 @@
-"""Stage 1's float32 collector: the dequantized build routes like the served int4 path, the
-check refuses a build that does not, and `--collect float32` runs stage 1 end to end."""
+"""Stage 1 at scale: the float32 collector (the dequantized build routes like the served int4
+path, the check refuses a build that does not, `--collect float32` end to end) and
+`--train-tokens` (a learning curve's subsets of the training documents)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import (check_float32, compare, load_float32,
                                               run_documents, set_agreement)
-from edge0_eval.training.data import encode_prefix
+from edge0_eval.training.data import encode_prefix, subset_documents
 from edge0_eval.training.features import FeatureStore
 from edge0_eval.training.models import collector_options
 from edge0_eval.training.prerouter import train_prerouter
@@ -109,3 +110,26 @@ def test_train_prerouter_collects_in_float32(tmp_path_factory, capsys):
     assert "Collected with the float32 path" in md and "Float32 check against" in md
     with pytest.raises(ConfigError, match="--collect"):
         train_prerouter(options(model, out, collect="int8"))
+
+
+def test_subset_documents_is_seeded_whole_documents():
+    lengths = [10, 20, 30, 40, 50, 60]
+    got = subset_documents([0, 2, 3, 5], lengths, 70, seed=1)
+    assert got == sorted(got) and set(got) <= {0, 2, 3, 5}
+    total = sum(lengths[i] for i in got)
+    assert total >= 70 and total - max(lengths[i] for i in got) < 70
+    assert got == subset_documents([0, 2, 3, 5], lengths, 70, seed=1)
+    assert subset_documents([0, 2, 3, 5], lengths, 10_000, seed=1) == [0, 2, 3, 5]
+
+
+def test_train_tokens_cuts_the_training_documents_only(tmp_path_factory):
+    model = converted_model(tmp_path_factory, "qwen2_moe")
+    out = tmp_path_factory.mktemp("subset_heads") / "heads.safetensors"
+    full = train_prerouter(options(model, out, steps=3))
+    cut = train_prerouter(options(model, out, steps=3, train_tokens=200, fresh=True))
+    assert cut["data"]["samples_heldout"] == full["data"]["samples_heldout"]
+    assert cut["data"]["docs_heldout"] == full["data"]["docs_heldout"]
+    assert cut["data"]["docs_train"] < full["data"]["docs_train"]
+    assert 200 - cut["data"]["docs_train"] <= cut["data"]["samples_train"] < \
+        full["data"]["samples_train"]
+    assert cut["data"]["train_tokens_cap"] == 200
