@@ -67,11 +67,14 @@ class PrerouterConfig:
 
 
 # Reference tiers (shared/README.md): serving K, first consuming layer, fc1 width.
-# 8B: the reference's owners are 7..22, i.e. consumers 8..23, so start_layer 8.
+# Start layer: the first MoE layer + 1 (every layer but the first prerouted), not the reference
+# heads' 7 (35B, owners 6..38) and 8 (8B, owners 7..22): on the real-weight testbed prerouting
+# the early layers cost no measurable fidelity, and the first layer's wrap-around head did
+# (reports/testbed/wrap.md). Published heads load with their own owners either way.
 _TIERS = {
     # (model_type, layers, hidden, experts): (K, start_layer, width)
-    ("qwen3_5_moe", 40, 2048, 256): (4, 7, 512),
-    ("bailing_hybrid", 24, 1536, 128): (8, 8, 512),
+    ("qwen3_5_moe", 40, 2048, 256): (4, 1, 512),
+    ("bailing_hybrid", 24, 1536, 128): (8, 2, 512),     # layer 0 is dense: first MoE + 1
 }
 
 
@@ -79,8 +82,8 @@ def tier_defaults(model_type: str, n_layers: int, hidden: int, num_experts: int,
                   moe_layers: list[int]) -> dict:
     """Defaults for top_k (None = the model's native), start_layer and width.
 
-    Known reference tiers get the reference values; any other model: start_layer = first MoE
-    layer + 1 (so every MoE->MoE pair gets a head) and width = min(512, 2 x hidden).
+    Known reference tiers get the reference K and width; every model starts at the first MoE
+    layer + 1 (so every MoE->MoE pair gets a head); other models' width = min(512, 2 x hidden).
     """
     key = (model_type, n_layers, hidden, num_experts)
     if key in _TIERS:

@@ -135,3 +135,17 @@ def split_documents(n_docs: int, holdout: float, seed: int) -> tuple[list[int], 
     random.Random(seed).shuffle(order)
     n_hold = min(n_docs - 1, max(1, round(holdout * n_docs)))
     return sorted(order[n_hold:]), sorted(order[:n_hold])
+
+
+def subset_documents(ids: list[int], lengths: list[int], max_tokens: int, seed: int) -> list[int]:
+    """A seeded random subset of documents `ids` holding about `max_tokens` tokens (whole
+    documents, the last one that crosses the limit included), sorted; for learning curves."""
+    order = list(ids)
+    random.Random(f"subset-{seed}").shuffle(order)
+    kept, have = [], 0
+    for i in order:
+        if have >= max_tokens:
+            break
+        kept.append(i)
+        have += lengths[i]
+    return sorted(kept)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,17 +16,21 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.prerouter import (RoutingRule, default_consumers, onehot, router_logits,
                                          router_weight, stack_rules)
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.training.collect_fp32 import check_float32, load_float32
 from edge0_eval.training.data import read_documents, tokenize_documents
 from edge0_eval.training.models import collector_options
 from edge0_eval.training.options import PrerouterOptions
 from edge0_eval.training.state import model_fingerprint, sha256_file, write_json
 
 DATA_VERSION = 1
-
+COLLECTION_FILE = "collection.json"
 
 
 def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
-    return {
+    # The float32 collector's features differ from the served path's in rounding: another
+    # store. The served path keeps the key absent, so stores collected before it stay valid.
+    extra = {} if opts.collect == "served" else {"collect": opts.collect}
+    return extra | {
         "version": DATA_VERSION,
         "model": model_fingerprint(opts.model),
         "texts": [[str(Path(t).resolve()), sha256_file(Path(t))] for t in opts.texts],
@@ -47,6 +52,8 @@ class FeatureStore:
                                 in stores collected before wrap-around heads: owner + 1), routing
                                 rule, documents [name, start, len]
     progress.json               documents completed (collection resumes per document)
+    collection.json             how it was collected: path (served | float32), tokens per
+                                second, the float32 path's check against the served one
     """
 
     def __init__(self, directory: Path):
@@ -89,6 +96,12 @@ class FeatureStore:
             return False
         return set(owners) <= set(meta.get("pairs", []))
 
+    def collection(self) -> dict:
+        try:
+            return json.loads((self.dir / COLLECTION_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
     def routers(self) -> dict:
         return mx.load(str(self.dir / "routers.safetensors"))
 
@@ -105,8 +118,14 @@ class FeatureStore:
 def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: dict, top_k: int,
                      owners: list[int] | None = None) -> None:
     """Run the model over the documents and fill the store (resuming per document); a store
-    that lacks one of `owners` (collected before wrap-around heads) is collected again."""
-    engine = Engine.load(opts.model, collector_options(opts, top_k))
+    that lacks one of `owners` (collected before wrap-around heads) is collected again.
+    `opts.collect` "float32": the dequantized float32 build, checked against the served path on
+    the first documents before anything is collected (collect_fp32.py)."""
+    served_options = collector_options(opts, top_k)
+    if opts.collect == "float32":
+        engine = load_float32(opts.model, served_options)
+    else:
+        engine = Engine.load(opts.model, served_options)
     try:
         moe = list(engine.moe_layers)
         if not moe:
@@ -176,9 +195,21 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
         h = np.load(store.dir / "h.npy", mmap_mode="r+")
         inds = np.load(store.dir / "inds.npy", mmap_mode="r+")
         nr = np.load(store.dir / "nr.npy", mmap_mode="r+")
+        record = store.collection() | {"path": opts.collect}
+        if opts.collect == "float32" and done < len(table):
+            record["check"] = check_float32(opts.model, served_options, engine,
+                                            _check_sample(tokens_of, opts.check_tokens))
+            c = record["check"]
+            print(f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "
+                  f"tokens: top-K agreement mean {c['mean_agreement']:.4f}, worst "
+                  f"{c['worst_agreement']:.4f} (layer {c['worst_layer']}; required "
+                  f"{c['min_agreement']}), feature max relative diff "
+                  f"{c['feature_max_rel_diff']:.2e}; {c['served_tok_s']:.1f} -> "
+                  f"{c['float32_tok_s']:.1f} tok/s", flush=True)
         blocks = [engine.blocks[n] for n in moe]
         for b in blocks:
             b.set_capture(True)
+        collected, started = 0, time.perf_counter()
         chunk = max(1, engine.options.prefill_chunk)
         bar = tqdm(total=meta["tokens"], initial=sum(d[2] for d in table[:done]),
                    desc="collect routing", unit="tok", disable=not opts.progress)
@@ -205,14 +236,32 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                     nr[a:z] = np.array(nrs).astype(np.int16)
                     inds[a:z] = np.array(ind).astype(np.int16)
                     bar.update(len(piece))
+                    collected += len(piece)
                 h.flush(), nr.flush(), inds.flush()
                 write_json(store.dir / "progress.json", {"docs_done": d + 1})
         finally:
+            if collected:
+                seconds = time.perf_counter() - started
+                record["runs"] = record.get("runs", []) + [
+                    {"tokens": collected, "seconds": seconds, "tok_s": collected / seconds}]
+            write_json(store.dir / COLLECTION_FILE, record)
             bar.close()
             for b in blocks:
                 b.set_capture(False)
     finally:
         engine.close()
+
+
+def _check_sample(tokens_of: dict, want: int) -> list[list[int]]:
+    """The first documents, until `want` tokens (the last one cut to fit)."""
+    sample, have = [], 0
+    for d in sorted(tokens_of):
+        if have >= want:
+            break
+        piece = list(tokens_of[d][: want - have])
+        sample.append(piece)
+        have += len(piece)
+    return sample
 
 
 def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:

@@ -173,8 +173,11 @@ def student_options(opts: StageOptions, slots: int) -> EngineOptions:
 
 
 def collector_options(opts: PrerouterOptions, top_k: int) -> EngineOptions:
-    """Stage 1's teacher: the model itself, reactive at the serving K (the exact executed top-K)."""
-    return EngineOptions(mode="reactive", top_k=top_k, expert_budget_mib=opts.expert_budget_mib)
+    """Stage 1's teacher: the model itself, reactive at the serving K (the exact executed top-K).
+    Never an adapter: stage 2 trains one on top of the heads, so an adapter beside the model
+    must not change stage 1's data (the features' fingerprint does not cover adapters)."""
+    return EngineOptions(mode="reactive", top_k=top_k, expert_budget_mib=opts.expert_budget_mib,
+                         no_lora=True)
 
 
 def load_student(opts: StageOptions, slots: int):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AGREEMENT
 
 MODES = ("prerouted", "reactive")      # the engine modes a student is trained in, as served
 SAVE_DTYPES = ("float16", "bfloat16", "float32")
@@ -82,9 +83,19 @@ class PrerouterOptions:
     expert_budget_mib: float | None = None
     save_dtype: str = "float16"
     progress: bool = True
+    collect: str = "served"       # or "float32": collect_fp32.py
+    check_tokens: int = CHECK_TOKENS
+    train_tokens: int | None = None   # train on a random subset of the training documents
 
     def validate(self) -> None:
         validate_run(self)
+        if self.collect not in COLLECT_MODES:
+            raise ConfigError(f"--collect must be one of {', '.join(COLLECT_MODES)}, "
+                              f"not {self.collect!r}")
+        if self.check_tokens < 1:
+            raise ConfigError("--check-tokens must be at least 1")
+        if self.train_tokens is not None and self.train_tokens < 2:
+            raise ConfigError("--train-tokens must be at least 2")
         if not self.texts:
             raise ConfigError("give at least one --text file")
         for text in self.texts:
@@ -129,9 +140,9 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
 def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
     """Which layers the heads serve and their width (stage 1 and init-prerouter)."""
     parser.add_argument("--start-layer", type=int, default=None,
-                        help="first consuming layer (35B tier 7, 8B tier 8; other models: "
-                             "first MoE layer + 1); 0: every MoE layer, with the wrap-around "
-                             "head")
+                        help="first consuming layer (default: first MoE layer + 1, the tiers "
+                             "included; the reference heads start at 7 (35B) and 8 (8B)); 0: "
+                             "every MoE layer, with the wrap-around head")
     parser.add_argument("--width", type=int, default=None,
                         help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
 
@@ -159,6 +170,17 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
                         help="total tokens collected over all documents")
     parser.add_argument("--expert-budget-mib", type=float, default=None,
                         help="engine expert slot budget while collecting (default 2K slots/layer)")
+    parser.add_argument("--collect", default=d.collect, choices=COLLECT_MODES,
+                        help="served: the engine as served (int4 kernels); float32: the same "
+                             "weights dequantized to float32 once (fast on a CPU with BLAS; "
+                             "checked against the served path first, refused if routing "
+                             f"agrees below {MIN_AGREEMENT} on any layer)")
+    parser.add_argument("--check-tokens", type=int, default=d.check_tokens,
+                        help="tokens of the first documents the float32 check runs on")
+    parser.add_argument("--train-tokens", type=int, default=None,
+                        help="train on a seeded random subset of the training documents of "
+                             "about this many tokens (learning curves; the held-out documents "
+                             "stay the same)")
     parser.epilog = (
         "Resume rule: checkpoints go to <out>.ckpt/ every --ckpt-every steps; running the same "
         "command again continues from the last one automatically (bit-identical to an "

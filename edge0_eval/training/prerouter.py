@@ -50,7 +50,7 @@ from edge0_eval.engine.prerouter import (
 
 )
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.training.data import split_documents
+from edge0_eval.training.data import split_documents, subset_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
                                           data_fingerprint, positions)
 from edge0_eval.training.losses import khot_cross_entropy, recall
@@ -93,6 +93,8 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     train_fp = {"data": digest(data_fp), "owners": owners, "width": width, "top_k": top_k,
                 "steps": opts.steps, "lr": opts.lr, "batch": opts.batch,
                 "holdout": opts.holdout, "seed": opts.seed}
+    if opts.train_tokens is not None:      # absent otherwise: earlier states stay valid
+        train_fp["train_tokens"] = opts.train_tokens
     consumers = default_consumers(owners, facts.moe_layers)
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
@@ -115,6 +117,9 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
         announce_resume("train-prerouter", state_path, step, opts.steps)
 
     train_docs, held_docs = split_documents(len(meta["docs"]), opts.holdout, opts.seed)
+    if opts.train_tokens is not None:
+        train_docs = subset_documents(train_docs, [d[2] for d in meta["docs"]],
+                                      opts.train_tokens, opts.seed)
     train_pos = positions(meta["docs"], train_docs)
     held_pos = positions(meta["docs"], held_docs)
     if len(train_pos) == 0 or len(held_pos) == 0:
@@ -165,6 +170,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     train_eval = evaluate({"heads": saved}, batches, rule, np.sort(cap))
     report = _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                      train_pos, held_pos, train_seconds, out)
+    report["collection"] = store.collection()
     json_path, md_path = report_paths(out)
     write_json(json_path, report)
     md_path.write_text(_markdown(report))
@@ -225,6 +231,7 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                  "docs_train": len(train_docs), "docs_heldout": len(held_docs),
                  "samples_train": int(len(train_pos)), "samples_heldout": int(len(held_pos)),
                  "tokens": meta["tokens"], "split": "by document, seeded shuffle",
+                 "train_tokens_cap": opts.train_tokens,
                  "jsonl_fields": "text, else prompt + completion"},
         "training": {"steps": opts.steps, "lr": opts.lr, "batch": opts.batch, "seed": opts.seed,
                      "loss": "softmax cross-entropy vs normalised K-hot target",
@@ -262,6 +269,20 @@ def _markdown(r: dict) -> str:
                  f"{m['recall_next_router']:.3f} | {m['recall_untrained_heads']:.3f} | "
                  f"{m['recall_heads_train']:.3f} | "
                  f"{'all' if r['all_layers_beat_baselines'] else 'not all'} |")
+    c = r.get("collection") or {}
+    runs = c.get("runs") or []
+    if runs:
+        tokens, seconds = sum(x["tokens"] for x in runs), sum(x["seconds"] for x in runs)
+        lines += ["", f"Collected with the {c.get('path', 'served')} path: {tokens} tokens in "
+                      f"{seconds:.0f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)."]
+    if c.get("check"):
+        k = c["check"]
+        lines.append(f"Float32 check against the served path on {k['tokens']} tokens: top-K "
+                     f"agreement mean {k['mean_agreement']:.4f}, worst "
+                     f"{k['worst_agreement']:.4f} (layer {k['worst_layer']}, required "
+                     f"{k['min_agreement']}); feature max relative difference "
+                     f"{k['feature_max_rel_diff']:.2e}; {k['served_tok_s']:.1f} (served) vs "
+                     f"{k['float32_tok_s']:.1f} (float32) tok/s.")
     t = r["training"]
     if t["first_loss"] is not None:
         lines += ["", f"Loss (softmax CE vs normalised K-hot): {t['first_loss']:.4f} at step 1 "
