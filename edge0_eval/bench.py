@@ -218,6 +218,11 @@ def _print_table(rows: list[dict]) -> None:
             ("RSS GiB", "rss_gib", "{:.3f}"), ("MiB/token", "bytes_per_token", "{:.2f}"),
             ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
             ("hit rate", "decode_hit_rate", "{:.2f}"), ("dropped", "dropped_experts", "{}")]
+    _print_rows(cols, rows)
+
+
+def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
+    """One line per row: (header, key, format) per column, bytes_per_token shown in MiB."""
     print(" | ".join(c[0] for c in cols))
     for row in rows:
         cells = []
@@ -238,15 +243,7 @@ def _print_batch_table(rows: list[dict]) -> None:
             ("peak GiB", "peak_memory_gib", "{:.3f}"),
             ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
             ("slot MiB", "expert_buffer_mib", "{:.1f}"), ("storage", "storage", "{}")]
-    print(" | ".join(c[0] for c in cols))
-    for row in rows:
-        cells = []
-        for _, key, fmt in cols:
-            value = row.get(key)
-            if key == "bytes_per_token" and value is not None:
-                value = value / 2**20
-            cells.append("-" if value is None else fmt.format(value))
-        print(" | ".join(cells))
+    _print_rows(cols, rows)
 
 
 def run(args: argparse.Namespace) -> int:

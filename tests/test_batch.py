@@ -20,11 +20,10 @@ from mlx_lm.models.cache import BatchKVCache
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine, NonFiniteError
-from edge0_eval.engine.heads_file import save_heads
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.pool import LayerSlots
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 from edge0_eval.errors import ConfigError
+from perturbed_heads import perturbed_heads
 
 TOL = 0.0 if mx.default_device() == mx.cpu else 2e-2
 MAX_TOKENS = 8
@@ -37,13 +36,7 @@ TEXTS = ["x", "The quick brown fox jumps over the lazy dog.", "hi there",
 def family(request, tmp_path_factory):
     """(converted model, prerouter heads file) per family."""
     converted = request.getfixturevalue(f"edge0_{request.param}")
-    engine = Engine.load(converted, EngineOptions(mode="reactive"))
-    owners = default_owners(engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers)
-    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
-    # Not the plain next-router baseline: the plans then differ from the true routing.
-    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
-    path = save_heads(tmp_path_factory.mktemp("heads") / "prerouter.safetensors", heads)
-    engine.close()
+    path, _ = perturbed_heads(converted, tmp_path_factory.mktemp("heads"))
     return converted, path
 
 
@@ -114,12 +107,7 @@ def test_every_row_equals_its_solo_run(family, mode):
 def test_wrap_around_heads_batch_equals_solo(edge0_qwen, tmp_path):
     """Start layer 0: the last MoE layer's head plans the first MoE layer of the next step,
     so every MoE layer of every batched step is prerouted (its plan is set before layer 0)."""
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
-    owners = default_owners(0, len(engine.model.layers), engine.moe_layers)
-    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
-    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(2)) * 0.5
-    path = save_heads(tmp_path / "wrap.safetensors", heads)
-    engine.close()
+    path, _ = perturbed_heads(edge0_qwen, tmp_path, start_layer=0, key=2)
     engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path)))
     assert engine.prerouter.consumers[-1] == engine.moe_layers[0]
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:5]]

@@ -7,8 +7,7 @@ import pytest
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError
-from edge0_eval.engine.heads_file import save_heads
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from perturbed_heads import perturbed_heads
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 
@@ -16,13 +15,7 @@ PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 @pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
 def model_and_heads(request, tmp_path_factory):
     converted = request.getfixturevalue(f"edge0_{request.param}")
-    engine = Engine.load(converted, EngineOptions(mode="reactive"))
-    owners = default_owners(engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers)
-    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
-    # Perturb fc2 so the heads are not the plain next-router baseline.
-    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
-    path = save_heads(tmp_path_factory.mktemp("heads") / "prerouter.safetensors", heads)
-    engine.close()
+    path, owners = perturbed_heads(converted, tmp_path_factory.mktemp("heads"))
     return converted, path, owners
 
 

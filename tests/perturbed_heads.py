@@ -1,0 +1,30 @@
+"""Prerouter heads for a tiny test model that are NOT the plain next-router baseline.
+
+Untrained heads equal the next layer's router, whose plans would match the true routing; a
+random fc2 makes the planned sets differ from it, so staged-vs-routed checks can see a mix-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+
+
+def perturbed_heads(converted: Path, out_dir: Path, start_layer: int | None = None,
+                    key: int = 1) -> tuple[Path, list[int]]:
+    """(heads file, owners) for `converted`: owners from `start_layer` - 1 on (None: the first
+    MoE layer + 1; 0 adds the wrap-around head)."""
+    engine = Engine.load(converted, EngineOptions(mode="reactive"))
+    start = engine.moe_layers[0] + 1 if start_layer is None else start_layer
+    owners = default_owners(start, len(engine.model.layers), engine.moe_layers)
+    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(key)) * 0.5
+    path = save_heads(Path(out_dir) / "prerouter.safetensors", heads)
+    engine.close()
+    return path, owners
