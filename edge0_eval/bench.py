@@ -336,13 +336,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:
+    """The options as flags that re-run this bench (a dest is not always its flag's name:
+    `prerouter_path` is `--prerouter`)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
     out = [str(args.model)]
     for key, value in sorted(vars(args).items()):
-        if key in ("model", "json_path") or value in (None, False):
+        action = actions.get(key)
+        if action is None or key == "json_path" or value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):   # --x / --no-x
+            if value != action.default:
+                out.append(action.option_strings[0 if value else 1])
+            continue
+        if value is False:
             continue
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        out.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
+        out.append(max(action.option_strings, key=len) + ("" if value is True else f" {value}"))
     return out
 
 

@@ -3,11 +3,13 @@ ratios to B = 1 from the same run; bad values refused at parse time."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from bad_inputs import expect_clear_error
+from edge0_eval import bench
 from edge0_eval.cli import main
 
 K = 2
@@ -82,3 +84,14 @@ def test_batch_with_a_reference_arm_is_one_clear_error(edge0_qwen, capsys):
                  "--raw-reads", "0"]) == 2
     err = capsys.readouterr().err
     assert "--batch" in err and "mlx-lm" in err and "Traceback" not in err
+
+
+def test_echoed_command_reruns_as_written():
+    """The report's command parses back to the same options (flags, not argparse dests)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["M", "--prerouter", "H.safetensors", "--lora", "L",
+                              "--no-verify-crc", "--batch", "1,4", "--emulate-balanced"])
+    echoed = bench._argv_echo(args)
+    assert "--prerouter H.safetensors" in echoed and "--no-verify-crc" in echoed
+    assert vars(parser.parse_args(" ".join(echoed).split())) == vars(args)
