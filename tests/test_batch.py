@@ -283,3 +283,17 @@ def test_cli_generate_prompts_file_batch(edge0_qwen, tmp_path, capsys):
         assert main(["generate", str(edge0_qwen), *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_batch_end_abandons_no_plan(edge0_qwen, tmp_path):
+    """Rows that end together leave the last step's plan to generate_batch's reset (cancelled,
+    outside the decode figures, as in a solo run); only a row leaving mid-batch abandons one."""
+    path, _ = perturbed_heads(edge0_qwen, tmp_path)
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path)))
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
+    engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set())
+    assert engine.stats()["abandoned_plans"] == 0
+    # Three prompts, two rows at once: the third joins when the first two leave.
+    engine.generate_batch(prompts, MAX_TOKENS, batch_size=2, stop_token_ids=set())
+    assert engine.stats()["abandoned_plans"] == len(engine.prerouter.consumers)
+    engine.close()

@@ -148,9 +148,11 @@ class BatchDecoder:
             t0, before = time.perf_counter(), e._snapshot()
             keep = [j for j, r in enumerate(active) if not r.done]
             joining = bool(waiting) and len(keep) < self.rows_at_once
-            if pr is not None and (len(keep) < len(active) or joining):
+            if pr is not None and (len(keep) < len(active) or joining) and (keep or waiting):
                 # Planned for the old rows inside the last step; a joiner's prefill must not
-                # run it either.
+                # run it either. After the batch's last step the plan is left to
+                # generate_batch's reset, which cancels it outside the decode figures, as a
+                # solo generate's last plan is.
                 pr.abandon_plans()
             if len(keep) < len(active):
                 if pr is not None:
