@@ -5,6 +5,12 @@ Arms: `mlx-lm` (mlx-lm's model with every expert resident: the reference), `resi
 before every arm run, so no arm is flattered by another's reads. Besides the arms it measures the
 physical limit (raw positioned reads of the same bundle size at the same queue depth) and the
 compute-only step time (engine resident mode: every expert already in memory).
+
+`--batch 1,4,8` runs the engine arms at each batch size instead (Engine.generate_batch, B
+prompts of --prompt-tokens each, all rows at once), interleaved in every round as the arms are:
+aggregate and per-row decode tok/s, bytes read per generated token, the mean union of experts
+a layer needed per step, peak memory, with the cache state and any emulation labelled; the
+targets give each figure as a ratio to B = 1 of the same run.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
 
 ARMS = ("mlx-lm", "resident", "compute-only", "reactive", "prerouted")
+BATCH_ARMS = ("resident", "reactive", "prerouted")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
     parser.add_argument("--repeats", type=ct.positive_int, default=1,
                         help="interleaved rounds over the arms")
+    parser.add_argument("--batch", type=ct.positive_int_list, default=None,
+                        help="comma list of batch sizes (e.g. 1,4,8): run the engine arms "
+                             f"({', '.join(BATCH_ARMS)}) batched at each size")
     parser.add_argument("--raw-reads", type=ct.nonneg_int, default=256,
                         help="bundles read for the raw bandwidth figure (0 skips it)")
     parser.add_argument("--emulate-balanced", action="store_true",
@@ -104,10 +115,12 @@ def measure_mmap_reads(directory, n_reads: int, queue_depth: int, cold: bool,
         os.close(fd)
 
 
-def _prompt(tokenizer, n: int) -> list[int]:
+def _prompt(tokenizer, n: int, row: int = 0) -> list[int]:
+    """A prompt of n tokens; each `row` starts further into the text, so rows route apart."""
     text = ("The quick brown fox jumps over the lazy dog while experts stream from disk. " * 64)
     ids = tokenizer.encode(text)
-    return (ids * (n // max(1, len(ids)) + 1))[:n]
+    start = (7 * row) % max(1, len(ids))
+    return (ids * ((start + n) // max(1, len(ids)) + 1))[start: start + n]
 
 
 def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
@@ -118,11 +131,39 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
             engine.store.evict_page_cache()
         engine.store.reset_stats()
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
-        result = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
+        with wired_limit(engine.model):
+            result = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
         stats = result.stats
         stats["blocked_gbps"] = (stats["decode_bytes_read"] / (stats["blocked_load_ms_per_step"]
                                  * max(1, stats["generated_tokens"] - 1) / 1000)
                                  if stats["blocked_load_ms_per_step"] > 0 else None)
+        return stats
+    finally:
+        engine.close()
+
+
+def run_batch_arm(model_dir, mode: str, args, cold: bool, batch: int) -> dict:
+    """`batch` prompts decoded together: the batch's figures, and every row's decode rate."""
+    engine = Engine.load(model_dir, options_from_args(args, mode=mode))
+    try:
+        if cold:
+            engine.store.evict_page_cache()
+        engine.store.reset_stats()
+        prompts = [_prompt(engine.tokenizer, args.prompt_tokens, row) for row in range(batch)]
+        with wired_limit(engine.model):
+            results = engine.generate_batch(prompts, max_tokens=args.tokens, batch_size=batch,
+                                            stop_token_ids=set())
+        stats = dict(results[0].stats)
+        rows = [r.stats for r in results]
+        row_rates = [r["decode_tok_s"] for r in rows]
+        stats.update({
+            "batch": batch,
+            "decode_tok_s": stats["batch_decode_tok_s"],        # aggregate, every row's tokens
+            "row_decode_tok_s": row_rates,
+            "mean_row_decode_tok_s": sum(row_rates) / len(row_rates),
+            "prefill_tok_s": sum(r["prompt_tokens"] for r in rows) / stats["batch_prefill_s"],
+            "generated_tokens": stats["batch_generated_tokens"],
+        })
         return stats
     finally:
         engine.close()
@@ -139,8 +180,9 @@ def run_compute_only_arm(model_dir, args) -> dict:
     engine = Engine.load(model_dir, options)
     try:
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
-        engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
-        stats = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set()).stats
+        with wired_limit(engine.model):
+            engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
+            stats = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set()).stats
         stats["mode"] = "compute-only"
         if stats["decode_bytes_read"]:
             stats["note"] = "some experts were read: not purely compute"
@@ -155,10 +197,11 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
                                       top_k=args.top_k)
     prompt = mx.array(_prompt(tokenizer, args.prompt_tokens))
     times = []
-    started = time.perf_counter()
-    for _, _ in zip(range(args.tokens), generate_step(prompt, model, max_tokens=args.tokens,
-                                                      sampler=make_sampler(0.0))):
-        times.append(time.perf_counter())
+    with wired_limit(model):     # as mlx-lm's own generate runs generate_step
+        started = time.perf_counter()
+        for _, _ in zip(range(args.tokens), generate_step(prompt, model, max_tokens=args.tokens,
+                                                          sampler=make_sampler(0.0))):
+            times.append(time.perf_counter())
     prefill = times[0] - started
     decode = times[-1] - times[0]
     steps = len(times) - 1
@@ -186,11 +229,35 @@ def _print_table(rows: list[dict]) -> None:
         print(" | ".join(cells))
 
 
+def _print_batch_table(rows: list[dict]) -> None:
+    cols = [("arm", "mode", "{}"), ("B", "batch", "{}"), ("cache", "cache", "{}"),
+            ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
+            ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
+            ("MiB/token", "bytes_per_token", "{:.2f}"),
+            ("union/layer", "mean_union_per_layer", "{:.2f}"),
+            ("peak GiB", "peak_memory_gib", "{:.3f}"),
+            ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+            ("slot MiB", "expert_buffer_mib", "{:.1f}"), ("storage", "storage", "{}")]
+    print(" | ".join(c[0] for c in cols))
+    for row in rows:
+        cells = []
+        for _, key, fmt in cols:
+            value = row.get(key)
+            if key == "bytes_per_token" and value is not None:
+                value = value / 2**20
+            cells.append("-" if value is None else fmt.format(value))
+        print(" | ".join(cells))
+
+
 def run(args: argparse.Namespace) -> int:
     arms = (args.arms or args.mode).split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ConfigError(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    if args.batch and any(a not in BATCH_ARMS for a in arms):
+        raise ConfigError(f"--batch runs the engine arms {', '.join(BATCH_ARMS)}; drop "
+                          f"{', '.join(a for a in arms if a not in BATCH_ARMS)} from --arms "
+                          f"(run them in a bench without --batch)")
     cold = args.cache == "cold"
     if cold and not hasattr(os, "posix_fadvise"):
         raise ConfigError("--cache cold needs posix_fadvise (Linux); on macOS use --cache warm "
@@ -222,25 +289,34 @@ def run(args: argparse.Namespace) -> int:
         report["io_throttle_mbps"] = args.io_throttle_mbps
         print(f"storage emulation: {args.io_throttle_mbps:.1f} MB/s makes pure read time equal "
               f"the compute-only step time")
+    storage = f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"
     for round_ in range(args.repeats):
-        for arm in arms:
-            if arm == "mlx-lm":
-                row = run_mlx_lm_arm(args.model, args)
-            elif arm == "compute-only":
-                row = run_compute_only_arm(args.model, args)
-            else:
-                row = run_engine_arm(args.model, arm, args, cold)
-            # Free the arm's engine before the next one: its buffers must not count there.
-            gc.collect()
-            mx.clear_cache()
-            warm = arm in ("mlx-lm", "compute-only", "resident")
-            row.update({"arm": arm, "round": round_,
-                        "cache": "warm (experts in memory)" if warm else args.cache,
-                        "emulated": emulated and not warm})
-            report["runs"].append(row)
-    print(f"cache: {args.cache}; storage: "
-          + (f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"))
-    _print_table(report["runs"])
+        for batch in args.batch or [None]:
+            for arm in arms:
+                if batch is not None:
+                    row = run_batch_arm(args.model, arm, args, cold, batch)
+                elif arm == "mlx-lm":
+                    row = run_mlx_lm_arm(args.model, args)
+                elif arm == "compute-only":
+                    row = run_compute_only_arm(args.model, args)
+                else:
+                    row = run_engine_arm(args.model, arm, args, cold)
+                # Free the arm's engine before the next one: its buffers must not count there.
+                gc.collect()
+                mx.clear_cache()
+                warm = arm in ("mlx-lm", "compute-only", "resident")
+                row.update({"arm": arm, "round": round_,
+                            "cache": "warm (experts in memory)" if warm else args.cache,
+                            "emulated": emulated and not warm,
+                            "storage": "in memory" if warm else storage})
+                report["runs"].append(row)
+    print(f"cache: {args.cache}; storage: {storage}")
+    if args.batch:
+        report["batch_prompts"] = (f"B prompts of {args.prompt_tokens} tokens, each starting "
+                                   f"further into the same text; all B rows decode at once")
+        _print_batch_table(report["runs"])
+    else:
+        _print_table(report["runs"])
     if args.profile:
         for row in report["runs"]:
             if "profile_ms_per_step" in row:
@@ -267,6 +343,8 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
     for key, value in sorted(vars(args).items()):
         if key in ("model", "json_path") or value in (None, False):
             continue
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
         out.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {value}"))
     return out
 
@@ -286,14 +364,39 @@ def checkpoint_bytes(model_dir) -> int:
                                            Path(model_dir) / RESIDENT_NAME))
 
 
-def _mean(rows, arm, key):
-    values = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None]
+def _mean(rows, arm, key, batch=None):
+    values = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None
+              and r.get("batch") == batch]
     return sum(values) / len(values) if values else None
+
+
+BATCH_RATIOS = {"decode": "decode_tok_s", "row_decode": "mean_row_decode_tok_s",
+                "bytes_per_token": "bytes_per_token", "union": "mean_union_per_layer",
+                "peak": "peak_memory_gib"}
+
+
+def batch_targets(report: dict) -> dict:
+    """Each batched figure as a ratio to B = 1 of the same arm in the same run."""
+    rows, out = report["runs"], {}
+    sizes = sorted({r["batch"] for r in rows if r.get("batch") is not None})
+    if 1 not in sizes:
+        return {"note": "no B = 1 runs: ratios to B = 1 need 1 in --batch"} if sizes else {}
+    for arm in sorted({r["arm"] for r in rows if r.get("batch") is not None}):
+        for batch in (b for b in sizes if b != 1):
+            for name, key in BATCH_RATIOS.items():
+                base, value = _mean(rows, arm, key, 1), _mean(rows, arm, key, batch)
+                if base and value is not None:
+                    out[f"{arm}_b{batch}_over_b1_{name}"] = round(value / base, 3)
+    if report.get("emulated"):
+        out["note"] = f"storage emulated at {report['io_throttle_mbps']:.1f} MB/s"
+    return out
 
 
 def targets(report: dict) -> dict:
     """Speed and memory ratios from this run's arms (absent arms: not computed)."""
     rows, out = report["runs"], {}
+    if any(r.get("batch") is not None for r in rows):
+        return batch_targets(report)
     pre_tps, rea_tps = _mean(rows, "prerouted", "decode_tok_s"), _mean(rows, "reactive", "decode_tok_s")
     comp_tps = _mean(rows, "compute-only", "decode_tok_s")
     raw = report.get("raw_reads")
@@ -312,6 +415,10 @@ def targets(report: dict) -> dict:
     res_tps, ref_tps = _mean(rows, "resident", "decode_tok_s"), _mean(rows, "mlx-lm", "decode_tok_s")
     if res_tps and ref_tps:
         out["warm_engine_over_mlx_lm"] = round(res_tps / ref_tps, 3)
+    res_pre, ref_pre = _mean(rows, "resident", "prefill_tok_s"), _mean(rows, "mlx-lm",
+                                                                         "prefill_tok_s")
+    if res_pre and ref_pre:
+        out["warm_prefill_engine_over_mlx_lm"] = round(res_pre / ref_pre, 3)
     achieved = _mean(rows, "reactive", "demand_read_gbps")
     if achieved and raw:
         out["reactive_read_gbps_over_raw"] = round(achieved / raw["gbps"], 3)

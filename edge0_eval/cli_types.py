@@ -79,6 +79,20 @@ def name_list(text: str) -> str:
     return text
 
 
+def positive_int_list(text: str) -> list[int]:
+    """A comma-separated list of distinct whole numbers >= 1 ("1,4,8"), in the order given."""
+    names = name_list(text).split(",")
+    values = []
+    for name in names:
+        try:
+            values.append(positive_int(name.strip()))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a value")
+    return values
+
+
 def output_file(text: str) -> str:
     """A file to write later: its folder must exist and it must not be a folder itself."""
     path = Path(text)

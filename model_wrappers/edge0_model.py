@@ -12,6 +12,7 @@ from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
@@ -103,10 +104,11 @@ class Edge0Model(ChatModelBase):
         mx.random.seed(int(s['seed']))
         mx.reset_peak_memory()  # the engine reports the peak since this point: per sample
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
-        result = self.engine.generate(prompt_ids, max_tokens,
-                                      temperature=float(s['temperature']),
-                                      top_p=float(s['top_p']),
-                                      stop_token_ids=set(stop_ids))
+        with wired_limit(self.engine.model):
+            result = self.engine.generate(prompt_ids, max_tokens,
+                                          temperature=float(s['temperature']),
+                                          top_p=float(s['top_p']),
+                                          stop_token_ids=set(stop_ids))
         tokens = [int(t) for t in result.tokens]
         # Engine.generate ends on a stop token and includes it: it is not part of the answer.
         finish = 'length'

@@ -173,11 +173,13 @@ class Engine:
             self.prerouter.after_step()
         return h
 
-    def forward(self, tokens: mx.array, plan_next: bool = False) -> mx.array:
+    def forward(self, tokens: mx.array, plan_next: bool = False, last_only: bool = False
+                ) -> mx.array:
         """Logits for `tokens` [B, L] continuing the cached sequence.
 
         plan_next (decode): run the prerouter heads right after the last layer and start
-        staging the next step's experts.
+        staging the next step's experts. last_only (prefill): logits [B, 1] of the last
+        position only (Family.forward).
         """
         prerouter = self.prerouter
         staging = prerouter is not None and prerouter.has_plan    # this forward runs plans
@@ -189,7 +191,7 @@ class Engine:
         hook = None
         if self.clip or staging or plan_next:
             hook = partial(self._after_layer, staging=staging, plan_next=plan_next)
-        logits = self.family.forward(self.model, tokens, self.cache, hook)
+        logits = self.family.forward(self.model, tokens, self.cache, hook, last_only=last_only)
         self.position += tokens.shape[1]
         return logits
 
@@ -223,7 +225,7 @@ class Engine:
         if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and chunk > 1:
             bounds[-2] -= 1   # the last chunk keeps two tokens: the heads' t and t-1 features
         for start, end in zip(bounds, bounds[1:]):
-            logits = self._checked(self.forward(mx.array(tokens[start:end])[None]),
+            logits = self._checked(self.forward(mx.array(tokens[start:end])[None], last_only=True),
                                    f"in the prefill of tokens {start}..{end - 1}",
                                    [c.state for c in self.cache])
         if self.prerouter is not None and plan:

@@ -51,8 +51,15 @@ class Family:
         return [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
 
     def forward(self, model: nn.Module, inputs: mx.array, cache: list,
-                hook: LayerHook | None = None, call: LayerCall | None = None) -> mx.array:
-        return _FORWARDS[self.name](model, inputs, cache, hook, call or _call)
+                hook: LayerHook | None = None, call: LayerCall | None = None,
+                last_only: bool = False) -> mx.array:
+        """Logits [B, L, vocab]; last_only: [B, 1, vocab] of the last position only.
+
+        A prefill needs only the last position's logits, and the LM head is the biggest single
+        op: over a whole chunk it costs as much as several decoder layers (mlx-lm's prefill
+        never computes it for the prompt's earlier positions either).
+        """
+        return _FORWARDS[self.name](model, inputs, cache, hook, call or _call, last_only)
 
 
 def _layers(layers, h, cache, hook, call, args) -> mx.array:
@@ -70,7 +77,11 @@ def _logits(out, owner, tied: bool, embed) -> mx.array:
     return embed.as_linear(out) if tied else owner.lm_head(out)
 
 
-def _qwen_forward(model, inputs, cache, hook, call):
+def _last(h: mx.array, last_only: bool) -> mx.array:
+    return h[:, -1:] if last_only else h
+
+
+def _qwen_forward(model, inputs, cache, hook, call, last_only):
     text = model.language_model
     inner = text.model
     h = inner.embed_tokens(inputs)
@@ -78,10 +89,11 @@ def _qwen_forward(model, inputs, cache, hook, call):
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
     h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: (
         (h,), dict(mask=ssm_mask if layer.is_linear else fa_mask, cache=c)))
-    return _logits(inner.norm(h), text, text.args.tie_word_embeddings, inner.embed_tokens)
+    return _logits(inner.norm(_last(h, last_only)), text, text.args.tie_word_embeddings,
+                   inner.embed_tokens)
 
 
-def _bailing_forward(model, inputs, cache, hook, call):
+def _bailing_forward(model, inputs, cache, hook, call, last_only):
     inner = model.model
     h = inner.word_embeddings(inputs)
     attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
@@ -90,15 +102,17 @@ def _bailing_forward(model, inputs, cache, hook, call):
     offset = attn_cache.offset if attn_cache is not None else 0
     h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: (
         (h, attn_mask if layer.is_global else gla_mask, c), dict(offset=offset)))
-    return _logits(inner.norm(h), model, model.args.tie_word_embeddings, inner.word_embeddings)
+    return _logits(inner.norm(_last(h, last_only)), model, model.args.tie_word_embeddings,
+                   inner.word_embeddings)
 
 
-def _qwen2_forward(model, inputs, cache, hook, call):
+def _qwen2_forward(model, inputs, cache, hook, call, last_only):
     inner = model.model
     h = inner.embed_tokens(inputs)
     mask = create_attention_mask(h, cache[0])
     h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: ((h, mask, c), {}))
-    return model.lm_head(inner.norm(h))   # mlx-lm's qwen2_moe always has its own lm_head
+    # mlx-lm's qwen2_moe always has its own lm_head
+    return model.lm_head(inner.norm(_last(h, last_only)))
 
 
 _FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward,

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
-                                          upcast_unquantized_experts_for_cpu)
+                                          upcast_unquantized_experts_for_cpu, wired_limit)
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
 from edge0_eval.evaluation.fidelity_set import FORMAT, score_item, tail_mass
@@ -63,6 +63,7 @@ class EngineRunner:
 
     def __init__(self, engine):
         self.engine = engine
+        self.module = engine.model      # what wired_limit wires: resident weights + slot pool
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:
         self.engine.reset()
@@ -77,7 +78,7 @@ class MLXRunner:
     last token in chunks, then the last token and every continuation token one at a time."""
 
     def __init__(self, model):
-        self.model = model
+        self.model = self.module = model
         self.cache = None
 
     def _forward(self, tokens: list[int]) -> mx.array:
@@ -91,7 +92,10 @@ class MLXRunner:
         self.cache = make_prompt_cache(self.model)
         head = list(prompt_ids[:-1])
         for i in range(0, len(head), MLX_PREFILL_STEP):
-            self._forward(head[i:i + MLX_PREFILL_STEP])
+            # Only the cache states, as generate_step: the LM head over a whole chunk is never
+            # needed, and it is the biggest single op.
+            self.model(mx.array(head[i:i + MLX_PREFILL_STEP])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
         return _logprobs(self._forward([int(prompt_ids[-1])]))
 
     def advance(self, token: int) -> np.ndarray:
@@ -119,7 +123,9 @@ def teacher_forced(runner, prompt_ids: list[int], tokens: list[int],
 
 def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
     """What an OpenCompass arm returns for one item: JSON-ready log-probs and argmax ids."""
-    lp, argmax = teacher_forced(runner_for(model), prompt_ids, tokens, ids)
+    runner = runner_for(model)
+    with wired_limit(runner.module):
+        lp, argmax = teacher_forced(runner, prompt_ids, tokens, ids)
     return {"logprobs": [[float(v) for v in row] for row in lp],
             "argmax": [int(a) for a in argmax]}
 
@@ -147,9 +153,12 @@ def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
     """Every item of a set scored on `model` (an Engine or an mlx-lm model)."""
     runner = runner_for(model)
     out = []
-    for item in _progress(fset["items"], progress, "fidelity"):
-        lp, argmax = teacher_forced(runner, item["prompt_ids"], item["tokens"], item["topk_ids"])
-        out.append({"id": item["id"], "source": item["source"], **score_item(item, lp, argmax)})
+    with wired_limit(runner.module):
+        for item in _progress(fset["items"], progress, "fidelity"):
+            lp, argmax = teacher_forced(runner, item["prompt_ids"], item["tokens"],
+                                        item["topk_ids"])
+            out.append({"id": item["id"], "source": item["source"],
+                        **score_item(item, lp, argmax)})
     return out
 
 
@@ -215,10 +224,11 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
     runner = MLXRunner(model)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
     items = []
-    for p in _progress(prompts, progress, "teacher"):
-        ids = chat_ids(tokenizer, p.text, thinking)
-        items.append({"id": p.id, "source": p.source, "prompt": p.text, "prompt_ids": ids,
-                      **greedy_continuation(runner, ids, max_new, top_k, stop)})
+    with wired_limit(runner.module):
+        for p in _progress(prompts, progress, "teacher"):
+            ids = chat_ids(tokenizer, p.text, thinking)
+            items.append({"id": p.id, "source": p.source, "prompt": p.text, "prompt_ids": ids,
+                          **greedy_continuation(runner, ids, max_new, top_k, stop)})
     config = json.loads((Path(teacher) / "config.json").read_text())
     return {"format": FORMAT,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
