@@ -10,45 +10,17 @@ from typing import Any, Dict, List
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, stream_generate
-from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, greedy_sampler,
-                                 make_logits_processors)
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
 from edge0_eval.engine.mlx_compat import (COMPUTE_DTYPES, cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
+from edge0_eval.engine.sampling import row_sampler
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
 
 from .chat import ChatModelBase, RowStop
-
-
-def row_sampler(seed: int, temperature: float, top_p: float = 1.0, min_p: float = 0.0,
-                top_k: int = 0):
-    """mlx-lm's sampler chain (make_sampler's filters, same order) drawing from its own key.
-
-    The key starts at `mx.random.key(seed)` and is split once per sampled token, so a row's
-    draws depend on its seed and its own logits only: not on the global RNG, its batch mates
-    or how many rows a batch has. Greedy needs no key: mlx-lm's argmax.
-    """
-    if temperature == 0:
-        return greedy_sampler
-    filters = []
-    if 0 < top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, top_p))
-    if min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, min_p))
-    if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
-    state = {'key': mx.random.key(int(seed))}
-
-    def sample(logprobs: mx.array) -> mx.array:
-        state['key'], key = mx.random.split(state['key'])
-        for f in filters:
-            logprobs = f(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
-
-    return sample
 
 
 @MODELS.register_module()

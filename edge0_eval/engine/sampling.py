@@ -2,28 +2,48 @@
 
 A row's key is `mx.random.key(seed)`, split once per generated token, so its samples depend on
 its seed and its own logits only: the same prompt and seed give the same sample alone or in any
-batch, at any position in it (OpenCompass runs stay reproducible at any `batch_size`).
+batch, at any position in it (OpenCompass runs stay reproducible at any `batch_size`). The
+engine and the mlx-lm teacher (model_wrappers/mlx_lm_model.py) share `row_sampler`.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
+
+
+def row_sampler(seed: int, temperature: float, top_p: float = 1.0, min_p: float = 0.0,
+                top_k: int = 0) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler chain (make_sampler's filters, same order) drawing from its own key:
+    logprobs -> token ids. Greedy needs no key: mlx-lm's argmax."""
+    if temperature == 0:
+        return greedy_sampler
+    filters = []
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    state = {"key": mx.random.key(int(seed))}
+
+    def sample(logprobs: mx.array) -> mx.array:
+        state["key"], key = mx.random.split(state["key"])
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
+
+    return sample
 
 
 class RowSampler:
-    """One row's sampler: greedy at temperature 0, else top-p then categorical on its own key."""
+    """One engine row's sampler (temperature and top-p: what the engine serves) on logits."""
 
     def __init__(self, temperature: float, top_p: float, seed: int):
-        self.temperature, self.top_p = float(temperature), float(top_p)
-        self._key = mx.random.key(seed) if self.temperature > 0 else None
+        self._sample = row_sampler(seed, float(temperature), top_p=float(top_p))
 
     def __call__(self, logits: mx.array) -> mx.array:
         """logits [V] (one row) -> the token id, a lazy scalar."""
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        if self._key is None:
-            return mx.argmax(logprobs, axis=-1)
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        self._key, sub = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=sub)
+        return self._sample(logits - mx.logsumexp(logits, keepdims=True))
