@@ -618,12 +618,12 @@ def _tally(results: list[tuple[str, str, str]]):
     assert not bad, f"{len(bad)} of {len(results)} mutations not refused cleanly: {bad[:8]}"
 
 
-def test_fuzz_index(edge0_qwen, tmp_path):
-    rng = random.Random(FUZZ_SEED)
-    model = copy_model(edge0_qwen, tmp_path / "m")
+def _fuzz_index(model: Path, rng, n: int) -> list[tuple[str, str, str]]:
+    """n seeded mutations of the model's index, each run through the full check; the index is
+    restored afterwards."""
     original = (model / INDEX_NAME).read_text()
     results = []
-    for i in range(150):
+    for _ in range(n):
         data = json.loads(original)
         what = mutate_index(rng, data)
         (model / INDEX_NAME).write_text(json.dumps(data))
@@ -633,6 +633,12 @@ def test_fuzz_index(edge0_qwen, tmp_path):
             kind = "unnamed"
         results.append((what, kind, message[:160]))
     (model / INDEX_NAME).write_text(original)
+    return results
+
+
+def test_fuzz_index(edge0_qwen, tmp_path):
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    results = _fuzz_index(model, random.Random(FUZZ_SEED), 150)
     _full_check(model)()      # the untouched copy passes the same oracle
     _tally(results)
 
@@ -688,15 +694,8 @@ def test_fuzz_oracle_sees_an_injected_fault(edge0_qwen, tmp_path, monkeypatch):
     or tracebacks: the suite can fail."""
     monkeypatch.setattr(ExpertIndex, "validate", lambda self, directory=None: None)
     monkeypatch.setattr("edge0_eval.engine.checks.check_index_model", lambda *a, **k: None)
-    rng = random.Random(FUZZ_SEED)
     model = copy_model(edge0_qwen, tmp_path / "m")
-    original = (model / INDEX_NAME).read_text()
-    kinds = []
-    for _ in range(40):
-        data = json.loads(original)
-        mutate_index(rng, data)
-        (model / INDEX_NAME).write_text(json.dumps(data))
-        kinds.append(outcome(_full_check(model))[0])
+    kinds = [kind for _, kind, _ in _fuzz_index(model, random.Random(FUZZ_SEED), 40)]
     assert set(kinds) - {"error"}, kinds
 
 
