@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     probe = Engine.load(args.model, EngineOptions(mode="reactive", no_lora=True,
                                                   no_prerouter=True))
     try:
-        heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k)
+        heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k,
+                                        next_token=args.next_token)
         path = save_heads(args.out, heads, metadata={"source": "init-prerouter (untrained)",
                                                      "model": Path(args.model).resolve().name,
                                                      "model_type": facts.model_type})

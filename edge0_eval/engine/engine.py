@@ -182,8 +182,10 @@ class Engine:
         position only (Family.forward).
         """
         prerouter = self.prerouter
-        staging = prerouter is not None and prerouter.has_plan    # this forward runs plans
         plan_next = plan_next and prerouter is not None
+        if plan_next:
+            prerouter.plan_tokens(tokens[:, -1])    # next-token heads plan here, once per step
+        staging = prerouter is not None and prerouter.has_plan    # this forward runs plans
         if staging and plan_next:
             prerouter.counters.steps += 1
         if staging:

@@ -51,6 +51,11 @@ class Family:
     def layers(self, model: nn.Module) -> list:
         return model.layers
 
+    def embedding(self, model: nn.Module) -> nn.Module:
+        """The input embedding (next-token prerouter heads read its rows)."""
+        inner = getattr(model, "language_model", model).model
+        return inner.word_embeddings if hasattr(inner, "word_embeddings") else inner.embed_tokens
+
     def moe_layers(self, model: nn.Module) -> list[int]:
         return [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
 

@@ -4,8 +4,10 @@
     layers.<N>.linear_init.weight [E, in]
 
 with string metadata kind="prerouter", K, owners (JSON list), consumers (JSON list, parallel to
-owners; optional: absent means owner + 1 for every head), start_layer, width, hidden,
-num_experts, format_version, source, model, model_type. `load_heads` reads published files (which
+owners; optional: absent means owner + 1 for every head), features ("next_token" for heads that
+also see the sampled next token's embedding, in = 2 x hidden + 2E; absent: the published context
+features, in = hidden + 2E), start_layer, width, hidden, num_experts, format_version, source,
+model, model_type. `load_heads` reads published files (which
 may lack start_layer/width/hidden/num_experts: they are then taken from the shapes) and checks
 everything against the model it will serve.
 """
@@ -25,6 +27,7 @@ from edge0_eval.errors import CheckpointError
 
 KIND = "prerouter"
 FORMAT_VERSION = 1
+NEXT_TOKEN = "next_token"     # metadata features= of next-token heads (absent: context)
 _KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
 
 
@@ -52,9 +55,11 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
             "consumers": json.dumps(cfg.consumers), "start_layer": str(cfg.start_layer),
             "width": str(cfg.width), "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
             "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
+    if cfg.next_token:
+        meta["features"] = NEXT_TOKEN
     for key, value in (metadata or {}).items():
         if key in ("kind", "K", "owners", "consumers", "width", "hidden", "num_experts",
-                   "format_version"):
+                   "format_version", "features"):
             continue  # these describe the tensors; they come from the heads
         meta[key] = value if isinstance(value, str) else json.dumps(value)
     _atomic_save(path, arrays, meta)
@@ -158,7 +163,12 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         if missing:
             raise CheckpointError(f"{where} has no head for owner layer(s) {missing} (it holds "
                                   f"{sorted(layers)})")
-    in_dim = hidden + 2 * num_experts
+    features = meta.get("features", "context")
+    if features not in ("context", NEXT_TOKEN):
+        raise CheckpointError(f"{where}: metadata features={features!r} is unknown; this build "
+                              f"reads 'context' (absent) and {NEXT_TOKEN!r}")
+    next_token = features == NEXT_TOKEN
+    in_dim = hidden * (2 if next_token else 1) + 2 * num_experts
     width = int(layers[owners[0]]["fc1"].shape[0])
     for n in owners:
         for name, want in (("fc1", (width, in_dim)), ("fc2", (num_experts, width)),
@@ -167,7 +177,8 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
             if got != want:
                 raise CheckpointError(
                     f"{where}: layers.{n}.{name}.weight has shape {list(got)}, expected "
-                    f"{list(want)} (hidden {hidden} + 2 x {num_experts} experts, width {width})")
+                    f"{list(want)} ({'2 x ' if next_token else ''}hidden {hidden} + 2 x "
+                    f"{num_experts} experts, width {width})")
     meta_width = _int_meta(meta, "width", path)
     if meta_width is not None and meta_width != width:
         raise CheckpointError(f"{where}: metadata width={meta_width} but fc1 has width {width}")
@@ -180,7 +191,7 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
                                   f"layers: {list(moe_layers)}); train heads for this model")
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width,
                              top_k=top_k, hidden=hidden, num_experts=num_experts,
-                             consumers=consumers)
+                             consumers=consumers, next_token=next_token)
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
     heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
     if dtype is not None:

@@ -9,6 +9,11 @@ prerouted too (on the true router it would be one fully blocking step per genera
 before `start_layer` and prefill itself route with the true router; with a wrap-around head
 (start layer 0) every MoE layer of every decode step is prerouted.
 
+Next-token heads (`config.next_token`) also read the embedding of the token the step is about to
+consume, so their plan cannot run after the last layer: the step's features wait, and
+`plan_tokens` plans when the next forward receives its tokens (the sampled ones, or the forced
+ones when scoring), before its first layer. Their reads then no longer overlap the LM head.
+
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
 """
@@ -58,6 +63,9 @@ class Prerouter:
         self.measure_recall = measure_recall
         self.counters = StagingCounters()
         self._prev_onehot = self._feats = None
+        self.next_token = bool(cfg.next_token)
+        self._awaiting_tokens = False           # next-token heads: features wait for the tokens
+        self._embedding = engine.family.embedding(engine.model) if self.next_token else None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
@@ -66,6 +74,7 @@ class Prerouter:
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
         self._prev_onehot = self._feats = None
+        self._awaiting_tokens = False
         self._drain()
         self._plans = {}
         self._clear_plans()
@@ -159,8 +168,27 @@ class Prerouter:
         self._feats, self._prev_onehot = feats, onehot
 
     def plan_rows(self) -> None:
-        """Plan the next step of the current rows (after_step does it inside the forward)."""
+        """Plan the next step of the current rows (after_step does it inside the forward);
+        next-token heads wait for the rows' tokens (`plan_tokens`)."""
+        if self.next_token:
+            self._awaiting_tokens = self._feats is not None
+            return
         self.plan(self._feats, self._prev_onehot)
+
+    def plan_tokens(self, tokens: mx.array) -> None:
+        """Next-token heads: plan the step about to consume `tokens` [B] (one per row, in row
+        order) from the waiting features and those tokens' input embeddings."""
+        if not self._awaiting_tokens:
+            return
+        self._awaiting_tokens = False
+        feats = self._feats
+        if tokens.shape != (feats.shape[1],):
+            raise ValueError(f"plan_tokens got tokens of shape {tokens.shape} for "
+                             f"{feats.shape[1]} rows")
+        emb = self._embedding(tokens).astype(feats.dtype)                  # [B, H]
+        self.plan(mx.concatenate([feats, mx.broadcast_to(emb[None], (feats.shape[0],) +
+                                                         emb.shape)], axis=-1),
+                  self._prev_onehot)
 
     def abandon_plans(self) -> None:
         """Rows left or joined after the last step planned: finish the in-flight reads (their

@@ -6,6 +6,13 @@ Features for owner N at token t (dimension hidden + 2E):
             onehot(top-k executed at layer N, token t-1) ]
 Head:  logits = fc2(gelu_erf(fc1(x))) + linear(x)   (no biases, as in the published layout)
 
+Next-token heads (`next_token=True`, heads-file metadata features="next_token") also see
+            emb(t+1)                  the input embedding of the token just sampled
+appended last (dimension 2 x hidden + 2E). The next layer's routing of token t+1 depends most on
+which token t+1 is, and once it is sampled the embedding costs one row lookup; the price is that
+their plan waits for the sampled token, so the LM head no longer overlaps the staged reads
+(prerouted.py). Published head files have no such key: context features.
+
 Wrap-around head: the owner may be the LAST MoE layer, predicting the FIRST MoE layer of the
 next token (qwen3_5_moe / qwen2_moe: layer 0; bailing_hybrid: layer 1, its layer 0 is dense).
 With it every MoE layer's reads can start a whole step early. A head's consumer is owner + 1,
@@ -49,6 +56,7 @@ class PrerouterConfig:
     hidden: int
     num_experts: int
     consumers: list[int] | None = None   # layer each owner predicts (None: owner + 1 each)
+    next_token: bool = False   # features end with the sampled next token's input embedding
 
     def __post_init__(self):
         if self.consumers is None:
@@ -59,7 +67,7 @@ class PrerouterConfig:
 
     @property
     def in_dim(self) -> int:
-        return self.hidden + 2 * self.num_experts
+        return self.hidden * (2 if self.next_token else 1) + 2 * self.num_experts
 
     @property
     def consumer_of(self) -> dict[int, int]:
@@ -200,7 +208,8 @@ class PrerouterHeads(nn.Module):
         consumers = [self.config.consumer_of[n] for n in owners]
         cfg = PrerouterConfig(owners=owners, start_layer=min(consumers), width=self.config.width,
                               top_k=self.config.top_k, hidden=self.config.hidden,
-                              num_experts=self.config.num_experts, consumers=consumers)
+                              num_experts=self.config.num_experts, consumers=consumers,
+                              next_token=self.config.next_token)
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
 
     def astype(self, dtype) -> "PrerouterHeads":
@@ -214,14 +223,22 @@ def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
     return hits.any(axis=-2).astype(dtype)
 
 
-def build_features(h: mx.array, onehot_t: mx.array, onehot_prev: mx.array) -> mx.array:
-    """concat[h [O,B,H], onehot_t [O,B,E], onehot_prev [O,B,E]] -> [O, B, H + 2E]."""
+def build_features(h: mx.array, onehot_t: mx.array, onehot_prev: mx.array,
+                   next_embedding: mx.array | None = None) -> mx.array:
+    """concat[h [O,B,H], onehot_t [O,B,E], onehot_prev [O,B,E]] -> [O, B, H + 2E]; with
+    `next_embedding` [B, H] (next-token heads) every owner also gets it: [O, B, 2H + 2E].
+    (Any lead shape: h [O, ..., H] with next_embedding [..., H].)"""
     if h.shape[:-1] != onehot_t.shape[:-1] or onehot_t.shape != onehot_prev.shape:
         raise ValueError(f"feature shapes disagree: h {h.shape}, onehot_t {onehot_t.shape}, "
                          f"onehot_prev {onehot_prev.shape}")
     dtype = h.dtype if mx.issubdtype(h.dtype, mx.floating) else mx.float32
-    return mx.concatenate([h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)],
-                          axis=-1)
+    parts = [h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)]
+    if next_embedding is not None:
+        if tuple(next_embedding.shape) != tuple(h.shape[1:]):
+            raise ValueError(f"next-token embedding has shape {next_embedding.shape}, expected "
+                             f"{tuple(h.shape[1:])}")
+        parts.append(mx.broadcast_to(next_embedding.astype(dtype)[None], h.shape))
+    return mx.concatenate(parts, axis=-1)
 
 
 def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = None,
@@ -287,7 +304,8 @@ def router_weight(block) -> tuple[mx.array, mx.array | None]:
 
 def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
                               biases: list[mx.array | None], seed: int) -> PrerouterHeads:
-    """Warm start: linear = [W_next | b/K over the one-hot(t) columns | 0], fc2 = 0.
+    """Warm start: linear = [W_next | b/K over the one-hot(t) columns | 0 (| 0 over the
+    next-token embedding)], fc2 = 0.
 
     Routers have no bias in the supported families; if one had, spreading b/K over the K ones
     of onehot_t reproduces it exactly, since that one-hot always has exactly K ones.
@@ -302,6 +320,8 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
             cols.append(mx.zeros((e, 2 * e)))
         else:
             cols += [mx.broadcast_to(bias[:, None] / config.top_k, (e, e)), mx.zeros((e, e))]
+        if config.next_token:
+            cols.append(mx.zeros((e, h)))
         linear.append(mx.concatenate(cols, axis=1))
     key = mx.random.key(seed)
     fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim ** -0.5)
@@ -311,7 +331,8 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
 
 
 def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0,
-                            top_k: int | None = None) -> PrerouterHeads:
+                            top_k: int | None = None, next_token: bool = False
+                            ) -> PrerouterHeads:
     """Heads warm-started from each consumer's router (owner + 1; the wrap-around head, owner =
     the last MoE layer: the first MoE layer's); untrained = that router."""
     moe = engine.moe_layers
@@ -322,6 +343,7 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
     num_experts = int(engine.index.num_experts)
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=int(width),
                              top_k=int(top_k or engine.top_k), hidden=hidden,
-                             num_experts=num_experts, consumers=consumers)
+                             num_experts=num_experts, consumers=consumers,
+                             next_token=bool(next_token))
     pairs = [router_weight(engine.blocks[c]) for c in consumers]
     return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed)

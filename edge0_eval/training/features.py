@@ -13,8 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.prerouter import (RoutingRule, default_consumers, onehot, router_logits,
-                                         router_weight, stack_rules)
+from edge0_eval.engine.prerouter import (RoutingRule, build_features, default_consumers, onehot,
+                                         router_logits, router_weight, stack_rules)
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import check_float32, load_float32
 from edge0_eval.training.data import read_documents, tokenize_documents
@@ -24,6 +24,7 @@ from edge0_eval.training.state import model_fingerprint, sha256_file, write_json
 
 DATA_VERSION = 1
 COLLECTION_FILE = "collection.json"
+EMBEDDINGS_FILE = "emb.npy"
 
 
 def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
@@ -47,6 +48,8 @@ class FeatureStore:
                                the wrap-around pair: the last MoE layer -> the first MoE layer)
     inds.npy [T, M, K] int16    executed top-K of every MoE layer
     nr.npy  [T, P, K] int16     baseline: the consumer's router on the owner's input, family rule
+    emb.npy [T, H] float16      input embedding of the token at each position (written by
+                                `ensure_embeddings` when next-token heads are trained)
     routers.safetensors         consumers' router weights (warm start) and expert biases
     data.json                   fingerprint, layers, pairs and their consumers ("consumers"; absent
                                 in stores collected before wrap-around heads: owner + 1), routing
@@ -81,6 +84,8 @@ class FeatureStore:
         self.h = np.load(self.dir / "h.npy", mmap_mode="r")
         self.inds = np.load(self.dir / "inds.npy", mmap_mode="r")
         self.nr = np.load(self.dir / "nr.npy", mmap_mode="r")
+        path = self.dir / EMBEDDINGS_FILE
+        self.emb = np.load(path, mmap_mode="r") if path.is_file() else None
         return self
 
     def consumers(self) -> list[int]:
@@ -264,6 +269,35 @@ def _check_sample(tokens_of: dict, want: int) -> list[list[int]]:
     return sample
 
 
+def ensure_embeddings(opts: PrerouterOptions, store: FeatureStore, top_k: int,
+                      chunk: int = 4096) -> None:
+    """Write `emb.npy` (each position's input embedding, for next-token heads) into a complete
+    store that lacks it: the documents are tokenized again (checked against the store's) and
+    looked up in the model's own embedding, so the features collected stay as they are."""
+    path = store.dir / EMBEDDINGS_FILE
+    if path.is_file():
+        return
+    meta = json.loads((store.dir / "data.json").read_text())
+    engine = Engine.load(opts.model, collector_options(opts, top_k))
+    try:
+        docs = _documents(engine, opts)
+        if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:
+            raise CheckpointError(f"{store.dir}: tokenization no longer matches the collected "
+                                  f"documents; rerun with --fresh")
+        ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in docs])
+        embed = engine.family.embedding(engine.model)
+        tmp = store.dir / f".{EMBEDDINGS_FILE}.tmp.npy"
+        out = np.lib.format.open_memmap(tmp, "w+", np.float16, (len(ids), meta["hidden"]))
+        for a in range(0, len(ids), chunk):
+            rows = embed(mx.array(ids[a: a + chunk])).astype(mx.float32)
+            out[a: a + chunk] = np.array(rows).astype(np.float16)
+        out.flush()
+        del out
+        tmp.replace(path)
+    finally:
+        engine.close()
+
+
 def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:
     return tokenize_documents(engine.tokenizer, read_documents(opts.texts), opts.max_tokens,
                               opts.max_doc_tokens)
@@ -278,9 +312,13 @@ def positions(docs: list, ids: list[int]) -> np.ndarray:
 class Batches:
     """Gathers [O, B, ...] arrays for token positions from the store (numpy, then MLX)."""
 
-    def __init__(self, store: FeatureStore, owners: list[int]):
+    def __init__(self, store: FeatureStore, owners: list[int], next_token: bool = False):
         meta = store.meta
         self.store = store
+        self.next_token = next_token
+        if next_token and store.emb is None:
+            raise CheckpointError(f"{store.dir}: no {EMBEDDINGS_FILE} for next-token heads "
+                                  f"(ensure_embeddings writes it)")
         self.num_experts = meta["num_experts"]
         self.k = meta["top_k"]
         pair_pos = {n: i for i, n in enumerate(meta["pairs"])}
@@ -294,6 +332,10 @@ class Batches:
         self.owner_m = np.array([moe_pos[n] for n in owners])
         self.consumers = [consumer_of[n] for n in owners]
         self.consumer_m = np.array([moe_pos[c] for c in self.consumers])
+        if next_token:
+            routers = store.routers()
+            self.token_router = mx.stack([routers[f"router.{c}"] for c in self.consumers]
+                                         ).astype(mx.float32)             # [O, E, H]
         first = np.zeros(meta["tokens"], dtype=bool)
         for _, start, _ in meta["docs"]:
             first[start] = True
@@ -312,9 +354,15 @@ class Batches:
         return {"h": tr(h).astype(mx.float32), "cur": tr(cur.astype(np.int32)),
                 "prev": tr(prev), "target": tr(nxt.astype(np.int32)),
                 "prev_token": tr(rows[:, self.consumer_m].astype(np.int32)),
-                "next_router": tr(np.asarray(s.nr[t])[:, self.owner_p].astype(np.int32))}
+                "next_router": tr(np.asarray(s.nr[t])[:, self.owner_p].astype(np.int32))} | (
+            {"next_emb": mx.array(np.asarray(s.emb[t + 1], dtype=np.float32))}
+            if self.next_token else {})
 
     def features(self, batch: dict) -> mx.array:
         e = self.num_experts
-        return mx.concatenate([batch["h"], onehot(batch["cur"], e), onehot(batch["prev"], e)],
-                              axis=-1)
+        return build_features(batch["h"], onehot(batch["cur"], e), onehot(batch["prev"], e),
+                              batch.get("next_emb"))
+
+    def token_router_logits(self, batch: dict) -> mx.array:
+        """Baseline of next-token heads: each consumer's router on token t+1's embedding."""
+        return mx.matmul(batch["next_emb"][None], self.token_router.swapaxes(1, 2))

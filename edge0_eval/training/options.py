@@ -86,6 +86,7 @@ class PrerouterOptions:
     collect: str = "served"       # or "float32": collect_fp32.py
     check_tokens: int = CHECK_TOKENS
     train_tokens: int | None = None   # train on a random subset of the training documents
+    next_token: bool = False      # heads also see the next token's embedding (prerouter.py)
 
     def validate(self) -> None:
         validate_run(self)
@@ -145,6 +146,11 @@ def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
                              "every MoE layer, with the wrap-around head")
     parser.add_argument("--width", type=int, default=None,
                         help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
+    parser.add_argument("--next-token", action="store_true",
+                        help="heads also see the sampled next token's input embedding: far "
+                             "higher recall, but their reads start after the LM head and the "
+                             "sampling instead of overlapping them (default: the published "
+                             "context features)")
 
 
 def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:

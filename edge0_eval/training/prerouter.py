@@ -52,7 +52,7 @@ from edge0_eval.engine.prerouter import (
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import split_documents, subset_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
-                                          data_fingerprint, positions)
+                                          data_fingerprint, ensure_embeddings, positions)
 from edge0_eval.training.losses import khot_cross_entropy, recall
 from edge0_eval.training.models import model_facts, resolve_heads
 from edge0_eval.training.options import (PrerouterOptions, add_prerouter_arguments,
@@ -87,6 +87,8 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
             f"limits; rerun with --fresh to start over (or choose another --out)")
     if not (store.matches(data_fp) and store.complete and store.covers(owners)):
         collect_features(opts, store, data_fp, top_k, owners)
+    if opts.next_token:
+        ensure_embeddings(opts, store, top_k)
     store.open()
     meta = store.meta
 
@@ -95,10 +97,12 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
                 "holdout": opts.holdout, "seed": opts.seed}
     if opts.train_tokens is not None:      # absent otherwise: earlier states stay valid
         train_fp["train_tokens"] = opts.train_tokens
+    if opts.next_token:
+        train_fp["next_token"] = True
     consumers = default_consumers(owners, facts.moe_layers)
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
-                             consumers=consumers)
+                             consumers=consumers, next_token=opts.next_token)
     routers = store.routers()
     heads = heads_from_router_weights(config, [routers[f"router.{c}"] for c in consumers],
                                       [routers.get(f"router_bias.{c}") for c in consumers],
@@ -124,7 +128,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     held_pos = positions(meta["docs"], held_docs)
     if len(train_pos) == 0 or len(held_pos) == 0:
         raise ConfigError("not enough tokens for both a training and a held-out split")
-    batches = Batches(store, owners)
+    batches = Batches(store, owners, next_token=opts.next_token)
     rule = store.rule(consumers)
     value_and_grad = nn.value_and_grad(heads, khot_cross_entropy)
 
@@ -181,15 +185,20 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
 
 def evaluate(heads_list: dict, batches: Batches, rule: RoutingRule, pos: np.ndarray,
              chunk: int = 4096) -> dict:
-    """Mean recall per owner for each heads in `heads_list` and for the two baselines."""
+    """Mean recall per owner for each heads in `heads_list` and for the baselines (next-token
+    heads: also the consumer's router on the next token's embedding)."""
     e, k = batches.num_experts, batches.k
-    sums = {name: 0.0 for name in list(heads_list) + ["prev_token", "next_router"]}
+    baselines = ["prev_token", "next_router"] + (["token_router"] if batches.next_token else [])
+    sums = {name: 0.0 for name in list(heads_list) + baselines}
     n = 0
     for a in range(0, len(pos), chunk):
         b = batches.get(pos[a: a + chunk])
         feats = batches.features(b)
         got = {"prev_token": recall(b["prev_token"], b["target"], e).sum(axis=1),
                "next_router": recall(b["next_router"], b["target"], e).sum(axis=1)}
+        if batches.next_token:
+            pred, _ = rule.select(batches.token_router_logits(b), k)
+            got["token_router"] = recall(pred, b["target"], e).sum(axis=1)
         for name, heads in heads_list.items():
             pred, _ = rule.select(heads(feats), k)
             got[name] = recall(pred, b["target"], e).sum(axis=1)
@@ -210,8 +219,11 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                "recall_next_router": held["next_router"][i],
                "recall_untrained_heads": held["init"][i],
                "recall_heads_train": train_eval["heads"][i]}
-        row["beats_baselines"] = row["recall_heads"] > max(row["recall_prev_token"],
-                                                           row["recall_next_router"])
+        if "token_router" in held:
+            row["recall_token_router"] = held["token_router"][i]
+        row["beats_baselines"] = row["recall_heads"] > max(
+            row[key] for key in ("recall_prev_token", "recall_next_router",
+                                 "recall_token_router") if key in row)
         layers.append(row)
     mean = lambda key: float(np.mean([r[key] for r in layers]))  # noqa: E731
     tail = losses[-max(1, min(50, len(losses) // 10)):]
@@ -224,9 +236,13 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
         "recall_definition": "|predicted top-K & true executed top-K| / K, the consumer (layer "
                              "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
                              "from owner N's features at token t; held-out documents",
+        "features": "next_token" if config.next_token else "context",
         "baselines": {"prev_token": "the consumer's executed set at token t",
                       "next_router": "the consumer's router on the owner's MoE input at token "
-                                     "t, family selection rule"},
+                                     "t, family selection rule"} | (
+            {"token_router": "the consumer's router on the input embedding of token t+1 "
+                             "(next-token heads only), family selection rule"}
+            if config.next_token else {}),
         "data": {"texts": opts.texts, "documents": len(meta["docs"]),
                  "docs_train": len(train_docs), "docs_heldout": len(held_docs),
                  "samples_train": int(len(train_pos)), "samples_heldout": int(len(held_pos)),
@@ -241,33 +257,38 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
         "layers": layers,
         "mean": {key: mean(key) for key in ("recall_heads", "recall_prev_token",
                                             "recall_next_router", "recall_untrained_heads",
-                                            "recall_heads_train")},
+                                            "recall_heads_train", "recall_token_router")
+                 if key in layers[0]},
         "all_layers_beat_baselines": all(r["beats_baselines"] for r in layers),
     }
 
 
 def _markdown(r: dict) -> str:
+    token = "recall_token_router" in r["mean"]
     lines = [f"# Prerouter heads: {Path(r['heads']).name}", "",
              f"Model `{r['model_type']}` ({Path(r['model']).name}), K={r['top_k']}, owners "
              f"{r['owners'][0]}..{r['owners'][-1]} ({len(r['owners'])} heads), width "
-             f"{r['width']}, {r['training']['steps']} steps. Held-out: "
+             f"{r['width']}, {r.get('features', 'context')} features, "
+             f"{r['training']['steps']} steps. Held-out: "
              f"{r['data']['docs_heldout']} documents / {r['data']['samples_heldout']} tokens "
              f"(train {r['data']['docs_train']} / {r['data']['samples_train']}).", "",
              "Top-K recall of the consumer's executed experts at token t+1 (held out; consumer "
              "N+1, or the first MoE layer for the wrap-around head, marked (wrap)):", "",
              "| owner N | consumer | heads | prev-token baseline | next-router baseline | "
-             "untrained heads | heads (train) | beats both |",
-             "|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             + ("next-token router baseline | " if token else "")
+             + f"untrained heads | heads (train) | beats {'all' if token else 'both'} |",
+             "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if token else "") + ":---:|"]
+    keys = ["recall_heads", "recall_prev_token", "recall_next_router"] + (
+        ["recall_token_router"] if token else []) + ["recall_untrained_heads",
+                                                     "recall_heads_train"]
     for row in r["layers"]:
         wrap = " (wrap)" if row.get("wrap_around") else ""
-        lines.append(f"| {row['owner']} | {row['consumer']}{wrap} | {row['recall_heads']:.3f} | "
-                     f"{row['recall_prev_token']:.3f} | {row['recall_next_router']:.3f} | "
-                     f"{row['recall_untrained_heads']:.3f} | {row['recall_heads_train']:.3f} | "
+        cells = " | ".join(f"{row[key]:.3f}" for key in keys)
+        lines.append(f"| {row['owner']} | {row['consumer']}{wrap} | {cells} | "
                      f"{'yes' if row['beats_baselines'] else 'no'} |")
     m = r["mean"]
-    lines.append(f"| mean | | {m['recall_heads']:.3f} | {m['recall_prev_token']:.3f} | "
-                 f"{m['recall_next_router']:.3f} | {m['recall_untrained_heads']:.3f} | "
-                 f"{m['recall_heads_train']:.3f} | "
+    cells = " | ".join(f"{m[key]:.3f}" for key in keys)
+    lines.append(f"| mean | | {cells} | "
                  f"{'all' if r['all_layers_beat_baselines'] else 'not all'} |")
     c = r.get("collection") or {}
     runs = c.get("runs") or []

@@ -11,7 +11,8 @@ over all positions, its MoE input and executed sets are known everywhere, so hea
 all positions at once, its logits are shifted one position to the right and become layer N+1's
 plan at every prerouted position. Positions t with t < n_true[b] (the prompt) keep the true
 router. This is the served computation exactly (same modules,
-same heads, same selection rule), not an approximation.
+same heads, same selection rule), not an approximation. Next-token heads see token t+1's input
+embedding with position t's features, as `Prerouter.plan_tokens` gives them when serving.
 
 The wrap-around head (owner: the last MoE layer, consumer: the first MoE layer, start layer 0)
 breaks that layer order: position p's first MoE layer needs position p-1's last layer. With it,
@@ -220,6 +221,7 @@ class ServedPath:
                 _weights_for(self.rules[consumer], wrap_logits, plan.inds)
         self._inputs = {}
         executed: dict[int, mx.array] = {}
+        next_emb = self._next_embeddings(tokens)
 
         def hook(i: int, h: mx.array) -> mx.array:
             if self.clip:
@@ -233,7 +235,7 @@ class ServedPath:
                 ids = executed[owner]                            # [B, L, K]
                 oh = onehot(ids, self.blocks[owner].num_experts, mx.float32)
                 oh_prev = mx.concatenate([mx.zeros_like(oh[:, :1]), oh[:, :-1]], axis=1)
-                feats = build_features(x[None], oh[None], oh_prev[None])
+                feats = build_features(x[None], oh[None], oh_prev[None], next_emb)
                 logits = self.heads[owner](feats)[0]             # [B, L, E]
                 # The plan for token t comes from the features of token t-1.
                 logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
@@ -252,6 +254,14 @@ class ServedPath:
         # The plans stay installed after the forward returns: a gradient transform may
         # recompute (checkpointed) layers later. `clear_plans()` removes them.
         return self.family.forward(self.model, tokens, cache, hook, self._call_layer)
+
+    def _next_embeddings(self, tokens: mx.array) -> mx.array | None:
+        """Next-token heads: position t's features end with token t+1's input embedding
+        (the last position's plan is never used: zeros)."""
+        if not self.heads or not next(iter(self.heads.values())).config.next_token:
+            return None
+        emb = self.family.embedding(self.model)(tokens).astype(mx.float32)   # [B, L, H]
+        return mx.concatenate([emb[:, 1:], mx.zeros_like(emb[:, :1])], axis=1)
 
     def clear_plans(self) -> None:
         """Back to plain serving behaviour of the blocks (call after the gradient pass)."""
@@ -297,6 +307,7 @@ class ServedPath:
         inds = {layer: [] for layer in self.moe}
         outs, wrap_logits = [], []
         e = self.blocks[owners[0]].num_experts
+        next_emb = self._next_embeddings(mx.array(tokens))
 
         def hook(i: int, h: mx.array) -> mx.array:
             if self.clip:
@@ -324,7 +335,8 @@ class ServedPath:
                     oh = onehot(ids, e, mx.float32)
                     prev = mx.zeros_like(oh) if prev_oh[o] is None else prev_oh[o]
                     prev_oh[o] = oh
-                    feats = build_features(x[None], oh[None], prev[None])
+                    feats = build_features(x[None], oh[None], prev[None],
+                                           None if next_emb is None else next_emb[:, p: p + 1])
                     next_logits[consumer_of[o]] = self.heads[o](feats)[0]
                 mx.eval(logits, next_logits, [v[-1] for v in inds.values()],
                         [c.state for c in cache])

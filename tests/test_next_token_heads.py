@@ -1,0 +1,210 @@
+"""Next-token prerouter heads: features end with the sampled next token's input embedding, so the
+plan for step t+1 runs once token t+1 is known (Prerouter.plan_tokens), in serving, batched decode,
+the served training path and stage 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from served_pass import replay_gradients
+
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.prerouter import (build_features, consumer_rule, default_owners,
+                                         init_heads_from_routers)
+from edge0_eval.errors import CheckpointError
+from edge0_eval.training.prerouter import train_prerouter
+from edge0_eval.training.state import report_paths
+
+from test_prerouter import converted_model
+from test_train_prerouter import options
+
+PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
+
+
+def next_token_heads(converted, path, start_layer=0, embed_scale=2.0):
+    """Untrained next-token heads made to depend on the token: random fc2 and random weights
+    over the embedding columns (untrained, those columns are zero)."""
+    engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
+    try:
+        owners = default_owners(start_layer, len(engine.family.layers(engine.model)),
+                                engine.moe_layers)
+        heads = init_heads_from_routers(engine, owners, width=32, seed=0, next_token=True)
+        cfg = heads.config
+        assert cfg.next_token and cfg.in_dim == 2 * cfg.hidden + 2 * cfg.num_experts
+        heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
+        lead = cfg.hidden + 2 * cfg.num_experts
+        rand = mx.random.normal(heads.linear[:, :, lead:].shape, key=mx.random.key(2))
+        heads.linear = mx.concatenate([heads.linear[:, :, :lead], rand * embed_scale], axis=-1)
+        return save_heads(path, heads), engine.moe_layers
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module", params=["qwen", "bailing"])
+def nt(request, tmp_path_factory):
+    converted = request.getfixturevalue(f"edge0_{request.param}")
+    path, moe = next_token_heads(converted, tmp_path_factory.mktemp("nt") / "h.safetensors")
+    return converted, path, moe
+
+
+def test_file_records_features_and_loads_back(nt, tmp_path):
+    converted, path, moe = nt
+    meta = read_metadata(path)
+    assert meta["features"] == "next_token"
+    cfg = json.loads(Path(converted, "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    heads = load_heads(path, hidden=text["hidden_size"], num_experts=text["num_experts"],
+                       top_k=int(meta["K"]))
+    assert heads.config.next_token
+    assert heads.select_owners(moe[:1]).config.next_token
+    # An unknown feature set, or context-sized tensors labelled next_token: one clear error.
+    weights = mx.load(str(path))
+    bad = tmp_path / "bad.safetensors"
+    mx.save_safetensors(str(bad), weights, metadata=meta | {"features": "tokens2"})
+    with pytest.raises(CheckpointError, match=r"bad.safetensors.*features='tokens2'"):
+        load_heads(bad, hidden=text["hidden_size"], num_experts=text["num_experts"],
+                   top_k=int(meta["K"]))
+    unlabelled = {k: v for k, v in meta.items() if k != "features"}
+    mx.save_safetensors(str(bad), weights, metadata=unlabelled)
+    with pytest.raises(CheckpointError, match=r"bad.safetensors.*expected"):
+        load_heads(bad, hidden=text["hidden_size"], num_experts=text["num_experts"],
+                   top_k=int(meta["K"]))
+
+
+def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
+    """Each step's staged (= executed) sets are the heads' selection on the last step's
+    features plus the embedding of the token the step consumes; another token gives other
+    sets (the token is really used), and nothing is read on demand."""
+    converted, path, moe = nt
+    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
+                                                  no_lora=True))
+    try:
+        pr = engine.prerouter
+        for layer in moe:
+            engine.blocks[layer].set_capture(True)
+        rule = consumer_rule(engine, pr.consumers)
+        embed = engine.family.embedding(engine.model)
+        logits = engine.prefill(engine.tokenizer.encode(PROMPT))
+        assert not pr.has_plan and pr._awaiting_tokens     # waits for the first token
+        feats = pr._feats
+        blocked = engine.counters.blocked_loads
+        differs = 0
+        h, e = pr.heads.config.hidden, pr.heads.config.num_experts
+
+        def want(t):
+            emb = embed(mx.array([t]))                                # [1, H]
+            x = build_features(feats[..., :h], feats[..., h:h + e], feats[..., h + e:], emb)
+            inds, _ = rule.select(pr.heads(x), engine.top_k)
+            return {c: sorted(np.array(inds[o]).reshape(-1).tolist())
+                    for o, c in enumerate(pr.consumers)}
+
+        for _ in range(8):
+            token = int(mx.argmax(logits).item())
+            other = (token + 7) % embed.weight.shape[0]
+            expect, alternative = want(token), want(other)
+            differs += expect != alternative
+            logits = engine.step(token)
+            for layer in moe:
+                executed = np.array(engine.blocks[layer].captured()[1]).reshape(-1).tolist()
+                assert sorted(executed) == expect[layer], f"layer {layer}"
+            feats = pr._feats
+        assert differs >= 4
+        assert engine.counters.blocked_loads == blocked
+        assert engine.stats()["dropped_experts"] == 0
+    finally:
+        engine.close()
+
+
+def test_batched_rows_equal_solo_runs(nt):
+    converted, path, _ = nt
+    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
+                                                  no_lora=True))
+    try:
+        prompts = [engine.tokenizer.encode(p) for p in
+                   (PROMPT, "import os\nprint(", "x = [1, 2, 3]\nfor", "# hello")]
+        solo = [engine.generate(p, max_tokens=9, stop_token_ids=set()).tokens for p in prompts]
+        # 4 prompts, 3 rows at once: the fourth joins mid-batch; greedy tokens equal solo
+        rows = engine.generate_batch(prompts, max_tokens=9, batch_size=3, stop_token_ids=set())
+        for i, (p, r) in enumerate(zip(prompts, rows)):
+            assert r.tokens == solo[i], i
+        assert engine.stats()["dropped_experts"] == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("start_layer", [0, None])
+def test_served_path_equals_engine_decode(edge0_qwen, tmp_path, start_layer):
+    """Stages 2/3's served path with next-token heads (wrap head: stepwise discovery; from
+    the first MoE layer + 1: the full-sequence pass) == prefill + prerouted decode."""
+    from edge0_eval.engine import lora
+    from edge0_eval.training.served import ServedPath
+
+    probe = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
+    start = 0 if start_layer == 0 else probe.moe_layers[0] + 1
+    probe.close()
+    path, moe = next_token_heads(edge0_qwen, tmp_path / "h.safetensors", start_layer=start)
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path),
+                                                   no_lora=True, slots_per_layer=16))
+    try:
+        lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
+        lora.mark_trainable(engine.model)
+        prompt, cont = [1, 87, 85, 259, 201, 263, 312, 81], [259, 71, 14, 223, 74, 294, 400]
+        for layer in moe:
+            engine.blocks[layer].set_capture(True)
+        engine.reset()
+        served = [engine.prefill(prompt)]
+        executed = []
+        for t in cont:
+            served.append(engine.step(t))
+            executed.append({n: sorted(np.array(engine.blocks[n].captured()[1]).reshape(-1)
+                                       .tolist()) for n in moe})
+        served = mx.stack(served)
+        tokens = np.array([prompt + cont])
+        served_path = ServedPath(engine)
+        disc = served_path.discover(tokens, np.ones_like(tokens, bool),
+                                    np.array([len(prompt)]), keep_logits=True)
+        assert mx.allclose(disc.logits[0, len(prompt) - 1:], served, atol=1e-4).item()
+        for s, want in enumerate(executed):
+            for n in disc.planned_layers:
+                assert sorted(disc.inds[n][0, len(prompt) + s].tolist()) == want[n], (n, s)
+        logits, grads = replay_gradients(served_path, engine, disc, tokens)
+        assert mx.allclose(logits, disc.logits, atol=1e-4).item()
+        assert any(mx.abs(v).max().item() > 0 for v in grads.values())
+        served_path.close()
+    finally:
+        engine.close()
+
+
+def test_stage1_trains_next_token_heads(tmp_path_factory, tmp_path):
+    """train-prerouter --next-token: the store gains the embeddings, the file is labelled, the
+    report adds the next-token router baseline, and the heads beat the context heads trained
+    the same way (the next token is what they could not see)."""
+    model = converted_model(tmp_path_factory, "qwen3_5_moe")
+    ctx = train_prerouter(options(model, tmp_path / "ctx.safetensors", steps=60))
+    out = tmp_path / "nt.safetensors"
+    report = train_prerouter(options(model, out, steps=60, next_token=True))
+    assert (Path(f"{out}.ckpt") / "features" / "emb.npy").is_file()
+    assert read_metadata(out)["features"] == "next_token"
+    assert report["features"] == "next_token" and ctx["features"] == "context"
+    assert "token_router" in report["baselines"] and "recall_token_router" in report["mean"]
+    assert "recall_token_router" not in ctx["mean"]
+    md = Path(report_paths(out)[1]).read_text()
+    assert "next-token router baseline" in md and "next_token features" in md
+    assert report["mean"]["recall_heads"] > ctx["mean"]["recall_heads"]
+    for row in report["layers"]:
+        assert 0.0 <= row["recall_token_router"] <= 1.0
+    engine = Engine.load(model, EngineOptions(mode="prerouted", prerouter_path=str(out)))
+    try:
+        assert engine.prerouter.next_token
+        result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=4,
+                                 stop_token_ids=set())
+        assert result.stats["dropped_experts"] == 0
+    finally:
+        engine.close()
