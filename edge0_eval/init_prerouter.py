@@ -49,5 +49,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {len(cfg.owners)} heads, owners {cfg.owners[0]}..{cfg.owners[-1]} "
           f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
           f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
-          f"K={cfg.top_k}, width {cfg.width}, untrained")
+          f"K={cfg.top_k}, width {cfg.width}, "
+          f"{'next-token' if cfg.next_token else 'context'} features, untrained")
     return 0

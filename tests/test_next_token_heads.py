@@ -78,6 +78,25 @@ def test_file_records_features_and_loads_back(nt, tmp_path):
                    top_k=int(meta["K"]))
 
 
+def test_init_prerouter_next_token(edge0_bailing, tmp_path, capsys):
+    from edge0_eval import cli
+
+    out = tmp_path / "h.safetensors"
+    assert cli.main(["init-prerouter", str(edge0_bailing), "--start-layer", "0", "--width", "8",
+                     "--next-token", "--out", str(out)]) == 0
+    assert "next-token features" in capsys.readouterr().out
+    assert read_metadata(out)["features"] == "next_token"
+    engine = Engine.load(edge0_bailing, EngineOptions(mode="prerouted",
+                                                      prerouter_path=str(out)))
+    try:
+        # untrained: the embedding columns are zero, the plan is the context heads' plan
+        assert engine.prerouter.next_token
+        assert not engine.prerouter.heads.linear[:, :, -engine.prerouter.heads.config.hidden:
+                                                 ].any().item()
+    finally:
+        engine.close()
+
+
 def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
     """Each step's staged (= executed) sets are the heads' selection on the last step's
     features plus the embedding of the token the step consumes; another token gives other
