@@ -30,7 +30,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prerouter", action="store_true",
                    help="route every layer with its true router")
     g.add_argument("--prerouted-weights", default=_DEFAULTS.prerouted_weights,
-                   choices=WEIGHT_SOURCES)
+                   choices=WEIGHT_SOURCES,
+                   help="combination weights of a planned set: the layer's router at the planned "
+                        "experts (default) or the head's softmax")
     g.add_argument("--measure-recall", action="store_true",
                    help="prerouted: also run the true routers to report online recall (slower)")
     g.add_argument("--io-workers", type=ct.positive_int, default=_DEFAULTS.io_workers)

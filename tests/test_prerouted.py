@@ -118,3 +118,31 @@ def test_first_decode_plan_does_not_depend_on_prefill_chunking(model_and_heads):
                       for layer, plan in engine.prerouter._plans.items()})
         engine.close()
     assert plans[0] and plans[0] == plans[1]
+
+
+def test_default_weights_are_the_routers_and_match_true_routing(model_and_heads):
+    """The default combination weights are the layer's router's: a layer whose plan is its
+    true set computes exactly what true routing does; the head's softmax weights do not
+    (reports/testbed/next_token.md: they cost 0.47 nats of KL on the testbed)."""
+    converted, heads_path, owners = model_and_heads
+    assert EngineOptions().prerouted_weights == "router"
+    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path)))
+    try:
+        result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=4,
+                                 stop_token_ids=set())
+        assert result.stats["prerouted_weights"] == "router"
+        block = engine.blocks[owners[0] + 1]
+        x = mx.random.normal((1, 3, engine.family.hidden_size(engine.config)),
+                             key=mx.random.key(3))
+        block.set_plan(None)
+        block.switch_mlp.pin(False)
+        want = block(x)
+        inds = block.true_inds(x)
+        block.set_plan(inds, None)                        # router weights at the true set
+        assert mx.array_equal(block(x), want).item()
+        k = inds.shape[-1]
+        block.set_plan(inds, mx.full(inds.shape, 1.0 / k))   # a head's (uniform) weights
+        assert not mx.allclose(block(x), want, atol=1e-4).item()
+        block.set_plan(None)
+    finally:
+        engine.close()

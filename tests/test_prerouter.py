@@ -119,9 +119,9 @@ def test_default_owners_and_tiers():
     assert default_owners(8, 24, list(range(1, 24))) == list(range(7, 23))    # 8B: 7..22
     assert default_owners(2, 4, [1, 2, 3]) == [1, 2]
     t35 = tier_defaults("qwen3_5_moe", 40, 2048, 256, list(range(40)))
-    assert t35 == {"top_k": 4, "start_layer": 1, "width": 512}    # reports/testbed/wrap.md
+    assert t35 == {"top_k": 4, "start_layer": 0, "width": 512}    # reports/testbed/next_token.md
     t8 = tier_defaults("bailing_hybrid", 24, 1536, 128, list(range(1, 24)))
-    assert t8 == {"top_k": 8, "start_layer": 2, "width": 512}
+    assert t8 == {"top_k": 8, "start_layer": 0, "width": 512}
     tiny = tier_defaults("bailing_hybrid", 4, 64, 16, [1, 2, 3])
     assert tiny == {"top_k": None, "start_layer": 2, "width": 128}
     assert check_owners([2, 1], [1, 2, 3]) == [1, 2]

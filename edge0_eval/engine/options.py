@@ -57,7 +57,10 @@ class EngineOptions:
     io_workers: int = 4
     io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
     verify_crc: bool = True                  # crc32 of each bundle on its first read
-    prerouted_weights: str = "head"          # "head": head softmax over the set; "router": true
+    # The planned set's combination weights: "router", the layer's own router on its input at
+    # the planned experts (the family's rule), or "head", the head's softmax over the set. Head
+    # softmaxes are not calibrated to the router's (reports/testbed/next_token.md).
+    prerouted_weights: str = "router"
     measure_recall: bool = False             # prerouted: compare plans with the true router
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
     # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).

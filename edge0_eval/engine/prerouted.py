@@ -49,7 +49,8 @@ class StagingCounters:
 class Prerouter:
     """Owns the heads, the plans for the next step and the in-flight staged reads."""
 
-    def __init__(self, engine, heads, weight_source: str = "head", measure_recall: bool = False):
+    def __init__(self, engine, heads, weight_source: str = "router",
+                 measure_recall: bool = False):
         self.engine, self.heads = engine, heads
         cfg = heads.config
         self.owners = list(cfg.owners)

@@ -75,14 +75,16 @@ class PrerouterConfig:
 
 
 # Reference tiers (shared/README.md): serving K, first consuming layer, fc1 width.
-# Start layer: the first MoE layer + 1 (every layer but the first prerouted), not the reference
-# heads' 7 (35B, owners 6..38) and 8 (8B, owners 7..22): on the real-weight testbed prerouting
-# the early layers cost no measurable fidelity, and the first layer's wrap-around head did
-# (reports/testbed/wrap.md). Published heads load with their own owners either way.
+# The tiers start at 0: every MoE layer prerouted, the last one's wrap-around head predicting the
+# first, not the reference heads' 7 (35B, owners 6..38) and 8 (8B, owners 7..22). On the
+# real-weight testbed that cost no measurable fidelity with the router's weights and decodes
+# fastest (reports/testbed/next_token.md). Other models start at the first MoE layer + 1, since
+# a wrap head makes stages 2/3 discover routing position by position (training.served).
+# Published heads load with their own owners either way.
 _TIERS = {
     # (model_type, layers, hidden, experts): (K, start_layer, width)
-    ("qwen3_5_moe", 40, 2048, 256): (4, 1, 512),
-    ("bailing_hybrid", 24, 1536, 128): (8, 2, 512),     # layer 0 is dense: first MoE + 1
+    ("qwen3_5_moe", 40, 2048, 256): (4, 0, 512),
+    ("bailing_hybrid", 24, 1536, 128): (8, 0, 512),     # layer 0 is dense: heads own 1..23
 }
 
 
@@ -90,8 +92,9 @@ def tier_defaults(model_type: str, n_layers: int, hidden: int, num_experts: int,
                   moe_layers: list[int]) -> dict:
     """Defaults for top_k (None = the model's native), start_layer and width.
 
-    Known reference tiers get the reference K and width; every model starts at the first MoE
-    layer + 1 (so every MoE->MoE pair gets a head); other models' width = min(512, 2 x hidden).
+    Known reference tiers get the reference K and width and start at 0 (every MoE layer, with
+    the wrap-around head); other models start at the first MoE layer + 1 and get width
+    min(512, 2 x hidden).
     """
     key = (model_type, n_layers, hidden, num_experts)
     if key in _TIERS:

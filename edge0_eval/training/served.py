@@ -3,8 +3,8 @@
 Serving (engine.generate) runs a prompt with the true router; from the first decode step on
 (its input is the first generated token), every consuming layer c = owner + 1 executes the set
 that the prerouter head of owner c-1 predicted from the previous token's features (h_{c-1}(t-1),
-onehot(executed at c-1, t-1), onehot(executed at c-1, t-2)), with the head's combination weights
-(or the router's, `prerouted_weights="router"`). Layers that consume no head route truly.
+onehot(executed at c-1, t-1), onehot(executed at c-1, t-2)), with the router's combination weights
+(or the head's, `prerouted_weights="head"`). Layers that consume no head route truly.
 
 For a full sequence this is computed layer by layer in one forward pass: after layer N has run
 over all positions, its MoE input and executed sets are known everywhere, so head N runs over

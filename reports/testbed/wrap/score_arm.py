@@ -2,7 +2,7 @@
 serve it (EngineOptions(mode="prerouted", slots_per_layer=16), teacher-forced with
 evaluation.fidelity.score_model), optionally with only some owners of a heads file.
 
-    python score_arm.py STUDENT SET HEADS OUT.json [--owners 0..28] [--lora FILE]
+    python score_arm.py STUDENT SET HEADS OUT.json [--owners 0..28] [--lora FILE] [--weights router]
 
 --owners writes the selected heads (the same trained weights) to OUT.heads.safetensors first,
 so arms that differ only in their start layer share every head they both have.
@@ -25,6 +25,8 @@ p.add_argument("heads")
 p.add_argument("out")
 p.add_argument("--owners", nargs="+", default=None)
 p.add_argument("--lora", default=None)
+p.add_argument("--weights", default="head", choices=["head", "router"],
+               help="EngineOptions.prerouted_weights: the combination weights of a planned set")
 a = p.parse_args()
 
 heads_path = a.heads
@@ -37,13 +39,14 @@ if a.owners:
     save_heads(heads_path, heads, {"source": meta.get("source", ""), "model": meta.get("model", ""),
                                    "model_type": meta.get("model_type", "")}, dtype=None)
 opts = EngineOptions(mode="prerouted", slots_per_layer=16, prerouter_path=heads_path,
-                     no_lora=a.lora is None, lora_path=a.lora)
+                     no_lora=a.lora is None, lora_path=a.lora, prerouted_weights=a.weights)
 engine = Engine.load(a.student, opts)
 fset = read_set(a.set)
 started = time.perf_counter()
 rows = score_model(engine, fset)
 seconds = time.perf_counter() - started
-json.dump({"heads": a.heads, "owners": a.owners, "lora": a.lora, "seconds": seconds,
+json.dump({"heads": a.heads, "owners": a.owners, "lora": a.lora, "weights": a.weights,
+           "seconds": seconds,
            "prerouted_layers": sorted(set(engine.prerouter.heads.config.consumers)),
            "rows": rows}, open(a.out, "w"), indent=1)
 print(a.out, len(rows), "items", f"{seconds:.0f} s")
