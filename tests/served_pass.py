@@ -25,3 +25,27 @@ def replay_gradients(path, engine, disc, tokens: np.ndarray) -> tuple[mx.array, 
     path.clear_plans()
     path.pin(False)
     return logits, dict(tree_flatten(g))
+
+
+PROMPT_IDS = [1, 87, 85, 259, 201, 263, 312, 81]
+CONTINUATION_IDS = [259, 71, 14, 223, 74, 294, 400]
+
+
+def lora_engine_decode(engine, moe: list[int], prompt: list[int] = PROMPT_IDS,
+                       cont: list[int] = CONTINUATION_IDS) -> tuple[mx.array, list[dict]]:
+    """Random LoRA on `engine`, then prefill `prompt` and decode the forced `cont`: (the logits of
+    every step [len(cont) + 1, 1, vocab], each step's executed sets {layer: sorted ids})."""
+    from edge0_eval.engine import lora
+
+    lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
+    lora.mark_trainable(engine.model)
+    for layer in moe:
+        engine.blocks[layer].set_capture(True)
+    engine.reset()
+    served = [engine.prefill(prompt)]
+    executed = []
+    for t in cont:
+        served.append(engine.step(t))
+        executed.append({n: sorted(np.array(engine.blocks[n].captured()[1]).reshape(-1)
+                                   .tolist()) for n in moe})
+    return mx.stack(served), executed

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from served_pass import replay_gradients
+from served_pass import CONTINUATION_IDS, PROMPT_IDS, lora_engine_decode, replay_gradients
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
@@ -162,7 +162,6 @@ def test_batched_rows_equal_solo_runs(nt):
 def test_served_path_equals_engine_decode(edge0_qwen, tmp_path, start_layer):
     """Stages 2/3's served path with next-token heads (wrap head: stepwise discovery; from
     the first MoE layer + 1: the full-sequence pass) == prefill + prerouted decode."""
-    from edge0_eval.engine import lora
     from edge0_eval.training.served import ServedPath
 
     probe = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
@@ -172,19 +171,8 @@ def test_served_path_equals_engine_decode(edge0_qwen, tmp_path, start_layer):
     engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path),
                                                    no_lora=True, slots_per_layer=16))
     try:
-        lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
-        lora.mark_trainable(engine.model)
-        prompt, cont = [1, 87, 85, 259, 201, 263, 312, 81], [259, 71, 14, 223, 74, 294, 400]
-        for layer in moe:
-            engine.blocks[layer].set_capture(True)
-        engine.reset()
-        served = [engine.prefill(prompt)]
-        executed = []
-        for t in cont:
-            served.append(engine.step(t))
-            executed.append({n: sorted(np.array(engine.blocks[n].captured()[1]).reshape(-1)
-                                       .tolist()) for n in moe})
-        served = mx.stack(served)
+        prompt, cont = PROMPT_IDS, CONTINUATION_IDS
+        served, executed = lora_engine_decode(engine, moe)
         tokens = np.array([prompt + cont])
         served_path = ServedPath(engine)
         disc = served_path.discover(tokens, np.ones_like(tokens, bool),

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from served_pass import replay_gradients
+from served_pass import CONTINUATION_IDS, PROMPT_IDS, lora_engine_decode, replay_gradients
 
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
@@ -226,7 +226,6 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
     """discover() with a wrap head == prefill + prerouted decode (logits and every layer's
     executed ids, the first MoE layer's included); the full-sequence gradient pass replays it;
     gradient checkpointing leaves the gradients unchanged."""
-    from edge0_eval.engine import lora
     from edge0_eval.training.served import ServedPath
 
     converted = request.getfixturevalue(f"edge0_{family}")
@@ -234,19 +233,8 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
     engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
                                                   no_lora=True, slots_per_layer=16))
     try:
-        lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
-        lora.mark_trainable(engine.model)
-        prompt, cont = [1, 87, 85, 259, 201, 263, 312, 81], [259, 71, 14, 223, 74, 294, 400]
-        for layer in moe:
-            engine.blocks[layer].set_capture(True)
-        engine.reset()
-        served = [engine.prefill(prompt)]
-        executed = []
-        for t in cont:
-            served.append(engine.step(t))
-            executed.append({n: sorted(np.array(engine.blocks[n].captured()[1]).reshape(-1)
-                                       .tolist()) for n in moe})
-        served = mx.stack(served)
+        prompt, cont = PROMPT_IDS, CONTINUATION_IDS
+        served, executed = lora_engine_decode(engine, moe)
         assert engine.prerouter.counters.steps == len(cont)
         tokens = np.array([prompt + cont])
         valid = np.ones_like(tokens, bool)
