@@ -132,7 +132,8 @@ def test_default_weights_are_the_routers_and_match_true_routing(model_and_heads)
                                  stop_token_ids=set())
         assert result.stats["prerouted_weights"] == "router"
         block = engine.blocks[owners[0] + 1]
-        x = mx.random.normal((1, 3, engine.family.hidden_size(engine.config)),
+        # decode positions (2 rows x 1 token), as a prerouted layer runs them
+        x = mx.random.normal((2, 1, engine.family.hidden_size(engine.config)),
                              key=mx.random.key(3))
         block.set_plan(None)
         block.switch_mlp.pin(False)
@@ -142,7 +143,7 @@ def test_default_weights_are_the_routers_and_match_true_routing(model_and_heads)
         assert mx.array_equal(block(x), want).item()
         k = inds.shape[-1]
         block.set_plan(inds, mx.full(inds.shape, 1.0 / k))   # a head's (uniform) weights
-        assert not mx.allclose(block(x), want, atol=1e-4).item()
+        assert not mx.allclose(block(x), want, rtol=1e-2, atol=1e-3).item()
         block.set_plan(None)
     finally:
         engine.close()
