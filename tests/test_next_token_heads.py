@@ -137,6 +137,7 @@ def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
         assert differs >= 4
         assert engine.counters.blocked_loads == blocked
         assert engine.stats()["dropped_experts"] == 0
+        assert engine.stats()["prerouter_features"] == "next_token"
     finally:
         engine.close()
 

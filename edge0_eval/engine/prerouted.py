@@ -247,6 +247,7 @@ class Prerouter:
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": any(c != o + 1 for o, c in zip(self.owners, self.consumers)),
             "prerouted_weights": self.weight_source,
+            "prerouter_features": "next_token" if self.next_token else "context",
         }
         if self.measure_recall:
             values = [r for layer in self.consumers
