@@ -208,8 +208,23 @@ def test_stage1_trains_next_token_heads(tmp_path_factory, tmp_path):
     assert report["mean"]["recall_heads"] > ctx["mean"]["recall_heads"]
     for row in report["layers"]:
         assert 0.0 <= row["recall_token_router"] <= 1.0
+    # emb.npy row t is the input embedding of token t; a batch at t gets token t+1's.
+    from edge0_eval.training.data import read_documents, tokenize_documents
+    from edge0_eval.training.features import Batches, FeatureStore
+
+    store = FeatureStore(Path(f"{out}.ckpt") / "features").open()
     engine = Engine.load(model, EngineOptions(mode="prerouted", prerouter_path=str(out)))
     try:
+        opts = options(model, out)
+        docs = tokenize_documents(engine.tokenizer, read_documents(opts.texts), opts.max_tokens,
+                                  opts.max_doc_tokens)
+        _, start, length = store.meta["docs"][1]
+        ids = mx.array(docs[1][1])
+        want = engine.family.embedding(engine.model)(ids).astype(mx.float16)
+        assert mx.array_equal(mx.array(np.asarray(store.emb[start: start + length])), want)
+        t = np.array([start, start + 3])
+        got = Batches(store, report["owners"], next_token=True).get(t)["next_emb"]
+        assert mx.allclose(got, want[mx.array([1, 4])].astype(mx.float32)).item()
         assert engine.prerouter.next_token
         result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=4,
                                  stop_token_ids=set())

@@ -30,7 +30,8 @@ import numpy as np
 from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.heads_file import load_heads
-from edge0_eval.engine.prerouter import consumer_rule, pair_problems, trace_features
+from edge0_eval.engine.prerouter import (append_next_embedding, consumer_rule, pair_problems,
+                                         trace_features)
 
 
 @dataclass
@@ -186,10 +187,7 @@ class Prerouter:
         if tokens.shape != (feats.shape[1],):
             raise ValueError(f"plan_tokens got tokens of shape {tokens.shape} for "
                              f"{feats.shape[1]} rows")
-        emb = self._embedding(tokens).astype(feats.dtype)                  # [B, H]
-        self.plan(mx.concatenate([feats, mx.broadcast_to(emb[None], (feats.shape[0],) +
-                                                         emb.shape)], axis=-1),
-                  self._prev_onehot)
+        self.plan(append_next_embedding(feats, self._embedding(tokens)), self._prev_onehot)
 
     def abandon_plans(self) -> None:
         """Rows left or joined after the last step planned: finish the in-flight reads (their

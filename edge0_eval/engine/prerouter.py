@@ -235,13 +235,20 @@ def build_features(h: mx.array, onehot_t: mx.array, onehot_prev: mx.array,
         raise ValueError(f"feature shapes disagree: h {h.shape}, onehot_t {onehot_t.shape}, "
                          f"onehot_prev {onehot_prev.shape}")
     dtype = h.dtype if mx.issubdtype(h.dtype, mx.floating) else mx.float32
-    parts = [h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)]
-    if next_embedding is not None:
-        if tuple(next_embedding.shape) != tuple(h.shape[1:]):
-            raise ValueError(f"next-token embedding has shape {next_embedding.shape}, expected "
-                             f"{tuple(h.shape[1:])}")
-        parts.append(mx.broadcast_to(next_embedding.astype(dtype)[None], h.shape))
-    return mx.concatenate(parts, axis=-1)
+    feats = mx.concatenate([h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)],
+                           axis=-1)
+    return feats if next_embedding is None else append_next_embedding(feats, next_embedding)
+
+
+def append_next_embedding(feats: mx.array, next_embedding: mx.array) -> mx.array:
+    """Context features [O, ..., H + 2E] + the next token's embedding [..., H], the same for
+    every owner -> next-token heads' features [O, ..., 2H + 2E]."""
+    if tuple(next_embedding.shape[:-1]) != tuple(feats.shape[1:-1]):
+        raise ValueError(f"next-token embedding has shape {next_embedding.shape}, expected "
+                         f"{tuple(feats.shape[1:-1])} + (hidden,)")
+    emb = mx.broadcast_to(next_embedding.astype(feats.dtype)[None],
+                          feats.shape[:1] + next_embedding.shape)
+    return mx.concatenate([feats, emb], axis=-1)
 
 
 def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = None,

@@ -147,7 +147,7 @@ def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None,
                         help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
     parser.add_argument("--next-token", action="store_true",
-                        help="heads also see the sampled next token's input embedding: far "
+                        help="heads also see the sampled next token's input embedding: "
                              "higher recall, but their reads start after the LM head and the "
                              "sampling instead of overlapping them (default: the published "
                              "context features)")
