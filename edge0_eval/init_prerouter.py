@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
                                                   no_prerouter=True))
     try:
         heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k,
-                                        next_token=args.next_token)
+                                        next_token=args.next_token,
+                                        context_layers=args.context_layers)
         path = save_heads(args.out, heads, metadata={"source": "init-prerouter (untrained)",
                                                      "model": Path(args.model).resolve().name,
                                                      "model_type": facts.model_type})
@@ -50,5 +51,12 @@ def run(args: argparse.Namespace) -> int:
           f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
           f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
           f"K={cfg.top_k}, width {cfg.width}, "
-          f"{'next-token' if cfg.next_token else 'context'} features, untrained")
+          f"{_features(cfg)}, untrained")
     return 0
+
+
+def _features(cfg) -> str:
+    if cfg.context_consumers:
+        return (f"next-token features except layers {cfg.context_consumers} (context, planned "
+                f"before the LM head)")
+    return f"{'next-token' if cfg.next_token else 'context'} features"

@@ -13,6 +13,10 @@ Next-token heads (`config.next_token`) also read the embedding of the token the 
 consume, so their plan cannot run after the last layer: the step's features wait, and
 `plan_tokens` plans when the next forward receives its tokens (the sampled ones, or the forced
 ones when scoring), before its first layer. Their reads then no longer overlap the LM head.
+Mixed heads (`config.context_consumers`) plan in two groups: the first consuming layers from the
+step's features after its last layer, so the reads needed first overlap the LM head, and the
+rest once the token is known. The store serves queued prefetches in the order their layers run,
+so the second group's first layers overtake the first group's unfinished reads.
 
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
@@ -47,6 +51,16 @@ class StagingCounters:
     head_seconds: float = 0.0
 
 
+@dataclass
+class HeadGroup:
+    """Heads planned together at one point of the step."""
+    rows: mx.array | None        # their rows in the owners' features (None: every owner)
+    heads: object                # PrerouterHeads; context heads see no embedding columns
+    consumers: list[int]
+    rule: object                 # RoutingRule over `consumers`
+    next_token: bool             # planned once the step's token is known (plan_tokens)
+
+
 class Prerouter:
     """Owns the heads, the plans for the next step and the in-flight staged reads."""
 
@@ -66,12 +80,36 @@ class Prerouter:
         self.counters = StagingCounters()
         self._prev_onehot = self._feats = None
         self.next_token = bool(cfg.next_token)
+        self.context_consumers = list(cfg.context_consumers)
         self._awaiting_tokens = False           # next-token heads: features wait for the tokens
         self._embedding = engine.family.embedding(engine.model) if self.next_token else None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
-        self._rule = consumer_rule(engine, self.consumers)
+        self.groups = self._head_groups()
+
+    def _head_groups(self) -> list[HeadGroup]:
+        """One group of every head, or for mixed heads the context part and the rest."""
+        if not self.context_consumers:
+            return [HeadGroup(None, self.heads, self.consumers,
+                              consumer_rule(self.engine, self.consumers), self.next_token)]
+        groups = []
+        for next_token in (False, True):
+            idx = [i for i, c in enumerate(self.consumers)
+                   if (c in self.context_consumers) != next_token]
+            heads = self.heads.select_owners([self.owners[i] for i in idx])
+            consumers = [self.consumers[i] for i in idx]
+            groups.append(HeadGroup(mx.array(idx), heads if next_token else heads.context_part(),
+                                    consumers, consumer_rule(self.engine, consumers),
+                                    next_token))
+        return groups
+
+    def owner_heads(self, owner: int):
+        """The heads of one owner as the engine runs them (a context consumer's without the
+        embedding columns): the served training path plans with these."""
+        heads = self.heads.select_owners([owner])
+        consumer = self.consumers[self.owners.index(owner)]
+        return heads.context_part() if consumer in self.context_consumers else heads
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -172,10 +210,11 @@ class Prerouter:
     def plan_rows(self) -> None:
         """Plan the next step of the current rows (after_step does it inside the forward);
         next-token heads wait for the rows' tokens (`plan_tokens`)."""
-        if self.next_token:
-            self._awaiting_tokens = self._feats is not None
-            return
-        self.plan(self._feats, self._prev_onehot)
+        for group in self.groups:
+            if group.next_token:
+                self._awaiting_tokens = self._feats is not None
+            elif self._feats is not None:
+                self.plan(group, self._group_feats(group), self._prev_onehot)
 
     def plan_tokens(self, tokens: mx.array) -> None:
         """Next-token heads: plan the step about to consume `tokens` [B] (one per row, in row
@@ -183,11 +222,17 @@ class Prerouter:
         if not self._awaiting_tokens:
             return
         self._awaiting_tokens = False
-        feats = self._feats
-        if tokens.shape != (feats.shape[1],):
-            raise ValueError(f"plan_tokens got tokens of shape {tokens.shape} for "
-                             f"{feats.shape[1]} rows")
-        self.plan(append_next_embedding(feats, self._embedding(tokens)), self._prev_onehot)
+        rows = self._feats.shape[1]
+        if tokens.shape != (rows,):
+            raise ValueError(f"plan_tokens got tokens of shape {tokens.shape} for {rows} rows")
+        embedding = self._embedding(tokens)
+        for group in self.groups:
+            if group.next_token:
+                self.plan(group, append_next_embedding(self._group_feats(group), embedding),
+                          self._prev_onehot)
+
+    def _group_feats(self, group: HeadGroup) -> mx.array:
+        return self._feats if group.rows is None else self._feats[group.rows]
 
     def abandon_plans(self) -> None:
         """Rows left or joined after the last step planned: finish the in-flight reads (their
@@ -204,8 +249,9 @@ class Prerouter:
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
 
-    def plan(self, feats: mx.array, *also) -> None:
-        """Plan the next step of every row from `feats` [O, B, in] and start staging.
+    def plan(self, group: HeadGroup, feats: mx.array, *also) -> None:
+        """Plan the next step of every row for `group`'s consumers from `feats` [O, B, in] (its
+        owners' rows) and start staging.
 
         Each row keeps its own predicted set as its routing ([B, 1, K] plans); each consuming
         layer stages the union of its rows' sets (needs that many slots: the engine sizes the
@@ -213,15 +259,17 @@ class Prerouter:
         """
         engine = self.engine
         started = time.perf_counter()
-        # One batched computation for every head, then every consumer's own selection rule.
-        inds, weights = self._rule.select(self.heads(feats), engine.top_k)     # [O, B, K]
+        # One batched computation for the group's heads, then each consumer's selection rule.
+        inds, weights = group.rule.select(group.heads(feats), engine.top_k)     # [O, B, K]
         mx.eval(inds, weights, *also)
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
-        # Queue the reads in the order the next step runs its layers (FIFO reads): a wrap head's
-        # first MoE layer is needed first, though its owner is the last.
-        for o in sorted(range(len(self.consumers)), key=self.consumers.__getitem__):
-            layer = self.consumers[o]
+        # Queue the reads in the order the next step runs its layers: a wrap head's first MoE
+        # layer is needed first, though its owner is the last (the store also orders queued
+        # prefetches by layer).
+        consumers = group.consumers
+        for o in sorted(range(len(consumers)), key=consumers.__getitem__):
+            layer = consumers[o]
             union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))   # first-seen order
             staged = engine.blocks[layer].switch_mlp.stage_begin(union)
             staged.layer = layer
@@ -245,8 +293,11 @@ class Prerouter:
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": any(c != o + 1 for o, c in zip(self.owners, self.consumers)),
             "prerouted_weights": self.weight_source,
-            "prerouter_features": "next_token" if self.next_token else "context",
+            "prerouter_features": ("mixed" if self.context_consumers else "next_token")
+            if self.next_token else "context",
         }
+        if self.context_consumers:
+            out["prerouter_context_consumers"] = list(self.context_consumers)
         if self.measure_recall:
             values = [r for layer in self.consumers
                       for r in self.engine.blocks[layer].recalls()]

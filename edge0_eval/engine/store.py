@@ -24,7 +24,12 @@ from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 
 
+# Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position
+# of their layer in the forward (PREFETCH + position): the earliest-needed read goes first even
+# when it is queued last, as a next-token plan's first layers are, behind reads a plan queued
+# before the LM head for later layers.
 DEMAND, PREFETCH = 0, 1
+_STOP = math.inf
 
 
 class _PriorityPool:
@@ -61,7 +66,7 @@ class _PriorityPool:
 
     def shutdown(self) -> None:
         for _ in self._threads:
-            self._queue.put((99, next(self._order), None, None, None))
+            self._queue.put((_STOP, next(self._order), None, None, None))
         for t in self._threads:
             t.join()
 
@@ -193,12 +198,16 @@ class ExpertStore:
                 f"`edge0-eval convert`")
         self._verified[pos, expert] = True
 
-    def submit(self, layer: int, expert: int, priority: int = PREFETCH, prepare=None) -> Future:
-        """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches.
+    def submit(self, layer: int, expert: int, priority: int | None = None, prepare=None
+               ) -> Future:
+        """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches,
+        and prefetches (priority None) are served in the order their layers run.
 
         `prepare(buf)`, when given, runs on the I/O thread after the read and its result is the
         future's: callers move per-bundle unpacking off the thread that builds the graph.
         """
+        if priority is None:
+            priority = PREFETCH + self.index.layer_position(layer)
         if prepare is None:
             return self._queue.submit(priority, self.read, layer, expert)
         return self._queue.submit(priority, lambda: prepare(self.read(layer, expert)))

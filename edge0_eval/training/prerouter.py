@@ -45,9 +45,7 @@ from tqdm import tqdm
 from edge0_eval.engine.heads_file import load_heads, save_heads
 
 from edge0_eval.engine.prerouter import (
-
-    PrerouterConfig, RoutingRule, default_consumers, heads_from_router_weights,
-
+    PrerouterConfig, RoutingRule, default_consumers, first_consumers, heads_from_router_weights,
 )
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import split_documents, subset_documents
@@ -97,12 +95,16 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
                 "holdout": opts.holdout, "seed": opts.seed}
     if opts.train_tokens is not None:      # absent otherwise: earlier states stay valid
         train_fp["train_tokens"] = opts.train_tokens
+    consumers = default_consumers(owners, facts.moe_layers)
+    context = first_consumers(consumers, opts.context_layers, opts.next_token)
     if opts.next_token:
         train_fp["next_token"] = True
-    consumers = default_consumers(owners, facts.moe_layers)
+    if context:
+        train_fp["context_consumers"] = context
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
-                             consumers=consumers, next_token=opts.next_token)
+                             consumers=consumers, next_token=opts.next_token,
+                             context_consumers=context)
     routers = store.routers()
     heads = heads_from_router_weights(config, [routers[f"router.{c}"] for c in consumers],
                                       [routers.get(f"router_bias.{c}") for c in consumers],
@@ -128,7 +130,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     held_pos = positions(meta["docs"], held_docs)
     if len(train_pos) == 0 or len(held_pos) == 0:
         raise ConfigError("not enough tokens for both a training and a held-out split")
-    batches = Batches(store, owners, next_token=opts.next_token)
+    batches = Batches(store, owners, next_token=opts.next_token, context_consumers=context)
     rule = store.rule(consumers)
     value_and_grad = nn.value_and_grad(heads, khot_cross_entropy)
 
@@ -219,13 +221,15 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                "recall_next_router": held["next_router"][i],
                "recall_untrained_heads": held["init"][i],
                "recall_heads_train": train_eval["heads"][i]}
-        if "token_router" in held:
+        if c in config.context_consumers:
+            row["context_features"] = True      # planned before the token: no token baseline
+        elif "token_router" in held:
             row["recall_token_router"] = held["token_router"][i]
         row["beats_baselines"] = row["recall_heads"] > max(
             row[key] for key in ("recall_prev_token", "recall_next_router",
                                  "recall_token_router") if key in row)
         layers.append(row)
-    mean = lambda key: float(np.mean([r[key] for r in layers]))  # noqa: E731
+    mean = lambda key: float(np.mean([r[key] for r in layers if key in r]))  # noqa: E731
     tail = losses[-max(1, min(50, len(losses) // 10)):]
     return {
         "heads": str(out), "model": str(Path(opts.model).resolve()),
@@ -236,7 +240,9 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
         "recall_definition": "|predicted top-K & true executed top-K| / K, the consumer (layer "
                              "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
                              "from owner N's features at token t; held-out documents",
-        "features": "next_token" if config.next_token else "context",
+        "features": ("mixed" if config.context_consumers else "next_token")
+        if config.next_token else "context",
+        "context_consumers": config.context_consumers,
         "baselines": {"prev_token": "the consumer's executed set at token t",
                       "next_router": "the consumer's router on the owner's MoE input at token "
                                      "t, family selection rule"} | (
@@ -258,7 +264,7 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
         "mean": {key: mean(key) for key in ("recall_heads", "recall_prev_token",
                                             "recall_next_router", "recall_untrained_heads",
                                             "recall_heads_train", "recall_token_router")
-                 if key in layers[0]},
+                 if any(key in r for r in layers)},
         "all_layers_beat_baselines": all(r["beats_baselines"] for r in layers),
     }
 
@@ -273,7 +279,8 @@ def _markdown(r: dict) -> str:
              f"{r['data']['docs_heldout']} documents / {r['data']['samples_heldout']} tokens "
              f"(train {r['data']['docs_train']} / {r['data']['samples_train']}).", "",
              "Top-K recall of the consumer's executed experts at token t+1 (held out; consumer "
-             "N+1, or the first MoE layer for the wrap-around head, marked (wrap)):", "",
+             "N+1, or the first MoE layer for the wrap-around head, marked (wrap); mixed "
+             "heads' context part, planned before the LM head, marked (context)):", "",
              "| owner N | consumer | heads | prev-token baseline | next-router baseline | "
              + ("next-token router baseline | " if token else "")
              + f"untrained heads | heads (train) | beats {'all' if token else 'both'} |",
@@ -282,8 +289,9 @@ def _markdown(r: dict) -> str:
         ["recall_token_router"] if token else []) + ["recall_untrained_heads",
                                                      "recall_heads_train"]
     for row in r["layers"]:
-        wrap = " (wrap)" if row.get("wrap_around") else ""
-        cells = " | ".join(f"{row[key]:.3f}" for key in keys)
+        wrap = (" (wrap)" if row.get("wrap_around") else "") + (
+            " (context)" if row.get("context_features") else "")
+        cells = " | ".join(f"{row[key]:.3f}" if key in row else "-" for key in keys)
         lines.append(f"| {row['owner']} | {row['consumer']}{wrap} | {cells} | "
                      f"{'yes' if row['beats_baselines'] else 'no'} |")
     m = r["mean"]

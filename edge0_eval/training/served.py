@@ -151,7 +151,7 @@ class ServedPath:
                     self.owner_of[consumer] = owner
                 else:
                     self.wrap = (owner, consumer)
-                self.heads[owner] = pr.heads.select_owners([owner])
+                self.heads[owner] = pr.owner_heads(owner)
                 self.rules[consumer] = RoutingRule.from_block(self.blocks[consumer])
         self.owners = sorted(self.owner_of.values())
         self.planned = sorted(self.owner_of) + ([self.wrap[1]] if self.wrap else [])
@@ -235,8 +235,10 @@ class ServedPath:
                 ids = executed[owner]                            # [B, L, K]
                 oh = onehot(ids, self.blocks[owner].num_experts, mx.float32)
                 oh_prev = mx.concatenate([mx.zeros_like(oh[:, :1]), oh[:, :-1]], axis=1)
-                feats = build_features(x[None], oh[None], oh_prev[None], next_emb)
-                logits = self.heads[owner](feats)[0]             # [B, L, E]
+                heads = self.heads[owner]
+                feats = build_features(x[None], oh[None], oh_prev[None],
+                                       next_emb if heads.config.next_token else None)
+                logits = heads(feats)[0]                         # [B, L, E]
                 # The plan for token t comes from the features of token t-1.
                 logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
                 rule = self.rules[consumer]
@@ -258,7 +260,7 @@ class ServedPath:
     def _next_embeddings(self, tokens: mx.array) -> mx.array | None:
         """Next-token heads: position t's features end with token t+1's input embedding
         (the last position's plan is never used: zeros)."""
-        if not self.heads or not next(iter(self.heads.values())).config.next_token:
+        if not any(heads.config.next_token for heads in self.heads.values()):
             return None
         emb = self.family.embedding(self.model)(tokens).astype(mx.float32)   # [B, L, H]
         return mx.concatenate([emb[:, 1:], mx.zeros_like(emb[:, :1])], axis=1)
@@ -335,9 +337,11 @@ class ServedPath:
                     oh = onehot(ids, e, mx.float32)
                     prev = mx.zeros_like(oh) if prev_oh[o] is None else prev_oh[o]
                     prev_oh[o] = oh
+                    heads = self.heads[o]
                     feats = build_features(x[None], oh[None], prev[None],
-                                           None if next_emb is None else next_emb[:, p: p + 1])
-                    next_logits[consumer_of[o]] = self.heads[o](feats)[0]
+                                           next_emb[:, p: p + 1] if heads.config.next_token
+                                           else None)
+                    next_logits[consumer_of[o]] = heads(feats)[0]
                 mx.eval(logits, next_logits, [v[-1] for v in inds.values()],
                         [c.state for c in cache])
                 outs.append(logits)
