@@ -114,7 +114,8 @@ def test_two_phase_plan_staged_equals_routed(mixed):
             engine.blocks[layer].set_capture(True)
         rule = consumer_rule(engine, pr.consumers)
         embed = engine.family.embedding(engine.model)
-        h, e = pr.heads.config.hidden, pr.heads.config.num_experts
+        h, e = pr.config.hidden, pr.config.num_experts
+        full = load_heads(path, **_load(path)[1])      # the file, not the engine's split
         logits = engine.prefill(engine.tokenizer.encode(PROMPT))
         blocked = engine.counters.blocked_loads
         token_moves = 0
@@ -126,7 +127,7 @@ def test_two_phase_plan_staged_equals_routed(mixed):
             x = build_features(feats[..., :h], feats[..., h:h + e], feats[..., h + e:], emb)
             ctx = mx.array([c in context for c in pr.consumers])[:, None, None]
             x = mx.where(ctx & (mx.arange(x.shape[-1]) >= h + 2 * e), 0.0, x)
-            inds, _ = rule.select(pr.heads(x), engine.top_k)
+            inds, _ = rule.select(full(x), engine.top_k)
             return {c: sorted(np.array(inds[o]).reshape(-1).tolist())
                     for o, c in enumerate(pr.consumers)}
 

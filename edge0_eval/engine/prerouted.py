@@ -13,10 +13,10 @@ Next-token heads (`config.next_token`) also read the embedding of the token the 
 consume, so their plan cannot run after the last layer: the step's features wait, and
 `plan_tokens` plans when the next forward receives its tokens (the sampled ones, or the forced
 ones when scoring), before its first layer. Their reads then no longer overlap the LM head.
-Mixed heads (`config.context_consumers`) plan in two groups: the first consuming layers from the
-step's features after its last layer, so the reads needed first overlap the LM head, and the
-rest once the token is known. The store serves queued prefetches in the order their layers run,
-so the second group's first layers overtake the first group's unfinished reads.
+Mixed heads (`config.context_consumers`) plan in two groups: the context consumers (trained: the
+first consuming layers) from the step's features after its last layer, so the reads needed
+first overlap the LM head, and the rest once the token is known. The store serves queued
+prefetches in the order their layers run, whichever group queued them first.
 
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
@@ -66,8 +66,8 @@ class Prerouter:
 
     def __init__(self, engine, heads, weight_source: str = "router",
                  measure_recall: bool = False):
-        self.engine, self.heads = engine, heads
-        cfg = heads.config
+        self.engine = engine
+        self.config = cfg = heads.config
         self.owners = list(cfg.owners)
         self.start_layer = cfg.start_layer
         problems = pair_problems(self.owners, cfg.consumers, engine.moe_layers)
@@ -86,30 +86,34 @@ class Prerouter:
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
-        self.groups = self._head_groups()
+        self.groups = self._head_groups(heads)
 
-    def _head_groups(self) -> list[HeadGroup]:
-        """One group of every head, or for mixed heads the context part and the rest."""
+    def _head_groups(self, heads) -> list[HeadGroup]:
+        """One group of every head, or for mixed heads the context part and the rest, each
+        with its own weights, materialised once here (a lazy gather would copy them every
+        step); the loaded stack is not kept."""
         if not self.context_consumers:
-            return [HeadGroup(None, self.heads, self.consumers,
+            return [HeadGroup(None, heads, self.consumers,
                               consumer_rule(self.engine, self.consumers), self.next_token)]
         groups = []
         for next_token in (False, True):
             idx = [i for i, c in enumerate(self.consumers)
                    if (c in self.context_consumers) != next_token]
-            heads = self.heads.select_owners([self.owners[i] for i in idx])
+            part = heads.select_owners([self.owners[i] for i in idx])
+            part = part if next_token else part.context_part()
+            mx.eval(part.parameters())
             consumers = [self.consumers[i] for i in idx]
-            groups.append(HeadGroup(mx.array(idx), heads if next_token else heads.context_part(),
-                                    consumers, consumer_rule(self.engine, consumers),
-                                    next_token))
+            groups.append(HeadGroup(mx.array(idx), part, consumers,
+                                    consumer_rule(self.engine, consumers), next_token))
         return groups
 
     def owner_heads(self, owner: int):
         """The heads of one owner as the engine runs them (a context consumer's without the
         embedding columns): the served training path plans with these."""
-        heads = self.heads.select_owners([owner])
-        consumer = self.consumers[self.owners.index(owner)]
-        return heads.context_part() if consumer in self.context_consumers else heads
+        for group in self.groups:
+            if owner in group.heads.config.owners:
+                return group.heads.select_owners([owner])
+        raise ValueError(f"no head for owner layer {owner}")
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:

@@ -26,8 +26,7 @@ from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 
 # Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position
 # of their layer in the forward (PREFETCH + position): the earliest-needed read goes first even
-# when it is queued last, as a next-token plan's first layers are, behind reads a plan queued
-# before the LM head for later layers.
+# when it is queued last (plans made at two points of a step: mixed heads).
 DEMAND, PREFETCH = 0, 1
 _STOP = math.inf
 

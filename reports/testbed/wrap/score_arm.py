@@ -47,6 +47,6 @@ rows = score_model(engine, fset)
 seconds = time.perf_counter() - started
 json.dump({"heads": a.heads, "owners": a.owners, "lora": a.lora, "weights": a.weights,
            "seconds": seconds,
-           "prerouted_layers": sorted(set(engine.prerouter.heads.config.consumers)),
+           "prerouted_layers": sorted(set(engine.prerouter.consumers)),
            "rows": rows}, open(a.out, "w"), indent=1)
 print(a.out, len(rows), "items", f"{seconds:.0f} s")
