@@ -34,8 +34,9 @@ import numpy as np
 from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.heads_file import load_heads
-from edge0_eval.engine.prerouter import (append_next_embedding, consumer_rule, pair_problems,
-                                         trace_features)
+from edge0_eval.engine.prerouter import (PrerouterHeads, append_next_embedding, consumer_rule,
+                                         pair_problems, trace_features)
+from edge0_eval.engine.routing import RoutingRule
 
 
 @dataclass
@@ -55,9 +56,9 @@ class StagingCounters:
 class HeadGroup:
     """Heads planned together at one point of the step."""
     rows: mx.array | None        # their rows in the owners' features (None: every owner)
-    heads: object                # PrerouterHeads; context heads see no embedding columns
+    heads: PrerouterHeads        # a context group's have no embedding columns
     consumers: list[int]
-    rule: object                 # RoutingRule over `consumers`
+    rule: RoutingRule            # over `consumers`
     next_token: bool             # planned once the step's token is known (plan_tokens)
 
 
@@ -107,7 +108,7 @@ class Prerouter:
                                     consumer_rule(self.engine, consumers), next_token))
         return groups
 
-    def owner_heads(self, owner: int):
+    def owner_heads(self, owner: int) -> PrerouterHeads:
         """The heads of one owner as the engine runs them (a context consumer's without the
         embedding columns): the served training path plans with these."""
         for group in self.groups:
