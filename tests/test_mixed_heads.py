@@ -5,13 +5,13 @@ plan once the token is known. Also the store's read order: queued prefetches by 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from served_pass import CONTINUATION_IDS, PROMPT_IDS, lora_engine_decode
+from decode_parity import (assert_batch_rows_equal_solo, assert_discovery_equals_decode,
+                           served_path_engine)
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
@@ -154,41 +154,15 @@ def test_two_phase_plan_staged_equals_routed(mixed):
 
 def test_batched_rows_equal_solo_runs(mixed):
     converted, path, _, _ = mixed
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                  no_lora=True))
-    try:
-        prompts = [engine.tokenizer.encode(p) for p in
-                   (PROMPT, "import os\nprint(", "x = [1, 2, 3]\nfor", "# hello")]
-        solo = [engine.generate(p, max_tokens=9, stop_token_ids=set()).tokens for p in prompts]
-        rows = engine.generate_batch(prompts, max_tokens=9, batch_size=3, stop_token_ids=set())
-        for i, r in enumerate(rows):
-            assert r.tokens == solo[i], i
-        assert engine.stats()["dropped_experts"] == 0
-    finally:
-        engine.close()
+    assert_batch_rows_equal_solo(converted, path)
 
 
 @pytest.mark.parametrize("start_layer", [0, None])
 def test_served_path_equals_engine_decode(edge0_qwen, tmp_path, start_layer):
-    from edge0_eval.training.served import ServedPath
-
-    probe = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
-    start = 0 if start_layer == 0 else probe.moe_layers[0] + 1
-    probe.close()
-    path, moe, _ = mixed_heads(edge0_qwen, tmp_path / "h.safetensors", start_layer=start)
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                   no_lora=True, slots_per_layer=16))
+    engine, moe = served_path_engine(edge0_qwen, mixed_heads, tmp_path / "h.safetensors",
+                                     start_layer)
     try:
-        prompt = PROMPT_IDS
-        served, executed = lora_engine_decode(engine, moe)
-        tokens = np.array([prompt + CONTINUATION_IDS])
-        served_path = ServedPath(engine)
-        disc = served_path.discover(tokens, np.ones_like(tokens, bool),
-                                    np.array([len(prompt)]), keep_logits=True)
-        assert mx.allclose(disc.logits[0, len(prompt) - 1:], served, atol=1e-4).item()
-        for s, want in enumerate(executed):
-            for n in disc.planned_layers:
-                assert sorted(disc.inds[n][0, len(prompt) + s].tolist()) == want[n], (n, s)
+        served_path, _, _ = assert_discovery_equals_decode(engine, moe)
         served_path.close()
     finally:
         engine.close()

@@ -11,7 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from served_pass import CONTINUATION_IDS, PROMPT_IDS, lora_engine_decode, replay_gradients
+from decode_parity import (assert_batch_rows_equal_solo, assert_discovery_equals_decode,
+                           served_path_engine)
+from served_pass import replay_gradients
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
@@ -144,44 +146,17 @@ def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
 
 def test_batched_rows_equal_solo_runs(nt):
     converted, path, _ = nt
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                  no_lora=True))
-    try:
-        prompts = [engine.tokenizer.encode(p) for p in
-                   (PROMPT, "import os\nprint(", "x = [1, 2, 3]\nfor", "# hello")]
-        solo = [engine.generate(p, max_tokens=9, stop_token_ids=set()).tokens for p in prompts]
-        # 4 prompts, 3 rows at once: the fourth joins mid-batch; greedy tokens equal solo
-        rows = engine.generate_batch(prompts, max_tokens=9, batch_size=3, stop_token_ids=set())
-        for i, (p, r) in enumerate(zip(prompts, rows)):
-            assert r.tokens == solo[i], i
-        assert engine.stats()["dropped_experts"] == 0
-    finally:
-        engine.close()
+    assert_batch_rows_equal_solo(converted, path)
 
 
 @pytest.mark.parametrize("start_layer", [0, None])
 def test_served_path_equals_engine_decode(edge0_qwen, tmp_path, start_layer):
     """Stages 2/3's served path with next-token heads (wrap head: stepwise discovery; from
     the first MoE layer + 1: the full-sequence pass) == prefill + prerouted decode."""
-    from edge0_eval.training.served import ServedPath
-
-    probe = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
-    start = 0 if start_layer == 0 else probe.moe_layers[0] + 1
-    probe.close()
-    path, moe = next_token_heads(edge0_qwen, tmp_path / "h.safetensors", start_layer=start)
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                   no_lora=True, slots_per_layer=16))
+    engine, moe = served_path_engine(edge0_qwen, next_token_heads, tmp_path / "h.safetensors",
+                                     start_layer)
     try:
-        prompt, cont = PROMPT_IDS, CONTINUATION_IDS
-        served, executed = lora_engine_decode(engine, moe)
-        tokens = np.array([prompt + cont])
-        served_path = ServedPath(engine)
-        disc = served_path.discover(tokens, np.ones_like(tokens, bool),
-                                    np.array([len(prompt)]), keep_logits=True)
-        assert mx.allclose(disc.logits[0, len(prompt) - 1:], served, atol=1e-4).item()
-        for s, want in enumerate(executed):
-            for n in disc.planned_layers:
-                assert sorted(disc.inds[n][0, len(prompt) + s].tolist()) == want[n], (n, s)
+        served_path, disc, tokens = assert_discovery_equals_decode(engine, moe)
         logits, grads = replay_gradients(served_path, engine, disc, tokens)
         assert mx.allclose(logits, disc.logits, atol=1e-4).item()
         assert any(mx.abs(v).max().item() > 0 for v in grads.values())
