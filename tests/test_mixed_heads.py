@@ -88,6 +88,20 @@ def test_file_round_trip_and_inconsistent_files(mixed, tmp_path):
             load_heads(bad, **dims)
 
 
+def test_context_consumers_on_context_heads_is_refused(edge0_qwen, tmp_path):
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
+    try:
+        heads = init_heads_from_routers(engine, engine.moe_layers[:-1], width=8)
+    finally:
+        engine.close()
+    path = save_heads(tmp_path / "ctx.safetensors", heads)
+    meta, dims = _load(path)
+    mx.save_safetensors(str(path), mx.load(str(path)),
+                        metadata=meta | {"context_consumers": f"[{heads.config.consumers[0]}]"})
+    with pytest.raises(CheckpointError, match=r"ctx.safetensors.*holds context heads"):
+        load_heads(path, **dims)
+
+
 def test_init_prerouter_context_layers(edge0_qwen, tmp_path, capsys):
     from edge0_eval import cli
 
