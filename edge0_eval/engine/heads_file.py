@@ -7,10 +7,10 @@ with string metadata kind="prerouter", K, owners (JSON list), consumers (JSON li
 owners; optional: absent means owner + 1 for every head), features ("next_token" for heads that
 also see the sampled next token's embedding, in = 2 x hidden + 2E; absent: the published context
 features, in = hidden + 2E), context_consumers (next-token heads only, JSON list: layers whose
-heads have zero embedding columns and are planned as context heads; absent: none), start_layer, width, hidden, num_experts, format_version, source,
-model, model_type. `load_heads` reads published files (which
-may lack start_layer/width/hidden/num_experts: they are then taken from the shapes) and checks
-everything against the model it will serve.
+heads have zero embedding columns and are planned as context heads; absent: none), start_layer,
+width, hidden, num_experts, format_version, source, model, model_type. `load_heads` reads
+published files (which may lack start_layer/width/hidden/num_experts: they are then taken from
+the shapes) and checks everything against the model it will serve.
 """
 
 from __future__ import annotations
