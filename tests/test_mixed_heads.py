@@ -5,6 +5,7 @@ plan once the token is known. Also the store's read order: queued prefetches by 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +20,7 @@ from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import (build_features, consumer_rule, default_owners,
                                          init_heads_from_routers)
 from edge0_eval.engine.store import DEMAND, ExpertStore
-from edge0_eval.errors import CheckpointError
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.prerouter import train_prerouter
 
 from test_prerouter import converted_model
@@ -208,6 +209,11 @@ def test_stage1_mixed_is_the_two_feature_sets_side_by_side(tmp_path_factory, tmp
             assert row["recall_heads"] == pytest.approx(n_row["recall_heads"], abs=1e-6), row
     with pytest.raises(Exception, match="add --next-token"):
         train_prerouter(options(model, tmp_path / "x.safetensors", context_layers=1, **kw))
+    # a split beyond the heads is refused before any feature is collected
+    with pytest.raises(ConfigError, match="--context-layers 99"):
+        train_prerouter(options(model, tmp_path / "y.safetensors", next_token=True,
+                                context_layers=99, **kw))
+    assert not Path(f"{tmp_path / 'y.safetensors'}.ckpt").exists()
 
 
 def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):

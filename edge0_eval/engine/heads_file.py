@@ -261,4 +261,4 @@ def _context_meta(meta: dict, consumers: list[int], next_token: bool, where: str
     if stray:
         raise CheckpointError(f"{where}: metadata context_consumers lists layer(s) {stray} that "
                               f"no head predicts (consumers {sorted(consumers)})")
-    return sorted(listed)
+    return sorted(set(listed))

@@ -73,6 +73,9 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     facts = model_facts(model)
     top_k, owners, width = resolve_heads(facts, top_k=opts.top_k, owners=opts.owners,
                                          start_layer=opts.start_layer, width=opts.width)
+    consumers = default_consumers(owners, facts.moe_layers)
+    # before any collection: a bad --context-layers must not cost the features first
+    context = first_consumers(consumers, opts.context_layers, opts.next_token)
     ckpt = Path(f"{out}.ckpt")
     store = FeatureStore(ckpt / "features")
     state_path = ckpt / STATE_NAME
@@ -95,8 +98,6 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
                 "holdout": opts.holdout, "seed": opts.seed}
     if opts.train_tokens is not None:      # absent otherwise: earlier states stay valid
         train_fp["train_tokens"] = opts.train_tokens
-    consumers = default_consumers(owners, facts.moe_layers)
-    context = first_consumers(consumers, opts.context_layers, opts.next_token)
     if opts.next_token:
         train_fp["next_token"] = True
     if context:
