@@ -7,8 +7,8 @@ from dataclasses import fields
 
 from edge0_eval import cli_types as ct
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
-from edge0_eval.engine.options import (LORA_FILE, MODES, PREROUTER_FILE, WEIGHT_SOURCES,
-                                       EngineOptions)
+from edge0_eval.engine.options import (HEDGE_FILE, LORA_FILE, MODES, PREROUTER_FILE,
+                                       WEIGHT_SOURCES, EngineOptions)
 
 # Every flag's default is the EngineOptions field's: one owner.
 _DEFAULTS = EngineOptions()
@@ -29,6 +29,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-lora", action="store_true")
     g.add_argument("--no-prerouter", action="store_true",
                    help="route every layer with its true router")
+    g.add_argument("--hedge", dest="hedge_path", default=None,
+                   help=f"hedge heads (context heads) staged before the LM head for next-token "
+                        f"heads' layers (default: MODEL/{HEDGE_FILE} if present)")
+    g.add_argument("--no-hedge", action="store_true", help="stage without a hedge")
+    g.add_argument("--hedge-layers", type=ct.positive_int, default=None,
+                   help="hedge only the first N hedge layers in step order (default: all)")
     g.add_argument("--prerouted-weights", default=_DEFAULTS.prerouted_weights,
                    choices=WEIGHT_SOURCES,
                    help="combination weights of a planned set: the layer's router at the planned "

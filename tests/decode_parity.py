@@ -15,11 +15,12 @@ PROMPTS = ("def add(a, b):\n    return a + b\n# The quick brown fox", "import os
            "x = [1, 2, 3]\nfor", "# hello")
 
 
-def assert_batch_rows_equal_solo(converted, heads_path, max_tokens: int = 9) -> None:
-    """A prerouted engine on `heads_path`, 4 prompts, 3 rows at once (the fourth joins
-    mid-batch): greedy tokens equal solo runs, and no planned expert is ever missing."""
+def assert_batch_rows_equal_solo(converted, heads_path, max_tokens: int = 9, **options) -> None:
+    """A prerouted engine on `heads_path` (and `options`), 4 prompts, 3 rows at once (the
+    fourth joins mid-batch): greedy tokens equal solo runs, and no planned expert is ever
+    missing."""
     engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path),
-                                                  no_lora=True))
+                                                  no_lora=True, **options))
     try:
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
         solo = [engine.generate(p, max_tokens=max_tokens, stop_token_ids=set()).tokens

@@ -195,7 +195,7 @@ class BatchDecoder:
         here first."""
         e, pr = self.engine, self.prerouter
         t0, before = time.perf_counter(), e._snapshot()
-        if pr is not None and not pr.has_plan:
+        if pr is not None and not pr.rows_planned:
             pr.plan_rows()
         e.cache = cache
         logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True)

@@ -241,16 +241,44 @@ class StreamingSwitchGLU(nn.Module):
         return out
 
     # -- staging (prerouted decode) ---------------------------------------------------------
-    def stage_begin(self, experts: list[int]) -> "StagedSet":
+    def stage_begin(self, experts: list[int], hedge: "StagedSet | None" = None) -> "StagedSet":
         """Reserve slots for a predicted set and start reading the misses in the background.
 
         Experts already resident keep their slot (sticky), so only changed slots are read and
         written. Nothing else touches this layer's slots until `stage_finish`.
+
+        `hedge`: an earlier staged set of this layer, not finished (hedged staging). Its reads
+        of experts in `experts` count as this set's; its other reads are cancelled where they
+        have not started (their slots go back to the pool), and land in their slots where
+        they have, unless `experts` needed those slots. Slot buffers are written only by
+        `stage_finish`, so a slot taken back never receives the hedge's bundle. The returned
+        set's `hedge` tells what became of the hedge (`HedgeOutcome`; None without one).
         """
         io = self._io
-        mapping, loads = io.slots.assign(list(experts))
+        experts = list(experts)
+        outcome = None
+        if hedge is not None:
+            wanted = set(experts)
+            outcome = HedgeOutcome(staged=len(hedge.experts),
+                                   hits=len(wanted.intersection(hedge.experts)))
+            for (e, _), f in zip(hedge.loads, hedge.futures):
+                if e not in wanted and f.cancel():
+                    io.slots.forget(e)
+                    outcome.cancelled += 1
+        mapping, loads = io.slots.assign(experts)
         futures = [io.store.submit(io.layer, e, prepare=self._prepare) for e, _ in loads]
-        return StagedSet(experts=list(experts), mapping=mapping, loads=loads, futures=futures)
+        if hedge is not None:
+            kept_loads, kept_futures = [], []
+            for (e, slot), f in zip(hedge.loads, hedge.futures):
+                if f.cancelled() or io.slots.slot_of(e) != slot:
+                    f.cancel()     # its slot went to `experts`: the bundle is not needed
+                    continue
+                kept_loads.append((e, slot))
+                kept_futures.append(f)
+                outcome.wasted += e not in mapping
+            loads, futures = kept_loads + loads, kept_futures + futures
+        return StagedSet(experts=experts, mapping=mapping, loads=loads, futures=futures,
+                         hedge=outcome)
 
     def stage_finish(self, staged: "StagedSet") -> tuple[float, int]:
         """Wait for the staged reads, write the changed slots, publish the slot table.
@@ -274,6 +302,15 @@ class StreamingSwitchGLU(nn.Module):
 
 class StagedSet(SimpleNamespace):
     """A predicted expert set on its way into a layer's slots."""
+
+
+@dataclass
+class HedgeOutcome:
+    """What became of one layer's hedge when its routed set was staged."""
+    staged: int          # experts the hedge staged
+    hits: int            # of those, in the routed set
+    cancelled: int = 0   # reads of the others never started: nothing read
+    wasted: int = 0      # reads of the others that ran: bundles read for this step in vain
 
 
 @dataclass

@@ -9,9 +9,11 @@ every default that depends on the model is decided.
 
 Adapter files. The LoRA adapter is `lora_path`, else `lora.safetensors` beside the model; the
 prerouter heads (prerouted mode only) are `prerouter_path`, else `prerouter.safetensors` beside
-the model. `no_lora` / `no_prerouter` turn them off. A file given explicitly must exist. A
-missing default file means "no adapter" for the LoRA (the base model is served), unless the
-caller requires it (`require_lora=True`: the OpenCompass student arm, which must not score the
+the model; with them, the hedge heads (prerouted.py; next-token heads only) are `hedge_path`,
+else `prerouter_hedge.safetensors` beside the model when present. `no_lora` / `no_prerouter` /
+`no_hedge` turn them off. A file given explicitly must exist. A missing default file means
+"no adapter" for the LoRA (the base model is served) and "no hedge", unless the caller
+requires the LoRA (`require_lora=True`: the OpenCompass student arm, which must not score the
 base model by accident); prerouted mode always requires its heads. Every missing file is the
 same `MissingAdapterError`.
 """
@@ -32,6 +34,7 @@ from edge0_eval.engine.pool import slots_for_budget
 MODES = ("resident", "reactive", "prerouted")
 LORA_FILE = "lora.safetensors"
 PREROUTER_FILE = "prerouter.safetensors"
+HEDGE_FILE = "prerouter_hedge.safetensors"
 WEIGHT_SOURCES = ("head", "router")
 
 
@@ -54,6 +57,12 @@ class EngineOptions:
     prerouter_path: str | None = None        # None: PREROUTER_FILE beside the model
     no_lora: bool = False
     no_prerouter: bool = False
+    # Hedged staging (next-token heads): context heads whose sets are read before the LM head
+    # for their layers; routing stays the prerouter's (engine/prerouted.py). None: HEDGE_FILE
+    # beside the model if present.
+    hedge_path: str | None = None
+    no_hedge: bool = False
+    hedge_layers: int | None = None          # the hedge's first N layers in step order; None: all
     io_workers: int = 4
     io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
     verify_crc: bool = True                  # crc32 of each bundle on its first read
@@ -73,7 +82,7 @@ class EngineOptions:
         """Types and ranges of every field (a config can pass anything, NaN included)."""
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        for name in ("top_k", "slots_per_layer"):
+        for name in ("top_k", "slots_per_layer", "hedge_layers"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}")
@@ -129,11 +138,17 @@ class EngineOptions:
         top_k = self.top_k or family.native_top_k(config)
         if top_k > num_experts:
             raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
+        prerouter_path = self._prerouter_path(directory)
+        hedge_path = self._hedge_path(directory, prerouter_path)
+        if self.hedge_layers is not None and hedge_path is None:
+            raise ConfigError(f"hedge_layers {self.hedge_layers} without hedge heads: give "
+                              f"--hedge FILE (hedge_path), or drop --hedge-layers")
         return ResolvedOptions(
             family=family, top_k=top_k, num_experts=num_experts,
             slots_per_layer=self._slots_per_layer(index, top_k),
             lora_path=self._lora_path(directory, require_lora),
-            prerouter_path=self._prerouter_path(directory),
+            prerouter_path=prerouter_path,
+            hedge_path=hedge_path,
             clip_hidden=self.resolved_clip(family))
 
     def _slots_per_layer(self, index: ExpertIndex, top_k: int) -> int:
@@ -180,6 +195,19 @@ class EngineOptions:
                 f"--mode reactive (mode='reactive')")
         return path
 
+    def _hedge_path(self, directory: Path, prerouter_path: Path | None) -> Path | None:
+        if prerouter_path is None or self.no_hedge:
+            return None
+        path = Path(self.hedge_path) if self.hedge_path else directory / HEDGE_FILE
+        if path.is_file():
+            return path
+        if self.hedge_path:
+            raise MissingAdapterError(
+                f"prerouter hedge heads {path} are missing; write them with `edge0-eval "
+                f"init-prerouter` or `train-prerouter` (context heads, no --next-token), or "
+                f"stage without a hedge (--no-hedge / no_hedge=True)")
+        return None
+
 
 @dataclass(frozen=True)
 class ResolvedOptions:
@@ -191,6 +219,7 @@ class ResolvedOptions:
     slots_per_layer: int
     lora_path: Path | None          # the adapter to apply; None: none
     prerouter_path: Path | None     # the heads to load; None: every layer routes truly
+    hedge_path: Path | None         # context heads staged early for next-token heads; None: none
     clip_hidden: float | None       # per-layer hidden clipping limit; None: off
 
 

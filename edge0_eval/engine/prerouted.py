@@ -18,6 +18,15 @@ first consuming layers) from the step's features after its last layer, so the re
 first overlap the LM head, and the rest once the token is known. The store serves queued
 prefetches in the order their layers run, whichever group queued them first.
 
+Hedged staging (`hedge`: context heads for some of the next-token heads' layers, a file of its
+own). The hedge runs where context heads plan, after the step's last layer, and its sets start
+loading at once, so reads overlap the LM head although the routing is not known yet. When the
+token is known the next-token heads route as before; each hedged layer then reads only what
+its hedge missed, and the hedge's reads of experts outside the routed set are cancelled where
+they have not started (`StreamingSwitchGLU.stage_begin`). So routed ⊆ staged, not =: the
+routing, and every logit, are those of the next-token heads alone; the hedge only changes
+when bundles are read, and wastes the reads of its misses that had already run (counted).
+
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
 """
@@ -31,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from edge0_eval.errors import CheckpointError
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.heads_file import load_heads
 from edge0_eval.engine.prerouter import (PrerouterHeads, append_next_embedding, consumer_rule,
@@ -50,6 +59,11 @@ class StagingCounters:
     dropped_experts: int = 0        # planned experts absent from the slots at execution: must be 0
     stage_wait_seconds: float = 0.0
     head_seconds: float = 0.0
+    hedge_seconds: float = 0.0
+    hedge_staged: int = 0           # experts the hedge staged (per hedged layer per step)
+    hedge_hits: int = 0             # of those, in the routed set
+    hedge_cancelled: int = 0        # misses whose reads never started
+    hedge_wasted: int = 0           # misses read anyway (bundles read in vain this step)
 
 
 @dataclass
@@ -85,9 +99,11 @@ class Prerouter:
         self._awaiting_tokens = False           # next-token heads: features wait for the tokens
         self._embedding = engine.family.embedding(engine.model) if self.next_token else None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
+        self._hedges: dict[int, object] = {}     # hedged layer -> its hedge's staged set
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
         self.groups = self._head_groups(heads)
+        self.hedge: HeadGroup | None = None
 
     def _head_groups(self, heads) -> list[HeadGroup]:
         """One group of every head, or for mixed heads the context part and the rest, each
@@ -107,6 +123,33 @@ class Prerouter:
             groups.append(HeadGroup(mx.array(idx), part, consumers,
                                     consumer_rule(self.engine, consumers), next_token))
         return groups
+
+    def set_hedge(self, hedge: PrerouterHeads, n_layers: int | None = None) -> None:
+        """Hedge with `hedge`'s first `n_layers` heads in step order (None: all), checked
+        against the heads they hedge: context heads for layers that next-token heads plan."""
+        late = [c for g in self.groups if g.next_token for c in g.consumers]
+        if hedge.config.next_token:
+            raise ConfigError("hedge heads must be context heads (they plan before the token "
+                              "exists); these see the next token")
+        if not late:
+            raise ConfigError("a hedge serves next-token prerouter heads, whose plans wait for "
+                              "the token; these heads plan before the LM head already")
+        stray = sorted(set(hedge.config.consumers) - set(late))
+        if stray:
+            raise ConfigError(f"hedge heads for layer(s) {stray}, which the prerouter heads do "
+                              f"not plan once the token is known (they do: {sorted(late)})")
+        consumers = sorted(hedge.config.consumers)
+        if n_layers is not None:
+            if not 1 <= n_layers <= len(consumers):
+                raise ConfigError(f"hedge_layers {n_layers}: the hedge has {len(consumers)} "
+                                  f"layers; choose 1 to {len(consumers)}")
+            consumers = consumers[:n_layers]
+        part = hedge.select_owners([o for o, c in zip(hedge.config.owners,
+                                                      hedge.config.consumers) if c in consumers])
+        mx.eval(part.parameters())
+        rows = mx.array([self.owners.index(o) for o in part.config.owners])
+        self.hedge = HeadGroup(rows, part, part.config.consumers,
+                               consumer_rule(self.engine, part.config.consumers), False)
 
     def owner_heads(self, owner: int) -> PrerouterHeads:
         """The heads of one owner as the engine runs them (a context consumer's without the
@@ -131,7 +174,10 @@ class Prerouter:
             block.switch_mlp.pin(False)
 
     def _drain(self) -> None:
-        for _, _, staged in self._plans.values():
+        staged_sets = [staged for _, _, staged in self._plans.values()]
+        staged_sets += self._hedges.values()
+        self._hedges = {}
+        for staged in staged_sets:
             for f in staged.futures:
                 f.cancel()
             for f in staged.futures:
@@ -148,7 +194,14 @@ class Prerouter:
     # -- hooks used by the engine -----------------------------------------------------------
     @property
     def has_plan(self) -> bool:
+        """Staged plans wait for the next forward's layers."""
         return bool(self._plans)
+
+    @property
+    def rows_planned(self) -> bool:
+        """The current rows' next step is planned: staged, or waiting for their tokens (and
+        hedged). Rows leaving or joining drop it (`abandon_plans`)."""
+        return self.has_plan or self._awaiting_tokens
 
     def before_layer(self, layer: int, h: mx.array | None) -> None:
         """Called as layer `layer` is about to be built (h: the previous layer's output, None
@@ -220,6 +273,23 @@ class Prerouter:
                 self._awaiting_tokens = self._feats is not None
             elif self._feats is not None:
                 self.plan(group, self._group_feats(group), self._prev_onehot)
+        if self.hedge is not None and self._awaiting_tokens:
+            self._stage_hedge()
+
+    def _stage_hedge(self) -> None:
+        """Start reading the hedge's sets for the next step (the union of the rows')."""
+        assert not self._hedges, "a hedge staged twice: the last one was never consumed"
+        group, started = self.hedge, time.perf_counter()
+        inds, _ = group.rule.select(group.heads(self._group_feats(group)), self.engine.top_k)
+        mx.eval(inds)
+        self.counters.hedge_seconds += time.perf_counter() - started
+        ids = np.array(inds)
+        for o in sorted(range(len(group.consumers)), key=group.consumers.__getitem__):
+            layer = group.consumers[o]
+            union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))
+            staged = self.engine.blocks[layer].switch_mlp.stage_begin(union)
+            staged.layer = layer
+            self._hedges[layer] = staged
 
     def plan_tokens(self, tokens: mx.array) -> None:
         """Next-token heads: plan the step about to consume `tokens` [B] (one per row, in row
@@ -249,7 +319,11 @@ class Prerouter:
             self.counters.staged_experts -= len(staged.experts)
             self.counters.staged_layers -= 1
             self.counters.abandoned_plans += 1
-        self._plans = {}
+        for layer, staged in sorted(self._hedges.items()):
+            waited, _ = self.engine.blocks[layer].switch_mlp.stage_finish(staged)
+            self.counters.stage_wait_seconds += waited
+        self._plans, self._hedges = {}, {}
+        self._awaiting_tokens = False
 
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
@@ -276,8 +350,15 @@ class Prerouter:
         for o in sorted(range(len(consumers)), key=consumers.__getitem__):
             layer = consumers[o]
             union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))   # first-seen order
-            staged = engine.blocks[layer].switch_mlp.stage_begin(union)
+            staged = engine.blocks[layer].switch_mlp.stage_begin(
+                union, hedge=self._hedges.pop(layer, None))
             staged.layer = layer
+            if staged.hedge is not None:
+                c, h = self.counters, staged.hedge
+                c.hedge_staged += h.staged
+                c.hedge_hits += h.hits
+                c.hedge_cancelled += h.cancelled
+                c.hedge_wasted += h.wasted
             self.counters.staged_experts += len(staged.experts)
             self.counters.staged_layers += 1
             self.counters.staged_loads += len(staged.loads)
@@ -303,6 +384,14 @@ class Prerouter:
         }
         if self.context_consumers:
             out["prerouter_context_consumers"] = list(self.context_consumers)
+        if self.hedge is not None:
+            out.update({
+                "hedge_layers": sorted(self.hedge.consumers),
+                "hedge_precision": c.hedge_hits / c.hedge_staged if c.hedge_staged else None,
+                "hedge_cancelled_per_step": c.hedge_cancelled / steps,
+                "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
+                "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
+            })
         if self.measure_recall:
             values = [r for layer in self.consumers
                       for r in self.engine.blocks[layer].recalls()]
@@ -311,12 +400,25 @@ class Prerouter:
 
 
 def attach_prerouter(engine, path: Path) -> Prerouter:
-    """Load the heads in `path` for `engine` (resolved by EngineOptions.resolve); hook them in."""
+    """Load the heads in `path` (and the hedge, if any) for `engine` (resolved by
+    EngineOptions.resolve); hook them in."""
     options = engine.options
-    heads = load_heads(path, hidden=engine.family.hidden_size(engine.config),
-                       num_experts=engine.index.num_experts, top_k=engine.top_k,
-                       model_type=engine.config.get("model_type"),
-                       moe_layers=engine.moe_layers,
-                       dtype=resolve_compute_dtype(options.compute_dtype))
-    return Prerouter(engine, heads, weight_source=options.prerouted_weights,
-                     measure_recall=options.measure_recall)
+    prerouter = Prerouter(engine, _load_heads(engine, path),
+                          weight_source=options.prerouted_weights,
+                          measure_recall=options.measure_recall)
+    hedge_path = engine.resolved.hedge_path
+    if hedge_path is not None:
+        try:
+            prerouter.set_hedge(_load_heads(engine, hedge_path), options.hedge_layers)
+        except ConfigError as exc:
+            raise CheckpointError(f"{hedge_path}: {exc} (prerouter heads: {path}); pass other "
+                                  f"hedge heads (--hedge) or none (--no-hedge)") from None
+    return prerouter
+
+
+def _load_heads(engine, path: Path) -> PrerouterHeads:
+    return load_heads(path, hidden=engine.family.hidden_size(engine.config),
+                      num_experts=engine.index.num_experts, top_k=engine.top_k,
+                      model_type=engine.config.get("model_type"),
+                      moe_layers=engine.moe_layers,
+                      dtype=resolve_compute_dtype(engine.options.compute_dtype))

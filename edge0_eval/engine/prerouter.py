@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.engine.routing import RoutingRule, stack_rules
@@ -360,12 +361,19 @@ def router_weight(block) -> tuple[mx.array, mx.array | None]:
 
 
 def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
-                              biases: list[mx.array | None], seed: int) -> PrerouterHeads:
+                              biases: list[mx.array | None], seed: int,
+                              embedding_scale: float = 0.0) -> PrerouterHeads:
     """Warm start: linear = [W_next | b/K over the one-hot(t) columns | 0 (| 0 over the
     next-token embedding)], fc2 = 0.
 
     Routers have no bias in the supported families; if one had, spreading b/K over the K ones
     of onehot_t reproduces it exactly, since that one-hot always has exactly K ones.
+
+    `embedding_scale` s > 0 (next-token heads, benchmarks only): the embedding columns become
+    s x the consumer's router with its rows shuffled, so untrained heads route by the token as
+    well, and a context hedge no longer predicts them exactly (the measured hedge precision
+    falls as s grows). Context consumers of mixed heads keep zeros. (init_heads_from_routers
+    divides s by the embedding's RMS.)
     """
     o, e, h, w = len(config.owners), config.num_experts, config.hidden, config.width
     linear = []
@@ -381,6 +389,16 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
             cols.append(mx.zeros((e, h)))
         linear.append(mx.concatenate(cols, axis=1))
     key = mx.random.key(seed)
+    if embedding_scale:
+        if not config.next_token:
+            raise ConfigError("--embedding-scale sets next-token heads' embedding columns: add "
+                              "--next-token")
+        rng = np.random.default_rng(seed)
+        for i, (weight, consumer) in enumerate(zip(weights, config.consumers)):
+            if consumer not in config.context_consumers:
+                shuffled = weight.astype(mx.float32)[mx.array(rng.permutation(e))]
+                linear[i] = mx.concatenate([linear[i][:, :config.context_dim],
+                                            embedding_scale * shuffled], axis=1)
     fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim ** -0.5)
     if config.context_consumers:    # their heads never see the embedding: zero columns
         ctx = mx.array([c in config.context_consumers for c in config.consumers])
@@ -393,10 +411,14 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
 
 def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0,
                             top_k: int | None = None, next_token: bool = False,
-                            context_layers: int = 0) -> PrerouterHeads:
+                            context_layers: int = 0,
+                            embedding_scale: float = 0.0) -> PrerouterHeads:
     """Heads warm-started from each consumer's router (owner + 1; the wrap-around head, owner =
     the last MoE layer: the first MoE layer's); untrained = that router. `context_layers`
-    (next-token heads): the first that many consumers keep context features."""
+    (next-token heads): the first that many consumers keep context features;
+    `embedding_scale` s: the embedding columns are s / RMS(embedding) x the consumer's router
+    with its rows shuffled (heads_from_router_weights), so at s = 1 the token weighs about as
+    much as the normalised hidden state."""
     moe = engine.moe_layers
     owners = sorted(int(n) for n in owners)
     consumers = default_consumers(owners, moe)
@@ -410,4 +432,9 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
                              context_consumers=first_consumers(consumers, context_layers,
                                                                next_token))
     pairs = [router_weight(engine.blocks[c]) for c in consumers]
-    return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed)
+    if embedding_scale:
+        embed = engine.family.embedding(engine.model)
+        rows = embed(mx.arange(min(4096, embed.weight.shape[0]))).astype(mx.float32)
+        embedding_scale /= mx.sqrt(mx.mean(rows * rows)).item()
+    return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed,
+                                     embedding_scale)
