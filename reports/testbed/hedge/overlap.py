@@ -32,19 +32,24 @@ pos = positions(meta["docs"], held)[: a.positions]
 
 
 def ranked(path, next_token):
-    """(consumers, experts [O, B, E] by descending head logit, target [O, B, K])."""
+    """(consumers, experts [O, B, E] by descending head logit, their softmax probabilities
+    [O, B, E] in that order, target [O, B, K])."""
     heads = load_heads(path, hidden=meta["hidden"], num_experts=e, top_k=k, dtype=mx.float32)
     b = Batches(store, heads.owners, next_token=next_token)
-    out, targets = [], []
+    out, probs, targets = [], [], []
     for start in range(0, len(pos), 1000):
         batch = b.get(pos[start: start + 1000])
-        out.append(np.array(mx.argsort(-heads(b.features(batch)), axis=-1)))
+        logits = heads(b.features(batch))
+        order = mx.argsort(-logits, axis=-1)
+        out.append(np.array(order))
+        probs.append(np.array(mx.take_along_axis(mx.softmax(logits, axis=-1), order, axis=-1)))
         targets.append(np.array(batch["target"]))
-    return b.consumers, np.concatenate(out, axis=1), np.concatenate(targets, axis=1)
+    return (b.consumers, np.concatenate(out, axis=1), np.concatenate(probs, axis=1),
+            np.concatenate(targets, axis=1))
 
 
-c_cons, c_rank, target = ranked(a.context, False)
-n_cons, n_rank, _ = ranked(a.next_token, True)
+c_cons, c_rank, c_prob, target = ranked(a.context, False)
+n_cons, n_rank, _, _ = ranked(a.next_token, True)
 assert c_cons == n_cons, (c_cons, n_cons)
 
 
@@ -64,6 +69,14 @@ for o, c in sorted(enumerate(c_cons), key=lambda x: x[1]):
         "context_recall": float(member(c_rank[o, :, :k], target[o]).mean()),
         "next_token_recall": float(member(routed[o], target[o]).mean()),
     })
+# The hedge's K x O predictions of a position ordered by its softmax probability, across layers:
+# the precision of the most confident fraction (what a read budget spent by confidence buys).
+conf = np.swapaxes(c_prob[..., :k], 0, 1).reshape(len(pos), -1)          # [B, O*K]
+hit = np.swapaxes(hedge_in_routed, 0, 1).reshape(len(pos), -1)
+by_conf = np.take_along_axis(hit, np.argsort(-conf, axis=1), axis=1).mean(axis=0)
+cum = np.cumsum(by_conf) / np.arange(1, by_conf.size + 1)
+fractions = {f"{f:.2f}": float(cum[max(0, int(round(f * by_conf.size)) - 1)])
+             for f in (0.1, 0.25, 0.5, 0.75, 1.0)}
 summary = {
     "positions": int(len(pos)), "top_k": k, "num_experts": e,
     "chance_precision": k / e,
@@ -71,6 +84,7 @@ summary = {
     "mean_context_recall": float(np.mean([l["context_recall"] for l in layers])),
     "mean_next_token_recall": float(np.mean([l["next_token_recall"] for l in layers])),
     "precision_by_hedge_rank": hedge_in_routed.mean(axis=(0, 1)).round(4).tolist(),
+    "precision_of_most_confident_fraction": fractions,
 }
 Path(a.out).write_text(json.dumps({"summary": summary, "layers": layers}, indent=1))
 print(json.dumps(summary, indent=1))
