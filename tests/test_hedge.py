@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import threading
 import time
 
 import mlx.core as mx
@@ -101,8 +100,7 @@ def test_hedge_changes_no_logit(hedged, slots):
 def test_hedge_of_untrained_heads_from_init_prerouter(edge0_qwen, tmp_path, scale):
     """`init-prerouter` heads: untrained next-token heads ignore the token (zero embedding
     columns), so untrained context heads hedge them exactly: every bundle is queued before the
-    token is known, none after (but hits still queued, re-queued in layer order), none in
-    vain. `--embedding-scale` makes the next-token heads
+    token is known, none after, none in vain. `--embedding-scale` makes the next-token heads
     route by the token too: then the hedge misses, and the misses are read after the token."""
     from edge0_eval import cli
     from edge0_eval.engine.store import ExpertStore
@@ -135,16 +133,16 @@ def test_hedge_of_untrained_heads_from_init_prerouter(edge0_qwen, tmp_path, scal
         phase["now"] = "before"
         for _ in range(8):
             logits = engine.step(int(mx.argmax(logits).item()))
-        stats, requeued = engine.stats(), pr.counters.hedge_requeued
+        stats = engine.stats()
     finally:
         ExpertStore.submit = submit
         engine.close()
     assert stats["dropped_experts"] == 0 and phase["reads"]["before"] > 0
     if scale is None:
         assert stats["hedge_precision"] == 1.0 and stats["hedge_wasted_loads_per_step"] == 0
-        assert phase["reads"]["after"] == requeued
+        assert phase["reads"]["after"] == 0
     else:
-        assert stats["hedge_precision"] < 0.9 and phase["reads"]["after"] > requeued
+        assert stats["hedge_precision"] < 0.9 and phase["reads"]["after"] > 0
 
 
 def test_hedged_batch_rows_equal_solo(hedged):
@@ -229,7 +227,6 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
         routed = switch.stage_begin([0, 4, 5, 6], hedge=hedge)
         outcome = routed.hedge
         assert (outcome.staged, outcome.hits, outcome.cancelled) == (4, 1, 2)
-        assert outcome.requeued == 1        # expert 0, routed, was still queued
         # 4 slots: the routed set needs expert 1's slot, so its bundle is never used; 8: it
         # lands beside the routed set, read in vain
         assert outcome.wasted == (0 if slots == 4 else 1)
@@ -263,73 +260,3 @@ def test_preflight_stops_a_truncated_hedge(edge0_qwen, tmp_path):
     problems = model_problems([arm])
     assert len(problems) == 1 and HEDGE_FILE in problems[0] and "hedge" in problems[0]
     assert model_problems([arm | {"no_hedge": True}]) == []
-
-
-def test_queued_hedge_hits_are_read_in_layer_order(edge0_qwen):
-    """Hedge reads queue after every routed prefetch; once a hedged layer's routed set is
-    known, its hits still queued are queued again by the layer's position, so an early layer's
-    routed expert is not read after a later layer's."""
-    from edge0_eval.engine.store import DEMAND, ExpertStore
-
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True, io_workers=1))
-    order, read = [], ExpertStore.read
-
-    def recording(self, layer, expert):
-        order.append((layer, expert))
-        return read(self, layer, expert)
-
-    try:
-        ExpertStore.read = recording
-        store, (first, _, third, *_) = engine.store, engine.moe_layers
-        gate = threading.Event()
-        hold = store.submit(third, 0, DEMAND, prepare=lambda buf: gate.wait(10))
-        early, late = engine.blocks[first].switch_mlp, engine.blocks[third].switch_mlp
-        hedge = early.stage_begin([5], priorities={5: store.hedge_priority(0)})
-        late_set = late.stage_begin([6])
-        early_set = early.stage_begin([5], hedge=hedge)
-        assert early_set.hedge.requeued == 1
-        gate.set()
-        hold.result(timeout=10)
-        late.stage_finish(late_set)
-        early.stage_finish(early_set)
-    finally:
-        ExpertStore.read = read
-        engine.close()
-    assert order[1:] == [(first, 5), (third, 6)]
-
-
-def test_hedge_reads_queue_most_confident_first(edge0_qwen, tmp_path):
-    """Each hedge read's queue priority ranks it by the hedge head's softmax probability
-    across layers (recomputed here from the engine's features), all after routed prefetches."""
-    from edge0_eval.engine.store import ExpertStore
-
-    nt, _ = next_token_heads(edge0_qwen, tmp_path / "nt.safetensors")
-    hedge = context_heads(edge0_qwen, tmp_path / "hedge.safetensors")
-    engine = _engine(edge0_qwen, nt, hedge, slots_per_layer=4)
-    submitted, submit = [], ExpertStore.submit
-
-    def recording(self, layer, expert, priority=None, prepare=None):
-        submitted.append((layer, expert, priority))
-        return submit(self, layer, expert, priority, prepare)
-
-    pr = engine.prerouter
-    try:
-        logits = engine.prefill(engine.tokenizer.encode(PROMPT))
-        for _ in range(3):
-            token = int(mx.argmax(logits).item())
-            ExpertStore.submit = recording
-            del submitted[:]
-            logits = engine.step(token)          # its hedge is staged after its last layer
-            ExpertStore.submit = submit
-            group = pr.hedge
-            probs = mx.softmax(group.heads(pr._feats[group.rows]), axis=-1)     # [O, 1, E]
-            prob = {(c, e): probs[o, 0, e].item() for o, c in enumerate(group.consumers)
-                    for e in range(probs.shape[-1])}
-            hedged = sorted((p, prob[layer, e]) for layer, e, p in submitted
-                            if p is not None and p >= engine.store.hedge_priority(0))
-            assert hedged, "the hedge read nothing"
-            confidences = [c for _, c in hedged]
-            assert confidences == sorted(confidences, reverse=True)
-    finally:
-        ExpertStore.submit = submit
-        engine.close()

@@ -241,21 +241,18 @@ class StreamingSwitchGLU(nn.Module):
         return out
 
     # -- staging (prerouted decode) ---------------------------------------------------------
-    def stage_begin(self, experts: list[int], hedge: "StagedSet | None" = None,
-                    priorities: dict[int, int] | None = None) -> "StagedSet":
+    def stage_begin(self, experts: list[int], hedge: "StagedSet | None" = None) -> "StagedSet":
         """Reserve slots for a predicted set and start reading the misses in the background.
 
         Experts already resident keep their slot (sticky), so only changed slots are read and
-        written. Nothing else touches this layer's slots until `stage_finish`. Reads queue by
-        this layer's position, or by `priorities` (expert -> queue priority: a hedge's).
+        written. Nothing else touches this layer's slots until `stage_finish`.
 
         `hedge`: an earlier staged set of this layer, not finished (hedged staging). Its reads
-        of experts in `experts` count as this set's, and those still queued are queued again
-        by this layer's position; its other reads are cancelled where they have not started
-        (their slots go back to the pool), and land in their slots where they have, unless
-        `experts` needed those slots. Slot buffers are written only by `stage_finish`, so a
-        slot taken back never receives the hedge's bundle. The returned set's `hedge` tells
-        what became of the hedge (`HedgeOutcome`; None without one).
+        of experts in `experts` count as this set's; its other reads are cancelled where they
+        have not started (their slots go back to the pool), and land in their slots where
+        they have, unless `experts` needed those slots. Slot buffers are written only by
+        `stage_finish`, so a slot taken back never receives the hedge's bundle. The returned
+        set's `hedge` tells what became of the hedge (`HedgeOutcome`; None without one).
         """
         io = self._io
         experts = list(experts)
@@ -269,17 +266,13 @@ class StreamingSwitchGLU(nn.Module):
                     io.slots.forget(e)
                     outcome.cancelled += 1
         mapping, loads = io.slots.assign(experts)
-        futures = [io.store.submit(io.layer, e, None if priorities is None else priorities[e],
-                                   prepare=self._prepare) for e, _ in loads]
+        futures = [io.store.submit(io.layer, e, prepare=self._prepare) for e, _ in loads]
         if hedge is not None:
             kept_loads, kept_futures = [], []
             for (e, slot), f in zip(hedge.loads, hedge.futures):
                 if f.cancelled() or io.slots.slot_of(e) != slot:
                     f.cancel()     # its slot went to `experts`: the bundle is not needed
                     continue
-                if e in mapping and f.cancel():     # routed, still queued at a hedge's priority
-                    f = io.store.submit(io.layer, e, prepare=self._prepare)
-                    outcome.requeued += 1
                 kept_loads.append((e, slot))
                 kept_futures.append(f)
                 outcome.wasted += e not in mapping
@@ -318,7 +311,6 @@ class HedgeOutcome:
     hits: int            # of those, in the routed set
     cancelled: int = 0   # reads of the others never started: nothing read
     wasted: int = 0      # reads of the others that ran: bundles read for this step in vain
-    requeued: int = 0    # reads of hits still queued, queued again by this layer's position
 
 
 @dataclass

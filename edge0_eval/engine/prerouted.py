@@ -20,11 +20,10 @@ prefetches in the order their layers run, whichever group queued them first.
 
 Hedged staging (`hedge`: context heads for some of the next-token heads' layers, a file of its
 own). The hedge runs where context heads plan, after the step's last layer, and its sets start
-loading at once, most confident first across layers, so reads overlap the LM head although the
-routing is not known yet. When the token is known the next-token heads route as before; each
-hedged layer then reads only what its hedge missed, the hedge's reads of routed experts still
-queued are queued again in layer order, and its reads of experts outside the routed set are
-cancelled where they have not started (`StreamingSwitchGLU.stage_begin`). So routed ⊆ staged, not =: the
+loading at once, so reads overlap the LM head although the routing is not known yet. When the
+token is known the next-token heads route as before; each hedged layer then reads only what
+its hedge missed, and the hedge's reads of experts outside the routed set are cancelled where
+they have not started (`StreamingSwitchGLU.stage_begin`). So routed ⊆ staged, not =: the
 routing, and every logit, are those of the next-token heads alone; the hedge only changes
 when bundles are read, and wastes the reads of its misses that had already run (counted).
 
@@ -65,7 +64,6 @@ class StagingCounters:
     hedge_hits: int = 0             # of those, in the routed set
     hedge_cancelled: int = 0        # misses whose reads never started
     hedge_wasted: int = 0           # misses read anyway (bundles read in vain this step)
-    hedge_requeued: int = 0         # hits still queued at the token, queued again by layer
 
 
 @dataclass
@@ -279,31 +277,17 @@ class Prerouter:
             self._stage_hedge()
 
     def _stage_hedge(self) -> None:
-        """Start reading the hedge's sets for the next step (each layer: the union of the
-        rows'), most confident first across layers: the reads that run before the token
-        exists are the likeliest to be routed (a confident expert by the head's softmax, the
-        largest of the rows'). The routed sets queue what remains by layer (stage_begin)."""
+        """Start reading the hedge's sets for the next step (the union of the rows')."""
         assert not self._hedges, "a hedge staged twice: the last one was never consumed"
         group, started = self.hedge, time.perf_counter()
-        logits = group.heads(self._group_feats(group))
-        inds, _ = group.rule.select(logits, self.engine.top_k)
-        conf = mx.take_along_axis(mx.softmax(logits.astype(mx.float32), axis=-1), inds, axis=-1)
-        mx.eval(inds, conf)
+        inds, _ = group.rule.select(group.heads(self._group_feats(group)), self.engine.top_k)
+        mx.eval(inds)
         self.counters.hedge_seconds += time.perf_counter() - started
-        ids, conf = np.array(inds), np.array(conf)
-        sets = []                          # (layer, {expert: confidence}) in step order
+        ids = np.array(inds)
         for o in sorted(range(len(group.consumers)), key=group.consumers.__getitem__):
-            best: dict[int, float] = {}
-            for e, c in zip(ids[o].reshape(-1).tolist(), conf[o].reshape(-1).tolist()):
-                best[e] = max(c, best.get(e, c))
-            sets.append((group.consumers[o], best))
-        ranked = sorted(((c, i, e) for i, (_, best) in enumerate(sets) for e, c in best.items()),
-                        key=lambda x: (-x[0], x[1]))
-        rank = {(i, e): r for r, (_, i, e) in enumerate(ranked)}
-        store = self.engine.store
-        for i, (layer, best) in enumerate(sets):
-            staged = self.engine.blocks[layer].switch_mlp.stage_begin(
-                list(best), priorities={e: store.hedge_priority(rank[i, e]) for e in best})
+            layer = group.consumers[o]
+            union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))
+            staged = self.engine.blocks[layer].switch_mlp.stage_begin(union)
             staged.layer = layer
             self._hedges[layer] = staged
 
@@ -375,7 +359,6 @@ class Prerouter:
                 c.hedge_hits += h.hits
                 c.hedge_cancelled += h.cancelled
                 c.hedge_wasted += h.wasted
-                c.hedge_requeued += h.requeued
             self.counters.staged_experts += len(staged.experts)
             self.counters.staged_layers += 1
             self.counters.staged_loads += len(staged.loads)
@@ -407,7 +390,6 @@ class Prerouter:
                 "hedge_precision": c.hedge_hits / c.hedge_staged if c.hedge_staged else None,
                 "hedge_cancelled_per_step": c.hedge_cancelled / steps,
                 "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
-                "hedge_requeued_per_step": c.hedge_requeued / steps,
                 "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
             })
         if self.measure_recall:

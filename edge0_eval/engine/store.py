@@ -26,8 +26,7 @@ from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 
 # Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position
 # of their layer in the forward (PREFETCH + position): the earliest-needed read goes first even
-# when it is queued last (plans made at two points of a step: mixed heads). Hedge reads, whose
-# experts may not be routed at all, come last, most confident first (`hedge_priority`).
+# when it is queued last (plans made at two points of a step: mixed heads).
 DEMAND, PREFETCH = 0, 1
 _STOP = math.inf
 
@@ -211,11 +210,6 @@ class ExpertStore:
         if prepare is None:
             return self._queue.submit(priority, self.read, layer, expert)
         return self._queue.submit(priority, lambda: prepare(self.read(layer, expert)))
-
-    def hedge_priority(self, rank: int) -> int:
-        """The queue priority of the hedge read ranked `rank` (0: most confident): after every
-        prefetch of a routed set."""
-        return PREFETCH + len(self.index.moe_layers) + rank
 
     def read_many(self, pairs: list[tuple[int, int]], prepare=None) -> list:
         """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches."""
