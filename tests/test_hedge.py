@@ -164,6 +164,8 @@ def test_hedge_file_found_beside_the_model_and_turned_off(edge0_qwen, tmp_path):
                       ).resolve(model)
     with pytest.raises(ConfigError, match="hedge_layers 2 without hedge heads"):
         EngineOptions(mode="prerouted", no_hedge=True, hedge_layers=2).resolve(model)
+    # another arm of the same command line (bench: reactive, compute-only) ignores it
+    assert EngineOptions(mode="reactive", hedge_layers=2).resolve(model).hedge_path is None
     engine = Engine.load(model, EngineOptions(mode="prerouted", no_lora=True, hedge_layers=1))
     try:
         assert engine.prerouter.hedge.consumers == [engine.moe_layers[0]]   # the first in step order
@@ -227,9 +229,10 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
         routed = switch.stage_begin([0, 4, 5, 6], hedge=hedge)
         outcome = routed.hedge
         assert (outcome.staged, outcome.hits, outcome.cancelled) == (4, 1, 2)
-        # 4 slots: the routed set needs expert 1's slot, so its bundle is never used; 8: it
-        # lands beside the routed set, read in vain
-        assert outcome.wasted == (0 if slots == 4 else 1)
+        # expert 1 was read in vain; 4 slots: the routed set needs its slot, so its bundle is
+        # never written; 8: it lands beside the routed set
+        assert outcome.wasted == 1
+        assert (1 in switch.slots.resident_experts) == (slots == 8)
         slots_written = [slot for _, slot in routed.loads]
         assert len(slots_written) == len(set(slots_written))
         assert all(switch.slots.slot_of(e) == slot for e, slot in routed.loads)

@@ -270,12 +270,14 @@ class StreamingSwitchGLU(nn.Module):
         if hedge is not None:
             kept_loads, kept_futures = [], []
             for (e, slot), f in zip(hedge.loads, hedge.futures):
-                if f.cancelled() or io.slots.slot_of(e) != slot:
+                if f.cancelled():
+                    continue
+                outcome.wasted += e not in mapping    # its read started, for nothing
+                if io.slots.slot_of(e) != slot:
                     f.cancel()     # its slot went to `experts`: the bundle is not needed
                     continue
                 kept_loads.append((e, slot))
                 kept_futures.append(f)
-                outcome.wasted += e not in mapping
             loads, futures = kept_loads + loads, kept_futures + futures
         return StagedSet(experts=experts, mapping=mapping, loads=loads, futures=futures,
                          hedge=outcome)
@@ -310,7 +312,7 @@ class HedgeOutcome:
     staged: int          # experts the hedge staged
     hits: int            # of those, in the routed set
     cancelled: int = 0   # reads of the others never started: nothing read
-    wasted: int = 0      # reads of the others that ran: bundles read for this step in vain
+    wasted: int = 0      # reads of the others that had started: bundles read in vain
 
 
 @dataclass

@@ -140,7 +140,7 @@ class EngineOptions:
             raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
         prerouter_path = self._prerouter_path(directory)
         hedge_path = self._hedge_path(directory, prerouter_path)
-        if self.hedge_layers is not None and hedge_path is None:
+        if self.hedge_layers is not None and prerouter_path is not None and hedge_path is None:
             raise ConfigError(f"hedge_layers {self.hedge_layers} without hedge heads: give "
                               f"--hedge FILE (hedge_path), or drop --hedge-layers")
         return ResolvedOptions(
