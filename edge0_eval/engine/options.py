@@ -138,6 +138,7 @@ class EngineOptions:
         top_k = self.top_k or family.native_top_k(config)
         if top_k > num_experts:
             raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
+        lora_path = self._lora_path(directory, require_lora)     # reported first when missing
         prerouter_path = self._prerouter_path(directory)
         hedge_path = self._hedge_path(directory, prerouter_path)
         if self.hedge_layers is not None and prerouter_path is not None and hedge_path is None:
@@ -146,7 +147,7 @@ class EngineOptions:
         return ResolvedOptions(
             family=family, top_k=top_k, num_experts=num_experts,
             slots_per_layer=self._slots_per_layer(index, top_k),
-            lora_path=self._lora_path(directory, require_lora),
+            lora_path=lora_path,
             prerouter_path=prerouter_path,
             hedge_path=hedge_path,
             clip_hidden=self.resolved_clip(family))
