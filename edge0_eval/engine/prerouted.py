@@ -42,6 +42,7 @@ import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
+from edge0_eval.engine.moe import StagedSet
 from edge0_eval.engine.heads_file import load_heads
 from edge0_eval.engine.prerouter import (PrerouterHeads, append_next_embedding, consumer_rule,
                                          pair_problems, trace_features)
@@ -99,7 +100,7 @@ class Prerouter:
         self._awaiting_tokens = False           # next-token heads: features wait for the tokens
         self._embedding = engine.family.embedding(engine.model) if self.next_token else None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
-        self._hedges: dict[int, object] = {}     # hedged layer -> its hedge's staged set
+        self._hedges: dict[int, StagedSet] = {}  # hedged layer -> its hedge's staged set
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
         self.groups = self._head_groups(heads)
