@@ -326,11 +326,14 @@ def run(args: argparse.Namespace) -> int:
                     if row.get("online_recall") is not None:
                         extra += f", online recall {row['online_recall']:.3f}"
                     if row.get("hedge_precision") is not None:
-                        extra += (f", hedge precision {row['hedge_precision']:.3f} (layers "
+                        extra += (f", hedge {row['hedge_kind']} precision "
+                                  f"{row['hedge_precision']:.3f} (layers "
                                   f"{len(row['hedge_layers'])}, heads "
                                   f"{row['hedge_ms_per_step']:.2f} ms, wasted loads/step "
                                   f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
                                   f"{row['hedge_cancelled_per_step']:.1f})")
+                    if row.get("draft_match_rate") is not None:
+                        extra += f", draft = token {row['draft_match_rate']:.3f}"
                 print(f"profile {row['arm']} (ms/step): {prof}{extra}")
     report["targets"] = targets(report)
     for name, value in report["targets"].items():

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
     "bench": ("edge0_eval.bench", "benchmark the engine (arms interleaved in one process)"),
     "init-prerouter": ("edge0_eval.init_prerouter", "write untrained prerouter heads (warm start)"),
+    "draft-vocab": ("edge0_eval.draft_vocab", "write a draft vocabulary (a draft-token hedge)"),
     "train-prerouter": ("edge0_eval.training.prerouter", "stage 1: distil prerouter heads"),
     "train-lora": ("edge0_eval.training.sft", "stage 2: student-path LoRA SFT"),
     "distill": ("edge0_eval.training.distill", "stage 3: on-policy distillation"),

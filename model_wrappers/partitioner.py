@@ -60,7 +60,7 @@ def model_problems(models: Iterable[dict]) -> List[str]:
                 check_model_dir(path, verify_crc=opts.verify_crc)
                 for file, what in ((resolved.lora_path, 'LoRA adapter'),
                                    (resolved.prerouter_path, 'prerouter heads'),
-                                   (resolved.hedge_path, 'prerouter hedge heads')):
+                                   (resolved.hedge_path, 'prerouter hedge')):
                     if file is not None:
                         read_safetensors_header(file, what, 'train or copy it again')
             except Edge0Error as exc:   # the student's index/config are read too

@@ -157,18 +157,18 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
     planned, checked = [], []
     plan, after_step = pr.plan, pr.after_step
 
-    def recording_plan(feats, *also):
-        plan(feats, *also)
+    def recording_plan(*args, **kwargs):
+        plan(*args, **kwargs)
         planned.append({l: (np.array(p[0]), sorted(p[2].experts)) for l, p in pr._plans.items()})
 
-    def checking_after_step():
+    def checking_after_step(*args):
         for layer in consumers:       # what each row executed vs its own plan, every layer
             inds, staged = planned[-1][layer]
             executed = np.array(engine.blocks[layer].captured()[1])
             assert (executed == inds).all()
             assert sorted(set(executed.reshape(-1).tolist())) == staged
             checked.append(len(staged))
-        after_step()
+        after_step(*args)
 
     monkeypatch.setattr(pr, "plan", recording_plan)
     monkeypatch.setattr(pr, "after_step", checking_after_step)

@@ -170,7 +170,7 @@ class Engine:
         if plan_next and layer == self._last_layer:
             # Plan the next step now, before the LM head is even built: its compute (the
             # biggest single op) then overlaps the next step's staged reads.
-            self.prerouter.after_step()
+            self.prerouter.after_step(h)
         return h
 
     def forward(self, tokens: mx.array, plan_next: bool = False, last_only: bool = False

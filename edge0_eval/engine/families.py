@@ -56,6 +56,15 @@ class Family:
         inner = getattr(model, "language_model", model).model
         return inner.word_embeddings if hasattr(inner, "word_embeddings") else inner.embed_tokens
 
+    def output_head(self, model: nn.Module) -> tuple[nn.Module, nn.Module, bool]:
+        """(final norm, LM head module, tied): the tied head is the input embedding, applied
+        with `as_linear` (the draft hedge slices its rows)."""
+        owner = getattr(model, "language_model", model)
+        inner = owner.model
+        # As the forwards below: mlx-lm's qwen2_moe always has its own lm_head.
+        tied = self.name != "qwen2_moe" and bool(owner.args.tie_word_embeddings)
+        return inner.norm, self.embedding(model) if tied else owner.lm_head, tied
+
     def moe_layers(self, model: nn.Module) -> list[int]:
         return [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
 

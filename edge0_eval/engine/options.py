@@ -9,8 +9,9 @@ every default that depends on the model is decided.
 
 Adapter files. The LoRA adapter is `lora_path`, else `lora.safetensors` beside the model; the
 prerouter heads (prerouted mode only) are `prerouter_path`, else `prerouter.safetensors` beside
-the model; with them, the hedge heads (prerouted.py; next-token heads only) are `hedge_path`,
-else `prerouter_hedge.safetensors` beside the model when present. `no_lora` / `no_prerouter` /
+the model; with them, the hedge (prerouted.py; next-token heads only: context heads, or a
+draft vocabulary from `edge0-eval draft-vocab`) is `hedge_path`, else
+`prerouter_hedge.safetensors` beside the model when present. `no_lora` / `no_prerouter` /
 `no_hedge` turn them off. A file given explicitly must exist. A missing default file means
 "no adapter" for the LoRA (the base model is served) and "no hedge", unless the caller
 requires the LoRA (`require_lora=True`: the OpenCompass student arm, which must not score the
@@ -57,9 +58,9 @@ class EngineOptions:
     prerouter_path: str | None = None        # None: PREROUTER_FILE beside the model
     no_lora: bool = False
     no_prerouter: bool = False
-    # Hedged staging (next-token heads): context heads whose sets are read before the LM head
-    # for their layers; routing stays the prerouter's (engine/prerouted.py). None: HEDGE_FILE
-    # beside the model if present.
+    # Hedged staging (next-token heads): context heads, or a draft vocabulary (the heads at a
+    # drafted token), whose sets are read before the LM head for their layers; routing stays
+    # the prerouter's (engine/prerouted.py). None: HEDGE_FILE beside the model if present.
     hedge_path: str | None = None
     no_hedge: bool = False
     hedge_layers: int | None = None          # the hedge's first N layers in step order; None: all
@@ -204,9 +205,10 @@ class EngineOptions:
             return path
         if self.hedge_path:
             raise MissingAdapterError(
-                f"prerouter hedge heads {path} are missing; write them with `edge0-eval "
-                f"init-prerouter` or `train-prerouter` (context heads, no --next-token), or "
-                f"stage without a hedge (--no-hedge / no_hedge=True)")
+                f"prerouter hedge {path} is missing; write a draft vocabulary with "
+                f"`edge0-eval draft-vocab` or context heads with `init-prerouter` / "
+                f"`train-prerouter` (no --next-token), or stage without a hedge (--no-hedge / "
+                f"no_hedge=True)")
         return None
 
 
@@ -220,7 +222,8 @@ class ResolvedOptions:
     slots_per_layer: int
     lora_path: Path | None          # the adapter to apply; None: none
     prerouter_path: Path | None     # the heads to load; None: every layer routes truly
-    hedge_path: Path | None         # context heads staged early for next-token heads; None: none
+    hedge_path: Path | None         # staged early for next-token heads (context heads or a
+    #                                 draft vocabulary); None: none
     clip_hidden: float | None       # per-layer hidden clipping limit; None: off
 
 

@@ -26,6 +26,9 @@ its hedge missed, and the hedge's reads of experts outside the routed set are ca
 they have not started (`StreamingSwitchGLU.stage_begin`). So routed ⊆ staged, not =: the
 routing, and every logit, are those of the next-token heads alone; the hedge only changes
 when bundles are read, and wastes the reads of its misses that had already run (counted).
+A draft hedge (`set_draft`, engine/draft.py) stages the next-token heads' own sets at a token
+drafted from a slice of the LM head instead; when the served tokens equal the drafts, those
+sets are the routing, and the plans computed for the hedge are used as they are.
 
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
@@ -41,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.engine.draft import DraftHead, is_draft_file, load_draft_vocab
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.moe import StagedSet
 from edge0_eval.engine.heads_file import load_heads
@@ -65,6 +69,8 @@ class StagingCounters:
     hedge_hits: int = 0             # of those, in the routed set
     hedge_cancelled: int = 0        # misses whose reads never started
     hedge_wasted: int = 0           # misses read anyway (bundles read in vain this step)
+    draft_rows: int = 0             # draft hedge: rows whose token was drafted
+    draft_matches: int = 0          # of those, served the drafted token
 
 
 @dataclass
@@ -104,7 +110,10 @@ class Prerouter:
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
         self.groups = self._head_groups(heads)
-        self.hedge: HeadGroup | None = None
+        self.hedge: HeadGroup | None = None     # context heads hedge
+        self.draft: DraftHead | None = None     # or a draft-token hedge, for `draft_layers`
+        self.draft_layers: list[int] = []
+        self._drafted: tuple | None = None      # (draft tokens [B], {group: (inds, weights)})
 
     def _head_groups(self, heads) -> list[HeadGroup]:
         """One group of every head, or for mixed heads the context part and the rest, each
@@ -125,16 +134,20 @@ class Prerouter:
                                     consumer_rule(self.engine, consumers), next_token))
         return groups
 
-    def set_hedge(self, hedge: PrerouterHeads, n_layers: int | None = None) -> None:
-        """Hedge with `hedge`'s first `n_layers` heads in step order (None: all), checked
-        against the heads they hedge: context heads for layers that next-token heads plan."""
+    def _late_consumers(self) -> list[int]:
         late = [c for g in self.groups if g.next_token for c in g.consumers]
-        if hedge.config.next_token:
-            raise ConfigError("hedge heads must be context heads (they plan before the token "
-                              "exists); these see the next token")
         if not late:
             raise ConfigError("a hedge serves next-token prerouter heads, whose plans wait for "
                               "the token; these heads plan before the LM head already")
+        return late
+
+    def set_hedge(self, hedge: PrerouterHeads, n_layers: int | None = None) -> None:
+        """Hedge with `hedge`'s first `n_layers` heads in step order (None: all), checked
+        against the heads they hedge: context heads for layers that next-token heads plan."""
+        if hedge.config.next_token:
+            raise ConfigError("hedge heads must be context heads (they plan before the token "
+                              "exists); these see the next token")
+        late = self._late_consumers()
         stray = sorted(set(hedge.config.consumers) - set(late))
         if stray:
             raise ConfigError(f"hedge heads for layer(s) {stray}, which the prerouter heads do "
@@ -151,6 +164,19 @@ class Prerouter:
         rows = mx.array([self.owners.index(o) for o in part.config.owners])
         self.hedge = HeadGroup(rows, part, part.config.consumers,
                                consumer_rule(self.engine, part.config.consumers), False)
+
+    def set_draft(self, ids: mx.array, n_layers: int | None = None) -> None:
+        """Hedge with the next-token heads at a token drafted among `ids` (draft vocabulary,
+        most frequent first), staging their first `n_layers` layers in step order (None: all)."""
+        late = sorted(self._late_consumers())
+        if n_layers is not None:
+            if not 1 <= n_layers <= len(late):
+                raise ConfigError(f"hedge_layers {n_layers}: the next-token heads plan "
+                                  f"{len(late)} layers; choose 1 to {len(late)}")
+            late = late[:n_layers]
+        family, model = self.engine.family, self.engine.model
+        self.draft = DraftHead(*family.output_head(model), ids)
+        self.draft_layers = late
 
     def owner_heads(self, owner: int) -> PrerouterHeads:
         """The heads of one owner as the engine runs them (a context consumer's without the
@@ -177,7 +203,7 @@ class Prerouter:
     def _drain(self) -> None:
         staged_sets = [staged for _, _, staged in self._plans.values()]
         staged_sets += self._hedges.values()
-        self._hedges = {}
+        self._hedges, self._drafted = {}, None
         for staged in staged_sets:
             for f in staged.futures:
                 f.cancel()
@@ -239,12 +265,13 @@ class Prerouter:
             _, prev = trace_features(self.engine, self.owners, position=-2)
         return trace_features(self.engine, self.owners, prev)
 
-    def after_step(self) -> None:
-        """Run all heads on this step's features and start staging the next step's sets."""
+    def after_step(self, h: mx.array | None = None) -> None:
+        """Run all heads on this step's features and start staging the next step's sets (h:
+        the last layer's output, which a draft hedge drafts the next tokens from)."""
         self._clear_plans()
         self._feats, self._prev_onehot = trace_features(self.engine, self.owners,
                                                         self._prev_onehot)
-        self.plan_rows()
+        self.plan_rows(h)
 
     # -- rows (batched decode) --------------------------------------------------------------
     # The per-row state, [O, B, ...] in the batch's row order: the features the next plan runs
@@ -266,9 +293,11 @@ class Prerouter:
             onehot = mx.concatenate([o for _, o in parts], axis=1)
         self._feats, self._prev_onehot = feats, onehot
 
-    def plan_rows(self) -> None:
+    def plan_rows(self, h: mx.array | None = None) -> None:
         """Plan the next step of the current rows (after_step does it inside the forward);
-        next-token heads wait for the rows' tokens (`plan_tokens`)."""
+        next-token heads wait for the rows' tokens (`plan_tokens`). A draft hedge needs the
+        last layer's output `h`: after a prefill or a change of rows the LM head has run
+        already, and that step goes unhedged."""
         for group in self.groups:
             if group.next_token:
                 self._awaiting_tokens = self._feats is not None
@@ -276,6 +305,8 @@ class Prerouter:
                 self.plan(group, self._group_feats(group), self._prev_onehot)
         if self.hedge is not None and self._awaiting_tokens:
             self._stage_hedge()
+        if self.draft is not None and self._awaiting_tokens and h is not None:
+            self._stage_draft(h)
 
     def _stage_hedge(self) -> None:
         """Start reading the hedge's sets for the next step (the union of the rows')."""
@@ -292,15 +323,51 @@ class Prerouter:
             staged.layer = layer
             self._hedges[layer] = staged
 
+    def _stage_draft(self, h: mx.array) -> None:
+        """Draft each row's next token, plan the next-token heads at the drafts and start
+        reading the draft layers' sets (the union of the rows')."""
+        assert not self._hedges, "a hedge staged twice: the last one was never consumed"
+        started = time.perf_counter()
+        tokens = self.draft(h)
+        embedding = self._embedding(tokens)
+        selected = {}
+        for i, group in enumerate(self.groups):
+            if group.next_token:
+                selected[i] = group.rule.select(group.heads(append_next_embedding(
+                    self._group_feats(group), embedding)), self.engine.top_k)
+        mx.eval(tokens, selected)
+        self.counters.hedge_seconds += time.perf_counter() - started
+        self._drafted = (np.array(tokens), selected)
+        for i, (inds, _) in selected.items():
+            ids, consumers = np.array(inds), self.groups[i].consumers
+            for o in sorted(range(len(consumers)), key=consumers.__getitem__):
+                layer = consumers[o]
+                if layer in self.draft_layers:
+                    union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))
+                    staged = self.engine.blocks[layer].switch_mlp.stage_begin(union)
+                    staged.layer = layer
+                    self._hedges[layer] = staged
+
     def plan_tokens(self, tokens: mx.array) -> None:
         """Next-token heads: plan the step about to consume `tokens` [B] (one per row, in row
-        order) from the waiting features and those tokens' input embeddings."""
+        order) from the waiting features and those tokens' input embeddings (or, where every
+        row's token is its draft, with the plans the draft hedge computed: the same heads on
+        the same inputs)."""
         if not self._awaiting_tokens:
             return
         self._awaiting_tokens = False
         rows = self._feats.shape[1]
         if tokens.shape != (rows,):
             raise ValueError(f"plan_tokens got tokens of shape {tokens.shape} for {rows} rows")
+        drafted, self._drafted = self._drafted, None
+        if drafted is not None:
+            matches = int((np.array(tokens) == drafted[0]).sum())
+            self.counters.draft_rows += rows
+            self.counters.draft_matches += matches
+            if matches == rows:
+                for i, selection in drafted[1].items():
+                    self.plan(self.groups[i], None, self._prev_onehot, selected=selection)
+                return
         embedding = self._embedding(tokens)
         for group in self.groups:
             if group.next_token:
@@ -323,15 +390,17 @@ class Prerouter:
         for layer, staged in sorted(self._hedges.items()):
             waited, _ = self.engine.blocks[layer].switch_mlp.stage_finish(staged)
             self.counters.stage_wait_seconds += waited
-        self._plans, self._hedges = {}, {}
+        self._plans, self._hedges, self._drafted = {}, {}, None
         self._awaiting_tokens = False
 
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
 
-    def plan(self, group: HeadGroup, feats: mx.array, *also) -> None:
+    def plan(self, group: HeadGroup, feats: mx.array | None, *also,
+             selected: tuple[mx.array, mx.array] | None = None) -> None:
         """Plan the next step of every row for `group`'s consumers from `feats` [O, B, in] (its
-        owners' rows) and start staging.
+        owners' rows), or with the heads' `selected` (inds, weights) already computed from
+        them, and start staging.
 
         Each row keeps its own predicted set as its routing ([B, 1, K] plans); each consuming
         layer stages the union of its rows' sets (needs that many slots: the engine sizes the
@@ -340,8 +409,8 @@ class Prerouter:
         engine = self.engine
         started = time.perf_counter()
         # One batched computation for the group's heads, then each consumer's selection rule.
-        inds, weights = group.rule.select(group.heads(feats), engine.top_k)     # [O, B, K]
-        mx.eval(inds, weights, *also)
+        inds, weights = selected or group.rule.select(group.heads(feats), engine.top_k)
+        mx.eval(inds, weights, *also)                                            # [O, B, K]
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
         # Queue the reads in the order the next step runs its layers: a wrap head's first MoE
@@ -385,14 +454,19 @@ class Prerouter:
         }
         if self.context_consumers:
             out["prerouter_context_consumers"] = list(self.context_consumers)
-        if self.hedge is not None:
+        if self.hedge is not None or self.draft is not None:
             out.update({
-                "hedge_layers": sorted(self.hedge.consumers),
+                "hedge_layers": sorted(self.hedge.consumers) if self.hedge is not None
+                else list(self.draft_layers),
+                "hedge_kind": "context heads" if self.hedge is not None else
+                f"draft token ({self.draft.ids.size} ids)",
                 "hedge_precision": c.hedge_hits / c.hedge_staged if c.hedge_staged else None,
                 "hedge_cancelled_per_step": c.hedge_cancelled / steps,
                 "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
                 "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
             })
+        if self.draft is not None:
+            out["draft_match_rate"] = c.draft_matches / c.draft_rows if c.draft_rows else None
         if self.measure_recall:
             values = [r for layer in self.consumers
                       for r in self.engine.blocks[layer].recalls()]
@@ -410,7 +484,11 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     hedge_path = engine.resolved.hedge_path
     if hedge_path is not None:
         try:
-            prerouter.set_hedge(_load_heads(engine, hedge_path), options.hedge_layers)
+            if is_draft_file(hedge_path):
+                vocab = engine.family.embedding(engine.model).weight.shape[0]
+                prerouter.set_draft(load_draft_vocab(hedge_path, vocab), options.hedge_layers)
+            else:
+                prerouter.set_hedge(_load_heads(engine, hedge_path), options.hedge_layers)
         except ConfigError as exc:
             raise CheckpointError(f"{hedge_path}: {exc} (prerouter heads: {path}); pass other "
                                   f"hedge heads (--hedge) or none (--no-hedge)") from None
