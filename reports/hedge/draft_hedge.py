@@ -8,7 +8,7 @@ context heads (no token), next-token heads at the draft token. Frequencies from 
 documents' tokens only.
 
     python draft_hedge.py STORE TEACHER STUDENT CONTEXT_HEADS NEXT_TOKEN_HEADS TEXT OUT.json \
-        [--order frequency|id] [--temperature T --top-p P] [--positions 6000]
+        [--order frequency|id] [--temperature T --top-p P [--draft-noise none]] [--positions 6000]
 """
 
 import argparse
@@ -37,6 +37,9 @@ p.add_argument("--positions", type=int, default=6000)
 p.add_argument("--order", choices=("frequency", "id"), default="frequency")
 p.add_argument("--temperature", type=float, default=0.0)
 p.add_argument("--top-p", type=float, default=1.0)
+p.add_argument("--draft-noise", choices=("sampler", "none"), default="sampler",
+               help="with --temperature: the draft adds the sampler's Gumbel noise, or drafts "
+                    "the slice's plain argmax (what the engine does)")
 a = p.parse_args()
 
 store = FeatureStore(Path(a.store)).open()
@@ -94,8 +97,9 @@ for i in held:
     else:
         scores = logits
         token[start: start + length] = scores.argmax(-1)
+    drafted = scores if a.draft_noise == "sampler" else logits
     for n in sizes:
-        draft[n][start: start + length] = by_freq[:n][scores[:, by_freq[:n]].argmax(-1)]
+        draft[n][start: start + length] = by_freq[:n][drafted[:, by_freq[:n]].argmax(-1)]
 
 ctx_heads = load_heads(a.context, hidden=meta["hidden"], num_experts=e, top_k=k, dtype=mx.float32)
 nt_heads = load_heads(a.next_token, hidden=meta["hidden"], num_experts=e, top_k=k, dtype=mx.float32)
@@ -132,6 +136,7 @@ for s in range(0, len(pos), 1000):
                               routed) * len(t))
 summary = {
     "order": a.order, "temperature": a.temperature, "top_p": a.top_p,
+    "draft_noise": a.draft_noise if a.temperature > 0 else None,
     "positions": int(len(pos)), "vocab": int(V), "top_k": k, "num_experts": e,
     "token_equals_corpus_token": float((token[pos] == tokens[pos + 1]).mean()),
     "hedge_precision_context_heads": sum(res["context"]) / len(pos),
