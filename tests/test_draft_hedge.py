@@ -174,3 +174,38 @@ def test_draft_vocab_cli_counts_the_text(edge0_qwen, tmp_path, capsys):
     assert "16 of" in capsys.readouterr().out
     assert cli.main(["draft-vocab", str(edge0_qwen), "--text", str(text), "--tokens",
                      str(vocab + 1), "--out", str(out)]) != 0
+
+
+def test_a_sampled_draft_adds_the_samplers_noise(drafted):
+    """Sampling: a whole-vocabulary draft that adds the noise each row's sampler is about to
+    draw drafts every sampled token (a plain argmax would not); with top-p on, tokens stay
+    those of the unhedged engine. Solo and batched rows (each with its own seed) alike."""
+    converted, heads, _, vocab, _, _, tmp = drafted
+    path = _vocab(tmp, "all_sampled.safetensors",
+                  np.random.default_rng(1).permutation(vocab), vocab)
+    plain, engine = _engine(converted, heads), _engine(converted, heads, path)
+    try:
+        prompt = plain.tokenizer.encode("def add(a, b):")
+        for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+            want = plain.generate(prompt, max_tokens=10, temperature=temperature, top_p=top_p,
+                                  seed=5, stop_token_ids=set()).tokens
+            engine.prerouter.counters.draft_rows = engine.prerouter.counters.draft_matches = 0
+            got = engine.generate(prompt, max_tokens=10, temperature=temperature, top_p=top_p,
+                                  seed=5, stop_token_ids=set()).tokens
+            assert got == want, (temperature, top_p)
+            if top_p == 1.0:
+                c = engine.prerouter.counters
+                assert c.draft_rows == 8 and c.draft_matches == 8
+        prompts = [plain.tokenizer.encode(p) for p in ("import os", "x = 1", "# hi")]
+        seeds = [3, 4, 5]
+        solo = [plain.generate(p, max_tokens=6, temperature=1.0, seed=s,
+                               stop_token_ids=set()).tokens for p, s in zip(prompts, seeds)]
+        engine.prerouter.counters.draft_rows = engine.prerouter.counters.draft_matches = 0
+        rows = engine.generate_batch(prompts, max_tokens=6, batch_size=2, temperature=1.0,
+                                     seeds=seeds, stop_token_ids=set())
+        assert [r.tokens for r in rows] == solo
+        c = engine.prerouter.counters
+        assert c.draft_rows > 0 and c.draft_matches == c.draft_rows
+    finally:
+        engine.close()
+        plain.close()

@@ -198,7 +198,8 @@ class BatchDecoder:
         if pr is not None and not pr.rows_planned:
             pr.plan_rows()
         e.cache = cache
-        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True)
+        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True,
+                           samplers=[r.sampler for r in active])
         t1 = time.perf_counter()
         last = e._checked_rows(logits, f"at batched decode step {self.decode['steps'] + 1}",
                                [r.index for r in active])

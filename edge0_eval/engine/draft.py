@@ -90,15 +90,29 @@ def row_slice(head: nn.Module, ids: mx.array) -> nn.Module:
     return out
 
 
+def _rows(head: nn.Module) -> int:
+    return _rows(head.linear) if isinstance(head, LoRALinear) else int(head.weight.shape[0])
+
+
 class DraftHead:
-    """norm(h at the last position) -> the argmax token among `ids`, one per row."""
+    """norm(h at the last position) -> the argmax token among `ids`, one per row; a sampled
+    row adds the noise its sampler will draw (`RowSampler.draft_noise`) to logits /
+    temperature, as the sample itself will."""
 
     def __init__(self, norm: nn.Module, head: nn.Module, tied: bool, ids: mx.array):
         self.norm, self.ids, self.tied = norm, ids, tied
+        self.vocab = _rows(head)
         self.head = row_slice(head, ids)
         mx.eval(self.head.parameters())
 
-    def __call__(self, h: mx.array) -> mx.array:
+    def __call__(self, h: mx.array, samplers: list | None = None) -> mx.array:
         x = self.norm(h[:, -1])
         logits = self.head.as_linear(x) if self.tied else self.head(x)
+        if samplers and any(s.temperature > 0 for s in samplers):
+            noise = [s.draft_noise(self.vocab) for s in samplers]
+            scale = mx.array([[1.0 / s.temperature if s.temperature > 0 else 1.0]
+                              for s in samplers])
+            gumbel = mx.stack([mx.zeros(self.ids.shape) if g is None else g[self.ids]
+                               for g in noise])
+            logits = logits.astype(mx.float32) * scale + gumbel
         return self.ids[mx.argmax(logits, axis=-1)]

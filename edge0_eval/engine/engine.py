@@ -156,8 +156,8 @@ class Engine:
         if self.prerouter is not None:
             self.prerouter.reset()
 
-    def _after_layer(self, layer: int, h: mx.array, *, staging: bool, plan_next: bool
-                     ) -> mx.array:
+    def _after_layer(self, layer: int, h: mx.array, *, staging: bool, plan_next: bool,
+                     samplers: list | None = None) -> mx.array:
         """After layer `layer`: clip h, hand it to the next layer's staged plan, and after the
         last layer plan the next step (decode)."""
         limit = self.clip
@@ -170,15 +170,16 @@ class Engine:
         if plan_next and layer == self._last_layer:
             # Plan the next step now, before the LM head is even built: its compute (the
             # biggest single op) then overlaps the next step's staged reads.
-            self.prerouter.after_step(h)
+            self.prerouter.after_step(h, samplers)
         return h
 
-    def forward(self, tokens: mx.array, plan_next: bool = False, last_only: bool = False
-                ) -> mx.array:
+    def forward(self, tokens: mx.array, plan_next: bool = False, last_only: bool = False,
+                samplers: list | None = None) -> mx.array:
         """Logits for `tokens` [B, L] continuing the cached sequence.
 
         plan_next (decode): run the prerouter heads right after the last layer and start
-        staging the next step's experts. last_only (prefill): logits [B, 1] of the last
+        staging the next step's experts; `samplers` (one RowSampler per row) let a draft hedge
+        draft the tokens they will sample. last_only (prefill): logits [B, 1] of the last
         position only (Family.forward).
         """
         prerouter = self.prerouter
@@ -192,7 +193,8 @@ class Engine:
             prerouter.before_layer(0, None)    # a wrap-around head's plan for layer 0
         hook = None
         if self.clip or staging or plan_next:
-            hook = partial(self._after_layer, staging=staging, plan_next=plan_next)
+            hook = partial(self._after_layer, staging=staging, plan_next=plan_next,
+                           samplers=samplers)
         logits = self.family.forward(self.model, tokens, self.cache, hook, last_only=last_only)
         self.position += tokens.shape[1]
         return logits
@@ -260,9 +262,12 @@ class Engine:
                 f"--verify-crc, --compute-dtype float32, or re-run convert)")
         return last
 
-    def step(self, token: int) -> mx.array:
+    def step(self, token: int, sampler: RowSampler | None = None) -> mx.array:
+        """One decode step; `sampler`: the one that will sample from these logits (None:
+        greedy), for a draft hedge."""
         t0 = time.perf_counter()
-        logits = self.forward(mx.array([[token]]), plan_next=True)
+        logits = self.forward(mx.array([[token]]), plan_next=True,
+                              samplers=None if sampler is None else [sampler])
         t1 = time.perf_counter()
         logits = self._checked(logits, f"at decode step {self._profile['steps'] + 1}")
         t2 = time.perf_counter()
@@ -296,7 +301,7 @@ class Engine:
             tokens.append(token)
             if token in stop or len(tokens) >= max_tokens:
                 break
-            logits = self.step(token)
+            logits = self.step(token, sampler)
         t2 = time.perf_counter()
         self._last = self._phase_stats(before, mid, self._snapshot(), len(prompt_tokens),
                                        len(tokens), t1 - t0, t2 - t1)

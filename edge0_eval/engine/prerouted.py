@@ -265,13 +265,14 @@ class Prerouter:
             _, prev = trace_features(self.engine, self.owners, position=-2)
         return trace_features(self.engine, self.owners, prev)
 
-    def after_step(self, h: mx.array | None = None) -> None:
+    def after_step(self, h: mx.array | None = None, samplers: list | None = None) -> None:
         """Run all heads on this step's features and start staging the next step's sets (h:
-        the last layer's output, which a draft hedge drafts the next tokens from)."""
+        the last layer's output, which a draft hedge drafts the next tokens from, with the
+        rows' samplers' noise)."""
         self._clear_plans()
         self._feats, self._prev_onehot = trace_features(self.engine, self.owners,
                                                         self._prev_onehot)
-        self.plan_rows(h)
+        self.plan_rows(h, samplers)
 
     # -- rows (batched decode) --------------------------------------------------------------
     # The per-row state, [O, B, ...] in the batch's row order: the features the next plan runs
@@ -293,7 +294,7 @@ class Prerouter:
             onehot = mx.concatenate([o for _, o in parts], axis=1)
         self._feats, self._prev_onehot = feats, onehot
 
-    def plan_rows(self, h: mx.array | None = None) -> None:
+    def plan_rows(self, h: mx.array | None = None, samplers: list | None = None) -> None:
         """Plan the next step of the current rows (after_step does it inside the forward);
         next-token heads wait for the rows' tokens (`plan_tokens`). A draft hedge needs the
         last layer's output `h`: after a prefill or a change of rows the LM head has run
@@ -306,7 +307,7 @@ class Prerouter:
         if self.hedge is not None and self._awaiting_tokens:
             self._stage_hedge()
         if self.draft is not None and self._awaiting_tokens and h is not None:
-            self._stage_draft(h)
+            self._stage_draft(h, samplers)
 
     def _stage_hedge(self) -> None:
         """Start reading the hedge's sets for the next step (the union of the rows')."""
@@ -323,12 +324,13 @@ class Prerouter:
             staged.layer = layer
             self._hedges[layer] = staged
 
-    def _stage_draft(self, h: mx.array) -> None:
-        """Draft each row's next token, plan the next-token heads at the drafts and start
-        reading the draft layers' sets (the union of the rows')."""
+    def _stage_draft(self, h: mx.array, samplers: list | None) -> None:
+        """Draft each row's next token (with its sampler's noise, where it samples), plan the
+        next-token heads at the drafts and start reading the draft layers' sets (the union of
+        the rows')."""
         assert not self._hedges, "a hedge staged twice: the last one was never consumed"
         started = time.perf_counter()
-        tokens = self.draft(h)
+        tokens = self.draft(h, samplers)
         embedding = self._embedding(tokens)
         selected = {}
         for i, group in enumerate(self.groups):

@@ -27,22 +27,40 @@ def row_sampler(seed: int, temperature: float, top_p: float = 1.0, min_p: float 
         filters.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:
         filters.append(lambda x: apply_top_k(x, top_k))
-    state = {"key": mx.random.key(int(seed))}
+    return _KeyedSampler(mx.random.key(int(seed)), temperature, filters)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        state["key"], key = mx.random.split(state["key"])
-        for f in filters:
+
+class _KeyedSampler:
+    """Draws from its own key, split once per sample; `next_key` is the key the next sample
+    will draw with (a draft hedge reproduces that sample's noise before the logits exist)."""
+
+    def __init__(self, key: mx.array, temperature: float, filters: list):
+        self._key, self.temperature, self._filters = key, temperature, filters
+
+    def next_key(self) -> mx.array:
+        return mx.random.split(self._key)[1]
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._key, key = mx.random.split(self._key)
+        for f in self._filters:
             logprobs = f(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=key)
-
-    return sample
+        # categorical(x, key) is argmax(x + gumbel(x.shape, key)): `draft_noise` relies on it
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
 
 
 class RowSampler:
     """One engine row's sampler (temperature and top-p: what the engine serves) on logits."""
 
     def __init__(self, temperature: float, top_p: float, seed: int):
-        self._sample = row_sampler(seed, float(temperature), top_p=float(top_p))
+        self.temperature = float(temperature)
+        self._sample = row_sampler(seed, self.temperature, top_p=float(top_p))
+
+    def draft_noise(self, vocab: int) -> mx.array | None:
+        """The Gumbel noise [vocab] the next sample adds to logits / temperature (the top-p
+        filter aside); None when greedy."""
+        if self.temperature == 0:
+            return None
+        return mx.random.gumbel((vocab,), key=self._sample.next_key())
 
     def __call__(self, logits: mx.array) -> mx.array:
         """logits [V] (one row) -> the token id, a lazy scalar."""
