@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
                                                   no_prerouter=True))
     try:
         vocab = int(probe.family.embedding(probe.model).weight.shape[0])
+        if args.tokens > vocab:         # before reading and tokenizing the text
+            raise ConfigError(f"--tokens {args.tokens} exceeds the model's vocabulary of {vocab}")
         docs = tokenize_documents(probe.tokenizer, read_documents(args.text), args.max_tokens,
                                   args.max_doc_tokens)
     finally:
@@ -51,8 +53,6 @@ def run(args: argparse.Namespace) -> int:
     ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in docs])
     counts = np.bincount(ids, minlength=vocab)[:vocab]
     seen = int((counts > 0).sum())
-    if args.tokens > vocab:
-        raise ConfigError(f"--tokens {args.tokens} exceeds the model's vocabulary of {vocab}")
     # Most frequent first; ids never seen follow in id order (a stable sort), so a small text
     # still gives the N asked for.
     ranked = np.argsort(-counts, kind="stable")[: args.tokens]

@@ -120,6 +120,8 @@ def test_draft_head_is_the_lm_head_on_its_rows(edge0_qwen):
                   LoRALinear(nn.Linear(64, 32), 4, 8.0,
                              lora_B=mx.random.normal((32, 4), key=mx.random.key(2)))):
         assert mx.allclose(row_slice(layer, ids)(x), layer(x)[:, ids], atol=1e-5).item()
+    with pytest.raises(TypeError, match="cannot slice the rows of a Sequential"):
+        row_slice(nn.Sequential(nn.Linear(64, 32)), ids)      # never a silently unsliced head
 
 
 def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
@@ -146,6 +148,9 @@ def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
     engine = _engine(converted, heads, ok, hedge_layers=1)
     try:
         assert engine.prerouter.draft_layers == [moe[0]]
+        _decode_logits(engine, steps=4)
+        c = engine.prerouter.counters              # one layer's set staged per drafted step
+        assert c.draft_rows == 3 and c.hedge_staged == 3 * engine.top_k
         assert load_draft_vocab(ok, vocab).tolist() == [1, 2]
     finally:
         engine.close()

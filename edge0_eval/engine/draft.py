@@ -83,6 +83,8 @@ def row_slice(head: nn.Module, ids: mx.array) -> nn.Module:
         out.linear = row_slice(head.linear, ids)
         out.lora_B = head.lora_B[ids]
         return out
+    if not isinstance(head.get("weight"), mx.array):
+        raise TypeError(f"cannot slice the rows of a {type(head).__name__} output layer")
     out = copy.copy(head)
     for name in ("weight", "scales", "biases", "bias"):
         if out.get(name) is not None:

@@ -316,13 +316,19 @@ class Prerouter:
         inds, _ = group.rule.select(group.heads(self._group_feats(group)), self.engine.top_k)
         mx.eval(inds)
         self.counters.hedge_seconds += time.perf_counter() - started
-        ids = np.array(inds)
-        for o in sorted(range(len(group.consumers)), key=group.consumers.__getitem__):
-            layer = group.consumers[o]
-            union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))
-            staged = self.engine.blocks[layer].switch_mlp.stage_begin(union)
-            staged.layer = layer
-            self._hedges[layer] = staged
+        self._stage_hedge_sets(group.consumers, np.array(inds), set(group.consumers))
+
+    def _stage_hedge_sets(self, consumers: list[int], ids: np.ndarray, layers: set[int]
+                          ) -> None:
+        """Start reading, in step order, each of `layers`' hedge set: the union of the rows'
+        predicted experts `ids` [O, B, K] (rows parallel to `consumers`)."""
+        for o in sorted(range(len(consumers)), key=consumers.__getitem__):
+            layer = consumers[o]
+            if layer in layers:
+                union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))
+                staged = self.engine.blocks[layer].switch_mlp.stage_begin(union)
+                staged.layer = layer
+                self._hedges[layer] = staged
 
     def _stage_draft(self, h: mx.array, samplers: list | None) -> None:
         """Draft each row's next token (with its sampler's noise, where it samples), plan the
@@ -341,14 +347,8 @@ class Prerouter:
         self.counters.hedge_seconds += time.perf_counter() - started
         self._drafted = (np.array(tokens), selected)
         for i, (inds, _) in selected.items():
-            ids, consumers = np.array(inds), self.groups[i].consumers
-            for o in sorted(range(len(consumers)), key=consumers.__getitem__):
-                layer = consumers[o]
-                if layer in self.draft_layers:
-                    union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))
-                    staged = self.engine.blocks[layer].switch_mlp.stage_begin(union)
-                    staged.layer = layer
-                    self._hedges[layer] = staged
+            self._stage_hedge_sets(self.groups[i].consumers, np.array(inds),
+                                   set(self.draft_layers))
 
     def plan_tokens(self, tokens: mx.array) -> None:
         """Next-token heads: plan the step about to consume `tokens` [B] (one per row, in row
