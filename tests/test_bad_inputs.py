@@ -358,16 +358,6 @@ def test_index_without_crc_refused_unless_opted_out(edge0_qwen, tmp_path):
     assert _decode(model, verify_crc=False)
 
 
-def test_crc_checked_once_per_bundle(edge0_qwen):
-    store = ExpertStore(edge0_qwen)
-    try:
-        for _ in range(3):
-            store.read(store.index.moe_layers[0], 0)
-        assert store.stats.crc_bundles == 1 and store.stats.reads == 3
-    finally:
-        store.close()
-
-
 def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
     from model_wrappers.partitioner import model_problems
 

@@ -29,6 +29,10 @@ from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 # when it is queued last (plans made at two points of a step: mixed heads).
 DEMAND, PREFETCH = 0, 1
 _STOP = math.inf
+# A file modified this recently may still be mid-write: a write updates mtime when it starts, so
+# a bundle read (and found correct) during it can be overwritten afterwards without the stamp
+# changing again. Verdicts are kept only for files quiet for this long.
+SETTLE_NS = 2_000_000_000
 
 
 class _PriorityPool:
@@ -130,8 +134,9 @@ class ExpertStore:
         except OSError as exc:
             raise CheckpointError(f"cannot open {self.path}: {exc.strerror}") from None
         self.verify_crc = verify_crc
-        # Each bundle is checked the first time this store reads it, then trusted; a change of
-        # the file under us (in-place rewrite) forgets every verdict.
+        # Each bundle is checked the first time this store reads it, then trusted while the file
+        # is settled (SETTLE_NS); a change of the file under us (in-place rewrite) forgets every
+        # verdict.
         self._verified = np.zeros((len(self.index.moe_layers), self.index.num_experts), bool)
         self._stamp = self._file_stamp()
         self.throttle_mbps = io_throttle_mbps
@@ -176,6 +181,9 @@ class ExpertStore:
         st = os.fstat(self._fd)
         return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
+    def _settled(self, stamp: tuple) -> bool:
+        return time.time_ns() - stamp[2] > SETTLE_NS
+
     def _verify(self, layer: int, expert: int, buf: np.ndarray) -> None:
         pos = self.index.layer_position(layer)
         stamp = self._file_stamp()
@@ -195,7 +203,11 @@ class ExpertStore:
                 f"{self.path}: checksum mismatch for layer {layer} expert {expert}; the file is "
                 f"corrupt, was overwritten, or does not belong to {INDEX_NAME}; re-run "
                 f"`edge0-eval convert`")
-        self._verified[pos, expert] = True
+        with self._lock:
+            # Only under the stamp this check saw: a rewrite noticed meanwhile by another
+            # thread has forgotten every verdict, and this one is no newer.
+            if stamp == self._stamp and self._settled(stamp):
+                self._verified[pos, expert] = True
 
     def submit(self, layer: int, expert: int, priority: int | None = None, prepare=None
                ) -> Future:
