@@ -9,6 +9,7 @@ clear error naming it and how to make one).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from datasets import Dataset
@@ -17,7 +18,8 @@ from opencompass.registry import LOAD_DATASET
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, SET_PATH, read_set
+from edge0_eval.evaluation.fidelity_set import (DATASET_ABBR, SET_PATH, fingerprint, read_set,
+                                                vocab_problem)
 
 
 def set_file(path: str | None = None) -> Path:
@@ -27,15 +29,43 @@ def set_file(path: str | None = None) -> Path:
     return file if file.is_absolute() else data_root() / file
 
 
-def preflight_problems(datasets) -> list[str]:
-    """What is wrong with the sets of the fidelity datasets among `datasets` (before any task)."""
+def _vocab_size(model_dir: str) -> int | None:
+    try:
+        cfg = json.loads((Path(model_dir) / 'config.json').read_text(encoding='utf-8'))
+        size = cfg.get('vocab_size') or (cfg.get('text_config') or {}).get('vocab_size')
+    except (OSError, ValueError, AttributeError):
+        return None     # the model checks name an unreadable config
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def preflight_problems(datasets, arms=()) -> list[str]:
+    """What is wrong with the sets of the fidelity datasets among `datasets` (before any task):
+    the file itself, token ids beyond an arm's vocabulary, and a set made from another teacher
+    than the run's, which would score every arm against the wrong model.
+
+    arms: (name, model directory, is the teacher) per arm of the run."""
     problems = []
     for d in datasets:
-        if str(d.get('abbr', '')).startswith(DATASET_ABBR):
-            try:
-                read_set(set_file(d.get('path')))
-            except ConfigError as exc:
-                problems.append(str(exc))
+        if not str(d.get('abbr', '')).startswith(DATASET_ABBR):
+            continue
+        file = set_file(d.get('path'))
+        try:
+            fset = read_set(file)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        for name, path, is_teacher in arms:
+            size = _vocab_size(path)
+            problem = vocab_problem(fset, size) if size else None
+            if problem:
+                problems.append(f'fidelity set {file}: {problem} (arm {name}, {path}); make the '
+                                f'set from this run\'s teacher with `edge0-eval fidelity make`')
+            made_from = fset['teacher']['fingerprint']
+            if is_teacher and os.path.isdir(path) and fingerprint(path) != made_from:
+                problems.append(
+                    f'fidelity set {file} was made from teacher {fset["teacher"].get("name")!r}, '
+                    f'not this run\'s teacher {path} (their fingerprints differ); make it again '
+                    f'with `edge0-eval fidelity make {path} --out FILE` and stage it')
     return problems
 
 

@@ -87,7 +87,7 @@ def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool 
               check_models: bool = True) -> None:
     """Exit with every problem listed, one per line, if the run cannot succeed."""
     benchmarks, ifbench_items = [], None
-    datasets = list(datasets)
+    datasets, models = list(datasets), list(models)
     for d in datasets:
         b = benchmark_of(d.get('abbr', ''))
         if b and b not in benchmarks:
@@ -96,7 +96,9 @@ def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool 
             ifbench_items = test_range_slice(d)
     problems = [c.message for c in verify(None, benchmarks, full=full_data,
                                           ifbench_items=ifbench_items) if not c.ok]
-    problems += fidelity_preflight(datasets)
+    arms = [(m.get('abbr') or m['path'], m['path'], _type_name(m) == 'MLXLMModel')
+            for m in models if m.get('path')]
+    problems += fidelity_preflight(datasets, arms)
     if check_models:
         problems += model_problems(models)
     if problems:

@@ -39,7 +39,7 @@ from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu, wired_limit)
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
-from edge0_eval.evaluation.fidelity_set import FORMAT, score_item, tail_mass
+from edge0_eval.evaluation.fidelity_set import FORMAT, fingerprint, score_item, tail_mass
 
 DEFAULT_MAX_NEW = 32
 DEFAULT_TOP_K = 20
@@ -178,22 +178,6 @@ def load_teacher(path: str | Path, compute_dtype: str = "auto"):
     cast_floating(model, resolve_compute_dtype(compute_dtype))
     upcast_unquantized_experts_for_cpu(model)
     return model, tokenizer
-
-
-def fingerprint(path: str | Path) -> str:
-    """sha256 over config.json, the tokenizer files and every weight file's name, size and
-    safetensors header: cheap on a 70 GB teacher, yet any re-saved weight changes it."""
-    path = Path(path)
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (path / name).is_file():
-            h.update(name.encode() + b"\0" + (path / name).read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
-        h.update(f"{weights.name}\0{weights.stat().st_size}\0".encode())
-        with open(weights, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            h.update(f.read(min(size, 1 << 26)))
-    return h.hexdigest()
 
 
 def chat_ids(tokenizer, text: str, thinking: bool = False) -> list[int]:

@@ -14,8 +14,10 @@ File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
+from numbers import Real
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +107,18 @@ def read_set(path: str | Path) -> dict:
     return fset
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_ids(v) -> bool:
+    return isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _problem(fset) -> str | None:
     if not isinstance(fset, dict) or fset.get("format") != FORMAT:
         got = fset.get("format") if isinstance(fset, dict) else type(fset).__name__
@@ -112,6 +126,12 @@ def _problem(fset) -> str | None:
     for key in ("teacher", "max_new", "top_k", "sources", "items"):
         if key not in fset:
             return f"no {key!r}"
+    teacher = fset["teacher"]
+    if not isinstance(teacher, dict) or not isinstance(teacher.get("fingerprint"), str):
+        return "'teacher' must be an object with a string 'fingerprint'"
+    for key in ("max_new", "top_k"):
+        if not _is_int(fset[key]) or fset[key] < 1:
+            return f"{key!r} is {fset[key]!r}, expected a whole number >= 1"
     if not isinstance(fset["items"], list) or not fset["items"]:
         return "no items"
     k = fset["top_k"]
@@ -120,23 +140,67 @@ def _problem(fset) -> str | None:
         keys = ("id", "source", "prompt_ids", "tokens", "topk_ids", "topk_logprobs", "rest")
         if not isinstance(item, dict) or any(key not in item for key in keys):
             return f"item {n} lacks one of {keys}"
+        if not (isinstance(item["id"], str) or _is_int(item["id"])):
+            return f"item {n}: id {item['id']!r} must be a string or a whole number"
         where = f"item {n} ({item['id']})"
         if item["id"] in seen:
             return f"{where}: duplicate id"
         seen.add(item["id"])
+        if not isinstance(item["source"], str):
+            return f"{where}: source must be a string"
+        for key in ("prompt_ids", "tokens"):
+            if not _is_ids(item[key]):
+                return f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
         p = len(item["tokens"])
         if not item["prompt_ids"] or not p or p > fset["max_new"]:
             return f"{where}: empty prompt, or not 1..max_new continuation tokens"
-        if not (len(item["topk_ids"]) == len(item["topk_logprobs"]) == len(item["rest"]) == p):
+        rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
+        if not all(isinstance(r, list) for r in rows) or not all(len(r) == p for r in rows):
             return f"{where}: top-k rows do not match its {p} tokens"
-        for i, (ids, lps) in enumerate(zip(item["topk_ids"], item["topk_logprobs"])):
-            if len(ids) != len(lps) or not 1 <= len(ids) <= k:
-                return f"{where} position {i}: {len(ids)} ids and {len(lps)} log-probs, top_k {k}"
+        for i, (ids, lps, rest) in enumerate(zip(*rows)):
+            if not _is_ids(ids) or not isinstance(lps, list):
+                return f"{where} position {i}: top-k ids must be a list of token ids"
+            if len(ids) != len(lps) or not 1 <= len(ids) <= k or len(set(ids)) != len(ids):
+                return (f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
+                        f"log-probs, top_k {k}")
             if ids[0] != item["tokens"][i]:
                 return f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
-            if any(not math.isfinite(v) or v > 0 for v in lps):
-                return f"{where} position {i}: log-probs must be finite and <= 0"
+            if any(not _is_real(v) or v > 0 for v in lps):
+                return f"{where} position {i}: log-probs must be finite numbers <= 0"
+            if not _is_real(rest) or not 0 <= rest <= 1:
+                return f"{where} position {i}: tail mass {rest!r} must be a number in [0, 1]"
     return None
+
+
+def max_token_id(fset: dict) -> int:
+    """The largest token id a (validated) set holds: prompts, continuations and top-k rows."""
+    return max(max(max(it["prompt_ids"]), max(max(ids) for ids in it["topk_ids"]))
+               for it in fset["items"])
+
+
+def vocab_problem(fset: dict, vocab_size: int) -> str | None:
+    """Why a model with `vocab_size` ids cannot score the set (ids beyond its embedding)."""
+    top = max_token_id(fset)
+    if top >= vocab_size:
+        return (f"token id {top} is beyond the model's vocabulary of {vocab_size}: the set was "
+                f"made with another tokenizer")
+    return None
+
+
+def fingerprint(path: str | Path) -> str:
+    """sha256 over config.json, the tokenizer files and every weight file's name, size and
+    safetensors header: cheap on a 70 GB teacher, yet any re-saved weight changes it."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            h.update(name.encode() + b"\0" + (path / name).read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        h.update(f"{weights.name}\0{weights.stat().st_size}\0".encode())
+        with open(weights, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(size, 1 << 26)))
+    return h.hexdigest()
 
 
 def source_counts(fset: dict) -> dict[str, int]:

@@ -1,0 +1,171 @@
+"""Fidelity sets: the schema check on read (and so on `data stage`), a seeded fuzz of corrupting
+mutations with its fault-injected control, and the run's preflight (vocabulary, teacher)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+
+from bad_inputs import outcome
+from edge0_eval.cli import main
+from edge0_eval.evaluation import fidelity_set as fs
+from model_wrappers.fidelity_dataset import preflight_problems
+
+
+def _valid_set(fingerprint: str = "0" * 64) -> dict:
+    items = [{"id": f"t/{n}", "source": "text", "prompt": "p", "prompt_ids": [1, 2, 3 + n],
+              "tokens": [4, 5], "topk_ids": [[4, 6], [5, 7]],
+              "topk_logprobs": [[-0.1, -2.5], [-0.2, -3.0]], "rest": [0.05, 0.1]}
+             for n in range(3)]
+    return {"format": fs.FORMAT, "teacher": {"name": "t", "fingerprint": fingerprint},
+            "max_new": 8, "top_k": 2, "thinking": False, "sources": {"text": {}}, "items": items}
+
+
+def _write(fset, path):
+    path.write_text(json.dumps(fset))
+    return path
+
+
+# Each mutation makes the set wrong by construction: a type lie, a value out of range, or a
+# shape that no longer lines up. (name, function of (set, rng)).
+def _leaf_paths(fset):
+    item = fset["items"][0]
+    return ([("items", 0, "prompt_ids", 0), ("items", 0, "tokens", 1),
+             ("items", 0, "topk_ids", 0, 1), ("items", 0, "topk_logprobs", 1, 0),
+             ("items", 0, "rest", 0)]
+            + [("items", 0, key) for key in item if key != "prompt"]
+            + [("max_new",), ("top_k",), ("teacher",), ("teacher", "fingerprint"), ("items",)])
+
+
+def _set_at(fset, path, value):
+    node = fset
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+_LIES = ["7", None, [1], {"a": 1}, True, float("nan"), float("inf"), -1, 1.5, "", []]
+_NUMERIC = {("items", 0, "topk_logprobs", 1, 1): [0.5, float("nan"), "x", True, None],
+            ("items", 0, "rest", 1): [-0.01, 1.5, float("nan"), "0.1", None],
+            ("items", 0, "prompt_ids", 2): [-1, 2.0, "3", None],
+            ("items", 0, "topk_ids", 1, 1): [-2, "4", None, 1.5, 5]}   # 5: a repeated id
+
+
+def _legal_lie(path, value) -> bool:
+    """The oracle, independent of the code under test: which lies are in fact legal values."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if path[-1] == "id":
+        return isinstance(value, str) or whole
+    if path[-1] == "source":
+        return isinstance(value, str)
+    if "topk_logprobs" in path and len(path) == 5:     # any finite log-prob <= 0
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and value == value and value <= 0 and value != float("-inf"))
+    return False
+
+
+def _mutations(seed: int, n: int):
+    rng = random.Random(seed)
+    base = _valid_set()
+    paths = _leaf_paths(base)
+    out = []
+    while len(out) < n:
+        fset = copy.deepcopy(base)
+        kind = rng.choice(["lie", "numeric", "drop", "extend", "duplicate"])
+        if kind == "numeric":
+            path = rng.choice(list(_NUMERIC))
+            _set_at(fset, path, rng.choice(_NUMERIC[path]))
+        elif kind == "lie":
+            path, value = rng.choice(paths), rng.choice(_LIES)
+            if _legal_lie(path, value):
+                continue
+            _set_at(fset, path, value)
+        elif kind == "drop":
+            fset["items"][rng.randrange(3)][rng.choice(["topk_ids", "topk_logprobs",
+                                                          "rest"])].pop()
+        elif kind == "extend":
+            key = rng.choice(["topk_ids", "topk_logprobs", "rest", "tokens"])
+            fset["items"][0][key].append(fset["items"][0][key][0])
+        else:
+            fset["items"][1]["id"] = fset["items"][0]["id"]
+        out.append((kind, fset))
+    return out
+
+
+def _accepted(cases, tmp_path) -> list:
+    accepted = []
+    for n, (kind, fset) in enumerate(cases):
+        path = tmp_path / f"case{n}.json"
+        path.write_text(json.dumps(fset))          # NaN/Infinity as JSON writes them
+        got, message = outcome(lambda: fs.read_set(path))
+        if got != "error" or str(path) not in message:
+            accepted.append((kind, got, message[:200]))
+    return accepted
+
+
+def test_valid_set_reads(tmp_path):
+    assert fs.read_set(_write(_valid_set(), tmp_path / "s.json"))["top_k"] == 2
+
+
+def test_fuzzed_sets_are_each_one_clear_error(tmp_path):
+    cases = _mutations(seed=30, n=240)
+    assert len(cases) >= 200
+    assert _accepted(cases, tmp_path) == []
+
+
+def test_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
+    """The fuzz can fail: with the value-range checks switched off, corrupt sets get through."""
+    monkeypatch.setattr(fs, "_is_real", lambda v: True)
+    assert _accepted(_mutations(seed=30, n=240), tmp_path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s["items"][0]["topk_logprobs"][0].__setitem__(0, "-0.1"), "log-probs"),
+    (lambda s: s.update(max_new="8"), "max_new"),
+    (lambda s: s.update(top_k="2"), "top_k"),
+    (lambda s: s["items"][0].update(id=["t"]), "id"),
+    (lambda s: s["items"][0].update(tokens="45"), "tokens"),
+    (lambda s: s["items"][0]["rest"].__setitem__(0, -0.5), "tail mass"),
+])
+def test_data_stage_refuses_type_lies(tmp_path, edit, message, capsys):
+    fset = _valid_set()
+    edit(fset)
+    path = _write(fset, tmp_path / "set.json")
+    code = main(["data", "stage", "--root", str(tmp_path / "root"), "--fidelity", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert str(path) in err and message in err
+    assert not (tmp_path / "root" / fs.SET_PATH).exists()
+
+
+def _staged(tmp_path, fset, monkeypatch):
+    monkeypatch.setenv("COMPASS_DATA_CACHE", str(tmp_path))
+    path = tmp_path / fs.SET_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(fset, path)
+    return [{"abbr": fs.DATASET_ABBR}]
+
+
+def test_preflight_pairs_the_set_with_this_runs_teacher(tiny_qwen, tiny_bailing, tmp_path,
+                                                        monkeypatch):
+    datasets = _staged(tmp_path, _valid_set(fs.fingerprint(tiny_qwen)), monkeypatch)
+    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True)]) == []
+    problems = preflight_problems(datasets, [("teacher", str(tiny_bailing), True)])
+    assert len(problems) == 1 and str(tiny_bailing) in problems[0]
+    assert "fingerprints differ" in problems[0]
+    # A student arm is no teacher: only its vocabulary is checked.
+    assert preflight_problems(datasets, [("student", str(tiny_bailing), False)]) == []
+
+
+def test_preflight_refuses_ids_beyond_an_arms_vocabulary(tiny_qwen, tmp_path, monkeypatch):
+    vocab = json.loads((tiny_qwen / "config.json").read_text()).get("vocab_size") or \
+        json.loads((tiny_qwen / "config.json").read_text())["text_config"]["vocab_size"]
+    fset = _valid_set(fs.fingerprint(tiny_qwen))
+    fset["items"][2]["prompt_ids"][0] = vocab          # one past the embedding
+    datasets = _staged(tmp_path, fset, monkeypatch)
+    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True)])
+    assert len(problems) == 1 and f"token id {vocab}" in problems[0]
+    assert str(tmp_path / fs.SET_PATH) in problems[0]
