@@ -76,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     except Edge0Error as exc:
         print(f"edge0-eval {name}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Results are written whole at the end (atomic renames), so an interrupted verb leaves
+        # no partial file to mistake for a result; a traceback would only hide that.
+        print(f"edge0-eval {name}: interrupted; nothing partial was written (outputs are "
+              f"renamed into place only when complete)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

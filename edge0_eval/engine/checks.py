@@ -125,6 +125,16 @@ def read_config(path: str | Path) -> dict:
             where = "text_config." if text_config is not config else ""
             raise CheckpointError(f"{path}: required key {where + key!r} is missing; restore "
                                   f"config.json from the source checkpoint and {_RECONVERT}")
+    where = "text_config." if text_config is not config else ""
+    for key in ("num_experts", "num_experts_per_tok"):    # mlx-lm accepts 0; routing cannot
+        if not (_type_ok(text_config[key], int) and text_config[key] >= 1):
+            raise CheckpointError(f"{path}: key {where + key!r} is {text_config[key]!r}; it must "
+                                  f"be at least 1; restore config.json from the source checkpoint")
+    if text_config["num_experts_per_tok"] > text_config["num_experts"]:
+        raise CheckpointError(f"{path}: key {where + 'num_experts_per_tok'!r} is "
+                              f"{text_config['num_experts_per_tok']}, more than the "
+                              f"{text_config['num_experts']} experts; restore config.json from "
+                              f"the source checkpoint")
     quant = config.get("quantization")
     if quant is not None:
         _check_quantization(quant, path)

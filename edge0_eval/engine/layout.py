@@ -239,7 +239,7 @@ def check_index_fields(data: dict, path) -> None:
         if not isinstance(t, dict) or set(t) != {"name", "shape", "dtype", "offset", "nbytes"}:
             raise CheckpointError(f"{path}: tensors[{i}] must be an object with name, shape, "
                                   f"dtype, offset, nbytes; {_RECONVERT}")
-        if t["dtype"] not in _NP_DTYPES:
+        if not isinstance(t["dtype"], str) or t["dtype"] not in _NP_DTYPES:
             raise CheckpointError(f"{path}: tensors[{i}] ({t['name']!r}) has dtype "
                                   f"{_short(t['dtype'])}; known: {', '.join(_NP_DTYPES)}")
         if not (isinstance(t["name"], str) and isinstance(t["shape"], list) and t["shape"]

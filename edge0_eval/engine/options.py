@@ -178,6 +178,7 @@ class EngineOptions:
         path = Path(self.lora_path) if self.lora_path else directory / LORA_FILE
         if path.is_file():
             return path
+        _refuse_non_file(path, "LoRA adapter", "--no-lora / no_lora=True")
         if self.lora_path or required:
             raise MissingAdapterError(
                 f"LoRA adapter {path} is missing; train it (`edge0-eval train-lora`), pass an "
@@ -203,6 +204,7 @@ class EngineOptions:
         path = Path(self.hedge_path) if self.hedge_path else directory / HEDGE_FILE
         if path.is_file():
             return path
+        _refuse_non_file(path, "prerouter hedge", "--no-hedge / no_hedge=True")
         if self.hedge_path:
             raise MissingAdapterError(
                 f"prerouter hedge {path} is missing; write a draft vocabulary with "
@@ -210,6 +212,14 @@ class EngineOptions:
                 f"`train-prerouter` (no --next-token), or stage without a hedge (--no-hedge / "
                 f"no_hedge=True)")
         return None
+
+
+def _refuse_non_file(path: Path, what: str, opt_out: str) -> None:
+    """A default adapter name held by a directory (or another non-file) is a mistake to report,
+    not an absent adapter to skip: the base model would be served silently."""
+    if path.exists():
+        raise MissingAdapterError(f"{what} {path} exists but is not a file; put the adapter "
+                                  f"file there, or serve without it ({opt_out})")
 
 
 @dataclass(frozen=True)
