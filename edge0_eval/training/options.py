@@ -146,9 +146,10 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
 def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
     """Which layers the heads serve and their width (stage 1 and init-prerouter)."""
     parser.add_argument("--start-layer", type=int, default=None,
-                        help="first consuming layer (default: first MoE layer + 1, the tiers "
-                             "included; the reference heads start at 7 (35B) and 8 (8B)); 0: "
-                             "every MoE layer, with the wrap-around head")
+                        help="first consuming layer (default: 0 for the 35B and 8B tiers, "
+                             "i.e. every MoE layer with the wrap-around head; other models the "
+                             "first MoE layer + 1; the reference heads start at 7 (35B) and 8 "
+                             "(8B))")
     parser.add_argument("--width", type=int, default=None,
                         help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
     parser.add_argument("--next-token", action="store_true",
