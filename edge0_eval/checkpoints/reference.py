@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import _get_classes, load_tokenizer
 
+from edge0_eval.engine.checks import eos_token_ids
 from edge0_eval.engine.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.store import ExpertStore
@@ -48,8 +49,7 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
         set_top_k(model, top_k)
     model.eval()
     mx.eval(model.parameters())
-    eos = config.get("eos_token_id")
-    tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    tokenizer = load_tokenizer(directory, eos_token_ids=eos_token_ids(directory, config))
     return model, tokenizer
 
 

@@ -139,8 +139,7 @@ def read_config(path: str | Path) -> dict:
     if quant is not None:
         _check_quantization(quant, path)
     eos = config.get("eos_token_id")
-    if eos is not None and not (_type_ok(eos, int) or (isinstance(eos, list) and eos
-                                                       and all(_type_ok(e, int) for e in eos))):
+    if eos is not None and not _is_eos(eos):
         raise CheckpointError(f"{path}: key 'eos_token_id' is {eos!r}; it must be a token id or a "
                               f"list of token ids")
     return config
@@ -291,6 +290,28 @@ def check_resident(path: str | Path, index=None) -> dict:
 # -- tokenizer ---------------------------------------------------------------------------------
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _is_eos(eos) -> bool:
+    return _type_ok(eos, int) or (isinstance(eos, list) and bool(eos)
+                                  and all(_type_ok(e, int) for e in eos))
+
+
+def eos_token_ids(directory: str | Path, config: dict) -> list[int] | None:
+    """Stop ids as mlx-lm's `load_config` resolves them, so both arms stop alike: the
+    `eos_token_id` of generation_config.json, when set, over config.json's (the tokenizer's own
+    eos is added by mlx-lm's TokenizerWrapper in both)."""
+    eos = config.get("eos_token_id")
+    path = Path(directory) / "generation_config.json"
+    if path.exists():
+        generation = read_json_file(path, "generation_config.json",
+                                    "copy it again from the source checkpoint")
+        if generation.get("eos_token_id"):
+            eos = generation["eos_token_id"]
+            if not _is_eos(eos):
+                raise CheckpointError(f"{path}: key 'eos_token_id' is {eos!r}; it must be a "
+                                      f"token id or a list of token ids")
+    return [eos] if isinstance(eos, int) else eos
 
 
 def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size=None):

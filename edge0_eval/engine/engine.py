@@ -27,7 +27,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
-from edge0_eval.engine.checks import check_resident, load_tokenizer_checked, open_model_dir
+from edge0_eval.engine.checks import (check_resident, eos_token_ids, load_tokenizer_checked,
+                                      open_model_dir)
 from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
@@ -131,8 +132,7 @@ class Engine:
         mx.eval(model.parameters())
         del resident
 
-        eos = config.get("eos_token_id")
-        tokenizer = load_tokenizer_checked(directory, [eos] if isinstance(eos, int) else eos)
+        tokenizer = load_tokenizer_checked(directory, eos_token_ids(directory, config))
         engine = cls(model, tokenizer, config, index, store, options, resolved, counters,
                      directory)
         engine.lora = lora
