@@ -63,3 +63,50 @@ def test_ctrl_c_is_one_line_not_a_traceback(edge0_qwen, monkeypatch, capsys):
     code = main(["generate", str(edge0_qwen), "--prompt", "hi"])
     err = capsys.readouterr().err
     assert code == 130 and "interrupted" in err and "Traceback" not in err
+
+
+# -- LoRA alpha from the adapter_config.json beside the file (issue 25) ---------------------
+
+def _lora_without_alpha(engine, path):
+    from edge0_eval.engine.lora import default_targets, find_targets, linear_dims
+    import mlx.core as mx
+
+    arrays = {}
+    for t in find_targets(engine.model, default_targets(engine.family.name))[:2]:
+        module = engine.model
+        for part in t.split("."):
+            module = module[int(part)] if part.isdigit() else getattr(module, part)
+        in_dims, out_dims = linear_dims(module)
+        arrays[f"{t}.lora_A"] = mx.full((4, in_dims), 0.01, dtype=mx.float16)
+        arrays[f"{t}.lora_B"] = mx.full((out_dims, 4), 0.01, dtype=mx.float16)
+    mx.save_safetensors(str(path), arrays, metadata={"kind": "lora", "r": "4"})
+    return path
+
+
+@pytest.fixture
+def bare_engine(edge0_qwen):
+    engine = Engine.load(edge0_qwen, EngineOptions(no_lora=True))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("config", [{"lora_alpha": 8, "r": 4},
+                                    {"lora_parameters": {"rank": 4, "scale": 2.0}}],
+                         ids=["peft", "mlx-lm"])
+def test_lora_alpha_from_adapter_config(bare_engine, tmp_path, config):
+    import json
+    from edge0_eval.engine.adapters import load_adapter
+
+    path = _lora_without_alpha(bare_engine, tmp_path / "lora.safetensors")
+    expect_clear_error(lambda: load_adapter(bare_engine.model, path), "adapter_config.json")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    meta = load_adapter(bare_engine.model, path)
+    assert meta["alpha"] == 8.0 and meta["scale"] == 2.0
+
+
+def test_bad_adapter_config_alpha_refused(bare_engine, tmp_path):
+    from edge0_eval.engine.adapters import load_adapter
+
+    path = _lora_without_alpha(bare_engine, tmp_path / "lora.safetensors")
+    (tmp_path / "adapter_config.json").write_text('{"lora_alpha": "32"}')
+    expect_clear_error(lambda: load_adapter(bare_engine.model, path), "adapter_config.json")

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from edge0_eval.engine.checks import read_safetensors_header
+from edge0_eval.engine.json_files import read_json_file
 from edge0_eval.engine.lora import (LoRALinear, get_module, linear_dims, lora_modules,
                                     natural_key, refusal, remove_lora, set_module)
 from edge0_eval.errors import CheckpointError, ConfigError
@@ -78,6 +79,36 @@ def read_adapter_file(path: str | Path, what: str = "LoRA adapter",
     return arrays, dict(meta or {})
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def alpha_from_adapter_config(path: Path) -> float | None:
+    """alpha from the adapter_config.json beside an adapter file, as the trainers write it:
+    PEFT's `lora_alpha` (scale alpha/r), or mlx-lm's `lora_parameters` {rank, scale}
+    (scale applied as is, so alpha = scale x rank). None when there is no such file."""
+    config_path = path.parent / ADAPTER_CONFIG
+    if not config_path.exists():
+        return None
+    config = read_json_file(config_path, ADAPTER_CONFIG, "copy it again beside the adapter "
+                            "(or give the adapter an 'alpha' metadata key)")
+    lora = config.get("lora_parameters")
+    if "lora_alpha" in config:
+        value = config["lora_alpha"]
+    elif isinstance(lora, dict) and "scale" in lora and "rank" in lora:
+        value = (lora["scale"] * lora["rank"]
+                 if all(_number(v) for v in (lora["scale"], lora["rank"])) else None)
+    else:
+        return None
+    if not _number(value):
+        raise CheckpointError(f"{config_path}: the LoRA alpha it gives is {value!r}; it must be "
+                              f"a positive number")
+    return float(value)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                  alpha: float | None = None, top_k: int | None = None,
                  compute_dtype=mx.float32) -> dict:
@@ -134,9 +165,12 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
     r_meta = _int(meta, "r", path)
     alpha_value = float(alpha) if alpha is not None else _float(meta, "alpha", path)
     if alpha_value is None:
-        raise CheckpointError(f"{path}: metadata key 'alpha' is missing and no alpha was given; "
-                              f"the LoRA scale alpha/r is unknown (Edge0 adapters use "
-                              f"r=16, alpha=32)")
+        alpha_value = alpha_from_adapter_config(path)
+    if alpha_value is None:
+        raise CheckpointError(f"{path}: metadata key 'alpha' is missing, no alpha was given and "
+                              f"no {ADAPTER_CONFIG} beside it gives one (PEFT 'lora_alpha', or "
+                              f"mlx-lm 'lora_parameters' rank and scale); the LoRA scale "
+                              f"alpha/r is unknown (Edge0 adapters use r=16, alpha=32)")
     if r_meta is not None and r_meta < 1:
         raise CheckpointError(f"{path}: metadata key 'r' is {r_meta}; must be at least 1")
     if not 0 < alpha_value <= MAX_ALPHA:
