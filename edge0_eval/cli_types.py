@@ -54,6 +54,17 @@ def nonneg_int(text: str) -> int:
     return value
 
 
+SEED_MAX = 2**64 - 1     # mx.random.key takes an unsigned 64-bit seed
+
+
+def seed(text: str) -> int:
+    """A sampling seed: a whole number in [0, 2**64 - 1], the range mx.random.key accepts."""
+    value = _number(text, int)
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 2**64 - 1]")
+    return value
+
+
 def float_range(low: float, high: float, low_open: bool = False):
     """A finite float in [low, high] ((low, high] with low_open)."""
     def parse(text: str) -> float:
@@ -101,6 +112,14 @@ def output_file(text: str) -> str:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"folder {parent} does not exist; create it first")
+    return text
+
+
+def output_path(text: str) -> str:
+    """A file to write (its folders may be made later), but not a folder: checked before the
+    work, so an atomic write's final rename cannot fail on it."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     return text
 
 

@@ -10,10 +10,14 @@ looks.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from edge0_eval import cli_types as ct
 
 from edge0_eval.evaluation.fidelity import (DEFAULT_MAX_NEW, DEFAULT_TOP_K, SOURCES,
                                             gather_prompts, make_set)
 from edge0_eval.evaluation.fidelity_set import source_counts, write_set
+from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
 
 
@@ -21,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     mk = sub.add_parser("make", help="make a fidelity set from a teacher checkpoint")
     mk.add_argument("teacher", metavar="TEACHER", help="mlx-lm teacher checkpoint directory")
-    mk.add_argument("--out", required=True, metavar="FILE",
+    mk.add_argument("--out", required=True, metavar="FILE", type=ct.output_path,
                     help="the set to write (.json, or .json.gz for a gzipped one)")
     mk.add_argument("--max-new", type=int, default=DEFAULT_MAX_NEW, metavar="N",
                     help=f"teacher tokens per prompt (default {DEFAULT_MAX_NEW})")
@@ -35,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mk.add_argument("--text", nargs="+", default=[], metavar="FILE",
                     help="extra prompts: a .jsonl of {\"prompt\": ...} lines, or a text file "
                          "(one prompt)")
-    mk.add_argument("--compute-dtype", default="auto",
+    mk.add_argument("--compute-dtype", default="auto", choices=COMPUTE_DTYPES,
                     help="the teacher's activation dtype, as the teacher arm's compute_dtype "
                          "(default auto)")
     mk.add_argument("--thinking", action="store_true",
@@ -46,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError("--limit must be at least 1")
+    _check_texts(args.text)
     sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]
     prompts, info = gather_prompts(sources, args.text, args.limit)
     fset = make_set(args.teacher, prompts, info, max_new=args.max_new, top_k=args.top_k,
@@ -57,3 +62,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {len(fset['items'])} prompts ({counts}), {positions} positions, "
           f"top-{fset['top_k']}, teacher {fset['teacher']['fingerprint'][:12]}")
     return 0
+
+
+def _check_texts(files: list[str]) -> None:
+    """Each --text file is UTF-8 text with something in it, before the teacher loads."""
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"--text {path}: not a file")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start}); give a text "
+                              f"or .jsonl file") from None
+        if not text.strip():
+            raise ConfigError(f"--text {path}: empty; give a file with a prompt in it")

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+ROW_KEYS = ("prompt", "seed")
+
+
 def read_prompts(path: Path) -> list[tuple[str, int | None]]:
     """(prompt text, seed or None) per non-empty line of a --prompts file."""
     if not path.is_file():
@@ -44,12 +47,25 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
                           f'{{"prompt": ...}} per line')
     rows = []
     for lineno, record in iter_jsonl(path):
+        unknown = sorted(set(record) - set(ROW_KEYS))
+        if unknown:     # a per-row option this reader does not apply would be ignored silently
+            raise ConfigError(f"--prompts {path}:{lineno}: unknown key "
+                              f"{', '.join(map(repr, unknown))}; the accepted keys are "
+                              f"{', '.join(map(repr, ROW_KEYS))} (sampling options such as "
+                              f"--temp apply to every row)")
         prompt, seed = record.get("prompt"), record.get("seed")
         if not isinstance(prompt, str) or not prompt:
             raise ConfigError(f'--prompts {path}:{lineno}: needs a non-empty "prompt" string')
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ConfigError(f'--prompts {path}:{lineno}: "seed" must be a whole number >= 0, '
-                              f'not {seed!r}')
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:   # a lone surrogate such as "\\ud800" from JSON
+            raise ConfigError(f'--prompts {path}:{lineno}: "prompt" is not valid Unicode text '
+                              f"({exc.reason} at character {exc.start}); fix the line's "
+                              f"escapes") from None
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or
+                                 not 0 <= seed <= ct.SEED_MAX):
+            raise ConfigError(f'--prompts {path}:{lineno}: "seed" must be a whole number in '
+                              f'[0, 2**64 - 1], not {seed!r}')
         rows.append((prompt, seed))
     if not rows:
         raise ConfigError(f"--prompts {path}: no prompts in the file")
@@ -63,6 +79,23 @@ def _encode(tok, text: str, raw: bool) -> list[int]:
                                    add_generation_prompt=True)
 
 
+def _context_limit(config: dict) -> int | None:
+    """max_position_embeddings from the model's config (top level or text_config), if given."""
+    for c in (config, config.get("text_config") or {}):
+        value = c.get("max_position_embeddings") if isinstance(c, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _check_context(engine: Engine, prompt: list[int], where: str) -> None:
+    limit = _context_limit(engine.config or {})
+    if limit is not None and len(prompt) >= limit:
+        raise ConfigError(f"{where}: the prompt is {len(prompt)} tokens; the model's context is "
+                          f"{limit} (max_position_embeddings), leaving no room to generate; "
+                          f"shorten the prompt")
+
+
 def _summary(s: dict) -> str:
     label = " (emulated storage)" if s["emulated"] else ""
     return (f"decode {s['decode_tok_s']:.1f} tok/s, prefill {s['prefill_tok_s']:.1f} tok/s, "
@@ -73,6 +106,9 @@ def _summary(s: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.prompts is None:
         raise ConfigError("--batch needs --prompts FILE (one prompt per line)")
+    if not 0 <= args.seed <= ct.SEED_MAX:
+        raise ConfigError(f"--seed {args.seed}: must be in [0, 2**64 - 1], the range the "
+                          f"sampler accepts")
     rows = read_prompts(args.prompts) if args.prompts is not None else None
     engine = Engine.load(args.model, options_from_args(args))
     try:
@@ -89,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_one(engine: Engine, args) -> None:
     tok = engine.tokenizer
     prompt = _encode(tok, args.prompt, args.raw)
+    _check_context(engine, prompt, "--prompt")
     result = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp,
                              top_p=args.top_p)
     text = tok.decode(result.tokens)
@@ -104,6 +141,8 @@ def _run_one(engine: Engine, args) -> None:
 def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None:
     tok = engine.tokenizer
     prompts = [_encode(tok, text, args.raw) for text, _ in rows]
+    for (lineno, _), prompt in zip(enumerate(rows), prompts):
+        _check_context(engine, prompt, f"--prompts {args.prompts} row {lineno + 1}")
     seeds = [engine.options.seed if seed is None else seed for _, seed in rows]
     results = engine.generate_batch(prompts, max_tokens=args.max_tokens,
                                     batch_size=args.batch or 1, temperature=args.temp,

@@ -62,6 +62,10 @@ def load_draft_vocab(path: Path, vocab_size: int) -> mx.array:
     if meta.get("kind") != DRAFT_KIND or ids is None:
         raise CheckpointError(f"{path}: not a draft vocabulary (kind {meta.get('kind')!r}, "
                               f"arrays {sorted(arrays)}); {fix}")
+    if meta.get("format_version") != str(FORMAT_VERSION):
+        raise CheckpointError(f"{path}: draft vocabulary format_version "
+                              f"{meta.get('format_version')!r}; this version reads "
+                              f"{FORMAT_VERSION}; {fix}")
     if ids.ndim != 1 or ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
         raise CheckpointError(f"{path}: ids must be a non-empty 1-D integer array, not "
                               f"{ids.dtype} {tuple(ids.shape)}; {fix}")

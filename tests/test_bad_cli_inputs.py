@@ -1,0 +1,110 @@
+"""Bad options and input files of draft-vocab, init-prerouter, generate --prompts and fidelity
+make (issue 30): each is one clear error naming the option or file, exit 2, no traceback, and
+nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0_eval import cli
+from edge0_eval.engine.draft import load_draft_vocab, save_draft_vocab
+from edge0_eval.errors import CheckpointError
+
+
+def _refused(argv, capsys, *names) -> str:
+    try:
+        rc = cli.main([str(a) for a in argv])
+    except SystemExit as exc:       # argparse
+        rc = exc.code
+    out = capsys.readouterr()
+    message = out.err + out.out
+    assert rc == 2, f"exit {rc}: {message}"
+    assert "Traceback" not in message
+    assert any(n in message for n in names), f"does not name {names}: {message}"
+    return message
+
+
+@pytest.mark.parametrize("verb", ["draft-vocab", "init-prerouter"])
+def test_out_naming_a_folder_refused_before_work(verb, edge0_qwen, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    text = tmp_path / "t.txt"
+    text.write_text("the cat the dog")
+    extra = ["--text", text] if verb == "draft-vocab" else []
+    _refused([verb, edge0_qwen, *extra, "--out", out], capsys, "--out")
+    assert list(out.iterdir()) == []
+
+
+def test_draft_of_unknown_format_version_refused(tmp_path):
+    path = save_draft_vocab(tmp_path / "d.safetensors", np.array([1, 2]), 64, {})
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    mx.save_safetensors(str(path), arrays, meta | {"format_version": "99"})
+    with pytest.raises(CheckpointError, match="format_version"):
+        load_draft_vocab(path, 64)
+
+
+@pytest.mark.parametrize("option,value", [("--start-layer", "-1"),
+                                          ("--width", "0"), ("--width", "-4")])
+def test_init_prerouter_layout_out_of_range(option, value, edge0_qwen, tmp_path, capsys):
+    out = tmp_path / "heads.safetensors"
+    _refused(["init-prerouter", edge0_qwen, option, value, "--out", out], capsys, option)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("line,names", [
+    ('{"prompt": "hi", "seed": 1180591620717411303424}', ('"seed"', ":1")),
+    ('{"prompt": "hi \\ud800"}', (":1",)),
+    ('{"prompt": "hi", "temperature": 0.5}', ("'temperature'",)),
+])
+def test_generate_prompts_row_refused(line, names, edge0_qwen, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(line + "\n")
+    out = tmp_path / "out.json"
+    message = _refused(["generate", edge0_qwen, "--prompts", rows, "--json", out], capsys,
+                       str(rows))
+    assert all(n in message for n in names), message
+    assert not out.exists()
+
+
+def test_generate_unknown_key_names_the_accepted_keys(edge0_qwen, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n{"prompt": "hi", "temp": 1}\n')
+    message = _refused(["generate", edge0_qwen, "--prompts", rows], capsys, ":2")
+    assert "'prompt'" in message and "'seed'" in message
+
+
+def test_generate_seed_beyond_64_bits_refused(edge0_qwen, capsys):
+    _refused(["generate", edge0_qwen, "--prompt", "x", "--seed", str(2**64)], capsys, "--seed")
+
+
+def test_generate_prompt_longer_than_the_context_refused(edge0_qwen, tmp_path, capsys):
+    config = json.loads((edge0_qwen / "config.json").read_text())
+    limit = config.get("max_position_embeddings") or \
+        config.get("text_config", {})["max_position_embeddings"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "a b " * limit}) + "\n")
+    message = _refused(["generate", edge0_qwen, "--raw", "--prompts", rows, "--max-tokens", "1"],
+                       capsys, "max_position_embeddings")
+    assert str(limit) in message
+
+
+def test_fidelity_make_bad_text_and_options(tmp_path, capsys):
+    teacher = tmp_path / "no-teacher"      # every case is refused before the teacher loads
+    out = tmp_path / "set.json"
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81 not text")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    base = ["fidelity", "make", teacher, "--prompts-from", ""]
+    _refused([*base, "--text", binary, "--out", out], capsys, str(binary))
+    _refused([*base, "--text", empty, "--out", out], capsys, str(empty))
+    _refused([*base, "--text", empty, "--compute-dtype", "float8", "--out", out], capsys,
+             "--compute-dtype")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _refused([*base, "--text", empty, "--out", folder], capsys, "--out")
+    assert not out.exists()
