@@ -59,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         if not (math.isfinite(value) and value >= 0):
             raise Edge0Error(f"{flag} {value}: must be a finite number >= 0")
     current, baseline = load_report(args.report), load_report(args.baseline)
+    if current["benchmarks"] and not baseline["benchmarks"]:
+        # Every benchmark would show as "new" and pass ungated.
+        raise Edge0Error(f"{args.baseline}: no benchmarks, but {args.report} has "
+                         f"{len(current['benchmarks'])}; regenerate the baseline with "
+                         f"`edge0-eval report` on runs that include them")
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
                       args.max_kl_rise, args.max_agreement_drop)
     print(format_table(checks))
@@ -123,7 +128,29 @@ def load_report(path: str) -> dict:
             hw = row.get("delta_half_width")
             if hw is not None and hw < 0:
                 raise Edge0Error(f"{where}: delta_half_width {hw} is negative")
+    _check_fidelity(path, report.get("fidelity"))
     return report
+
+
+def _check_fidelity(path: str, fid) -> None:
+    """The fidelity section's arms: each a dict, KL finite >= 0, agreement in [0, 100] points."""
+    if fid is None:
+        return
+    fix = "make it again with `edge0-eval report`"
+    if not isinstance(fid, dict) or not isinstance(fid.get("arms"), dict):
+        raise Edge0Error(f"{path}: fidelity must be an object with an 'arms' object; {fix}")
+    for arm, entry in fid["arms"].items():
+        where = f"{path}: fidelity arm {arm!r}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
+            raise Edge0Error(f"{where} must be an object with a status; {fix}")
+        # A negative KL or an agreement over 100% cannot be measured: a corrupt report.
+        for key, low, high in (("kl", 0.0, math.inf), ("agreement", 0.0, 100.0)):
+            if key not in entry:
+                continue
+            value = entry[key]
+            if not (_number(value) and low <= value <= high):
+                raise Edge0Error(f"{where}: {key} is {value!r}, not a finite number in "
+                                 f"[{low:g}, {high:g}]; {fix}")
 
 
 def _number(value) -> bool:

@@ -1,0 +1,63 @@
+"""Issue #30: a corrupt fidelity section or a baseline without benchmarks is one clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bad_inputs import expect_clear_error
+from edge0_eval.cli import main
+from edge0_eval.evaluation.gate import load_report
+from edge0_eval.evaluation.report import SCHEMA
+
+
+def _arm(**kw):
+    arm = {"abbr": "m", "status": "ok", "dataset": "edge0_fidelity", "items": 4,
+           "kl": 0.01, "agreement": 95.0}
+    arm.update(kw)
+    return arm
+
+
+def _write(path, fidelity, benchmarks=()):
+    path.write_text(json.dumps({"schema": SCHEMA, "benchmarks": list(benchmarks),
+                                "fidelity": fidelity}))
+    return path
+
+
+def _fid(**arm):
+    return {"status": "ok", "items": 4, "arms": {"student": _arm(**arm)}}
+
+
+FIDELITY_CASES = {
+    "negative kl": _fid(kl=-0.5),
+    "agreement 150": _fid(agreement=150.0),
+    "null kl": _fid(kl=None),
+    "string agreement": _fid(agreement="95"),
+    "string section": "ok",
+    "list section": [1, 2],
+    "arm a string": {"status": "ok", "items": 4, "arms": {"student": "ok"}},
+}
+
+
+@pytest.mark.parametrize("case", FIDELITY_CASES)
+def test_gate_refuses_bad_fidelity(case, tmp_path):
+    bad = _write(tmp_path / "bad.json", FIDELITY_CASES[case])
+    expect_clear_error(lambda: load_report(str(bad)), bad)
+
+
+def test_gate_accepts_good_fidelity(tmp_path):
+    good = _write(tmp_path / "good.json", _fid())
+    assert load_report(str(good))["fidelity"]["arms"]["student"]["kl"] == 0.01
+
+
+def test_gate_refuses_baseline_without_benchmarks(tmp_path, capsys):
+    row = {"benchmark": "GPQA-Diamond", "status": "ok", "items": 100, "version": "abc",
+           "teacher": 80.0, "student": 78.0, "gap": 2.0, "delta_half_width": 3.0,
+           "arms": {"teacher": {"status": "ok"}, "student": {"status": "ok"}}}
+    report = _write(tmp_path / "report.json", _fid(), [row])
+    baseline = _write(tmp_path / "baseline.json", _fid())
+    # Before: every benchmark showed as "new" and the gate passed.
+    assert main(["gate", str(report), "--baseline", str(baseline)]) == 2
+    err = capsys.readouterr().err
+    assert str(baseline) in err and "regenerate" in err and "Traceback" not in err
