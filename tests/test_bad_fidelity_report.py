@@ -61,3 +61,16 @@ def test_gate_refuses_baseline_without_benchmarks(tmp_path, capsys):
     assert main(["gate", str(report), "--baseline", str(baseline)]) == 2
     err = capsys.readouterr().err
     assert str(baseline) in err and "regenerate" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kl,agreement", [(-0.5, 0.9), (0.1, 1.5), (float("inf"), 0.9)])
+def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
+    from edge0_eval.evaluation.fidelity_report import load_arm
+    from edge0_eval.evaluation.outputs import Run
+
+    path = tmp_path / "results" / "m" / "edge0_fidelity.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"details": [{"id": "0", "kl": kl, "agreement": agreement,
+                                             "nll": 1.0, "greedy_match": 3, "source": "s"}]}))
+    run = Run(tmp_path, ["m"], ["edge0_fidelity"], {}, set())
+    expect_clear_error(lambda: load_arm("m", run), path)

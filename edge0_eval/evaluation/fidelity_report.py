@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 
+from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, METRICS
 from edge0_eval.evaluation.outputs import Run
 
@@ -80,6 +81,7 @@ def load_arm(abbr: str, run: Run) -> dict:
         if not isinstance(detail, dict) or "id" not in detail:
             continue
         row = {m: float(_first(detail[m])) for m in METRICS if m in detail}
+        _check_item(path, _first(detail["id"]), row)
         if len(row) != len(METRICS):
             out["status"] = "failed"
             out["notes"].append(f"{path}: item {_first(detail['id'])} lacks one of {METRICS}")
@@ -88,6 +90,17 @@ def load_arm(abbr: str, run: Run) -> dict:
         out["items"][str(_first(detail["id"]))] = row
     out["status"] = "ok" if out["items"] else "failed"
     return out
+
+
+def _check_item(path, item, row: dict) -> None:
+    """Details hold KL in nats (finite, >= 0) and agreement as a share in [0, 1]."""
+    kl, agreement = row.get("kl"), row.get("agreement")
+    if kl is not None and not (math.isfinite(kl) and kl >= 0):
+        raise Edge0Error(f"{path}: item {item}: kl {kl} is not a finite number >= 0; the "
+                         f"fidelity results are corrupt, re-run that task (delete the file)")
+    if agreement is not None and not 0.0 <= agreement <= 1.0:
+        raise Edge0Error(f"{path}: item {item}: agreement {agreement} is not a share in [0, 1]; "
+                         f"the fidelity results are corrupt, re-run that task (delete the file)")
 
 
 def _paired(diffs: list[float]) -> tuple[float, float | None]:
