@@ -74,3 +74,15 @@ def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
                                              "nll": 1.0, "greedy_match": 3, "source": "s"}]}))
     run = Run(tmp_path, ["m"], ["edge0_fidelity"], {}, set())
     expect_clear_error(lambda: load_arm("m", run), path)
+
+
+@pytest.mark.parametrize("details", ["abc", [1, 2]])
+def test_report_refuses_details_not_objects(details, tmp_path):
+    from edge0_eval.evaluation.outputs import Run, benchmark_for, load_dataset_result
+
+    path = tmp_path / "results" / "m" / "gpqa_diamond.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"accuracy": 50.0, "details": details}))
+    run = Run(tmp_path, ["m"], ["gpqa_diamond"], {}, set())
+    expect_clear_error(lambda: load_dataset_result(run, "m", benchmark_for("gpqa_diamond"),
+                                                   "gpqa_diamond"), path)

@@ -418,6 +418,11 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         res.notes.append(f"{path}: no per-item details (run OpenCompass with "
                          f"--dump-eval-details, its default)")
         return res
+    if not isinstance(details, (dict, list)) or isinstance(details, list) and not all(
+            isinstance(d, dict) for d in details):
+        raise Edge0Error(f"{path}: details must be a list or object of per-item objects (as "
+                         f"OpenCompass writes them); the file is corrupt, re-run that task "
+                         f"(delete the file first)")
     replicas = 1
     for item_id, detail in _detail_items(details):
         score = item_correctness(detail, bench.item_key)
