@@ -68,17 +68,10 @@ def test_ctrl_c_is_one_line_not_a_traceback(edge0_qwen, monkeypatch, capsys):
 # -- LoRA alpha from the adapter_config.json beside the file (issue 25) ---------------------
 
 def _lora_without_alpha(engine, path):
-    from edge0_eval.engine.lora import default_targets, find_targets, linear_dims
     import mlx.core as mx
+    from test_bad_inputs import _lora_file
 
-    arrays = {}
-    for t in find_targets(engine.model, default_targets(engine.family.name))[:2]:
-        module = engine.model
-        for part in t.split("."):
-            module = module[int(part)] if part.isdigit() else getattr(module, part)
-        in_dims, out_dims = linear_dims(module)
-        arrays[f"{t}.lora_A"] = mx.full((4, in_dims), 0.01, dtype=mx.float16)
-        arrays[f"{t}.lora_B"] = mx.full((out_dims, 4), 0.01, dtype=mx.float16)
+    arrays = mx.load(str(_lora_file(engine, path)))
     mx.save_safetensors(str(path), arrays, metadata={"kind": "lora", "r": "4"})
     return path
 
