@@ -51,7 +51,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-dtype", default=_DEFAULTS.compute_dtype, choices=COMPUTE_DTYPES,
                    help="activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)")
     g.add_argument("--no-guard", action="store_true", help="disable hidden-state clipping")
-    g.add_argument("--seed", type=ct.nonneg_int, default=_DEFAULTS.seed)
+    g.add_argument("--seed", type=ct.seed, default=_DEFAULTS.seed)
 
 
 def options_from_args(args: argparse.Namespace, **overrides) -> EngineOptions:

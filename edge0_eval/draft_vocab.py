@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", action="append", required=True,
                         help="text to count (.jsonl with a \"text\" field, or plain text); "
                              "repeatable")
-    parser.add_argument("--out", required=True, type=ct.output_path, help="draft vocabulary to write (.safetensors)")
+    parser.add_argument("--out", required=True, type=ct.output_path,
+                        help="draft vocabulary to write (.safetensors)")
     parser.add_argument("--tokens", type=ct.positive_int, default=4096,
                         help="ids to keep, most frequent first (default 4096)")
     parser.add_argument("--max-tokens", type=ct.positive_int, default=2_000_000,

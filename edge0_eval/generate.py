@@ -79,18 +79,9 @@ def _encode(tok, text: str, raw: bool) -> list[int]:
                                    add_generation_prompt=True)
 
 
-def _context_limit(config: dict) -> int | None:
-    """max_position_embeddings from the model's config (top level or text_config), if given."""
-    for c in (config, config.get("text_config") or {}):
-        value = c.get("max_position_embeddings") if isinstance(c, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def _check_context(engine: Engine, prompt: list[int], where: str) -> None:
-    limit = _context_limit(engine.config or {})
-    if limit is not None and len(prompt) >= limit:
+    limit = engine.family.text_config(engine.config).get("max_position_embeddings")
+    if isinstance(limit, int) and len(prompt) >= limit:
         raise ConfigError(f"{where}: the prompt is {len(prompt)} tokens; the model's context is "
                           f"{limit} (max_position_embeddings), leaving no room to generate; "
                           f"shorten the prompt")
@@ -106,9 +97,6 @@ def _summary(s: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.prompts is None:
         raise ConfigError("--batch needs --prompts FILE (one prompt per line)")
-    if not 0 <= args.seed <= ct.SEED_MAX:
-        raise ConfigError(f"--seed {args.seed}: must be in [0, 2**64 - 1], the range the "
-                          f"sampler accepts")
     rows = read_prompts(args.prompts) if args.prompts is not None else None
     engine = Engine.load(args.model, options_from_args(args))
     try:
@@ -141,8 +129,8 @@ def _run_one(engine: Engine, args) -> None:
 def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None:
     tok = engine.tokenizer
     prompts = [_encode(tok, text, args.raw) for text, _ in rows]
-    for (lineno, _), prompt in zip(enumerate(rows), prompts):
-        _check_context(engine, prompt, f"--prompts {args.prompts} row {lineno + 1}")
+    for row, prompt in enumerate(prompts, 1):
+        _check_context(engine, prompt, f"--prompts {args.prompts} row {row}")
     seeds = [engine.options.seed if seed is None else seed for _, seed in rows]
     results = engine.generate_batch(prompts, max_tokens=args.max_tokens,
                                     batch_size=args.batch or 1, temperature=args.temp,

@@ -19,14 +19,14 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.heads_file import save_heads
 from edge0_eval.engine.prerouter import init_heads_from_routers
-from edge0_eval.errors import ConfigError
 from edge0_eval.training.models import model_facts, resolve_heads
 from edge0_eval.training.options import add_head_layout_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
-    parser.add_argument("--out", required=True, type=ct.output_path, help="heads file to write (.safetensors)")
+    parser.add_argument("--out", required=True, type=ct.output_path,
+                        help="heads file to write (.safetensors)")
     add_head_layout_arguments(parser)
     parser.add_argument("--top-k", type=ct.positive_int, default=None,
                         help="serving K the heads are for (default: the tier's, else native)")
@@ -40,14 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     facts = model_facts(Path(args.model))
-    # Checked here: resolve_heads reads 0 and None alike (`width or default`) and a negative
-    # start layer or width reaches MLX.
-    if args.start_layer is not None and args.start_layer < 0:   # above: "no owners" later
-        raise ConfigError(f"--start-layer {args.start_layer}: must be in [0, "
-                          f"{facts.n_layers - 1}] (the model has {facts.n_layers} layers)")
-    if args.width is not None and args.width < 1:
-        raise ConfigError(f"--width {args.width}: must be a whole number >= 1 (the heads' fc1 "
-                          f"width; omit it for the default)")
     top_k, owners, width = resolve_heads(facts, top_k=args.top_k, start_layer=args.start_layer,
                                          width=args.width)
     probe = Engine.load(args.model, EngineOptions(mode="reactive", no_lora=True,

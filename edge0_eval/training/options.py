@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from edge0_eval import cli_types as ct
 from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AGREEMENT
@@ -145,12 +146,12 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
 
 def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
     """Which layers the heads serve and their width (stage 1 and init-prerouter)."""
-    parser.add_argument("--start-layer", type=int, default=None,
+    parser.add_argument("--start-layer", type=ct.nonneg_int, default=None,
                         help="first consuming layer (default: 0 for the 35B and 8B tiers, "
                              "i.e. every MoE layer with the wrap-around head; other models the "
                              "first MoE layer + 1; the reference heads start at 7 (35B) and 8 "
                              "(8B))")
-    parser.add_argument("--width", type=int, default=None,
+    parser.add_argument("--width", type=ct.positive_int, default=None,
                         help="fc1 width (tiers 512; other models min(512, 2 x hidden))")
     parser.add_argument("--next-token", action="store_true",
                         help="heads also see the sampled next token's input embedding: "
