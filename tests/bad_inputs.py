@@ -190,7 +190,8 @@ def mutate_header(rng: random.Random, header: dict, body: bytes) -> tuple:
     if op == "bytes":
         raw = bytearray(json.dumps(header).encode())
         pos = rng.randrange(len(raw))
-        raw[pos] = rng.choice(b"{}[]:,\"\xff\x00")
+        # A different byte: replacing one with itself would be no mutation at all.
+        raw[pos] = rng.choice([c for c in b"{}[]:,\"\xff\x00" if c != raw[pos]])
         return None, bytes(raw), body, op
     if op == "truncate":
         cut = rng.randrange(1, max(2, len(body)))

@@ -1,9 +1,11 @@
-"""`edge0-eval convert SRC OUT`: an mlx-lm MoE checkpoint -> the int4 streaming layout.
+"""`edge0-eval convert SRC OUT`: a MoE checkpoint mlx-lm loads -> the int4 streaming layout.
 
 OUT holds `resident.safetensors` (every non-expert weight, mlx-lm names), `experts.bin` +
 `experts.index.json` (one page-aligned bundle per (MoE layer, expert), see `layout.py`), the
 config and the tokenizer files.
 
+- SRC is read through the model's own mlx-lm `sanitize`, so mlx-community conversions (vision
+  and MTP weights dropped) and original Hugging Face layouts convert alike.
 - A quantized SRC (config has "quantization") is repacked bit for bit: nothing is requantized.
 - An fp16/bf16/fp32 SRC is quantized exactly as `mlx_lm.utils.quantize_model` would (same
   predicate, so routers stay 8-bit; same config), but one tensor / one layer's experts at a time.
@@ -47,13 +49,13 @@ def _write_resident(ckpt: Checkpoint, plan: Plan, path: Path) -> None:
         if q is not None and leaf == "weight":
             group, bits, mode = q
             # What QuantizedLinear/QuantizedEmbedding.from_* do with the weight.
-            w, scales, *biases = mx.quantize(ckpt.mx_array(name), group, bits, mode=mode)
+            w, scales, *biases = mx.quantize(ckpt.take(name), group, bits, mode=mode)
             out[f"{module}.weight"], out[f"{module}.scales"] = w, scales
             if biases:
                 out[f"{module}.biases"] = biases[0]
             mx.eval(w, scales, *biases)
         else:
-            out[name] = ckpt.mx_array(name)
+            out[name] = ckpt.take(name)
     mx.save_safetensors(str(path), out, metadata={"format": "mlx"})
 
 
@@ -61,12 +63,13 @@ def _expert_source(ckpt: Checkpoint, plan: Plan, layer: int):
     """expert e -> its bundle arrays, for one layer (quantizing the layer first if SRC is fp)."""
     path = plan.switches[layer].path
     if ckpt.quantization is not None:
-        stacked = {f"{p}.{q}": ckpt.array(f"{path}.{p}.{q}") for p in PROJECTIONS for q in PARTS}
+        stacked = {f"{p}.{q}": to_numpy(ckpt.take(f"{path}.{p}.{q}"))
+                   for p in PROJECTIONS for q in PARTS}
     else:
         stacked = {}
         for proj in PROJECTIONS:
             # Exactly what QuantizedSwitchLinear._quantize does with the stacked [E, out, in].
-            parts = mx.quantize(ckpt.mx_array(f"{path}.{proj}.weight"), plan.group_size,
+            parts = mx.quantize(ckpt.take(f"{path}.{proj}.weight"), plan.group_size,
                                 plan.bits, mode=plan.mode)
             mx.eval(*parts)
             for part, value in zip(PARTS, parts):
@@ -117,7 +120,8 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None,
 # -- CLI ---------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help=f"mlx-lm checkpoint directory "
+    parser.add_argument("src", help=f"checkpoint directory mlx-lm loads: an mlx-community "
+                                    f"conversion or a Hugging Face original "
                                     f"({', '.join(SUPPORTED_MODEL_TYPES)})")
     parser.add_argument("out", help="output directory (must not exist or be empty)")
     parser.add_argument("--bits", type=int, default=None,

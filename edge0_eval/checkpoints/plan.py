@@ -1,9 +1,11 @@
 """What the converted model looks like, decided before a byte is written.
 
-mlx-lm's own model class for the config is built lazily (its random init is never evaluated) to
-learn names, shapes and, for a float source, the quantization plan `mlx_lm.utils.quantize_model`
-would apply (same predicate, so routers stay 8-bit; same config). A quantized source is checked
-against the model and repacked as it is.
+mlx-lm's own model class for the config is built lazily (its random init is never evaluated);
+the source's tensors go through its `sanitize`, and must then be exactly the model's parameters
+(names and shapes, after quantizing the model as `mlx_lm.load` does for a quantized source), so
+anything neither used nor dropped stops convert before a byte is written. A float source gets the
+quantization plan `mlx_lm.utils.quantize_model` would apply (same predicate, so routers stay 8-bit;
+same config); a quantized one is repacked as it is.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import io
 import re
 from dataclasses import dataclass
 
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
-from mlx_lm.utils import _get_classes, quantize_model
+from mlx_lm.utils import _get_classes, infer_quant_config, quantize_model
 
 from edge0_eval.checkpoints.source import Checkpoint
 from edge0_eval.engine.families import FAMILIES
@@ -109,15 +112,20 @@ def check_model_type(model_type: str, where) -> None:
 def make_plan(ckpt: Checkpoint, bits: int | None, group_size: int | None) -> Plan:
     """Decide names, shapes and quantization for OUT, checking SRC against mlx-lm's model."""
     check_model_type(ckpt.model_type, ckpt.path / "config.json")
+    _refuse_load_time_quantization(ckpt)
     model = build_lazy_model(ckpt.config)
+    ckpt.sanitize(model)
     switches = switch_layers(model)
     if not switches:
         raise CheckpointError(f"{ckpt.path}: the config describes no routed-expert layers")
     expert_prefixes = tuple(s.path + "." for s in switches.values())
+    if ckpt.quantization is not None:
+        quantize_as_loaded(model, ckpt)
+    check_tensors(ckpt, model, expert_prefixes)
     resident = [n for n in ckpt.names() if not n.startswith(expert_prefixes)]
     if ckpt.quantization is not None:
-        config, qbits, qgroup, specs = _plan_quantized(ckpt, bits, group_size, switches)
-        return Plan(config, True, switches, qbits, qgroup, specs, resident, {})
+        qbits, qgroup, specs = _plan_quantized(ckpt, model, bits, group_size, switches)
+        return Plan(ckpt.config, True, switches, qbits, qgroup, specs, resident, {})
     config, qmodel, specs = _plan_float(ckpt, model, bits, group_size, switches)
     qmods = {p: q for p, q in quantized_modules(qmodel).items()
              if not p.startswith(expert_prefixes)}
@@ -125,67 +133,116 @@ def make_plan(ckpt: Checkpoint, bits: int | None, group_size: int | None) -> Pla
                 config["quantization"]["group_size"], specs, resident, qmods)
 
 
-def _require(ckpt: Checkpoint, name: str, shape: list[int] | None = None) -> None:
-    if name not in ckpt:
-        raise CheckpointError(f"{ckpt.path}: expert tensor {name} is missing (is SRC an mlx-lm "
-                              f"checkpoint of this config, with post-sanitize weight names?)")
-    if shape is not None and list(ckpt.shape(name)) != list(shape):
-        raise CheckpointError(f"{ckpt.path}: {name} has shape {ckpt.shape(name)}, "
-                              f"the config implies {list(shape)}")
+def _refuse_load_time_quantization(ckpt: Checkpoint) -> None:
+    """Formats mlx-lm converts while loading (fp8, mxfp4, AWQ, GPTQ ... from Hugging Face)."""
+    qc = ckpt.config.get("quantization_config") or ckpt.config.get("text_config", {}).get(
+        "quantization_config")
+    if ckpt.quantization is None and isinstance(qc, dict):
+        raise CheckpointError(
+            f"{ckpt.path / 'config.json'} has a Hugging Face quantization_config (quant_method "
+            f"{qc.get('quant_method')!r}), which mlx-lm converts only while loading; convert it "
+            f"to MLX first (mlx_lm.convert --hf-path SRC --mlx-path DIR, or start from the "
+            f"bf16 checkpoint) and run edge0-eval convert on DIR")
 
 
-def _same_for_all_layers(ckpt, layer, specs, layer_specs):
-    if specs is not None and layer_specs != specs:
-        raise CheckpointError(f"{ckpt.path}: layer {layer} experts differ in shape/dtype from "
-                              f"earlier layers; one bundle layout is needed for all layers")
-    return layer_specs
-
-
-def _plan_quantized(ckpt, bits, group_size, switches):
-    """SRC already quantized: learn bits/group from the packed shapes; nothing is requantized."""
+def quantize_as_loaded(model, ckpt: Checkpoint) -> None:
+    """Quantize the lazy model module by module as `mlx_lm.load` does for a quantized source:
+    the config's per-module entry if there is one, else the bits, group and mode the stored
+    tensors were packed with, and modules without stored scales left as they are."""
     quant = ckpt.quantization
-    found, specs, expected = set(), None, set()
+
+    def predicate(path, module):
+        if path in quant:
+            return quant[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in ckpt:
+            return False
+        try:
+            return infer_quant_config(path, module, ckpt.weights)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{ckpt.path}: {exc}") from None
+
+    nn.quantize(model, group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
+                bits=quant.get("bits", DEFAULT_BITS), mode=quant.get("mode", "affine"),
+                class_predicate=predicate)
+
+
+def _examples(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_tensors(ckpt: Checkpoint, model, expert_prefixes: tuple[str, ...]) -> None:
+    """After sanitize, SRC holds exactly the model's parameters (as strict loading needs), so
+    every source tensor is used or was dropped by mlx-lm's sanitize (vision, MTP)."""
+    want = {name: value.shape for name, value in tree_flatten(model.parameters())}
+    missing = [n for n in want if n not in ckpt]
+    if missing:
+        kind = "expert" if all(n.startswith(expert_prefixes) for n in missing) else "model"
+        raise CheckpointError(
+            f"{ckpt.path}: {len(missing)} {kind} tensor(s) the {ckpt.model_type} model needs are "
+            f"missing after mlx-lm's sanitize, e.g. {_examples(missing)}; SRC does not match its "
+            f"config.json (a shard missing, or weights saved by another tool: check that "
+            f"mlx_lm.load loads SRC, or convert it with mlx_lm.convert first)")
+    for name, shape in want.items():
+        if ckpt.shape(name) != list(shape):
+            raise CheckpointError(f"{ckpt.path}: {name} has shape {ckpt.shape(name)}, "
+                                  f"the config implies {list(shape)}")
+    extra = sorted(set(ckpt.names()) - set(want))
+    if extra:
+        raise CheckpointError(
+            f"{ckpt.path}: {len(extra)} tensor(s) are neither used by the {ckpt.model_type} "
+            f"model nor dropped by mlx-lm's sanitize, e.g. {_examples(extra)}; nothing was "
+            f"written. mlx_lm.load refuses them too: check that config.json belongs to these "
+            f"weights (a quantized checkpoint needs its 'quantization' entry), or re-save SRC "
+            f"without them")
+
+
+def _describe_layers(by_layer: dict[int, tuple]) -> str:
+    groups: dict[tuple, list[int]] = {}
+    for layer, q in by_layer.items():
+        groups.setdefault(q, []).append(layer)
+    return "; ".join(f"layer(s) {', '.join(map(str, layers))}: {b}-bit group {g} {m}"
+                     for (b, g, m), layers in groups.items())
+
+
+def _plan_quantized(ckpt, model, bits, group_size, switches):
+    """SRC already quantized: bits/group as mlx-lm's load inferred them; nothing is requantized."""
+    modules = dict(model.named_modules())
+    by_layer, specs = {}, {}
     for layer, sw in switches.items():
-        layer_specs = {}
-        for proj, (out_dim, in_dim) in sw.dims.items():
-            base = f"{sw.path}.{proj}"
-            override = quant.get(base)
-            mode = (override if isinstance(override, dict) else quant).get("mode", "affine")
-            if mode != "affine":
-                raise CheckpointError(f"{ckpt.path}: experts are quantized in mode {mode!r}; "
-                                      f"only 'affine' (scales + biases) is supported")
+        found = set()
+        for proj in sw.dims:
+            m = modules[f"{sw.path}.{proj}"]
+            if not hasattr(m, "bits"):
+                raise CheckpointError(f"{ckpt.path}: {sw.path}.{proj} is not quantized while "
+                                      f"config.json has a 'quantization' entry; every routed "
+                                      f"expert must be quantized (or the whole source float)")
+            found.add((m.bits, m.group_size, m.mode))
             for part in PARTS:
-                _require(ckpt, f"{base}.{part}")
-                expected.add(f"{base}.{part}")
-            if ckpt.dtype(f"{base}.weight") != "uint32" or ckpt.shape(f"{base}.scales")[-1] == 0:
-                raise CheckpointError(f"{ckpt.path}: {base}.weight is not a packed uint32 tensor")
-            qbits = ckpt.shape(f"{base}.weight")[-1] * 32 // in_dim
-            qgroup = in_dim // ckpt.shape(f"{base}.scales")[-1]
-            found.add((qbits, qgroup))
-            E = sw.num_experts
-            _require(ckpt, f"{base}.weight", [E, out_dim, in_dim * qbits // 32])
-            _require(ckpt, f"{base}.scales", [E, out_dim, in_dim // qgroup])
-            _require(ckpt, f"{base}.biases", [E, out_dim, in_dim // qgroup])
-            layer_specs[f"{proj}.weight"] = ([out_dim, in_dim * qbits // 32], "uint32")
-            for part in ("scales", "biases"):
-                layer_specs[f"{proj}.{part}"] = ([out_dim, in_dim // qgroup],
-                                                 ckpt.dtype(f"{base}.{part}"))
-        specs = _same_for_all_layers(ckpt, layer, specs, layer_specs)
-    if len(found) != 1:
-        raise CheckpointError(f"{ckpt.path}: experts use mixed quantization {sorted(found)}; "
-                              f"the streaming layout needs one bits/group size for all experts")
-    prefixes = tuple(s.path + "." for s in switches.values())
-    stray = sorted(n for n in ckpt.names() if n.startswith(prefixes) and n not in expected)
-    if stray:
-        raise CheckpointError(f"{ckpt.path}: unsupported routed-expert tensor {stray[0]}; "
-                              f"bundles hold only {', '.join(PARTS)} of {', '.join(PROJECTIONS)}")
-    qbits, qgroup = found.pop()
+                name = f"{sw.path}.{proj}.{part}"
+                if name in ckpt:
+                    specs[f"{proj}.{part}"] = (ckpt.shape(name)[1:], ckpt.dtype(name))
+        if len(found) != 1:
+            raise CheckpointError(f"{ckpt.path}: layer {layer}'s experts mix quantizations "
+                                  f"{sorted(found)}; one bits/group size per layer is needed")
+        by_layer[layer] = found.pop()
+    if len(set(by_layer.values())) != 1:
+        raise CheckpointError(
+            f"{ckpt.path}: routed experts are quantized differently by layer "
+            f"({_describe_layers(by_layer)}), as mixed recipes such as mixed_4_6 do; the "
+            f"streaming layout serves one bits/group size for every expert: convert the bf16 "
+            f"checkpoint (edge0-eval convert SRC OUT --bits 4) or one quantized uniformly")
+    qbits, qgroup, mode = next(iter(by_layer.values()))
+    if mode != "affine":
+        raise CheckpointError(
+            f"{ckpt.path}: routed experts are quantized in mode {mode!r}; the streaming layout "
+            f"serves 'affine' (scales + biases) experts only: convert the bf16 checkpoint "
+            f"(edge0-eval convert SRC OUT) or an affine quantization of it")
     for flag, given, have in (("--bits", bits, qbits), ("--group-size", group_size, qgroup)):
         if given is not None and given != have:
             raise ConfigError(f"{ckpt.path} is already quantized ({qbits} bits, group {qgroup}); "
                               f"{flag} {given} would need requantization, which convert does not "
                               f"do: drop {flag} or start from an fp16/bf16 checkpoint")
-    return ckpt.config, qbits, qgroup, specs
+    return qbits, qgroup, specs
 
 
 def _plan_float(ckpt, model, bits, group_size, switches):
@@ -197,29 +254,10 @@ def _plan_float(ckpt, model, bits, group_size, switches):
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise ConfigError(f"--group-size {group_size} is not supported; "
                           f"choose one of {SUPPORTED_GROUP_SIZES}")
-
-    # SRC must hold exactly the model's parameters (names and shapes), as strict loading needs.
-    expert_prefixes = tuple(s.path + "." for s in switches.values())
-    want = dict(tree_flatten(model.parameters()))
-    for name, value in want.items():
-        if name not in ckpt:
-            kind = "expert" if name.startswith(expert_prefixes) else "model"
-            raise CheckpointError(f"{ckpt.path}: {kind} tensor {name} is missing (is SRC an "
-                                  f"mlx-lm checkpoint of this config, with post-sanitize names?)")
-        if list(ckpt.shape(name)) != list(value.shape):
-            raise CheckpointError(f"{ckpt.path}: {name} has shape {ckpt.shape(name)}, "
-                                  f"the config implies {list(value.shape)}")
-    extra = sorted(set(ckpt.names()) - set(want))
-    if extra:
-        raise CheckpointError(f"{ckpt.path}: {len(extra)} tensor(s) the model does not have, e.g. "
-                              f"{extra[0]} (a partly quantized checkpoint without a 'quantization' "
-                              f"config is not supported)")
-
     qmodel, qconfig = lazy_quantize(model, ckpt.config, group_size, bits)
     qmods = quantized_modules(qmodel)
-    specs = None
-    for layer, sw in switches.items():
-        layer_specs = {}
+    specs = {}
+    for sw in switches.values():
         for proj, (out_dim, in_dim) in sw.dims.items():
             q = qmods.get(f"{sw.path}.{proj}")
             if q is None:
@@ -230,10 +268,14 @@ def _plan_float(ckpt, model, bits, group_size, switches):
                 raise CheckpointError(f"{ckpt.path}: {sw.path}.{proj}.weight is {dtype}, expected "
                                       f"a float tensor (or a 'quantization' entry in config.json)")
             g, b, _ = q
-            layer_specs[f"{proj}.weight"] = ([out_dim, in_dim * b // 32], "uint32")
-            layer_specs[f"{proj}.scales"] = ([out_dim, in_dim // g], dtype)
-            layer_specs[f"{proj}.biases"] = ([out_dim, in_dim // g], dtype)
-        specs = _same_for_all_layers(ckpt, layer, specs, layer_specs)
+            layer_specs = {f"{proj}.weight": ([out_dim, in_dim * b // 32], "uint32"),
+                           f"{proj}.scales": ([out_dim, in_dim // g], dtype),
+                           f"{proj}.biases": ([out_dim, in_dim // g], dtype)}
+            for name, spec in layer_specs.items():
+                if specs.setdefault(name, spec) != spec:
+                    raise CheckpointError(f"{ckpt.path}: {sw.path}.{proj} differs in shape or "
+                                          f"dtype from earlier layers' experts; one bundle "
+                                          f"layout is needed for all layers")
     return qconfig, qmodel, specs
 
 

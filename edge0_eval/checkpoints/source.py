@@ -1,7 +1,10 @@
-"""Reading an mlx-lm checkpoint: safetensors headers checked up front, tensors read one at a time.
+"""Reading a checkpoint mlx-lm loads: safetensors headers checked up front, tensors read lazily.
 
-Nothing is memory-mapped and nothing is loaded as a whole, so `convert` holds one source tensor
-(or one layer's experts) at a time.
+The tensors are MLX's lazy loads (`mx.load` reads a tensor's bytes only when it is evaluated),
+passed through the model's own mlx-lm `sanitize` as `mlx_lm.load` does, so every layout mlx-lm
+loads (mlx-vlm conversions with vision and MTP weights, original Hugging Face names, fused or
+per-expert experts) arrives under the model's names. `convert` takes each tensor once, so it holds
+one tensor (or one layer's experts) at a time.
 """
 
 from __future__ import annotations
@@ -59,60 +62,43 @@ class SafetensorsFile:
             raise CheckpointError(f"{path} is not a valid safetensors file ({exc}); "
                                   f"re-download or re-save the checkpoint") from None
 
-    def dtype(self, name: str) -> str:
-        return _ST_DTYPES[self.tensors[name][0]][0]
-
-    def shape(self, name: str) -> list[int]:
-        return self.tensors[name][1]
-
-    def nbytes(self, name: str) -> int:
-        _, _, begin, end = self.tensors[name]
-        return end - begin
-
-    def array(self, name: str) -> np.ndarray:
-        """The tensor read into a fresh numpy array (bfloat16 as uint16).
-
-        A plain read rather than a memory map: mapped pages would count as this process's
-        memory until the kernel drops them, while a read buffer is freed as soon as it is used.
-        """
-        code, shape, begin, end = self.tensors[name]
-        dtype = np.dtype(_ST_DTYPES[code][1])
-        with open(self.path, "rb") as f:
-            f.seek(self._data_start + begin)
-            arr = np.fromfile(f, dtype=dtype, count=(end - begin) // dtype.itemsize)
-        if arr.nbytes != end - begin:
-            raise CheckpointError(f"{self.path} is truncated (it changed while being read?)")
-        return arr.reshape(shape)
-
 
 class Checkpoint:
-    """An mlx-lm checkpoint directory: config plus tensors spread over one or more shards."""
+    """A checkpoint directory: config plus lazily read tensors spread over one or more shards.
+
+    Until `sanitize` runs, the tensors carry the file's names; after it, the model's.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path} not found or not a directory: SRC must be an "
-                                  f"mlx-lm checkpoint directory")
+            raise CheckpointError(f"{self.path} not found or not a directory: SRC must be a "
+                                  f"checkpoint directory mlx-lm loads")
         config_path = self.path / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"{config_path} not found: SRC must be an mlx-lm checkpoint "
-                                  f"directory (config.json + *.safetensors)")
+            raise CheckpointError(f"{config_path} not found: SRC must be a checkpoint directory "
+                                  f"mlx-lm loads (config.json + *.safetensors)")
         try:
             self.config = _decode_tagged_floats(json.loads(config_path.read_text()))
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{config_path} is not valid JSON ({exc})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_path} is not a JSON object")
         self.files = [SafetensorsFile(p) for p in self._weight_files()]
-        self._where: dict[str, SafetensorsFile] = {}
+        self.weights: dict[str, mx.array] = {}
         for f in self.files:
-            for name in f.tensors:
-                self._where[name] = f
+            try:
+                self.weights.update(mx.load(str(f.path)))
+            except (RuntimeError, ValueError) as exc:
+                raise CheckpointError(f"{f.path} cannot be read by MLX ({exc}); re-download "
+                                      f"or re-save the checkpoint") from None
 
     def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
                 names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
                 raise CheckpointError(f"{index} is malformed ({exc})") from None
             missing = [n for n in names if not (self.path / n).is_file()]
             if missing:
@@ -124,6 +110,22 @@ class Checkpoint:
             raise CheckpointError(f"no *.safetensors weights in {self.path}")
         return files
 
+    def sanitize(self, model) -> None:
+        """Rename, split, stack and drop tensors exactly as `mlx_lm.load` does for `model`.
+
+        Lazy: nothing is read; a fused or per-expert source tensor is read when the first
+        tensor made from it is taken.
+        """
+        if not hasattr(model, "sanitize"):
+            return
+        try:
+            self.weights = model.sanitize(dict(self.weights))
+        except (KeyError, ValueError, IndexError, TypeError) as exc:
+            raise CheckpointError(
+                f"{self.path}: mlx-lm's sanitize for model_type {self.model_type!r} failed "
+                f"({type(exc).__name__}: {exc}); the weights do not match config.json (a shard "
+                f"missing, or another model's config?)") from None
+
     @property
     def model_type(self) -> str:
         return self.config.get("model_type", "")
@@ -133,27 +135,29 @@ class Checkpoint:
         return self.config.get("quantization")
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return list(self.weights)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self.weights
 
     def shape(self, name: str) -> list[int]:
-        return self._where[name].shape(name)
+        return list(self.weights[name].shape)
 
     def dtype(self, name: str) -> str:
-        return self._where[name].dtype(name)
+        return str(self.weights[name].dtype).rpartition(".")[2]
 
     def nbytes(self, name: str) -> int:
-        return self._where[name].nbytes(name)
+        return self.weights[name].nbytes
 
-    def array(self, name: str) -> np.ndarray:
-        return self._where[name].array(name)
-
-    def mx_array(self, name: str):
-        """The tensor in MLX with its true dtype (bfloat16 reinterpreted from raw uint16)."""
-        arr = mx.array(self.array(name))
-        return arr.view(mx.bfloat16) if self.dtype(name) == "bfloat16" else arr
+    def take(self, name: str) -> mx.array:
+        """The tensor, read now and forgotten here, so its memory goes when the caller drops it."""
+        arr = self.weights.pop(name)
+        try:
+            mx.eval(arr)
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: reading {name} failed ({exc}); the file "
+                                  f"changed or is damaged: re-download it") from None
+        return arr
 
     def source_files(self) -> list[Path]:
         return [self.path / "config.json"] + [f.path for f in self.files]
