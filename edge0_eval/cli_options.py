@@ -24,6 +24,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slots-per-layer", type=ct.positive_int, default=None)
     g.add_argument("--lora", dest="lora_path", default=None,
                    help=f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)")
+    g.add_argument("--lora-alpha", type=ct.positive_float, default=None,
+                   help="the adapter's LoRA alpha (scale alpha/r), for a file whose metadata "
+                        "and adapter_config.json give none; overrides them when given")
     g.add_argument("--prerouter", dest="prerouter_path", default=None,
                    help=f"prerouter heads safetensors (default: MODEL/{PREROUTER_FILE})")
     g.add_argument("--no-lora", action="store_true")

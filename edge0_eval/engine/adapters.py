@@ -3,6 +3,11 @@
 The file layout and the numerics are described in engine/lora.py, which owns the layer; this
 module owns the file format: keys `<module path>.lora_A` / `.lora_B`, metadata strings
 kind="lora", format_version="1", r, alpha and the optional model, K, source, owners, stage, step.
+
+The formats people publish are read too: PEFT files (`base_model.model.<module>.lora_A.weight`,
+scale lora_alpha/r from adapter_config.json) and mlx-lm tuner adapters (`<module>.lora_a` [in, r],
+`lora_b` [r, out], scale from adapter_config.json); module paths under Hugging Face names are
+mapped to the model's by its own mlx-lm `sanitize`.
 """
 
 from __future__ import annotations
@@ -82,18 +87,44 @@ def read_adapter_file(path: str | Path, what: str = "LoRA adapter",
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+PEFT_PREFIX = "base_model.model."
+_PEFT_A, _PEFT_B = ".lora_A.weight", ".lora_B.weight"
+_MLX_A, _MLX_B = ".lora_a", ".lora_b"
+
+
+def _refuse_unsupported_config(config: dict, config_path: Path) -> None:
+    """Adapter kinds whose numerics are not LoRA's (DoRA, full fine-tunes, per-module ranks)."""
+    kind = config.get("fine_tune_type", "lora")
+    peft = config.get("peft_type", "LORA")
+    if kind != "lora" or peft != "LORA" or config.get("use_dora"):
+        what = kind if kind != "lora" else ("DoRA" if config.get("use_dora") else peft)
+        raise CheckpointError(f"{config_path}: a {what!r} adapter; only plain LoRA adapters "
+                              f"are served (merge it into the checkpoint with its trainer, "
+                              f"then convert that)")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise CheckpointError(f"{config_path}: PEFT {key} gives modules their own rank or "
+                                  f"alpha; one adapter file is served at one r and alpha")
+
+
 def alpha_from_adapter_config(path: Path) -> float | None:
     """alpha from the adapter_config.json beside an adapter file, as the trainers write it:
-    PEFT's `lora_alpha` (scale alpha/r), or mlx-lm's `lora_parameters` {rank, scale}
-    (scale applied as is, so alpha = scale x rank). None when there is no such file."""
+    PEFT's `lora_alpha` (scale alpha/r, or alpha/sqrt(r) with use_rslora), or mlx-lm's
+    `lora_parameters` {rank, scale} (scale applied as is, so alpha = scale x rank). None when
+    there is no such file. Adapter kinds that are not plain LoRA are refused here."""
     config_path = path.parent / ADAPTER_CONFIG
     if not config_path.exists():
         return None
     config = read_json_file(config_path, ADAPTER_CONFIG, "copy it again beside the adapter "
                             "(or give the adapter an 'alpha' metadata key)")
+    _refuse_unsupported_config(config, config_path)
     lora = config.get("lora_parameters")
     if "lora_alpha" in config:
         value = config["lora_alpha"]
+        if config.get("use_rslora") and _number(value):
+            if not _number(config.get("r")) or config["r"] < 1:
+                raise CheckpointError(f"{config_path}: use_rslora needs the rank 'r'")
+            value = value * math.sqrt(config["r"])      # rsLoRA's scale alpha/sqrt(r)
     elif isinstance(lora, dict) and "scale" in lora and "rank" in lora:
         value = (lora["scale"] * lora["rank"]
                  if all(_number(v) for v in (lora["scale"], lora["rank"])) else None)
@@ -129,6 +160,7 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
     """
     path = Path(path)
     arrays, meta = read_adapter_file(path)
+    arrays = _model_names(model, _edge0_layout(arrays, path))
 
     kind = meta.get("kind")
     all_lora = bool(arrays) and all(k.endswith((SUFFIX_A, SUFFIX_B)) for k in arrays)
@@ -167,10 +199,11 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
     if alpha_value is None:
         alpha_value = alpha_from_adapter_config(path)
     if alpha_value is None:
-        raise CheckpointError(f"{path}: metadata key 'alpha' is missing, no alpha was given and "
-                              f"no {ADAPTER_CONFIG} beside it gives one (PEFT 'lora_alpha', or "
-                              f"mlx-lm 'lora_parameters' rank and scale); the LoRA scale "
-                              f"alpha/r is unknown (Edge0 adapters use r=16, alpha=32)")
+        raise CheckpointError(f"{path}: metadata key 'alpha' is missing, no alpha was given "
+                              f"(--lora-alpha / lora_alpha) and no {ADAPTER_CONFIG} beside it "
+                              f"gives one (PEFT 'lora_alpha', or mlx-lm 'lora_parameters' rank "
+                              f"and scale); the LoRA scale alpha/r is unknown (Edge0 adapters "
+                              f"use r=16, alpha=32)")
     if r_meta is not None and r_meta < 1:
         raise CheckpointError(f"{path}: metadata key 'r' is {r_meta}; must be at least 1")
     if not 0 < alpha_value <= MAX_ALPHA:
@@ -261,6 +294,58 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
         "targets": [p for p, _ in new], "file_dtype": ",".join(sorted(file_dtypes)),
         "metadata": meta,
     }
+
+
+def _edge0_layout(arrays: dict[str, mx.array], path: Path) -> dict[str, mx.array]:
+    """PEFT and mlx-lm tuner keys rewritten as `<module>.lora_A` [r, in] / `.lora_B` [out, r];
+    files already in that layout (or in none) pass unchanged for load_adapter's checks."""
+    keys = list(arrays)
+    if any(k.endswith((_PEFT_A, _PEFT_B)) for k in keys):
+        other = [k for k in keys if not k.endswith((_PEFT_A, _PEFT_B))]
+        if other:
+            raise CheckpointError(f"{path}: a PEFT adapter holding {other[0]!r} (DoRA "
+                                  f"magnitudes, embedding LoRA or saved modules); only plain "
+                                  f"LoRA on linear layers is served")
+        out = {}
+        for k, v in arrays.items():
+            k = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+            out[k[: -len(".weight")]] = v
+        return out
+    if any(k.endswith((_MLX_A, _MLX_B)) for k in keys):
+        out = {}
+        for k, v in arrays.items():
+            if not k.endswith((_MLX_A, _MLX_B)):
+                raise CheckpointError(f"{path}: an mlx-lm adapter holding {k!r} (a DoRA "
+                                      f"magnitude or a full fine-tune); only plain LoRA "
+                                      f"adapters are served")
+            if v.ndim != 2:
+                raise CheckpointError(f"{path}: key {k!r} has shape {tuple(v.shape)}: LoRA on "
+                                      f"routed experts (mlx-lm's LoRASwitchLinear) is not "
+                                      f"served; the streamed experts stay as converted")
+            # mlx-lm computes (x @ lora_a) @ lora_b: ours are the transposes.
+            suffix = SUFFIX_A if k.endswith(_MLX_A) else SUFFIX_B
+            out[k[: -len(_MLX_A)] + suffix] = v.T
+        return out
+    return arrays
+
+
+def _model_names(model: nn.Module, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Keys whose module is not in the model but whose Hugging Face name mlx-lm's `sanitize`
+    maps to one of its modules (`model.language_model.*` -> `language_model.model.*`)."""
+    sanitize = getattr(model, "sanitize", None)
+    out = {}
+    for key, value in arrays.items():
+        module_path, dot, suffix = key.rpartition(".")
+        if sanitize is not None and dot and get_module(model, module_path)[0] is None:
+            try:
+                mapped = list(sanitize({f"{module_path}.weight": mx.zeros((1, 1))}))
+            except Exception:  # noqa: BLE001 - a family's sanitize on a placeholder; no mapping
+                mapped = []
+            if len(mapped) == 1 and mapped[0].endswith(".weight") and \
+                    get_module(model, mapped[0][: -len(".weight")])[0] is not None:
+                key = f"{mapped[0][: -len('.weight')]}.{suffix}"
+        out[key] = value
+    return out
 
 
 def _meta_str(value) -> str:

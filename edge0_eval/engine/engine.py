@@ -127,7 +127,8 @@ class Engine:
         lora = None
         if resolved.lora_path is not None:
             # Unmerged: a parallel path on resident modules; int4 weights stay untouched.
-            lora = load_adapter(model, resolved.lora_path, expect_kind="lora", top_k=top_k)
+            lora = load_adapter(model, resolved.lora_path, expect_kind="lora", top_k=top_k,
+                                alpha=options.lora_alpha)
         model.eval()
         mx.eval(model.parameters())
         del resident

@@ -55,6 +55,9 @@ class EngineOptions:
     expert_budget_mib: float | None = None
     slots_per_layer: int | None = None       # alternative to the budget
     lora_path: str | None = None             # None: LORA_FILE beside the model, if present
+    # The adapter's alpha (scale alpha/r) when neither its metadata nor an adapter_config.json
+    # beside it gives one; it overrides both when given.
+    lora_alpha: float | None = None
     prerouter_path: str | None = None        # None: PREROUTER_FILE beside the model
     no_lora: bool = False
     no_prerouter: bool = False
@@ -96,7 +99,7 @@ class EngineOptions:
                               f"not {self.prefill_chunk!r}")
         if self.expert_budget_mib is not None and self.slots_per_layer is not None:
             raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
-        for name in ("expert_budget_mib", "io_throttle_mbps"):
+        for name in ("expert_budget_mib", "io_throttle_mbps", "lora_alpha"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and math.isfinite(value)
                                           and value > 0):
