@@ -7,6 +7,7 @@ argparse turns the ArgumentTypeError raised here into "argument --x: <message>" 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -75,6 +76,18 @@ def float_range(low: float, high: float, low_open: bool = False):
         return value
     parse.__name__ = f"number in range {low:g}..{high:g}"
     return parse
+
+
+def json_object(text: str) -> dict:
+    """A JSON object with string keys, e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; give "
+                                         f"'{{\"name\": value, ...}}'")
+    return value
 
 
 def name_list(text: str) -> str:

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--prompts: rows decoded at once (default 1); the expert buffer "
                              "grows to B x top-k slots per layer when the budget holds fewer")
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--chat-template-config", type=ct.json_object, default={},
+                        help='extra arguments for the chat template as a JSON object, as in '
+                             'mlx-lm\'s generate: \'{"enable_thinking": false}\' turns '
+                             'thinking off')
     parser.add_argument("--max-tokens", type=ct.positive_int, default=64)
     parser.add_argument("--temp", type=ct.nonneg_float, default=0.0)
     parser.add_argument("--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0)
@@ -72,11 +76,11 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
     return rows
 
 
-def _encode(tok, text: str, raw: bool) -> list[int]:
+def _encode(tok, text: str, raw: bool, template_kwargs: dict) -> list[int]:
     if raw:
         return tok.encode(text)
     return tok.apply_chat_template([{"role": "user", "content": text}],
-                                   add_generation_prompt=True)
+                                   add_generation_prompt=True, **template_kwargs)
 
 
 def _check_context(engine: Engine, prompt: list[int], where: str) -> None:
@@ -97,6 +101,9 @@ def _summary(s: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.prompts is None:
         raise ConfigError("--batch needs --prompts FILE (one prompt per line)")
+    if args.raw and args.chat_template_config:
+        raise ConfigError("--chat-template-config has no effect with --raw (no chat template is "
+                          "applied); drop one of them")
     rows = read_prompts(args.prompts) if args.prompts is not None else None
     engine = Engine.load(args.model, options_from_args(args))
     try:
@@ -112,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_one(engine: Engine, args) -> None:
     tok = engine.tokenizer
-    prompt = _encode(tok, args.prompt, args.raw)
+    prompt = _encode(tok, args.prompt, args.raw, args.chat_template_config)
     _check_context(engine, prompt, "--prompt")
     result = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp,
                              top_p=args.top_p)
@@ -128,7 +135,7 @@ def _run_one(engine: Engine, args) -> None:
 
 def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None:
     tok = engine.tokenizer
-    prompts = [_encode(tok, text, args.raw) for text, _ in rows]
+    prompts = [_encode(tok, text, args.raw, args.chat_template_config) for text, _ in rows]
     for row, prompt in enumerate(prompts, 1):
         _check_context(engine, prompt, f"--prompts {args.prompts} row {row}")
     seeds = [engine.options.seed if seed is None else seed for _, seed in rows]

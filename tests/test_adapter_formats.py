@@ -163,3 +163,71 @@ def test_lora_alpha_option_reaches_the_engine(edge0_qwen, lora_weights, tmp_path
         assert engine.lora["alpha"] == SCALE * RANK and engine.lora["scale"] == SCALE
     finally:
         engine.close()
+
+
+def test_heads_without_kind_or_k_are_inferred_from_their_keys(edge0_qwen, tmp_path):
+    """A heads file whose metadata lost kind and K loads as the same heads (at the engine's K,
+    with a warning); a file whose keys are not all heads' still names its missing kind."""
+    from edge0_eval.engine.heads_file import load_heads
+    from test_bad_inputs import _heads_file
+
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
+    try:
+        full = _heads_file(engine, tmp_path / "full.safetensors")
+        dims = dict(hidden=engine.family.hidden_size(engine.config),
+                    num_experts=engine.index.num_experts, top_k=engine.top_k)
+    finally:
+        engine.close()
+    arrays, meta = mx.load(str(full), return_metadata=True)
+    bare = {k: v for k, v in meta.items() if k not in ("kind", "K")}
+    mx.save_safetensors(str(tmp_path / "bare.safetensors"), arrays, metadata=bare)
+    with pytest.warns(UserWarning, match="records no K.*served at the engine's K=4"):
+        got = load_heads(tmp_path / "bare.safetensors", **dims)
+    want = load_heads(full, **dims)
+    assert mx.array_equal(got.fc1, want.fc1).item() and got.config == want.config
+    mx.save_safetensors(str(tmp_path / "mixed.safetensors"),
+                        {**arrays, "extra.weight": mx.zeros((2, 2))}, metadata=bare)
+    with pytest.raises(CheckpointError, match="kind=None, expected 'prerouter'"):
+        load_heads(tmp_path / "mixed.safetensors", **dims)
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking %}"
+    "{{ 'x = 1\\n' }}{% endif %}{% endif %}")
+
+
+def _generate(model, tmp_path, *extra):
+    import subprocess
+    import sys
+
+    out = tmp_path / "gen.json"
+    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "generate", str(model),
+                           "--prompt", "hi", "--max-tokens", "1", "--json", str(out), *extra],
+                          capture_output=True, text=True)
+    return proc, (json.loads(out.read_text())["prompt_tokens"] if proc.returncode == 0 else None)
+
+
+def test_generate_chat_template_config_reaches_the_template(edge0_qwen, tmp_path):
+    """As mlx-lm's --chat-template-config: '{"enable_thinking": true}' is passed to the
+    template (this one marks thinking on with a fixed suffix; mlx-lm's tokenizer wrapper turns
+    it off by default for a vocabulary without think tokens)."""
+    from bad_inputs import edit_json
+
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    edit_json(model / "tokenizer_config.json",
+              lambda c: c.__setitem__("chat_template", THINKING_TEMPLATE))
+    _, default = _generate(model, tmp_path)
+    proc, on = _generate(model, tmp_path, "--chat-template-config", '{"enable_thinking": true}')
+    assert proc.returncode == 0, proc.stderr
+    engine = Engine.load(model, EngineOptions(no_lora=True))
+    try:
+        suffix = engine.tokenizer.encode("x = 1\n", add_special_tokens=False)
+    finally:
+        engine.close()
+    assert on == default + suffix
+    for bad in ("[1]", "{"):
+        proc, _ = _generate(model, tmp_path, "--chat-template-config", bad)
+        assert proc.returncode == 2 and "--chat-template-config" in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,10 +71,14 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
 
 
 def read_metadata(path: str | Path) -> dict:
-    """The safetensors metadata of a heads file (header checked, no tensor data read)."""
-    _, meta = read_safetensors_header(path, "prerouter heads",
-                                      "train them again with `edge0-eval train-prerouter`, "
-                                      "or run with --no-prerouter")
+    """The safetensors metadata of a heads file (header checked, no tensor data read), with
+    kind="prerouter" filled in when it is absent and every tensor is a head's, as a LoRA
+    file's kind is inferred from its keys."""
+    tensors, meta = read_safetensors_header(path, "prerouter heads",
+                                            "train them again with `edge0-eval "
+                                            "train-prerouter`, or run with --no-prerouter")
+    if meta.get("kind") in (None, "") and tensors and all(_KEY.match(n) for n in tensors):
+        meta = {**meta, "kind": KIND}
     return meta
 
 
@@ -113,8 +118,10 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
                               f"{FORMAT_VERSION}")
     k = _int_meta(meta, "K", path)
     if k is None:
-        raise CheckpointError(f"{where} records no K (metadata key 'K')")
-    if k != top_k:
+        # The heads score every expert; K is only the width they were trained to rank for.
+        warnings.warn(f"{where} records no K (metadata key 'K'); served at the engine's "
+                      f"K={top_k}", stacklevel=2)
+    elif k != top_k:
         raise CheckpointError(f"{where} was trained for K={k} but the engine serves K={top_k}; "
                               f"train heads for K={top_k} or serve with --top-k {k}")
     if model_type is not None and meta.get("model_type") not in (None, "", model_type):
