@@ -86,3 +86,69 @@ def test_report_refuses_details_not_objects(details, tmp_path):
     run = Run(tmp_path, ["m"], ["gpqa_diamond"], {}, set())
     expect_clear_error(lambda: load_dataset_result(run, "m", benchmark_for("gpqa_diamond"),
                                                    "gpqa_diamond"), path)
+
+
+def _two_arm_run(tmp_path):
+    from oc_tree import OCRun
+
+    run = OCRun(tmp_path / "o")
+    for model in ("edge0-tiny-teacher", "edge0-tiny-student"):
+        run.add(model, "GPQA_diamond", [1, 0, 1, 0])
+        run.add(model, "aime2026", [1, 0])
+    return run.finish()
+
+
+def _report(tmp_path, outputs):
+    from test_report import make_report, rows
+
+    return rows(make_report(tmp_path, outputs)), outputs
+
+
+def test_report_flags_a_deleted_predictions_file(tmp_path):
+    outputs = _two_arm_run(tmp_path)
+    (outputs / "predictions" / "edge0-tiny-student" / "GPQA_diamond.json").unlink()
+    r, _ = _report(tmp_path, outputs)
+    assert r["GPQA-Diamond"]["status"] == "inconsistent"
+    assert r["AIME 2026"]["status"] == "ok"                       # the control
+
+
+def test_report_refuses_an_item_twice_in_the_details(tmp_path, capsys):
+    outputs = _two_arm_run(tmp_path)
+    path = outputs / "results" / "edge0-tiny-student" / "aime2026.json"
+    result = json.loads(path.read_text())
+    result["details"].append(result["details"][0])
+    path.write_text(json.dumps(result))
+    _refused(["report", str(outputs), "--out", str(tmp_path / "rep")], path, capsys)
+    assert not (tmp_path / "rep" / "report.json").exists()
+
+
+def test_a_repeated_key_in_a_results_file_is_not_scored(tmp_path):
+    """json keeps the last of two equal keys without a word: an item given twice in the
+    object form of the details would be scored once, silently."""
+    from edge0_eval.evaluation.outputs import Run, benchmark_for, load_dataset_result
+
+    path = tmp_path / "results" / "m" / "gpqa_diamond.json"
+    path.parent.mkdir(parents=True)
+    item = '{"predictions": "A", "references": "A"}'
+    path.write_text(f'{{"accuracy": 100.0, "details": {{"type": "GEN", "0": {item}, '
+                    f'"0": {item}}}}}')
+    run = Run(tmp_path, ["m"], ["gpqa_diamond"], {}, set())
+    res = load_dataset_result(run, "m", benchmark_for("gpqa_diamond"), "gpqa_diamond")
+    assert res.status == "failed" and any("'0' appears twice" in n for n in res.notes)
+    path.write_text(f'{{"accuracy": 100.0, "details": {{"type": "GEN", "0": {item}}}}}')
+    res = load_dataset_result(run, "m", benchmark_for("gpqa_diamond"), "gpqa_diamond")
+    assert res.status == "ok"                                     # the control
+
+
+def _refused(argv, path, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "Traceback" not in err
+
+
+def test_report_refuses_a_garbage_config_dump(tmp_path, capsys):
+    outputs = _two_arm_run(tmp_path)
+    dump = next((outputs / "configs").glob("*.py"))
+    dump.write_text("datasets = [\n  {'abbr': \x00 garbage")
+    _refused(["report", str(outputs), "--out", str(tmp_path / "rep")], dump, capsys)
+    assert not (tmp_path / "rep" / "report.json").exists()

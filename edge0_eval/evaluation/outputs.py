@@ -204,9 +204,15 @@ def load_run(path: Path) -> Run:
             unversioned = [d for d in config_datasets if _dataset_abbr(d) not in versions]
             if unversioned:
                 versions.update(_prompt_versions(unversioned))
-        except Exception as exc:  # a fallback: say why, and go on with what there is
+        except ImportError as exc:  # without the [eval] extra: say why, go on with what there is
             notes.append(f"{config}: cannot read datasets or prompt versions "
                          f"({type(exc).__name__}: {exc})")
+        except Exception as exc:  # noqa: BLE001 - mmengine executes the dump; any error is its
+            raise Edge0Error(
+                f"{config}: the run's config dump cannot be read ({type(exc).__name__}: {exc}); "
+                f"it records which datasets the run was meant to score and their prompts: "
+                f"restore it from the run, or move the configs folder away to report from the "
+                f"summary and result files alone") from None
 
     file_datasets: list[str] = []
     for sub in ("results", "predictions"):
@@ -339,6 +345,16 @@ def _read_json(path: Path, what: str):
                          f"(delete the file first)") from None
 
 
+def _unique_keys(pairs: list[tuple]) -> dict:
+    """A JSON object, refusing a repeated key (json keeps the last one without a word)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears twice in one object")
+    return out
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
@@ -393,7 +409,8 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         res.notes.append(f"no results file {path}")
         return res
     try:
-        result = json.loads(path.read_text(encoding="utf-8"), parse_constant=_reject_constant)
+        result = json.loads(path.read_text(encoding="utf-8"), parse_constant=_reject_constant,
+                            object_pairs_hook=_unique_keys)
     except (OSError, ValueError, RecursionError) as exc:
         res.notes.append(f"{path}: unreadable ({exc})")
         return res
@@ -430,6 +447,9 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
             res.status = "no_details"
             res.notes.append(f"{path}: item {item_id} has no correctness field")
             return res
+        if item_id in res.scores:
+            raise Edge0Error(f"{path}: item {item_id} appears twice in the details; the file "
+                             f"is corrupt, re-run that task (delete the file first)")
         res.scores[item_id] = score
         for metric, key in bench.extra:
             extra = item_correctness(detail, key)
@@ -449,6 +469,11 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
     if stats_problem:
         res.status = "inconsistent"
         res.notes.append(f"{pred_dir}: {stats_problem}")
+    if preds is None and (run.path / "predictions").is_dir():
+        res.status = "inconsistent"
+        res.notes.append(f"{pred_dir}: no predictions file for {dataset} beside its results "
+                         f"(deleted?); the scores cannot be checked against what was generated: "
+                         f"re-run the task")
     if preds is not None and len(preds) != len(res.scores) * replicas:
         res.status = "inconsistent"
         res.notes.append(f"{path}: {len(res.scores)} scored items x {replicas} replicas but "
