@@ -37,6 +37,21 @@ FIDELITY_CASES = {
     "string section": "ok",
     "list section": [1, 2],
     "arm a string": {"status": "ok", "items": 4, "arms": {"student": "ok"}},
+    "negative half-width": _fid(kl_half_width=-0.1),
+    "string half-width": _fid(agreement_half_width="1"),
+    "negative nll": _fid(nll=-1.0),
+    "items a float": _fid(items=3.5),
+    "section items negative": {**_fid(), "items": -1},
+    "per_item agreement 1.5": {**_fid(), "per_item": {"student": {"0": [0.1, 1.5]}}},
+    "per_item negative kl": {**_fid(), "per_item": {"student": {"0": [-0.1, 0.5]}}},
+    "per_item not a pair": {**_fid(), "per_item": {"student": {"0": 0.1}}},
+    "per_item a list": {**_fid(), "per_item": [1]},
+    "decomposition string delta": {**_fid(), "decomposition": {
+        "lora": {"kl": {"delta": "0.1", "half_width": 0.01}}}},
+    "decomposition negative width": {**_fid(), "decomposition": {
+        "lora": {"kl": {"delta": 0.1, "half_width": -0.01}}}},
+    "teacher_sanity a string": {**_fid(), "teacher_sanity": "ok"},
+    "teacher_sanity ok not bool": {**_fid(), "teacher_sanity": {"ok": "yes"}},
 }
 
 
@@ -47,7 +62,11 @@ def test_gate_refuses_bad_fidelity(case, tmp_path):
 
 
 def test_gate_accepts_good_fidelity(tmp_path):
-    good = _write(tmp_path / "good.json", _fid())
+    good = _write(tmp_path / "good.json", {
+        **_fid(kl_half_width=0.002, agreement_half_width=None, nll=1.2, greedy_match=7),
+        "per_item": {"student": {"0": [0.0, 1.0], "1": [0.3, 0.5]}},
+        "decomposition": {"lora": {"kl": {"delta": -0.01, "half_width": None}}},
+        "teacher_sanity": {"kl": 0.0, "agreement": 100.0, "ok": True}})
     assert load_report(str(good))["fidelity"]["arms"]["student"]["kl"] == 0.01
 
 

@@ -132,25 +132,75 @@ def load_report(path: str) -> dict:
     return report
 
 
+# Every fidelity number the gate or the table reads: (low, high) of what can be measured.
+_ARM_RANGES = {"kl": (0.0, math.inf), "agreement": (0.0, 100.0), "nll": (0.0, math.inf),
+               "greedy_match": (0.0, math.inf)}
+
+
 def _check_fidelity(path: str, fid) -> None:
-    """The fidelity section's arms: each a dict, KL finite >= 0, agreement in [0, 100] points."""
+    """The fidelity section as `report` writes it: every arm a dict with a status, its metrics
+    in range (KL >= 0, agreement in [0, 100] points), half-widths >= 0, item counts whole;
+    per_item [KL >= 0, agreement share in [0, 1]] per item; decomposition deltas finite with
+    half-widths >= 0; teacher_sanity an object with a boolean `ok`."""
     if fid is None:
         return
     fix = "make it again with `edge0-eval report`"
+
+    def bad(where: str, what: str):
+        raise Edge0Error(f"{path}: fidelity{where} {what}; {fix}")
+
+    def number(where: str, value, low: float, high: float, optional: bool = False):
+        if optional and value is None:
+            return
+        # A negative KL or an agreement over 100% cannot be measured: a corrupt report.
+        if not (_number(value) and low <= value <= high):
+            bad(where, f"is {value!r}, not a finite number in [{low:g}, {high:g}]")
+
     if not isinstance(fid, dict) or not isinstance(fid.get("arms"), dict):
         raise Edge0Error(f"{path}: fidelity must be an object with an 'arms' object; {fix}")
+    for key in ("items",):
+        if key in fid and not (isinstance(fid[key], int) and not isinstance(fid[key], bool)
+                               and fid[key] >= 0):
+            bad(f" {key}", f"is {fid[key]!r}, not a whole number >= 0")
     for arm, entry in fid["arms"].items():
-        where = f"{path}: fidelity arm {arm!r}"
+        where = f" arm {arm!r}"
         if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
-            raise Edge0Error(f"{where} must be an object with a status; {fix}")
-        # A negative KL or an agreement over 100% cannot be measured: a corrupt report.
-        for key, low, high in (("kl", 0.0, math.inf), ("agreement", 0.0, 100.0)):
-            if key not in entry:
-                continue
-            value = entry[key]
-            if not (_number(value) and low <= value <= high):
-                raise Edge0Error(f"{where}: {key} is {value!r}, not a finite number in "
-                                 f"[{low:g}, {high:g}]; {fix}")
+            bad(where, "must be an object with a status")
+        for key, (low, high) in _ARM_RANGES.items():
+            if key in entry:
+                number(f"{where}: {key}", entry[key], low, high)
+            if f"{key}_half_width" in entry:
+                number(f"{where}: {key}_half_width", entry[f"{key}_half_width"], 0.0, math.inf,
+                       optional=True)
+        if "items" in entry and not (isinstance(entry["items"], int) and entry["items"] >= 0):
+            bad(f"{where}: items", f"is {entry['items']!r}, not a whole number >= 0")
+    per_item = fid.get("per_item", {})
+    if not isinstance(per_item, dict):
+        bad(" per_item", "is not an object")
+    for arm, items in per_item.items():
+        if not isinstance(items, dict):
+            bad(f" per_item {arm!r}", "is not an object of items")
+        for item, pair in items.items():
+            where = f" per_item {arm!r} item {item!r}"
+            if not isinstance(pair, list) or len(pair) != 2:
+                bad(where, f"is {pair!r}, not [KL, agreement]")
+            number(f"{where} KL", pair[0], 0.0, math.inf)
+            number(f"{where} agreement", pair[1], 0.0, 1.0)
+    decomposition = fid.get("decomposition", {})
+    if not isinstance(decomposition, dict):
+        bad(" decomposition", "is not an object")
+    for step, metrics in decomposition.items():
+        if not isinstance(metrics, dict):
+            bad(f" decomposition {step!r}", "is not an object")
+        for metric, value in metrics.items():
+            where = f" decomposition {step!r} {metric}"
+            if not isinstance(value, dict):
+                bad(where, "is not {delta, half_width}")
+            number(f"{where} delta", value.get("delta"), -math.inf, math.inf)
+            number(f"{where} half_width", value.get("half_width"), 0.0, math.inf, optional=True)
+    sanity = fid.get("teacher_sanity")
+    if sanity is not None and not (isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)):
+        bad(" teacher_sanity", f"is {sanity!r}, not an object with a boolean 'ok'")
 
 
 def _number(value) -> bool:
