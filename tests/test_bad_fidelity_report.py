@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
-from bad_inputs import expect_clear_error
+from bad_inputs import expect_clear_error, outcome
 from edge0_eval.cli import main
 from edge0_eval.evaluation.gate import load_report
 from edge0_eval.evaluation.report import SCHEMA
@@ -171,3 +172,85 @@ def test_report_refuses_a_garbage_config_dump(tmp_path, capsys):
     dump.write_text("datasets = [\n  {'abbr': \x00 garbage")
     _refused(["report", str(outputs), "--out", str(tmp_path / "rep")], dump, capsys)
     assert not (tmp_path / "rep" / "report.json").exists()
+
+
+# -- a seeded fuzz of report fidelity sections --------------------------------------------------
+
+FUZZ_SEED, FUZZ_N = 30, 240
+
+
+def _full_section() -> dict:
+    return {**_fid(kl_half_width=0.002, agreement_half_width=0.5, nll=1.2, greedy_match=7.0),
+            "per_item": {"student": {"0": [0.0, 1.0], "1": [0.3, 0.5]}},
+            "decomposition": {"lora": {"kl": {"delta": -0.01, "half_width": 0.003},
+                                       "agreement": {"delta": 1.5, "half_width": 0.2}}},
+            "teacher_sanity": {"kl": 0.0, "agreement": 100.0, "ok": True}}
+
+
+def _sites(node, path=()):
+    """(path, value) of every number and every container the gate reads, below the section."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, (dict, list)) or _is_num(value):
+                yield path + (key,), value
+                yield from _sites(value, path + (key,))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            if _is_num(value):
+                yield path + (i,), value
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _mutate(rng, section: dict) -> tuple[dict, str]:
+    """One change that no report can hold: a wrong type anywhere, or an impossible value."""
+    section = json.loads(json.dumps(section))
+    path, value = rng.choice([s for s in _sites(section) if s[0] != ("teacher_sanity", "kl")
+                              and s[0] != ("teacher_sanity", "agreement")])
+    if _is_num(value):
+        choices = ["a string", [1], {"a": 1}, True]
+        if path[-1] != "delta":            # a decomposition delta can be negative
+            choices.append(-1.0 - abs(value))
+        new = rng.choice(choices)
+    else:
+        new = rng.choice(["a string", 5])
+    parent = section
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = new
+    return section, f"{'.'.join(map(str, path))} = {new!r}"
+
+
+def test_fuzzed_fidelity_sections_are_each_one_clear_error(tmp_path):
+    rng = random.Random(FUZZ_SEED)
+    good = _write(tmp_path / "good.json", _full_section())
+    load_report(str(good))
+    missed = []
+    for _ in range(FUZZ_N):
+        section, what = _mutate(rng, _full_section())
+        bad = _write(tmp_path / "bad.json", section)
+        kind, message = outcome(lambda: load_report(str(bad)))
+        if kind != "error" or str(bad) not in message:
+            missed.append((what, kind, message[:100]))
+    assert not missed, f"{len(missed)} of {FUZZ_N} not refused cleanly: {missed[:6]}"
+
+
+def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
+    """The fuzz can fail: with only the arms' status, KL and agreement checked (the check
+    before this one), most of its corrupt sections get through."""
+    from edge0_eval.evaluation import gate
+
+    def arms_only(path, fid):
+        for entry in fid["arms"].values():
+            if not isinstance(entry, dict) or not gate._number(entry.get("kl", 0.0)):
+                raise gate.Edge0Error(f"{path}: bad")
+    monkeypatch.setattr(gate, "_check_fidelity", arms_only)
+    rng = random.Random(FUZZ_SEED)
+    accepted = 0
+    for _ in range(FUZZ_N):
+        section, _ = _mutate(rng, _full_section())
+        bad = _write(tmp_path / "bad.json", section)
+        accepted += outcome(lambda: load_report(str(bad)))[0] == "accepted"
+    assert accepted > FUZZ_N // 2

@@ -172,7 +172,8 @@ def _check_fidelity(path: str, fid) -> None:
             if f"{key}_half_width" in entry:
                 number(f"{where}: {key}_half_width", entry[f"{key}_half_width"], 0.0, math.inf,
                        optional=True)
-        if "items" in entry and not (isinstance(entry["items"], int) and entry["items"] >= 0):
+        if "items" in entry and not (isinstance(entry["items"], int) and not isinstance(
+                entry["items"], bool) and entry["items"] >= 0):
             bad(f"{where}: items", f"is {entry['items']!r}, not a whole number >= 0")
     per_item = fid.get("per_item", {})
     if not isinstance(per_item, dict):
