@@ -10,7 +10,6 @@ looks.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from edge0_eval import cli_types as ct
 
@@ -50,7 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError("--limit must be at least 1")
-    _check_texts(args.text)
     sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]
     prompts, info = gather_prompts(sources, args.text, args.limit)
     fset = make_set(args.teacher, prompts, info, max_new=args.max_new, top_k=args.top_k,
@@ -62,18 +60,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {len(fset['items'])} prompts ({counts}), {positions} positions, "
           f"top-{fset['top_k']}, teacher {fset['teacher']['fingerprint'][:12]}")
     return 0
-
-
-def _check_texts(files: list[str]) -> None:
-    """Each --text file is UTF-8 text with something in it, before the teacher loads."""
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise ConfigError(f"--text {path}: not a file")
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start}); give a text "
-                              f"or .jsonl file") from None
-        if not text.strip():
-            raise ConfigError(f"--text {path}: empty; give a file with a prompt in it")

@@ -107,4 +107,16 @@ def test_fidelity_make_bad_text_and_options(tmp_path, capsys):
     folder = tmp_path / "folder"
     folder.mkdir()
     _refused([*base, "--text", empty, "--out", folder], capsys, "--out")
+    blank = tmp_path / "blank.jsonl"                # a prompt that is not a non-empty string
+    for line in ('{"prompt": ""}', '{"prompt": 5}', '["prompt"]'):
+        blank.write_text(line + "\n")
+        _refused([*base, "--text", blank, "--out", out], capsys, f"{blank} line 1")
     assert not out.exists()
+
+
+def test_fidelity_make_refuses_a_converted_student_as_teacher(edge0_qwen, tmp_path, capsys):
+    text = tmp_path / "p.txt"
+    text.write_text("hello")
+    message = _refused(["fidelity", "make", edge0_qwen, "--prompts-from", "", "--text", text,
+                        "--out", tmp_path / "set.json"], capsys, str(edge0_qwen))
+    assert "converted streaming model" in message and not (tmp_path / "set.json").exists()

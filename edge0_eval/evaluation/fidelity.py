@@ -35,6 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.layout import INDEX_NAME
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu, wired_limit)
 from edge0_eval.errors import ConfigError
@@ -174,6 +175,9 @@ def load_teacher(path: str | Path, compute_dtype: str = "auto"):
     """(model, tokenizer) as the teacher arm (model_wrappers/mlx_lm_model.py) loads it."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"teacher {path}: no config.json; pass an mlx-lm checkpoint directory")
+    if (Path(path) / INDEX_NAME).is_file():
+        raise ConfigError(f"teacher {path}: a converted streaming model ({INDEX_NAME}); "
+                          f"the teacher is the mlx-lm checkpoint it was converted from")
     model, tokenizer = load(str(path))
     cast_floating(model, resolve_compute_dtype(compute_dtype))
     upcast_unquantized_experts_for_cpu(model)
@@ -248,29 +252,43 @@ def _dist_label(dist: str, path: Path) -> str:
 
 
 def text_prompts(files: list[str], limit: int | None = None) -> tuple[list[Prompt], dict]:
-    """A .jsonl file gives one prompt per line ({"prompt": ...}); any other file is one prompt."""
+    """A .jsonl file gives one prompt per line ({"prompt": ...}); any other file is one prompt.
+
+    Each file is read once, here, before any teacher loads: UTF-8 text with a prompt in it.
+    """
     prompts, info = [], {}
     for name in files:
         path = Path(name)
         if not path.is_file():
             raise ConfigError(f"--text {path}: not a file")
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start}); give a text "
+                              f"or .jsonl file") from None
         if path.suffix == ".jsonl":
             texts = []
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            for n, line in enumerate(text.splitlines()):
                 if not line.strip():
                     continue
                 try:
-                    texts.append(str(json.loads(line)["prompt"]))
+                    prompt = json.loads(line)["prompt"]
                 except (ValueError, KeyError, TypeError):
+                    prompt = None
+                if not isinstance(prompt, str) or not prompt.strip():
                     raise ConfigError(f"--text {path} line {n + 1}: expected a JSON object "
-                                      f"with a \"prompt\"") from None
+                                      f"with a non-empty \"prompt\" string")
+                texts.append(prompt)
         else:
-            texts = [path.read_text(encoding="utf-8")]
+            texts = [text]
+        if not any(t.strip() for t in texts):
+            raise ConfigError(f"--text {path}: empty; give a file with a prompt in it")
         texts = texts[:limit]
         source = f"text:{path.name}"
         prompts += [Prompt(f"{source}/{i}", source, t) for i, t in enumerate(texts)]
         info[source] = {"file": path.name, "items": len(texts),
-                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+                        "sha256": hashlib.sha256(data).hexdigest()}
     return prompts, info
 
 
