@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.checkpoints import moefy, testbed
+from edge0_eval.checkpoints import moefy, testbed, testbed_corpus
 from edge0_eval.errors import ConfigError
 
 
@@ -163,12 +163,12 @@ def test_source_segments_match_ast_on_tricky_sources():
               'class K:\r\n    def f(self, a="ü"):\r\n        """doc"""\r\n        return a\r\n'
               '\x0c\ndef g():\r    "d"\r    return 1\rdef h(): "one line"\n')
     tree = ast.parse(source)
-    lines = testbed._split_lines(source)
+    lines = testbed_corpus._split_lines(source)
     assert "".join(lines) == source
     nodes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
     assert len(nodes) == 3
     for node in nodes:
-        assert testbed._source_segment(lines, node) == ast.get_source_segment(source, node)
+        assert testbed_corpus._source_segment(lines, node) == ast.get_source_segment(source, node)
 
 
 def test_build_flags_reach_the_options_and_default_to_the_dataclass(monkeypatch):
