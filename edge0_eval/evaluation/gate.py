@@ -16,7 +16,6 @@ Exit status: 0 all pass, 1 regression or failure, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report
+from edge0_eval.evaluation.predictions import strict_loads
 from edge0_eval.evaluation.report import SCHEMA
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def load_report(path: str) -> dict:
     """A report.json, every field the gate reads checked: a NaN or a missing score is an error."""
     try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"),
-                            parse_constant=_reject_constant)
+        report = strict_loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise Edge0Error(f"{path}: cannot read ({exc})") from None
     if not isinstance(report, dict) or report.get("schema") != SCHEMA:
@@ -206,10 +205,6 @@ def _check_fidelity(path: str, fid) -> None:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 @dataclass

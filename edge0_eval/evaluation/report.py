@@ -13,7 +13,6 @@ report.md and report.png into --out; with a fidelity dataset in the runs also it
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from edge0_eval import cli_types as ct
 from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
                                             expand_outputs, load_dataset_result, load_run)
+from edge0_eval.evaluation.predictions import strict_loads
 from edge0_eval.evaluation.report_writers import write_report
 
 SCHEMA = "edge0-eval/report/v1"
@@ -255,7 +255,7 @@ def _engine_summary(samples: list[dict]) -> dict | None:
 
 def load_reference(path: str) -> dict:
     try:
-        ref = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
+        ref = strict_loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise Edge0Error(f"--reference {path}: cannot read ({exc})") from exc
     arms = ref.get("arms") if isinstance(ref, dict) else None
@@ -267,10 +267,6 @@ def load_reference(path: str) -> dict:
                          f"{{BENCHMARK: score}}, \"student\": {{...}}}}}}")
     ref.setdefault("file", str(path))
     return ref
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _sub(a, b):
