@@ -98,7 +98,8 @@ def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
 
 @pytest.mark.parametrize("details", ["abc", [1, 2]])
 def test_report_refuses_details_not_objects(details, tmp_path):
-    from edge0_eval.evaluation.outputs import Run, benchmark_for, load_dataset_result
+    from edge0_eval.evaluation.benchmarks import benchmark_for
+    from edge0_eval.evaluation.outputs import Run, load_dataset_result
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
@@ -145,7 +146,8 @@ def test_report_refuses_an_item_twice_in_the_details(tmp_path, capsys):
 def test_a_repeated_key_in_a_results_file_is_not_scored(tmp_path):
     """json keeps the last of two equal keys without a word: an item given twice in the
     object form of the details would be scored once, silently."""
-    from edge0_eval.evaluation.outputs import Run, benchmark_for, load_dataset_result
+    from edge0_eval.evaluation.benchmarks import benchmark_for
+    from edge0_eval.evaluation.outputs import Run, load_dataset_result
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)

@@ -11,17 +11,11 @@ import os
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.benchmarks import BY_KEY
 
-BENCHMARKS = ('aime2026', 'humaneval', 'gpqa', 'mmlu_pro', 'ifbench')
-
-# Paths relative to the data root, exactly where OpenCompass 0.5.4 looks.
-PATHS = {
-    'aime2026': 'data/aime2026/aime2026.jsonl',
-    'humaneval': 'data/humaneval/human-eval-v2-20210705.jsonl',
-    'gpqa': 'data/gpqa/gpqa_diamond.csv',
-    'mmlu_pro': 'data/mmlu_pro',
-    'ifbench': 'data/IFBench/IFBench_test.jsonl',
-}
+# The staged benchmarks and where OpenCompass 0.5.4 looks for each (evaluation/benchmarks.py).
+BENCHMARKS = tuple(BY_KEY)
+PATHS = {key: bench.data_path for key, bench in BY_KEY.items()}
 
 
 def data_root(root: str | os.PathLike | None = None) -> Path:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.benchmarks import BENCHMARKS, Benchmark
 from edge0_eval.evaluation.predictions import (engine_samples, engine_stats_problem,
                                                load_predictions, strict_loads)
 
@@ -32,27 +33,6 @@ from edge0_eval.evaluation.predictions import (engine_samples, engine_stats_prob
 METRIC_TOLERANCE = 1e-6
 
 
-@dataclass(frozen=True)
-class Benchmark:
-    name: str
-    prefixes: tuple[str, ...]          # dataset abbr prefixes (case-insensitive)
-    metric: str | None                 # results-file metric; None: pick like the summarizer
-    item_key: str | None = None        # detail key holding per-item correctness; None: generic
-    pooled: bool = False               # several datasets (categories) pooled per question
-    extra: tuple[tuple[str, str], ...] = ()   # (metric, detail key) reported alongside
-
-
-# The five paper benchmarks. IFBench's headline is prompt-level strict accuracy (what its
-# `is_correct` holds); loose is reported too. MMLU-Pro is 14 category datasets, pooled per
-# question (the official figure), not the summarizer's mean of categories.
-BENCHMARKS: tuple[Benchmark, ...] = (
-    Benchmark("AIME 2026", ("aime2026",), "accuracy"),
-    Benchmark("HumanEval", ("openai_humaneval", "humaneval"), "humaneval_pass@1"),
-    Benchmark("GPQA-Diamond", ("gpqa_diamond",), "accuracy"),
-    Benchmark("MMLU-Pro", ("mmlu_pro_",), "accuracy", pooled=True),
-    Benchmark("IFBench", ("ifbench",), "Prompt-level-strict-accuracy", "is_strict_correct",
-              extra=(("Prompt-level-loose-accuracy", "is_loose_correct"),)),
-)
 BENCHMARK_ORDER = [b.name for b in BENCHMARKS]
 # Summary group rows of configs/datasets/edge0_bundle.py: averages, not datasets.
 SUMMARY_GROUPS = {"mmlu_pro", "mmlu_pro_per_question"}
@@ -62,15 +42,6 @@ _METRIC_PREFERENCE = ['score', 'auc_score', 'accuracy', 'humaneval_pass@1', 'rou
                       'avg_toxicity_score', 'bleurt_diff', 'matthews_correlation', 'truth', 'f1',
                       'exact_match', 'extract_rate']
 _METRIC_IGNORED = {'bp', 'sys_len', 'ref_len', 'type'}
-
-
-def benchmark_for(dataset: str) -> Benchmark:
-    """The benchmark a dataset abbr belongs to; an unknown dataset is its own benchmark."""
-    low = dataset.lower()
-    for bench in BENCHMARKS:
-        if any(low.startswith(p) for p in bench.prefixes):
-            return bench
-    return Benchmark(dataset, (dataset,), None)
 
 
 # --------------------------------------------------------------------------- run folders

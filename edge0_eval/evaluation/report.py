@@ -22,8 +22,9 @@ from pathlib import Path
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval import cli_types as ct
 from edge0_eval.evaluation import fidelity_report
-from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Benchmark, Run, benchmark_for,
-                                            expand_outputs, load_dataset_result, load_run)
+from edge0_eval.evaluation.benchmarks import Benchmark, benchmark_for
+from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Run, expand_outputs,
+                                            load_dataset_result, load_run)
 from edge0_eval.evaluation.predictions import strict_loads
 from edge0_eval.evaluation.report_writers import write_report
 
