@@ -7,8 +7,7 @@ from dataclasses import fields
 
 from edge0_eval import cli_types as ct
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
-from edge0_eval.engine.options import (HEDGE_FILE, LORA_FILE, MODES, PREROUTER_FILE,
-                                       WEIGHT_SOURCES, EngineOptions)
+from edge0_eval.engine.options import HEDGE_FILE, LORA_FILE, MODES, PREROUTER_FILE, EngineOptions
 
 # Every flag's default is the EngineOptions field's: one owner.
 _DEFAULTS = EngineOptions()
@@ -39,10 +38,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-hedge", action="store_true", help="stage without a hedge")
     g.add_argument("--hedge-layers", type=ct.positive_int, default=None,
                    help="hedge only the first N hedge layers in step order (default: all)")
-    g.add_argument("--prerouted-weights", default=_DEFAULTS.prerouted_weights,
-                   choices=WEIGHT_SOURCES,
-                   help="combination weights of a planned set: the layer's router at the planned "
-                        "experts (default) or the head's softmax")
     g.add_argument("--measure-recall", action="store_true",
                    help="prerouted: also run the true routers to report online recall (slower)")
     g.add_argument("--io-workers", type=ct.positive_int, default=_DEFAULTS.io_workers)

@@ -159,7 +159,7 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
 
     def recording_plan(*args, **kwargs):
         plan(*args, **kwargs)
-        planned.append({l: (np.array(p[0]), sorted(p[2].experts)) for l, p in pr._plans.items()})
+        planned.append({l: (np.array(p[0]), sorted(p[1].experts)) for l, p in pr._plans.items()})
 
     def checking_after_step(*args):
         for layer in consumers:       # what each row executed vs its own plan, every layer

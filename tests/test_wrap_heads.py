@@ -79,7 +79,7 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
         blocked_before = engine.counters.blocked_loads
         token = int(mx.argmax(logits).item())
         for _ in range(STEPS):
-            planned = {layer: sorted(plan[2].experts) for layer, plan in pr._plans.items()}
+            planned = {layer: sorted(plan[1].experts) for layer, plan in pr._plans.items()}
             # step 0 too (planned after prefill); reads queued in execution order, first MoE
             # layer first (the queue is FIFO), though the wrap head that plans it runs last
             assert list(planned) == moe

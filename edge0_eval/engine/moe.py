@@ -325,7 +325,7 @@ class BlockTrace:
     """
 
     layer: int
-    plan: tuple | None = None          # (inds, weights | None): execute exactly these
+    plan: tuple | None = None          # (inds, None): execute exactly these, router weights
     planner: Callable | None = None    # (block, x) -> (inds, weights): decided at call time
     capture: bool = False              # keep the last call's MoE input and executed ids
     last_input: mx.array | None = None
@@ -341,9 +341,9 @@ class _StreamingBlock(nn.Module):
         self.top_k = top_k
         self._trace = BlockTrace(layer)
 
-    def set_plan(self, inds: mx.array | None, weights: mx.array | None = None) -> None:
-        """Execute exactly `inds` [B, L, K] with combination `weights` (None: true router's)."""
-        self._trace.plan = None if inds is None else (inds, weights)
+    def set_plan(self, inds: mx.array | None) -> None:
+        """Execute exactly `inds` [B, L, K], weighted by the router's own weights at them."""
+        self._trace.plan = None if inds is None else (inds, None)
 
     def set_planner(self, planner: Callable | None) -> None:
         """Route every call by `planner(block, x) -> (inds, weights)` (None: back to normal)."""

@@ -36,7 +36,6 @@ MODES = ("resident", "reactive", "prerouted")
 LORA_FILE = "lora.safetensors"
 PREROUTER_FILE = "prerouter.safetensors"
 HEDGE_FILE = "prerouter_hedge.safetensors"
-WEIGHT_SOURCES = ("head", "router")
 
 
 class MissingAdapterError(CheckpointError, ConfigError):
@@ -70,10 +69,6 @@ class EngineOptions:
     io_workers: int = 4
     io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
     verify_crc: bool = True                  # crc32 of each bundle on its first read
-    # The planned set's combination weights: "router", the layer's own router on its input at
-    # the planned experts (the family's rule), or "head", the head's softmax over the set. Head
-    # softmaxes are not calibrated to the router's (reports/testbed/next_token.md).
-    prerouted_weights: str = "router"
     measure_recall: bool = False             # prerouted: compare plans with the true router
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
     # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
@@ -107,9 +102,6 @@ class EngineOptions:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of "
                               f"{', '.join(COMPUTE_DTYPES)}")
-        if self.prerouted_weights not in WEIGHT_SOURCES:
-            raise ConfigError(f"prerouted_weights {self.prerouted_weights!r} is not one of "
-                              f"{', '.join(WEIGHT_SOURCES)}")
         if self.clip_hidden != "auto" and self.clip_hidden is not None and \
                 not (_is_number(self.clip_hidden) and math.isfinite(self.clip_hidden)
                      and self.clip_hidden > 0):

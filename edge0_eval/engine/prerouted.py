@@ -86,8 +86,7 @@ class HeadGroup:
 class Prerouter:
     """Owns the heads, the plans for the next step and the in-flight staged reads."""
 
-    def __init__(self, engine, heads, weight_source: str = "router",
-                 measure_recall: bool = False):
+    def __init__(self, engine, heads, measure_recall: bool = False):
         self.engine = engine
         self.config = cfg = heads.config
         self.owners = list(cfg.owners)
@@ -97,7 +96,6 @@ class Prerouter:
             raise CheckpointError(f"prerouter heads do not fit this model: {'; '.join(problems)} "
                                   f"(MoE layers: {engine.moe_layers})")
         self.consumers = list(cfg.consumers)     # parallel to self.owners
-        self.weight_source = weight_source
         self.measure_recall = measure_recall
         self.counters = StagingCounters()
         self._prev_onehot = self._feats = None
@@ -105,7 +103,7 @@ class Prerouter:
         self.context_consumers = list(cfg.context_consumers)
         self._awaiting_tokens = False           # next-token heads: features wait for the tokens
         self._embedding = engine.family.embedding(engine.model) if self.next_token else None
-        self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, weights, staged set)
+        self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, staged set)
         self._hedges: dict[int, StagedSet] = {}  # hedged layer -> its hedge's staged set
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
@@ -201,7 +199,7 @@ class Prerouter:
             block.switch_mlp.pin(False)
 
     def _drain(self) -> None:
-        staged_sets = [staged for _, _, staged in self._plans.values()]
+        staged_sets = [staged for _, staged in self._plans.values()]
         staged_sets += self._hedges.values()
         self._hedges, self._drafted = {}, None
         for staged in staged_sets:
@@ -236,14 +234,14 @@ class Prerouter:
         plan = self._plans.pop(layer, None)
         if plan is None:
             return
-        inds, weights, staged = plan
+        inds, staged = plan
         if h is not None:
             mx.async_eval(h)  # let earlier layers compute while this layer's reads finish
         block = self.engine.blocks[layer]
         waited, dropped = block.switch_mlp.stage_finish(staged)
         self.counters.stage_wait_seconds += waited
         self.counters.dropped_experts += dropped
-        block.set_plan(inds, None if self.weight_source == "router" else weights)
+        block.set_plan(inds)    # weighted by the layer's own router at the planned experts
         block.switch_mlp.pin(True)      # the plan's experts are in the slots now
         if self.measure_recall:
             block.set_measure_recall(True)
@@ -383,7 +381,7 @@ class Prerouter:
         """Rows left or joined after the last step planned: finish the in-flight reads (their
         experts land in the slots, where the next plan finds most of them) and drop the plans,
         uncounted as staged sets since they never run."""
-        for layer, (_, _, staged) in sorted(self._plans.items()):
+        for layer, (_, staged) in sorted(self._plans.items()):
             waited, _ = self.engine.blocks[layer].switch_mlp.stage_finish(staged)
             self.counters.stage_wait_seconds += waited
             self.counters.staged_experts -= len(staged.experts)
@@ -411,8 +409,8 @@ class Prerouter:
         engine = self.engine
         started = time.perf_counter()
         # One batched computation for the group's heads, then each consumer's selection rule.
-        inds, weights = selected or group.rule.select(group.heads(feats), engine.top_k)
-        mx.eval(inds, weights, *also)                                            # [O, B, K]
+        inds, _ = selected or group.rule.select(group.heads(feats), engine.top_k)
+        mx.eval(inds, *also)                                                     # [O, B, K]
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
         # Queue the reads in the order the next step runs its layers: a wrap head's first MoE
@@ -434,7 +432,7 @@ class Prerouter:
             self.counters.staged_experts += len(staged.experts)
             self.counters.staged_layers += 1
             self.counters.staged_loads += len(staged.loads)
-            self._plans[layer] = (inds[o][:, None], weights[o][:, None], staged)
+            self._plans[layer] = (inds[o][:, None], staged)
 
     def stats(self) -> dict:
         c = self.counters
@@ -450,7 +448,6 @@ class Prerouter:
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": any(c != o + 1 for o, c in zip(self.owners, self.consumers)),
-            "prerouted_weights": self.weight_source,
             "prerouter_features": ("mixed" if self.context_consumers else "next_token")
             if self.next_token else "context",
         }
@@ -481,7 +478,6 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     EngineOptions.resolve); hook them in."""
     options = engine.options
     prerouter = Prerouter(engine, _load_heads(engine, path),
-                          weight_source=options.prerouted_weights,
                           measure_recall=options.measure_recall)
     hedge_path = engine.resolved.hedge_path
     if hedge_path is not None:

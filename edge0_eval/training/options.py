@@ -233,7 +233,7 @@ class StageOptions:
     seq_len: int = 512
     max_new_tokens: int = 128
     grad_checkpoint: bool = False
-    # The student's engine, as served (mode, top_k, prerouter_path, prerouted_weights,
+    # The student's engine, as served (mode, top_k, prerouter_path,
     # slots_per_layer: None = `models.training_slots`); training attaches its own LoRA.
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(mode="prerouted",
                                                                         no_lora=True))
@@ -272,8 +272,6 @@ class StageOptions:
         self.engine.validate()
         if self.engine.mode not in MODES:
             raise ConfigError(f"--mode must be {' or '.join(MODES)}")
-        if self.engine.prerouted_weights not in ("head", "router"):
-            raise ConfigError("--prerouted-weights must be head or router")
         if self.engine.slots_per_layer is not None and self.engine.slots_per_layer < 1:
             raise ConfigError("--slots-per-layer must be at least 1")
         if self.teacher_temperature < 0 or self.temperature < 0:
@@ -335,8 +333,6 @@ def add_stage_arguments(parser: argparse.ArgumentParser, stage: str) -> None:
                              "predictions as routing) or reactive (the true router everywhere)")
     parser.add_argument("--prerouter", default=None, metavar="FILE",
                         help="prerouter heads (default STUDENT/prerouter.safetensors)")
-    parser.add_argument("--prerouted-weights", default=d.engine.prerouted_weights,
-                        choices=("head", "router"), help="as the engine option of that name")
     parser.add_argument("--slots-per-layer", type=int, default=None,
                         help="expert slots per MoE layer while training: the memory bound "
                              "(default min(experts, batch x seq-len x K)); batches whose routed "
@@ -374,8 +370,7 @@ def options_from_args(args: argparse.Namespace, stage: str) -> StageOptions:
     """Stage 2 or 3 options from its parsed arguments."""
     teacher, student = teacher_and_student(args)
     engine = EngineOptions(mode=args.mode, top_k=args.top_k, slots_per_layer=args.slots_per_layer,
-                           prerouter_path=args.prerouter, no_lora=True,
-                           prerouted_weights=args.prerouted_weights, seed=args.seed)
+                           prerouter_path=args.prerouter, no_lora=True, seed=args.seed)
     return _from_args(StageOptions, args, student=student, teacher=teacher,
                       prompts=list(args.prompts), stage=stage, engine=engine)
 

@@ -4,7 +4,7 @@ Serving (engine.generate) runs a prompt with the true router; from the first dec
 (its input is the first generated token), every consuming layer c = owner + 1 executes the set
 that the prerouter head of owner c-1 predicted from the previous token's features (h_{c-1}(t-1),
 onehot(executed at c-1, t-1), onehot(executed at c-1, t-2)), with the router's combination weights
-(or the head's, `prerouted_weights="head"`). Layers that consume no head route truly.
+at that set. Layers that consume no head route truly.
 
 For a full sequence this is computed layer by layer in one forward pass: after layer N has run
 over all positions, its MoE input and executed sets are known everywhere, so head N runs over
@@ -18,11 +18,7 @@ The wrap-around head (owner: the last MoE layer, consumer: the first MoE layer, 
 breaks that layer order: position p's first MoE layer needs position p-1's last layer. With it,
 the discovery pass runs position by position with a KV cache, exactly as decode does (every head
 plans position p from position p-1; positions t < n_true route truly, the first always). The
-gradient pass still runs the whole sequence at once, replaying the discovered ids; the wrap
-consumer's combination weights at prerouted positions come from the head logits the discovery
-computed, as constants: the forward is the served function, and the one gradient path left out
-is the one from position p-1's last-layer input through those weights (the LoRA gets every
-other gradient).
+gradient pass still runs the whole sequence at once, replaying the discovered ids.
 
 A training step needs two passes (`ServedPath.discover`, then `ServedPath.forward` inside
 `mx.value_and_grad`):
@@ -32,14 +28,14 @@ A training step needs two passes (`ServedPath.discover`, then `ServedPath.forwar
 2. the caller loads the union of each layer's ids into the slot pool (`load_routed`) and pins the
    switches; the gradient pass *replays* the executed ids as fixed plans (no re-selection, so it
    cannot route to an expert that is not resident) while the combination weights are recomputed
-   differentiably: the router's softmax/sigmoid at true positions, the head's at prerouted ones.
+   differentiably from the router's softmax/sigmoid at every position, as served.
    Gradients therefore flow through the routing weights into the LoRA, as in the served function.
 
 Nothing is patched: every MoE block gets a `TrainingPlan` through its planner interface
 (`set_planner`, engine/moe.py), and the decoder layers are called through the family forward's
 `call` argument, which runs each layer under `mx.checkpoint` for gradient checkpointing. The MoE
-input that the next layer's head needs and the head weights a layer consumes cross the
-checkpoint boundary as explicit outputs/inputs so their gradients are kept.
+input that the next layer's head needs crosses the checkpoint boundary as an explicit output so
+its gradient is kept.
 """
 
 from __future__ import annotations
@@ -62,14 +58,12 @@ class TrainingPlan:
 
     inds: fixed ids to replay [B, L, K] (the gradient pass), or None: select now (discover), the
     true router's choice except where `mask` marks a prerouted position and `plan_inds` (the
-    head's choice) is given. Weights are recomputed differentiably from the router, replaced by
-    `plan_weights` (the head's) at prerouted positions when given.
+    head's choice) is given. Weights are recomputed differentiably from the router.
     """
 
     inds: mx.array | None = None
     mask: mx.array | None = None
     plan_inds: mx.array | None = None
-    plan_weights: mx.array | None = None
 
     def __call__(self, block, x: mx.array) -> tuple[mx.array, mx.array]:
         inds = self.inds
@@ -77,14 +71,7 @@ class TrainingPlan:
             true, _ = _true_route(block, x)
             inds = true if self.plan_inds is None else mx.where(self.mask[..., None],
                                                                 self.plan_inds, true)
-        weights = block.combine(block.router_probs(x), inds)
-        if self.plan_weights is not None:
-            # Served: head weights (float32) at prerouted tokens, the router's elsewhere.
-            dtype = (mx.float32 if mx.float32 in (weights.dtype, self.plan_weights.dtype)
-                     else weights.dtype)
-            weights = mx.where(self.mask[..., None], self.plan_weights.astype(dtype),
-                               weights.astype(dtype))
-        return inds, weights
+        return inds, block.combine(block.router_probs(x), inds)
 
 
 def _true_route(block, x):
@@ -104,7 +91,6 @@ class Discovery:
     valid: np.ndarray                     # [B, L] bool: real (non-padding) positions
     logits: mx.array | None = None        # student logits of the pass (when asked for)
     planned_layers: list[int] = field(default_factory=list)
-    wrap_logits: mx.array | None = None   # [B, L, E] the wrap head's plan logits per position
 
     def unions(self, rows: np.ndarray | None = None) -> dict[int, list[int]]:
         """Distinct experts each layer routed to at the valid positions of `rows` (all rows)."""
@@ -139,13 +125,11 @@ class ServedPath:
         self.heads = {}
         self.rules = {}
         self.wrap: tuple[int, int] | None = None    # (owner, consumer) of a wrap-around head
-        self.weight_source = "head"
         if mode == "prerouted":
             pr = engine.prerouter
             if pr is None:
                 raise ConfigError("prerouted training needs prerouter heads, and the engine has "
                                   "none loaded")
-            self.weight_source = pr.weight_source
             for owner, consumer in zip(pr.owners, pr.consumers):
                 if consumer == owner + 1:
                     self.owner_of[consumer] = owner
@@ -186,21 +170,18 @@ class ServedPath:
             if block is not None:
                 self._inputs[i] = block.captured()[0]
             return out
-        extras = [plan.plan_weights] if plan is not None and plan.plan_weights is not None else []
 
-        def inner(params, x, extras):
+        def inner(params, x):
             # Also runs again during the backward pass, after the forward has returned: put
             # this layer's plan back so the recomputation routes exactly like the forward.
             layer.update(params)
             if plan is not None:
                 block.set_planner(plan)
-                if extras:
-                    plan.plan_weights = extras[0]
             out = layer(x, *args, **kwargs)
             side = block.captured()[0] if block is not None else None
             return (out, side) if side is not None else (out,)
 
-        outs = mx.checkpoint(inner)(layer.trainable_parameters(), x, extras)
+        outs = mx.checkpoint(inner)(layer.trainable_parameters(), x)
         if len(outs) == 2:
             self._inputs[i] = outs[1]
         return outs[0]
@@ -212,13 +193,6 @@ class ServedPath:
             plan = TrainingPlan(inds=None if replay is None else replay[layer], mask=mask)
             self._plans[layer] = plan
             self.blocks[layer].set_planner(plan)
-        wrap_logits = getattr(replay, "wrap_logits", None)
-        if self.wrap is not None and mask is not None and replay is not None:
-            # The wrap consumer's weights: from the discovery's head logits (see the docstring).
-            consumer = self.wrap[1]
-            plan = self._plans[consumer]
-            plan.plan_weights = None if self.weight_source == "router" else \
-                _weights_for(self.rules[consumer], wrap_logits, plan.inds)
         self._inputs = {}
         executed: dict[int, mx.array] = {}
         next_emb = self._next_embeddings(tokens)
@@ -229,7 +203,9 @@ class ServedPath:
             if i in self.blocks:
                 executed[i] = self.blocks[i].captured()[1]
             consumer = i + 1
-            if consumer in self.owner_of and mask is not None:
+            # The gradient pass replays fixed ids: only the discovery selects from the heads.
+            if consumer in self.owner_of and mask is not None and \
+                    self._plans[consumer].inds is None:
                 owner = self.owner_of[consumer]
                 x = self._inputs[owner]                          # [B, L, H]
                 ids = executed[owner]                            # [B, L, K]
@@ -241,14 +217,8 @@ class ServedPath:
                 logits = heads(feats)[0]                         # [B, L, E]
                 # The plan for token t comes from the features of token t-1.
                 logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
-                rule = self.rules[consumer]
-                plan = self._plans[consumer]
-                if plan.inds is None:
-                    plan_inds, plan_w = rule.select(logits, self.top_k)
-                    plan.plan_inds = plan_inds
-                else:
-                    plan_w = _weights_for(rule, logits, plan.inds)
-                plan.plan_weights = None if self.weight_source == "router" else plan_w
+                self._plans[consumer].plan_inds, _ = self.rules[consumer].select(logits,
+                                                                                 self.top_k)
             return h
 
         cache = [None] * self.n_layers    # a cache-less full-sequence pass (causal masks)
@@ -300,14 +270,14 @@ class ServedPath:
                            keep_logits: bool) -> Discovery:
         """discover() with a wrap-around head: position by position with a KV cache, as decode
         runs; every head plans position p from position p-1's features."""
-        b, length = tokens.shape
+        length = tokens.shape[1]
         cache = make_prompt_cache(self.model)
         owners = sorted(self.heads)
         consumer_of = {o: c for c, o in self.owner_of.items()} | {self.wrap[0]: self.wrap[1]}
         prev_oh = {o: None for o in owners}
         next_logits: dict[int, mx.array] = {}          # consumer -> [B, 1, E] for position p
         inds = {layer: [] for layer in self.moe}
-        outs, wrap_logits = [], []
+        outs = []
         e = self.blocks[owners[0]].num_experts
         next_emb = self._next_embeddings(mx.array(tokens))
 
@@ -322,12 +292,9 @@ class ServedPath:
                 for layer in self.moe:
                     plan = TrainingPlan(mask=m)
                     if layer in next_logits:
-                        plan.plan_inds, w = self.rules[layer].select(next_logits[layer],
+                        plan.plan_inds, _ = self.rules[layer].select(next_logits[layer],
                                                                      self.top_k)
-                        plan.plan_weights = None if self.weight_source == "router" else w
                     self.blocks[layer].set_planner(plan)
-                wrap_consumer = self.wrap[1]
-                wrap_logits.append(next_logits.get(wrap_consumer, mx.zeros((b, 1, e))))
                 logits = self.family.forward(self.model, mx.array(tokens[:, p: p + 1]), cache,
                                              hook)
                 for layer in self.moe:
@@ -351,8 +318,7 @@ class ServedPath:
                                for k, v in inds.items()},
                          mask=mask, valid=np.asarray(valid, bool),
                          logits=mx.concatenate(outs, axis=1) if keep_logits else None,
-                         planned_layers=sorted(self.planned),
-                         wrap_logits=mx.concatenate(wrap_logits, axis=1))
+                         planned_layers=sorted(self.planned))
 
     def _mask(self, shape, n_true: np.ndarray) -> np.ndarray | None:
         if not self.planned:
@@ -376,8 +342,6 @@ class ServedPath:
                     ) -> "Replay":
         """Fixed ids for the gradient pass; padding positions point at a resident expert."""
         plan = Replay()
-        if disc.wrap_logits is not None:
-            plan.wrap_logits = disc.wrap_logits[mx.array(rows)]
         valid = disc.valid[rows]
         for layer, ids in disc.inds.items():
             sel = ids[rows].copy()
@@ -397,14 +361,7 @@ class ServedPath:
 
 
 class Replay(dict):
-    """layer -> fixed ids [B, L, K] for the gradient pass, and the wrap head's logits (or None)."""
-
-    wrap_logits: mx.array | None = None
-
-
-def _weights_for(rule, logits: mx.array, inds: mx.array) -> mx.array:
-    """Combination weights of the given ids under `rule` (the weight half of rule.select)."""
-    return rule.weights(rule.scores(logits), inds)
+    """layer -> fixed ids [B, L, K] for the gradient pass."""
 
 
 def pack_rows(disc: Discovery, n_slots: int) -> list[np.ndarray]:

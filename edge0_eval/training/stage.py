@@ -105,7 +105,7 @@ def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     keys = ("stage", "heldout", "lr", "batch", "seq_len", "max_new_tokens", "seed",
             "teacher_temperature", "max_prompts")
     fp = {k: getattr(opts, k) for k in keys}
-    fp.update({k: getattr(opts.engine, k) for k in ("mode", "prerouted_weights", "top_k")})
+    fp.update({k: getattr(opts.engine, k) for k in ("mode", "top_k")})
     if opts.stage == "distill":
         fp.update(kl_topk=opts.kl_topk, temperature=opts.temperature, top_p=opts.top_p)
     else:
@@ -265,7 +265,7 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
             "stage": opts.stage, "adapter": str(out), "student": str(Path(opts.student).resolve()),
             "teacher": str(Path(opts.teacher).resolve()),
             "model_type": engine.config.get("model_type"), "top_k": engine.top_k,
-            "mode": opts.engine.mode, "prerouted_weights": opts.engine.prerouted_weights,
+            "mode": opts.engine.mode,
             "lora": setup.lora, "init_adapter": opts.init_adapter,
             "heldout": {"prompts": len(heldout), "tokens": metrics["trained"]["tokens"],
                         "source": "--eval-prompts" if opts.eval_prompts else
