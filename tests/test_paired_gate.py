@@ -1,0 +1,92 @@
+"""The gate's paired statistics (evaluation/paired.py), checked by simulation: runs of
+unchanged quality whose per-item outcomes are redrawn at known rates (as after any harmless
+numerical change on the path) fail at about alpha, and an injected drop is caught at >= 80%
+wherever the printed detectable drop says it will be."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER, binary_change, change, graded_change
+
+RUNS = 1000
+ITEMS = 30                                   # AIME-sized
+RATES = np.random.default_rng(1).beta(7, 1, size=ITEMS)   # item difficulties around 88%
+
+
+def _as_items(values) -> dict[str, float]:
+    return {f"q{i}": float(v) for i, v in enumerate(values)}
+
+
+def _draw(rng, rates, drop_points: float = 0.0):
+    base = (rng.random(len(rates)) < rates).astype(float)
+    now = (rng.random(len(rates)) < np.clip(rates - drop_points / 100, 0, 1)).astype(float)
+    return _as_items(base), _as_items(now)
+
+
+def _interval(p: float, n: int, z: float = 2.576) -> tuple[float, float]:
+    half = z * math.sqrt(p * (1 - p) / n)
+    return p - half, p + half
+
+
+def test_unchanged_quality_fails_at_alpha():
+    rng = np.random.default_rng(11)
+    fails = sum(binary_change(*_draw(rng, RATES)).p_value < DEFAULT_ALPHA for _ in range(RUNS))
+    low, high = _interval(DEFAULT_ALPHA, RUNS)
+    assert low <= fails / RUNS <= high, fails / RUNS
+
+
+def test_injected_drop_caught_where_the_printed_power_says():
+    rng = np.random.default_rng(12)
+    drop = 30.0
+    said = [c for c in (binary_change(*_draw(rng, RATES, drop)) for _ in range(RUNS))
+            if c.detectable is not None and c.detectable <= drop]
+    assert len(said) > RUNS // 2                  # this drop is within the test's reach here
+    caught = sum(c.p_value < DEFAULT_ALPHA for c in said) / len(said)
+    assert caught >= _interval(POWER, len(said))[0], caught
+
+
+def test_a_drop_too_small_for_the_sample_is_said_to_be():
+    """A 5-point AIME drop: the printed detectable drop is far larger, never 'fine'."""
+    rng = np.random.default_rng(13)
+    for _ in range(50):
+        c = binary_change(*_draw(rng, RATES, 5.0))
+        assert c.detectable is None or c.detectable > 5.0
+
+
+def test_items_that_all_agree_never_fail():
+    """The old gate's half-width was 0 here and it failed on any noise."""
+    same = _as_items([1, 0, 1, 1, 0, 1])
+    c = binary_change(same, dict(same))
+    assert (c.drop, c.p_value, c.discordant) == (0.0, 1.0, 0)
+
+
+def test_verdict_is_fixed_by_the_outcomes():
+    rng = np.random.default_rng(14)
+    base, now = _draw(rng, RATES, 20.0)
+    assert binary_change(base, now).p_value == binary_change(dict(base), dict(now)).p_value
+
+
+def test_only_shared_items_are_paired():
+    base, now = _as_items([1, 1, 1, 1]), _as_items([0, 0, 0])
+    c = binary_change(base, now)
+    assert c.items == 3 and c.drop == pytest.approx(100.0)
+
+
+def test_graded_scores_use_the_permutation_test():
+    rng = np.random.default_rng(15)
+    fails = 0
+    runs = 300
+    for _ in range(runs):
+        base = _as_items(rng.integers(0, 5, ITEMS) / 4)      # IFBench-like instruction shares
+        now = _as_items(rng.integers(0, 5, ITEMS) / 4)
+        c = change(base, now)
+        assert c.test == "permutation-midp"
+        fails += c.p_value < DEFAULT_ALPHA
+    low, high = _interval(DEFAULT_ALPHA, runs)
+    assert low <= fails / runs <= high
+    worse = {k: max(0.0, v - 0.5) for k, v in base.items()}
+    assert graded_change(base, worse).p_value < DEFAULT_ALPHA
