@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -13,23 +12,18 @@ from edge0_eval.evaluation.gate import evaluate
 from oc_tree import OCRun
 
 T, S = "qwen-teacher-fp16", "edge0-student"
-Z = 1.96
 
-# GPQA-Diamond with 100 items so the interval is narrow enough to matter. The teacher gets
-# items 0..79 right; the student gets the same items right except the first `lost` of them.
-# With k items lost the paired diffs are -100 (k times) and 0 (100 - k times): mean -k.
-
-
-def half_width(k: int) -> float:
-    var = (k * (100 - k) ** 2 + (100 - k) * k ** 2) / 99    # sum of squared deviations / (n-1)
-    return Z * math.sqrt(var / 100)
+# GPQA-Diamond with 100 items: the teacher gets items 0..79 right; the student the same items
+# except `lost` of them, starting at `shift`.
 
 
 def build(root: Path, lost: int, *, aime_failed=False, drop_ifbench=False, he_items=5,
-          gpqa_prompt="{question}") -> Path:
+          gpqa_prompt="{question}", shift: int = 0) -> Path:
     run = OCRun(root)
     teacher = [1] * 80 + [0] * 20
-    student = [0] * lost + [1] * (80 - lost) + [0] * 20
+    student = [1] * 80 + [0] * 20
+    for i in range(shift, shift + lost):     # the student loses these of the teacher's items
+        student[i] = 0
     run.add(T, "GPQA_diamond", teacher, prompt=gpqa_prompt)
     run.add(S, "GPQA_diamond", student, prompt=gpqa_prompt)
     run.add(T, "aime2026", [1, 1, 0, 0])
@@ -66,27 +60,34 @@ def test_identical_report_passes(tmp_path, baseline, capsys):
         assert name in out
 
 
-def test_noise_within_interval_passes(tmp_path, baseline, capsys):
-    # 7 lost: gap 7, widened by 5 > 2.0, but the interval half-width 5.03 absorbs it
-    assert 5 > 2.0 and 5 <= 2.0 + half_width(7)
-    assert gate(report(tmp_path, "noise", lost=7), baseline) == 0
+def test_churn_without_a_drop_passes(tmp_path, baseline, capsys):
+    """A rerun after a numerical change redraws which items the student gets: paired item by
+    item, two lost and two regained is no drop (the unpaired gate saw only the totals)."""
+    assert gate(report(tmp_path, "churn", lost=2, shift=40), baseline) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("GPQA"))
-    assert "+5.00" in line and f"{half_width(7):.2f}" in line and "pass" in line
+    assert "pass" in line and "+0.00" in line
 
 
 def test_crafted_regression_fails(tmp_path, baseline, capsys):
-    # 15 lost: gap widened by 13 and student dropped 13, both > 2.0 + 7.03
-    assert 13 > 2.0 + half_width(15)
+    # 13 more items lost, none regained: the paired test's p is at most 2**-13
     assert gate(report(tmp_path, "regress", lost=15), baseline) == 1
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("GPQA"))
     assert "FAIL" in line
-    assert f"gap widened +13.00 > 2 + {half_width(15):.2f}" in line
-    assert f"student dropped 13.00 > 2 + {half_width(15):.2f}" in line
+    assert "student dropped 13.00 (paired on 100 items, mcnemar-randomized p=" in line
+    assert "gap widened +13.00 (paired, permutation-midp p=" in line
     assert "gate: FAIL (1 of 4: GPQA-Diamond)" in out
-    # a looser threshold lets the same report through
-    assert gate(tmp_path / "regress_report" / "report.json", baseline,
-                "--max-gap-increase", "6", "--max-drop", "6") == 0
+    # the false-fail rate the user accepts decides: at alpha 1e-9 it is not evidence enough
+    assert gate(tmp_path / "regress_report" / "report.json", baseline, "--alpha", "1e-9") == 0
+
+
+def test_a_sample_too_small_to_see_the_drop_says_so(tmp_path, baseline, capsys):
+    """AIME here has 4 items: no drop of 2 points can be seen, and the gate says so."""
+    assert gate(report(tmp_path, "same", lost=2), baseline) == 0
+    out = capsys.readouterr().out
+    aime = next(l for l in out.splitlines() if l.startswith("AIME"))
+    assert "cannot see a 2-point drop" in aime
+    assert "cannot see the drop asked about (AIME 2026" in out
 
 
 def test_failed_task_fails(tmp_path, baseline, capsys):
@@ -145,8 +146,9 @@ def test_thresholds_exactly():
     # the student drop alone fails, even when the teacher dropped too (gap unchanged)
     cur = {"benchmarks": [_row("A", 70.0, 68.0, 1.0), _row("B", 80.0, 78.0, 1.0)]}
     checks = {c.benchmark: c for c in evaluate(cur, base, 2.0, 2.0)}
-    assert checks["A"].result == "FAIL" and checks["A"].reasons == [
+    assert checks["A"].result == "FAIL" and checks["A"].reasons[1:] == [
         "student dropped 10.00 > 2 + 1.00"]
+    assert checks["A"].reasons[0].startswith("unpaired: the baseline has no per-item outcomes")
     assert checks["B"].result == "pass"
     # a baseline row that was not ok cannot vouch for anything
     bad_base = {"benchmarks": [_row("A", 80.0, 78.0, 3.0, status="failed")]}

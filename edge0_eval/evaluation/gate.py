@@ -1,10 +1,18 @@
 """`edge0-eval gate`: CI regression gate, comparing a report.json with a baseline report.json.
 
-For every benchmark in the baseline, with hw = the current report's 95% half-width of the
-paired delta (so noise the interval explains does not fail the gate):
-  gap increase   (current gap - baseline gap)            > max_gap_increase + hw  -> FAIL
-  student drop   (baseline student - current student)    > max_drop + hw          -> FAIL
-and always FAIL (never pass) when the benchmark is missing from the report, an arm is missing,
+For every benchmark in the baseline whose two reports carry per-item outcomes, the current run
+is paired with the baseline item by item (evaluation/paired.py: an exact McNemar-type test for
+0/1 outcomes, a permutation test for graded ones), which is the run-to-run change the gate
+judges:
+  student drop   (baseline student - current student)  significant at alpha        -> FAIL
+  gap increase   (current gap - baseline gap)          significant at alpha        -> FAIL
+so a run of unchanged quality fails with probability alpha. max_drop and max_gap_increase are
+the drops the gate must be able to see: when the drop detectable at 80% power is larger, the
+check says so ("cannot see ...") and the summary counts it, instead of passing quietly.
+A baseline without per-item outcomes (made before they were recorded) is compared as before,
+unpaired, with hw = the current report's 95% half-width of the teacher-student delta:
+  gap increase > max_gap_increase + hw, student drop > max_drop + hw -> FAIL; regenerate it.
+And always FAIL (never pass) when the benchmark is missing from the report, an arm is missing,
 a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
 reproduce the metric, the item count differs from the baseline, or the prompt version changed.
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
@@ -22,7 +30,7 @@ from pathlib import Path
 
 from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report
+from edge0_eval.evaluation import fidelity_report, paired
 from edge0_eval.evaluation.predictions import strict_loads
 from edge0_eval.evaluation.report import SCHEMA
 
@@ -36,11 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the report.json to compare against")
     parser.add_argument("--max-gap-increase", type=ct.nonneg_float,
                         default=DEFAULT_MAX_GAP_INCREASE,
-                        metavar="P", help="allowed widening of teacher - student, in points, "
-                        f"beyond the 95%% half-width (default {DEFAULT_MAX_GAP_INCREASE})")
+                        metavar="P", help="the widening of teacher - student, in points, the "
+                        "gate must be able to detect (paired: a power statement; unpaired "
+                        f"baseline: allowed beyond the half-width) (default {DEFAULT_MAX_GAP_INCREASE})")
     parser.add_argument("--max-drop", type=ct.nonneg_float, default=DEFAULT_MAX_DROP, metavar="P",
-                        help="allowed drop of the student's score, in points, beyond the "
-                        f"95%% half-width (default {DEFAULT_MAX_DROP})")
+                        help="the drop of the student's score, in points, the gate must be able "
+                        "to detect (paired: a power statement; unpaired baseline: allowed "
+                        f"beyond the half-width) (default {DEFAULT_MAX_DROP})")
+    parser.add_argument("--alpha", type=ct.float_range(0.0, 0.5, low_open=True),
+                        default=paired.DEFAULT_ALPHA, metavar="A",
+                        help="false-fail rate of each paired check on a run of unchanged "
+                        f"quality (default {paired.DEFAULT_ALPHA})")
     parser.add_argument("--max-kl-rise", type=ct.nonneg_float,
                         default=fidelity_report.DEFAULT_MAX_KL_RISE, metavar="NATS",
                         help="fidelity: allowed KL rise per arm beyond the baseline's 95%% "
@@ -65,13 +79,17 @@ def run(args: argparse.Namespace) -> int:
                          f"{len(current['benchmarks'])}; regenerate the baseline with "
                          f"`edge0-eval report` on runs that include them")
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
-                      args.max_kl_rise, args.max_agreement_drop)
+                      args.max_kl_rise, args.max_agreement_drop, alpha=args.alpha)
     print(format_table(checks))
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
     if failed:
         print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
         return 1
     arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
+    blind = [c.benchmark for c in checks if c.blind]
+    if blind:
+        print(f"gate: {len(blind)} check(s) cannot see the drop asked about ({', '.join(blind)}): "
+              f"a pass there is not evidence of no regression; see 'cannot see' above")
     print(f"gate: pass ({len(checks) - arms} benchmarks; max gap increase {args.max_gap_increase}, "
           f"max drop {args.max_drop}, each plus the 95% half-width"
           + (f"; fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the baseline, max "
@@ -218,6 +236,9 @@ class Check:
     gap_increase: float | None = None
     drop: float | None = None
     half_width: float | None = None
+    p_values: tuple = (None, None)  # paired: (student drop, gap increase)
+    detectable: float | None = None  # paired: the student drop detected at 80% power
+    blind: bool = False             # paired: cannot see the drop it is asked about
 
     def fail(self, reason: str) -> None:
         self.result = "FAIL"
@@ -232,10 +253,47 @@ def _arm_problems(row: dict) -> str:
     return f"{row['status']}" + (f" ({', '.join(bad)})" if bad else "")
 
 
+def _per_item(row: dict, arm: str) -> dict | None:
+    items = row.get("arms", {}).get(arm, {}).get("per_item")
+    return items if isinstance(items, dict) and items else None
+
+
+def _paired_checks(check: Check, base: dict, cur: dict, max_gap_increase: float,
+                   max_drop: float, alpha: float) -> bool:
+    """The paired tests of the module docstring; False when either report lacks per-item
+    outcomes for both arms (then the unpaired comparison runs)."""
+    outcomes = [_per_item(r, arm) for r in (base, cur) for arm in ("teacher", "student")]
+    if any(o is None for o in outcomes):
+        return False
+    bt, bs, ct_, cs = outcomes
+    if set(bs) != set(cs):
+        check.fail(f"item ids differ from the baseline's ({len(set(bs) ^ set(cs))} not shared)")
+        return True
+    student = paired.change(bs, cs, alpha)
+    # Per item, student - teacher: its drop is the gap's widening.
+    gap = paired.change({i: bs[i] - bt[i] for i in bs}, {i: cs[i] - ct_[i] for i in cs}, alpha)
+    check.drop, check.gap_increase = student.drop, gap.drop
+    check.p_values, check.detectable = (student.p_value, gap.p_value), student.detectable
+    if student.p_value < alpha:
+        check.fail(f"student dropped {student.drop:.2f} (paired on {student.items} items, "
+                   f"{student.test} p={student.p_value:.3g} < {alpha:g})")
+    if gap.p_value < alpha:
+        check.fail(f"gap widened {gap.drop:+.2f} (paired, {gap.test} p={gap.p_value:.3g} "
+                   f"< {alpha:g})")
+    for what, asked, found in (("drop", max_drop, student.detectable),
+                               ("gap widening", max_gap_increase, gap.detectable)):
+        if found is None or found > asked:
+            check.blind = True
+            seen = "none" if found is None else f"{found:.1f} points"
+            check.reasons.append(f"cannot see a {asked:g}-point {what}: at 80% power this "
+                                 f"sample detects {seen} (more items or samples would)")
+    return True
+
+
 def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: float,
              max_kl_rise: float = fidelity_report.DEFAULT_MAX_KL_RISE,
-             max_agreement_drop: float = fidelity_report.DEFAULT_MAX_AGREEMENT_DROP
-             ) -> list[Check]:
+             max_agreement_drop: float = fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
+             alpha: float = paired.DEFAULT_ALPHA) -> list[Check]:
     rows = {r["benchmark"]: r for r in current["benchmarks"]}
     checks = []
     for base in baseline["benchmarks"]:
@@ -258,6 +316,10 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: f
             check.fail(f"{cur['items']} items, baseline {base['items']}")
         if base["version"] and cur["version"] and base["version"] != cur["version"]:
             check.fail(f"prompt version {cur['version']}, baseline {base['version']}")
+        if _paired_checks(check, base, cur, max_gap_increase, max_drop, alpha):
+            continue
+        check.reasons.append("unpaired: the baseline has no per-item outcomes (regenerate it "
+                             "with `edge0-eval report` to pair)")
         # No interval (a single item) means no allowance for noise.
         hw = cur["delta_half_width"] or 0.0
         check.half_width = hw
@@ -286,12 +348,14 @@ def _f(value, signed: bool = False) -> str:
 
 def format_table(checks: list[Check]) -> str:
     header = ["benchmark", "items", "gap base", "gap now", "gap +", "student base",
-              "student now", "drop", "+-hw", "result", "why"]
+              "student now", "drop", "+-hw", "p (drop, gap)", "detects", "result", "why"]
     rows = [[c.benchmark,
              f"{c.items[0] if c.items[0] is not None else '-'}->"
              f"{c.items[1] if c.items[1] is not None else '-'}",
              _f(c.gap[0]), _f(c.gap[1]), _f(c.gap_increase, True), _f(c.student[0]),
-             _f(c.student[1]), _f(c.drop, True), _f(c.half_width), c.result,
+             _f(c.student[1]), _f(c.drop, True), _f(c.half_width),
+             ", ".join(f"{p:.3g}" for p in c.p_values) if c.p_values[0] is not None else "-",
+             _f(c.detectable), c.result,
              "; ".join(c.reasons)] for c in checks]
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()

@@ -94,3 +94,32 @@ def engine_stats_problem(samples: list[dict], n_predictions: int | None) -> str 
 
 def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def engine_summary(samples: list[dict]) -> dict | None:
+    """The report's engine figures for one arm and benchmark, from its per-sample stats."""
+    if not samples:
+        return None
+
+    def values(key):
+        return [float(s[key]) for s in samples if isinstance(s.get(key), (int, float))]
+
+    def mean_or_none(key):
+        v = values(key)
+        return sum(v) / len(v) if v else None
+
+    cache: dict[str, int] = {}
+    for s in samples:
+        if s.get("cache") is not None:
+            cache[str(s["cache"])] = cache.get(str(s["cache"]), 0) + 1
+    peak = values("peak_memory_gib")
+    tokens = values("tokens")
+    batch = values("batch_size")
+    # decode_tok_s is each row's own stream rate; with batch_size > 1 the throughput is the
+    # batch's aggregate rate, which every row of a batch carries.
+    return {"samples": len(samples), "decode_tok_s": mean_or_none("decode_tok_s"),
+            "batch_size": int(max(batch)) if batch else 1,
+            "batch_decode_tok_s": mean_or_none("batch_decode_tok_s"),
+            "prefill_tok_s": mean_or_none("prefill_tok_s"),
+            "peak_memory_gib": max(peak) if peak else None,
+            "tokens": int(sum(tokens)) if tokens else None, "cache": cache}

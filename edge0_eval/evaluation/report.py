@@ -25,7 +25,7 @@ from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.benchmarks import Benchmark, benchmark_for
 from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Run, expand_outputs,
                                             load_dataset_result, load_run)
-from edge0_eval.evaluation.predictions import strict_loads
+from edge0_eval.evaluation.predictions import engine_summary, strict_loads
 from edge0_eval.evaluation.report_writers import write_report
 
 SCHEMA = "edge0-eval/report/v1"
@@ -224,34 +224,6 @@ def paired_mean_se(diffs: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(var / n)
 
 
-def _engine_summary(samples: list[dict]) -> dict | None:
-    if not samples:
-        return None
-
-    def values(key):
-        return [float(s[key]) for s in samples if isinstance(s.get(key), (int, float))]
-
-    def mean_or_none(key):
-        v = values(key)
-        return _mean(v) if v else None
-
-    cache: dict[str, int] = {}
-    for s in samples:
-        if s.get("cache") is not None:
-            cache[str(s["cache"])] = cache.get(str(s["cache"]), 0) + 1
-    peak = values("peak_memory_gib")
-    tokens = values("tokens")
-    batch = values("batch_size")
-    # decode_tok_s is each row's own stream rate; with batch_size > 1 the throughput is the
-    # batch's aggregate rate, which every row of a batch carries.
-    return {"samples": len(samples), "decode_tok_s": mean_or_none("decode_tok_s"),
-            "batch_size": int(max(batch)) if batch else 1,
-            "batch_decode_tok_s": mean_or_none("batch_decode_tok_s"),
-            "prefill_tok_s": mean_or_none("prefill_tok_s"),
-            "peak_memory_gib": max(peak) if peak else None,
-            "tokens": int(sum(tokens)) if tokens else None, "cache": cache}
-
-
 # --------------------------------------------------------------------------- the report
 
 def load_reference(path: str) -> dict:
@@ -309,7 +281,7 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
     if problems:
         raise Edge0Error("refusing to compare different prompts: " + "; ".join(problems))
 
-    engine = {arm: _engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
+    engine = {arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
               for arm in arms}
     fidelity = fidelity_report.build(arms)
     return {
@@ -397,7 +369,9 @@ def _arm_json(ab: ArmBench) -> dict:
            "items": len(ab.scores) if ab.scores else None, "datasets": ab.datasets,
            "version": _version_text(ab),
            "extra": {m: _mean(v.values()) * 100.0 for m, v in ab.extra.items() if v},
-           "engine": _engine_summary(ab.engine)}
+           "engine": engine_summary(ab.engine),
+           # Per-item outcomes, so another run (a baseline) pairs with this one item by item.
+           "per_item": dict(sorted(ab.scores.items())) if ab.status == "ok" else None}
     if len(ab.datasets) > 1:   # pooled benchmark: also the summarizer's mean of categories
         out["categories"] = ab.category_scores
         out["category_mean"] = (_mean(ab.category_scores.values())
