@@ -32,9 +32,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prerouter", action="store_true",
                    help="route every layer with its true router")
     g.add_argument("--hedge", dest="hedge_path", default=None,
-                   help=f"hedge for next-token heads, staged before the LM head: context heads, "
-                        f"or a draft vocabulary (edge0-eval draft-vocab) (default: "
-                        f"MODEL/{HEDGE_FILE} if present)")
+                   help=f"hedge for next-token heads, staged before the LM head: a draft "
+                        f"vocabulary (edge0-eval draft-vocab) (default: MODEL/{HEDGE_FILE} if "
+                        f"present)")
     g.add_argument("--no-hedge", action="store_true", help="stage without a hedge")
     g.add_argument("--hedge-layers", type=ct.positive_int, default=None,
                    help="hedge only the first N hedge layers in step order (default: all)")

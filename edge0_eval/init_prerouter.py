@@ -3,9 +3,9 @@
 Each head's linear part starts as the router of the layer it predicts, and its MLP part starts at
 zero output, so an untrained head predicts "the next layer's router applied to this layer's
 input". Such heads serve speed benchmarks (with prediction-as-routing the staged set always equals
-the routed set, whatever the heads predict; with a hedge, speed depends on how often the hedge
-misses, which `--embedding-scale` sets for untrained next-token heads) and are the starting
-point stage 1 trains from.
+the routed set, whatever the heads predict; with a draft hedge, speed depends on how often the
+hedge misses, which `--embedding-scale` sets for untrained next-token heads) and are the
+starting point stage 1 trains from.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedding-scale", type=ct.positive_float, default=0.0, metavar="S",
                         help="with --next-token: S x the consumer's router (rows shuffled) over "
                              "the embedding columns instead of zeros, so the untrained heads "
-                             "route by the token too and a context hedge (--hedge) misses some "
-                             "of their experts; for speed benchmarks of hedged staging")
+                             "route by the token too and a draft hedge (--hedge) misses their "
+                             "sets when its draft is wrong; for speed benchmarks of hedged "
+                             "staging")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k,
                                         next_token=args.next_token,
-                                        context_layers=args.context_layers,
                                         embedding_scale=args.embedding_scale)
         path = save_heads(args.out, heads, metadata={"source": "init-prerouter (untrained)",
                                                      "model": Path(args.model).resolve().name,
@@ -60,13 +60,7 @@ def run(args: argparse.Namespace) -> int:
           f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
           f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
           f"K={cfg.top_k}, width {cfg.width}, "
-          f"{_features(cfg)}, untrained"
+          f"{'next-token' if cfg.next_token else 'context'} features, untrained"
           f"{f', embedding columns {args.embedding_scale:g} x shuffled routers' if args.embedding_scale else ''}")
     return 0
 
-
-def _features(cfg) -> str:
-    if cfg.context_consumers:
-        return (f"next-token features except layers {cfg.context_consumers} (context, planned "
-                f"before the LM head)")
-    return f"{'next-token' if cfg.next_token else 'context'} features"

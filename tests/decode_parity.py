@@ -1,5 +1,5 @@
 """Shared checks of prerouted decode against other paths: batched rows against solo runs, and the
-served training path's discovery against engine decode (next-token and mixed heads)."""
+served training path's discovery against engine decode (next-token heads)."""
 
 from __future__ import annotations
 

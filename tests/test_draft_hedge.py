@@ -1,9 +1,12 @@
 """Draft-token hedge: next-token heads evaluated at a token drafted from a slice of the LM head
 stage their sets before the LM head runs; routing stays the next-token heads' at the served
 token, so logits never change, and when the served token is the draft the hedge is the
-routing."""
+routing. Also the hedge's options and files, and how a routed set takes over a hedge's reads."""
 
 from __future__ import annotations
+
+import shutil
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -13,17 +16,56 @@ from decode_parity import assert_batch_rows_equal_solo
 
 from edge0_eval.engine.draft import DraftHead, load_draft_vocab, row_slice, save_draft_vocab
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
-from edge0_eval.errors import CheckpointError
+from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.options import HEDGE_FILE, EngineOptions, MissingAdapterError
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.errors import CheckpointError, ConfigError
 
-from test_hedge import _decode_logits, _engine, context_heads
 from test_next_token_heads import next_token_heads
+
+PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
+
+
+def context_heads(converted, path, start_layer=0, key: int | None = 3, owners=None):
+    """Untrained context heads (= the next routers); `key`: a random fc2, so their sets differ
+    from any other heads' (None keeps the routers' sets)."""
+    engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
+    try:
+        if owners is None:
+            owners = default_owners(start_layer, len(engine.family.layers(engine.model)),
+                                    engine.moe_layers)
+        heads = init_heads_from_routers(engine, owners, width=32, seed=0)
+        if key is not None:
+            heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(key)) * 0.5
+        return save_heads(path, heads)
+    finally:
+        engine.close()
+
+
+def _engine(converted, heads, hedge=None, **options):
+    extra = {"hedge_path": str(hedge)} if hedge is not None else {"no_hedge": True}
+    return Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads),
+                                                no_lora=True, **extra, **options))
+
+
+def _decode_logits(engine, steps: int = 10) -> tuple[list[mx.array], int]:
+    """Greedy prefill + decode: every step's logits (the token fed back is the argmax), and
+    the loads the decode steps blocked on."""
+    engine.reset()
+    logits = engine.prefill(engine.tokenizer.encode(PROMPT))
+    out, blocked = [logits], engine.counters.blocked_loads
+    for _ in range(steps):
+        logits = engine.step(int(mx.argmax(logits).item()))
+        out.append(logits)
+    return out, engine.counters.blocked_loads - blocked
+
+
 
 
 @pytest.fixture(scope="module", params=["qwen", "bailing"])
 def drafted(request, tmp_path_factory):
     """(model, next-token heads, MoE layers, vocabulary size, the greedy tokens of a plain
-    decode of test_hedge's prompt, its logits)."""
+    decode of PROMPT, its logits)."""
     converted = request.getfixturevalue(f"edge0_{request.param}")
     tmp = tmp_path_factory.mktemp("draft")
     heads, moe = next_token_heads(converted, tmp / "nt.safetensors")
@@ -142,6 +184,10 @@ def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
     ok = tmp / "ok.safetensors"
     with pytest.raises(CheckpointError, match=r"ok.safetensors: a hedge serves next-token"):
         _engine(converted, ctx, ok)
+    # a context-heads file as the hedge: no longer served (issue 26), one error naming it
+    with pytest.raises(CheckpointError, match=r"ctx.safetensors holds prerouter heads: hedges "
+                                              r"of context heads are no longer served"):
+        _engine(converted, heads, ctx)
     with pytest.raises(CheckpointError, match=rf"ok.safetensors: hedge_layers 99: the "
                                               rf"next-token heads plan {len(moe)} layers"):
         _engine(converted, heads, ok, hedge_layers=99)
@@ -214,3 +260,100 @@ def test_a_sampled_draft_adds_the_samplers_noise(drafted):
     finally:
         engine.close()
         plain.close()
+
+
+def test_hedge_file_found_beside_the_model_and_turned_off(edge0_qwen, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(edge0_qwen, model)
+    heads, moe = next_token_heads(model, model / "prerouter.safetensors")
+    engine = Engine.load(model, EngineOptions(mode="reactive", no_lora=True))
+    vocab = engine.family.embedding(engine.model).weight.shape[0]
+    engine.close()
+    _vocab(model, HEDGE_FILE, [1, 2, 3], vocab)
+    resolved = EngineOptions(mode="prerouted", no_lora=True).resolve(model)
+    assert resolved.hedge_path == model / HEDGE_FILE
+    assert EngineOptions(mode="prerouted", no_hedge=True).resolve(model).hedge_path is None
+    assert EngineOptions(mode="reactive").resolve(model).hedge_path is None
+    with pytest.raises(MissingAdapterError, match=r"nope.safetensors.*--no-hedge"):
+        EngineOptions(mode="prerouted", hedge_path=str(tmp_path / "nope.safetensors")
+                      ).resolve(model)
+    with pytest.raises(ConfigError, match="hedge_layers 2 without a hedge"):
+        EngineOptions(mode="prerouted", no_hedge=True, hedge_layers=2).resolve(model)
+    # another arm of the same command line (bench: reactive, compute-only) ignores it
+    assert EngineOptions(mode="reactive", hedge_layers=2).resolve(model).hedge_path is None
+    engine = Engine.load(model, EngineOptions(mode="prerouted", no_lora=True, hedge_layers=1))
+    try:
+        assert engine.prerouter.draft_layers == [moe[0]]     # the first in step order
+    finally:
+        engine.close()
+
+
+def test_cli_flags_reach_the_options():
+    import argparse
+
+    from edge0_eval.cli_options import add_engine_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    opts = options_from_args(parser.parse_args(["--hedge", "h.safetensors", "--hedge-layers",
+                                                "3"]))
+    assert (opts.hedge_path, opts.hedge_layers, opts.no_hedge) == ("h.safetensors", 3, False)
+    assert options_from_args(parser.parse_args(["--no-hedge"])).no_hedge
+
+
+@pytest.mark.parametrize("slots", [4, 8])
+def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
+    """Storage slowed so that the hedge's reads are still queued when the routed set arrives:
+    queued reads of its misses are cancelled and their slots freed, a slot the routed set
+    needs is taken back, and afterwards every resident expert's slot holds its own bundle
+    (no slot is written twice, nothing unwritten is trusted)."""
+    from edge0_eval.engine.layout import unpack_bundle
+
+    index_stride = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
+    stride = index_stride.index.bundle_stride
+    index_stride.close()
+    engine = Engine.load(edge0_qwen, EngineOptions(
+        mode="reactive", no_lora=True, slots_per_layer=slots, io_workers=1,
+        io_throttle_mbps=stride / 0.05 / 1e6))          # 50 ms a bundle, one at a time
+    try:
+        switch = engine.blocks[engine.moe_layers[1]].switch_mlp
+        hedge = switch.stage_begin([1, 0, 2, 3])
+        while not (hedge.futures[0].running() or hedge.futures[0].done()):
+            time.sleep(0.001)               # expert 1's read has started: it cannot be cancelled
+        routed = switch.stage_begin([0, 4, 5, 6], hedge=hedge)
+        outcome = routed.hedge
+        assert (outcome.staged, outcome.hits, outcome.cancelled) == (4, 1, 2)
+        # expert 1 was read in vain; 4 slots: the routed set needs its slot, so its bundle is
+        # never written; 8: it lands beside the routed set
+        assert outcome.wasted == 1
+        assert (1 in switch.slots.resident_experts) == (slots == 8)
+        slots_written = [slot for _, slot in routed.loads]
+        assert len(slots_written) == len(set(slots_written))
+        assert all(switch.slots.slot_of(e) == slot for e, slot in routed.loads)
+        waited, dropped = switch.stage_finish(routed)
+        assert dropped == 0
+        glu = switch.glu
+        for e in switch.slots.resident_experts:
+            want = unpack_bundle(switch._io.index, engine.store.read(switch._io.layer, e))
+            slot = switch.slots.slot_of(e)
+            assert mx.array_equal(glu.gate_proj["weight"][slot],
+                                  mx.array(want["gate_proj.weight"])).item(), (e, slot)
+        assert set(routed.experts) <= set(switch.slots.resident_experts)
+    finally:
+        engine.close()
+
+
+def test_preflight_stops_a_truncated_hedge(edge0_qwen, tmp_path):
+    from model_wrappers.partitioner import model_problems
+
+    model = tmp_path / "model"
+    shutil.copytree(edge0_qwen, model)
+    next_token_heads(model, model / "prerouter.safetensors")
+    hedge = _vocab(model, HEDGE_FILE, [1, 2, 3], 64)
+    arm = {"abbr": "s", "path": str(model), "type": "Edge0Model", "mode": "prerouted",
+           "no_lora": True}
+    assert model_problems([arm]) == []
+    hedge.write_bytes(hedge.read_bytes()[:60])
+    problems = model_problems([arm])
+    assert len(problems) == 1 and HEDGE_FILE in problems[0] and "hedge" in problems[0]
+    assert model_problems([arm | {"no_hedge": True}]) == []

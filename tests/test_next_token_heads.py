@@ -93,7 +93,7 @@ def test_init_prerouter_next_token(edge0_bailing, tmp_path, capsys):
     try:
         # untrained: the embedding columns are zero, the plan is the context heads' plan
         assert engine.prerouter.next_token
-        heads = engine.prerouter.groups[0].heads
+        heads = engine.prerouter.heads
         assert not heads.linear[:, :, -heads.config.hidden:].any().item()
     finally:
         engine.close()
@@ -122,7 +122,7 @@ def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
         def want(t):
             emb = embed(mx.array([t]))                                # [1, H]
             x = build_features(feats[..., :h], feats[..., h:h + e], feats[..., h + e:], emb)
-            inds, _ = rule.select(pr.groups[0].heads(x), engine.top_k)
+            inds, _ = rule.select(pr.heads(x), engine.top_k)
             return {c: sorted(np.array(inds[o]).reshape(-1).tolist())
                     for o, c in enumerate(pr.consumers)}
 

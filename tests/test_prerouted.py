@@ -1,11 +1,14 @@
 """Prerouted decode: prediction-as-routing with staged reads."""
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
 from perturbed_heads import perturbed_heads
 
@@ -136,3 +139,28 @@ def test_planned_weights_are_the_routers_and_match_true_routing(model_and_heads)
         block.set_plan(None)
     finally:
         engine.close()
+
+
+def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
+    """A prefetch for an earlier layer, queued last, is read before queued later layers'
+    (a draft hedge's sets queued before the routed sets' misses; a wrap head's first MoE layer),
+    and DEMAND before all."""
+    store = ExpertStore(edge0_qwen, io_workers=1)
+    try:
+        layers = list(store.index.moe_layers)
+        assert len(layers) >= 3
+        gate, order = threading.Event(), []
+        hold = store.submit(layers[0], 0, DEMAND, prepare=lambda buf: gate.wait(10))
+
+        def note(tag):
+            return lambda buf: order.append(tag)
+        futures = [store.submit(layers[2], 1, prepare=note(2)),
+                   store.submit(layers[1], 1, prepare=note(1)),
+                   store.submit(layers[0], 1, prepare=note(0)),
+                   store.submit(layers[2], 2, DEMAND, prepare=note("demand"))]
+        gate.set()
+        for f in [hold] + futures:
+            f.result(timeout=10)
+        assert order == ["demand", 0, 1, 2]
+    finally:
+        store.close()

@@ -309,6 +309,22 @@ def test_load_errors_name_the_file(tmp_path, case, kwargs, load_kwargs, match):
     assert str(path) in str(err.value)
 
 
+@pytest.mark.parametrize("meta", [{"features": "next_token", "context_consumers": "[7]"},
+                                  {"context_consumers": "[7]"}])
+def test_mixed_heads_are_refused_naming_the_file(tmp_path, meta):
+    """Mixed heads (metadata context_consumers) are no longer served: one CheckpointError
+    naming the file and the way out, before any shape is checked."""
+    d = (2 if meta.get("features") == "next_token" else 1) * 10 + 2 * 5
+    shapes = {f"{n}.{name}": shape for n in (6, 7)
+              for name, shape in (("fc1", (4, d)), ("linear_init", (5, d)))}
+    path = write_published(tmp_path / "old.safetensors", meta=meta, shapes=shapes)
+    with pytest.raises(CheckpointError) as err:
+        load_heads(path, hidden=10, num_experts=5, top_k=4)
+    message = str(err.value)
+    assert str(path) in message and "no longer served" in message
+    assert "edge0-eval train-prerouter" in message
+
+
 def test_load_missing_or_garbage_file(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
         load_heads(tmp_path / "nope.safetensors", hidden=10, num_experts=5, top_k=4)

@@ -211,6 +211,23 @@ def test_student_refuses_sampling_options_the_engine_ignores(edge0_qwen, monkeyp
                        generation_kwargs=dict(temperature=0.6, **extra))
 
 
+@pytest.mark.parametrize('key,value', [('prerouted_weights', 'head')])
+def test_removed_engine_options_are_refused_naming_them(edge0_qwen, monkeypatch, key, value):
+    """Options of the deleted prerouter variants (#26) in an old config: one ConfigError
+    naming the key, from the student and from its option check, before anything loads."""
+    from edge0_eval.engine.engine import Engine
+    from model_wrappers.edge0_model import Edge0Model, resolve_engine_options
+
+    def no_load(*a, **k):
+        raise AssertionError('the engine must not load')
+
+    monkeypatch.setattr(Engine, 'load', no_load)
+    with pytest.raises(ConfigError, match=key):
+        resolve_engine_options(str(edge0_qwen), no_lora=True, **{key: value})
+    with pytest.raises(ConfigError, match=key):
+        Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True, **{key: value})
+
+
 def test_adapter_defaults_match_the_engine(edge0_qwen, tmp_path):
     from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE, EngineOptions
     from model_wrappers.edge0_model import resolve_engine_options

@@ -6,11 +6,11 @@
 with string metadata kind="prerouter", K, owners (JSON list), consumers (JSON list, parallel to
 owners; optional: absent means owner + 1 for every head), features ("next_token" for heads that
 also see the sampled next token's embedding, in = 2 x hidden + 2E; absent: the published context
-features, in = hidden + 2E), context_consumers (next-token heads only, JSON list: layers whose
-heads have zero embedding columns and are planned as context heads; absent: none), start_layer,
-width, hidden, num_experts, format_version, source, model, model_type. `load_heads` reads
-published files (which may lack start_layer/width/hidden/num_experts: they are then taken from
-the shapes) and checks everything against the model it will serve.
+features, in = hidden + 2E), start_layer, width, hidden, num_experts, format_version, source,
+model, model_type. `load_heads` reads published files (which may lack start_layer/width/hidden/
+num_experts: they are then taken from the shapes) and checks everything against the model it
+will serve. Mixed heads' files (metadata context_consumers) are refused: that kind of head is no
+longer served (issue 26).
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
             "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
     if cfg.next_token:
         meta["features"] = NEXT_TOKEN
-    if cfg.context_consumers:
-        meta["context_consumers"] = json.dumps(cfg.context_consumers)
     for key, value in (metadata or {}).items():
         if key in ("kind", "K", "owners", "consumers", "width", "hidden", "num_experts",
                    "format_version", "features", "context_consumers"):
@@ -112,6 +110,10 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     if kind != KIND:
         raise CheckpointError(f"{where} has kind={kind!r}, expected {KIND!r}: not prerouter heads "
                               f"(a LoRA adapter or another file?)")
+    if "context_consumers" in meta:
+        raise CheckpointError(f"{where} holds mixed heads (metadata context_consumers); that "
+                              f"kind of head is no longer served: retrain context heads with "
+                              f"`edge0-eval train-prerouter`")
     version = _int_meta(meta, "format_version", path)
     if version is not None and version > FORMAT_VERSION:
         raise CheckpointError(f"{where} has format_version {version}; this build reads up to "
@@ -199,20 +201,11 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         if problems:
             raise CheckpointError(f"{where} does not fit this model: {'; '.join(problems)} (MoE "
                                   f"layers: {list(moe_layers)}); train heads for this model")
-    context = _context_meta(meta, [consumer_of[n] for n in sorted(layers)], next_token, where)
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width,
                              top_k=top_k, hidden=hidden, num_experts=num_experts,
-                             consumers=consumers, next_token=next_token,
-                             context_consumers=[c for c in context if c in consumers])
+                             consumers=consumers, next_token=next_token)
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
     heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
-    reading = [n for n, c, zero in zip(owners, consumers, heads.embedding_columns_zero())
-               if c in config.context_consumers and not zero]
-    if reading:
-        raise CheckpointError(f"{where}: the heads of owner layer(s) {reading} are listed in "
-                              f"metadata context_consumers, so they are planned before the next "
-                              f"token exists, but their embedding columns are not zero; the "
-                              f"file is inconsistent, train it again")
     if dtype is not None:
         heads = heads.astype(dtype)
     finite = mx.stack([mx.all(mx.isfinite(heads.fc1)), mx.all(mx.isfinite(heads.fc2)),
@@ -246,26 +239,3 @@ def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]
                               f"with layers no head can predict ({what}); a head predicts owner "
                               f"+ 1, or wraps around to the first MoE layer")
     return dict(zip(listed, consumers))
-
-
-def _context_meta(meta: dict, consumers: list[int], next_token: bool, where: str) -> list[int]:
-    """Metadata "context_consumers": a JSON list of consuming layers (next-token heads only)."""
-    if "context_consumers" not in meta:
-        return []
-    try:
-        listed = json.loads(meta["context_consumers"])
-        if not isinstance(listed, list) or any(isinstance(c, bool) or not isinstance(c, int)
-                                               for c in listed):
-            raise ValueError
-    except (ValueError, TypeError):
-        raise CheckpointError(f"{where}: metadata context_consumers="
-                              f"{meta['context_consumers']!r} is not a JSON list of layer "
-                              f"numbers") from None
-    if not next_token:
-        raise CheckpointError(f"{where}: metadata context_consumers splits next-token heads, but "
-                              f"the file holds context heads (no features={NEXT_TOKEN!r})")
-    stray = sorted(set(listed) - set(consumers))
-    if stray:
-        raise CheckpointError(f"{where}: metadata context_consumers lists layer(s) {stray} that "
-                              f"no head predicts (consumers {sorted(consumers)})")
-    return sorted(set(listed))

@@ -9,8 +9,8 @@ every default that depends on the model is decided.
 
 Adapter files. The LoRA adapter is `lora_path`, else `lora.safetensors` beside the model; the
 prerouter heads (prerouted mode only) are `prerouter_path`, else `prerouter.safetensors` beside
-the model; with them, the hedge (prerouted.py; next-token heads only: context heads, or a
-draft vocabulary from `edge0-eval draft-vocab`) is `hedge_path`, else
+the model; with them, the hedge (prerouted.py; next-token heads only: a draft vocabulary from
+`edge0-eval draft-vocab`) is `hedge_path`, else
 `prerouter_hedge.safetensors` beside the model when present. `no_lora` / `no_prerouter` /
 `no_hedge` turn them off. A file given explicitly must exist. A missing default file means
 "no adapter" for the LoRA (the base model is served) and "no hedge", unless the caller
@@ -60,9 +60,9 @@ class EngineOptions:
     prerouter_path: str | None = None        # None: PREROUTER_FILE beside the model
     no_lora: bool = False
     no_prerouter: bool = False
-    # Hedged staging (next-token heads): context heads, or a draft vocabulary (the heads at a
-    # drafted token), whose sets are read before the LM head for their layers; routing stays
-    # the prerouter's (engine/prerouted.py). None: HEDGE_FILE beside the model if present.
+    # Hedged staging (next-token heads): a draft vocabulary (the heads at a drafted token),
+    # whose sets are read before the LM head for their layers; routing stays the prerouter's
+    # (engine/prerouted.py). None: HEDGE_FILE beside the model if present.
     hedge_path: str | None = None
     no_hedge: bool = False
     hedge_layers: int | None = None          # the hedge's first N layers in step order; None: all
@@ -138,7 +138,7 @@ class EngineOptions:
         prerouter_path = self._prerouter_path(directory)
         hedge_path = self._hedge_path(directory, prerouter_path)
         if self.hedge_layers is not None and prerouter_path is not None and hedge_path is None:
-            raise ConfigError(f"hedge_layers {self.hedge_layers} without hedge heads: give "
+            raise ConfigError(f"hedge_layers {self.hedge_layers} without a hedge: give "
                               f"--hedge FILE (hedge_path), or drop --hedge-layers")
         return ResolvedOptions(
             family=family, top_k=top_k, num_experts=num_experts,
@@ -203,8 +203,7 @@ class EngineOptions:
         if self.hedge_path:
             raise MissingAdapterError(
                 f"prerouter hedge {path} is missing; write a draft vocabulary with "
-                f"`edge0-eval draft-vocab` or context heads with `init-prerouter` / "
-                f"`train-prerouter` (no --next-token), or stage without a hedge (--no-hedge / "
+                f"`edge0-eval draft-vocab`, or stage without a hedge (--no-hedge / "
                 f"no_hedge=True)")
         return None
 
@@ -227,8 +226,8 @@ class ResolvedOptions:
     slots_per_layer: int
     lora_path: Path | None          # the adapter to apply; None: none
     prerouter_path: Path | None     # the heads to load; None: every layer routes truly
-    hedge_path: Path | None         # staged early for next-token heads (context heads or a
-    #                                 draft vocabulary); None: none
+    hedge_path: Path | None         # staged early for next-token heads (a draft vocabulary);
+    #                                 None: none
     clip_hidden: float | None       # per-layer hidden clipping limit; None: off
 
 

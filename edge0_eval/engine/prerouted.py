@@ -13,22 +13,18 @@ Next-token heads (`config.next_token`) also read the embedding of the token the 
 consume, so their plan cannot run after the last layer: the step's features wait, and
 `plan_tokens` plans when the next forward receives its tokens (the sampled ones, or the forced
 ones when scoring), before its first layer. Their reads then no longer overlap the LM head.
-Mixed heads (`config.context_consumers`) plan in two groups: the context consumers (trained: the
-first consuming layers) from the step's features after its last layer, so the reads needed
-first overlap the LM head, and the rest once the token is known. The store serves queued
-prefetches in the order their layers run, whichever group queued them first.
 
-Hedged staging (`hedge`: context heads for some of the next-token heads' layers, a file of its
-own). The hedge runs where context heads plan, after the step's last layer, and its sets start
-loading at once, so reads overlap the LM head although the routing is not known yet. When the
-token is known the next-token heads route as before; each hedged layer then reads only what
-its hedge missed, and the hedge's reads of experts outside the routed set are cancelled where
-they have not started (`StreamingSwitchGLU.stage_begin`). So routed ⊆ staged, not =: the
-routing, and every logit, are those of the next-token heads alone; the hedge only changes
-when bundles are read, and wastes the reads of its misses that had already run (counted).
-A draft hedge (`set_draft`, engine/draft.py) stages the next-token heads' own sets at a token
-drafted from a slice of the LM head instead; when the served tokens equal the drafts, those
-sets are the routing, and the plans computed for the hedge are used as they are.
+Hedged staging (`set_draft`, engine/draft.py: a draft vocabulary, a file of its own). After the
+step's last layer, the hedge drafts each row's token from a slice of the LM head and stages the
+next-token heads' own sets at that draft, so reads overlap the LM head although the token is
+not known yet. When the token is known the next-token heads route as before; each hedged layer
+then reads only what its hedge missed, and the hedge's reads of experts outside the routed set
+are cancelled where they have not started (`StreamingSwitchGLU.stage_begin`). So routed ⊆
+staged, not =: the routing, and every logit, are those of the next-token heads alone; the
+hedge only changes when bundles are read, and wastes the reads of its misses that had already
+run (counted). When the served tokens equal the drafts, the hedge's sets are the routing, and
+the plans computed for it are used as they are. (Mixed heads and hedges of context heads were
+deleted, issue 26: reports/variants.md.)
 
 A consuming layer's plan and the pin of its switch (its experts are in the slots: no host
 sync) are installed together in `before_layer` and removed together in `after_step`/`reset`.
@@ -47,10 +43,9 @@ from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.draft import DraftHead, is_draft_file, load_draft_vocab
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.moe import StagedSet
-from edge0_eval.engine.heads_file import load_heads
+from edge0_eval.engine.heads_file import KIND, load_heads, read_metadata
 from edge0_eval.engine.prerouter import (PrerouterHeads, append_next_embedding, consumer_rule,
                                          pair_problems, trace_features)
-from edge0_eval.engine.routing import RoutingRule
 
 
 @dataclass
@@ -73,20 +68,10 @@ class StagingCounters:
     draft_matches: int = 0          # of those, served the drafted token
 
 
-@dataclass
-class HeadGroup:
-    """Heads planned together at one point of the step."""
-    rows: mx.array | None        # their rows in the owners' features (None: every owner)
-    heads: PrerouterHeads        # a context group's have no embedding columns
-    consumers: list[int]
-    rule: RoutingRule            # over `consumers`
-    next_token: bool             # planned once the step's token is known (plan_tokens)
-
-
 class Prerouter:
     """Owns the heads, the plans for the next step and the in-flight staged reads."""
 
-    def __init__(self, engine, heads, measure_recall: bool = False):
+    def __init__(self, engine, heads: PrerouterHeads, measure_recall: bool = False):
         self.engine = engine
         self.config = cfg = heads.config
         self.owners = list(cfg.owners)
@@ -100,73 +85,25 @@ class Prerouter:
         self.counters = StagingCounters()
         self._prev_onehot = self._feats = None
         self.next_token = bool(cfg.next_token)
-        self.context_consumers = list(cfg.context_consumers)
         self._awaiting_tokens = False           # next-token heads: features wait for the tokens
         self._embedding = engine.family.embedding(engine.model) if self.next_token else None
         self._plans: dict[int, tuple] = {}      # consuming layer -> (inds, staged set)
-        self._hedges: dict[int, StagedSet] = {}  # hedged layer -> its hedge's staged set
+        self._hedges: dict[int, StagedSet] = {}  # hedged layer -> the draft hedge's staged set
         for owner in self.owners:
             engine.blocks[owner].set_capture(True)
-        self.groups = self._head_groups(heads)
-        self.hedge: HeadGroup | None = None     # context heads hedge
-        self.draft: DraftHead | None = None     # or a draft-token hedge, for `draft_layers`
+        self.heads = heads
+        self.rule = consumer_rule(engine, self.consumers)
+        self.draft: DraftHead | None = None     # a draft-token hedge, for `draft_layers`
         self.draft_layers: list[int] = []
-        self._drafted: tuple | None = None      # (draft tokens [B], {group: (inds, weights)})
-
-    def _head_groups(self, heads) -> list[HeadGroup]:
-        """One group of every head, or for mixed heads the context part and the rest, each
-        with its own weights, materialised once here (a lazy gather would copy them every
-        step); the loaded stack is not kept."""
-        if not self.context_consumers:
-            return [HeadGroup(None, heads, self.consumers,
-                              consumer_rule(self.engine, self.consumers), self.next_token)]
-        groups = []
-        for next_token in (False, True):
-            idx = [i for i, c in enumerate(self.consumers)
-                   if (c in self.context_consumers) != next_token]
-            part = heads.select_owners([self.owners[i] for i in idx])
-            part = part if next_token else part.context_part()
-            mx.eval(part.parameters())
-            consumers = [self.consumers[i] for i in idx]
-            groups.append(HeadGroup(mx.array(idx), part, consumers,
-                                    consumer_rule(self.engine, consumers), next_token))
-        return groups
-
-    def _late_consumers(self) -> list[int]:
-        late = [c for g in self.groups if g.next_token for c in g.consumers]
-        if not late:
-            raise ConfigError("a hedge serves next-token prerouter heads, whose plans wait for "
-                              "the token; these heads plan before the LM head already")
-        return late
-
-    def set_hedge(self, hedge: PrerouterHeads, n_layers: int | None = None) -> None:
-        """Hedge with `hedge`'s first `n_layers` heads in step order (None: all), checked
-        against the heads they hedge: context heads for layers that next-token heads plan."""
-        if hedge.config.next_token:
-            raise ConfigError("hedge heads must be context heads (they plan before the token "
-                              "exists); these see the next token")
-        late = self._late_consumers()
-        stray = sorted(set(hedge.config.consumers) - set(late))
-        if stray:
-            raise ConfigError(f"hedge heads for layer(s) {stray}, which the prerouter heads do "
-                              f"not plan once the token is known (they do: {sorted(late)})")
-        consumers = sorted(hedge.config.consumers)
-        if n_layers is not None:
-            if not 1 <= n_layers <= len(consumers):
-                raise ConfigError(f"hedge_layers {n_layers}: the hedge has {len(consumers)} "
-                                  f"layers; choose 1 to {len(consumers)}")
-            consumers = consumers[:n_layers]
-        part = hedge.select_owners([o for o, c in zip(hedge.config.owners,
-                                                      hedge.config.consumers) if c in consumers])
-        mx.eval(part.parameters())
-        rows = mx.array([self.owners.index(o) for o in part.config.owners])
-        self.hedge = HeadGroup(rows, part, part.config.consumers,
-                               consumer_rule(self.engine, part.config.consumers), False)
+        self._drafted: tuple | None = None      # (draft tokens [B], (inds, weights))
 
     def set_draft(self, ids: mx.array, n_layers: int | None = None) -> None:
         """Hedge with the next-token heads at a token drafted among `ids` (draft vocabulary,
         most frequent first), staging their first `n_layers` layers in step order (None: all)."""
-        late = sorted(self._late_consumers())
+        if not self.next_token:
+            raise ConfigError("a hedge serves next-token prerouter heads, whose plans wait for "
+                              "the token; these heads plan before the LM head already")
+        late = sorted(self.consumers)
         if n_layers is not None:
             if not 1 <= n_layers <= len(late):
                 raise ConfigError(f"hedge_layers {n_layers}: the next-token heads plan "
@@ -177,12 +114,9 @@ class Prerouter:
         self.draft_layers = late
 
     def owner_heads(self, owner: int) -> PrerouterHeads:
-        """The heads of one owner as the engine runs them (a context consumer's without the
-        embedding columns): the served training path plans with these."""
-        for group in self.groups:
-            if owner in group.heads.config.owners:
-                return group.heads.select_owners([owner])
-        raise ValueError(f"no head for owner layer {owner}")
+        """The heads of one owner as the engine runs them: the served training path plans
+        with these."""
+        return self.heads.select_owners([owner])
 
     # -- per sequence -----------------------------------------------------------------------
     def reset(self) -> None:
@@ -225,7 +159,7 @@ class Prerouter:
     @property
     def rows_planned(self) -> bool:
         """The current rows' next step is planned: staged, or waiting for their tokens (and
-        hedged). Rows leaving or joining drop it (`abandon_plans`)."""
+        maybe hedged). Rows leaving or joining drop it (`abandon_plans`)."""
         return self.has_plan or self._awaiting_tokens
 
     def before_layer(self, layer: int, h: mx.array | None) -> None:
@@ -297,24 +231,12 @@ class Prerouter:
         next-token heads wait for the rows' tokens (`plan_tokens`). A draft hedge needs the
         last layer's output `h`: after a prefill or a change of rows the LM head has run
         already, and that step goes unhedged."""
-        for group in self.groups:
-            if group.next_token:
-                self._awaiting_tokens = self._feats is not None
-            elif self._feats is not None:
-                self.plan(group, self._group_feats(group), self._prev_onehot)
-        if self.hedge is not None and self._awaiting_tokens:
-            self._stage_hedge()
+        if self.next_token:
+            self._awaiting_tokens = self._feats is not None
+        elif self._feats is not None:
+            self.plan(self._feats, self._prev_onehot)
         if self.draft is not None and self._awaiting_tokens and h is not None:
             self._stage_draft(h, samplers)
-
-    def _stage_hedge(self) -> None:
-        """Start reading the hedge's sets for the next step (the union of the rows')."""
-        assert not self._hedges, "a hedge staged twice: the last one was never consumed"
-        group, started = self.hedge, time.perf_counter()
-        inds, _ = group.rule.select(group.heads(self._group_feats(group)), self.engine.top_k)
-        mx.eval(inds)
-        self.counters.hedge_seconds += time.perf_counter() - started
-        self._stage_hedge_sets(group.consumers, np.array(inds), set(group.consumers))
 
     def _stage_hedge_sets(self, consumers: list[int], ids: np.ndarray, layers: set[int]
                           ) -> None:
@@ -335,18 +257,12 @@ class Prerouter:
         assert not self._hedges, "a hedge staged twice: the last one was never consumed"
         started = time.perf_counter()
         tokens = self.draft(h, samplers)
-        embedding = self._embedding(tokens)
-        selected = {}
-        for i, group in enumerate(self.groups):
-            if group.next_token:
-                selected[i] = group.rule.select(group.heads(append_next_embedding(
-                    self._group_feats(group), embedding)), self.engine.top_k)
+        selected = self.rule.select(self.heads(append_next_embedding(
+            self._feats, self._embedding(tokens))), self.engine.top_k)
         mx.eval(tokens, selected)
         self.counters.hedge_seconds += time.perf_counter() - started
         self._drafted = (np.array(tokens), selected)
-        for i, (inds, _) in selected.items():
-            self._stage_hedge_sets(self.groups[i].consumers, np.array(inds),
-                                   set(self.draft_layers))
+        self._stage_hedge_sets(self.consumers, np.array(selected[0]), set(self.draft_layers))
 
     def plan_tokens(self, tokens: mx.array) -> None:
         """Next-token heads: plan the step about to consume `tokens` [B] (one per row, in row
@@ -365,17 +281,9 @@ class Prerouter:
             self.counters.draft_rows += rows
             self.counters.draft_matches += matches
             if matches == rows:
-                for i, selection in drafted[1].items():
-                    self.plan(self.groups[i], None, self._prev_onehot, selected=selection)
+                self.plan(None, self._prev_onehot, selected=drafted[1])
                 return
-        embedding = self._embedding(tokens)
-        for group in self.groups:
-            if group.next_token:
-                self.plan(group, append_next_embedding(self._group_feats(group), embedding),
-                          self._prev_onehot)
-
-    def _group_feats(self, group: HeadGroup) -> mx.array:
-        return self._feats if group.rows is None else self._feats[group.rows]
+        self.plan(append_next_embedding(self._feats, self._embedding(tokens)), self._prev_onehot)
 
     def abandon_plans(self) -> None:
         """Rows left or joined after the last step planned: finish the in-flight reads (their
@@ -396,11 +304,10 @@ class Prerouter:
     def _chunk_length(self) -> int:
         return self.engine.blocks[self.owners[0]].captured()[0].shape[1]
 
-    def plan(self, group: HeadGroup, feats: mx.array | None, *also,
+    def plan(self, feats: mx.array | None, *also,
              selected: tuple[mx.array, mx.array] | None = None) -> None:
-        """Plan the next step of every row for `group`'s consumers from `feats` [O, B, in] (its
-        owners' rows), or with the heads' `selected` (inds, weights) already computed from
-        them, and start staging.
+        """Plan the next step of every row from `feats` [O, B, in], or with the heads'
+        `selected` (inds, weights) already computed from them, and start staging.
 
         Each row keeps its own predicted set as its routing ([B, 1, K] plans); each consuming
         layer stages the union of its rows' sets (needs that many slots: the engine sizes the
@@ -408,15 +315,15 @@ class Prerouter:
         """
         engine = self.engine
         started = time.perf_counter()
-        # One batched computation for the group's heads, then each consumer's selection rule.
-        inds, _ = selected or group.rule.select(group.heads(feats), engine.top_k)
+        # One batched computation for all heads, then each consumer's selection rule.
+        inds, _ = selected or self.rule.select(self.heads(feats), engine.top_k)
         mx.eval(inds, *also)                                                     # [O, B, K]
         self.counters.head_seconds += time.perf_counter() - started
         ids = np.array(inds)
         # Queue the reads in the order the next step runs its layers: a wrap head's first MoE
         # layer is needed first, though its owner is the last (the store also orders queued
         # prefetches by layer).
-        consumers = group.consumers
+        consumers = self.consumers
         for o in sorted(range(len(consumers)), key=consumers.__getitem__):
             layer = consumers[o]
             union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))   # first-seen order
@@ -448,24 +355,18 @@ class Prerouter:
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": any(c != o + 1 for o, c in zip(self.owners, self.consumers)),
-            "prerouter_features": ("mixed" if self.context_consumers else "next_token")
-            if self.next_token else "context",
+            "prerouter_features": "next_token" if self.next_token else "context",
         }
-        if self.context_consumers:
-            out["prerouter_context_consumers"] = list(self.context_consumers)
-        if self.hedge is not None or self.draft is not None:
+        if self.draft is not None:
             out.update({
-                "hedge_layers": sorted(self.hedge.consumers) if self.hedge is not None
-                else list(self.draft_layers),
-                "hedge_kind": "context heads" if self.hedge is not None else
-                f"draft token ({self.draft.ids.size} ids)",
+                "hedge_layers": list(self.draft_layers),
+                "hedge_kind": f"draft token ({self.draft.ids.size} ids)",
                 "hedge_precision": c.hedge_hits / c.hedge_staged if c.hedge_staged else None,
                 "hedge_cancelled_per_step": c.hedge_cancelled / steps,
                 "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
                 "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
+                "draft_match_rate": c.draft_matches / c.draft_rows if c.draft_rows else None,
             })
-        if self.draft is not None:
-            out["draft_match_rate"] = c.draft_matches / c.draft_rows if c.draft_rows else None
         if self.measure_recall:
             values = [r for layer in self.consumers
                       for r in self.engine.blocks[layer].recalls()]
@@ -474,7 +375,7 @@ class Prerouter:
 
 
 def attach_prerouter(engine, path: Path) -> Prerouter:
-    """Load the heads in `path` (and the hedge, if any) for `engine` (resolved by
+    """Load the heads in `path` (and the draft hedge, if any) for `engine` (resolved by
     EngineOptions.resolve); hook them in."""
     options = engine.options
     prerouter = Prerouter(engine, _load_heads(engine, path),
@@ -482,15 +383,24 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     hedge_path = engine.resolved.hedge_path
     if hedge_path is not None:
         try:
-            if is_draft_file(hedge_path):
-                vocab = engine.family.embedding(engine.model).weight.shape[0]
-                prerouter.set_draft(load_draft_vocab(hedge_path, vocab), options.hedge_layers)
-            else:
-                prerouter.set_hedge(_load_heads(engine, hedge_path), options.hedge_layers)
+            if not is_draft_file(hedge_path) and _holds_heads(hedge_path):
+                raise CheckpointError(f"{hedge_path} holds prerouter heads: hedges of context "
+                                      f"heads are no longer served (issue 26); pass a draft "
+                                      f"vocabulary from `edge0-eval draft-vocab` (--hedge), or "
+                                      f"none (--no-hedge)")
+            vocab = engine.family.embedding(engine.model).weight.shape[0]
+            prerouter.set_draft(load_draft_vocab(hedge_path, vocab), options.hedge_layers)
         except ConfigError as exc:
             raise CheckpointError(f"{hedge_path}: {exc} (prerouter heads: {path}); pass other "
                                   f"hedge heads (--hedge) or none (--no-hedge)") from None
     return prerouter
+
+
+def _holds_heads(path: Path) -> bool:
+    try:
+        return read_metadata(path).get("kind") == KIND
+    except CheckpointError:
+        return False            # the draft loader reports what is wrong with it
 
 
 def _load_heads(engine, path: Path) -> PrerouterHeads:

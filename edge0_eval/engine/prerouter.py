@@ -13,12 +13,6 @@ which token t+1 is, and once it is sampled the embedding costs one row lookup; t
 their plan waits for the sampled token, so the LM head no longer overlaps the staged reads
 (prerouted.py). Published head files have no such key: context features.
 
-Mixed heads (`context_consumers`, heads-file metadata of the same name): next-token heads whose
-first consuming layers ignore the embedding (its columns are zero) and are planned as context
-heads, before the LM head, so the reads the next step needs first overlap it; the rest wait for
-the sampled token. Which split pays depends on how many layers' reads fit under the LM head
-(reports/testbed/mixed.md).
-
 Wrap-around head: the owner may be the LAST MoE layer, predicting the FIRST MoE layer of the
 next token (qwen3_5_moe / qwen2_moe: layer 0; bailing_hybrid: layer 1, its layer 0 is dense).
 With it every MoE layer's reads can start a whole step early. A head's consumer is owner + 1,
@@ -42,7 +36,7 @@ expert bias, group-limited top-k, normalised x routed_scaling_factor, exactly li
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,9 +58,6 @@ class PrerouterConfig:
     num_experts: int
     consumers: list[int] | None = None   # layer each owner predicts (None: owner + 1 each)
     next_token: bool = False   # features end with the sampled next token's input embedding
-    # next-token heads only: consumers whose heads ignore the embedding (zero columns) and are
-    # planned before the LM head
-    context_consumers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.consumers is None:
@@ -74,12 +65,6 @@ class PrerouterConfig:
         self.consumers = [int(c) for c in self.consumers]
         if len(self.consumers) != len(self.owners):
             raise ValueError(f"consumers {self.consumers} do not pair with owners {self.owners}")
-        self.context_consumers = sorted(int(c) for c in self.context_consumers)
-        if self.context_consumers and not self.next_token:
-            raise ValueError("context_consumers split next-token heads; these are context heads")
-        stray = sorted(set(self.context_consumers) - set(self.consumers))
-        if stray:
-            raise ValueError(f"context_consumers {stray} are not consumers {self.consumers}")
 
     @property
     def context_dim(self) -> int:
@@ -137,17 +122,6 @@ def default_owners(start_layer: int, n_layers: int, moe_layers: list[int]) -> li
     if moe_layers and start_layer <= min(moe_layers) and max(moe_layers) not in owners:
         owners.append(max(moe_layers))
     return owners
-
-
-def first_consumers(consumers: list[int], n: int, next_token: bool) -> list[int]:
-    """The first `n` consuming layers in the order a step runs them (mixed heads' context part)."""
-    if n and not next_token:
-        raise ConfigError("--context-layers splits next-token heads: add --next-token")
-    if not 0 <= n < len(consumers):
-        raise ConfigError(f"--context-layers {n}: choose 0 to {len(consumers) - 1} of the "
-                          f"{len(consumers)} prerouted layers (all of them: context heads, drop "
-                          f"--next-token)")
-    return sorted(consumers)[:n]
 
 
 def default_consumers(owners: list[int], moe_layers: list[int]) -> list[int]:
@@ -242,26 +216,8 @@ class PrerouterHeads(nn.Module):
         idx = mx.array([have[n] for n in owners])
         consumers = [self.config.consumer_of[n] for n in owners]
         cfg = replace(self.config, owners=owners, start_layer=min(consumers),
-                      consumers=consumers,
-                      context_consumers=[c for c in self.config.context_consumers
-                                         if c in consumers])
+                      consumers=consumers)
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
-
-    def context_part(self) -> "PrerouterHeads":
-        """These heads without the next-token embedding's columns, as context heads: exactly
-        what they compute when those columns are zero (heads in `context_consumers`)."""
-        d = self.config.context_dim
-        cfg = replace(self.config, next_token=False, context_consumers=[])
-        # contiguous: a column slice is a strided view, and matmuls on it ran ~6x slower
-        return PrerouterHeads(cfg, mx.contiguous(self.fc1[..., :d]), self.fc2,
-                              mx.contiguous(self.linear[..., :d]))
-
-    def embedding_columns_zero(self) -> list[bool]:
-        """Per head: are fc1's and linear's next-token embedding columns all zero?"""
-        d = self.config.context_dim
-        zero = mx.logical_and(mx.all(self.fc1[..., d:] == 0, axis=(1, 2)),
-                              mx.all(self.linear[..., d:] == 0, axis=(1, 2)))
-        return [bool(z) for z in zero.tolist()]
 
     def astype(self, dtype) -> "PrerouterHeads":
         return PrerouterHeads(self.config, self.fc1.astype(dtype), self.fc2.astype(dtype),
@@ -371,9 +327,8 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
 
     `embedding_scale` s > 0 (next-token heads, benchmarks only): the embedding columns become
     s x the consumer's router with its rows shuffled, so untrained heads route by the token as
-    well, and a context hedge no longer predicts them exactly (the measured hedge precision
-    falls as s grows). Context consumers of mixed heads keep zeros. (init_heads_from_routers
-    divides s by the embedding's RMS.)
+    well, and a draft hedge whose draft misses the served token no longer predicts their sets.
+    (init_heads_from_routers divides s by the embedding's RMS.)
     """
     o, e, h, w = len(config.owners), config.num_experts, config.hidden, config.width
     linear = []
@@ -394,16 +349,11 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
             raise ConfigError("--embedding-scale sets next-token heads' embedding columns: add "
                               "--next-token")
         rng = np.random.default_rng(seed)
-        for i, (weight, consumer) in enumerate(zip(weights, config.consumers)):
-            if consumer not in config.context_consumers:
-                shuffled = weight.astype(mx.float32)[mx.array(rng.permutation(e))]
-                linear[i] = mx.concatenate([linear[i][:, :config.context_dim],
-                                            embedding_scale * shuffled], axis=1)
+        for i, weight in enumerate(weights):
+            shuffled = weight.astype(mx.float32)[mx.array(rng.permutation(e))]
+            linear[i] = mx.concatenate([linear[i][:, :config.context_dim],
+                                        embedding_scale * shuffled], axis=1)
     fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim ** -0.5)
-    if config.context_consumers:    # their heads never see the embedding: zero columns
-        ctx = mx.array([c in config.context_consumers for c in config.consumers])
-        emb_cols = mx.arange(config.in_dim) >= config.context_dim
-        fc1 = mx.where(ctx[:, None, None] & emb_cols, 0.0, fc1)
     heads = PrerouterHeads(config, fc1, mx.zeros((o, e, w)), mx.stack(linear))
     mx.eval(heads.parameters())
     return heads
@@ -411,12 +361,9 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
 
 def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0,
                             top_k: int | None = None, next_token: bool = False,
-                            context_layers: int = 0,
                             embedding_scale: float = 0.0) -> PrerouterHeads:
     """Heads warm-started from each consumer's router (owner + 1; the wrap-around head, owner =
-    the last MoE layer: the first MoE layer's); untrained = that router. `context_layers`
-    (next-token heads): the first that many consumers keep context features;
-    `embedding_scale` s: the embedding columns are s / RMS(embedding) x the consumer's router
+    the last MoE layer: the first MoE layer's); untrained = that router. `embedding_scale` s: the embedding columns are s / RMS(embedding) x the consumer's router
     with its rows shuffled (heads_from_router_weights), so at s = 1 the token weighs about as
     much as the normalised hidden state."""
     moe = engine.moe_layers
@@ -428,9 +375,7 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=int(width),
                              top_k=int(top_k or engine.top_k), hidden=hidden,
                              num_experts=num_experts, consumers=consumers,
-                             next_token=bool(next_token),
-                             context_consumers=first_consumers(consumers, context_layers,
-                                                               next_token))
+                             next_token=bool(next_token))
     pairs = [router_weight(engine.blocks[c]) for c in consumers]
     if embedding_scale:
         embed = engine.family.embedding(engine.model)

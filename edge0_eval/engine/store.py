@@ -26,7 +26,8 @@ from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
 
 # Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position
 # of their layer in the forward (PREFETCH + position): the earliest-needed read goes first even
-# when it is queued last (plans made at two points of a step: mixed heads).
+# when it is queued last (a draft hedge's sets, then the routed sets' misses; a wrap head's first
+# MoE layer, planned with the others).
 DEMAND, PREFETCH = 0, 1
 _STOP = math.inf
 # A file modified this recently may still be mid-write: a write updates mtime when it starts, so

@@ -312,8 +312,7 @@ def positions(docs: list, ids: list[int]) -> np.ndarray:
 class Batches:
     """Gathers [O, B, ...] arrays for token positions from the store (numpy, then MLX)."""
 
-    def __init__(self, store: FeatureStore, owners: list[int], next_token: bool = False,
-                 context_consumers: list[int] = ()):
+    def __init__(self, store: FeatureStore, owners: list[int], next_token: bool = False):
         meta = store.meta
         self.store = store
         self.next_token = next_token
@@ -333,14 +332,6 @@ class Batches:
         self.owner_m = np.array([moe_pos[n] for n in owners])
         self.consumers = [consumer_of[n] for n in owners]
         self.consumer_m = np.array([moe_pos[c] for c in self.consumers])
-        # Mixed heads: the context consumers' heads see zeros for the embedding (columns
-        # hidden + 2E onwards), so those weight columns get no gradient and stay zero.
-        self.embedding_mask = None
-        if context_consumers:
-            emb_cols = np.arange(2 * meta["hidden"] + 2 * meta["num_experts"]) >= \
-                meta["hidden"] + 2 * meta["num_experts"]
-            ctx = np.array([c in context_consumers for c in self.consumers])
-            self.embedding_mask = mx.array(~(ctx[:, None, None] & emb_cols), dtype=mx.float32)
         if next_token:
             routers = store.routers()
             self.token_router = mx.stack([routers[f"router.{c}"] for c in self.consumers]
@@ -369,9 +360,8 @@ class Batches:
 
     def features(self, batch: dict) -> mx.array:
         e = self.num_experts
-        feats = build_features(batch["h"], onehot(batch["cur"], e), onehot(batch["prev"], e),
-                               batch.get("next_emb"))
-        return feats if self.embedding_mask is None else feats * self.embedding_mask
+        return build_features(batch["h"], onehot(batch["cur"], e), onehot(batch["prev"], e),
+                              batch.get("next_emb"))
 
     def token_router_logits(self, batch: dict) -> mx.array:
         """Baseline of next-token heads: each consumer's router on token t+1's embedding."""

@@ -88,7 +88,6 @@ class PrerouterOptions:
     check_tokens: int = CHECK_TOKENS
     train_tokens: int | None = None   # train on a random subset of the training documents
     next_token: bool = False      # heads also see the next token's embedding (prerouter.py)
-    context_layers: int = 0       # next-token heads: the first N consumers keep context features
 
     def validate(self) -> None:
         validate_run(self)
@@ -99,10 +98,6 @@ class PrerouterOptions:
             raise ConfigError("--check-tokens must be at least 1")
         if self.train_tokens is not None and self.train_tokens < 2:
             raise ConfigError("--train-tokens must be at least 2")
-        if self.context_layers < 0:
-            raise ConfigError("--context-layers must be 0 or more")
-        if self.context_layers and not self.next_token:
-            raise ConfigError("--context-layers splits next-token heads: add --next-token")
         if not self.texts:
             raise ConfigError("give at least one --text file")
         for text in self.texts:
@@ -158,10 +153,6 @@ def add_head_layout_arguments(parser: argparse.ArgumentParser) -> None:
                              "higher recall, but their reads start after the LM head and the "
                              "sampling instead of overlapping them (default: the published "
                              "context features)")
-    parser.add_argument("--context-layers", type=int, default=0, metavar="N",
-                        help="with --next-token: the first N prerouted layers keep context "
-                             "features and are planned before the LM head, so their reads "
-                             "overlap it (mixed heads; reports/testbed/mixed.md)")
 
 
 def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from edge0_eval.engine.heads_file import load_heads, save_heads
 
 from edge0_eval.engine.prerouter import (
-    PrerouterConfig, RoutingRule, default_consumers, first_consumers, heads_from_router_weights,
+    PrerouterConfig, RoutingRule, default_consumers, heads_from_router_weights,
 )
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import split_documents, subset_documents
@@ -74,8 +74,6 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     top_k, owners, width = resolve_heads(facts, top_k=opts.top_k, owners=opts.owners,
                                          start_layer=opts.start_layer, width=opts.width)
     consumers = default_consumers(owners, facts.moe_layers)
-    # before any collection: a bad --context-layers must not cost the features first
-    context = first_consumers(consumers, opts.context_layers, opts.next_token)
     ckpt = Path(f"{out}.ckpt")
     store = FeatureStore(ckpt / "features")
     state_path = ckpt / STATE_NAME
@@ -100,12 +98,9 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
         train_fp["train_tokens"] = opts.train_tokens
     if opts.next_token:
         train_fp["next_token"] = True
-    if context:
-        train_fp["context_consumers"] = context
     config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
-                             consumers=consumers, next_token=opts.next_token,
-                             context_consumers=context)
+                             consumers=consumers, next_token=opts.next_token)
     routers = store.routers()
     heads = heads_from_router_weights(config, [routers[f"router.{c}"] for c in consumers],
                                       [routers.get(f"router_bias.{c}") for c in consumers],
@@ -131,7 +126,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     held_pos = positions(meta["docs"], held_docs)
     if len(train_pos) == 0 or len(held_pos) == 0:
         raise ConfigError("not enough tokens for both a training and a held-out split")
-    batches = Batches(store, owners, next_token=opts.next_token, context_consumers=context)
+    batches = Batches(store, owners, next_token=opts.next_token)
     rule = store.rule(consumers)
     value_and_grad = nn.value_and_grad(heads, khot_cross_entropy)
 
@@ -222,9 +217,7 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
                "recall_next_router": held["next_router"][i],
                "recall_untrained_heads": held["init"][i],
                "recall_heads_train": train_eval["heads"][i]}
-        if c in config.context_consumers:
-            row["context_features"] = True      # planned before the token: no token baseline
-        elif "token_router" in held:
+        if "token_router" in held:
             row["recall_token_router"] = held["token_router"][i]
         row["beats_baselines"] = row["recall_heads"] > max(
             row[key] for key in ("recall_prev_token", "recall_next_router",
@@ -241,9 +234,7 @@ def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
         "recall_definition": "|predicted top-K & true executed top-K| / K, the consumer (layer "
                              "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
                              "from owner N's features at token t; held-out documents",
-        "features": ("mixed" if config.context_consumers else "next_token")
-        if config.next_token else "context",
-        "context_consumers": config.context_consumers,
+        "features": "next_token" if config.next_token else "context",
         "baselines": {"prev_token": "the consumer's executed set at token t",
                       "next_router": "the consumer's router on the owner's MoE input at token "
                                      "t, family selection rule"} | (
@@ -280,8 +271,7 @@ def _markdown(r: dict) -> str:
              f"{r['data']['docs_heldout']} documents / {r['data']['samples_heldout']} tokens "
              f"(train {r['data']['docs_train']} / {r['data']['samples_train']}).", "",
              "Top-K recall of the consumer's executed experts at token t+1 (held out; consumer "
-             "N+1, or the first MoE layer for the wrap-around head, marked (wrap); mixed "
-             "heads' context part, planned before the LM head, marked (context)):", "",
+             "N+1, or the first MoE layer for the wrap-around head, marked (wrap)):", "",
              "| owner N | consumer | heads | prev-token baseline | next-router baseline | "
              + ("next-token router baseline | " if token else "")
              + f"untrained heads | heads (train) | beats {'all' if token else 'both'} |",
@@ -290,8 +280,7 @@ def _markdown(r: dict) -> str:
         ["recall_token_router"] if token else []) + ["recall_untrained_heads",
                                                      "recall_heads_train"]
     for row in r["layers"]:
-        wrap = (" (wrap)" if row.get("wrap_around") else "") + (
-            " (context)" if row.get("context_features") else "")
+        wrap = " (wrap)" if row.get("wrap_around") else ""
         cells = " | ".join(f"{row[key]:.3f}" if key in row else "-" for key in keys)
         lines.append(f"| {row['owner']} | {row['consumer']}{wrap} | {cells} | "
                      f"{'yes' if row['beats_baselines'] else 'no'} |")
