@@ -100,7 +100,8 @@ class OCRun:
     def add(self, model: str, dataset: str, correct, *, prompt: str = "{question}",
             loose=None, judge: bool = False, kind: str | None = None, failed: str | None = None,
             reported: float | None = None, engine: list[dict] | None = None,
-            engine_file: list[dict] | None = None, shards: int = 1, details: bool = True):
+            engine_file: list[dict] | None = None, shards: int = 1, details: bool = True,
+            outputs: list[str] | None = None):
         """correct: per-item 0/1 (or per-replica lists). failed: 'missing' (no results file) or
         'error' (results file with an error). reported: override the metric (inconsistency)."""
         kind = kind or _kind(dataset)
@@ -115,6 +116,8 @@ class OCRun:
                  for i in range(len(reps)) for _ in range(n_rep)]
         for p, stats in zip(preds, engine or []):
             p["engine_stats"] = stats
+        for p, text in zip(preds, outputs or []):
+            p["prediction"] = text
         pdir = self.path / "predictions" / model
         pdir.mkdir(parents=True, exist_ok=True)
         if shards == 1:

@@ -529,3 +529,19 @@ def test_summary_with_groups_and_no_category_rows(tmp_path, config):
         assert mmlu["arms"]["teacher"]["version"] is None
         assert any("MMLU-Pro: prompt version of teacher" in n for n in rep["notes"])
     assert rows(rep)["HumanEval"]["status"] == "ok"
+
+
+def test_truncation_is_counted_per_arm(tmp_path):
+    """Outputs cut at max_out_len, and those cut inside their thinking block, per arm and
+    benchmark; an arm without finish reasons shows none rather than zero."""
+    run = OCRun(tmp_path / "o")
+    run.add(T, "aime2026", [1, 0, 1, 0])
+    stats = [{"finish_reason": f, "tokens": 8} for f in ("stop", "length", "length", "stop")]
+    run.add(S, "aime2026", [1, 0, 1, 0], engine=stats,
+            outputs=["12", "<think> so the answer: D maybe, but wait", "<think>x</think> 7", "3"])
+    rep = make_report(tmp_path, run.finish())
+    arms = rows(rep)["AIME 2026"]["arms"]
+    assert arms["student"]["truncation"] == {"outputs": 4, "length": 2, "open_thinking": 1}
+    assert arms["teacher"]["truncation"] is None
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| AIME 2026 | student | 4 | 2 (50.0%) | 1 |" in md

@@ -26,7 +26,7 @@ from pathlib import Path
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import BENCHMARKS, Benchmark
 from edge0_eval.evaluation.predictions import (engine_samples, engine_stats_problem,
-                                               load_predictions, strict_loads)
+                                               load_predictions, strict_loads, truncation)
 
 # Per-item scores are in [0, 1]; reported metrics are percentages. Their mean must reproduce
 # the reported metric to this many points, else the details are not what the metric counted.
@@ -221,6 +221,7 @@ class DatasetResult:
     extra: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> item -> [0,1]
     version: str | None = None
     engine: list[dict] = field(default_factory=list)
+    truncation: dict | None = None    # predictions.truncation
     notes: list[str] = field(default_factory=list)
 
 
@@ -292,6 +293,7 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
     pred_dir = run.path / "predictions" / model
     preds = load_predictions(pred_dir, dataset) if pred_dir.is_dir() else None
     res.engine = engine_samples(pred_dir, dataset, preds) if pred_dir.is_dir() else []
+    res.truncation = truncation(preds, res.engine)
 
     path = run.path / "results" / model / f"{dataset}.json"
     if (model, dataset) in run.summary_failed:

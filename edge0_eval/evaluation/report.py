@@ -151,6 +151,8 @@ class ArmBench:
     category_scores: dict[str, float] = field(default_factory=dict)
     reported: float | None = None
     engine: list[dict] = field(default_factory=list)
+    truncation: dict | None = field(default_factory=lambda: {"outputs": 0, "length": 0,
+                                                             "open_thinking": 0})
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -184,6 +186,9 @@ def _collect_arm(abbr: str, run: Run) -> dict[str, tuple[Benchmark, ArmBench]]:
         ab.reported = res.reported if len(ab.datasets) == 1 else None
         ab.metric = ab.metric or res.metric
         ab.engine += res.engine
+        if ab.truncation is not None:     # one dataset without counts: none for the benchmark
+            ab.truncation = None if res.truncation is None else {
+                k: ab.truncation[k] + res.truncation[k] for k in ab.truncation}
         ab.notes += [f"{abbr}/{dataset}: {n}" for n in res.notes]
         ab.status = res.status if len(ab.datasets) == 1 else _worse(ab.status, res.status)
     return by_bench
@@ -370,6 +375,8 @@ def _arm_json(ab: ArmBench) -> dict:
            "version": _version_text(ab),
            "extra": {m: _mean(v.values()) * 100.0 for m, v in ab.extra.items() if v},
            "engine": engine_summary(ab.engine),
+           # Outputs cut at the length limit, and of those still inside their thinking block.
+           "truncation": ab.truncation if ab.truncation and ab.truncation["outputs"] else None,
            # Per-item outcomes, so another run (a baseline) pairs with this one item by item.
            "per_item": dict(sorted(ab.scores.items())) if ab.status == "ok" else None}
     if len(ab.datasets) > 1:   # pooled benchmark: also the summarizer's mean of categories

@@ -153,6 +153,16 @@ def _markdown(report: dict) -> str:
         md.append(_table(["benchmark", "arm", "metric", "score"],
                          [[b, a, m, _fmt(s)] for b, a, m, s in extras]))
 
+    md.append("## Truncation\n")
+    md.append("Outputs that stopped at the length limit (max_out_len), and of those the ones "
+              "still inside their thinking block (what the scorer read is the middle of the "
+              "reasoning). n/a: the arm's predictions carry no finish reasons.\n")
+    md.append(_table(["benchmark", "arm", "outputs", "cut at the limit", "cut inside thinking"],
+                     [[r["benchmark"], a] + (
+                         [t["outputs"], f"{t['length']} ({100 * t['length'] / t['outputs']:.1f}%)",
+                          t["open_thinking"]] if (t := v.get("truncation")) else ["n/a"] * 3)
+                      for r in report["benchmarks"] for a, v in r["arms"].items()]))
+
     md.append("## Engine stats\n")
     eng_rows = []
     for arm, stats in report["engine"].items():
