@@ -363,9 +363,10 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
                             top_k: int | None = None, next_token: bool = False,
                             embedding_scale: float = 0.0) -> PrerouterHeads:
     """Heads warm-started from each consumer's router (owner + 1; the wrap-around head, owner =
-    the last MoE layer: the first MoE layer's); untrained = that router. `embedding_scale` s: the embedding columns are s / RMS(embedding) x the consumer's router
-    with its rows shuffled (heads_from_router_weights), so at s = 1 the token weighs about as
-    much as the normalised hidden state."""
+    the last MoE layer: the first MoE layer's); untrained = that router. `embedding_scale` s:
+    the embedding columns are s / RMS(embedding) x the consumer's router with its rows shuffled
+    (heads_from_router_weights), so at s = 1 the token weighs about as much as the normalised
+    hidden state."""
     moe = engine.moe_layers
     owners = sorted(int(n) for n in owners)
     consumers = default_consumers(owners, moe)
