@@ -96,6 +96,8 @@ class OCRun:
         self.models: list[str] = []
         self.prompts: dict[str, dict] = {}                 # dataset -> infer_cfg
         self.values: dict[tuple[str, str], dict | None] = {}   # (model, dataset) -> metrics
+        self.model_settings: dict[str, dict] = {}    # model -> config keys (max_out_len, ...)
+        self.evaluator = "opencompass.evaluator.MATHVerifyEvaluator"
 
     def add(self, model: str, dataset: str, correct, *, prompt: str = "{question}",
             loose=None, judge: bool = False, kind: str | None = None, failed: str | None = None,
@@ -193,10 +195,10 @@ class OCRun:
             datasets = [{"abbr": ds, "type": "opencompass.datasets.CustomDataset",
                          "path": f"opencompass/{ds}", "infer_cfg": cfg,
                          "reader_cfg": {"input_columns": ["question"], "output_column": "answer"},
-                         "eval_cfg": {"evaluator": {
-                             "type": "opencompass.evaluator.MATHVerifyEvaluator"}}}
+                         "eval_cfg": {"evaluator": {"type": self.evaluator}}}
                         for ds, cfg in self.prompts.items()]
-            models = [{"abbr": m, "type": "edge0_eval.model.Edge0Model"} for m in self.models]
+            models = [{"abbr": m, "type": "edge0_eval.model.Edge0Model",
+                       **self.model_settings.get(m, {})} for m in self.models]
             cdir = self.path / "configs"
             cdir.mkdir(parents=True, exist_ok=True)
             (cdir / f"{self.ts}_4242.py").write_text(

@@ -545,3 +545,47 @@ def test_truncation_is_counted_per_arm(tmp_path):
     assert arms["teacher"]["truncation"] is None
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| AIME 2026 | student | 4 | 2 (50.0%) | 1 |" in md
+
+
+GENERATION = {"max_out_len": 8192, "generation_kwargs": {"temperature": 0.6, "top_p": 0.95}}
+
+
+def _arm_run(root, model, *, evaluator=None, **generation):
+    run = OCRun(root)
+    run.add(model, "aime2026", [1, 0, 1, 0])
+    run.model_settings[model] = {**GENERATION, **generation}
+    if evaluator:
+        run.evaluator = evaluator
+    return run.finish()
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"max_out_len": 4096}, "max_out_len 4096, teacher 8192"),
+    ({"generation_kwargs": {"temperature": 1.0, "top_p": 0.95}}, "generation_kwargs"),
+    ({"evaluator": "opencompass.evaluator.CascadeEvaluator"}, "aime2026 eval_cfg"),
+])
+def test_arms_with_other_settings_are_not_paired(change, field, tmp_path, capsys):
+    teacher = _arm_run(tmp_path / "t", T)
+    student = _arm_run(tmp_path / "s", S, **change)
+    assert main(["report", str(teacher), str(student), "--arms", f"teacher={T},student={S}",
+                 "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to pair arms run with different settings" in err and field in err
+    assert not (tmp_path / "rep" / "report.json").exists()
+
+
+def test_same_settings_from_another_directory_pair_and_the_gate_checks_them(tmp_path, capsys):
+    teacher = _arm_run(tmp_path / "t", T)
+    student = _arm_run(tmp_path / "s", S)
+    rep = make_report(tmp_path, teacher, student, args=["--arms", f"teacher={T},student={S}"])
+    assert rep["arms"]["student"]["settings"]["generation"]["max_out_len"] == 8192
+    assert rows(rep)["AIME 2026"]["status"] == "ok"
+    # A baseline made at another max_out_len is refused by the gate, naming the field.
+    other = _arm_run(tmp_path / "s2", S, max_out_len=4096)
+    teacher2 = _arm_run(tmp_path / "t2", T, max_out_len=4096)
+    make_report(tmp_path, teacher2, other, args=["--arms", f"teacher={T},student={S}"],
+                name="base")
+    assert main(["gate", str(tmp_path / "rep" / "report.json"), "--baseline",
+                 str(tmp_path / "base" / "report.json")]) == 2
+    err = capsys.readouterr().err
+    assert "made with other settings" in err and "max_out_len 8192, baseline teacher 4096" in err

@@ -32,7 +32,7 @@ from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report, paired
 from edge0_eval.evaluation.predictions import strict_loads
-from edge0_eval.evaluation.report import SCHEMA
+from edge0_eval.evaluation.report import SCHEMA, settings_differences
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
 DEFAULT_MAX_DROP = 2.0
@@ -78,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
         raise Edge0Error(f"{args.baseline}: no benchmarks, but {args.report} has "
                          f"{len(current['benchmarks'])}; regenerate the baseline with "
                          f"`edge0-eval report` on runs that include them")
+    problems = settings_differences(_settings(current), "teacher", _settings(baseline))
+    if problems:
+        raise Edge0Error(f"{args.baseline}: made with other settings than {args.report}: "
+                         + "; ".join(problems) + "; gate against a baseline run with the same "
+                         "settings (or regenerate it)")
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
                       args.max_kl_rise, args.max_agreement_drop, alpha=args.alpha)
     print(format_table(checks))
@@ -96,6 +101,25 @@ def run(args: argparse.Namespace) -> int:
              f"agreement drop {args.max_agreement_drop:g}, each plus the paired change's "
              f"half-width" if arms else "") + ")")
     return 0
+
+
+def _settings(report: dict) -> dict:
+    return {arm: entry.get("settings") for arm, entry in report.get("arms", {}).items()}
+
+
+def _check_settings(path: str, arms) -> None:
+    """The report's arms: an object of objects, each arm's settings None (not recorded) or
+    {generation: object, scoring: object of objects}, as `report` writes them."""
+    fix = "make it again with `edge0-eval report`"
+    if not isinstance(arms, dict) or not all(isinstance(v, dict) for v in arms.values()):
+        raise Edge0Error(f"{path}: 'arms' must be an object of arm objects; {fix}")
+    for arm, entry in arms.items():
+        st = entry.get("settings")
+        if st is not None and not (isinstance(st, dict) and isinstance(st.get("generation"), dict)
+                                   and isinstance(st.get("scoring"), dict)
+                                   and all(isinstance(v, dict) for v in st["scoring"].values())):
+            raise Edge0Error(f"{path}: arm {arm!r} settings are {st!r}, not {{generation, "
+                             f"scoring}} objects; {fix}")
 
 
 def load_report(path: str) -> dict:
@@ -146,6 +170,7 @@ def load_report(path: str) -> dict:
             if hw is not None and hw < 0:
                 raise Edge0Error(f"{where}: delta_half_width {hw} is negative")
     _check_fidelity(path, report.get("fidelity"))
+    _check_settings(path, report.get("arms", {}))
     return report
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -54,6 +55,21 @@ class Run:
     versions: dict[str, str]                  # dataset -> prompt version (6 hex chars)
     summary_failed: set[tuple[str, str]]      # (model, dataset) cells shown as '-'
     notes: list[str] = field(default_factory=list)
+    # From the config dump (None without one): what must match for two arms to pair.
+    settings: dict[str, dict] | None = None   # model abbr -> GENERATION_FIELDS
+    scoring: dict[str, dict] | None = None    # dataset abbr -> SCORING_FIELDS
+
+
+# A model's generation settings and a dataset's scoring settings: arms that differ in any of
+# these did not answer the same questions the same way (the model's path, engine options and
+# batch size may differ: that is what is compared).
+GENERATION_FIELDS = ("max_out_len", "max_seq_len", "generation_kwargs", "chat_template_kwargs")
+SCORING_FIELDS = ("eval_cfg", "reader_cfg", "path", "name", "n")
+
+
+def _plain(value):
+    """A config value as plain JSON data (types as their dotted names), for comparing."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -132,7 +148,7 @@ def _read_config(path: Path) -> tuple[list[str], list]:
     from mmengine.config import Config
 
     cfg = Config.fromfile(str(path), format_python_code=False)
-    return [m["abbr"] for m in cfg.get("models", []) if "abbr" in m], list(cfg.get("datasets", []))
+    return list(cfg.get("models", [])), list(cfg.get("datasets", []))
 
 
 def _dataset_abbr(cfg) -> str:   # opencompass.utils.abbr.dataset_abbr_from_cfg
@@ -157,6 +173,7 @@ def load_run(path: Path) -> Run:
     notes: list[str] = []
     summary_datasets: list[str] = []
     config_datasets: list | None = None
+    settings = scoring = None
 
     def add(seq, items):
         seq.extend(i for i in items if i not in seq)
@@ -171,8 +188,12 @@ def load_run(path: Path) -> Run:
     config = _latest(path / "configs", "*.py")
     if config:
         try:
-            c_models, config_datasets = _read_config(config)
-            add(models, c_models)
+            model_cfgs, config_datasets = _read_config(config)
+            add(models, [m["abbr"] for m in model_cfgs if "abbr" in m])
+            settings = {m["abbr"]: {f: _plain(m.get(f)) for f in GENERATION_FIELDS}
+                        for m in model_cfgs if "abbr" in m}
+            scoring = {_dataset_abbr(d): {f: _plain(d.get(f)) for f in SCORING_FIELDS}
+                       for d in config_datasets}
             unversioned = [d for d in config_datasets if _dataset_abbr(d) not in versions]
             if unversioned:
                 versions.update(_prompt_versions(unversioned))
@@ -204,7 +225,7 @@ def load_run(path: Path) -> Run:
         add(datasets, file_datasets)
     if not models:
         raise Edge0Error(f"{path}: no models found (no summary csv, config or results folders)")
-    return Run(path, models, datasets, versions, failed, notes)
+    return Run(path, models, datasets, versions, failed, notes, settings, scoring)
 
 
 # --------------------------------------------------------------------------- per-item scores

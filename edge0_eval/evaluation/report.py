@@ -194,6 +194,37 @@ def _collect_arm(abbr: str, run: Run) -> dict[str, tuple[Benchmark, ArmBench]]:
     return by_bench
 
 
+def arm_settings(abbr: str, run: Run, benches: dict) -> dict | None:
+    """{generation: the model's GENERATION_FIELDS, scoring: dataset -> SCORING_FIELDS} from
+    the run's config dump; None without one."""
+    if run.settings is None or abbr not in run.settings:
+        return None
+    datasets = [d for _, ab in benches.values() for d in ab.datasets]
+    return {"generation": run.settings[abbr],
+            "scoring": {d: run.scoring[d] for d in datasets if d in (run.scoring or {})}}
+
+
+def settings_differences(settings: dict, reference: str, other: dict | None = None) -> list[str]:
+    """Each field whose value differs between an arm and `reference` (in `other`, e.g. the
+    baseline's arms, when given; else among `settings` themselves), named with both values."""
+    problems = []
+    for arm, st in settings.items():
+        ref = (other or settings).get(arm if other is not None else reference)
+        if st is None or ref is None or (other is None and arm == reference):
+            continue
+        against = f"baseline {arm}" if other is not None else reference
+        for key, value in st["generation"].items():
+            if key in ref["generation"] and ref["generation"][key] != value:
+                problems.append(f"{arm} {key} {value!r}, {against} {ref['generation'][key]!r}")
+        for dataset, fields in st["scoring"].items():
+            theirs = ref["scoring"].get(dataset)
+            for key, value in (fields.items() if theirs else ()):
+                if key in theirs and theirs[key] != value:
+                    problems.append(f"{arm} {dataset} {key} {value!r}, {against} "
+                                    f"{theirs[key]!r}")
+    return problems
+
+
 def _worse(a: str, b: str) -> str:
     return min(a, b, key=_ARM_STATUS_ORDER.index)
 
@@ -285,6 +316,13 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
                   if ab.status != "missing" and not _version_text(ab)]
     if problems:
         raise Edge0Error("refusing to compare different prompts: " + "; ".join(problems))
+    settings = {arm: arm_settings(abbr, r, collected[arm]) for arm, (abbr, r) in arms.items()}
+    problems = settings_differences(settings, "teacher")
+    if problems:
+        raise Edge0Error("refusing to pair arms run with different settings: "
+                         + "; ".join(problems) + "; rerun one arm with the other's settings")
+    notes += [f"{arm} {abbrs[arm]}: no config dump, so its generation and scoring settings are "
+              f"not compared" for arm, st in settings.items() if st is None]
 
     engine = {arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
               for arm in arms}
@@ -294,7 +332,7 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
         "outputs": [_shown(r.path) for r in runs],
-        "arms": {arm: {"abbr": abbr, "run": _shown(r.path)}
+        "arms": {arm: {"abbr": abbr, "run": _shown(r.path), "settings": settings[arm]}
                  for arm, (abbr, r) in arms.items()},
         "interval": {"method": "normal approximation on paired per-item differences "
                                "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1",
