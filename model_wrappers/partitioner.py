@@ -16,6 +16,7 @@ from typing import Iterable, List
 from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 
+from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.engine.checks import check_model_dir, read_safetensors_header
@@ -27,10 +28,7 @@ from .fidelity_dataset import preflight_problems as fidelity_preflight
 
 def benchmark_of(dataset_abbr: str) -> str | None:
     """The staged benchmark a dataset config reads (None for datasets this project does not stage)."""
-    if dataset_abbr.startswith('mmlu_pro'):
-        return 'mmlu_pro'
-    return {'aime2026': 'aime2026', 'openai_humaneval': 'humaneval', 'GPQA_diamond': 'gpqa',
-            'IFBench': 'ifbench'}.get(dataset_abbr)
+    return benchmark_for(dataset_abbr).key
 
 
 def _type_name(cfg: dict) -> str:
