@@ -95,11 +95,16 @@ def run(args: argparse.Namespace) -> int:
     if blind:
         print(f"gate: {len(blind)} check(s) cannot see the drop asked about ({', '.join(blind)}): "
               f"a pass there is not evidence of no regression; see 'cannot see' above")
-    print(f"gate: pass ({len(checks) - arms} benchmarks; max gap increase {args.max_gap_increase}, "
-          f"max drop {args.max_drop}, each plus the 95% half-width"
-          + (f"; fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the baseline, max "
-             f"agreement drop {args.max_agreement_drop:g}, each plus the paired change's "
-             f"half-width" if arms else "") + ")")
+    paired_n = sum(c.p_values[0] is not None for c in checks)
+    unpaired_n = len(checks) - arms - paired_n
+    parts = ([f"{paired_n} paired with the baseline at alpha {args.alpha:g}"] if paired_n else [])
+    parts += ([f"{unpaired_n} unpaired (max gap increase {args.max_gap_increase:g}, max drop "
+               f"{args.max_drop:g}, each plus the 95% half-width)"] if unpaired_n else [])
+    if arms:
+        parts.append(f"fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the "
+                     f"baseline, max agreement drop {args.max_agreement_drop:g}, each plus the "
+                     f"paired change's half-width")
+    print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
     return 0
 
 
