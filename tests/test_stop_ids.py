@@ -10,7 +10,6 @@ import mlx.core as mx
 
 from bad_inputs import copy_model, edit_json, expect_clear_error
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
 
 PROMPT = [5, 6, 7, 8, 9]
 

@@ -18,7 +18,7 @@ class Benchmark:
     item_key: str | None = None        # detail key holding per-item correctness; None: generic
     pooled: bool = False               # several datasets (categories) pooled per question
     extra: tuple[tuple[str, str], ...] = ()   # (metric, detail key) reported alongside
-    key: str | None = None             # the staged name (`data stage --benchmarks`); None: not staged
+    key: str | None = None             # staged name (`data stage --benchmarks`); None: none
     data_path: str | None = None       # relative to the data root, where OpenCompass 0.5.4 looks
 
 

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_MAX_GAP_INCREASE,
                         metavar="P", help="the widening of teacher - student, in points, the "
                         "gate must be able to detect (paired: a power statement; unpaired "
-                        f"baseline: allowed beyond the half-width) (default {DEFAULT_MAX_GAP_INCREASE})")
+                        "baseline: allowed beyond the half-width) (default "
+                        f"{DEFAULT_MAX_GAP_INCREASE})")
     parser.add_argument("--max-drop", type=ct.nonneg_float, default=DEFAULT_MAX_DROP, metavar="P",
                         help="the drop of the student's score, in points, the gate must be able "
                         "to detect (paired: a power statement; unpaired baseline: allowed "
