@@ -86,13 +86,12 @@ class Edge0Model(ChatModelBase):
 
     @staticmethod
     def _check_sampling(s: Dict[str, Any]) -> None:
-        """The engine samples with temperature/top_p only; refuse options it would ignore."""
-        used = [k for k, on in (('top_k', s['top_k'] != 0), ('min_p', s['min_p'] != 0.0),
-                                ('repetition_penalty', s['repetition_penalty'] is not None))
-                if on]
-        if used:
-            raise ConfigError(f'student: the engine does not support {used}; keep the '
-                              f'generation settings of both arms to temperature/top_p')
+        """The engine samples with temperature, top_p, top_k and min_p (mlx-lm's sampler chain);
+        refuse what it would ignore."""
+        if s['repetition_penalty'] is not None:
+            raise ConfigError("student: the engine does not support ['repetition_penalty']; "
+                              "keep both arms' generation settings to temperature, top_p, "
+                              "top_k and min_p")
 
     def _load(self, tokenizer_only: bool):
         if tokenizer_only:
@@ -111,7 +110,8 @@ class Edge0Model(ChatModelBase):
             result = self.engine.generate(prompt_ids, max_tokens,
                                           temperature=float(s['temperature']),
                                           top_p=float(s['top_p']), stop_token_ids=set(stop_ids),
-                                          seed=seed)
+                                          seed=seed, top_k=int(s['top_k']),
+                                          min_p=float(s['min_p']))
         return self._row(result, max_tokens, stop_ids, stop_words, evicted)
 
     def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
@@ -128,7 +128,8 @@ class Edge0Model(ChatModelBase):
             results = self.engine.generate_batch(prompts, max_tokens,
                                                  temperature=float(s['temperature']),
                                                  top_p=float(s['top_p']),
-                                                 stop_token_ids=set(stop_ids), seeds=list(seeds))
+                                                 stop_token_ids=set(stop_ids), seeds=list(seeds),
+                                                 top_k=int(s['top_k']), min_p=float(s['min_p']))
         batch_wall = round(time.perf_counter() - start, 4)
         rows = []
         for result in results:

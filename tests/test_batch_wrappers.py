@@ -320,3 +320,37 @@ def test_configs_set_batch_size_per_arm(tmp_path):
                               env={**env, variable: '0'}, timeout=300, cwd=tmp_path)
         assert proc.returncode != 0
         assert f"{variable}='0' is not a whole number > 0" in proc.stderr
+
+
+FILTERED = dict(temperature=1.0, top_p=0.95, top_k=5, min_p=0.05, seed=3)
+
+
+def test_student_samples_with_top_k_and_min_p_as_the_teacher_arm(edge0_dir):
+    """top_k and min_p on the student: every row equals its solo run, and each token is what
+    the teacher arm's sampler (mlx-lm's filter chain on the row's own key) draws from the
+    logits the engine produced it from."""
+    from edge0_eval.engine.engine import Engine
+    from edge0_eval.engine.options import EngineOptions
+    from edge0_eval.engine.sampling import row_sampler
+
+    model = student(edge0_dir, FILTERED)
+    batch, solo = batch_vs_solo(model)
+    assert [t for t, _ in batch] == [t for t, _ in solo]
+    engine = Engine.load(edge0_dir, EngineOptions(mode='reactive', no_lora=True,
+                                                  no_prerouter=True))
+    try:
+        prompts = [model.encode_prompt(p) for p in PROMPTS[:3]]
+        seeds = [row_seed(3, i) for i in prompts]
+        trace: list = []
+        rows = engine.generate_batch(prompts, 12, temperature=1.0, top_p=0.95, top_k=5,
+                                     min_p=0.05, seeds=seeds, stop_token_ids=set(),
+                                     logits_trace=trace)
+        for row, seed, logits in zip(rows, seeds, trace):
+            sample = row_sampler(seed, 1.0, top_p=0.95, min_p=0.05, top_k=5)
+            want = [int(sample(lg - mx.logsumexp(lg, keepdims=True)).item()) for lg in logits]
+            assert row.tokens == want
+        unfiltered = engine.generate_batch(prompts, 12, temperature=1.0, top_p=0.95,
+                                           seeds=seeds, stop_token_ids=set())
+        assert [r.tokens for r in unfiltered] != [r.tokens for r in rows]   # the filters act
+    finally:
+        engine.close()

@@ -205,10 +205,9 @@ def test_student_refuses_sampling_options_the_engine_ignores(edge0_qwen, monkeyp
         raise AssertionError('the engine must not load')
 
     monkeypatch.setattr(Engine, 'load', no_load)
-    for extra in (dict(top_k=5), dict(min_p=0.1), dict(repetition_penalty=1.1)):
-        with pytest.raises(ConfigError, match='does not support'):
-            Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True,
-                       generation_kwargs=dict(temperature=0.6, **extra))
+    with pytest.raises(ConfigError, match="does not support \\['repetition_penalty'\\]"):
+        Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True,
+                   generation_kwargs=dict(temperature=0.6, repetition_penalty=1.1))
 
 
 @pytest.mark.parametrize('key,value', [('prerouted_weights', 'head')])

@@ -94,14 +94,15 @@ def check_seed(seed, name: str = "seed") -> None:
 class BatchDecoder:
     """One generate_batch call: admits rows, steps the batch, keeps the accounting."""
 
-    def __init__(self, engine, prompts, max_tokens, batch_size, temperature, top_p, stop,
+    def __init__(self, engine, prompts, max_tokens, batch_size, sampling: dict, stop,
                  seeds, logits_trace=None):
         self.engine, self.prerouter = engine, engine.prerouter
         self.prompts = [list(p) for p in prompts]
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
         seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
-        self.samplers = [RowSampler(temperature, top_p, int(s)) for s in seeds]
+        # sampling: RowSampler's keyword arguments (temperature, top_p, top_k, min_p).
+        self.samplers = [RowSampler(seed=int(s), **sampling) for s in seeds]
         # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
         self.logits_trace = logits_trace
         if logits_trace is not None:

@@ -282,14 +282,16 @@ class Engine:
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, stop_token_ids: set[int] | None = None,
-                 seed: int | None = None) -> GenerationResult:
+                 seed: int | None = None, top_k: int = 0, min_p: float = 0.0
+                 ) -> GenerationResult:
         """One sequence. Sampling draws from the row's own key (`seed`, default options.seed;
         see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
         seed s, sampled or greedy."""
         stop = self._stop_ids(stop_token_ids)
         if seed is not None:
             check_seed(seed)
-        sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed))
+        sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed),
+                             top_k=top_k, min_p=min_p)
         self.reset()
         before = self._snapshot()
         t0 = time.perf_counter()
@@ -311,7 +313,7 @@ class Engine:
     def generate_batch(self, prompts: list[list[int]], max_tokens: int, *,
                        batch_size: int | None = None, temperature: float = 0.0,
                        top_p: float = 1.0, stop_token_ids: set[int] | None = None,
-                       seeds: list[int] | None = None,
+                       seeds: list[int] | None = None, top_k: int = 0, min_p: float = 0.0,
                        logits_trace: list | None = None) -> list[GenerationResult]:
         """Decode many prompts, `batch_size` rows at a time (None: all at once); continuous
         batching: when a row finishes, the next waiting prompt joins (engine/batch.py).
@@ -334,8 +336,10 @@ class Engine:
         its tokens was sampled from (parity checks).
         """
         rows_at_once = check_batch_args(prompts, max_tokens, batch_size, seeds)
-        decoder = BatchDecoder(self, prompts, max_tokens, rows_at_once, temperature, top_p,
-                               self._stop_ids(stop_token_ids), seeds, logits_trace)
+        decoder = BatchDecoder(self, prompts, max_tokens, rows_at_once,
+                               dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                                    min_p=min_p), self._stop_ids(stop_token_ids), seeds,
+                               logits_trace)
         configured = self.resolved.slots_per_layer
         self.reset()
         self._resize_slots(max(configured, min(rows_at_once * self.top_k,

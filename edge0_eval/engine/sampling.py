@@ -13,6 +13,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 
+from edge0_eval.errors import ConfigError
+
 
 def row_sampler(seed: int, temperature: float, top_p: float = 1.0, min_p: float = 0.0,
                 top_k: int = 0) -> Callable[[mx.array], mx.array]:
@@ -48,16 +50,28 @@ class _KeyedSampler:
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
 
 
-class RowSampler:
-    """One engine row's sampler (temperature and top-p: what the engine serves) on logits."""
+def check_filters(top_k, min_p) -> None:
+    """top_k a whole number >= 0 (0: off), min_p in [0, 1) (0: off), as mlx-lm's sampler takes."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ConfigError(f"top_k must be a whole number >= 0 (0: off), not {top_k!r}")
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p < 1:
+        raise ConfigError(f"min_p must be a number in [0, 1) (0: off), not {min_p!r}")
 
-    def __init__(self, temperature: float, top_p: float, seed: int):
+
+class RowSampler:
+    """One engine row's sampler on logits: mlx-lm's chain (top-p, min-p, top-k, temperature)
+    drawing from the row's own key, as the teacher arm's."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0,
+                 min_p: float = 0.0):
+        check_filters(top_k, min_p)
         self.temperature = float(temperature)
-        self._sample = row_sampler(seed, self.temperature, top_p=float(top_p))
+        self._sample = row_sampler(seed, self.temperature, top_p=float(top_p),
+                                   min_p=float(min_p), top_k=int(top_k))
 
     def draft_noise(self, vocab: int) -> mx.array | None:
-        """The Gumbel noise [vocab] the next sample adds to logits / temperature (the top-p
-        filter aside); None when greedy."""
+        """The Gumbel noise [vocab] the next sample adds to logits / temperature (the filters
+        aside); None when greedy."""
         if self.temperature == 0:
             return None
         return mx.random.gumbel((vocab,), key=self._sample.next_key())
