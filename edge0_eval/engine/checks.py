@@ -16,6 +16,8 @@ import math
 import typing
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_tokenizer
 
 from edge0_eval.engine.families import family_for
@@ -409,3 +411,31 @@ def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
                               f"the source checkpoint's tokenizer files into it")
+
+
+def load_resident(path: Path) -> dict:
+    """resident.safetensors, lazily; one CheckpointError when it is missing or unreadable."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found; re-run `edge0-eval convert`")
+    try:
+        return mx.load(str(path))
+    except Exception as exc:  # MLX raises RuntimeError/ValueError for truncated headers or data
+        raise CheckpointError(f"{path} is unreadable ({exc}); the file is truncated or corrupt, "
+                              f"re-run `edge0-eval convert`") from None
+
+
+def check_resident_names(model, weights: dict, path: Path) -> None:
+    """The resident weights are exactly the model's non-expert parameters, with their shapes."""
+    expected = {k for k, _ in tree_flatten(model.parameters()) if ".switch_mlp.glu." not in k}
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not match the model built from config.json: "
+            f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
+            f"(e.g. {unexpected[:3]}); re-run convert"
+        )
+    params = dict(tree_flatten(model.parameters()))
+    for name, value in weights.items():
+        if params[name].shape != value.shape:
+            raise CheckpointError(f"{path}: {name} has shape {value.shape}, the model expects "
+                                  f"{params[name].shape}; re-run convert")

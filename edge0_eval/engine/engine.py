@@ -22,13 +22,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
-from edge0_eval.engine.checks import (check_resident, eos_token_ids, load_tokenizer_checked,
-                                      open_model_dir)
+from edge0_eval.engine.checks import (check_resident, check_resident_names, eos_token_ids,
+                                      load_resident, load_tokenizer_checked, open_model_dir)
 from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
@@ -118,9 +117,9 @@ class Engine:
             layers[i].mlp = family.block_class(layers[i].mlp, switch, i, top_k)
 
         check_resident(directory / RESIDENT_NAME, index)
-        resident = _load_resident(directory / RESIDENT_NAME)
+        resident = load_resident(directory / RESIDENT_NAME)
         quantize_like_mlx_lm(model, config, resident)
-        _check_resident_names(model, resident, directory / RESIDENT_NAME)
+        check_resident_names(model, resident, directory / RESIDENT_NAME)
         model.load_weights(list(resident.items()), strict=False)
         # Slot buffers were made in their serving dtypes above and are filled by reads.
         cast_floating(model, compute_dtype, skip=".switch_mlp.glu.")
@@ -446,29 +445,3 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
-
-
-def _load_resident(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found; re-run `edge0-eval convert`")
-    try:
-        return mx.load(str(path))
-    except Exception as exc:  # MLX raises RuntimeError/ValueError for truncated headers or data
-        raise CheckpointError(f"{path} is unreadable ({exc}); the file is truncated or corrupt, "
-                              f"re-run `edge0-eval convert`") from None
-
-
-def _check_resident_names(model: nn.Module, weights: dict, path: Path) -> None:
-    expected = {k for k, _ in tree_flatten(model.parameters()) if ".switch_mlp.glu." not in k}
-    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path} does not match the model built from config.json: "
-            f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
-            f"(e.g. {unexpected[:3]}); re-run convert"
-        )
-    params = dict(tree_flatten(model.parameters()))
-    for name, value in weights.items():
-        if params[name].shape != value.shape:
-            raise CheckpointError(f"{path}: {name} has shape {value.shape}, the model expects "
-                                  f"{params[name].shape}; re-run convert")

@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from edge0_eval.errors import CheckpointError
-from edge0_eval.engine.moe import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
+from edge0_eval.engine.moe_blocks import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
 
 LayerHook = Callable[[int, mx.array], mx.array]
 # How a decoder layer is called: call(i, layer, *args, **kwargs); training's served path uses it
