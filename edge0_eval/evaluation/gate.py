@@ -32,7 +32,8 @@ from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report, paired
 from edge0_eval.evaluation.predictions import strict_loads
-from edge0_eval.evaluation.report import SCHEMA, settings_differences
+from edge0_eval.evaluation.report import SCHEMA
+from edge0_eval.evaluation.settings import settings_differences
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
 DEFAULT_MAX_DROP = 2.0

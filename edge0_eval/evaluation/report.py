@@ -26,6 +26,7 @@ from edge0_eval.evaluation.benchmarks import Benchmark, benchmark_for
 from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Run, expand_outputs,
                                             load_dataset_result, load_run)
 from edge0_eval.evaluation.predictions import engine_summary, strict_loads
+from edge0_eval.evaluation.settings import arm_settings, settings_differences
 from edge0_eval.evaluation.report_writers import write_report
 
 SCHEMA = "edge0-eval/report/v1"
@@ -192,37 +193,6 @@ def _collect_arm(abbr: str, run: Run) -> dict[str, tuple[Benchmark, ArmBench]]:
         ab.notes += [f"{abbr}/{dataset}: {n}" for n in res.notes]
         ab.status = res.status if len(ab.datasets) == 1 else _worse(ab.status, res.status)
     return by_bench
-
-
-def arm_settings(abbr: str, run: Run, benches: dict) -> dict | None:
-    """{generation: the model's GENERATION_FIELDS, scoring: dataset -> SCORING_FIELDS} from
-    the run's config dump; None without one."""
-    if run.settings is None or abbr not in run.settings:
-        return None
-    datasets = [d for _, ab in benches.values() for d in ab.datasets]
-    return {"generation": run.settings[abbr],
-            "scoring": {d: run.scoring[d] for d in datasets if d in (run.scoring or {})}}
-
-
-def settings_differences(settings: dict, reference: str, other: dict | None = None) -> list[str]:
-    """Each field whose value differs between an arm and `reference` (in `other`, e.g. the
-    baseline's arms, when given; else among `settings` themselves), named with both values."""
-    problems = []
-    for arm, st in settings.items():
-        ref = (other or settings).get(arm if other is not None else reference)
-        if st is None or ref is None or (other is None and arm == reference):
-            continue
-        against = f"baseline {arm}" if other is not None else reference
-        for key, value in st["generation"].items():
-            if key in ref["generation"] and ref["generation"][key] != value:
-                problems.append(f"{arm} {key} {value!r}, {against} {ref['generation'][key]!r}")
-        for dataset, fields in st["scoring"].items():
-            theirs = ref["scoring"].get(dataset)
-            for key, value in (fields.items() if theirs else ()):
-                if key in theirs and theirs[key] != value:
-                    problems.append(f"{arm} {dataset} {key} {value!r}, {against} "
-                                    f"{theirs[key]!r}")
-    return problems
 
 
 def _worse(a: str, b: str) -> str:
