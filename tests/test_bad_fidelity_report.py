@@ -256,3 +256,17 @@ def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
         bad = _write(tmp_path / "bad.json", section)
         accepted += outcome(lambda: load_report(str(bad)))[0] == "accepted"
     assert accepted > FUZZ_N // 2
+
+
+@pytest.mark.parametrize("per_item", [{"0": "1"}, {"0": 1.5}, ["0"], {"0": None}])
+def test_gate_refuses_corrupt_per_item_outcomes(per_item, tmp_path):
+    """The paired tests read every per-item score: a corrupt one is one error naming the file,
+    not a TypeError inside the test."""
+    row = {"benchmark": "GPQA-Diamond", "status": "ok", "items": 1, "version": "abc",
+           "teacher": 100.0, "student": 100.0, "gap": 0.0, "delta_half_width": None,
+           "arms": {"teacher": {"status": "ok", "per_item": {"0": 1.0}},
+                    "student": {"status": "ok", "per_item": per_item}}}
+    bad = _write(tmp_path / "r.json", None, [row])
+    expect_clear_error(lambda: load_report(str(bad)), bad)
+    row["arms"]["student"]["per_item"] = {"0": 1.0}          # the control
+    assert load_report(str(_write(tmp_path / "ok.json", None, [row])))

@@ -90,3 +90,22 @@ def test_graded_scores_use_the_permutation_test():
     assert low <= fails / runs <= high
     worse = {k: max(0.0, v - 0.5) for k, v in base.items()}
     assert graded_change(base, worse).p_value < DEFAULT_ALPHA
+
+
+def test_graded_drop_caught_where_the_printed_power_says():
+    """The permutation test's printed detectable drop (a normal approximation) holds too:
+    IFBench-like instruction shares, 60 items, a 15-point drop."""
+    rng = np.random.default_rng(16)
+    rates = rng.uniform(0.4, 0.9, 60)
+
+    def draw(drop):
+        base = rng.binomial(4, rates) / 4
+        return _as_items(base), _as_items(rng.binomial(4, np.clip(rates - drop / 100, 0, 1)) / 4)
+    runs = 300
+    said = [c for c in (graded_change(*draw(15.0)) for _ in range(runs)) if c.detectable <= 15]
+    assert len(said) > runs // 2
+    caught = sum(c.p_value < DEFAULT_ALPHA for c in said) / len(said)
+    assert caught >= _interval(POWER, len(said))[0], caught
+    # Items that all agree still say what they could see (one item's change, at least).
+    same = _as_items(rng.binomial(4, rates) / 4)
+    assert graded_change(same, dict(same)).detectable is not None

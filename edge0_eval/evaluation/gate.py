@@ -163,6 +163,13 @@ def load_report(path: str) -> dict:
                 raise Edge0Error(f"{where}: {key} is {value!r}, not a finite number")
         if row.get("version") is not None and not isinstance(row["version"], str):
             raise Edge0Error(f"{where}: version is {row['version']!r}, not a string")
+        for arm, entry in arms.items():
+            per_item = entry.get("per_item")
+            # The paired tests read these: each an item's score, a share in [0, 1].
+            if per_item is not None and not (isinstance(per_item, dict) and all(
+                    _number(v) and 0 <= v <= 1 for v in per_item.values())):
+                raise Edge0Error(f"{where}: arm {arm!r} per_item must map item ids to scores "
+                                 f"in [0, 1]; make it again with `edge0-eval report`")
         if row["status"] == "ok":
             missing = [a for a in ("teacher", "student") if a not in arms]
             if missing:

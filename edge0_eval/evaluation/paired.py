@@ -140,16 +140,20 @@ def graded_change(base: dict[str, float], now: dict[str, float], alpha: float = 
     ids = sorted(set(base) & set(now))
     d = np.array([base[i] - now[i] for i in ids], dtype=np.float64) * 100.0
     n = len(d)
-    if n == 0 or not np.any(d):
-        return PairedChange(n, 0.0, 1.0, None, test="permutation-midp")
+    if n == 0:
+        return PairedChange(0, 0.0, 1.0, None, test="permutation-midp")
+    # Normal approximation for power: one-sided z at alpha plus z at POWER, times the se of the
+    # permutation distribution, with at least one item's full change (the churn floor of
+    # binary_change), so items that all agree still state what they can see.
+    se = float(np.sqrt(max((d ** 2).mean(), 100.0 ** 2 / n) / n))
+    detectable = (NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(POWER)) * se
+    if not np.any(d):
+        return PairedChange(n, 0.0, 1.0, detectable, test="permutation-midp")
     observed = d.mean()
     signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=(_PERMUTATIONS, n))
     means = (signs * d).mean(axis=1)
     p = float((means > observed).mean() + 0.5 * (means == observed).mean())
-    # Normal approximation for power: one-sided z at alpha plus z at POWER, times the se.
-    se = float(np.sqrt((d ** 2).mean() / n))        # the permutation distribution's sd
-    z = NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(POWER)
-    return PairedChange(n, float(observed), p, z * se, test="permutation-midp")
+    return PairedChange(n, float(observed), p, detectable, test="permutation-midp")
 
 
 def change(base: dict[str, float], now: dict[str, float], alpha: float = DEFAULT_ALPHA
