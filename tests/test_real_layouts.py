@@ -145,3 +145,16 @@ def test_convert_holds_about_one_layer_at_a_time(layout, tmp_path):
     convert(src, tmp_path / "out", progress=False)
     # One layer's experts are an eighth of this source; all of them would be the whole.
     assert mx.get_peak_memory() < weights / 4
+
+
+def test_expert_scales_whose_dtype_changes_by_layer_are_refused(tiny_qwen_q4, tmp_path):
+    """One bundle layout serves every layer: a layer whose scales are float32 while the
+    others' are float16 is refused naming it (the last layer's dtype would have won)."""
+    src = tmp_path / "src"
+    mlx_vlm_style(tiny_qwen_q4, src)
+    weights = dict(mx.load(str(src / "model.safetensors")))
+    name = "language_model.model.layers.2.mlp.switch_mlp.up_proj.scales"
+    weights[name] = weights[name].astype(mx.float32)
+    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _refused(src, tmp_path, "layers.2.mlp.switch_mlp.up_proj.scales is float32.*one bundle "
+                            "layout is needed")

@@ -207,7 +207,7 @@ def _describe_layers(by_layer: dict[int, tuple]) -> str:
 def _plan_quantized(ckpt, model, bits, group_size, switches):
     """SRC already quantized: bits/group as mlx-lm's load inferred them; nothing is requantized."""
     modules = dict(model.named_modules())
-    by_layer, specs = {}, {}
+    by_layer = {}
     for layer, sw in switches.items():
         found = set()
         for proj in sw.dims:
@@ -217,10 +217,10 @@ def _plan_quantized(ckpt, model, bits, group_size, switches):
                                       f"config.json has a 'quantization' entry; every routed "
                                       f"expert must be quantized (or the whole source float)")
             found.add((m.bits, m.group_size, m.mode))
-            for part in PARTS:
-                name = f"{sw.path}.{proj}.{part}"
-                if name in ckpt:
-                    specs[f"{proj}.{part}"] = (ckpt.shape(name)[1:], ckpt.dtype(name))
+            if m.mode == "affine" and ckpt.dtype(f"{sw.path}.{proj}.weight") != "uint32":
+                raise CheckpointError(f"{ckpt.path}: {sw.path}.{proj}.weight is "
+                                      f"{ckpt.dtype(f'{sw.path}.{proj}.weight')}, not the packed "
+                                      f"uint32 an affine quantized tensor is")
         if len(found) != 1:
             raise CheckpointError(f"{ckpt.path}: layer {layer}'s experts mix quantizations "
                                   f"{sorted(found)}; one bits/group size per layer is needed")
@@ -242,7 +242,22 @@ def _plan_quantized(ckpt, model, bits, group_size, switches):
             raise ConfigError(f"{ckpt.path} is already quantized ({qbits} bits, group {qgroup}); "
                               f"{flag} {given} would need requantization, which convert does not "
                               f"do: drop {flag} or start from an fp16/bf16 checkpoint")
+    specs = {}
+    for sw in switches.values():
+        for proj in sw.dims:
+            for part in PARTS:
+                name = f"{sw.path}.{proj}.{part}"
+                _same_spec(ckpt, specs, f"{proj}.{part}", name,
+                           (ckpt.shape(name)[1:], ckpt.dtype(name)))
     return qbits, qgroup, specs
+
+
+def _same_spec(ckpt, specs: dict, part: str, source: str, spec: tuple) -> None:
+    """One bundle layout serves every layer: a part's shape and dtype must not change."""
+    if specs.setdefault(part, spec) != spec:
+        raise CheckpointError(f"{ckpt.path}: {source} is {spec[1]} {spec[0]} per expert, earlier "
+                              f"layers' {part} {specs[part][1]} {specs[part][0]}; one bundle "
+                              f"layout is needed for all layers")
 
 
 def _plan_float(ckpt, model, bits, group_size, switches):
@@ -272,10 +287,7 @@ def _plan_float(ckpt, model, bits, group_size, switches):
                            f"{proj}.scales": ([out_dim, in_dim // g], dtype),
                            f"{proj}.biases": ([out_dim, in_dim // g], dtype)}
             for name, spec in layer_specs.items():
-                if specs.setdefault(name, spec) != spec:
-                    raise CheckpointError(f"{ckpt.path}: {sw.path}.{proj} differs in shape or "
-                                          f"dtype from earlier layers' experts; one bundle "
-                                          f"layout is needed for all layers")
+                _same_spec(ckpt, specs, name, f"{sw.path}.{proj}", spec)
     return qconfig, qmodel, specs
 
 
