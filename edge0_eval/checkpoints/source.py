@@ -1,4 +1,5 @@
-"""Reading a checkpoint mlx-lm loads: safetensors headers checked up front, tensors read lazily.
+"""Reading a checkpoint mlx-lm loads: safetensors headers checked up front (engine/checks.py's
+format check), tensors read lazily.
 
 The tensors are MLX's lazy loads (`mx.load` reads a tensor's bytes only when it is evaluated),
 passed through the model's own mlx-lm `sanitize` as `mlx_lm.load` does, so every layout mlx-lm
@@ -16,52 +17,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import _decode_tagged_floats
 
+from edge0_eval.engine.checks import read_safetensors_header
 from edge0_eval.errors import CheckpointError
-
-# safetensors dtype code -> (our dtype string, numpy dtype). bfloat16 travels as raw uint16.
-_ST_DTYPES = {
-    "F16": ("float16", np.float16), "BF16": ("bfloat16", np.uint16), "F32": ("float32", np.float32),
-    "F64": ("float64", np.float64), "U32": ("uint32", np.uint32), "I32": ("int32", np.int32),
-    "U8": ("uint8", np.uint8), "I8": ("int8", np.int8), "U16": ("uint16", np.uint16),
-    "I16": ("int16", np.int16), "I64": ("int64", np.int64), "U64": ("uint64", np.uint64),
-    "BOOL": ("bool", np.bool_),
-}
-
-
-class SafetensorsFile:
-    """One safetensors file: header parsed and checked up front, tensors read on demand."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        size = path.stat().st_size
-        try:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise ValueError("shorter than the 8-byte header length")
-                n = int.from_bytes(head, "little")
-                if n > size - 8 or n > 100 * 2**20:
-                    raise ValueError(f"header length {n} exceeds the file size {size} "
-                                     f"(truncated?)")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            self._data_start = 8 + n
-            self.tensors: dict[str, tuple[str, list[int], int, int]] = {}
-            for name, info in header.items():
-                code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-                if code not in _ST_DTYPES:
-                    raise ValueError(f"tensor {name} has unsupported dtype {code}")
-                want = int(np.prod(shape)) * np.dtype(_ST_DTYPES[code][1]).itemsize
-                if end - begin != want or begin < 0:
-                    raise ValueError(f"tensor {name}: offsets {begin}..{end} do not match its shape")
-                if self._data_start + end > size:
-                    raise ValueError(f"tensor {name} ends at byte {self._data_start + end} "
-                                     f"but the file has {size} bytes (truncated?)")
-                self.tensors[name] = (code, list(shape), begin, end)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{path} is not a valid safetensors file ({exc}); "
-                                  f"re-download or re-save the checkpoint") from None
-
 
 class Checkpoint:
     """A checkpoint directory: config plus lazily read tensors spread over one or more shards.
@@ -84,13 +41,15 @@ class Checkpoint:
             raise CheckpointError(f"{config_path} is not valid JSON ({exc})") from None
         if not isinstance(self.config, dict):
             raise CheckpointError(f"{config_path} is not a JSON object")
-        self.files = [SafetensorsFile(p) for p in self._weight_files()]
+        self.files = self._weight_files()
         self.weights: dict[str, mx.array] = {}
         for f in self.files:
+            # The header by the format's rules first: MLX is never handed a malformed one.
+            read_safetensors_header(f, "checkpoint shard", "re-download or re-save the checkpoint")
             try:
-                self.weights.update(mx.load(str(f.path)))
+                self.weights.update(mx.load(str(f)))
             except (RuntimeError, ValueError) as exc:
-                raise CheckpointError(f"{f.path} cannot be read by MLX ({exc}); re-download "
+                raise CheckpointError(f"{f} cannot be read by MLX ({exc}); re-download "
                                       f"or re-save the checkpoint") from None
 
     def _weight_files(self) -> list[Path]:
@@ -160,7 +119,7 @@ class Checkpoint:
         return arr
 
     def source_files(self) -> list[Path]:
-        return [self.path / "config.json"] + [f.path for f in self.files]
+        return [self.path / "config.json"] + list(self.files)
 
 
 def to_numpy(arr) -> np.ndarray:
