@@ -322,9 +322,10 @@ def _edge0_layout(arrays: dict[str, mx.array], path: Path) -> dict[str, mx.array
                 raise CheckpointError(f"{path}: key {k!r} has shape {tuple(v.shape)}: LoRA on "
                                       f"routed experts (mlx-lm's LoRASwitchLinear) is not "
                                       f"served; the streamed experts stay as converted")
-            # mlx-lm computes (x @ lora_a) @ lora_b: ours are the transposes.
+            # mlx-lm computes (x @ lora_a) @ lora_b: ours are the transposes, copied once so
+            # every decode step's matmul reads a contiguous matrix, not a strided view.
             suffix = SUFFIX_A if k.endswith(_MLX_A) else SUFFIX_B
-            out[k[: -len(_MLX_A)] + suffix] = v.T
+            out[k[: -len(_MLX_A)] + suffix] = mx.contiguous(v.T)
         return out
     return arrays
 
