@@ -212,12 +212,14 @@ def _check_fidelity(path: str, fid) -> None:
         if not (_number(value) and low <= value <= high):
             bad(where, f"is {value!r}, not a finite number in [{low:g}, {high:g}]")
 
+    def whole(where: str, value):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            bad(where, f"is {value!r}, not a whole number >= 0")
+
     if not isinstance(fid, dict) or not isinstance(fid.get("arms"), dict):
         raise Edge0Error(f"{path}: fidelity must be an object with an 'arms' object; {fix}")
-    for key in ("items",):
-        if key in fid and not (isinstance(fid[key], int) and not isinstance(fid[key], bool)
-                               and fid[key] >= 0):
-            bad(f" {key}", f"is {fid[key]!r}, not a whole number >= 0")
+    if "items" in fid:
+        whole(" items", fid["items"])
     for arm, entry in fid["arms"].items():
         where = f" arm {arm!r}"
         if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
@@ -228,9 +230,8 @@ def _check_fidelity(path: str, fid) -> None:
             if f"{key}_half_width" in entry:
                 number(f"{where}: {key}_half_width", entry[f"{key}_half_width"], 0.0, math.inf,
                        optional=True)
-        if "items" in entry and not (isinstance(entry["items"], int) and not isinstance(
-                entry["items"], bool) and entry["items"] >= 0):
-            bad(f"{where}: items", f"is {entry['items']!r}, not a whole number >= 0")
+        if "items" in entry:
+            whole(f"{where}: items", entry["items"])
     per_item = fid.get("per_item", {})
     if not isinstance(per_item, dict):
         bad(" per_item", "is not an object")
