@@ -18,6 +18,8 @@ from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
+from edge0_eval.engine.sampling_options import (FILTER_KEYS, PENALTY_KEYS, check_filters,
+                                                check_penalties, penalties_of)
 from edge0_eval.errors import ConfigError
 
 # HUMAN/BOT/SYSTEM items of an OpenCompass PromptList map onto chat roles. SYSTEM is a reserved
@@ -33,10 +35,10 @@ DEFAULT_META_TEMPLATE = dict(
 _ROLE_MAP = {'HUMAN': 'user', 'BOT': 'assistant', 'SYSTEM': 'system',
              'user': 'user', 'assistant': 'assistant', 'system': 'system'}
 
-# Sampling options both arms understand. Anything else in generation_kwargs is refused at
-# construction so a typo cannot silently change one arm's decoding.
-SAMPLING_KEYS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty', 'do_sample',
-                 'seed')
+# Sampling options both arms understand (edge0_eval/engine/sampling_options.py: mlx-lm's
+# filters and penalties). Anything else in generation_kwargs is refused at construction so a
+# typo cannot silently change one arm's decoding.
+SAMPLING_KEYS = (*FILTER_KEYS, *PENALTY_KEYS, 'do_sample', 'seed')
 
 
 def to_messages(prompt: Any) -> List[Dict[str, str]]:
@@ -91,8 +93,8 @@ def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, A
     if unknown:
         raise ConfigError(f'{arm}: unsupported generation_kwargs {unknown}; '
                           f'supported: {", ".join(SAMPLING_KEYS)}')
-    opts = {'temperature': 0.0, 'top_p': 1.0, 'top_k': 0, 'min_p': 0.0,
-            'repetition_penalty': None, 'seed': 0}
+    opts = {'temperature': 0.0, 'top_p': 1.0, 'top_k': 0, 'min_p': 0.0, 'seed': 0,
+            **{key: None for key in PENALTY_KEYS}}
     for key in opts:
         if generation_kwargs.get(key) is not None:
             opts[key] = generation_kwargs[key]
@@ -100,17 +102,38 @@ def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, A
         opts['temperature'] = 0.0
     if opts['temperature'] < 0 or not 0 < opts['top_p'] <= 1:
         raise ConfigError(f'{arm}: temperature must be >= 0 and top_p in (0, 1]')
+    try:
+        check_filters(opts['top_k'], opts['min_p'])
+        check_penalties(penalties_of(opts))
+    except ConfigError as exc:
+        raise ConfigError(f'{arm}: generation_kwargs: {exc}') from None
     return opts
 
 
-def row_seed(seed: int, prompt_ids: List[int]) -> int:
-    """One sample's sampling seed, from the configured seed and its prompt alone.
+def check_sample_indices(sample_indices, count: int, arm: str) -> List[int]:
+    """One whole number >= 0 per prompt (None: sample 0 of every prompt)."""
+    if sample_indices is None:
+        return [0] * count
+    samples = list(sample_indices)
+    if len(samples) != count or any(isinstance(j, bool) or not isinstance(j, int) or j < 0
+                                    for j in samples):
+        raise ConfigError(f'{arm}: sample_indices must hold one whole number >= 0 per prompt '
+                          f'({count}), not {samples!r}')
+    return samples
+
+
+def row_seed(seed: int, prompt_ids: List[int], sample: int = 0) -> int:
+    """One sample's sampling seed, from the configured seed, its prompt and its sample index.
 
     So a sample never depends on its batch mates, its place in a batch or what ran before it:
     a run is reproducible at any `batch_size` and after a resume, and each question draws its
-    own stream (one prompt asked twice draws the same one).
+    own stream. `sample` tells a question's repeats apart (OpenCompass's dataset `n` copies a
+    prompt unchanged; the inferencer passes each copy's index): copy j of a question draws the
+    same stream in every run, and sample 0 keeps the seed it had before repeats existed.
     """
     text = f'{int(seed)}:' + ','.join(str(int(t)) for t in prompt_ids)
+    if sample:
+        text += f'#{int(sample)}'
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'little') & 0x7FFFFFFF
 
 
@@ -257,28 +280,33 @@ class ChatModelBase(BaseModel):
 
     # -- OpenCompass entry points ------------------------------------------------------------
     def generate(self, inputs: List[Any], max_out_len: int, min_out_len: Optional[int] = None,
-                 stopping_criteria: Optional[List[str]] = None, **kwargs) -> List[str]:
+                 stopping_criteria: Optional[List[str]] = None,
+                 sample_indices: Optional[List[int]] = None, **kwargs) -> List[str]:
+        """sample_indices: per input, which of its question's repeats it is (the inferencer
+        passes them; None: 0 for every input). A repeat draws its own seed (`row_seed`)."""
         if self.tokenizer_only:
             raise RuntimeError(f'{self.arm} was built with tokenizer_only=True')
         if kwargs:
             self.logger.debug(f'{self.arm}: ignoring per-call kwargs {sorted(kwargs)}')
+        samples = check_sample_indices(sample_indices, len(inputs), self.arm)
         stop_words = list(dict.fromkeys(self.stop_words + list(stopping_criteria or [])))
         stop_ids = self._stop_token_ids(stop_words)
         prompts = [self._fit_prompt(self.encode_prompt(p), max_out_len) for p in inputs]
-        seeds = [row_seed(self.sampling['seed'], ids) for ids in prompts]
+        seeds = [row_seed(self.sampling['seed'], ids, j) for ids, j in zip(prompts, samples)]
         start = time.perf_counter()
         rows = self._generate_batch(prompts, max_out_len, stop_ids, stop_words, seeds)
         wall = time.perf_counter() - start
         if len(rows) != len(prompts):
             raise RuntimeError(f'{self.arm}: {len(rows)} outputs for {len(prompts)} prompts')
         outputs = []
-        for ids, seed, (tokens, stats) in zip(prompts, seeds, rows):
+        for ids, seed, sample, (tokens, stats) in zip(prompts, seeds, samples, rows):
             text, hit = trim_at_stop(self.tokenizer.decode(tokens), stop_words)
             # wall_s: this row's own time (from the call's start in a batch); batch_* keys
             # hold the figures of the whole batch it ran in.
             stats = {'prompt_tokens': len(ids), 'tokens': len(tokens),
                      'wall_s': round(float(stats.pop('wall_s', wall)), 4),
-                     'stop_word': hit, 'seed': seed, 'batch_size': len(prompts), **stats}
+                     'stop_word': hit, 'seed': seed, 'sample': sample,
+                     'batch_size': len(prompts), **stats}
             self._record(stats)
             outputs.append(text)
         return outputs

@@ -15,6 +15,7 @@ from opencompass.registry import MODELS
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions, MissingAdapterError
+from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
 
@@ -84,34 +85,26 @@ class Edge0Model(ChatModelBase):
         self.engine = None
         super().__init__(path=path, **kwargs)
 
-    @staticmethod
-    def _check_sampling(s: Dict[str, Any]) -> None:
-        """The engine samples with temperature, top_p, top_k and min_p (mlx-lm's sampler chain);
-        refuse what it would ignore."""
-        if s['repetition_penalty'] is not None:
-            raise ConfigError("student: the engine does not support ['repetition_penalty']; "
-                              "keep both arms' generation settings to temperature, top_p, "
-                              "top_k and min_p")
+    def _sampling(self) -> Dict[str, Any]:
+        """The engine's sampling arguments: mlx-lm's filters and penalties, as the teacher's."""
+        s = self.sampling
+        return dict(temperature=float(s['temperature']), top_p=float(s['top_p']),
+                    top_k=int(s['top_k']), min_p=float(s['min_p']), penalties=penalties_of(s))
 
     def _load(self, tokenizer_only: bool):
         if tokenizer_only:
             return load_tokenizer(Path(self.path))
-        self._check_sampling(self.sampling)
         self.engine = Engine.load(self.path, self.engine_options)
         return self.engine.tokenizer
 
     def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
                          stop_words: List[str], seed: int) -> tuple[List[int], Dict[str, Any]]:
         """One prompt: Engine.generate, the batch_size 1 path."""
-        s = self.sampling
         mx.reset_peak_memory()  # the engine reports the peak since this point: per sample
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
         with wired_limit(self.engine.model):
-            result = self.engine.generate(prompt_ids, max_tokens,
-                                          temperature=float(s['temperature']),
-                                          top_p=float(s['top_p']), stop_token_ids=set(stop_ids),
-                                          seed=seed, top_k=int(s['top_k']),
-                                          min_p=float(s['min_p']))
+            result = self.engine.generate(prompt_ids, max_tokens, stop_token_ids=set(stop_ids),
+                                          seed=seed, **self._sampling())
         return self._row(result, max_tokens, stop_ids, stop_words, evicted)
 
     def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
@@ -120,16 +113,13 @@ class Edge0Model(ChatModelBase):
         """Several prompts at once: Engine.generate_batch, each row on its own seed."""
         if len(prompts) == 1:
             return super()._generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)
-        s = self.sampling
         mx.reset_peak_memory()
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
         start = time.perf_counter()
         with wired_limit(self.engine.model):
             results = self.engine.generate_batch(prompts, max_tokens,
-                                                 temperature=float(s['temperature']),
-                                                 top_p=float(s['top_p']),
                                                  stop_token_ids=set(stop_ids), seeds=list(seeds),
-                                                 top_k=int(s['top_k']), min_p=float(s['min_p']))
+                                                 **self._sampling())
         batch_wall = round(time.perf_counter() - start, 4)
         rows = []
         for result in results:

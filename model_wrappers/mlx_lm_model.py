@@ -17,6 +17,7 @@ from opencompass.registry import MODELS
 from edge0_eval.engine.mlx_compat import (COMPUTE_DTYPES, cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
 from edge0_eval.engine.sampling import row_sampler
+from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
 
@@ -64,7 +65,8 @@ class MLXLMModel(ChatModelBase):
                            min_p=float(s['min_p']), top_k=int(s['top_k']))
 
     def _processors(self):
-        return make_logits_processors(repetition_penalty=self.sampling['repetition_penalty'])
+        """mlx-lm's penalties; mlx-lm hands them the row's prompt and generated tokens."""
+        return make_logits_processors(**penalties_of(self.sampling))
 
     def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
                          stop_words: List[str], seed: int) -> tuple[List[int], Dict[str, Any]]:

@@ -197,17 +197,37 @@ def test_student_missing_adapters_fail_before_loading(edge0_qwen, tmp_path, monk
         Edge0Model(path=str(edge0_qwen), mode='streaming', no_lora=True)
 
 
-def test_student_refuses_sampling_options_the_engine_ignores(edge0_qwen, monkeypatch):
+BAD_SAMPLING = [
+    (dict(repetition_penalty=0), 'repetition_penalty must be a number > 0'),
+    (dict(repetition_penalty='1.1'), 'repetition_penalty must be a number > 0'),
+    (dict(presence_penalty=float('nan')), 'presence_penalty must be a finite number'),
+    (dict(frequency_penalty=True), 'frequency_penalty must be a finite number'),
+    (dict(presence_penalty=1.5, presence_context_size=0), 'presence_context_size must be a whole'),
+    (dict(repetition_context_size=64), 'repetition_context_size has no effect without'),
+    (dict(top_k=-1), 'top_k must be a whole number'),
+    (dict(top_k=2.5), 'top_k must be a whole number'),
+    (dict(min_p=1.0), 'min_p must be a number in'),
+]
+
+
+@pytest.mark.parametrize('gen,message', BAD_SAMPLING, ids=[m.split()[0] + str(i)
+                                                           for i, (_, m) in enumerate(BAD_SAMPLING)])
+def test_both_arms_refuse_bad_sampling_values_before_loading(edge0_qwen, tiny_qwen, monkeypatch,
+                                                             gen, message):
     from edge0_eval.engine.engine import Engine
+    from model_wrappers import mlx_lm_model
     from model_wrappers.edge0_model import Edge0Model
 
     def no_load(*a, **k):
-        raise AssertionError('the engine must not load')
+        raise AssertionError('the model must not load')
 
     monkeypatch.setattr(Engine, 'load', no_load)
-    with pytest.raises(ConfigError, match="does not support \\['repetition_penalty'\\]"):
-        Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True,
-                   generation_kwargs=dict(temperature=0.6, repetition_penalty=1.1))
+    monkeypatch.setattr(mlx_lm_model, 'load', no_load)
+    gen = dict(temperature=0.6, **gen)
+    with pytest.raises(ConfigError, match=f'student: generation_kwargs: {message}'):
+        Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True, generation_kwargs=gen)
+    with pytest.raises(ConfigError, match=f'teacher: generation_kwargs: {message}'):
+        mlx_lm_model.MLXLMModel(path=str(tiny_qwen), generation_kwargs=gen)
 
 
 @pytest.mark.parametrize('key,value', [('prerouted_weights', 'head')])

@@ -101,8 +101,10 @@ class BatchDecoder:
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
         seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
-        # sampling: RowSampler's keyword arguments (temperature, top_p, top_k, min_p).
-        self.samplers = [RowSampler(seed=int(s), **sampling) for s in seeds]
+        # sampling: RowSampler's keyword arguments (temperature, top_p, top_k, min_p,
+        # penalties); a row's penalties see its own prompt.
+        self.samplers = [RowSampler(seed=int(s), prompt=p, **sampling)
+                         for s, p in zip(seeds, self.prompts)]
         # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
         self.logits_trace = logits_trace
         if logits_trace is not None:

@@ -281,16 +281,17 @@ class Engine:
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, stop_token_ids: set[int] | None = None,
-                 seed: int | None = None, top_k: int = 0, min_p: float = 0.0
-                 ) -> GenerationResult:
+                 seed: int | None = None, top_k: int = 0, min_p: float = 0.0,
+                 penalties: dict | None = None) -> GenerationResult:
         """One sequence. Sampling draws from the row's own key (`seed`, default options.seed;
         see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
-        seed s, sampled or greedy."""
+        seed s, sampled or greedy. penalties: mlx-lm's (sampling_options.PENALTY_KEYS), on the
+        prompt and the tokens generated."""
         stop = self._stop_ids(stop_token_ids)
         if seed is not None:
             check_seed(seed)
         sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed),
-                             top_k=top_k, min_p=min_p)
+                             top_k=top_k, min_p=min_p, prompt=prompt_tokens, penalties=penalties)
         self.reset()
         before = self._snapshot()
         t0 = time.perf_counter()
@@ -313,6 +314,7 @@ class Engine:
                        batch_size: int | None = None, temperature: float = 0.0,
                        top_p: float = 1.0, stop_token_ids: set[int] | None = None,
                        seeds: list[int] | None = None, top_k: int = 0, min_p: float = 0.0,
+                       penalties: dict | None = None,
                        logits_trace: list | None = None) -> list[GenerationResult]:
         """Decode many prompts, `batch_size` rows at a time (None: all at once); continuous
         batching: when a row finishes, the next waiting prompt joins (engine/batch.py).
@@ -331,13 +333,14 @@ class Engine:
         expert). That buffer is the batch's expert_buffer_mib / slots_per_layer in the stats;
         afterwards the pool returns to the configured size.
 
-        logits_trace: a list, filled with one list per prompt of the logits [vocab] each of
-        its tokens was sampled from (parity checks).
+        logits_trace: a list, filled with one list per prompt of the model's logits [vocab]
+        each of its tokens was sampled from, before any penalty (parity checks).
         """
         rows_at_once = check_batch_args(prompts, max_tokens, batch_size, seeds)
         decoder = BatchDecoder(self, prompts, max_tokens, rows_at_once,
                                dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                                    min_p=min_p), self._stop_ids(stop_token_ids), seeds,
+                                    min_p=min_p, penalties=penalties),
+                               self._stop_ids(stop_token_ids), seeds,
                                logits_trace)
         configured = self.resolved.slots_per_layer
         self.reset()

@@ -1,0 +1,145 @@
+"""Both arms draw mlx-lm's sampler's tokens: filters and penalties, solo and batched.
+
+The reference is mlx-lm itself: `make_logits_processors` on the row's prompt and the tokens
+drawn so far, then `make_sampler`'s chain drawing from MLX's global stream seeded with the row's
+seed (a row's key is `mx.random.key(seed)`, split once per token, which is what the global
+stream does after `mx.random.seed(seed)`). Each arm's tokens are replayed from the logits the
+model actually produced: the student's from `Engine.generate_batch`'s trace, the teacher's from a
+recording logits processor placed ahead of mlx-lm's own. A fault injection shows the replay
+sees a penalty that forgets the prompt.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from edge0_eval.engine import batch as batch_module
+from edge0_eval.engine.sampling import RowSampler
+from edge0_eval.engine.sampling_options import penalties_of
+from model_wrappers.chat import row_seed
+from model_wrappers.edge0_model import Edge0Model
+from model_wrappers.mlx_lm_model import MLXLMModel
+
+PROMPTS = ['What is 2 + 2?', 'Tell me a long story about a dragon and a castle by the sea.',
+           'Hi', 'Explain gravity in simple words to a child of five, with an example.']
+# The model card's thinking settings plus the other filter and penalty (tiny vocabulary: a
+# short presence window so the prompt's tokens leave it while the row runs).
+CARD = dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, seed=3)
+ALL = dict(CARD, min_p=0.02, repetition_penalty=1.3, presence_context_size=12,
+           frequency_penalty=0.4)
+N = 16
+
+
+def mlx_lm_tokens(prompt: list[int], logits: list[mx.array], seed: int, gen: dict) -> list[int]:
+    """mlx-lm's draw, token by token, from the model's logits [V] of one row."""
+    processors = make_logits_processors(**penalties_of(gen))
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=gen['temperature'], top_p=gen.get('top_p', 0.0),
+                           min_p=gen.get('min_p', 0.0), top_k=gen.get('top_k', 0))
+    history, out = list(prompt), []
+    for row in logits:
+        x = row.reshape(1, -1)
+        for processor in processors:
+            x = processor(mx.array(history), x)
+        x = x.reshape(-1)      # a row is drawn as a [V] vector (engine/sampling.py says why)
+        token = int(sampler(x - mx.logsumexp(x, keepdims=True)).item())
+        out.append(token)
+        history.append(token)
+    return out
+
+
+@pytest.fixture(scope='module')
+def student_model(edge0_qwen):
+    return Edge0Model(path=str(edge0_qwen), mode='reactive', no_lora=True, no_prerouter=True,
+                      top_k=2, slots_per_layer=4, generation_kwargs=ALL)
+
+
+def student_rows(model, gen: dict, trace: list | None = None, seeds=None):
+    prompts = [model.encode_prompt(p) for p in PROMPTS]
+    seeds = seeds or [row_seed(gen['seed'], p) for p in prompts]
+    rows = model.engine.generate_batch(
+        prompts, N, temperature=gen['temperature'], top_p=gen.get('top_p', 1.0),
+        top_k=gen.get('top_k', 0), min_p=gen.get('min_p', 0.0), penalties=penalties_of(gen),
+        seeds=seeds, stop_token_ids=set(), logits_trace=trace, batch_size=3)
+    return prompts, seeds, [r.tokens for r in rows]
+
+
+@pytest.mark.parametrize('gen', [CARD, ALL], ids=['card', 'all'])
+def test_student_draws_mlx_lm_tokens_solo_and_batched(student_model, gen):
+    model = student_model
+    trace: list = []
+    prompts, seeds, batched = student_rows(model, gen, trace)
+    for prompt, seed, tokens, logits in zip(prompts, seeds, batched, trace):
+        assert tokens == mlx_lm_tokens(prompt, logits, seed, gen)
+    sampling = dict(temperature=gen['temperature'], top_p=gen['top_p'], top_k=gen['top_k'],
+                    min_p=gen.get('min_p', 0.0), penalties=penalties_of(gen))
+    solo = [model.engine.generate(p, N, seed=s, stop_token_ids=set(), **sampling).tokens
+            for p, s in zip(prompts, seeds)]
+    assert solo == batched
+    # The penalties act: without them the same keys draw other tokens.
+    plain = {k: v for k, v in gen.items() if k not in penalties_of(gen)}
+    assert student_rows(model, plain, seeds=seeds)[2] != batched
+
+
+def test_replay_sees_a_penalty_that_forgets_the_prompt(student_model, monkeypatch):
+    model = student_model
+    _, _, good = student_rows(model, ALL)
+
+    def without_prompt(*args, prompt=(), **kwargs):
+        return RowSampler(*args, **kwargs)
+
+    monkeypatch.setattr(batch_module, 'RowSampler', without_prompt)
+    trace: list = []
+    prompts, seeds, bad = student_rows(model, ALL, trace)
+    assert bad != good
+    assert any(t != mlx_lm_tokens(p, lg, s, ALL)
+               for p, s, t, lg in zip(prompts, seeds, bad, trace))
+
+
+class Recorder:
+    """A logits processor ahead of the teacher's own: keeps each row's raw logits [V]."""
+
+    def __init__(self):
+        self.rows: list[list[mx.array]] = []
+
+    def processors(self, real):
+        seen: list[mx.array] = []
+        self.rows.append(seen)
+
+        def record(tokens, logits):
+            seen.append(logits[0])     # a new array: the penalties below write into `logits`
+            return logits
+        return [record, *real]
+
+
+@pytest.mark.parametrize('gen', [CARD, ALL], ids=['card', 'all'])
+def test_teacher_draws_mlx_lm_tokens_solo_and_batched(tiny_qwen, monkeypatch, gen):
+    model = MLXLMModel(path=str(tiny_qwen), generation_kwargs=gen)
+    prompts = [model.encode_prompt(p) for p in PROMPTS]
+    seeds = [row_seed(gen['seed'], p) for p in prompts]
+    stops = model._stop_token_ids([])
+    real = MLXLMModel._processors
+    for batch in (True, False):
+        rec = Recorder()
+        monkeypatch.setattr(MLXLMModel, '_processors', lambda self: rec.processors(real(self)))
+        if batch:
+            rows = model._generate_batch(prompts, N, stops, [], seeds)
+        else:
+            rows = [model._generate_batch([p], N, stops, [], [s])[0]
+                    for p, s in zip(prompts, seeds)]
+        assert len(rec.rows) == len(prompts)
+        for prompt, seed, (tokens, _), logits in zip(prompts, seeds, rows, rec.rows):
+            # mlx-lm may compute a step past a row's end; a drawn EOS ends it, not output.
+            want = mlx_lm_tokens(prompt, logits, seed, gen)
+            assert tokens == want[:len(tokens)]
+            assert len(tokens) == N or want[len(tokens)] in stops
+        if batch:
+            batched = [t for t, _ in rows]
+        else:
+            assert [t for t, _ in rows] == batched
+    monkeypatch.setattr(MLXLMModel, '_processors', real)
+    plain = MLXLMModel(path=str(tiny_qwen), generation_kwargs={
+        k: v for k, v in gen.items() if k not in penalties_of(gen)})
+    assert [t for t, _ in plain._generate_batch(prompts, N, stops, [], seeds)] != batched
