@@ -1,20 +1,39 @@
-"""GenInferencer that writes the model's per-sample engine stats beside the predictions.
+"""GenInferencer that tells the model which repeat each prompt is, and writes the model's
+per-sample engine stats beside the predictions.
 
-OpenCompass's inferencer, not the model, knows where a dataset's predictions go, so it is the
-one place that can put `predictions/<model>/<dataset>.engine_stats.json` next to
+Repeats: OpenCompass's dataset `n` concatenates the dataset n times (opencompass/datasets/
+base.py), so copy j of item i arrives as the same prompt at position j * N + i of the whole
+test set (N items; its evaluator scores the same slices as replicas). The model cannot tell
+copies apart, so the inferencer passes each prompt's copy index (`sample_indices`) to
+`generate`, which seeds copy j apart (`chat.row_seed`). A task may hold a slice of the test set
+(`reader_cfg.test_range`, e.g. a NumWorkerPartitioner chunk), so positions come from the
+layout the project's partitioners hand the inferencer (`repeats`, see
+model_wrappers/partitioner.py), never from counting prompts in one task.
+
+Stats: OpenCompass's inferencer, not the model, knows where a dataset's predictions go, so it is
+the one place that can put `predictions/<model>/<dataset>.engine_stats.json` next to
 `predictions/<model>/<dataset>.json`. The file is a JSON list with one dict per prediction
-generated in this run (keys include index, tokens, prompt_tokens, decode_tok_s, prefill_tok_s,
-peak_memory_gib, wall_s, finish_reason, cache).
+generated in this run (keys include index, item — the dataset row's `idx` —, sample, seed,
+tokens, prompt_tokens, decode_tok_s, prefill_tok_s, peak_memory_gib, wall_s, finish_reason,
+cache).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import os.path as osp
+from collections import deque
+from typing import List, Optional
 
+from datasets import Dataset
+from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 from opencompass.openicl.icl_inferencer import GenInferencer
 from opencompass.registry import ICL_INFERENCERS
+from opencompass.utils.logging import get_logger
+
+from edge0_eval.errors import ConfigError
 
 
 def stats_path(prediction_dir: str, prediction_file: str) -> str:
@@ -22,20 +41,98 @@ def stats_path(prediction_dir: str, prediction_file: str) -> str:
     return osp.join(prediction_dir, f'{stem}.engine_stats.json')
 
 
+def sample_indices(count: int, items: Optional[List[int]], repeats: Optional[dict],
+                   where: str) -> List[int]:
+    """Each of the `count` test rows' copy index among the dataset's `n` copies.
+
+    items: the rows' `idx` column (None if the dataset has none). repeats: the partitioner's
+    layout, dict(copies=n, items=N, test_range=...) (None: no layout was given).
+    """
+    if not repeats or repeats.get('copies', 1) == 1:
+        if repeats is None and items is not None and len(set(items)) < len(items):
+            raise ConfigError(
+                f'{where}: the test set repeats its items (dataset n > 1) but the inferencer '
+                f'was given no layout to tell the copies apart; run it with the project\'s '
+                f'partitioner (model_wrappers.partitioner.Edge0Partitioner or '
+                f'Edge0NumWorkerPartitioner), which passes each copy\'s position')
+        return [0] * count
+    copies, size = int(repeats['copies']), int(repeats['items'])
+    whole = Dataset.from_dict({'position': list(range(copies * size))})
+    positions = load_partial_dataset(whole, size=repeats.get('test_range'))['position']
+    if len(positions) != count or (items is not None and
+                                   any(i != p % size for i, p in zip(items, positions))):
+        raise ConfigError(f'{where}: the test rows do not sit where {copies} copies of {size} '
+                          f'items sliced by test_range {repeats.get("test_range")!r} put them; '
+                          f'the dataset changed since partitioning: run it again')
+    return [p // size for p in positions]
+
+
+class _Sampled:
+    """The model as GenInferencer calls it: each batch's `generate` gets its prompts' sample
+    indices, in the order the inferencer's dataloader hands out the batches."""
+
+    def __init__(self, model, batches: deque):
+        self._model, self._batches = model, batches
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def generate_from_template(self, templates, max_out_len: int, **kwargs):
+        samples = self._batches.popleft()
+        if len(samples) != len(templates):
+            raise RuntimeError(f'{len(templates)} prompts for {len(samples)} sample indices')
+        return self._model.generate_from_template(templates, max_out_len=max_out_len,
+                                                  sample_indices=samples, **kwargs)
+
+
 @ICL_INFERENCERS.register_module()
 class Edge0GenInferencer(GenInferencer):
+    """GenInferencer + sample indices for repeats + per-sample engine stats.
+
+    repeats: how this task's test rows sit among the dataset's `n` copies, set by the project's
+    partitioners (dict(copies, items, test_range)); not a key to write in a config.
+    """
+
+    def __init__(self, *args, repeats: Optional[dict] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.repeats = repeats
+        self._samples: Optional[List[int]] = None
+        self._batches: deque = deque()
+
+    def get_dataloader(self, datalist, batch_size):
+        """GenInferencer's dataloader over the prompts left (after a resume: the last ones);
+        queues their sample indices batch by batch."""
+        if self._samples is not None:
+            left = self._samples[len(self._samples) - len(datalist):]
+            size = batch_size or 1
+            self._batches.extend(left[i:i + size] for i in range(0, len(left), size))
+        return GenInferencer.get_dataloader(datalist, batch_size)
 
     def inference(self, retriever, ice_template=None, prompt_template=None,
                   output_json_filepath=None, output_json_filename=None):
         out_dir = output_json_filepath or self.output_json_filepath
         out_file = output_json_filename or self.output_json_filename
-        pop = getattr(self.model, 'pop_sample_stats', None)
+        test = retriever.test_ds
+        items = list(test['idx']) if 'idx' in test.column_names else None
+        samples = sample_indices(len(test), items, self.repeats, osp.join(out_dir, out_file))
+        model = self.model
+        takes_samples = 'sample_indices' in inspect.signature(model.generate).parameters
+        pop = getattr(model, 'pop_sample_stats', None)
         if pop is not None:
             pop()  # drop anything recorded outside this dataset
-        results = super().inference(retriever, ice_template=ice_template,
-                                    prompt_template=prompt_template,
-                                    output_json_filepath=output_json_filepath,
-                                    output_json_filename=output_json_filename)
+        if takes_samples:
+            self._samples, self._batches = samples, deque()
+            self.model = _Sampled(model, self._batches)
+        elif any(samples):
+            get_logger().warning(f'{out_file}: {type(model).__name__}.generate takes no '
+                                 f'sample_indices: its repeats are drawn as it draws them')
+        try:
+            results = super().inference(retriever, ice_template=ice_template,
+                                        prompt_template=prompt_template,
+                                        output_json_filepath=output_json_filepath,
+                                        output_json_filename=output_json_filename)
+        finally:
+            self.model, self._samples = model, None
         if pop is not None and self.is_main_process:
             stats = pop()
             total = len(results) if results else len(stats)
@@ -43,6 +140,8 @@ class Edge0GenInferencer(GenInferencer):
             first = max(total - len(stats), 0)
             for offset, item in enumerate(stats):
                 item['index'] = first + offset
+                if items is not None and item['index'] < len(items):
+                    item['item'] = items[item['index']]
             os.makedirs(out_dir, exist_ok=True)
             with open(stats_path(out_dir, out_file), 'w', encoding='utf-8') as f:
                 json.dump(stats, f, indent=1)

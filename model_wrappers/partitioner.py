@@ -9,12 +9,14 @@ lazy-import mode, where project code cannot run at parse time; hence the check l
 
 from __future__ import annotations
 
+import copy
 import os
 import re
-from typing import Iterable, List
+from typing import Dict, Iterable, List
 
 from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
+from opencompass.utils import build_dataset_from_cfg
 
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
@@ -105,9 +107,42 @@ def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool 
                          '  - ' + '\n  - '.join(problems))
 
 
+def repeat_layout(dataset: dict, sizes: Dict[str, int]) -> dict:
+    """Where a dataset's test rows sit among its `n` copies, for Edge0GenInferencer's sample
+    indices: dict(copies=n, items=N, test_range=the task's slice). N is read by building the
+    dataset unsliced (only when n > 1); `sizes` caches it across a dataset's slices."""
+    copies = dataset.get('n', 1)
+    if copies == 1:
+        return dict(copies=1)
+    whole = copy.deepcopy(dataset)
+    for key in ('abbr', 'infer_cfg', 'eval_cfg'):
+        whole.pop(key, None)
+    whole['reader_cfg'].pop('test_range', None)
+    key = repr(whole)
+    if key not in sizes:
+        sizes[key] = len(build_dataset_from_cfg(whole).test)
+    if sizes[key] % copies:
+        raise SystemExit(f'edge0-eval: {dataset.get("abbr")}: {sizes[key]} test rows are not '
+                         f'{copies} (n) equal copies')
+    return dict(copies=copies, items=sizes[key] // copies,
+                test_range=dataset['reader_cfg'].get('test_range'))
+
+
+def add_repeat_layouts(tasks: List[dict]) -> List[dict]:
+    """Give every Edge0GenInferencer of every task its dataset's `repeat_layout`."""
+    sizes: Dict[str, int] = {}
+    for task in tasks:
+        for datasets in task['datasets']:
+            for dataset in datasets:
+                inferencer = dataset['infer_cfg']['inferencer']
+                if _type_name(inferencer) == 'Edge0GenInferencer':
+                    inferencer['repeats'] = repeat_layout(dataset, sizes)
+    return tasks
+
+
 @PARTITIONERS.register_module()
 class Edge0Partitioner(NaivePartitioner):
-    """NaivePartitioner + `preflight`.
+    """NaivePartitioner + `preflight` + `add_repeat_layouts`.
 
     Args:
         full_data: require the full benchmarks' item counts (False for fixtures/smoke runs).
@@ -124,12 +159,13 @@ class Edge0Partitioner(NaivePartitioner):
 
     def __call__(self, cfg):
         preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
-        return super().__call__(cfg)
+        return add_repeat_layouts(super().__call__(cfg))
 
 
 @PARTITIONERS.register_module()
 class Edge0NumWorkerPartitioner(NumWorkerPartitioner):
-    """NumWorkerPartitioner + `preflight`: splits each dataset into item chunks across
+    """NumWorkerPartitioner + `preflight` + `add_repeat_layouts` (a chunk's inferencer learns
+    where its rows sit among the copies): splits each dataset into item chunks across
     `num_worker` tasks per arm (several student workers on one node share the page cache).
 
     It sizes datasets by loading them once and caches the sizes in `dataset_size_path`
@@ -144,4 +180,4 @@ class Edge0NumWorkerPartitioner(NumWorkerPartitioner):
 
     def __call__(self, cfg):
         preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
-        return super().__call__(cfg)
+        return add_repeat_layouts(super().__call__(cfg))

@@ -210,8 +210,8 @@ BAD_SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize('gen,message', BAD_SAMPLING, ids=[m.split()[0] + str(i)
-                                                           for i, (_, m) in enumerate(BAD_SAMPLING)])
+@pytest.mark.parametrize('gen,message', BAD_SAMPLING,
+                         ids=[f'{m.split()[0]}{i}' for i, (_, m) in enumerate(BAD_SAMPLING)])
 def test_both_arms_refuse_bad_sampling_values_before_loading(edge0_qwen, tiny_qwen, monkeypatch,
                                                              gen, message):
     from edge0_eval.engine.engine import Engine
