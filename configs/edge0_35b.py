@@ -12,6 +12,10 @@
 # Arms (EDGE0_ARMS, comma-separated; default teacher,student; configs/tiers/edge0_arms.py says
 # what each is): teacher, student (K=4, LoRA), int4_exact, prerouted_nolora.
 # Shared settings (generation, arms, partitioning, summary): configs/tiers/edge0_tier.py.
+# Sampling (EDGE0_SAMPLING; configs/tiers/edge0_tier.py says why): `opencompass` (default),
+# temperature 0.6, top_p 0.95; or `card`, the Qwen3.5/3.6 card's thinking settings for general
+# tasks, temperature 1.0, top_p 0.95, top_k 20, presence_penalty 1.5 (mlx-lm's penalty: the
+# last 20 tokens, prompt included). Identical on every arm.
 from mmengine.config import read_base
 
 with read_base():

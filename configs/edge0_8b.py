@@ -12,6 +12,8 @@
 # Arms (EDGE0_ARMS, comma-separated; default teacher,student; configs/tiers/edge0_arms.py says
 # what each is): teacher, student (native top-8, LoRA), int4_exact, prerouted_nolora.
 # Shared settings (generation, arms, partitioning, summary): configs/tiers/edge0_tier.py.
+# Sampling (EDGE0_SAMPLING; configs/tiers/edge0_tier.py says why): `opencompass`, temperature
+# 0.6, top_p 0.95, on every arm; the Qwen card's `card` settings are the 35B tier's only.
 from mmengine.config import read_base
 
 with read_base():

@@ -143,3 +143,44 @@ def test_teacher_draws_mlx_lm_tokens_solo_and_batched(tiny_qwen, monkeypatch, ge
     plain = MLXLMModel(path=str(tiny_qwen), generation_kwargs={
         k: v for k, v in gen.items() if k not in penalties_of(gen)})
     assert [t for t, _ in plain._generate_batch(prompts, N, stops, [], seeds)] != batched
+
+
+def _tier_sampling(tmp_path, sampling: str | None) -> dict:
+    """Each tier config's generation_kwargs per arm (or its refusal) under EDGE0_SAMPLING."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from edge0_eval.demo import offline_env
+
+    configs = Path(__file__).resolve().parent.parent / 'configs'
+    code = ('import json\nfrom mmengine.config import Config\nout = {}\n'
+            'for name in ("edge0_35b", "edge0_8b"):\n'
+            '    try:\n'
+            f'        cfg = Config.fromfile({str(configs)!r} + f"/{{name}}.py")\n'
+            '        out[name] = {m["abbr"]: m["generation_kwargs"] for m in cfg["models"]}\n'
+            '    except SystemExit as exc:\n'
+            '        out[name] = str(exc)\n'
+            'print(json.dumps(out))\n')
+    env = offline_env({k: 'x' for k in ('EDGE0_35B_TEACHER', 'EDGE0_35B_STUDENT',
+                                        'EDGE0_8B_TEACHER', 'EDGE0_8B_STUDENT')})
+    env.update(EDGE0_ARMS='teacher,student,int4_exact')
+    env.pop('EDGE0_SAMPLING', None)
+    if sampling is not None:
+        env['EDGE0_SAMPLING'] = sampling
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tier_configs_state_one_sampling_for_every_arm(tmp_path):
+    default = _tier_sampling(tmp_path, None)
+    for tier in ('edge0_35b', 'edge0_8b'):
+        assert list(default[tier].values()) == [dict(temperature=0.6, top_p=0.95, seed=0)] * 3
+    card = _tier_sampling(tmp_path, 'card')
+    assert list(card['edge0_35b'].values()) == [dict(temperature=1.0, top_p=0.95, top_k=20,
+                                                     presence_penalty=1.5, seed=0)] * 3
+    assert "EDGE0_SAMPLING='card' is not a sampling of the 8b tier" in card['edge0_8b']
+    assert 'choose from opencompass, card' in _tier_sampling(tmp_path, 'vendor')['edge0_35b']

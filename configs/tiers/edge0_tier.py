@@ -3,8 +3,8 @@
 #
 # Generation settings, identical for every arm (see configs/README.md):
 #   thinking on (chat template enable_thinking=True, ignored by a template without that switch;
-#   the <think> block is removed before scoring), temperature 0.6, top_p 0.95, seed 0, at most
-#   32768 new tokens, prompt + output within 40960 tokens, one sample per question.
+#   the <think> block is removed before scoring), sampling below (EDGE0_SAMPLING), seed 0, at
+#   most 32768 new tokens, prompt + output within 40960 tokens, one sample per question.
 import os
 
 from mmengine.config import read_base
@@ -25,9 +25,31 @@ with read_base():
 # (`edge0-eval fidelity make`, laid out by `edge0-eval data stage --fidelity FILE`).
 datasets = edge0_datasets + edge0_fidelity_datasets
 
+# Sampling, chosen by EDGE0_SAMPLING (default `opencompass`), the same for every arm of a run
+# (`report` refuses to pair arms, and `gate` a baseline, sampled otherwise):
+#   opencompass  temperature 0.6, top_p 0.95: OpenCompass's setting for reasoning models
+#                (docs/en/user_guides/deepseek_r1.md in its package), so scores sit beside
+#                OpenCompass-style references, and the one the prerouter hedge's sampled
+#                precision was measured at (reports/hedge). Neither tier's card setting is used by
+#                default: the Qwen card's penalty means another thing under mlx-lm (below), the
+#                card's temperature 1.0 draws more varied samples, so a paired gate sees more
+#                churn (less power) per item, and OpenCompass gives a model one setting for all
+#                benchmarks, so a coding-only value cannot apply to HumanEval alone.
+#   card         35B only: the thinking settings copies of the Qwen3.5/3.6 model card recommend
+#                for general tasks, temperature 1.0, top_p 0.95, top_k 20, presence_penalty 1.5
+#                (temperature 0.6 for precise coding). mlx-lm's semantics, on both arms: the
+#                presence penalty acts on the last 20 tokens, the prompt included
+#                (presence_context_size), where the vLLM/OpenAI definition the card assumes acts on
+#                every generated token and none of the prompt; and the prerouter hedge drafts the
+#                next token without penalties. The 8B tier (Ling) has no card setting gathered.
+edge0_tier_sampling = {
+    'opencompass': {'35b': dict(temperature=0.6, top_p=0.95),
+                    '8b': dict(temperature=0.6, top_p=0.95)},
+    'card': {'35b': dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)},
+}
+edge0_sampling = os.environ.get('EDGE0_SAMPLING') or 'opencompass'
 generation = dict(
     max_out_len=32768, max_seq_len=40960,
-    generation_kwargs=dict(temperature=0.6, top_p=0.95, seed=0),
     chat_template_kwargs=dict(enable_thinking=True),
     pred_postprocessor=dict(type=extract_non_reasoning_content),
     run_cfg=dict(num_gpus=0),
@@ -72,12 +94,17 @@ for tier, student_settings in edge0_tier_students.items():
     edge0_tier_problems[tier] = (
         [f'edge0-eval: EDGE0_ARMS has unknown arms {edge0_unknown}; choose from '
          f'{", ".join(edge0_arms)}'] if edge0_unknown else
+        [f'edge0-eval: EDGE0_SAMPLING={edge0_sampling!r} is not a sampling of the {tier} tier; '
+         f'choose from {", ".join(k for k, v in edge0_tier_sampling.items() if tier in v)}']
+        if tier not in edge0_tier_sampling.get(edge0_sampling, {}) else
         [f'edge0-eval: {variables[role]} is not set: export it to {what}'
          for role, what in edge0_roles.items()
          if not paths[role] and any(edge0_arm_paths[a] == role for a in edge0_selected)])
-    edge0_tier_models[tier] = [] if edge0_unknown else [
+    edge0_tier_models[tier] = [] if (edge0_unknown or tier not in edge0_tier_sampling.get(
+        edge0_sampling, {})) else [
         dict(abbr=f'edge0-{tier}-' + arm.replace('_', '-'), path=paths[edge0_arm_paths[arm]],
              **edge0_arms[arm], **({} if arm == 'teacher' else student_settings), **generation,
+             generation_kwargs=dict(edge0_tier_sampling[edge0_sampling][tier], seed=0),
              batch_size=edge0_tier_batch[tier]['teacher' if arm == 'teacher' else 'student'])
         for arm in edge0_selected]
 
