@@ -15,6 +15,7 @@ from edge0_eval import cli_types as ct
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
+from edge0_eval.engine.sampling_options import check_filters, check_penalties
 from edge0_eval.errors import ConfigError
 from edge0_eval.jsonl import iter_jsonl
 
@@ -36,6 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=ct.positive_int, default=64)
     parser.add_argument("--temp", type=ct.nonneg_float, default=0.0)
     parser.add_argument("--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0)
+    # Sampling filters and penalties as mlx-lm's (engine/sampling_options.py); --top-k is the
+    # routing width, so the sampling one is --sample-top-k.
+    parser.add_argument("--sample-top-k", type=ct.nonneg_int, default=0,
+                        help="sample among the k most likely tokens (0: off)")
+    parser.add_argument("--min-p", type=ct.float_range(0.0, 1.0), default=0.0,
+                        help="drop tokens below min-p x the top token's probability (0: off)")
+    parser.add_argument("--presence-penalty", type=ct.finite_float, default=None,
+                        help="mlx-lm's: subtracted from the logits of the last 20 tokens "
+                             "(prompt included)")
+    parser.add_argument("--repetition-penalty", type=ct.positive_float, default=None,
+                        help="mlx-lm's: divides (multiplies if negative) the logits of the last "
+                             "20 tokens")
     parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file,
                         help="write generated token ids, text and stats here")
     add_engine_arguments(parser)
@@ -105,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--chat-template-config has no effect with --raw (no chat template is "
                           "applied); drop one of them")
     rows = read_prompts(args.prompts) if args.prompts is not None else None
+    check_filters(args.sample_top_k, args.min_p)
+    check_penalties(_penalties(args))
     engine = Engine.load(args.model, options_from_args(args))
     try:
         with wired_limit(engine.model):
@@ -117,12 +132,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _penalties(args) -> dict:
+    return {k: v for k, v in (("presence_penalty", args.presence_penalty),
+                              ("repetition_penalty", args.repetition_penalty)) if v is not None}
+
+
+def _sampling(args) -> dict:
+    """The engine's sampling arguments from the command line."""
+    return dict(temperature=args.temp, top_p=args.top_p, top_k=args.sample_top_k,
+                min_p=args.min_p, penalties=_penalties(args))
+
+
 def _run_one(engine: Engine, args) -> None:
     tok = engine.tokenizer
     prompt = _encode(tok, args.prompt, args.raw, args.chat_template_config)
     _check_context(engine, prompt, "--prompt")
-    result = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temp,
-                             top_p=args.top_p)
+    result = engine.generate(prompt, max_tokens=args.max_tokens, **_sampling(args))
     text = tok.decode(result.tokens)
     print(text)
     s = result.stats
@@ -140,8 +165,7 @@ def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None
         _check_context(engine, prompt, f"--prompts {args.prompts} row {row}")
     seeds = [engine.options.seed if seed is None else seed for _, seed in rows]
     results = engine.generate_batch(prompts, max_tokens=args.max_tokens,
-                                    batch_size=args.batch or 1, temperature=args.temp,
-                                    top_p=args.top_p, seeds=seeds)
+                                    batch_size=args.batch or 1, seeds=seeds, **_sampling(args))
     entries = []
     for i, ((text, _), prompt, result) in enumerate(zip(rows, prompts, results)):
         out = tok.decode(result.tokens)

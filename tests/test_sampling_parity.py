@@ -184,3 +184,34 @@ def test_tier_configs_state_one_sampling_for_every_arm(tmp_path):
                                                      presence_penalty=1.5, seed=0)] * 3
     assert "EDGE0_SAMPLING='card' is not a sampling of the 8b tier" in card['edge0_8b']
     assert 'choose from opencompass, card' in _tier_sampling(tmp_path, 'vendor')['edge0_35b']
+
+
+def test_generate_cli_samples_with_filters_and_penalties(edge0_qwen, tmp_path, capsys):
+    """`generate`'s --sample-top-k (its --top-k is the routing width), --min-p and penalties."""
+    import json
+
+    from edge0_eval.cli import main
+
+    def tokens(*argv) -> list[int]:
+        out = tmp_path / 'out.json'
+        assert main(['generate', str(edge0_qwen), '--prompt', PROMPTS[1], '--max-tokens', '12',
+                     '--json', str(out), *argv]) == 0
+        return json.loads(out.read_text())['tokens']
+
+    greedy = tokens('--temp', '0')
+    assert tokens('--temp', '1', '--sample-top-k', '1', '--seed', '5') == greedy
+    sampled = tokens('--temp', '1', '--seed', '5')
+    assert sampled != greedy                                          # so top-k 1 acted
+    # A token of the prompt's tail that the row draws is penalized (greedy repeats none).
+    assert tokens('--temp', '1', '--seed', '5', '--presence-penalty', '5') != sampled
+    assert tokens('--temp', '1', '--seed', '5', '--repetition-penalty', '1.0') == sampled
+    capsys.readouterr()
+    for argv, name in ((['--min-p', '1'], 'min_p'), (['--repetition-penalty', '0'],
+                                                     '--repetition-penalty'),
+                       (['--sample-top-k', '-1'], '--sample-top-k')):
+        try:
+            rc = main(['generate', str(edge0_qwen), '--prompt', 'x', *argv])
+        except SystemExit as exc:     # argparse
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2 and name in err and 'Traceback' not in err, err
