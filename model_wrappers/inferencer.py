@@ -116,7 +116,9 @@ class Edge0GenInferencer(GenInferencer):
         items = list(test['idx']) if 'idx' in test.column_names else None
         samples = sample_indices(len(test), items, self.repeats, osp.join(out_dir, out_file))
         model = self.model
-        takes_samples = 'sample_indices' in inspect.signature(model.generate).parameters
+        # A multi-round chat calls generate once per round: its batches carry no sample index.
+        takes_samples = (not self.multiround and
+                         'sample_indices' in inspect.signature(model.generate).parameters)
         pop = getattr(model, 'pop_sample_stats', None)
         if pop is not None:
             pop()  # drop anything recorded outside this dataset
@@ -124,8 +126,9 @@ class Edge0GenInferencer(GenInferencer):
             self._samples, self._batches = samples, deque()
             self.model = _Sampled(model, self._batches)
         elif any(samples):
-            get_logger().warning(f'{out_file}: {type(model).__name__}.generate takes no '
-                                 f'sample_indices: its repeats are drawn as it draws them')
+            get_logger().warning(f'{out_file}: no sample indices reach {type(model).__name__} '
+                                 f'(multi-round, or its generate takes none): its repeats are '
+                                 f'drawn as it draws them')
         try:
             results = super().inference(retriever, ice_template=ice_template,
                                         prompt_template=prompt_template,

@@ -8,18 +8,29 @@ the test set, so the copy comes from the partitioner's layout, never from counti
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from datasets import Dataset, concatenate_datasets
+from mmengine.config import Config
 from opencompass.datasets.base import BaseDataset
 from opencompass.openicl.icl_dataset_reader import load_partial_dataset
+from opencompass.utils import build_dataset_from_cfg
+from opencompass.utils.build import build_model_from_cfg
 
+from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
+from edge0_eval.demo import TINY_DATASETS, offline_env
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.fixtures import write_fixtures
 from model_wrappers.chat import row_seed
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.inferencer import sample_indices
 from model_wrappers.mlx_lm_model import MLXLMModel
+from model_wrappers.partitioner import Edge0NumWorkerPartitioner
 
 REPO = Path(__file__).resolve().parent.parent
 ITEMS = 5
@@ -67,12 +78,6 @@ def test_num_worker_slices_draw_every_item_and_copy_once(tmp_path, monkeypatch):
     """Edge0NumWorkerPartitioner splits an n = 4 dataset across workers; the layouts it hands
     the inferencers give each (item, copy) to exactly one row. Counting copies inside each
     slice (the design the layout replaces) collides."""
-    from mmengine.config import Config
-
-    from edge0_eval.evaluation.fixtures import write_fixtures
-    from model_wrappers.partitioner import Edge0NumWorkerPartitioner
-    from opencompass.utils import build_dataset_from_cfg
-
     data = tmp_path / 'data'
     write_fixtures(data)
     for key, value in dict(COMPASS_DATA_CACHE=str(data), EDGE0_TINY_TEACHER='unused',
@@ -159,18 +164,6 @@ def test_avg_at_4_on_the_tiny_suite_through_opencompass(tmp_path, monkeypatch):
     evaluators' replica averaging is OpenCompass's), the teacher arm (the student's `generate`
     takes the same sample indices: the wrapper test above): four different predictions per item,
     each one regenerated alone (batch_size 1, a rerun) by the model OpenCompass built."""
-    import json
-    import shutil
-    import subprocess
-    import sys
-
-    from mmengine.config import Config
-    from opencompass.utils.build import build_model_from_cfg
-
-    from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
-    from edge0_eval.demo import TINY_DATASETS, offline_env
-    from edge0_eval.evaluation.fixtures import write_fixtures
-
     teacher, data = tmp_path / 'teacher', tmp_path / 'data'
     write_tiny(teacher, TinyShape(family='qwen3_5_moe'))
     write_fixtures(data)

@@ -11,10 +11,17 @@ sees a penalty that forgets the prompt.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from edge0_eval.cli import main
+from edge0_eval.demo import offline_env
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.engine.sampling_options import penalties_of
@@ -147,13 +154,6 @@ def test_teacher_draws_mlx_lm_tokens_solo_and_batched(tiny_qwen, monkeypatch, ge
 
 def _tier_sampling(tmp_path, sampling: str | None) -> dict:
     """Each tier config's generation_kwargs per arm (or its refusal) under EDGE0_SAMPLING."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from edge0_eval.demo import offline_env
-
     configs = Path(__file__).resolve().parent.parent / 'configs'
     code = ('import json\nfrom mmengine.config import Config\nout = {}\n'
             'for name in ("edge0_35b", "edge0_8b"):\n'
@@ -188,10 +188,6 @@ def test_tier_configs_state_one_sampling_for_every_arm(tmp_path):
 
 def test_generate_cli_samples_with_filters_and_penalties(edge0_qwen, tmp_path, capsys):
     """`generate`'s --sample-top-k (its --top-k is the routing width), --min-p and penalties."""
-    import json
-
-    from edge0_eval.cli import main
-
     def tokens(*argv) -> list[int]:
         out = tmp_path / 'out.json'
         assert main(['generate', str(edge0_qwen), '--prompt', PROMPTS[1], '--max-tokens', '12',
