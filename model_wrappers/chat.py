@@ -185,7 +185,8 @@ class ChatModelBase(BaseModel):
     `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words, seed) -> (tokens, stats)`
     (one prompt) or `_generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)` (the
     batch OpenCompass hands `generate`: `batch_size` prompts per call). Every row's output and
-    sample must equal the same prompt's alone: its seed is `row_seed(seed, its prompt)`.
+    sample must equal the same prompt's alone: its seed is `row_seed(seed, its prompt, its sample
+    index)`.
 
     Args (beyond BaseModel's):
         generation_kwargs: sampling options (see SAMPLING_KEYS); identical keys for both arms.
