@@ -98,7 +98,7 @@ def test_truncation_that_differs_beyond_its_interval_is_flagged(tmp_path):
     assert gpqa["truncation_flags"] == []
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| AIME 2026 | accuracy, n=1 | 4 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | " \
-           "ok (truncation differs) |" in md
+           "ok (truncation differs: student) |" in md
     assert "| AIME 2026 | student | 4 | 4 (100.0%) | 0 | +100.0 ±0.0 FLAG |" in md
 
 

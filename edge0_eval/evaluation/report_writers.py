@@ -133,8 +133,10 @@ def _markdown(report: dict) -> str:
                                           items=None, version=None)]:
         status = r.get("status") or ("complete" if r["complete"] else
                                      f"over {len(r['benchmarks'])} ok")
-        if r.get("truncation_flags"):
-            status += " (truncation differs)"
+        flagged = [a for a, v in (r.get("arms") or {}).items()
+                   if (v.get("truncation_vs_teacher") or {}).get("flag")]
+        if flagged:
+            status += f" (truncation differs: {', '.join(flagged)})"
         line = [r["benchmark"], _metric_label(r), r["items"] if r["items"] is not None else "",
                 _fmt(r["teacher"]), _fmt(r["student"]), _fmt(r["delta"], signed=True),
                 _ci_text(r), status, r["version"] or ""]
