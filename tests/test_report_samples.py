@@ -165,3 +165,23 @@ def test_a_v1_baseline_still_gates_with_a_note(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "is a edge0-eval/report/v1 report" in out and "regenerate it" in out
     assert "1 paired with the baseline" in out
+
+
+def test_the_gate_pairs_repeats_item_by_item(tmp_path, capsys):
+    """n = 4: the gate tests the items' means (a permutation test on 12 items), never the 48
+    samples as if independent; the same samples pass, a drop on every item fails."""
+    def report(name, student):
+        run = OCRun(tmp_path / name)
+        run.add(T, "aime2026", [[1, 1, 1, 0]] * 12)
+        run.add(S, "aime2026", student)
+        return make_report(tmp_path, run.finish(), name=name)
+
+    report("base", [[1, 1, 1, 1]] * 12)
+    report("same", [[1, 1, 1, 1]] * 12)
+    report("worse", [[1, 1, 0, 0]] * 12)
+    gate = ["gate", "--baseline", str(tmp_path / "base" / "report.json")]
+    capsys.readouterr()
+    assert main([*gate, str(tmp_path / "same" / "report.json")]) == 0
+    assert main([*gate, str(tmp_path / "worse" / "report.json")]) == 1
+    out = capsys.readouterr().out
+    assert "student dropped 50.00 (paired on 12 items, permutation-midp" in out
