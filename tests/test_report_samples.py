@@ -41,6 +41,10 @@ def test_every_sample_has_its_record(tmp_path):
     assert student["samples"]["3"] == [{"score": 1.0, "finish_reason": None,
                                         "thinking_closed": None, "output_tokens": None}]
     assert student["truncation"] is None
+    # this tree's datasets have no edge0_answer_text: OpenCompass's pass-through, said so
+    assert rep["open_thinking"]["rule"] == "pass"
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "- open thinking (an output cut inside `<think>`): pass: OpenCompass's" in md
 
 
 TEACHER_N4 = [[1, 1, 0, 1], [1, 0, 0, 0], [0, 0, 0, 0]]

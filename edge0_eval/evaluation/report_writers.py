@@ -117,6 +117,9 @@ def _markdown(report: dict) -> str:
         meaning = rule["meaning"].get(rule["rule"], "differs between datasets: "
                                       + ", ".join(f"{d} {r}" for d, r in rule["datasets"].items()))
         md.append(f"- open thinking (an output cut inside `<think>`): {rule['rule']}: {meaning}")
+    elif "rule" in rule:
+        md.append("- open thinking (an output cut inside `<think>`): rule unknown (no config "
+                  "dump to read the datasets' postprocessors from)")
     md.append("- metric: what each headline measures per sample, and samples per item (n=1: one; "
               "avg@n: the mean over n samples per item, then over items)")
     if has_ref:
