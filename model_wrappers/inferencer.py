@@ -1,5 +1,6 @@
-"""GenInferencer that tells the model which repeat each prompt is, and writes the model's
-per-sample engine stats beside the predictions.
+"""GenInferencer that tells the model which repeat each prompt is, writes the model's
+per-sample engine stats beside the predictions, and stores each prediction as the whole
+assistant turn.
 
 Repeats: OpenCompass's dataset `n` concatenates the dataset n times (opencompass/datasets/
 base.py), so copy j of item i arrives as the same prompt at position j * N + i of the whole
@@ -15,7 +16,12 @@ the one place that can put `predictions/<model>/<dataset>.engine_stats.json` nex
 `predictions/<model>/<dataset>.json`. The file is a JSON list with one dict per prediction
 generated in this run (keys include index, item — the dataset row's `idx` —, sample, seed,
 tokens, prompt_tokens, decode_tok_s, prefill_tok_s, peak_memory_gib, wall_s, finish_reason,
-cache).
+cache, model_identity).
+
+A thinking chat template opens the `<think>` block in the prompt, so the model's text alone
+would not show that its thinking never closed. Such a prediction is stored with the opener
+the prompt ended with ("<think>\\n" + output): the text the scorer's thinking rule reads
+(edge0_eval/evaluation/thinking.py) is the assistant turn as the model continued it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import json
 import os
 import os.path as osp
 from collections import deque
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from datasets import Dataset
 from opencompass.openicl.icl_dataset_reader import load_partial_dataset
@@ -34,6 +40,9 @@ from opencompass.registry import ICL_INFERENCERS
 from opencompass.utils.logging import get_logger
 
 from edge0_eval.errors import ConfigError
+
+from edge0_eval.evaluation.identity import model_identity
+from edge0_eval.evaluation.thinking import prompt_opener
 
 
 def stats_path(prediction_dir: str, prediction_file: str) -> str:
@@ -83,6 +92,31 @@ class _Sampled:
             raise RuntimeError(f'{len(templates)} prompts for {len(samples)} sample indices')
         return self._model.generate_from_template(templates, max_out_len=max_out_len,
                                                   sample_indices=samples, **kwargs)
+
+
+def store_thinking_openers(path: str, chat_text: Callable) -> int:
+    """Prefix each prediction in the predictions file at `path` whose chat-templated prompt
+    left a thinking block open with that opener; returns how many were."""
+    with open(path, encoding='utf-8') as f:
+        preds = json.load(f)
+    openers: dict[str, str] = {}
+    changed = 0
+    for item in preds.values():
+        key = json.dumps(item.get('origin_prompt'), sort_keys=True)
+        if key not in openers:
+            openers[key] = prompt_opener(chat_text(item.get('origin_prompt')))
+        opener, text = openers[key], item.get('prediction')
+        if not opener:
+            continue
+        if isinstance(text, str):
+            item['prediction'] = opener + text
+        elif isinstance(text, list):   # num_return_sequences > 1
+            item['prediction'] = [opener + t if isinstance(t, str) else t for t in text]
+        changed += 1
+    if changed:
+        with open(path, 'w', encoding='utf-8') as f:
+            json.dump(preds, f, indent=4, ensure_ascii=False)
+    return changed
 
 
 @ICL_INFERENCERS.register_module()
@@ -136,15 +170,23 @@ class Edge0GenInferencer(GenInferencer):
                                         output_json_filename=output_json_filename)
         finally:
             self.model, self._samples = model, None
-        if pop is not None and self.is_main_process:
+        if not self.is_main_process:
+            return results
+        chat_text = getattr(self.model, 'chat_text', None)
+        if chat_text is not None and osp.isfile(osp.join(out_dir, out_file)):
+            store_thinking_openers(osp.join(out_dir, out_file), chat_text)
+        if pop is not None:
             stats = pop()
             total = len(results) if results else len(stats)
             # After a resumed run only the new samples have stats: they are the last ones.
             first = max(total - len(stats), 0)
+            identity = model_identity(self.model.path,
+                                      getattr(self.model, 'engine_options', None))
             for offset, item in enumerate(stats):
                 item['index'] = first + offset
                 if items is not None and item['index'] < len(items):
                     item['item'] = items[item['index']]
+                item['model_identity'] = identity
             os.makedirs(out_dir, exist_ok=True)
             with open(stats_path(out_dir, out_file), 'w', encoding='utf-8') as f:
                 json.dump(stats, f, indent=1)

@@ -98,14 +98,17 @@ class OCRun:
         self.values: dict[tuple[str, str], dict | None] = {}   # (model, dataset) -> metrics
         self.model_settings: dict[str, dict] = {}    # model -> config keys (max_out_len, ...)
         self.evaluator = "opencompass.evaluator.MATHVerifyEvaluator"
+        self.n: dict[str, int] = {}                  # dataset -> replicas (the config's n)
 
     def add(self, model: str, dataset: str, correct, *, prompt: str = "{question}",
             loose=None, judge: bool = False, kind: str | None = None, failed: str | None = None,
             reported: float | None = None, engine: list[dict] | None = None,
             engine_file: list[dict] | None = None, shards: int = 1, details: bool = True,
-            outputs: list[str] | None = None):
+            outputs: list[str] | None = None, gold: str = "A"):
         """correct: per-item 0/1 (or per-replica lists). failed: 'missing' (no results file) or
-        'error' (results file with an error). reported: override the metric (inconsistency)."""
+        'error' (results file with an error). reported: override the metric (inconsistency).
+        engine, outputs: per prediction, in OpenCompass's order (with n replicas, the dataset
+        n times over: prediction r * items + k is replica r of item k)."""
         kind = kind or _kind(dataset)
         if model not in self.models:
             self.models.append(model)
@@ -113,9 +116,11 @@ class OCRun:
         assert self.prompts.setdefault(dataset, cfg) == cfg, "one prompt per dataset per run"
         reps = _replica_lists(correct)
         n_rep = len(reps[0])
+        if n_rep > 1:
+            self.n[dataset] = n_rep
 
-        preds = [{"origin_prompt": f"q{i}", "prediction": "x", "gold": "A"}
-                 for i in range(len(reps)) for _ in range(n_rep)]
+        preds = [{"origin_prompt": f"q{i}", "prediction": "x", "gold": gold}
+                 for _ in range(n_rep) for i in range(len(reps))]
         for p, stats in zip(preds, engine or []):
             p["engine_stats"] = stats
         for p, text in zip(preds, outputs or []):
@@ -195,7 +200,8 @@ class OCRun:
             datasets = [{"abbr": ds, "type": "opencompass.datasets.CustomDataset",
                          "path": f"opencompass/{ds}", "infer_cfg": cfg,
                          "reader_cfg": {"input_columns": ["question"], "output_column": "answer"},
-                         "eval_cfg": {"evaluator": {"type": self.evaluator}}}
+                         "eval_cfg": {"evaluator": {"type": self.evaluator}},
+                         **({"n": self.n[ds]} if ds in self.n else {})}
                         for ds, cfg in self.prompts.items()]
             models = [{"abbr": m, "type": "edge0_eval.model.Edge0Model",
                        **self.model_settings.get(m, {})} for m in self.models]

@@ -109,3 +109,69 @@ def test_graded_drop_caught_where_the_printed_power_says():
     # Items that all agree still say what they could see (one item's change, at least).
     same = _as_items(rng.binomial(4, rates) / 4)
     assert graded_change(same, dict(same)).detectable is not None
+
+
+# Several samples per item (dataset n = 4): the item is the unit. A harmless change moves each
+# item's rate a little in either direction (sd 0.2 here, redrawn per run), so an item's samples
+# share a shift; tests that count the 4 x 30 samples as independent items see that shared shift
+# as evidence and fail too often, the item-level (clustered) test does not.
+SAMPLES = 4
+
+
+def _clustered_run(rng, drop_points: float = 0.0) -> np.ndarray:
+    rates = np.clip(RATES + rng.normal(0, 0.2, ITEMS) - drop_points / 100, 0, 1)
+    return (rng.random((ITEMS, SAMPLES)) < rates[:, None]).astype(float)
+
+
+def _item_means(samples: np.ndarray) -> dict[str, float]:
+    return _as_items(samples.mean(axis=1))
+
+
+def _pooled_mid_p(base: np.ndarray, now: np.ndarray, u: float) -> float:
+    """The control: McNemar's randomized test on the samples as if independent items."""
+    c, b = int(((base == 1) & (now == 0)).sum()), int(((base == 0) & (now == 1)).sum())
+    m = b + c
+    if m == 0:
+        return 1.0
+    pmf = [math.comb(m, k) / 2 ** m for k in range(m + 1)]
+    return sum(pmf[c + 1:]) + u * pmf[c]
+
+
+def test_clustered_samples_fail_at_alpha_where_pooled_samples_do_not():
+    rng = np.random.default_rng(21)
+    clustered = pooled = 0
+    for _ in range(RUNS):
+        base, now = _clustered_run(rng), _clustered_run(rng)
+        clustered += change(_item_means(base), _item_means(now)).p_value < DEFAULT_ALPHA
+        pooled += _pooled_mid_p(base, now, rng.random()) < DEFAULT_ALPHA
+    low, high = _interval(DEFAULT_ALPHA, RUNS)
+    assert low <= clustered / RUNS <= high, clustered / RUNS
+    assert pooled / RUNS > high, pooled / RUNS       # the control sees the shared shifts
+
+
+def test_clustered_drop_caught_where_the_printed_power_says():
+    rng = np.random.default_rng(24)
+    drop, runs = 20.0, 300
+    checks = [change(_item_means(_clustered_run(rng)), _item_means(_clustered_run(rng, drop)))
+              for _ in range(runs)]
+    said = [c for c in checks if c.detectable is not None and c.detectable <= drop]
+    assert len(said) > runs // 2
+    caught = sum(c.p_value < DEFAULT_ALPHA for c in said) / len(said)
+    assert caught >= _interval(POWER, len(said))[0], caught
+
+
+@pytest.mark.parametrize("shift,one,four", [(0.0, (27, 35), (8, 12)), (0.2, (30, 38), (12, 17))])
+def test_samples_per_item_lower_the_detectable_drop(shift, one, four):
+    """The README's figures: AIME-sized, the median printed detectable drop over 150 simulated
+    unchanged runs, with one and with four samples per item (items keep their rates, or a
+    harmless change shifts each by sd `shift`)."""
+    rng = np.random.default_rng(5)
+
+    def median(samples: int) -> float:
+        def run():
+            rates = np.clip(RATES + rng.normal(0, shift, ITEMS), 0, 1)
+            return _as_items((rng.random((ITEMS, samples)) < rates[:, None]).mean(axis=1))
+        return float(np.median([change(run(), run()).detectable for _ in range(150)]))
+
+    assert one[0] <= median(1) <= one[1]
+    assert four[0] <= median(4) <= four[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.outputs import item_correctness
+from edge0_eval.evaluation.details import item_correctness
 from oc_tree import OCRun, infer_cfg, prompt_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_teacher_student_numbers(tmp_path):
     run_dir = standard_run(tmp_path)
     # default arms: two models, one named *teacher*; the work_dir stands for its latest run
     rep = make_report(tmp_path, run_dir.parent)
-    assert rep["schema"] == "edge0-eval/report/v1"
+    assert rep["schema"] == "edge0-eval/report/v2"
     assert rep["arms"]["teacher"]["abbr"] == T and rep["arms"]["student"]["abbr"] == S
     assert [r["benchmark"] for r in rep["benchmarks"]] == ORDER
     version = prompt_version(infer_cfg("{question}"))
@@ -140,7 +140,7 @@ def test_teacher_student_numbers(tmp_path):
     md = (out / "report.md").read_text()
     assert f"edge0-eval report {run_dir.parent} --out {out}" in md
     assert rep["created"][:10] in md
-    assert "| HumanEval | 5 | 80.00 | 60.00 | -20.00 | [-59.20, +19.20] | ok |" in md
+    assert "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-59.20, +19.20] | ok |" in md
     assert "| teacher | qwen-teacher-fp16 | n/a |" in md
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -333,21 +333,43 @@ def test_engine_stats(tmp_path):
     assert "| student | edge0-student | 13 | 28.46 | 4 | 156.00 | 155.56 | 3.10 | 454 | cold 5, warm 8 |" in md
 
 
-def test_reference_columns(tmp_path):
+def test_reference_columns_only_beside_the_same_definition(tmp_path):
+    """The published numbers stand beside a headline only when they measure the same thing
+    (metric and samples per item); otherwise the row says why they are left out."""
     ref = REPO / "reports" / "reference" / "edge0_35b.json"
     rep = make_report(tmp_path, standard_run(tmp_path), args=["--reference", str(ref)])
-    published = {"AIME 2026": (92.7, 86.6), "HumanEval": (95.1, 90.9),
-                 "GPQA-Diamond": (81.8, 79.8), "MMLU-Pro": (84.6, 81.0), "IFBench": (61.7, 57.9)}
-    for name, (t, s) in published.items():
+    shown = {"HumanEval": (95.1, 90.9), "GPQA-Diamond": (81.8, 79.8)}
+    for name, (t, s) in shown.items():
         assert rows(rep)[name]["reference"] == {"teacher": t, "student": s,
                                                  "delta": round(s - t, 10)}
-    assert rep["average"]["reference"] == {"teacher": 83.2, "student": 79.2, "delta": -4.0}
+        assert rows(rep)[name]["reference_omitted"] is None
+    why = {name: rows(rep)[name]["reference_omitted"] for name in ORDER if name not in shown}
+    assert rows(rep)["AIME 2026"]["reference"] is None
+    assert "several samples per item, this run 1 per item" in why["AIME 2026"]
+    assert "metric is not known" in why["MMLU-Pro"] and "categories" in why["MMLU-Pro"]
+    assert "no k/294" in why["IFBench"]
+    assert rows(rep)["IFBench"]["definition"]["text"] == (
+        "prompt-level strict accuracy; one sample per item")
+    assert rows(rep)["MMLU-Pro"]["definition"]["metric"] == "accuracy pooled per question"
+    assert rep["average"]["reference"] is None
+    assert "AIME 2026" in rep["average"]["reference_omitted"]
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| AIME 2026 | 4 | 75.00 | 50.00 | -25.00 | [-74.00, +24.00] | ok |" in md
-    assert "| 92.7 | 86.6 | -6.1 |" in md
+    assert "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-59.20, +19.20] | ok |" in md
+    assert "| 95.1 | 90.9 | -4.2 |" in md
+    assert "AIME 2026: reference left out: the reference averages several samples" in md
     with (tmp_path / "rep" / "report.csv").open() as f:
         table = {r["benchmark"]: r for r in csv.DictReader(f)}
-    assert table["MMLU-Pro"]["ref_delta"] == "-3.6"
+    assert table["GPQA-Diamond"]["ref_delta"] == "-2.0" and table["MMLU-Pro"]["ref_delta"] == ""
+
+    # With several samples per problem, AIME's multi-sample reference is of the same kind.
+    run = OCRun(tmp_path / "o4")
+    run.add(T, "aime2026", [[1, 1, 0, 1], [1, 0, 0, 0]])
+    run.add(S, "aime2026", [[1, 0, 0, 1], [0, 0, 0, 0]])
+    rep = make_report(tmp_path, run.finish(), args=["--reference", str(ref)], name="rep4")
+    aime = rows(rep)["AIME 2026"]
+    assert aime["definition"]["text"] == (
+        "accuracy; avg@4: the mean over 4 samples per item, then over items")
+    assert aime["reference"] == {"teacher": 92.7, "student": 86.6, "delta": -6.1}
 
 
 @pytest.mark.parametrize("name,table", [

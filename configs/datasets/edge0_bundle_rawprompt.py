@@ -6,13 +6,15 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.evaluators import CheckedIFBenchEvaluator, SubsetHumanEvalEvaluator
+from model_wrappers.evaluators import (CheckedIFBenchEvaluator, SubsetHumanEvalEvaluator,
+                                       edge0_answer_text)
 from model_wrappers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
 from opencompass.openicl.icl_evaluator import AccEvaluator
 from opencompass.utils.text_postprocessors import match_answer_pattern
 
 with read_base():
+    from .edge0_bundle import edge0_open_thinking   # the open-thinking rule, chosen once
     from opencompass.configs.datasets.aime2026.aime2026_cascade_eval_rawprompt_gen_0970dd import \
         aime2026_datasets as aime2026_raw_datasets
     from opencompass.configs.datasets.gpqa.gpqa_cascade_eval_rawprompt_gen_706039 import \
@@ -43,5 +45,9 @@ edge0_raw_datasets = [*aime2026_raw_datasets, *humaneval_raw_datasets, *gpqa_raw
 for d in edge0_raw_datasets:
     d['infer_cfg']['inferencer']['type'] = Edge0GenInferencer
     d['infer_cfg']['inferencer'].pop('max_out_len', None)
+    # First the thinking rule, then the dataset's own postprocessor (`then`).
+    d['eval_cfg']['pred_postprocessor'] = dict(
+        type=edge0_answer_text, then=d['eval_cfg'].get('pred_postprocessor'),
+        **edge0_open_thinking)
 
 del os  # a module in the config namespace would break the config dump OpenCompass re-reads

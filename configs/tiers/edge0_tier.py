@@ -3,8 +3,9 @@
 #
 # Generation settings, identical for every arm (see configs/README.md):
 #   thinking on (chat template enable_thinking=True, ignored by a template without that switch;
-#   the <think> block is removed before scoring), sampling below (EDGE0_SAMPLING), seed 0, at
-#   most 32768 new tokens, prompt + output within 40960 tokens, one sample per question.
+#   the <think> block is removed before scoring, and an output cut inside it scores as an empty
+#   answer: configs/datasets/ apply both), sampling below (EDGE0_SAMPLING), seed 0, at most
+#   32768 new tokens, prompt + output within 40960 tokens, one sample per question.
 import os
 
 from mmengine.config import read_base
@@ -13,7 +14,6 @@ from model_wrappers.partitioner import Edge0Partitioner
 from model_wrappers.summarizer import Edge0Summarizer
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
-from opencompass.utils.text_postprocessors import extract_non_reasoning_content
 
 with read_base():
     from ..datasets.edge0_bundle import (edge0_dataset_abbrs, edge0_datasets,
@@ -51,7 +51,6 @@ edge0_sampling = os.environ.get('EDGE0_SAMPLING') or 'opencompass'
 generation = dict(
     max_out_len=32768, max_seq_len=40960,
     chat_template_kwargs=dict(enable_thinking=True),
-    pred_postprocessor=dict(type=extract_non_reasoning_content),
     run_cfg=dict(num_gpus=0),
 )
 

@@ -20,6 +20,8 @@ class Benchmark:
     extra: tuple[tuple[str, str], ...] = ()   # (metric, detail key) reported alongside
     key: str | None = None             # staged name (`data stage --benchmarks`); None: none
     data_path: str | None = None       # relative to the data root, where OpenCompass 0.5.4 looks
+    definition: str | None = None      # what the headline measures per sample (report, refs)
+    pass_at_k: bool = False            # the benchmark defines pass@k (reported for n > 1)
 
 
 # The five paper benchmarks. IFBench's headline is prompt-level strict accuracy (what its
@@ -27,16 +29,18 @@ class Benchmark:
 # question (the official figure), not the summarizer's mean of categories.
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("AIME 2026", ("aime2026",), "accuracy", key="aime2026",
-              data_path="data/aime2026/aime2026.jsonl"),
+              data_path="data/aime2026/aime2026.jsonl", definition="accuracy"),
     Benchmark("HumanEval", ("openai_humaneval", "humaneval"), "humaneval_pass@1",
-              key="humaneval", data_path="data/humaneval/human-eval-v2-20210705.jsonl"),
+              key="humaneval", data_path="data/humaneval/human-eval-v2-20210705.jsonl",
+              definition="pass@1", pass_at_k=True),
     Benchmark("GPQA-Diamond", ("gpqa_diamond",), "accuracy", key="gpqa",
-              data_path="data/gpqa/gpqa_diamond.csv"),
+              data_path="data/gpqa/gpqa_diamond.csv", definition="accuracy"),
     Benchmark("MMLU-Pro", ("mmlu_pro_",), "accuracy", pooled=True, key="mmlu_pro",
-              data_path="data/mmlu_pro"),
+              data_path="data/mmlu_pro", definition="accuracy pooled per question"),
     Benchmark("IFBench", ("ifbench",), "Prompt-level-strict-accuracy", "is_strict_correct",
               extra=(("Prompt-level-loose-accuracy", "is_loose_correct"),), key="ifbench",
-              data_path="data/IFBench/IFBench_test.jsonl"),
+              data_path="data/IFBench/IFBench_test.jsonl",
+              definition="prompt-level strict accuracy"),
 )
 BY_KEY = {b.key: b for b in BENCHMARKS}
 

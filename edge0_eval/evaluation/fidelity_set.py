@@ -187,15 +187,19 @@ def vocab_problem(fset: dict, vocab_size: int) -> str | None:
     return None
 
 
-def fingerprint(path: str | Path) -> str:
-    """sha256 over config.json, the tokenizer files and every weight file's name, size and
-    safetensors header: cheap on a 70 GB teacher, yet any re-saved weight changes it."""
+def fingerprint(path: str | Path, weight_files: list[str] | None = None,
+                extra_files: tuple[str, ...] = ()) -> str:
+    """sha256 over config.json, the tokenizer files (and `extra_files`, whole) and every weight
+    file's name, size and safetensors header: cheap on a 70 GB teacher, yet any re-saved weight
+    changes it. weight_files: the names to include (default: every *.safetensors)."""
     path = Path(path)
     h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", *extra_files):
         if (path / name).is_file():
             h.update(name.encode() + b"\0" + (path / name).read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
+    names = sorted(p.name for p in path.glob("*.safetensors")) if weight_files is None \
+        else sorted(n for n in weight_files if (path / n).is_file())
+    for weights in (path / n for n in names):
         h.update(f"{weights.name}\0{weights.stat().st_size}\0".encode())
         with open(weights, "rb") as f:
             size = int.from_bytes(f.read(8), "little")

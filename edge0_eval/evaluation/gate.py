@@ -32,8 +32,8 @@ from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report, paired
 from edge0_eval.evaluation.predictions import strict_loads
-from edge0_eval.evaluation.report import SCHEMA
-from edge0_eval.evaluation.settings import settings_differences
+from edge0_eval.evaluation.report import OLD_SCHEMAS, SCHEMA
+from edge0_eval.evaluation.settings import model_changes, settings_differences
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
 DEFAULT_MAX_DROP = 2.0
@@ -85,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
         raise Edge0Error(f"{args.baseline}: made with other settings than {args.report}: "
                          + "; ".join(problems) + "; gate against a baseline run with the same "
                          "settings (or regenerate it)")
+    for path, report in ((args.baseline, baseline), (args.report, current)):
+        if report["schema"] != SCHEMA:
+            print(f"gate: note: {path} is a {report['schema']} report: it has no per-sample "
+                  f"records, open-thinking rule, data digests or model identity, so those are "
+                  f"not compared; regenerate it with `edge0-eval report` ({SCHEMA})")
+    for change in model_changes(_settings(current), _settings(baseline)):
+        print(f"gate: note: model changed since the baseline (the change being judged): {change}")
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
                       args.max_kl_rise, args.max_agreement_drop, alpha=args.alpha)
     print(format_table(checks))
@@ -116,17 +123,20 @@ def _settings(report: dict) -> dict:
 
 def _check_settings(path: str, arms) -> None:
     """The report's arms: an object of objects, each arm's settings None (not recorded) or
-    {generation: object, scoring: object of objects}, as `report` writes them."""
+    {generation: object or None, scoring: object of objects, model: object (v2)}, as
+    `report` writes them."""
     fix = "make it again with `edge0-eval report`"
     if not isinstance(arms, dict) or not all(isinstance(v, dict) for v in arms.values()):
         raise Edge0Error(f"{path}: 'arms' must be an object of arm objects; {fix}")
     for arm, entry in arms.items():
         st = entry.get("settings")
-        if st is not None and not (isinstance(st, dict) and isinstance(st.get("generation"), dict)
-                                   and isinstance(st.get("scoring"), dict)
-                                   and all(isinstance(v, dict) for v in st["scoring"].values())):
+        if st is not None and not (
+                isinstance(st, dict) and isinstance(st.get("generation"), (dict, type(None)))
+                and isinstance(st.get("scoring"), dict)
+                and all(isinstance(v, dict) for v in st["scoring"].values())
+                and isinstance(st.get("model", {}), dict)):
             raise Edge0Error(f"{path}: arm {arm!r} settings are {st!r}, not {{generation, "
-                             f"scoring}} objects; {fix}")
+                             f"scoring, model}} objects; {fix}")
 
 
 def load_report(path: str) -> dict:
@@ -135,7 +145,7 @@ def load_report(path: str) -> dict:
         report = strict_loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise Edge0Error(f"{path}: cannot read ({exc})") from None
-    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+    if not isinstance(report, dict) or report.get("schema") not in (SCHEMA, *OLD_SCHEMAS):
         raise Edge0Error(f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
                          f"make one with `edge0-eval report`)")
     rows = report.get("benchmarks")

@@ -26,8 +26,12 @@ from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import BENCHMARKS, Benchmark
+from edge0_eval.evaluation.details import detail_items, replica_scores
 from edge0_eval.evaluation.predictions import (engine_samples, engine_stats_problem,
-                                               load_predictions, strict_loads, truncation)
+                                               load_predictions, strict_loads)
+from edge0_eval.evaluation.samples import record
+from edge0_eval.evaluation.settings import data_digest
+from edge0_eval.evaluation.thinking import thinking_closed
 
 # Per-item scores are in [0, 1]; reported metrics are percentages. Their mean must reproduce
 # the reported metric to this many points, else the details are not what the metric counted.
@@ -56,15 +60,26 @@ class Run:
     summary_failed: set[tuple[str, str]]      # (model, dataset) cells shown as '-'
     notes: list[str] = field(default_factory=list)
     # From the config dump (None without one): what must match for two arms to pair.
-    settings: dict[str, dict] | None = None   # model abbr -> GENERATION_FIELDS
+    settings: dict[str, dict] | None = None   # model abbr -> {generation, model}
     scoring: dict[str, dict] | None = None    # dataset abbr -> SCORING_FIELDS
 
 
 # A model's generation settings and a dataset's scoring settings: arms that differ in any of
-# these did not answer the same questions the same way (the model's path, engine options and
-# batch size may differ: that is what is compared).
-GENERATION_FIELDS = ("max_out_len", "max_seq_len", "generation_kwargs", "chat_template_kwargs")
-SCORING_FIELDS = ("eval_cfg", "reader_cfg", "path", "name", "n")
+# these did not answer the same questions the same way. The rest of a model's config (its
+# class and engine options) says which model was served: arms differ in it by design, so it is
+# recorded, not compared; paths and batch size are left out (the model's identity, from its
+# files, stands for the paths; predictions are the same at any batch size).
+GENERATION_FIELDS = ("max_out_len", "max_seq_len", "generation_kwargs", "chat_template_kwargs",
+                     "stop_words", "meta_template", "pred_postprocessor")
+SCORING_FIELDS = ("eval_cfg", "reader_cfg", "path", "name", "n", "k")
+MODEL_IGNORED = ("abbr", "path", "batch_size", "run_cfg", "stats_jsonl", "lora_path",
+                 "prerouter_path", "hedge_path")
+
+
+def _model_settings(cfg) -> dict:
+    return {"generation": {f: _plain(cfg.get(f)) for f in GENERATION_FIELDS},
+            "model": {k: _plain(v) for k, v in sorted(cfg.items())
+                      if k not in GENERATION_FIELDS and k not in MODEL_IGNORED}}
 
 
 def _plain(value):
@@ -190,8 +205,7 @@ def load_run(path: Path) -> Run:
         try:
             model_cfgs, config_datasets = _read_config(config)
             add(models, [m["abbr"] for m in model_cfgs if "abbr" in m])
-            settings = {m["abbr"]: {f: _plain(m.get(f)) for f in GENERATION_FIELDS}
-                        for m in model_cfgs if "abbr" in m}
+            settings = {m["abbr"]: _model_settings(m) for m in model_cfgs if "abbr" in m}
             scoring = {_dataset_abbr(d): {f: _plain(d.get(f)) for f in SCORING_FIELDS}
                        for d in config_datasets}
             unversioned = [d for d in config_datasets if _dataset_abbr(d) not in versions]
@@ -238,60 +252,14 @@ class DatasetResult:
     status: str                       # ok | failed | no_details | inconsistent
     metric: str | None = None
     reported: float | None = None     # metric from the results file, full precision
-    scores: dict[str, float] = field(default_factory=dict)   # item id -> [0, 1]
+    scores: dict[str, float] = field(default_factory=dict)   # item id -> [0, 1], avg over samples
+    samples: dict[str, list[dict]] = field(default_factory=dict)   # item id -> samples.record
     extra: dict[str, dict[str, float]] = field(default_factory=dict)  # metric -> item -> [0,1]
     version: str | None = None
     engine: list[dict] = field(default_factory=list)
-    truncation: dict | None = None    # predictions.truncation
+    data: dict | None = None          # settings.data_digest of the predictions
+    identity: dict | None = None      # the model_identity every engine stats sample carries
     notes: list[str] = field(default_factory=list)
-
-
-def _replicas(value) -> list:
-    # OpenCompass 0.5.4 regroups details per example and lists each key over the n replicas;
-    # older trees (and format_details) hold plain values.
-    return value if isinstance(value, list) else [value]
-
-
-def _mean_bool(values) -> float | None:
-    """Mean of per-replica verdicts; None (not scorable) for empty, non-numeric or NaN ones."""
-    try:
-        values = [float(v) for v in values]
-    except (TypeError, ValueError):
-        return None
-    if not values or not all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in values):
-        return None
-    return sum(values) / len(values)
-
-
-def item_correctness(detail: dict, key: str | None = None) -> float | None:
-    """Per-item correctness in [0, 1] from one `details` entry, whatever evaluator wrote it."""
-    if key is not None:
-        return _mean_bool(_replicas(detail[key])) if key in detail else None
-    # CascadeEvaluator: cascade_correct when the LLM judge ran, else the rule verdict.
-    # HumanEval/IFBench/AccwithDetails: is_correct. GPQA/MATHVerify/PPL: correct.
-    for k in ("cascade_correct", "is_correct", "correct"):
-        if k in detail:
-            return _mean_bool(_replicas(detail[k]))
-    if "rule_evaluation" in detail:
-        return _mean_bool(r.get("correct", False) if isinstance(r, dict) else None
-                          for r in _replicas(detail["rule_evaluation"]))
-    # AccEvaluator gives no details; OpenCompass's format_details then stores the processed
-    # prediction and reference as strings, and AccEvaluator's verdict is their equality.
-    if "predictions" in detail and "references" in detail:
-        return float(str(detail["predictions"]) == str(detail["references"]))
-    return None
-
-
-def _detail_items(details) -> list[tuple[str, dict]]:
-    """(item id, detail) pairs; the id is the example index within the dataset."""
-    if isinstance(details, dict):   # format_details: {"type": "GEN", "0": {...}, ...}
-        pairs = [(k, v) for k, v in details.items() if k != "type" and isinstance(v, dict)]
-        return sorted(pairs, key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])
-    out = []
-    for pos, detail in enumerate(details):
-        m = re.search(r"_(\d+)$", str(detail.get("example_abbr", "")))
-        out.append((m[1] if m else str(pos), detail))
-    return out
 
 
 def _pick_metric(result: dict, wanted: str | None) -> str | None:
@@ -314,7 +282,15 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
     pred_dir = run.path / "predictions" / model
     preds = load_predictions(pred_dir, dataset) if pred_dir.is_dir() else None
     res.engine = engine_samples(pred_dir, dataset, preds) if pred_dir.is_dir() else []
-    res.truncation = truncation(preds, res.engine)
+    res.data = data_digest(preds)
+    identities = sorted({json.dumps(e.get("model_identity"), sort_keys=True)
+                         for e in res.engine})
+    mixed_models = len(identities) > 1
+    if mixed_models:
+        res.notes.append(f"{pred_dir}: its {dataset} samples come from {len(identities)} "
+                         f"different models (model_identity in the engine stats; a run resumed "
+                         f"after the model changed?): re-run the dataset without -r")
+    res.identity = json.loads(identities[0]) if len(identities) == 1 else None
 
     path = run.path / "results" / model / f"{dataset}.json"
     if (model, dataset) in run.summary_failed:
@@ -353,24 +329,30 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         raise Edge0Error(f"{path}: details must be a list or object of per-item objects (as "
                          f"OpenCompass writes them); the file is corrupt, re-run that task "
                          f"(delete the file first)")
+    n_config = ((run.scoring or {}).get(dataset) or {}).get("n") or 1
+    items = detail_items(details, n_config if isinstance(n_config, int) else 1)
     replicas = 1
-    for item_id, detail in _detail_items(details):
-        score = item_correctness(detail, bench.item_key)
-        if score is None:
+    for k, (item_id, entries) in enumerate(items):
+        per_entry = [replica_scores(d, bench.item_key) for d in entries]
+        if any(v is None for v in per_entry):
             res.status = "no_details"
             res.notes.append(f"{path}: item {item_id} has no correctness field")
             return res
         if item_id in res.scores:
             raise Edge0Error(f"{path}: item {item_id} appears twice in the details; the file "
                              f"is corrupt, re-run that task (delete the file first)")
-        res.scores[item_id] = score
+        scores = [v for vs in per_entry for v in vs]
+        replicas = max(replicas, len(scores))
+        res.scores[item_id] = sum(scores) / len(scores)
+        res.samples[item_id] = [
+            record(score, *_sample_files(preds, res.engine, r * len(items) + k,
+                                         len(items) * len(scores)), thinking_closed)
+            for r, score in enumerate(scores)]
         for metric, key in bench.extra:
-            extra = item_correctness(detail, key)
-            if extra is not None:
-                res.extra.setdefault(metric, {})[item_id] = extra
-        if "example_abbr" in detail:  # regrouped: every other key lists the n replicas
-            replicas = max(replicas, max((len(v) for v in detail.values()
-                                          if isinstance(v, list)), default=1))
+            extra = [replica_scores(d, key) for d in entries]
+            if all(v is not None for v in extra):
+                flat = [v for vs in extra for v in vs]
+                res.extra.setdefault(metric, {})[item_id] = sum(flat) / len(flat)
 
     res.status = "ok"
     mean = 100.0 * sum(res.scores.values()) / len(res.scores)
@@ -387,8 +369,18 @@ def load_dataset_result(run: Run, model: str, bench: Benchmark, dataset: str) ->
         res.notes.append(f"{pred_dir}: no predictions file for {dataset} beside its results "
                          f"(deleted?); the scores cannot be checked against what was generated: "
                          f"re-run the task")
+    if mixed_models:
+        res.status = "inconsistent"
     if preds is not None and len(preds) != len(res.scores) * replicas:
         res.status = "inconsistent"
         res.notes.append(f"{path}: {len(res.scores)} scored items x {replicas} replicas but "
                          f"{len(preds)} predictions")
     return res
+
+
+def _sample_files(preds: list[dict] | None, engine: list[dict], index: int, total: int
+                  ) -> tuple[dict | None, dict | None]:
+    """The prediction and engine stats of one sample, when the files hold one per sample."""
+    pred = preds[index] if preds is not None and len(preds) == total else None
+    stats = engine[index] if pred is not None and len(engine) == total else None
+    return pred, stats

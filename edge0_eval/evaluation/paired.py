@@ -114,6 +114,12 @@ def _detectable_binary(n: int, improved: int, alpha: float) -> float | None:
     return 100.0 * hi
 
 
+def detectable_drop(items: int, churn: float, alpha: float = DEFAULT_ALPHA) -> float | None:
+    """The drop (points) the exact test catches at POWER on `items` 0/1 items of which a share
+    `churn` changes between two runs of unchanged quality (the README's power table)."""
+    return _detectable_binary(items, round(churn / 2 * items), alpha)
+
+
 def _uniform(base: dict, now: dict, ids: list[str]) -> float:
     """A uniform draw fixed by the outcomes themselves: the same runs give the same verdict."""
     key = "".join(f"{i}:{base[i]:g}:{now[i]:g};" for i in ids).encode()

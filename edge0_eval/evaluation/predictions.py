@@ -65,8 +65,11 @@ def engine_samples(pred_dir: Path, dataset: str, preds: list[dict] | None) -> li
     samples = [p["engine_stats"] for p in preds or [] if isinstance(p.get("engine_stats"), dict)]
     if samples:
         return samples
-    for side in [pred_dir / f"{dataset}.engine_stats.json",
-                 *sorted(pred_dir.glob(f"{_glob_escape(dataset)}_[0-9]*.engine_stats.json"))]:
+    # Shards in their number's order (as load_predictions reads them): _2 before _10.
+    shards = pred_dir.glob(f"{_glob_escape(dataset)}_[0-9]*.engine_stats.json")
+    shard_no = re.compile(re.escape(dataset) + r"_(\d+)\.engine_stats\.json")
+    numbered = sorted((int(m[1]), p) for p in shards if (m := shard_no.fullmatch(p.name)))
+    for side in [pred_dir / f"{dataset}.engine_stats.json", *(p for _, p in numbered)]:
         if side.exists():
             data = read_json(side, "engine stats")
             if not isinstance(data, list) or not all(isinstance(s, dict) for s in data):
@@ -123,26 +126,3 @@ def engine_summary(samples: list[dict]) -> dict | None:
             "prefill_tok_s": mean_or_none("prefill_tok_s"),
             "peak_memory_gib": max(peak) if peak else None,
             "tokens": int(sum(tokens)) if tokens else None, "cache": cache}
-
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def _thinking_open(pred: dict) -> bool:
-    """The output began a thinking block (in its text, or the prompt ended inside one) and never
-    closed it: what a scorer reads as an answer is the middle of the reasoning."""
-    text = str(pred.get("prediction", ""))
-    if THINK_CLOSE in text:
-        return False
-    return THINK_OPEN in text or str(pred.get("origin_prompt", "")).rstrip().endswith(THINK_OPEN)
-
-
-def truncation(preds: list[dict] | None, samples: list[dict]) -> dict | None:
-    """{outputs, length, open_thinking}: how many outputs stopped at the length limit
-    (finish_reason "length", from the engine stats), and how many of those inside a thinking
-    block. None without one stats sample per prediction (nothing to count from)."""
-    if not preds or len(samples) != len(preds):
-        return None
-    cut = [i for i, s in enumerate(samples) if s.get("finish_reason") == "length"]
-    return {"outputs": len(preds), "length": len(cut),
-            "open_thinking": sum(_thinking_open(preds[i]) for i in cut)}

@@ -3,11 +3,15 @@
 Scores come from the per-item `details` of each results file (full precision), never from the
 rounded summary. Per benchmark: items, teacher, student, delta = student - teacher, and a 95%
 interval for the delta from the paired per-item differences: mean +- 1.96 * sd / sqrt(n)
-(sd with n - 1; normal approximation, no resampling, so it is deterministic).
+(sd with n - 1; normal approximation, no resampling, so it is deterministic). With several
+samples per item (dataset `n`) an item's score is the mean over its samples (avg@n) and the
+item stays the unit of every interval and test: clustered by item (samples.py).
 
-Writes report.json (schema "edge0-eval/report/v1", read by `edge0-eval gate`), report.csv,
-report.md and report.png into --out; with a fidelity dataset in the runs also its section
-(`fidelity` in report.json, fidelity.png; see fidelity_report.py).
+Writes report.json (schema SCHEMA, read by `edge0-eval gate`; per arm, benchmark, item and
+sample: score, finish reason, whether thinking closed, output tokens), report.csv, report.md
+and report.png into --out; with a fidelity dataset in the runs also its section (`fidelity` in
+report.json, fidelity.png; see fidelity_report.py). Headline definitions and the reference
+column: definitions.py; settings fingerprints: settings.py.
 """
 
 from __future__ import annotations
@@ -15,26 +19,29 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval import cli_types as ct
-from edge0_eval.evaluation import fidelity_report
-from edge0_eval.evaluation.benchmarks import Benchmark, benchmark_for
-from edge0_eval.evaluation.outputs import (BENCHMARK_ORDER, Run, expand_outputs,
-                                            load_dataset_result, load_run)
-from edge0_eval.evaluation.predictions import engine_summary, strict_loads
+from edge0_eval.evaluation import fidelity_report, samples as sampling
+from edge0_eval.evaluation.arms import (ArmBench, check_versions, collect_arm,
+                                        fingerprint_parts, model_index, parse_arms, shown,
+                                        version_text)
+from edge0_eval.evaluation.benchmarks import Benchmark
+from edge0_eval.evaluation.definitions import (average_reference, headline, load_reference,
+                                               reference_for)
+from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, Run, expand_outputs, load_run
+from edge0_eval.evaluation.predictions import engine_summary
 from edge0_eval.evaluation.settings import arm_settings, settings_differences
 from edge0_eval.evaluation.report_writers import write_report
+from edge0_eval.evaluation.thinking import rule_of
 
-SCHEMA = "edge0-eval/report/v1"
-Z95 = 1.96
-# Table and plot order. student = prerouted + LoRA; the other two are ablations.
-ARM_NAMES = ("teacher", "int4_exact", "prerouted_nolora", "student")
-# Worst first: an arm's status on a benchmark is the worst of its datasets'.
-_ARM_STATUS_ORDER = ("missing", "failed", "no_details", "inconsistent", "ok")
+# v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
+# identity. A v1 report still reads (gate: with a note saying what it lacks).
+SCHEMA = "edge0-eval/report/v2"
+OLD_SCHEMAS = ("edge0-eval/report/v1",)
+Z95 = sampling.Z95
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     runs = [load_run(p) for p in expand_outputs(args.outputs)]
     reference = load_reference(args.reference) if args.reference else None
     command = command_line(args)
-    report = build_report(runs, parse_arms(args.arms, _model_index(runs)), reference, command)
+    report = build_report(runs, parse_arms(args.arms, model_index(runs)), reference, command)
     write_report(report, out)
     bad = [f"{b['benchmark']}: {b['status']}" for b in report["benchmarks"] if b["status"] != "ok"]
     fidelity = report.get("fidelity")
@@ -87,132 +94,6 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-# --------------------------------------------------------------------------- arms
-
-def _shown(path: Path) -> str:
-    """A run folder as the user gave it (relative stays relative: reports get committed)."""
-    return str(path)
-
-
-def _model_index(runs: list[Run]) -> dict[str, Run]:
-    index: dict[str, Run] = {}
-    for r in runs:
-        for model in r.models:
-            if model in index:
-                raise Edge0Error(f"model {model!r} is in both {index[model].path} and {r.path}; "
-                                 f"pass only the run folder that should count")
-            index[model] = r
-    return index
-
-
-def parse_arms(spec: str | None, index: dict[str, Run]) -> dict[str, tuple[str, Run]]:
-    """arm name -> (model abbr, run)."""
-    found = ", ".join(index) or "none"
-    if spec is None:
-        teachers = [m for m in index if "teacher" in m.lower()]
-        if len(index) != 2 or len(teachers) != 1:
-            raise ConfigError(f"cannot tell teacher from student among the models found "
-                              f"({found}); pass --arms teacher=ABBR,student=ABBR")
-        student = next(m for m in index if m != teachers[0])
-        return {"teacher": (teachers[0], index[teachers[0]]), "student": (student, index[student])}
-    arms = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, abbr = part.partition("=")
-        if not sep or name not in ARM_NAMES:
-            raise ConfigError(f"--arms: {part!r} is not NAME=ABBR with NAME one of "
-                              f"{', '.join(ARM_NAMES)}")
-        if abbr not in index:
-            raise ConfigError(f"--arms: no model {abbr!r} in the outputs (found: {found})")
-        if name in arms:
-            raise ConfigError(f"--arms names {name} twice")
-        twice = [other for other, (a, _) in arms.items() if a == abbr]
-        if twice:
-            raise ConfigError(f"--arms: {abbr!r} is given as both {twice[0]} and {name}; each "
-                              f"arm must be a different model (a teacher compared with itself "
-                              f"always shows gap 0)")
-        arms[name] = (abbr, index[abbr])
-    for needed in ("teacher", "student"):
-        if needed not in arms:
-            raise ConfigError(f"--arms must name the {needed} (models found: {found})")
-    return {name: arms[name] for name in ARM_NAMES if name in arms}
-
-
-# --------------------------------------------------------------------------- collection
-
-@dataclass
-class ArmBench:
-    """One arm on one benchmark, its datasets (MMLU-Pro categories) pooled per question."""
-    abbr: str
-    status: str = "missing"
-    metric: str | None = None
-    datasets: list[str] = field(default_factory=list)
-    scores: dict[str, float] = field(default_factory=dict)         # item id -> [0, 1]
-    extra: dict[str, dict[str, float]] = field(default_factory=dict)
-    versions: dict[str, str | None] = field(default_factory=dict)  # version key -> version
-    category_scores: dict[str, float] = field(default_factory=dict)
-    reported: float | None = None
-    engine: list[dict] = field(default_factory=list)
-    truncation: dict | None = field(default_factory=lambda: {"outputs": 0, "length": 0,
-                                                             "open_thinking": 0})
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def score(self) -> float | None:
-        if self.status in ("ok", "inconsistent") and self.scores:
-            return _mean(self.scores.values()) * 100.0
-        return self.reported   # no_details: the results file's metric, unpaired
-
-
-def _collect_arm(abbr: str, run: Run) -> dict[str, tuple[Benchmark, ArmBench]]:
-    by_bench: dict[str, tuple[Benchmark, ArmBench]] = {}
-    for dataset in run.datasets:
-        if fidelity_report.is_fidelity(dataset):
-            continue   # not a benchmark: its own section (fidelity_report.py)
-        bench = benchmark_for(dataset)
-        _, ab = by_bench.setdefault(bench.name, (bench, ArmBench(abbr)))
-        if ab.datasets and not bench.pooled:
-            raise Edge0Error(f"{run.path}: datasets {ab.datasets[0]} and {dataset} both map to "
-                             f"{bench.name} for {abbr}; evaluate only one of them")
-        ab.datasets.append(dataset)
-        res = load_dataset_result(run, abbr, bench, dataset)
-        # Pooled items are named by category; otherwise by example index, so arms scored under
-        # different abbrs of one benchmark (aime2026 vs aime2026_mathverify) still pair.
-        prefix = f"{dataset}/" if bench.pooled else ""
-        ab.scores.update({prefix + k: v for k, v in res.scores.items()})
-        for metric, items in res.extra.items():
-            ab.extra.setdefault(metric, {}).update({prefix + k: v for k, v in items.items()})
-        ab.versions[dataset if bench.pooled else ""] = res.version
-        if res.scores:
-            ab.category_scores[dataset] = _mean(res.scores.values()) * 100.0
-        ab.reported = res.reported if len(ab.datasets) == 1 else None
-        ab.metric = ab.metric or res.metric
-        ab.engine += res.engine
-        if ab.truncation is not None:     # one dataset without counts: none for the benchmark
-            ab.truncation = None if res.truncation is None else {
-                k: ab.truncation[k] + res.truncation[k] for k in ab.truncation}
-        ab.notes += [f"{abbr}/{dataset}: {n}" for n in res.notes]
-        ab.status = res.status if len(ab.datasets) == 1 else _worse(ab.status, res.status)
-    return by_bench
-
-
-def _worse(a: str, b: str) -> str:
-    return min(a, b, key=_ARM_STATUS_ORDER.index)
-
-
-def _check_versions(name: str, arms: dict[str, ArmBench], abbrs: dict[str, str]) -> list[str]:
-    """Mismatched prompt versions on one benchmark, as messages naming both arms."""
-    present = [a for a in ARM_NAMES if a in arms and arms[a].status != "missing"]
-    problems = []
-    for key in sorted({k for a in present for k in arms[a].versions}):
-        known = [(a, arms[a].versions.get(key)) for a in present if arms[a].versions.get(key)]
-        for arm, version in known[1:]:
-            if version != known[0][1]:
-                what = f"{name} ({key})" if key else name
-                problems.append(f"{what}: {known[0][0]} {abbrs[known[0][0]]} has prompt version "
-                                f"{known[0][1]} but {arm} {abbrs[arm]} has {version}")
-    return problems
-
-
 # --------------------------------------------------------------------------- statistics
 
 def _mean(values) -> float:
@@ -232,30 +113,8 @@ def paired_mean_se(diffs: list[float]) -> tuple[float, float | None]:
 
 # --------------------------------------------------------------------------- the report
 
-def load_reference(path: str) -> dict:
-    try:
-        ref = strict_loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise Edge0Error(f"--reference {path}: cannot read ({exc})") from exc
-    arms = ref.get("arms") if isinstance(ref, dict) else None
-    if not isinstance(arms, dict) or not all(
-            isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                        for x in v.values())
-            for v in arms.values()):
-        raise Edge0Error(f"--reference {path}: expected {{\"arms\": {{\"teacher\": "
-                         f"{{BENCHMARK: score}}, \"student\": {{...}}}}}}")
-    ref.setdefault("file", str(path))
-    return ref
-
-
 def _sub(a, b):
     return None if a is None or b is None else a - b
-
-
-def _ref_delta(ref: dict) -> float | None:
-    # published numbers have one decimal; keep their difference free of float noise
-    d = _sub(ref.get("student"), ref.get("teacher"))
-    return None if d is None else round(d, 10)
 
 
 def _status(rows: list[dict], fidelity: dict | None) -> str:
@@ -267,7 +126,7 @@ def _status(rows: list[dict], fidelity: dict | None) -> str:
 def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: dict | None,
                  command: str) -> dict:
     abbrs = {arm: abbr for arm, (abbr, _) in arms.items()}
-    collected = {arm: _collect_arm(abbr, r) for arm, (abbr, r) in arms.items()}
+    collected = {arm: collect_arm(abbr, r) for arm, (abbr, r) in arms.items()}
     names = {n for per in collected.values() for n in per}
     names = sorted(names, key=lambda n: (BENCHMARK_ORDER.index(n) if n in BENCHMARK_ORDER
                                          else len(BENCHMARK_ORDER), n))
@@ -276,23 +135,24 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
     for name in names:
         per_arm = {arm: collected[arm][name][1] if name in collected[arm] else ArmBench(abbrs[arm])
                    for arm in arms}
-        problems += _check_versions(name, per_arm, abbrs)
+        problems += check_versions(name, per_arm, abbrs)
         bench = next(collected[a][name][0] for a in arms if name in collected[a])
         rows.append(_benchmark_row(name, bench, per_arm, abbrs, reference))
         notes += [n for ab in per_arm.values() for n in ab.notes]
         notes += [f"{name}: {n}" for n in rows[-1]["notes"]]
         notes += [f"{name}: prompt version of {arm} {ab.abbr} unknown (no summary csv or "
                   f"config); versions not compared" for arm, ab in per_arm.items()
-                  if ab.status != "missing" and not _version_text(ab)]
+                  if ab.status != "missing" and not version_text(ab)]
     if problems:
         raise Edge0Error("refusing to compare different prompts: " + "; ".join(problems))
-    settings = {arm: arm_settings(abbr, r, collected[arm]) for arm, (abbr, r) in arms.items()}
+    settings = {arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
+                for arm, (abbr, r) in arms.items()}
     problems = settings_differences(settings, "teacher")
     if problems:
         raise Edge0Error("refusing to pair arms run with different settings: "
                          + "; ".join(problems) + "; rerun one arm with the other's settings")
     notes += [f"{arm} {abbrs[arm]}: no config dump, so its generation and scoring settings are "
-              f"not compared" for arm, st in settings.items() if st is None]
+              f"not compared" for arm, st in settings.items() if st["generation"] is None]
 
     engine = {arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
               for arm in arms}
@@ -301,12 +161,15 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "outputs": [_shown(r.path) for r in runs],
-        "arms": {arm: {"abbr": abbr, "run": _shown(r.path), "settings": settings[arm]}
+        "outputs": [shown(r.path) for r in runs],
+        "arms": {arm: {"abbr": abbr, "run": shown(r.path), "settings": settings[arm]}
                  for arm, (abbr, r) in arms.items()},
         "interval": {"method": "normal approximation on paired per-item differences "
-                               "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1",
+                               "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1; "
+                               "an item with several samples is one observation (its mean): "
+                               "clustered by item",
                      "level": 0.95, "z": Z95},
+        "open_thinking": _open_thinking(settings),
         "status": _status(rows, fidelity),
         "benchmarks": rows,
         "average": _average_row(rows, reference),
@@ -318,17 +181,32 @@ def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: d
     }
 
 
+def _open_thinking(settings: dict) -> dict:
+    """Which rule scored outputs whose thinking never closed (thinking.py), per dataset."""
+    rules = {d: rule_of(fields.get("eval_cfg")) for st in settings.values()
+             for d, fields in (st["scoring"] or {}).items() if "eval_cfg" in fields}
+    kinds = sorted(set(rules.values()))
+    return {"rule": kinds[0] if len(kinds) == 1 else ("mixed" if kinds else None),
+            "datasets": dict(sorted(rules.items())),
+            "meaning": {"empty": "an output cut inside its <think> block scores as an empty "
+                                 "answer",
+                        "pass": "OpenCompass's pass-through: the open block's text is scored "
+                                "as the answer"}}
+
+
 def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
                    abbrs: dict[str, str], reference: dict | None) -> dict:
     teacher, student = per_arm["teacher"], per_arm["student"]
     status = _row_status(teacher, student)
+    n = sampling.samples_per_item(teacher.samples or student.samples)
     row = {
         "benchmark": name,
         "datasets": sorted({d for ab in per_arm.values() for d in ab.datasets}),
         "metric": bench.metric or teacher.metric or student.metric,
+        "definition": headline(bench, bench.metric or teacher.metric or student.metric, n),
         "status": status,
         "items": len(teacher.scores) if status == "ok" else None,
-        "version": _version_text(teacher) or _version_text(student),
+        "version": version_text(teacher) or version_text(student),
         "teacher": teacher.score,
         "student": student.score,
         "delta": _sub(student.score, teacher.score),
@@ -337,8 +215,10 @@ def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
         "delta_half_width": None,
         "delta_se": None,
         "decomposition": None,
-        "arms": {arm: _arm_json(ab) for arm, ab in per_arm.items()},
+        "arms": {arm: _arm_json(ab, bench) for arm, ab in per_arm.items()},
+        "truncation_flags": [],
         "reference": None,
+        "reference_omitted": None,
         "notes": [],
     }
     if status == "ok":
@@ -351,13 +231,22 @@ def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
             row["delta_se"], row["delta_half_width"] = se, half
             row["delta_ci95"] = [mean - half, mean + half]
         row["decomposition"] = _decomposition(per_arm, row["notes"])
+        for arm, ab in per_arm.items():
+            diff = sampling.truncation_difference(ab.samples, teacher.samples) \
+                if arm != "teacher" else None
+            row["arms"][arm]["truncation_vs_teacher"] = diff
+            if diff and diff["flag"]:
+                row["truncation_flags"].append(
+                    f"{arm} cut at the length limit {diff['arm']:.1f}% vs teacher "
+                    f"{diff['teacher']:.1f}% ({diff['difference']:+.1f} "
+                    f"\u00b1{diff['half_width']:.1f} points): its comparison with the teacher "
+                    f"mixes quality with cut-off outputs")
     elif status == "items_mismatch":
         row["notes"].append(f"item ids differ (teacher {len(teacher.scores)} items, student "
                             f"{len(student.scores)}); not paired")
     if reference:
-        ref = {arm: reference["arms"].get(arm, {}).get(name) for arm in ("teacher", "student")}
-        if any(v is not None for v in ref.values()):
-            row["reference"] = {**ref, "delta": _ref_delta(ref)}
+        row["reference"], row["reference_omitted"] = reference_for(reference, name,
+                                                                   row["definition"])
     return row
 
 
@@ -372,21 +261,26 @@ def _row_status(teacher: ArmBench, student: ArmBench) -> str:
     return "ok"
 
 
-def _version_text(ab: ArmBench) -> str | None:
-    versions = sorted({v for v in ab.versions.values() if v})
-    return ",".join(versions) or None
-
-
-def _arm_json(ab: ArmBench) -> dict:
+def _arm_json(ab: ArmBench, bench: Benchmark) -> dict:
+    ok = ab.status == "ok"
+    half = sampling.mean_half_width([100.0 * v for v in ab.scores.values()])[1] \
+        if ok and ab.scores else None
     out = {"abbr": ab.abbr, "status": ab.status, "score": ab.score,
+           "score_half_width": half,   # 95%, clustered by item
            "items": len(ab.scores) if ab.scores else None, "datasets": ab.datasets,
-           "version": _version_text(ab),
+           "samples_per_item": sampling.samples_per_item(ab.samples),
+           "version": version_text(ab),
            "extra": {m: _mean(v.values()) * 100.0 for m, v in ab.extra.items() if v},
+           "pass_at_k": (sampling.pass_at_k(ab.samples) or None)
+           if ok and bench.pass_at_k and (sampling.samples_per_item(ab.samples) or 0) > 1
+           else None,
            "engine": engine_summary(ab.engine),
            # Outputs cut at the length limit, and of those still inside their thinking block.
-           "truncation": ab.truncation if ab.truncation and ab.truncation["outputs"] else None,
-           # Per-item outcomes, so another run (a baseline) pairs with this one item by item.
-           "per_item": dict(sorted(ab.scores.items())) if ab.status == "ok" else None}
+           "truncation": sampling.truncation(ab.samples) if ab.samples else None,
+           # Per-item outcomes (the mean over an item's samples) and every sample's record,
+           # so another run (a baseline) or arm pairs with this one item by item.
+           "per_item": dict(sorted(ab.scores.items())) if ok else None,
+           "samples": dict(sorted(ab.samples.items())) if ok else None}
     if len(ab.datasets) > 1:   # pooled benchmark: also the summarizer's mean of categories
         out["categories"] = ab.category_scores
         out["category_mean"] = (_mean(ab.category_scores.values())
@@ -437,7 +331,7 @@ def _average_row(rows: list[dict], reference: dict | None) -> dict:
             avg["decomposition"] = {k: (_mean(d[k] for d in decs)
                                         if all(d[k] is not None for d in decs) else None)
                                     for k in decs[0]}
-    if reference and reference.get("average"):
-        ref = {arm: reference["average"].get(arm) for arm in ("teacher", "student")}
-        avg["reference"] = {**ref, "delta": _ref_delta(ref)}
+    avg["reference_omitted"] = None
+    if reference:
+        avg["reference"], avg["reference_omitted"] = average_reference(reference, rows)
     return avg

@@ -34,7 +34,7 @@ def write_report(report: dict, out: Path) -> None:
     (out / "report.md").write_text(_markdown(report), encoding="utf-8")
 
 
-CSV_COLUMNS = ["benchmark", "status", "items", "version", "teacher", "student", "delta",
+CSV_COLUMNS = ["benchmark", "metric", "status", "items", "version", "teacher", "student", "delta",
                "ci_low", "ci_high", "half_width", "int4_exact", "prerouted_nolora",
                "quantization_loss", "routing_loss", "lora_recovery",
                "ref_teacher", "ref_student", "ref_delta"]
@@ -44,7 +44,8 @@ def _csv_row(row: dict, name: str) -> dict:
     dec = row.get("decomposition") or {}
     ref = row.get("reference") or {}
     ci = row.get("delta_ci95") or [None, None]
-    values = {"benchmark": name, "status": row.get("status", ""), "items": row.get("items"),
+    values = {"benchmark": name, "metric": _metric_label(row),
+              "status": row.get("status", ""), "items": row.get("items"),
               "version": row.get("version"), "teacher": row["teacher"],
               "student": row["student"], "delta": row["delta"], "ci_low": ci[0],
               "ci_high": ci[1], "half_width": row["delta_half_width"],
@@ -80,6 +81,24 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _metric_label(row: dict) -> str:
+    """The headline's definition, short: 'pass@1, n=1', 'accuracy, avg@4'."""
+    d = row.get("definition")
+    if not d:
+        return ""
+    n = d.get("samples")
+    return f"{d['metric']}, " + ("n=1" if n == 1 else f"avg@{n}" if n else "avg over samples")
+
+
+def _truncation_diff(diff: dict | None, arm: str) -> str:
+    if arm == "teacher":
+        return ""
+    if not diff:
+        return "n/a"
+    half = f" ±{diff['half_width']:.1f}" if diff["half_width"] is not None else ""
+    return f"{diff['difference']:+.1f}{half}" + (" FLAG" if diff["flag"] else "")
+
+
 def _ci_text(row: dict) -> str:
     ci = row.get("delta_ci95")
     return f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "n/a"
@@ -93,28 +112,55 @@ def _markdown(report: dict) -> str:
           f"- command: `{report['command']}`",
           "- arms: " + ", ".join(f"{a} = `{v['abbr']}`" for a, v in arms.items()),
           f"- delta = student - teacher, in points; 95% interval: {report['interval']['method']}"]
+    rule = report.get("open_thinking") or {}
+    if rule.get("rule"):
+        meaning = rule["meaning"].get(rule["rule"], "differs between datasets: "
+                                      + ", ".join(f"{d} {r}" for d, r in rule["datasets"].items()))
+        md.append(f"- open thinking (an output cut inside `<think>`): {rule['rule']}: {meaning}")
+    elif "rule" in rule:
+        md.append("- open thinking (an output cut inside `<think>`): rule unknown (no config "
+                  "dump to read the datasets' postprocessors from)")
+    md.append("- metric: what each headline measures per sample, and samples per item (n=1: one; "
+              "avg@n: the mean over n samples per item, then over items)")
     if has_ref:
         md.append(f"- reference: {report['reference'].get('name') or ''} "
                   f"{report['reference'].get('source') or ''}".rstrip())
     md.append("")
 
-    header = ["benchmark", "items", "teacher", "student", "delta", "95% CI", "status", "version"]
+    header = ["benchmark", "metric", "items", "teacher", "student", "delta", "95% CI", "status",
+              "version"]
     if has_ref:
         header += ["ref teacher", "ref student", "ref delta"]
     body = []
     for r in report["benchmarks"] + [dict(report["average"], benchmark="average",
                                           items=None, version=None)]:
-        line = [r["benchmark"], r["items"] if r["items"] is not None else "",
+        status = r.get("status") or ("complete" if r["complete"] else
+                                     f"over {len(r['benchmarks'])} ok")
+        flagged = [a for a, v in (r.get("arms") or {}).items()
+                   if (v.get("truncation_vs_teacher") or {}).get("flag")]
+        if flagged:
+            status += f" (truncation differs: {', '.join(flagged)})"
+        line = [r["benchmark"], _metric_label(r), r["items"] if r["items"] is not None else "",
                 _fmt(r["teacher"]), _fmt(r["student"]), _fmt(r["delta"], signed=True),
-                _ci_text(r), r.get("status") or ("complete" if r["complete"] else
-                                                 f"over {len(r['benchmarks'])} ok"),
-                r["version"] or ""]
+                _ci_text(r), status, r["version"] or ""]
         if has_ref:
             ref = r.get("reference") or {}
             line += [_fmt(ref.get("teacher"), 1), _fmt(ref.get("student"), 1),
                      _fmt(ref.get("delta"), 1, signed=True)]
         body.append(line)
     md.append(_table(header, body))
+    flags = [f"- {r['benchmark']}: {f}" for r in report["benchmarks"]
+             for f in r.get("truncation_flags") or []]
+    if flags:
+        md.append("Truncation differs between arms beyond its interval (see Truncation):\n")
+        md.extend(flags + [""])
+    omitted = [f"- {r['benchmark']}: reference left out: {r['reference_omitted']}"
+               for r in report["benchmarks"] + [dict(report["average"], benchmark="average")]
+               if r.get("reference_omitted")]
+    if has_ref and omitted:
+        md.append("A reference number is shown only beside a headline of the same definition "
+                  "(edge0_eval/evaluation/definitions.py):\n")
+        md.extend(omitted + [""])
     md.append(fidelity_report.markdown(report.get("fidelity")))
 
     decs = [(r["benchmark"], r["decomposition"]) for r in report["benchmarks"]
@@ -155,13 +201,32 @@ def _markdown(report: dict) -> str:
 
     md.append("## Truncation\n")
     md.append("Outputs that stopped at the length limit (max_out_len), and of those the ones "
-              "still inside their thinking block (what the scorer read is the middle of the "
-              "reasoning). n/a: the arm's predictions carry no finish reasons.\n")
-    md.append(_table(["benchmark", "arm", "outputs", "cut at the limit", "cut inside thinking"],
+              "still inside their thinking block (scored by the open-thinking rule above). "
+              "vs teacher: the arm's rate minus the teacher's, paired on items (clustered by "
+              "item), with its 95% interval; FLAG: the interval excludes 0. n/a: the arm's "
+              "predictions carry no finish reasons.\n")
+    md.append(_table(["benchmark", "arm", "outputs", "cut at the limit", "cut inside thinking",
+                      "vs teacher (points)"],
                      [[r["benchmark"], a] + (
                          [t["outputs"], f"{t['length']} ({100 * t['length'] / t['outputs']:.1f}%)",
                           t["open_thinking"]] if (t := v.get("truncation")) else ["n/a"] * 3)
+                      + [_truncation_diff(v.get("truncation_vs_teacher"), a)]
                       for r in report["benchmarks"] for a, v in r["arms"].items()]))
+
+    repeated = [(r["benchmark"], a, v) for r in report["benchmarks"]
+                for a, v in r["arms"].items() if (v.get("samples_per_item") or 1) > 1]
+    if repeated:
+        md.append("## Samples per item\n")
+        md.append("avg@n: each item's mean over its n samples, then the mean over items; "
+                  "pass@k (where the benchmark defines it): per item 1 - C(n-c, k)/C(n, k) for "
+                  "c correct of n, then the mean. ±: 95%, clustered by item (an item's samples "
+                  "are one observation).\n")
+        md.append(_table(["benchmark", "arm", "items", "n", "avg@n", "pass@k"],
+                         [[b, a, v["items"], v["samples_per_item"],
+                           f"{_fmt(v['score'])} ±{_fmt(v.get('score_half_width'))}",
+                           ", ".join(f"{k} {_fmt(p['score'])} ±{_fmt(p['half_width'])}"
+                                     for k, p in (v.get("pass_at_k") or {}).items()) or "n/a"]
+                          for b, a, v in repeated]))
 
     md.append("## Engine stats\n")
     eng_rows = []
