@@ -114,13 +114,6 @@ def _detectable_binary(n: int, improved: int, alpha: float) -> float | None:
     return 100.0 * hi
 
 
-def detectable_drop(n: int, churn: float, alpha: float = DEFAULT_ALPHA) -> float | None:
-    """The drop (points) a paired gate on `n` 0/1 items detects with probability >= POWER when
-    a share `churn` of the items changes outcome between two runs of an unchanged model (a
-    planning figure: the gate itself measures the churn of each run)."""
-    return _detectable_binary(n, round(churn * n / 2), alpha)
-
-
 def _uniform(base: dict, now: dict, ids: list[str]) -> float:
     """A uniform draw fixed by the outcomes themselves: the same runs give the same verdict."""
     key = "".join(f"{i}:{base[i]:g}:{now[i]:g};" for i in ids).encode()
