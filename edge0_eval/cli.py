@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("edge0_eval.evaluation.report", "teacher-vs-student gap report from OpenCompass outputs"),
     "gate": ("edge0_eval.evaluation.gate", "CI regression gate on a report"),
     "fidelity": ("edge0_eval.fidelity", "make a teacher-forced fidelity set from a teacher"),
+    "plan": ("edge0_eval.plan", "what an OpenCompass run will cost: tokens, hours, power"),
     "demo": ("edge0_eval.demo", "run the embedded default end to end"),
     "testbed": ("edge0_eval.checkpoints.testbed", "real-weight MoE testbed from SmolLM2"),
 }
