@@ -85,25 +85,36 @@ def test_repeats_avg_at_n_clustered_by_item(tmp_path):
     assert "pass@2 50.00" in md
 
 
-def test_truncation_that_differs_beyond_its_interval_is_flagged(tmp_path):
+def test_truncation_that_differs_beyond_its_noise_is_flagged(tmp_path):
     run = OCRun(tmp_path / "o")
-    run.add(T, "aime2026", [1, 0, 1, 0], engine=_stats(["eos"] * 4))
-    run.add(S, "aime2026", [1, 0, 1, 0], engine=_stats(["length"] * 4))
-    run.add(T, "GPQA_diamond", [1, 0, 1, 0], engine=_stats(["eos", "length", "eos", "eos"]))
-    run.add(S, "GPQA_diamond", [1, 0, 1, 0], engine=_stats(["eos", "eos", "length", "eos"]))
+    # Six items, every one cut for the student only: a paired test rejects equal rates.
+    run.add(T, "aime2026", [1, 0, 1, 0, 1, 0], engine=_stats(["eos"] * 6))
+    run.add(S, "aime2026", [1, 0, 1, 0, 1, 0], engine=_stats(["length"] * 6))
+    # Four items cut for the student only: a 1-in-16 coin, not evidence (its normal interval
+    # has width 0 all the same: the test decides, not the interval).
+    run.add(T, "GPQA_diamond", [1, 0, 1, 0], engine=_stats(["eos"] * 4))
+    run.add(S, "GPQA_diamond", [1, 0, 1, 0], engine=_stats(["length"] * 4))
+    # One item each way: difference 0.
+    run.add(T, "openai_humaneval", [1, 0, 1, 0], engine=_stats(["eos", "length", "eos", "eos"]))
+    run.add(S, "openai_humaneval", [1, 0, 1, 0], engine=_stats(["eos", "eos", "length", "eos"]))
     rep = make_report(tmp_path, run.finish())
-    aime, gpqa = rows(rep)["AIME 2026"], rows(rep)["GPQA-Diamond"]
+    aime, gpqa, he = rows(rep)["AIME 2026"], rows(rep)["GPQA-Diamond"], rows(rep)["HumanEval"]
     diff = aime["arms"]["student"]["truncation_vs_teacher"]
+    # two-sided mid-p of 6 of 6 one way: 2 x (1/2 x 1/64)
     assert diff == {"difference": 100.0, "half_width": 0.0, "flag": True, "arm": 100.0,
-                    "teacher": 0.0}
+                    "teacher": 0.0, "p_value": pytest.approx(1 / 64, abs=0.004)}
     assert len(aime["truncation_flags"]) == 1 and "student" in aime["truncation_flags"][0]
-    # one item each way: difference 0, within its interval
-    assert gpqa["arms"]["student"]["truncation_vs_teacher"]["flag"] is False
+    four = gpqa["arms"]["student"]["truncation_vs_teacher"]
+    assert four["half_width"] == 0.0 and four["flag"] is False
+    assert four["p_value"] == pytest.approx(1 / 16, abs=0.01)
     assert gpqa["truncation_flags"] == []
+    assert he["arms"]["student"]["truncation_vs_teacher"]["flag"] is False
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| AIME 2026 | accuracy, n=1 | 4 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | " \
+    assert "| AIME 2026 | accuracy, n=1 | 6 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | " \
            "ok (truncation differs: student) |" in md
-    assert "| AIME 2026 | student | 4 | 4 (100.0%) | 0 | +100.0 ±0.0 FLAG |" in md
+    assert "| AIME 2026 | student | 6 | 6 (100.0%) | 0 | +100.0 ±0.0 FLAG |" in md
+    assert "| GPQA-Diamond | accuracy, n=1 | 4 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | ok |" \
+        in md
 
 
 def test_a_different_data_file_refuses_to_pair(tmp_path, capsys):

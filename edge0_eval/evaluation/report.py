@@ -238,8 +238,8 @@ def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
             if diff and diff["flag"]:
                 row["truncation_flags"].append(
                     f"{arm} cut at the length limit {diff['arm']:.1f}% vs teacher "
-                    f"{diff['teacher']:.1f}% ({diff['difference']:+.1f} "
-                    f"\u00b1{diff['half_width']:.1f} points): its comparison with the teacher "
+                    f"{diff['teacher']:.1f}% ({diff['difference']:+.1f} points, paired "
+                    f"two-sided p {diff['p_value']:.3f}): its comparison with the teacher "
                     f"mixes quality with cut-off outputs")
     elif status == "items_mismatch":
         row["notes"].append(f"item ids differ (teacher {len(teacher.scores)} items, student "

@@ -152,7 +152,8 @@ def _markdown(report: dict) -> str:
     flags = [f"- {r['benchmark']}: {f}" for r in report["benchmarks"]
              for f in r.get("truncation_flags") or []]
     if flags:
-        md.append("Truncation differs between arms beyond its interval (see Truncation):\n")
+        md.append("Truncation differs between arms (paired sign-flip test, two-sided p < 0.05; "
+                  "see Truncation):\n")
         md.extend(flags + [""])
     omitted = [f"- {r['benchmark']}: reference left out: {r['reference_omitted']}"
                for r in report["benchmarks"] + [dict(report["average"], benchmark="average")]

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import math
 
+from edge0_eval.evaluation.paired import graded_change
+
 Z95 = 1.96
+FLAG_ALPHA = 0.05       # two-sided, for the truncation flag
 RECORD_KEYS = ("score", "finish_reason", "thinking_closed", "output_tokens")
 
 
@@ -95,13 +98,17 @@ def truncation_shares(samples: dict[str, list[dict]]) -> dict[str, float] | None
 def truncation_difference(arm: dict[str, list[dict]], teacher: dict[str, list[dict]]
                           ) -> dict | None:
     """An arm's truncation rate minus the teacher's, paired on shared items (clustered by item),
-    in points with its 95% half-width; `flag` when the interval excludes 0 (the rates differ
-    beyond their noise, so the gap mixes quality with cut-off outputs)."""
+    in points with its 95% half-width, and `flag` when a two-sided paired sign-flip test of the
+    per-item differences rejects equal rates at 5% (`p_value`): the rates differ beyond their
+    noise, so the gap mixes quality with cut-off outputs. The test, not the normal interval,
+    decides: a few items that all differ one way have an interval of width 0, yet 4 of 4 is
+    still a coin's 1 in 16."""
     a, t = truncation_shares(arm), truncation_shares(teacher)
     if a is None or t is None or set(a) != set(t) or not a:
         return None
     diffs = [100.0 * (a[i] - t[i]) for i in sorted(a)]
     mean, half = mean_half_width(diffs)
+    p = min(1.0, 2 * min(graded_change(t, a).p_value, graded_change(a, t).p_value))
     rates = {"arm": 100.0 * sum(a.values()) / len(a), "teacher": 100.0 * sum(t.values()) / len(t)}
-    return {"difference": mean, "half_width": half,
-            "flag": half is not None and abs(mean) > half, **rates}
+    return {"difference": mean, "half_width": half, "p_value": p, "flag": p < FLAG_ALPHA,
+            **rates}
