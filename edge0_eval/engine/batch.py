@@ -1,20 +1,21 @@
 """Batched decode: B rows per step, with continuous batching (`Engine.generate_batch`).
 
-Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone by the
-B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its caches then join
-the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache` (left padding, a
-per-row offset that RoPE and the masks read) and `ArraysCache.merge` (GatedDeltaNet / GLA
-states), then `extend` into the running batch. A finishing row leaves with `filter`; the next
-waiting prompt joins in its place. Every step decodes the active rows as one [B, 1] forward.
+Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone into its
+own cache by the B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its
+caches then join the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache`
+(left padding, a per-row offset that RoPE and the masks read) and `ArraysCache.merge`
+(GatedDeltaNet / GLA states), then `extend` into the running batch. A finishing row leaves with
+`filter`; the next waiting prompt joins in its place. Every step decodes the active rows as one
+[B, 1] step (`Engine.step`, the same step as a solo decode).
 
 MoE layers. Reactive: a layer reads the union of its rows' routed experts once
 (`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
 prediction as its routing ([B, 1, K] plans); each consuming layer stages the union of the rows'
 predicted sets and each row executes its own set, so a row's staged set is its routed set.
-As in a solo run, each step plans the next inside its forward (after the last layer), on the
-per-row features the prerouter keeps in row order (feats, t-1 one-hots); when rows leave or
-join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
-before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
+As in a solo run, each step plans the next after its last layer, from the per-row features its
+`Plans` carry in row order (feats, t-1 one-hots); when rows leave or join, that plan is
+abandoned (its reads still land in the slots) and the new row set is planned at the start of the
+next step, a joiner's features coming from its own prefill.
 
 Slot pool. A layer's union can hold B x K experts. While a batch runs, each layer's pool holds
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
@@ -39,8 +40,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from edge0_eval.engine.prerouted import Plans
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.errors import ConfigError
 
@@ -96,7 +97,7 @@ class BatchDecoder:
 
     def __init__(self, engine, prompts, max_tokens, batch_size, sampling: dict, stop,
                  seeds, logits_trace=None):
-        self.engine, self.prerouter = engine, engine.prerouter
+        self.engine = engine
         self.prompts = [list(p) for p in prompts]
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
@@ -113,22 +114,22 @@ class BatchDecoder:
 
     # -- rows -------------------------------------------------------------------------------
     def _join(self, index: int):
-        """Prefill prompt `index` alone (the B = 1 path); sample its first token."""
-        e, pr = self.engine, self.prerouter
+        """Prefill prompt `index` alone (the B = 1 path) into its own cache; sample its first
+        token. Its plans are its features only: the batch plans its rows together."""
+        e = self.engine
         row = _Row(index, self.prompts[index], self.samplers[index])
-        e.cache = make_prompt_cache(e.model)
-        e.position = 0
+        cache = e.new_cache()
         before, t0 = e._snapshot(), time.perf_counter()
-        logits = e.prefill(row.prompt, plan=False)
-        feats = pr.prefill_features(len(row.prompt)) if pr is not None else ()
-        mx.eval(*feats)
+        logits, plans = e.prefill(row.prompt, cache, stage=False)
+        if plans is not None:
+            mx.eval(plans.feats, plans.onehot)
         row.prefill_s = time.perf_counter() - t0
         row.prefill_bytes = e._snapshot()["bytes"] - before["bytes"]
         if self.max_tokens >= 1:
             self._take(row, row.sampler(logits), logits)
         else:
             row.done = True
-        return row, e.cache, feats
+        return row, cache, plans
 
     def _take(self, row: _Row, token: mx.array, logits: mx.array) -> None:
         if self.logits_trace is not None:
@@ -139,25 +140,25 @@ class BatchDecoder:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[_Row]:
-        e, pr = self.engine, self.prerouter
+        e, pr = self.engine, self.engine.prerouter
         waiting = deque(range(len(self.prompts)))
         finished: list[_Row] = []
         active: list[_Row] = []
-        cache = None
+        cache, plans = None, None if pr is None else Plans()
         while waiting or active:
             # Between steps: finished rows leave, waiting prompts take their places.
             t0, before = time.perf_counter(), e._snapshot()
             keep = [j for j, r in enumerate(active) if not r.done]
             joining = bool(waiting) and len(keep) < self.rows_at_once
-            if pr is not None and (len(keep) < len(active) or joining) and (keep or waiting):
-                # Planned for the old rows inside the last step; a joiner's prefill must not
-                # run it either. After the batch's last step the plan is left to
-                # generate_batch's reset, which cancels it outside the decode figures, as a
-                # solo generate's last plan is.
-                pr.abandon_plans()
+            if pr is not None and (len(keep) < len(active) or joining):
+                if keep or waiting:
+                    # Planned for the old rows inside the last step; a joiner's prefill must
+                    # not run it either. After the batch's last step the plan is left in
+                    # flight (the pool drops it on its next use), outside the decode
+                    # figures, as a solo generate's last plan is.
+                    pr.abandon(plans)
+                plans = plans.take(keep)
             if len(keep) < len(active):
-                if pr is not None:
-                    pr.set_rows(keep, [])
                 finished += [r for r in active if r.done]
                 active = [active[j] for j in keep]
                 if keep:
@@ -169,11 +170,11 @@ class BatchDecoder:
             self._account(t0, before)
             joined = []
             while waiting and len(active) + len(joined) < self.rows_at_once:
-                row, row_cache, row_feats = self._join(waiting.popleft())
+                row, row_cache, row_plans = self._join(waiting.popleft())
                 if row.done:
                     finished.append(row)        # stopped on its first token: never joins
                 else:
-                    joined.append((row, row_cache, row_feats))
+                    joined.append((row, row_cache, row_plans))
             if joined:
                 if active:
                     self.decode["joined_running"] += len(joined)
@@ -185,41 +186,32 @@ class BatchDecoder:
                         mine.extend(theirs)
                 active += [r for r, _, _ in joined]
                 if pr is not None:
-                    pr.set_rows(None, [f for *_, f in joined])
+                    plans = Plans.join([plans] + [p for *_, p in joined])
             if active:
-                self._step(active, cache)
+                plans = self._step(active, cache, plans)
         return sorted(finished, key=lambda r: r.index)
 
-    def _step(self, active: list[_Row], cache: list) -> None:
-        """One decode step of the active rows. Prerouted: a step plans the next one for the
-        same rows inside its forward, as a solo step does; after rows left or joined it plans
-        here first."""
-        e, pr = self.engine, self.prerouter
+    def _step(self, active: list[_Row], cache: list, plans: Plans | None) -> Plans | None:
+        """One decode step of the active rows (prerouted: planned inside the last step, or,
+        after rows left or joined, at the start of this one); the next step's plans."""
+        e = self.engine
         t0, before = time.perf_counter(), e._snapshot()
-        if pr is not None and not pr.rows_planned:
-            pr.plan_rows()
-        e.cache = cache
-        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True,
-                           samplers=[r.sampler for r in active])
-        t1 = time.perf_counter()
-        last = e._checked_rows(logits, f"at batched decode step {self.decode['steps'] + 1}",
-                               [r.index for r in active])
+        last, plans = e.step(mx.array([[r.tokens[-1]] for r in active]), cache, plans,
+                             samplers=[r.sampler for r in active],
+                             where=f"at batched decode step {self.decode['steps'] + 1}",
+                             rows=[r.index for r in active])
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
-        t2 = time.perf_counter()
-        prof = e._profile
-        prof["steps"] += 1
-        prof["build_s"] += t1 - t0
-        prof["eval_s"] += t2 - t1
+        dt = time.perf_counter() - t0
         self.decode["steps"] += 1
         self.decode["tokens"] += len(active)
         self._account(t0, before)
-        dt = t2 - t0
         for j, (r, t) in enumerate(zip(active, tokens)):
             r.steps += 1
             r.decode_share_s += dt / len(active)
             r.decode_wall_s += dt
             self._take(r, t, last[j])
+        return plans
 
     def _account(self, t0: float, before: dict) -> None:
         """Add the decode work since (t0, before) to the batch's decode figures."""

@@ -29,7 +29,7 @@ and `PrerouterHeads(feats [O, B, in]) -> logits [O, B, E]` is three batched matm
 
 Heads files (save, read, validate): `heads_file.py`.
 
-Expert selection from head logits follows the consuming layer's family rule (`select_experts`,
+Expert selection from head logits follows the consuming layer's family rule (its block's `rule`,
 a `routing.RoutingRule`): qwen softmax top-k (normalised, but not in qwen2_moe); bailing sigmoid +
 expert bias, group-limited top-k, normalised x routed_scaling_factor, exactly like mlx-lm's `Gate`.
 """
@@ -43,7 +43,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.engine.routing import RoutingRule, stack_rules
+from edge0_eval.engine.routing import RoutingRule  # noqa: F401 (training imports it here)
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -255,57 +255,11 @@ def append_next_embedding(feats: mx.array, next_embedding: mx.array) -> mx.array
     return mx.concatenate([feats, emb], axis=-1)
 
 
-def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = None,
-                   position: int = -1) -> tuple[mx.array, mx.array]:
-    """Features for all `owners` from the engine's last forward (MoE traces must be captured).
-
-    Uses token `position` of the last chunk. Returns (feats [O, B, in], onehot_t [O, B, E]);
-    pass onehot_t back as `onehot_prev` on the next step (None = zeros, the first token).
-    """
-    hs, ohs = [], []
-    num_experts = None
-    for n in owners:
-        last_input, last_inds = engine.blocks[n].captured()
-        if last_input is None or last_inds is None:
-            raise ConfigError(f"layer {n} has no captured trace; call set_capture(True) on the "
-                              f"owner blocks before the forward")
-        num_experts = engine.blocks[n].num_experts
-        hs.append(last_input[:, position])
-        ohs.append(onehot(last_inds[:, position], num_experts, hs[-1].dtype))
-    h, oh_t = mx.stack(hs), mx.stack(ohs)
-    if onehot_prev is None:
-        onehot_prev = mx.zeros_like(oh_t)
-    return build_features(h, oh_t, onehot_prev), oh_t
-
-
-# -- routing rules ------------------------------------------------------------------------------
-
-def consumer_rule(engine, consumers: list[int]) -> RoutingRule:
-    """The stacked selection rule of the consuming layers for logits [O, B, E]: build it
-    once, then each step `inds, weights = rule.select(heads(feats), k)` is one computation."""
-    return stack_rules([RoutingRule.from_block(engine.blocks[c]) for c in consumers])
-
-
-def select_experts(block, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """Experts and combination weights for router-space `logits` under `block`'s family rule.
-
-    qwen: softmax, top-k, normalised (qwen2_moe: not normalised). bailing: sigmoid (or the
-    Gate's score function), plus the consuming layer's expert_bias for the choice only,
-    group-limited top-k like mlx-lm's Gate, weights from the unbiased scores, normalised and
-    x routed_scaling_factor.
-    """
-    return RoutingRule.from_block(block).select(logits, k)
-
-
-def router_logits(block, x: mx.array) -> mx.array:
-    """The block's router logits for input x (qwen: gate(x); bailing: gate.gate_proj(x))."""
-    gate = block.gate
-    return gate.gate_proj(x) if hasattr(gate, "gate_proj") else gate(x)
-
+# -- warm start from the routers ----------------------------------------------------------------
 
 def router_weight(block) -> tuple[mx.array, mx.array | None]:
     """The router's weight [E, H] as float32 (8-bit routers dequantized) and bias [E] or None."""
-    linear = block.gate.gate_proj if hasattr(block.gate, "gate_proj") else block.gate
+    linear = block.router
     if isinstance(linear, nn.QuantizedLinear):
         weight = mx.dequantize(linear.weight, linear.scales, linear.get("biases"),
                                group_size=linear.group_size, bits=linear.bits,

@@ -44,9 +44,9 @@ from tqdm import tqdm
 
 from edge0_eval.engine.heads_file import load_heads, save_heads
 
-from edge0_eval.engine.prerouter import (
-    PrerouterConfig, RoutingRule, default_consumers, heads_from_router_weights,
-)
+from edge0_eval.engine.prerouter import (PrerouterConfig, default_consumers,
+                                         heads_from_router_weights)
+from edge0_eval.engine.routing import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import split_documents, subset_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
