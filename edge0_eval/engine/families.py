@@ -37,6 +37,7 @@ class Family:
     tiny_config: Callable           # TinyShape -> config.json (checkpoints/tiny.py)
     text_config_key: str | None = None   # the config.json section of the text model's keys
     own_lm_head: bool = False            # an lm_head even when tie_word_embeddings is set
+    gate_selects: bool = False           # mlx-lm's block selects in its gate (its top_k there)
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.
     clip_hidden: float | None = None
     # A prompt cut in two pieces computes the same bits as in one (mlx-lm's layers, CPU): then
@@ -70,8 +71,7 @@ class Family:
         return text.model.norm, self.embedding(model) if tied else text.lm_head, tied
 
     def moe_layers(self, model: nn.Module) -> list[int]:
-        return [i for i, layer in enumerate(model.layers)
-                if isinstance(layer.mlp, nn.Module) and "switch_mlp" in layer.mlp]
+        return [i for i, layer in enumerate(model.layers) if "switch_mlp" in layer.mlp]
 
 
 def _qwen3_5_args(text, h, cache):
@@ -119,7 +119,7 @@ FAMILIES = {
     "bailing_hybrid": Family(
         "bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
         text=lambda model: model, embed_name="word_embeddings", layer_args=_bailing_args,
-        tiny_config=bailing_tiny, clip_hidden=1000.0, split_prefill=False,
+        tiny_config=bailing_tiny, gate_selects=True, clip_hidden=1000.0, split_prefill=False,
         lora_targets=(   # linear attention; MLA (embed_q/unembed_out are MultiLinear, not
             # Linear); both kinds' output; the shared experts; the dense layer-0 MLP (the
             # router `mlp.gate.gate_proj` does not end with `.mlp.gate_proj`)

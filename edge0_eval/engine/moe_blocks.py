@@ -70,9 +70,12 @@ class QwenStreamingMoE(StreamingMoE):
         self.gate = block.gate
         self.shared_expert = block.shared_expert
         self.shared_expert_gate = block.shared_expert_gate
-        # qwen2_moe blocks have no such flag: they never normalise.
-        self.norm_topk_prob = getattr(block, "norm_topk_prob", False)
+        self.norm_topk_prob = self.normalizes(block)
         self._init_streaming(switch, top_k)
+
+    @staticmethod
+    def normalizes(block) -> bool:
+        return bool(block.norm_topk_prob)
 
     @property
     def router(self) -> nn.Module:
@@ -105,6 +108,10 @@ class Qwen2StreamingMoE(QwenStreamingMoE):
     """
 
     selection_order = "first"
+
+    @staticmethod
+    def normalizes(block) -> bool:
+        return False          # mlx-lm's qwen2_moe block has no norm_topk_prob: it never does
 
 
 class BailingStreamingMoE(StreamingMoE):
