@@ -53,7 +53,7 @@ def engine(request, tmp_path_factory):
 
 
 def random_heads(owners=(2, 3, 5), width=8, hidden=12, experts=6, k=2, seed=0, dtype=mx.float32):
-    cfg = PrerouterConfig(owners=list(owners), start_layer=owners[0] + 1, width=width, top_k=k,
+    cfg = PrerouterConfig(owners=list(owners), width=width, top_k=k,
                           hidden=hidden, num_experts=experts)
     keys = mx.random.split(mx.random.key(seed), 3)
     o, d = len(owners), cfg.in_dim
@@ -130,7 +130,8 @@ def test_default_owners_and_tiers():
     with pytest.raises(ConfigError, match="both be MoE"):
         check_owners([0], [1, 2, 3])            # layer 0 is dense in bailing
     with pytest.raises(ConfigError, match="both be MoE"):
-        check_owners([3], [1, 2, 3])            # nothing after the last layer
+        check_owners([3], [1, 2, 3], [4])       # nothing after the last layer
+    assert check_owners([3], [1, 2, 3]) == [3]  # by default it wraps to the first
     with pytest.raises(ConfigError):
         check_owners([], [1, 2, 3])
 
@@ -164,7 +165,7 @@ def test_router_bias_is_folded_into_onehot_columns():
     assert b is not None
     from edge0_eval.engine.prerouter import heads_from_router_weights
 
-    cfg = PrerouterConfig(owners=[0], start_layer=1, width=2, top_k=2, hidden=4, num_experts=3)
+    cfg = PrerouterConfig(owners=[0], width=2, top_k=2, hidden=4, num_experts=3)
     heads = heads_from_router_weights(cfg, [w], [b], seed=0)
     x = mx.random.normal((1, 7, 4))
     oh = onehot(mx.array([[[0, 2]] * 7]), 3)

@@ -162,7 +162,7 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
     b = load_heads(old, hidden=heads.config.hidden, num_experts=16, top_k=4,
                    moe_layers=[0, 1, 2, 3])
     assert a.config == b.config == PrerouterConfig(
-        owners=[0, 1, 2], start_layer=1, width=8, top_k=4, hidden=heads.config.hidden,
+        owners=[0, 1, 2], width=8, top_k=4, hidden=heads.config.hidden,
         num_experts=16)
     assert b.config.consumers == [1, 2, 3]
     for name in ("fc1", "fc2", "linear"):

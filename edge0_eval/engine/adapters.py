@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0_eval.engine.checks import read_safetensors_header
+from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
 from edge0_eval.engine.json_files import read_json_file
 from edge0_eval.engine.lora import (LoRALinear, get_module, linear_dims, lora_modules,
                                     natural_key, refusal, remove_lora, set_module)
@@ -397,13 +396,4 @@ def save_adapter(model: nn.Module, path: str | Path, metadata: dict | None = Non
             if dtype == "float16" and mx.abs(value).max().item() > _FP16_MAX:
                 raise ConfigError(f"{key} exceeds the float16 range; save with dtype='float32'")
             arrays[key] = value.astype(target)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-    try:
-        mx.save_safetensors(str(tmp), arrays, metadata=out)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return write_safetensors(path, arrays, out)

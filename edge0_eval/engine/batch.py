@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -108,9 +108,8 @@ class BatchDecoder:
         self.logits_trace = logits_trace
         if logits_trace is not None:
             logits_trace[:] = [[] for _ in prompts]
-        self.decode = {"steps": 0, "tokens": 0, "seconds": 0.0, "bytes": 0, "reads": 0,
-                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0,
-                       "joined_running": 0}
+        # The decode figures: snapshot differences (Engine._snapshot) summed over the steps.
+        self.decode = Counter()
 
     # -- rows -------------------------------------------------------------------------------
     def _join(self, index: int):
@@ -177,7 +176,7 @@ class BatchDecoder:
                     joined.append((row, row_cache, row_plans))
             if joined:
                 if active:
-                    self.decode["joined_running"] += len(joined)
+                    self.decode["batch_joined"] += len(joined)
                 new = merge_caches([c for _, c, _ in joined])
                 if cache is None:
                     cache = new
@@ -198,13 +197,13 @@ class BatchDecoder:
         t0, before = time.perf_counter(), e._snapshot()
         last, plans = e.step(mx.array([[r.tokens[-1]] for r in active]), cache, plans,
                              samplers=[r.sampler for r in active],
-                             where=f"at batched decode step {self.decode['steps'] + 1}",
+                             where=f"at batched decode step {self.decode['batch_steps'] + 1}",
                              rows=[r.index for r in active])
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
         dt = time.perf_counter() - t0
-        self.decode["steps"] += 1
-        self.decode["tokens"] += len(active)
+        self.decode["batch_steps"] += 1
+        self.decode["batch_tokens"] += len(active)
         self._account(t0, before)
         for j, (r, t) in enumerate(zip(active, tokens)):
             r.steps += 1
@@ -216,37 +215,27 @@ class BatchDecoder:
     def _account(self, t0: float, before: dict) -> None:
         """Add the decode work since (t0, before) to the batch's decode figures."""
         after, d = self.engine._snapshot(), self.decode
-        d["seconds"] += time.perf_counter() - t0
-        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
-            d[key] += after[key] - before[key]
+        d["batch_seconds"] += time.perf_counter() - t0
+        for key, value in after.items():
+            d[key] += value - before[key]
 
     # -- figures ----------------------------------------------------------------------------
     def batch_stats(self, rows: list[_Row]) -> dict:
-        """The batch's own figures (the same in every row's stats)."""
+        """The batch's own figures (the same in every row's stats; with its decode figures)."""
         d = self.decode
-        tokens, steps = d["tokens"], d["steps"]
-        lookups = d["hits"] + d["misses"]
+        tokens, steps, seconds = d["batch_tokens"], d["batch_steps"], d["batch_seconds"]
         return {
             "batch_size": self.rows_at_once,       # rows at once: min(batch_size, prompts)
             "batch_rows": len(rows),
             "batch_steps": steps,
-            "batch_joined_running": d["joined_running"],   # rows that joined running rows
+            "batch_joined_running": d["batch_joined"],    # rows that joined running rows
             "batch_mean_rows_per_step": tokens / steps if steps else 0.0,
             "batch_generated_tokens": sum(len(r.tokens) for r in rows),
             "batch_decode_tokens": tokens,
-            "batch_decode_s": d["seconds"],
-            "batch_decode_tok_s": tokens / d["seconds"] if d["seconds"] > 0 else 0.0,
+            "batch_decode_s": seconds,
+            "batch_decode_tok_s": tokens / seconds if seconds > 0 else 0.0,
             "batch_prefill_s": sum(r.prefill_s for r in rows),
             "batch_prefill_bytes_read": sum(r.prefill_bytes for r in rows),
-            "batch_decode_bytes_read": d["bytes"],
-            # Per decoded token of the batch (every row's token of every step).
-            "bytes_per_token": d["bytes"] / tokens if tokens else 0.0,
-            "reads_per_token": d["reads"] / tokens if tokens else 0.0,
-            "blocked_load_ms_per_step": 1000 * d["blocked"] / steps if steps else 0.0,
-            "decode_hit_rate": d["hits"] / lookups if lookups else 0.0,
-            # Distinct experts a MoE layer needed per decode step (reactive: the rows' routed
-            # union; prerouted: the staged union); None when resident (nothing is looked up).
-            "mean_union_per_layer": d["union"] / d["union_layers"] if d["union_layers"] else None,
         }
 
     @staticmethod

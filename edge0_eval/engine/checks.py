@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import typing
 from pathlib import Path
 
@@ -164,7 +165,21 @@ def _check_quantization(quant, path: Path) -> None:
         raise CheckpointError(f"{path}: key 'quantization.mode' is {quant['mode']!r}, not a string")
 
 
-# -- safetensors headers ----------------------------------------------------------------------
+# -- safetensors files -------------------------------------------------------------------------
+
+def write_safetensors(path: str | Path, arrays: dict, metadata: dict) -> Path:
+    """Write a safetensors file atomically (a reader never sees half of one); the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
 
 def read_safetensors_header(path: str | Path, what: str, fix: str
                             ) -> tuple[dict[str, tuple[str, list[int], int, int]], dict[str, str]]:

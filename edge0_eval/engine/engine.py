@@ -235,7 +235,8 @@ class Engine:
                                                self.index.num_experts)))
         try:
             rows = decoder.run()
-            self._last = decoder.batch_stats(rows)
+            self._last = decoder.batch_stats(rows) | decode_figures(
+                decoder.decode, decoder.decode["batch_steps"], decoder.decode["batch_tokens"])
             common = self.stats()           # with the batch's expert buffer
         finally:
             self._resize_slots(configured)
@@ -270,8 +271,6 @@ class Engine:
 
     def _phase_stats(self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode) -> dict:
         steps = max(0, n_gen - 1)   # the first token comes from the prefill logits
-        d = {k: after[k] - mid[k] for k in after}
-        lookups = d["hits"] + d["misses"]
         return {
             "prompt_tokens": n_prompt,
             "generated_tokens": n_gen,
@@ -279,20 +278,8 @@ class Engine:
             "decode_s": t_decode,
             "prefill_tok_s": n_prompt / t_prefill if t_prefill > 0 else 0.0,
             "decode_tok_s": steps / t_decode if steps and t_decode > 0 else 0.0,
-            "decode_bytes_read": d["bytes"],
-            "bytes_per_token": d["bytes"] / steps if steps else 0.0,
-            "reads_per_token": d["reads"] / steps if steps else 0.0,
-            "blocked_load_ms_per_step": 1000 * d["blocked"] / steps if steps else 0.0,
-            "blocked_loads_per_step": d["blocked_loads"] / steps if steps else 0.0,
-            # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
-            "demand_read_gbps": (d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
-                                 if d["demand_read_seconds"] > 0 else None),
-            "decode_hit_rate": d["hits"] / lookups if lookups else 0.0,
             "prefill_bytes_read": mid["bytes"] - before["bytes"],
-            # build: Python building the graph, including blocking reads/stage waits and any
-            # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
-            "profile_ms_per_step": {f"{name}_ms": 1000 * d[f"{name}_seconds"] / max(1, d["steps"])
-                                    for name in ("build", "eval")},
+            **decode_figures({k: after[k] - mid[k] for k in after}, steps, steps),
         }
 
     def stats(self) -> dict:
@@ -328,6 +315,33 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
+
+
+def decode_figures(d: dict, steps: int, tokens: int) -> dict:
+    """A decode phase's figures from the difference `d` of two snapshots: per decoded token
+    (every row's) and per step."""
+    def per(x, n):
+        return x / n if n else 0.0
+
+    lookups = d["hits"] + d["misses"]
+    return {
+        "decode_bytes_read": d["bytes"],
+        "bytes_per_token": per(d["bytes"], tokens),
+        "reads_per_token": per(d["reads"], tokens),
+        "blocked_load_ms_per_step": per(1000 * d["blocked"], steps),
+        "blocked_loads_per_step": per(d["blocked_loads"], steps),
+        # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
+        "demand_read_gbps": (d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
+                             if d["demand_read_seconds"] > 0 else None),
+        "decode_hit_rate": per(d["hits"], lookups),
+        # Distinct experts a MoE layer needed per step (reactive: the rows' routed union;
+        # prerouted: the staged union); None when resident (nothing is looked up).
+        "mean_union_per_layer": d["union"] / d["union_layers"] if d["union_layers"] else None,
+        # build: Python building the graph, including blocking reads/stage waits and any
+        # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
+        "profile_ms_per_step": {f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
+                                for name in ("build", "eval")},
+    }
 
 
 class Sequence:

@@ -151,8 +151,7 @@ def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[i
         raise ConfigError(f"--top-k {k} exceeds the model's {facts.num_experts} experts")
     moe = facts.moe_layers
     if owners:
-        owners = sorted(int(n) for n in owners)
-        owners = check_owners(owners, moe, default_consumers(owners, moe))
+        owners = check_owners(owners, moe)
         first = min(default_consumers(owners, moe))
         if start_layer is not None and start_layer != first and \
                 not (first == moe[0] and start_layer <= first):
@@ -160,8 +159,7 @@ def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[i
                               f"{owners} -> first consuming layer {first})")
     else:
         start = start_layer if start_layer is not None else d["start_layer"]
-        owners = default_owners(start, facts.n_layers, moe)
-        owners = check_owners(owners, moe, default_consumers(owners, moe))
+        owners = check_owners(default_owners(start, facts.n_layers, moe), moe)
     return k, owners, width or d["width"]
 
 

@@ -98,7 +98,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
         train_fp["train_tokens"] = opts.train_tokens
     if opts.next_token:
         train_fp["next_token"] = True
-    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
+    config = PrerouterConfig(owners=owners, width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
                              consumers=consumers, next_token=opts.next_token)
     routers = store.routers()
