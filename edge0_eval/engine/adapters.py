@@ -220,8 +220,9 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                                       f"{str(arr.dtype).split('.')[-1]}; expected "
                                       f"float16, bfloat16 or float32")
             if arr.ndim != 2:
+                want = "[r, in]" if key == key_a else "[out, r]"
                 raise CheckpointError(f"{path}: key {key!r} has shape {tuple(arr.shape)}; "
-                                      f"expected a matrix ({'[r, in]' if key == key_a else '[out, r]'})")
+                                      f"expected a matrix ({want})")
             file_dtypes.add(str(arr.dtype).split(".")[-1])
         module, existing = get_module(model, module_path)
         if module is None:
