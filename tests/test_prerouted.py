@@ -165,3 +165,26 @@ def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
         assert order == ["demand", 0, 1, 2]
     finally:
         store.close()
+
+
+def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(edge0_qwen):
+    """A plan left in flight (a sequence's last step, a batch's end) reserved slots whose
+    bundles were never written; the next use of the layer drops it first, so those experts
+    are read for real instead of being trusted as hits."""
+    from edge0_eval.engine.layout import unpack_bundle
+
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True,
+                                                   slots_per_layer=4))
+    try:
+        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+        staged = switch.stage_begin([0, 1, 2, 3])       # never finished
+        assert switch.load_experts([2, 3]) == 2         # read again, not trusted as hits
+        assert all(f.done() for f in staged.futures)
+        assert sorted(switch.slots.resident_experts) == [2, 3]
+        for e in (2, 3):
+            want = unpack_bundle(switch._io.index, engine.store.read(switch._io.layer, e))
+            slot = switch.slots.slot_of(e)
+            assert mx.array_equal(switch.glu.gate_proj["weight"][slot],
+                                  mx.array(want["gate_proj.weight"])).item(), e
+    finally:
+        engine.close()
