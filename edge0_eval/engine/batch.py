@@ -108,7 +108,7 @@ class BatchDecoder:
         self.logits_trace = logits_trace
         if logits_trace is not None:
             logits_trace[:] = [[] for _ in prompts]
-        # The decode figures: snapshot differences (Engine._snapshot) summed over the steps.
+        # The decode figures: snapshot differences (Engine.snapshot) summed over the steps.
         self.decode = Counter()
 
     # -- rows -------------------------------------------------------------------------------
@@ -118,12 +118,12 @@ class BatchDecoder:
         e = self.engine
         row = _Row(index, self.prompts[index], self.samplers[index])
         cache = e.new_cache()
-        before, t0 = e._snapshot(), time.perf_counter()
+        before, t0 = e.snapshot(), time.perf_counter()
         logits, plans = e.prefill(row.prompt, cache, stage=False)
         if plans is not None:
             mx.eval(plans.feats, plans.onehot)
         row.prefill_s = time.perf_counter() - t0
-        row.prefill_bytes = e._snapshot()["bytes"] - before["bytes"]
+        row.prefill_bytes = e.snapshot()["bytes"] - before["bytes"]
         if self.max_tokens >= 1:
             self._take(row, row.sampler(logits), logits)
         else:
@@ -146,7 +146,7 @@ class BatchDecoder:
         cache, plans = None, None if pr is None else Plans()
         while waiting or active:
             # Between steps: finished rows leave, waiting prompts take their places.
-            t0, before = time.perf_counter(), e._snapshot()
+            t0, before = time.perf_counter(), e.snapshot()
             keep = [j for j, r in enumerate(active) if not r.done]
             joining = bool(waiting) and len(keep) < self.rows_at_once
             if pr is not None and (len(keep) < len(active) or joining):
@@ -194,7 +194,7 @@ class BatchDecoder:
         """One decode step of the active rows (prerouted: planned inside the last step, or,
         after rows left or joined, at the start of this one); the next step's plans."""
         e = self.engine
-        t0, before = time.perf_counter(), e._snapshot()
+        t0, before = time.perf_counter(), e.snapshot()
         last, plans = e.step(mx.array([[r.tokens[-1]] for r in active]), cache, plans,
                              samplers=[r.sampler for r in active],
                              where=f"at batched decode step {self.decode['batch_steps'] + 1}",
@@ -214,7 +214,7 @@ class BatchDecoder:
 
     def _account(self, t0: float, before: dict) -> None:
         """Add the decode work since (t0, before) to the batch's decode figures."""
-        after, d = self.engine._snapshot(), self.decode
+        after, d = self.engine.snapshot(), self.decode
         d["batch_seconds"] += time.perf_counter() - t0
         for key, value in after.items():
             d[key] += value - before[key]

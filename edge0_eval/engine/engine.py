@@ -183,11 +183,11 @@ class Engine:
         sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed),
                              top_k=top_k, min_p=min_p)
         sequence = self.sequence()
-        before = self._snapshot()
+        before = self.snapshot()
         t0 = time.perf_counter()
         logits = sequence.prefill(list(prompt_tokens), sampler)
         t1 = time.perf_counter()
-        mid = self._snapshot()
+        mid = self.snapshot()
         tokens: list[int] = []
         while len(tokens) < max_tokens:
             token = int(sampler(logits).item())
@@ -196,7 +196,7 @@ class Engine:
                 break
             logits = sequence.step(token, sampler)
         t2 = time.perf_counter()
-        self._last = self._phase_stats(before, mid, self._snapshot(), len(prompt_tokens),
+        self._last = self._phase_stats(before, mid, self.snapshot(), len(prompt_tokens),
                                        len(tokens), t1 - t0, t2 - t1)
         return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_tokens), stats=self.stats())
 
@@ -255,7 +255,7 @@ class Engine:
         self.slots_per_layer = n_slots
 
     # -- accounting -------------------------------------------------------------------------
-    def _snapshot(self) -> dict:
+    def snapshot(self) -> dict:
         """The counters now, with the store's reads and the pools' lookups."""
         pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
         c = self.counters

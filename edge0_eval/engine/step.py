@@ -145,8 +145,8 @@ class DecodeStep:
                 if layer > 0:
                     mx.async_eval(h)   # earlier layers compute while its reads finish
                 self.prerouter.finish(layer, staged)
-            if ahead is None:
-                return Route(inds, mask=planned, pinned=staged is not None)
+            if ahead is None:     # pinned: the staged set is the whole route, nothing to read
+                return Route(inds, mask=planned, pinned=staged is not None and planned is None)
         first = ahead[:, :1] if plan is None else inds
         inds = mx.concatenate([first, ahead[:, :-1]], axis=1)
         if plan is None:     # position 0 has no prediction: its router
