@@ -13,17 +13,13 @@ def replay_gradients(path, engine, disc, tokens: np.ndarray) -> tuple[mx.array, 
     unions = disc.unions()
     path.load_routed(unions)
     plan = path.replay_plan(disc, np.arange(1), unions)
-    mask = mx.array(disc.mask)
-    path.pin(True)
 
     def objective(model):
-        logits = path.forward(mx.array(tokens), mask, plan)
+        logits = path.forward(mx.array(tokens), plan)
         return (logits.astype(mx.float32) ** 2).mean(), logits
 
     (loss, logits), g = nn.value_and_grad(engine.model, objective)(engine.model)
     mx.eval(loss, logits, g)
-    path.clear_plans()
-    path.pin(False)
     return logits, dict(tree_flatten(g))
 
 
@@ -40,12 +36,12 @@ def lora_engine_decode(engine, moe: list[int], prompt: list[int] = PROMPT_IDS,
     lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
     lora.mark_trainable(engine.model)
     for layer in moe:
-        engine.blocks[layer].set_capture(True)
-    engine.reset()
-    served = [engine.prefill(prompt)]
+        engine.blocks[layer].capture = True
+    sequence = engine.sequence()
+    served = [sequence.prefill(prompt)]
     executed = []
     for t in cont:
-        served.append(engine.step(t))
-        executed.append({n: sorted(np.array(engine.blocks[n].captured()[1]).reshape(-1)
-                                   .tolist()) for n in moe})
+        served.append(sequence.step(t))
+        executed.append({n: sorted(np.array(engine.blocks[n].last[1]).reshape(-1).tolist())
+                         for n in moe})
     return mx.stack(served), executed

@@ -51,11 +51,11 @@ def _engine(converted, heads, hedge=None, **options):
 def _decode_logits(engine, steps: int = 10) -> tuple[list[mx.array], int]:
     """Greedy prefill + decode: every step's logits (the token fed back is the argmax), and
     the loads the decode steps blocked on."""
-    engine.reset()
-    logits = engine.prefill(engine.tokenizer.encode(PROMPT))
+    sequence = engine.sequence()
+    logits = sequence.prefill(engine.tokenizer.encode(PROMPT))
     out, blocked = [logits], engine.counters.blocked_loads
     for _ in range(steps):
-        logits = engine.step(int(mx.argmax(logits).item()))
+        logits = sequence.step(int(mx.argmax(logits).item()))
         out.append(logits)
     return out, engine.counters.blocked_loads - blocked
 
@@ -99,8 +99,8 @@ def test_a_whole_vocabulary_draft_is_the_routing(drafted):
         assert stats["hedge_layers"] == sorted(engine.prerouter.consumers)
         assert stats["hedge_kind"] == f"draft token ({vocab} ids)"
         c = engine.prerouter.counters
-        # the prefill's step has no draft (its LM head ran already); the 9 after it do
-        assert c.draft_rows == 9 and c.hedge_staged == 9 * len(moe) * engine.top_k
+        # the prefill's last step drafts for the first decode step, as each step for the next
+        assert c.draft_rows == 10 and c.hedge_staged == 10 * len(moe) * engine.top_k
         assert c.hedge_wasted == c.hedge_cancelled == 0
         assert stats["dropped_experts"] == 0 and blocked == 0
     finally:
@@ -196,7 +196,7 @@ def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
         assert engine.prerouter.draft_layers == [moe[0]]
         _decode_logits(engine, steps=4)
         c = engine.prerouter.counters              # one layer's set staged per drafted step
-        assert c.draft_rows == 3 and c.hedge_staged == 3 * engine.top_k
+        assert c.draft_rows == 4 and c.hedge_staged == 4 * engine.top_k
         assert load_draft_vocab(ok, vocab).tolist() == [1, 2]
     finally:
         engine.close()
@@ -246,7 +246,7 @@ def test_a_sampled_draft_adds_the_samplers_noise(drafted):
             assert got == want, (temperature, top_p)
             if top_p == 1.0:
                 c = engine.prerouter.counters
-                assert c.draft_rows == 8 and c.draft_matches == 8
+                assert c.draft_rows == 9 and c.draft_matches == 9   # every decode step
         prompts = [plain.tokenizer.encode(p) for p in ("import os", "x = 1", "# hi")]
         seeds = [3, 4, 5]
         solo = [plain.generate(p, max_tokens=6, temperature=1.0, seed=s,

@@ -40,12 +40,13 @@ def _parity(src, converted, steps=64, **options):
     prompt = tok.encode(PROMPT)
     cache = make_prompt_cache(ref)
     ref_logits = ref(mx.array(prompt)[None], cache=cache)[0, -1]
-    eng_logits = engine.prefill(prompt)
+    sequence = engine.sequence()
+    eng_logits = sequence.prefill(prompt)
     worst = _max_diff(ref_logits, eng_logits)
     token = int(mx.argmax(ref_logits).item())
     for _ in range(steps):
         ref_logits = ref(mx.array([[token]]), cache=cache)[0, -1]
-        eng_logits = engine.step(token)
+        eng_logits = sequence.step(token)
         worst = max(worst, _max_diff(ref_logits, eng_logits))
         assert int(mx.argmax(eng_logits).item()) == int(mx.argmax(ref_logits).item())
         token = int(mx.argmax(ref_logits).item())
@@ -234,8 +235,7 @@ def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwe
         slots = [switch.slots.slot_of(e) for e in sorted(union)]
         assert slots == sorted(slots)
         assert mx.array_equal(switch._io.lut[mx.array(sorted(union))], mx.array(slots)).item()
-        switch.pin(True)
-        outs.append(switch(x, inds))
+        outs.append(switch(x, inds, pinned=True))
         mx.eval(outs[-1])
         engine.close()
     assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])
@@ -257,10 +257,11 @@ def test_non_finite_hidden_states_are_an_error(family, request):
     # logits; found at the decode step it first appears in.
     engine = Engine.load(converted, EngineOptions(mode="reactive", clip_hidden=None))
     prompt = engine.tokenizer.encode(PROMPT)
-    token = int(mx.argmax(engine.prefill(prompt)).item())
+    sequence = engine.sequence()
+    token = int(mx.argmax(sequence.prefill(prompt)).item())
     _poison(engine.model, r"layers\.0\..*norm.*weight$")
     with pytest.raises(NonFiniteError, match="non-finite logits at decode step 1"):
-        engine.step(token)
+        sequence.step(token)
     assert engine.stats()["nonfinite_events"] == 1
     engine.close()
     # With the family's default clipping, a NaN after the last layer (the final norm) still

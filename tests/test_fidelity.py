@@ -60,9 +60,9 @@ def test_scorer_equals_step_by_step_decode(served, mode):
     tokens = result.tokens
     assert len(tokens) == 10
     # generate's loop written out: prefill, then step each token it chose.
-    engine.reset()
-    decoded = [fid._logprobs(engine.prefill(prompt))]
-    decoded += [fid._logprobs(engine.step(t)) for t in tokens[:-1]]
+    sequence = engine.sequence()
+    decoded = [fid._logprobs(sequence.prefill(prompt))]
+    decoded += [fid._logprobs(sequence.step(t)) for t in tokens[:-1]]
     assert [int(np.argmax(lp)) for lp in decoded] == tokens
     ids = [[t, *range(5)] for t in tokens]
     lp, argmax = fid.teacher_forced(fid.EngineRunner(engine), prompt, tokens, ids)

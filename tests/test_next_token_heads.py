@@ -18,8 +18,9 @@ from served_pass import replay_gradients
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import (build_features, consumer_rule, default_owners,
+from edge0_eval.engine.prerouter import (build_features, default_owners,
                                          init_heads_from_routers)
+from edge0_eval.engine.routing import stack_rules
 from edge0_eval.errors import CheckpointError
 from edge0_eval.training.prerouter import train_prerouter
 from edge0_eval.training.state import report_paths
@@ -109,15 +110,17 @@ def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
     try:
         pr = engine.prerouter
         for layer in moe:
-            engine.blocks[layer].set_capture(True)
-        rule = consumer_rule(engine, pr.consumers)
+            engine.blocks[layer].capture = True
+        rule = stack_rules([engine.blocks[c].rule for c in pr.consumers])
         embed = engine.family.embedding(engine.model)
-        logits = engine.prefill(engine.tokenizer.encode(PROMPT))
-        assert not pr.has_plan and pr._awaiting_tokens     # waits for the first token
-        feats = pr._feats
+        sequence = engine.sequence()
+        logits = sequence.prefill(engine.tokenizer.encode(PROMPT))
+        plans = sequence.plans
+        assert not plans.layers and plans.feats is not None     # waits for the first token
+        feats = plans.feats
         blocked = engine.counters.blocked_loads
         differs = 0
-        h, e = pr.config.hidden, pr.config.num_experts
+        h, e = pr.heads.config.hidden, pr.heads.config.num_experts
 
         def want(t):
             emb = embed(mx.array([t]))                                # [1, H]
@@ -131,11 +134,11 @@ def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
             other = (token + 7) % embed.weight.shape[0]
             expect, alternative = want(token), want(other)
             differs += expect != alternative
-            logits = engine.step(token)
+            logits = sequence.step(token)
             for layer in moe:
-                executed = np.array(engine.blocks[layer].captured()[1]).reshape(-1).tolist()
+                executed = np.array(engine.blocks[layer].last[1]).reshape(-1).tolist()
                 assert sorted(executed) == expect[layer], f"layer {layer}"
-            feats = pr._feats
+            feats = sequence.plans.feats
         assert differs >= 4
         assert engine.counters.blocked_loads == blocked
         assert engine.stats()["dropped_experts"] == 0

@@ -12,23 +12,23 @@ from edge0_eval.engine.options import EngineOptions
 TOKENS = [3, 17, 5, 99, 42, 8, 23, 61, 7]
 
 
+def _step(engine, tokens, cache, all_logits=False):
+    return engine.step(mx.array(tokens)[None], cache, plan_next=False, all_logits=all_logits)[0]
+
+
 @pytest.mark.parametrize("family", ["qwen", "bailing", "qwen2"])
 def test_last_only_logits_equal_the_last_row_of_the_full_forward(family, request):
     engine = Engine.load(request.getfixturevalue(f"edge0_{family}"),
                          EngineOptions(mode="resident"))
     try:
-        full = engine.forward(mx.array(TOKENS)[None])
-        engine.reset()
-        last = engine.forward(mx.array(TOKENS)[None], last_only=True)
-        assert full.shape[1] == len(TOKENS) and last.shape == (1, 1, full.shape[-1])
-        assert mx.array_equal(last[0, 0], full[0, -1]).item()
+        full_cache, last_cache = engine.new_cache(), engine.new_cache()
+        full = _step(engine, TOKENS, full_cache, all_logits=True)
+        last = _step(engine, TOKENS, last_cache)
+        assert full.shape[1] == len(TOKENS) and last.shape == (1, full.shape[-1])
+        assert mx.array_equal(last[0], full[0, -1]).item()
         # ... and the cache it leaves is the same: the next step sees the same sequence.
-        engine.reset()
-        engine.forward(mx.array(TOKENS)[None])
-        after_full = engine.forward(mx.array([[11]]))
-        engine.reset()
-        engine.forward(mx.array(TOKENS)[None], last_only=True)
-        assert mx.array_equal(engine.forward(mx.array([[11]])), after_full).item()
+        assert mx.array_equal(_step(engine, [11], last_cache), _step(engine, [11], full_cache)
+                              ).item()
     finally:
         engine.close()
 
@@ -36,19 +36,18 @@ def test_last_only_logits_equal_the_last_row_of_the_full_forward(family, request
 @pytest.mark.parametrize("chunk", [4, 512])
 def test_prefill_asks_only_for_the_last_position(edge0_qwen, chunk):
     engine = Engine.load(edge0_qwen, EngineOptions(mode="resident", prefill_chunk=chunk))
-    forward, shapes = engine.forward, []
+    head, shapes = engine.step.logits, []
 
-    def spy(*args, **kwargs):           # on this instance: the logits each chunk produced
-        logits = forward(*args, **kwargs)
-        shapes.append(logits.shape[1])
-        return logits
+    def spy(h):           # on this instance: the positions each piece's LM head ran on
+        shapes.append(h.shape[1])
+        return head(h)
 
     try:
-        engine.forward = spy
-        logits = engine.prefill(TOKENS)
+        engine.step.logits = spy
+        logits, _ = engine.prefill(TOKENS, engine.new_cache())
         # pieces 0..3, 4..6, 7..8 or 0..6, 7..8: the last two tokens run alone (split_prefill)
         assert shapes == [1] * (2 if chunk == 512 else 3)
-        assert logits.shape == (engine.forward(mx.array([[1]])).shape[-1],)
+        assert logits.shape == (_step(engine, [1], engine.new_cache()).shape[-1],)
     finally:
         engine.close()
 
@@ -61,8 +60,8 @@ def test_prefill_logits_equal_a_one_piece_forward(family, request):
                          EngineOptions(mode="resident"))
     try:
         prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-        whole = engine.forward(mx.array(prompt)[None])[0, -1]
-        engine.reset()
-        assert mx.array_equal(engine.prefill(prompt), whole).item()
+        whole = _step(engine, prompt, engine.new_cache())[0]
+        prefilled, _ = engine.prefill(prompt, engine.new_cache())
+        assert mx.array_equal(prefilled, whole).item()
     finally:
         engine.close()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.moe_blocks import Route
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
@@ -29,18 +30,20 @@ def test_staged_set_equals_routed_set_every_step(model_and_heads):
     consumers = engine.prerouter.consumers
     assert consumers == [o + 1 for o in owners]
     for layer in consumers:
-        engine.blocks[layer].set_capture(True)
+        engine.blocks[layer].capture = True
     prompt = engine.tokenizer.encode(PROMPT)
-    logits = engine.prefill(prompt)
+    sequence = engine.sequence()
+    logits = sequence.prefill(prompt)
     token = int(mx.argmax(logits).item())
     checked = 0
     for step in range(12):
-        planned = {layer: sorted(plan[1].experts) for layer, plan in engine.prerouter._plans.items()}
-        logits = engine.step(token)
+        planned = {layer: sorted(staged.experts)
+                   for layer, (_, staged) in sequence.plans.layers.items()}
+        logits = sequence.step(token)
         # Planned from the prompt's last token at step 0, from the previous step after that.
         assert set(planned) == set(consumers)
         for layer in consumers:
-            executed = sorted(np.array(engine.blocks[layer].captured()[1]).reshape(-1).tolist())
+            executed = sorted(np.array(engine.blocks[layer].last[1]).reshape(-1).tolist())
             assert executed == planned[layer]
             checked += 1
         token = int(mx.argmax(logits).item())
@@ -113,10 +116,9 @@ def test_first_decode_plan_does_not_depend_on_prefill_chunking(model_and_heads):
                                                       prerouter_path=str(heads_path)))
         prompt = engine.tokenizer.encode(PROMPT)
         engine.options.prefill_chunk = chunk or len(prompt) - 1
-        engine.reset()
-        engine.prefill(prompt)
-        plans.append({layer: np.array(plan[0]).tolist()
-                      for layer, plan in engine.prerouter._plans.items()})
+        _, planned = engine.prefill(prompt, engine.new_cache())
+        plans.append({layer: np.array(inds).tolist()
+                      for layer, (inds, _) in planned.layers.items()})
         engine.close()
     assert plans[0] and plans[0] == plans[1]
 
@@ -133,10 +135,9 @@ def test_planned_weights_are_the_routers_and_match_true_routing(model_and_heads)
         x = mx.random.normal((1, 3, engine.family.hidden_size(engine.config)),
                              key=mx.random.key(3))
         want = block(x)
-        inds = block.true_inds(x)
-        block.set_plan(inds)                              # router weights at the true set
+        block.route = Route(block.select(x)[0])           # router weights at the true set
         assert mx.array_equal(block(x), want).item()
-        block.set_plan(None)
+        block.route = None
     finally:
         engine.close()
 
@@ -164,3 +165,26 @@ def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
         assert order == ["demand", 0, 1, 2]
     finally:
         store.close()
+
+
+def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(edge0_qwen):
+    """A plan left in flight (a sequence's last step, a batch's end) reserved slots whose
+    bundles were never written; the next use of the layer drops it first, so those experts
+    are read for real instead of being trusted as hits."""
+    from edge0_eval.engine.layout import unpack_bundle
+
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True,
+                                                   slots_per_layer=4))
+    try:
+        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+        staged = switch.stage_begin([0, 1, 2, 3])       # never finished
+        assert switch.load_experts([2, 3]) == 2         # read again, not trusted as hits
+        assert all(f.done() for f in staged.futures)
+        assert sorted(switch.slots.resident_experts) == [2, 3]
+        for e in (2, 3):
+            want = unpack_bundle(switch._io.index, engine.store.read(switch._io.layer, e))
+            slot = switch.slots.slot_of(e)
+            assert mx.array_equal(switch.glu.gate_proj["weight"][slot],
+                                  mx.array(want["gate_proj.weight"])).item(), e
+    finally:
+        engine.close()

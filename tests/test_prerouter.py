@@ -12,11 +12,13 @@ import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.heads_file import KIND, load_heads, read_metadata, save_heads
+from edge0_eval.engine.moe import Counters
+from edge0_eval.engine.prerouted import Prerouter
 from edge0_eval.engine.prerouter import (
-    PrerouterConfig, PrerouterHeads, RoutingRule, build_features, check_owners, default_owners,
-    init_heads_from_routers, onehot, router_logits, router_weight, select_experts, stack_rules,
-    tier_defaults, trace_features,
+    PrerouterConfig, PrerouterHeads, build_features, check_owners, default_owners,
+    init_heads_from_routers, onehot, router_weight, tier_defaults,
 )
+from edge0_eval.engine.routing import RoutingRule, stack_rules
 
 FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")
 
@@ -51,7 +53,7 @@ def engine(request, tmp_path_factory):
 
 
 def random_heads(owners=(2, 3, 5), width=8, hidden=12, experts=6, k=2, seed=0, dtype=mx.float32):
-    cfg = PrerouterConfig(owners=list(owners), start_layer=owners[0] + 1, width=width, top_k=k,
+    cfg = PrerouterConfig(owners=list(owners), width=width, top_k=k,
                           hidden=hidden, num_experts=experts)
     keys = mx.random.split(mx.random.key(seed), 3)
     o, d = len(owners), cfg.in_dim
@@ -128,7 +130,8 @@ def test_default_owners_and_tiers():
     with pytest.raises(ConfigError, match="both be MoE"):
         check_owners([0], [1, 2, 3])            # layer 0 is dense in bailing
     with pytest.raises(ConfigError, match="both be MoE"):
-        check_owners([3], [1, 2, 3])            # nothing after the last layer
+        check_owners([3], [1, 2, 3], [4])       # nothing after the last layer
+    assert check_owners([3], [1, 2, 3]) == [3]  # by default it wraps to the first
     with pytest.raises(ConfigError):
         check_owners([], [1, 2, 3])
 
@@ -150,23 +153,19 @@ def test_init_heads_equal_next_router_on_current_hidden(engine):
     logits = heads(build_features(x, oh, oh))
     for i, n in enumerate(owners):
         block = engine.blocks[n + 1]
-        assert isinstance(router_linear(block), nn.QuantizedLinear)   # 8-bit router dequantized
-        want = router_logits(block, x[i])
+        assert isinstance(block.router, nn.QuantizedLinear)   # 8-bit router dequantized
+        want = block.router(x[i])
         np.testing.assert_allclose(np.array(logits[i]), np.array(want), rtol=1e-4, atol=1e-4)
-
-
-def router_linear(block):
-    return block.gate.gate_proj if hasattr(block.gate, "gate_proj") else block.gate
 
 
 def test_router_bias_is_folded_into_onehot_columns():
     lin = nn.Linear(4, 3, bias=True)
-    block = type("B", (), {"gate": lin, "norm_topk_prob": True})()
+    block = type("B", (), {"router": lin})()
     w, b = router_weight(block)
     assert b is not None
     from edge0_eval.engine.prerouter import heads_from_router_weights
 
-    cfg = PrerouterConfig(owners=[0], start_layer=1, width=2, top_k=2, hidden=4, num_experts=3)
+    cfg = PrerouterConfig(owners=[0], width=2, top_k=2, hidden=4, num_experts=3)
     heads = heads_from_router_weights(cfg, [w], [b], seed=0)
     x = mx.random.normal((1, 7, 4))
     oh = onehot(mx.array([[[0, 2]] * 7]), 3)
@@ -174,17 +173,14 @@ def test_router_bias_is_folded_into_onehot_columns():
                                np.array(lin(x[0])), rtol=1e-5, atol=1e-5)
 
 
-def test_select_experts_matches_the_family_gate(engine):
+def test_the_heads_rule_matches_the_family_gate(engine):
     k = engine.top_k
     for n in engine.moe_layers:
         block = engine.blocks[n]
         x = mx.random.normal((3, 7, engine.family.hidden_size(engine.config)),
                              key=mx.random.key(n))
-        inds, weights = select_experts(block, router_logits(block, x), k)
-        if hasattr(block.gate, "gate_proj"):
-            want_inds, want_w = block.gate(x)                        # mlx-lm's Gate
-        else:
-            want_inds, want_w = block.select(block.router_probs(x), k)
+        inds, weights = block.rule.select(block.router(x), k)     # the heads' selection
+        want_inds, want_w = block.select(x)                          # the block's, mlx-lm's
         order, want_order = mx.argsort(inds, axis=-1), mx.argsort(want_inds, axis=-1)
         a = mx.take_along_axis(inds, order, -1)
         b = mx.take_along_axis(want_inds, want_order, -1)
@@ -220,23 +216,29 @@ def test_stack_rules_equals_per_layer_rules():
         assert mx.array_equal(mx.sort(inds[i], -1), mx.sort(a, -1))
 
 
-def test_trace_features_from_engine(engine):
+def test_features_from_a_step(engine):
+    """A step's features: the last position's MoE input and executed one-hot, t-1 from the
+    position before it in the same step, else the one the plans carry."""
     owners = [n for n in engine.moe_layers if n + 1 in engine.moe_layers]
-    for n in owners:
-        engine.blocks[n].set_capture(True)
+    heads = init_heads_from_routers(engine, owners, width=8)
+    pr = Prerouter(heads, engine.blocks, engine.top_k, Counters(),
+                   engine.family.embedding(engine.model))
+    e = engine.index.num_experts
     try:
-        engine.reset()
-        engine.forward(mx.array([[5, 6, 7]]))
-        feats, oh = trace_features(engine, owners)
-        cfg_in = engine.family.hidden_size(engine.config) + 2 * engine.index.num_experts
-        assert feats.shape == (len(owners), 1, cfg_in)
-        assert (oh.sum(-1) == engine.top_k).all().item()
-        feats2, _ = trace_features(engine, owners, onehot_prev=oh)
-        assert mx.array_equal(feats2[..., -engine.index.num_experts:], oh)
+        cache = engine.new_cache()
+        engine.step(mx.array([[5, 6, 7]]), cache, plan_next=False)
+        plans = pr.after_step(None, None, None, stage=False)
+        x, ids = engine.blocks[owners[0]].last
+        assert plans.feats.shape == (len(owners), 1, heads.config.in_dim)
+        assert mx.array_equal(plans.feats[0, 0, :x.shape[-1]], x[0, -1]).item()
+        assert (plans.onehot.sum(-1) == engine.top_k).all().item()
+        assert mx.array_equal(plans.feats[0, 0, -e:], onehot(ids[0, -2], e)).item()
+        engine.step(mx.array([[8]]), cache, plan_next=False)
+        following = pr.after_step(plans, None, None, stage=False)
+        assert mx.array_equal(following.feats[..., -e:], plans.onehot).item()
     finally:
         for n in owners:
-            engine.blocks[n].set_capture(False)
-        engine.reset()
+            engine.blocks[n].capture = False
 
 
 # -- files ---------------------------------------------------------------------------------------

@@ -47,10 +47,11 @@ def test_same_seed_byte_identical(tmp_path):
 
 
 def test_realistic_shape_options_reach_config(tmp_path):
-    from edge0_eval.checkpoints.tiny import model_config
+    from edge0_eval.engine.families import FAMILIES
 
-    cfg = model_config(TinyShape(family="qwen3_5_moe", experts=256, top_k=8, hidden=2048,
-                                 heads=16, layers=40))
+    cfg = FAMILIES["qwen3_5_moe"].tiny_config(TinyShape(family="qwen3_5_moe", experts=256,
+                                                        top_k=8, hidden=2048, heads=16,
+                                                        layers=40))
     text = cfg["text_config"]
     assert (text["num_experts"], text["num_experts_per_tok"], text["hidden_size"]) == (256, 8, 2048)
     assert text["head_dim"] == 128

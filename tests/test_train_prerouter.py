@@ -135,14 +135,14 @@ def test_teacher_records_are_the_executed_routing(trained):
         text = Path(name).read_text()
         tokens = encode_prefix(engine.tokenizer, text, length)
         for n in engine.moe_layers:
-            engine.blocks[n].set_capture(True)
-        engine.forward(mx.array(tokens)[None])
+            engine.blocks[n].capture = True
+        engine.step(mx.array(tokens)[None], engine.new_cache(), plan_next=False)
         for m, n in enumerate(meta["moe_layers"]):
             got = np.sort(np.array(store.inds[start: start + length, m]), axis=-1)
-            want = np.sort(np.array(engine.blocks[n].captured()[1][0]), axis=-1)
+            want = np.sort(np.array(engine.blocks[n].last[1][0]), axis=-1)
             assert (got == want).mean() > 0.99, f"layer {n}"
         for p, n in enumerate(meta["pairs"]):
-            h = np.array(engine.blocks[n].captured()[0][0].astype(mx.float32))
+            h = np.array(engine.blocks[n].last[0][0].astype(mx.float32))
             np.testing.assert_allclose(store.h[start: start + length, p], h, rtol=2e-3,
                                        atol=2e-3)
     finally:
@@ -255,7 +255,6 @@ def test_wrap_around_head_trains_and_reports(trained, tmp_path):
     """--start-layer 0: every MoE layer gets a head; the wrap row (last MoE layer -> first MoE
     layer at t+1) is trained and reported against both baselines."""
     from edge0_eval.engine.engine import Engine, EngineOptions
-    from edge0_eval.engine.prerouter import RoutingRule, router_logits
     from edge0_eval.training.features import Batches
 
     family, model, opts, _ = trained
@@ -282,7 +281,7 @@ def test_wrap_around_head_trains_and_reports(trained, tmp_path):
     try:
         first = engine.blocks[moe[0]]
         x = mx.array(np.asarray(store.h[start: start + length, -1]).astype(np.float32))
-        want, _ = RoutingRule.from_block(first).select(router_logits(first, x), 4)
+        want, _ = first.rule.select(first.router(x), 4)
         got = np.sort(np.asarray(store.nr[start: start + length, -1]), axis=-1)
         agree = (got == np.sort(np.array(want), axis=-1)).mean()
         assert agree > 0.95

@@ -127,10 +127,10 @@ def test_served_path_equals_engine_decode_and_grads_survive_checkpointing(family
     lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
     lora.mark_trainable(engine.model)
     prompt, cont = [1, 87, 85, 259, 201, 263, 312, 81], [259, 71, 14, 223, 74, 294, 400, 223]
-    engine.reset()
-    served = [engine.prefill(prompt)] + [engine.step(t) for t in cont[:-1]]
+    sequence = engine.sequence()
+    served = [sequence.prefill(prompt)] + [sequence.step(t) for t in cont[:-1]]
     served = mx.stack(served)
-    assert engine.prerouter.counters.steps > 0            # decode really ran prerouted
+    assert engine.counters.prerouted_steps > 0            # decode really ran prerouted
 
     tokens = np.array([prompt + cont[:-1]])
     valid = np.ones_like(tokens, bool)
@@ -255,8 +255,7 @@ def test_trained_adapter_loads_in_the_engine_and_changes_outputs(pair, sft_run):
     for name, opts in (("base", EngineOptions(mode="prerouted", no_lora=True)),
                        ("lora", EngineOptions(mode="prerouted", lora_path=str(sft_run)))):
         engine = Engine.load(student, opts)
-        engine.reset()
-        out[name] = np.array(engine.prefill(prompt))
+        out[name] = np.array(engine.prefill(prompt, engine.new_cache())[0])
         assert (engine.lora is not None) == (name == "lora")
         engine.close()
     assert np.abs(out["base"] - out["lora"]).max() > 1e-3
@@ -273,9 +272,8 @@ def test_trained_adapter_loads_in_the_opencompass_student_wrapper(pair, sft_run)
     without = Edge0Model(path=str(student), mode="prerouted", no_lora=True)
     assert with_lora.engine.lora is not None and without.engine.lora is None
     ids = with_lora.encode_prompt("the cat runs")
-    a = np.array(with_lora.engine.prefill(ids))
-    with_lora.engine.reset()
-    b = np.array(without.engine.prefill(ids))
+    a = np.array(with_lora.engine.sequence().prefill(ids))
+    b = np.array(without.engine.sequence().prefill(ids))
     assert np.abs(a - b).max() > 1e-3
 
 

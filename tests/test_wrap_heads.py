@@ -17,7 +17,7 @@ from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
 from edge0_eval.engine.prerouter import (
     PrerouterConfig, build_features, check_owners, default_consumers, default_owners,
-    init_heads_from_routers, onehot, router_logits,
+    init_heads_from_routers, onehot,
 )
 from edge0_eval.errors import CheckpointError, ConfigError
 
@@ -73,19 +73,21 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
         pr = engine.prerouter
         assert sorted(pr.consumers) == moe              # every MoE layer consumes a head
         for layer in moe:
-            engine.blocks[layer].set_capture(True)
+            engine.blocks[layer].capture = True
         engine.store.evict_page_cache()
-        logits = engine.prefill(engine.tokenizer.encode(PROMPT))
+        sequence = engine.sequence()
+        logits = sequence.prefill(engine.tokenizer.encode(PROMPT))
         blocked_before = engine.counters.blocked_loads
         token = int(mx.argmax(logits).item())
         for _ in range(STEPS):
-            planned = {layer: sorted(plan[1].experts) for layer, plan in pr._plans.items()}
+            planned = {layer: sorted(staged.experts)
+                       for layer, (_, staged) in sequence.plans.layers.items()}
             # step 0 too (planned after prefill); reads queued in execution order, first MoE
             # layer first (the queue is FIFO), though the wrap head that plans it runs last
             assert list(planned) == moe
-            logits = engine.step(token)
+            logits = sequence.step(token)
             for layer in moe:
-                executed = np.array(engine.blocks[layer].captured()[1]).reshape(-1).tolist()
+                executed = np.array(engine.blocks[layer].last[1]).reshape(-1).tolist()
                 assert sorted(executed) == planned[layer], f"layer {layer}"
             token = int(mx.argmax(logits).item())
         # No layer read an expert on demand during decode: every read was staged.
@@ -126,10 +128,10 @@ def test_untrained_wrap_head_is_first_router_on_last_layer_input(edge0_bailing, 
                         cfg.num_experts)
             logits = heads(build_features(x, oh, oh))
             wrap = moe.index(moe[-1])
-            want = router_logits(engine.blocks[moe[0]], x[wrap])     # first router, last input
+            want = engine.blocks[moe[0]].router(x[wrap])     # first router, last input
             np.testing.assert_allclose(np.array(logits[wrap]), np.array(want), rtol=1e-4,
                                        atol=1e-4)
-            other = router_logits(engine.blocks[moe[-1]], x[wrap])   # not its own router
+            other = engine.blocks[moe[-1]].router(x[wrap])   # not its own router
             assert not np.allclose(np.array(logits[wrap]), np.array(other), atol=1e-3)
         finally:
             engine.close()
@@ -160,7 +162,7 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
     b = load_heads(old, hidden=heads.config.hidden, num_experts=16, top_k=4,
                    moe_layers=[0, 1, 2, 3])
     assert a.config == b.config == PrerouterConfig(
-        owners=[0, 1, 2], start_layer=1, width=8, top_k=4, hidden=heads.config.hidden,
+        owners=[0, 1, 2], width=8, top_k=4, hidden=heads.config.hidden,
         num_experts=16)
     assert b.config.consumers == [1, 2, 3]
     for name in ("fc1", "fc2", "linear"):
@@ -235,7 +237,7 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
     try:
         prompt, cont = PROMPT_IDS, CONTINUATION_IDS
         served, executed = lora_engine_decode(engine, moe)
-        assert engine.prerouter.counters.steps == len(cont)
+        assert engine.counters.prerouted_steps == len(cont)
         tokens = np.array([prompt + cont])
         valid = np.ones_like(tokens, bool)
         grads = {}

@@ -14,6 +14,7 @@ import numpy as np
 from mlx_lm.utils import _get_classes, load_tokenizer
 
 from edge0_eval.engine.checks import eos_token_ids
+from edge0_eval.engine.families import FAMILIES
 from edge0_eval.engine.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.store import ExpertStore
@@ -55,11 +56,8 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
 
 def set_top_k(model, top_k: int) -> None:
     """Serve mlx-lm's MoE blocks at `top_k` (instance attributes; classes untouched)."""
-    for layer in model.layers:
-        block = layer.mlp
-        if hasattr(block, "switch_mlp"):
-            gate = getattr(block, "gate", None)
-            if hasattr(gate, "top_k"):      # bailing: the Gate module selects
-                gate.top_k = top_k
-            else:                           # qwen: the block selects
-                block.top_k = top_k
+    family = FAMILIES[model.model_type]
+    for i in family.moe_layers(model):
+        block = model.layers[i].mlp
+        # where the family's mlx-lm block keeps its k: its gate module (bailing) or itself
+        (block.gate if family.gate_selects else block).top_k = top_k

@@ -22,7 +22,6 @@ from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import ConfigError
 
 
-
 @dataclass
 class TinyShape:
     family: str = "qwen3_5_moe"
@@ -38,7 +37,8 @@ class TinyShape:
 
     def validate(self) -> None:
         if self.family not in FAMILIES:
-            raise ConfigError(f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+            raise ConfigError(f"unknown family {self.family!r}; choose one of "
+                              f"{', '.join(FAMILIES)}")
         for name in ("layers", "experts", "top_k", "hidden", "heads", "moe_intermediate"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -51,115 +51,7 @@ class TinyShape:
             raise ConfigError(f"head dim {head_dim} (hidden/heads) must be a multiple of 4")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ConfigError(f"--dtype must be float16, bfloat16 or float32, not {self.dtype!r}")
-        if self.family == "bailing_hybrid":
-            groups = _bailing_groups(self.experts)
-            per_group = self.experts // groups
-            if self.top_k > (groups // 2 if groups > 1 else 1) * per_group:
-                raise ConfigError(
-                    f"--top-k {self.top_k} cannot be met by group-limited routing over "
-                    f"{self.experts} experts in {groups} groups keeping {max(1, groups // 2)}"
-                )
-            if self.layers < 2:
-                raise ConfigError("bailing_hybrid needs --layers >= 2 (layer 0 is dense)")
-
-
-def _bailing_groups(experts: int) -> int:
-    for groups in (8, 4, 2):
-        if experts % groups == 0 and experts // groups >= 2:
-            return groups
-    return 1
-
-
-def model_config(shape: TinyShape) -> dict:
-    """The config.json mlx-lm reads for the family, at this shape."""
-    head_dim = shape.hidden // shape.heads
-    if shape.family == "qwen3_5_moe":
-        text = {
-            "model_type": "qwen3_5_moe_text",
-            "hidden_size": shape.hidden,
-            "intermediate_size": shape.moe_intermediate * 4,
-            "num_hidden_layers": shape.layers,
-            "num_attention_heads": shape.heads,
-            "num_key_value_heads": max(1, shape.heads // 2),
-            "head_dim": head_dim,
-            "rms_norm_eps": 1e-6,
-            "vocab_size": shape.vocab_size,
-            "max_position_embeddings": 4096,
-            "linear_num_value_heads": shape.heads,
-            "linear_num_key_heads": max(1, shape.heads // 2),
-            "linear_key_head_dim": head_dim,
-            "linear_value_head_dim": head_dim,
-            "linear_conv_kernel_dim": 4,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "full_attention_interval": 4,
-            "num_experts": shape.experts,
-            "num_experts_per_tok": shape.top_k,
-            "decoder_sparse_step": 1,
-            "shared_expert_intermediate_size": shape.moe_intermediate,
-            "moe_intermediate_size": shape.moe_intermediate,
-            "norm_topk_prob": True,
-            "rope_parameters": {
-                "type": "default",
-                "rope_theta": 10000000,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [11, 11, 10],
-            },
-        }
-        return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
-    if shape.family == "qwen2_moe":
-        return {
-            "model_type": "qwen2_moe",
-            "hidden_size": shape.hidden,
-            "intermediate_size": shape.moe_intermediate * 4,   # unused: every layer is MoE
-            "num_hidden_layers": shape.layers,
-            "num_attention_heads": shape.heads,
-            "num_key_value_heads": shape.heads // 2 if shape.heads % 2 == 0 else shape.heads,
-            "rms_norm_eps": 1e-6,
-            "vocab_size": shape.vocab_size,
-            "max_position_embeddings": 4096,
-            "rope_theta": 1000000.0,
-            "num_experts": shape.experts,
-            "num_experts_per_tok": shape.top_k,
-            "moe_intermediate_size": shape.moe_intermediate,
-            "shared_expert_intermediate_size": shape.moe_intermediate,
-            "tie_word_embeddings": False,
-        }
-    groups = _bailing_groups(shape.experts)
-    return {
-        "model_type": "bailing_hybrid",
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.moe_intermediate * 4,
-        "moe_intermediate_size": shape.moe_intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.heads,
-        "num_experts": shape.experts,
-        "num_experts_per_tok": shape.top_k,
-        "num_shared_experts": 1,
-        "n_group": groups,
-        "topk_group": max(1, groups // 2),
-        "first_k_dense_replace": 1,
-        "layer_group_size": 2,
-        "group_norm_size": 2 if shape.heads % 2 == 0 else 1,
-        "vocab_size": shape.vocab_size,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-        "routed_scaling_factor": 2.5,
-        "head_dim": head_dim,
-        "kv_lora_rank": max(16, head_dim * 2),
-        "qk_rope_head_dim": max(4, head_dim // 2),
-        "qk_nope_head_dim": max(4, head_dim // 2),
-        "v_head_dim": head_dim,
-        "q_lora_rank": None,
-        "partial_rotary_factor": 0.5,
-        "score_function": "sigmoid",
-        "norm_topk_prob": True,
-        "moe_router_enable_expert_bias": True,
-        "tie_word_embeddings": False,
-        "use_qk_norm": True,
-    }
+        FAMILIES[self.family].tiny_config(self)      # the family's own refusals
 
 
 def build_model(config: dict, seed: int, dtype: str):
@@ -187,7 +79,7 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
     shape.validate()
     with output_dir(out) as tmp:
         shape.vocab_size = build_tokenizer(tmp, vocab_size=shape.vocab_size)
-        config = model_config(shape)
+        config = FAMILIES[shape.family].tiny_config(shape)
         model = build_model(config, shape.seed, shape.dtype)
         if quantize_bits:
             model, config = quantize_model(model, config, group_size=64, bits=quantize_bits)
@@ -195,7 +87,7 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
         # transformers reads these ids from config.json; without them it warns about defaults
         # that point outside the tiny vocabulary.
         for section in (config, config.get("text_config", {})):
-            section["eos_token_id"], section["pad_token_id"], section["bos_token_id"] = eos, pad, None
+            section.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
         (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0_eval.engine.checks import read_safetensors_header
+from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
 from edge0_eval.engine.json_files import read_json_file
 from edge0_eval.engine.lora import (LoRALinear, get_module, linear_dims, lora_modules,
                                     natural_key, refusal, remove_lora, set_module)
@@ -36,30 +35,19 @@ _FILE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.fl
 _FP16_MAX = 65504.0
 
 
-def _int(meta: dict, key: str, where: Path) -> int | None:
-    if meta.get(key) in (None, ""):
-        return None
-    try:
-        value = float(meta[key])
-        if value != int(value):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise CheckpointError(f"{where}: metadata key {key!r} is {meta[key]!r}, not an integer; "
-                              f"the adapter file is malformed") from None
-
-
-def _float(meta: dict, key: str, where: Path) -> float | None:
+def _meta_number(meta: dict, key: str, where: Path, integer: bool = False) -> float | int | None:
+    """Metadata `key` as a finite number (`integer`: a whole one); None when absent."""
     if meta.get(key) in (None, ""):
         return None
     try:
         value = float(meta[key])
     except (TypeError, ValueError):
-        value = float("nan")
-    if not math.isfinite(value):
-        raise CheckpointError(f"{where}: metadata key {key!r} is {meta[key]!r}, not a number; "
-                              f"the adapter file is malformed")
-    return value
+        value = math.nan
+    if not math.isfinite(value) or (integer and value != int(value)):
+        raise CheckpointError(f"{where}: metadata key {key!r} is {meta[key]!r}, not "
+                              f"{'an integer' if integer else 'a number'}; the adapter file "
+                              f"is malformed")
+    return int(value) if integer else value
 
 
 def read_adapter_file(path: str | Path, what: str = "LoRA adapter",
@@ -194,8 +182,8 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                 raise CheckpointError(f"{path}: key {module_path + suffix!r} is missing "
                                       f"(the file has {have!r}); the adapter is incomplete")
 
-    r_meta = _int(meta, "r", path)
-    alpha_value = float(alpha) if alpha is not None else _float(meta, "alpha", path)
+    r_meta = _meta_number(meta, "r", path, integer=True)
+    alpha_value = float(alpha) if alpha is not None else _meta_number(meta, "alpha", path)
     if alpha_value is None:
         alpha_value = alpha_from_adapter_config(path)
     if alpha_value is None:
@@ -221,8 +209,9 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
                                       f"{str(arr.dtype).split('.')[-1]}; expected "
                                       f"float16, bfloat16 or float32")
             if arr.ndim != 2:
+                want = "[r, in]" if key == key_a else "[out, r]"
                 raise CheckpointError(f"{path}: key {key!r} has shape {tuple(arr.shape)}; "
-                                      f"expected a matrix ({'[r, in]' if key == key_a else '[out, r]'})")
+                                      f"expected a matrix ({want})")
             file_dtypes.add(str(arr.dtype).split(".")[-1])
         module, existing = get_module(model, module_path)
         if module is None:
@@ -264,7 +253,7 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
             raise CheckpointError(f"{path}: key {key!r} holds NaN or infinite values; the "
                                   f"adapter is corrupt")
 
-    k_meta = _int(meta, "K", path)
+    k_meta = _meta_number(meta, "K", path, integer=True)
     if top_k is not None and k_meta is not None and k_meta != top_k:
         warnings.warn(f"{path}: the adapter was trained at K={k_meta}, the engine routes "
                       f"top-{top_k}", stacklevel=2)
@@ -290,7 +279,7 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
         "path": str(path), "kind": kind, "format_version": version, "r": r_value,
         "alpha": alpha_value, "scale": alpha_value / r_value, "K": k_meta,
         "model": meta.get("model"), "source": meta.get("source"), "owners": owners or None,
-        "stage": meta.get("stage"), "step": _int(meta, "step", path),
+        "stage": meta.get("stage"), "step": _meta_number(meta, "step", path, integer=True),
         "targets": [p for p, _ in new], "file_dtype": ",".join(sorted(file_dtypes)),
         "metadata": meta,
     }
@@ -397,13 +386,4 @@ def save_adapter(model: nn.Module, path: str | Path, metadata: dict | None = Non
             if dtype == "float16" and mx.abs(value).max().item() > _FP16_MAX:
                 raise ConfigError(f"{key} exceeds the float16 range; save with dtype='float32'")
             arrays[key] = value.astype(target)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-    try:
-        mx.save_safetensors(str(tmp), arrays, metadata=out)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return write_safetensors(path, arrays, out)

@@ -1,20 +1,21 @@
 """Batched decode: B rows per step, with continuous batching (`Engine.generate_batch`).
 
-Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone by the
-B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its caches then join
-the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache` (left padding, a
-per-row offset that RoPE and the masks read) and `ArraysCache.merge` (GatedDeltaNet / GLA
-states), then `extend` into the running batch. A finishing row leaves with `filter`; the next
-waiting prompt joins in its place. Every step decodes the active rows as one [B, 1] forward.
+Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone into its
+own cache by the B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its
+caches then join the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache`
+(left padding, a per-row offset that RoPE and the masks read) and `ArraysCache.merge`
+(GatedDeltaNet / GLA states), then `extend` into the running batch. A finishing row leaves with
+`filter`; the next waiting prompt joins in its place. Every step decodes the active rows as one
+[B, 1] step (`Engine.step`, the same step as a solo decode).
 
 MoE layers. Reactive: a layer reads the union of its rows' routed experts once
 (`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
 prediction as its routing ([B, 1, K] plans); each consuming layer stages the union of the rows'
 predicted sets and each row executes its own set, so a row's staged set is its routed set.
-As in a solo run, each step plans the next inside its forward (after the last layer), on the
-per-row features the prerouter keeps in row order (feats, t-1 one-hots); when rows leave or
-join, that plan is abandoned (its reads still land in the slots) and the new row set is planned
-before the next step, a joiner's features coming from its own prefill as in `after_prefill`.
+As in a solo run, each step plans the next after its last layer, from the per-row features its
+`Plans` carry in row order (feats, t-1 one-hots); when rows leave or join, that plan is
+abandoned (its reads still land in the slots) and the new row set is planned at the start of the
+next step, a joiner's features coming from its own prefill.
 
 Slot pool. A layer's union can hold B x K experts. While a batch runs, each layer's pool holds
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
@@ -35,12 +36,12 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from edge0_eval.engine.prerouted import Plans
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.errors import ConfigError
 
@@ -96,7 +97,7 @@ class BatchDecoder:
 
     def __init__(self, engine, prompts, max_tokens, batch_size, sampling: dict, stop,
                  seeds, logits_trace=None):
-        self.engine, self.prerouter = engine, engine.prerouter
+        self.engine = engine
         self.prompts = [list(p) for p in prompts]
         self.max_tokens, self.stop = max_tokens, stop
         self.rows_at_once = batch_size
@@ -109,28 +110,27 @@ class BatchDecoder:
         self.logits_trace = logits_trace
         if logits_trace is not None:
             logits_trace[:] = [[] for _ in prompts]
-        self.decode = {"steps": 0, "tokens": 0, "seconds": 0.0, "bytes": 0, "reads": 0,
-                       "blocked": 0.0, "hits": 0, "misses": 0, "union": 0, "union_layers": 0,
-                       "joined_running": 0}
+        # The decode figures: snapshot differences (Engine.snapshot) summed over the steps.
+        self.decode = Counter()
 
     # -- rows -------------------------------------------------------------------------------
     def _join(self, index: int):
-        """Prefill prompt `index` alone (the B = 1 path); sample its first token."""
-        e, pr = self.engine, self.prerouter
+        """Prefill prompt `index` alone (the B = 1 path) into its own cache; sample its first
+        token. Its plans are its features only: the batch plans its rows together."""
+        e = self.engine
         row = _Row(index, self.prompts[index], self.samplers[index])
-        e.cache = make_prompt_cache(e.model)
-        e.position = 0
-        before, t0 = e._snapshot(), time.perf_counter()
-        logits = e.prefill(row.prompt, plan=False)
-        feats = pr.prefill_features(len(row.prompt)) if pr is not None else ()
-        mx.eval(*feats)
+        cache = e.new_cache()
+        before, t0 = e.snapshot(), time.perf_counter()
+        logits, plans = e.prefill(row.prompt, cache, stage=False)
+        if plans is not None:
+            mx.eval(plans.feats, plans.onehot)
         row.prefill_s = time.perf_counter() - t0
-        row.prefill_bytes = e._snapshot()["bytes"] - before["bytes"]
+        row.prefill_bytes = e.snapshot()["bytes"] - before["bytes"]
         if self.max_tokens >= 1:
             self._take(row, row.sampler(logits), logits)
         else:
             row.done = True
-        return row, e.cache, feats
+        return row, cache, plans
 
     def _take(self, row: _Row, token: mx.array, logits: mx.array) -> None:
         if self.logits_trace is not None:
@@ -141,25 +141,25 @@ class BatchDecoder:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[_Row]:
-        e, pr = self.engine, self.prerouter
+        e, pr = self.engine, self.engine.prerouter
         waiting = deque(range(len(self.prompts)))
         finished: list[_Row] = []
         active: list[_Row] = []
-        cache = None
+        cache, plans = None, None if pr is None else Plans()
         while waiting or active:
             # Between steps: finished rows leave, waiting prompts take their places.
-            t0, before = time.perf_counter(), e._snapshot()
+            t0, before = time.perf_counter(), e.snapshot()
             keep = [j for j, r in enumerate(active) if not r.done]
             joining = bool(waiting) and len(keep) < self.rows_at_once
-            if pr is not None and (len(keep) < len(active) or joining) and (keep or waiting):
-                # Planned for the old rows inside the last step; a joiner's prefill must not
-                # run it either. After the batch's last step the plan is left to
-                # generate_batch's reset, which cancels it outside the decode figures, as a
-                # solo generate's last plan is.
-                pr.abandon_plans()
+            if pr is not None and (len(keep) < len(active) or joining):
+                if keep or waiting:
+                    # Planned for the old rows inside the last step; a joiner's prefill must
+                    # not run it either. After the batch's last step the plan is left in
+                    # flight (the pool drops it on its next use), outside the decode
+                    # figures, as a solo generate's last plan is.
+                    pr.abandon(plans)
+                plans = plans.take(keep)
             if len(keep) < len(active):
-                if pr is not None:
-                    pr.set_rows(keep, [])
                 finished += [r for r in active if r.done]
                 active = [active[j] for j in keep]
                 if keep:
@@ -171,14 +171,14 @@ class BatchDecoder:
             self._account(t0, before)
             joined = []
             while waiting and len(active) + len(joined) < self.rows_at_once:
-                row, row_cache, row_feats = self._join(waiting.popleft())
+                row, row_cache, row_plans = self._join(waiting.popleft())
                 if row.done:
                     finished.append(row)        # stopped on its first token: never joins
                 else:
-                    joined.append((row, row_cache, row_feats))
+                    joined.append((row, row_cache, row_plans))
             if joined:
                 if active:
-                    self.decode["joined_running"] += len(joined)
+                    self.decode["batch_joined"] += len(joined)
                 new = merge_caches([c for _, c, _ in joined])
                 if cache is None:
                     cache = new
@@ -187,76 +187,57 @@ class BatchDecoder:
                         mine.extend(theirs)
                 active += [r for r, _, _ in joined]
                 if pr is not None:
-                    pr.set_rows(None, [f for *_, f in joined])
+                    plans = Plans.join([plans] + [p for *_, p in joined])
             if active:
-                self._step(active, cache)
+                plans = self._step(active, cache, plans)
         return sorted(finished, key=lambda r: r.index)
 
-    def _step(self, active: list[_Row], cache: list) -> None:
-        """One decode step of the active rows. Prerouted: a step plans the next one for the
-        same rows inside its forward, as a solo step does; after rows left or joined it plans
-        here first."""
-        e, pr = self.engine, self.prerouter
-        t0, before = time.perf_counter(), e._snapshot()
-        if pr is not None and not pr.rows_planned:
-            pr.plan_rows()
-        e.cache = cache
-        logits = e.forward(mx.array([[r.tokens[-1]] for r in active]), plan_next=True,
-                           samplers=[r.sampler for r in active])
-        t1 = time.perf_counter()
-        last = e._checked_rows(logits, f"at batched decode step {self.decode['steps'] + 1}",
-                               [r.index for r in active])
+    def _step(self, active: list[_Row], cache: list, plans: Plans | None) -> Plans | None:
+        """One decode step of the active rows (prerouted: planned inside the last step, or,
+        after rows left or joined, at the start of this one); the next step's plans."""
+        e = self.engine
+        t0, before = time.perf_counter(), e.snapshot()
+        last, plans = e.step(mx.array([[r.tokens[-1]] for r in active]), cache, plans,
+                             samplers=[r.sampler for r in active],
+                             where=f"at batched decode step {self.decode['batch_steps'] + 1}",
+                             rows=[r.index for r in active])
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
-        t2 = time.perf_counter()
-        prof = e._profile
-        prof["steps"] += 1
-        prof["build_s"] += t1 - t0
-        prof["eval_s"] += t2 - t1
-        self.decode["steps"] += 1
-        self.decode["tokens"] += len(active)
+        dt = time.perf_counter() - t0
+        self.decode["batch_steps"] += 1
+        self.decode["batch_tokens"] += len(active)
         self._account(t0, before)
-        dt = t2 - t0
         for j, (r, t) in enumerate(zip(active, tokens)):
             r.steps += 1
             r.decode_share_s += dt / len(active)
             r.decode_wall_s += dt
             self._take(r, t, last[j])
+        return plans
 
     def _account(self, t0: float, before: dict) -> None:
         """Add the decode work since (t0, before) to the batch's decode figures."""
-        after, d = self.engine._snapshot(), self.decode
-        d["seconds"] += time.perf_counter() - t0
-        for key in ("bytes", "reads", "blocked", "hits", "misses", "union", "union_layers"):
-            d[key] += after[key] - before[key]
+        after, d = self.engine.snapshot(), self.decode
+        d["batch_seconds"] += time.perf_counter() - t0
+        for key, value in after.items():
+            d[key] += value - before[key]
 
     # -- figures ----------------------------------------------------------------------------
     def batch_stats(self, rows: list[_Row]) -> dict:
-        """The batch's own figures (the same in every row's stats)."""
+        """The batch's own figures (the same in every row's stats; with its decode figures)."""
         d = self.decode
-        tokens, steps = d["tokens"], d["steps"]
-        lookups = d["hits"] + d["misses"]
+        tokens, steps, seconds = d["batch_tokens"], d["batch_steps"], d["batch_seconds"]
         return {
             "batch_size": self.rows_at_once,       # rows at once: min(batch_size, prompts)
             "batch_rows": len(rows),
             "batch_steps": steps,
-            "batch_joined_running": d["joined_running"],   # rows that joined running rows
+            "batch_joined_running": d["batch_joined"],    # rows that joined running rows
             "batch_mean_rows_per_step": tokens / steps if steps else 0.0,
             "batch_generated_tokens": sum(len(r.tokens) for r in rows),
             "batch_decode_tokens": tokens,
-            "batch_decode_s": d["seconds"],
-            "batch_decode_tok_s": tokens / d["seconds"] if d["seconds"] > 0 else 0.0,
+            "batch_decode_s": seconds,
+            "batch_decode_tok_s": tokens / seconds if seconds > 0 else 0.0,
             "batch_prefill_s": sum(r.prefill_s for r in rows),
             "batch_prefill_bytes_read": sum(r.prefill_bytes for r in rows),
-            "batch_decode_bytes_read": d["bytes"],
-            # Per decoded token of the batch (every row's token of every step).
-            "bytes_per_token": d["bytes"] / tokens if tokens else 0.0,
-            "reads_per_token": d["reads"] / tokens if tokens else 0.0,
-            "blocked_load_ms_per_step": 1000 * d["blocked"] / steps if steps else 0.0,
-            "decode_hit_rate": d["hits"] / lookups if lookups else 0.0,
-            # Distinct experts a MoE layer needed per decode step (reactive: the rows' routed
-            # union; prerouted: the staged union); None when resident (nothing is looked up).
-            "mean_union_per_layer": d["union"] / d["union_layers"] if d["union_layers"] else None,
         }
 
     @staticmethod

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import typing
 from pathlib import Path
 
@@ -79,14 +80,12 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
                                       f"config.json from the source checkpoint and "
                                       f"{_RECONVERT}")
             continue
-        hint = hints.get(f.name)
-        if hint is not None and not _type_ok(params[f.name], hint):
-            raise CheckpointError(f"{path}: key {key!r} is {params[f.name]!r}, which is not a "
-                                  f"valid {getattr(hint, '__name__', hint)}; fix config.json or "
-                                  f"{_RECONVERT}")
         value = params[f.name]
-        if hints.get(f.name) is int and f.name not in ("bos_token_id", "pad_token_id") \
-                and isinstance(value, int) and value < 0:
+        if hint is not None and not _type_ok(value, hint):
+            raise CheckpointError(f"{path}: key {key!r} is {value!r}, which is not a valid "
+                                  f"{getattr(hint, '__name__', hint)}; fix config.json or "
+                                  f"{_RECONVERT}")
+        if hint is int and f.name not in ("bos_token_id", "pad_token_id") and value < 0:
             raise CheckpointError(f"{path}: key {key!r} is {value}; it must not be negative")
 
 
@@ -103,7 +102,7 @@ def read_config(path: str | Path) -> dict:
     if not isinstance(model_type, str):
         raise CheckpointError(f"{path}: key 'model_type' is {model_type!r}; it must be a model "
                               f"type string such as 'qwen3_5_moe'")
-    family_for(config, str(path))
+    family = family_for(config, str(path))
     try:
         model_class, args_class = _get_classes(config)
     except Exception as exc:
@@ -112,22 +111,19 @@ def read_config(path: str | Path) -> dict:
     _check_args(args_class, config, path)
     text = config.get("text_config")
     if isinstance(text, dict):
-        module = importlib.import_module(model_class.__module__)
-        text_args = getattr(module, "TextModelArgs", None)
-        for base in model_class.__mro__[1:]:
-            text_args = text_args or getattr(importlib.import_module(base.__module__),
+        text_args = None     # in the model class's module, or a base class's
+        for cls in model_class.__mro__:
+            text_args = text_args or getattr(importlib.import_module(cls.__module__),
                                              "TextModelArgs", None)
         if text_args is not None:
             _check_args(text_args, text, path, "text_config.")
     # mlx-lm defaults these to some other model's sizes when absent; the engine needs them.
-    family = family_for(config, str(path))
     text_config = family.text_config(config)
+    where = "text_config." if text_config is not config else ""
     for key in REQUIRED_KEYS:
         if key not in text_config:
-            where = "text_config." if text_config is not config else ""
             raise CheckpointError(f"{path}: required key {where + key!r} is missing; restore "
                                   f"config.json from the source checkpoint and {_RECONVERT}")
-    where = "text_config." if text_config is not config else ""
     for key in ("num_experts", "num_experts_per_tok"):    # mlx-lm accepts 0; routing cannot
         if not (_type_ok(text_config[key], int) and text_config[key] >= 1):
             raise CheckpointError(f"{path}: key {where + key!r} is {text_config[key]!r}; it must "
@@ -164,7 +160,21 @@ def _check_quantization(quant, path: Path) -> None:
         raise CheckpointError(f"{path}: key 'quantization.mode' is {quant['mode']!r}, not a string")
 
 
-# -- safetensors headers ----------------------------------------------------------------------
+# -- safetensors files -------------------------------------------------------------------------
+
+def write_safetensors(path: str | Path, arrays: dict, metadata: dict) -> Path:
+    """Write a safetensors file atomically (a reader never sees half of one); the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
 
 def read_safetensors_header(path: str | Path, what: str, fix: str
                             ) -> tuple[dict[str, tuple[str, list[int], int, int]], dict[str, str]]:
@@ -250,12 +260,13 @@ def check_resident(path: str | Path, index=None) -> dict:
     tensors, _ = read_safetensors_header(path, "resident weights", _RECONVERT)
     if not tensors:
         raise CheckpointError(f"{path}: holds no tensors; {_RECONVERT}")
+    scale_codes, halves = {}, {}
     for name, (code, _, _, _) in tensors.items():
         if code not in ST_FLOAT and code != "U32":
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {code}; resident weights "
                                   f"are F16/BF16/F32 or packed U32; {_RECONVERT}")
-    scale_codes = {}
-    for name, (code, _, _, _) in tensors.items():
+        if code in ("F16", "BF16"):
+            halves.setdefault(code, name)
         if name.endswith(".scales"):
             base = name[: -len(".scales")]
             for part in ("weight", "biases"):
@@ -271,10 +282,6 @@ def check_resident(path: str | Path, index=None) -> dict:
                     f"{name[:-len('.weight')]}.scales" not in tensors:
                 raise CheckpointError(f"{path}: {name} is packed U32 but has no "
                                       f"quantization scales beside it; {_RECONVERT}")
-    halves = {}
-    for name, (code, _, _, _) in tensors.items():
-        if code in ("F16", "BF16"):
-            halves.setdefault(code, name)
     if len(halves) > 1:
         raise CheckpointError(f"{path}: mixes half dtypes ({halves.get('F16')!r} is F16, "
                               f"{halves.get('BF16')!r} is BF16); a converted model uses one, so "
@@ -324,10 +331,7 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
     later as tracebacks. Both are one error here.
     """
     directory = Path(directory)
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise CheckpointError(f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
-                              f"the source checkpoint's tokenizer files into it or "
-                              f"{_RECONVERT}")
+    _check_tokenizer_files(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (directory / name).is_file():
             read_json_file(directory / name, name, "copy it again from the source checkpoint")
@@ -408,9 +412,14 @@ def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
         raise CheckpointError(f"{directory / INDEX_NAME} records no crc32 checksums; "
                               f"{_RECONVERT}, or opt out with verify_crc=False")
     check_resident(directory / RESIDENT_NAME, index)
+    _check_tokenizer_files(directory)
+
+
+def _check_tokenizer_files(directory: Path) -> None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
-                              f"the source checkpoint's tokenizer files into it")
+                              f"the source checkpoint's tokenizer files into it or "
+                              f"{_RECONVERT}")
 
 
 def load_resident(path: Path) -> dict:

@@ -14,13 +14,13 @@ File: safetensors `{"ids": int32 [N]}`, metadata `kind = "draft_vocab"`, `vocab_
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
 from edge0_eval.engine.lora import LoRALinear
 from edge0_eval.errors import CheckpointError
 
@@ -29,26 +29,18 @@ FORMAT_VERSION = 1
 
 
 def save_draft_vocab(path: str | Path, ids: np.ndarray, vocab_size: int, metadata: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: str(v) for k, v in metadata.items()} | {
         "kind": DRAFT_KIND, "vocab_size": str(int(vocab_size)),
         "format_version": str(FORMAT_VERSION)}
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), {"ids": mx.array(np.asarray(ids, dtype=np.int32))}, meta)
-    tmp.replace(path)
-    return path
+    return write_safetensors(path, {"ids": mx.array(np.asarray(ids, dtype=np.int32))}, meta)
 
 
 def is_draft_file(path: Path) -> bool:
     """Whether a hedge file is a draft vocabulary (else prerouter heads), from its header."""
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size)) if 0 < size < 1 << 26 else {}
-    except (OSError, ValueError):
+        return read_safetensors_header(path, "hedge", "")[1].get("kind") == DRAFT_KIND
+    except CheckpointError:
         return False            # the heads loader reports what is wrong with it
-    return (header.get("__metadata__") or {}).get("kind") == DRAFT_KIND
 
 
 def load_draft_vocab(path: Path, vocab_size: int) -> mx.array:

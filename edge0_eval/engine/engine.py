@@ -6,18 +6,16 @@
     results = engine.generate_batch([p1, p2, p3], max_tokens=32, batch_size=2)   # batch.py
 
 The model object is mlx-lm's own class for the family; only each MoE block's instance is
-replaced (see moe.py). The forward loop (families.py) mirrors mlx-lm's and adds a per-layer hook
-(`_after_layer`: the numerical guard and the prerouter's staging). One decode token:
-`step` -> `forward` -> `Family.forward` -> each layer (its MoE block -> `StreamingSwitchGLU`)
--> `_after_layer` -> the logits, checked finite before they are returned.
+replaced (moe_blocks.py). Everything runs through one step, `engine.step(tokens, cache, plans)
+-> (logits, plans)` (step.py), the sequence's cache and the prerouter's plans passed in and
+returned: `Sequence` carries them for one sequence, the batch decoder for its rows.
 """
 
 from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,23 +23,19 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from edge0_eval.errors import CheckpointError, ConfigError, Edge0Error
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.checks import (check_resident, check_resident_names, eos_token_ids,
                                       load_resident, load_tokenizer_checked, open_model_dir)
-from edge0_eval.engine.families import Family
 from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.adapters import load_adapter
 from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
-from edge0_eval.engine.moe import LoadCounters, StreamingSwitchGLU
+from edge0_eval.engine.moe import Counters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
-from edge0_eval.engine.prerouted import attach_prerouter
+from edge0_eval.engine.prerouted import Plans, attach_prerouter
 from edge0_eval.engine.sampling import RowSampler
+from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (NonFiniteError: API)
 from edge0_eval.engine.store import ExpertStore
-
-
-class NonFiniteError(Edge0Error):
-    """The model produced NaN/Inf logits: corrupt weights or an activation overflow."""
 
 
 @dataclass
@@ -66,24 +60,21 @@ def _rss_gib() -> float:
 class Engine:
     def __init__(self, model: nn.Module, tokenizer, config: dict, index: ExpertIndex,
                  store: ExpertStore, options: EngineOptions, resolved: ResolvedOptions,
-                 counters: LoadCounters, directory: Path):
+                 counters: Counters, directory: Path):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.resolved = resolved
-        self.family: Family = resolved.family
-        self.clip = resolved.clip_hidden
+        self.resolved, self.family = resolved, resolved.family
         self.index, self.store, self.options = index, store, options
         self.top_k, self.slots_per_layer = resolved.top_k, resolved.slots_per_layer
         self.counters, self.directory = counters, directory
         self.moe_layers = list(index.moe_layers)
         self.blocks = {i: self.family.layers(model)[i].mlp for i in self.moe_layers}
-        self.cache = None
-        self.prerouter = None
         self.lora = None
-        self._last_layer = len(self.family.layers(model)) - 1
-        self._guard_events = mx.array(0, dtype=mx.int32)
-        self.nonfinite_events = 0
         self._last = {}
-        self.reset()
+        self.prerouter = None if resolved.prerouter_path is None else \
+            attach_prerouter(self, resolved.prerouter_path)
+        # The one step every caller runs (step.py).
+        self.step = DecodeStep(model, self.family, self.blocks, self.prerouter,
+                               resolved.clip_hidden, counters, str(directory))
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -108,13 +99,13 @@ class Engine:
         store = ExpertStore(directory, index, io_workers=options.io_workers,
                             io_throttle_mbps=options.io_throttle_mbps,
                             verify_crc=options.verify_crc)
-        counters = LoadCounters()
+        counters = Counters()
         layers = family.layers(model)
         compute_dtype = resolve_compute_dtype(options.compute_dtype)
         for i in index.moe_layers:
             switch = StreamingSwitchGLU(i, index, store, slots, counters, scale_dtype=compute_dtype)
             # Instance-level replacement: mlx-lm's classes stay untouched.
-            layers[i].mlp = family.block_class(layers[i].mlp, switch, i, top_k)
+            layers[i].mlp = family.block_class(layers[i].mlp, switch, top_k)
 
         check_resident(directory / RESIDENT_NAME, index)
         resident = load_resident(directory / RESIDENT_NAME)
@@ -133,95 +124,26 @@ class Engine:
         del resident
 
         tokenizer = load_tokenizer_checked(directory, eos_token_ids(directory, config))
+        if options.mode == "resident":
+            for i in index.moe_layers:
+                layers[i].mlp.switch_mlp.preload_all()
         engine = cls(model, tokenizer, config, index, store, options, resolved, counters,
                      directory)
         engine.lora = lora
-        if options.mode == "resident":
-            for block in engine.blocks.values():
-                block.switch_mlp.preload_all()
-        if resolved.prerouter_path is not None:
-            engine.prerouter = attach_prerouter(engine, resolved.prerouter_path)
         store.reset_stats()
         mx.reset_peak_memory()
         return engine
 
-    # -- stepping ---------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget the sequence (KV/SSM caches); the slot pool stays warm."""
-        self.cache = make_prompt_cache(self.model)   # qwen2_moe has no make_cache of its own
-        self.position = 0
-        self._profile = {"steps": 0, "build_s": 0.0, "eval_s": 0.0}
-        for block in self.blocks.values():
-            block.set_plan(None)
-        if self.prerouter is not None:
-            self.prerouter.reset()
+    # -- running ----------------------------------------------------------------------------
+    def new_cache(self) -> list:
+        """An empty cache for one sequence (per layer, mlx-lm's own)."""
+        return make_prompt_cache(self.model)   # qwen2_moe has no make_cache of its own
 
-    def _after_layer(self, layer: int, h: mx.array, *, staging: bool, plan_next: bool,
-                     samplers: list | None = None) -> mx.array:
-        """After layer `layer`: clip h, hand it to the next layer's staged plan, and after the
-        last layer plan the next step (decode)."""
-        limit = self.clip
-        if limit:
-            bad = mx.logical_or(mx.isnan(h), mx.abs(h) > limit)
-            self._guard_events = self._guard_events + bad.sum().astype(mx.int32)
-            h = mx.clip(mx.nan_to_num(h, nan=0.0), -limit, limit)
-        if staging:
-            self.prerouter.before_layer(layer + 1, h)
-        if plan_next and layer == self._last_layer:
-            # Plan the next step now, before the LM head is even built: its compute (the
-            # biggest single op) then overlaps the next step's staged reads.
-            self.prerouter.after_step(h, samplers)
-        return h
-
-    def forward(self, tokens: mx.array, plan_next: bool = False, last_only: bool = False,
-                samplers: list | None = None) -> mx.array:
-        """Logits for `tokens` [B, L] continuing the cached sequence.
-
-        plan_next (decode): run the prerouter heads right after the last layer and start
-        staging the next step's experts; `samplers` (one RowSampler per row) let a draft hedge
-        draft the tokens they will sample. last_only (prefill): logits [B, 1] of the last
-        position only (Family.forward).
-        """
-        prerouter = self.prerouter
-        plan_next = plan_next and prerouter is not None
-        if plan_next:
-            prerouter.plan_tokens(tokens[:, -1])    # next-token heads plan here, once per step
-        staging = prerouter is not None and prerouter.has_plan    # this forward runs plans
-        if staging and plan_next:
-            prerouter.counters.steps += 1
-        if staging:
-            prerouter.before_layer(0, None)    # a wrap-around head's plan for layer 0
-        hook = None
-        if self.clip or staging or plan_next:
-            hook = partial(self._after_layer, staging=staging, plan_next=plan_next,
-                           samplers=samplers)
-        logits = self.family.forward(self.model, tokens, self.cache, hook, last_only=last_only)
-        self.position += tokens.shape[1]
-        return logits
-
-    def _checked(self, logits: mx.array, where: str, *also) -> mx.array:
-        """Evaluate the last position's logits with one finiteness reduction; raise on NaN/Inf.
-
-        Without clipping a NaN/Inf hidden state reaches the logits, where sampling would
-        silently turn it into end-of-text.
-        """
-        last = logits[0, -1]
-        finite = mx.isfinite(last).all()
-        mx.eval(last, finite, self._guard_events, *also)
-        if not finite.item():
-            self.nonfinite_events += 1
-            raise NonFiniteError(
-                f"{self.directory}: non-finite logits {where} (position {self.position}); a "
-                f"resident weight, expert or adapter holds NaN/Inf, or an activation overflowed "
-                f"(try --verify-crc, --compute-dtype float32, or re-run convert)")
-        return last
-
-    def prefill(self, tokens: list[int], plan: bool = True) -> mx.array:
-        """Process a prompt; returns the last position's logits [vocab].
-
-        plan=False (batched decode): the prerouter does not plan the first step here; the
-        batch plans all its rows together.
-        """
+    def prefill(self, tokens: list[int], cache: list, *, stage: bool = True,
+                samplers: list | None = None) -> tuple[mx.array, Plans | None]:
+        """Process a prompt into `cache`: (the last position's logits [vocab], the first decode
+        step's plans). stage=False (batched decode): the plans are the row's features only;
+        the batch plans all its rows together. samplers: as for a step (a draft hedge)."""
         if not tokens:
             raise ConfigError("empty prompt: nothing to prefill")
         n, chunk = len(tokens), max(1, self.options.prefill_chunk)
@@ -236,48 +158,17 @@ class Engine:
             if len(bounds) > 2 and bounds[-1] - bounds[-2] < keep:
                 bounds[-2] = n - keep
         pieces = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        where = f"in the prefill of tokens 0..{n - 1}"
         for start, end in pieces[:-1]:
-            self.forward(mx.array(tokens[start:end])[None], last_only=True)
-            mx.eval([c.state for c in self.cache], self._guard_events)
-        # A NaN/Inf of an earlier piece reaches the caches, so the last token's logits.
+            self.step(mx.array(tokens[start:end])[None], cache, plan_next=False, where=where)
         start, end = pieces[-1]
-        logits = self._checked(self.forward(mx.array(tokens[start:end])[None], last_only=True),
-                               f"in the prefill of tokens 0..{n - 1}",
-                               [c.state for c in self.cache])
-        if self.prerouter is not None and plan:
-            self.prerouter.after_prefill(len(tokens))
-        return logits
+        logits, plans = self.step(mx.array(tokens[start:end])[None], cache, stage=stage,
+                                  samplers=samplers, where=where)
+        return logits[0], plans
 
-    def _checked_rows(self, logits: mx.array, where: str, rows: list[int], *also) -> mx.array:
-        """`_checked` for a batch: every row's last-position logits [B, vocab], evaluated."""
-        last = logits[:, -1]
-        finite = mx.isfinite(last).all(axis=-1)
-        mx.eval(last, finite, self._guard_events, *also)
-        bad = [r for r, ok in zip(rows, finite.tolist()) if not ok]
-        if bad:
-            self.nonfinite_events += 1
-            raise NonFiniteError(
-                f"{self.directory}: non-finite logits {where} (prompt(s) {bad}); a resident "
-                f"weight, expert or adapter holds NaN/Inf, or an activation overflowed (try "
-                f"--verify-crc, --compute-dtype float32, or re-run convert)")
-        return last
-
-    def step(self, token: int, sampler: RowSampler | None = None) -> mx.array:
-        """One decode step; `sampler`: the one that will sample from these logits (None:
-        greedy), for a draft hedge."""
-        t0 = time.perf_counter()
-        logits = self.forward(mx.array([[token]]), plan_next=True,
-                              samplers=None if sampler is None else [sampler])
-        t1 = time.perf_counter()
-        logits = self._checked(logits, f"at decode step {self._profile['steps'] + 1}")
-        t2 = time.perf_counter()
-        prof = self._profile
-        prof["steps"] += 1
-        # build: Python building the graph, including blocking reads/stage waits and any compute
-        # a reactive layer forces (it syncs to learn its routing); eval: compute left at the end.
-        prof["build_s"] += t1 - t0
-        prof["eval_s"] += t2 - t1
-        return logits
+    def sequence(self) -> "Sequence":
+        """A new sequence: `prefill(prompt)`, then `step(token)` per token."""
+        return Sequence(self)
 
     def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, stop_token_ids: set[int] | None = None,
@@ -292,21 +183,21 @@ class Engine:
             check_seed(seed)
         sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed),
                              top_k=top_k, min_p=min_p, prompt=prompt_tokens, penalties=penalties)
-        self.reset()
-        before = self._snapshot()
+        sequence = self.sequence()
+        before = self.snapshot()
         t0 = time.perf_counter()
-        logits = self.prefill(list(prompt_tokens))
+        logits = sequence.prefill(list(prompt_tokens), sampler)
         t1 = time.perf_counter()
-        mid = self._snapshot()
+        mid = self.snapshot()
         tokens: list[int] = []
         while len(tokens) < max_tokens:
             token = int(sampler(logits).item())
             tokens.append(token)
             if token in stop or len(tokens) >= max_tokens:
                 break
-            logits = self.step(token, sampler)
+            logits = sequence.step(token, sampler)
         t2 = time.perf_counter()
-        self._last = self._phase_stats(before, mid, self._snapshot(), len(prompt_tokens),
+        self._last = self._phase_stats(before, mid, self.snapshot(), len(prompt_tokens),
                                        len(tokens), t1 - t0, t2 - t1)
         return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_tokens), stats=self.stats())
 
@@ -343,15 +234,14 @@ class Engine:
                                self._stop_ids(stop_token_ids), seeds,
                                logits_trace)
         configured = self.resolved.slots_per_layer
-        self.reset()
         self._resize_slots(max(configured, min(rows_at_once * self.top_k,
                                                self.index.num_experts)))
         try:
             rows = decoder.run()
-            self._last = decoder.batch_stats(rows)
+            self._last = decoder.batch_stats(rows) | decode_figures(
+                decoder.decode, decoder.decode["batch_steps"], decoder.decode["batch_tokens"])
             common = self.stats()           # with the batch's expert buffer
         finally:
-            self.reset()     # the batch's caches and any plan in flight are dropped
             self._resize_slots(configured)
         return [GenerationResult(tokens=r.tokens, prompt_tokens=len(r.prompt),
                                  stats={**common, **decoder.row_stats(r)}) for r in rows]
@@ -368,27 +258,22 @@ class Engine:
         self.slots_per_layer = n_slots
 
     # -- accounting -------------------------------------------------------------------------
-    def _snapshot(self) -> dict:
+    def snapshot(self) -> dict:
+        """The counters now, with the store's reads and the pools' lookups."""
         pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
-        return {
+        c = self.counters
+        return asdict(c) | {
             "bytes": self.store.stats.bytes_read, "reads": self.store.stats.reads,
-            "blocked": self.counters.blocked_seconds + (
-                self.prerouter.counters.stage_wait_seconds if self.prerouter else 0.0),
-            "hits": sum(p.hits for p in pool),
-            "misses": sum(p.misses for p in pool),
-            "blocked_loads": self.counters.blocked_loads,
-            "demand_read_s": self.counters.demand_read_seconds,
-            "demand_read_bytes": self.counters.demand_read_bytes,
+            "hits": sum(p.hits for p in pool), "misses": sum(p.misses for p in pool),
+            # Waiting for reads: demand reads, and staged reads not done when needed.
+            "blocked": c.blocked_seconds + c.stage_wait_seconds,
             # Distinct experts per layer call, and such calls (reactive unions + staged sets).
-            "union": self.counters.union_experts + (
-                self.prerouter.counters.staged_experts if self.prerouter else 0),
-            "union_layers": self.counters.union_calls + (
-                self.prerouter.counters.staged_layers if self.prerouter else 0),
+            "union": c.union_experts + c.staged_experts,
+            "union_layers": c.union_calls + c.staged_layers,
         }
 
     def _phase_stats(self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode) -> dict:
         steps = max(0, n_gen - 1)   # the first token comes from the prefill logits
-        lookups = (after["hits"] - mid["hits"]) + (after["misses"] - mid["misses"])
         return {
             "prompt_tokens": n_prompt,
             "generated_tokens": n_gen,
@@ -396,23 +281,8 @@ class Engine:
             "decode_s": t_decode,
             "prefill_tok_s": n_prompt / t_prefill if t_prefill > 0 else 0.0,
             "decode_tok_s": steps / t_decode if steps and t_decode > 0 else 0.0,
-            "decode_bytes_read": after["bytes"] - mid["bytes"],
-            "bytes_per_token": (after["bytes"] - mid["bytes"]) / steps if steps else 0.0,
-            "reads_per_token": (after["reads"] - mid["reads"]) / steps if steps else 0.0,
-            "blocked_load_ms_per_step":
-                1000 * (after["blocked"] - mid["blocked"]) / steps if steps else 0.0,
-            "blocked_loads_per_step":
-                (after["blocked_loads"] - mid["blocked_loads"]) / steps if steps else 0.0,
-            # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
-            "demand_read_gbps": ((after["demand_read_bytes"] - mid["demand_read_bytes"])
-                                 / (after["demand_read_s"] - mid["demand_read_s"]) / 1e9
-                                 if after["demand_read_s"] > mid["demand_read_s"] else None),
-            "decode_hit_rate": (after["hits"] - mid["hits"]) / lookups if lookups else 0.0,
             "prefill_bytes_read": mid["bytes"] - before["bytes"],
-            "profile_ms_per_step": {
-                k[:-2] + "_ms": 1000 * v / max(1, self._profile["steps"])
-                for k, v in self._profile.items() if k.endswith("_s")
-            },
+            **decode_figures({k: after[k] - mid[k] for k in after}, steps, steps),
         }
 
     def stats(self) -> dict:
@@ -436,9 +306,9 @@ class Engine:
             "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
             "evictions": sum(p.evictions for p in pool),
             "blocked_load_s": self.counters.blocked_seconds,
-            "guard_clip": self.clip,
-            "guard_events": int(self._guard_events.item()),
-            "nonfinite_events": self.nonfinite_events,
+            "guard_clip": self.step.clip,
+            "guard_events": self.counters.guard_events,
+            "nonfinite_events": self.counters.nonfinite_events,
         }
         out["lora"] = str(self.lora["path"]) if self.lora else None
         if self.prerouter is not None:
@@ -448,3 +318,57 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
+
+
+def decode_figures(d: dict, steps: int, tokens: int) -> dict:
+    """A decode phase's figures from the difference `d` of two snapshots: per decoded token
+    (every row's) and per step."""
+    def per(x, n):
+        return x / n if n else 0.0
+
+    lookups = d["hits"] + d["misses"]
+    return {
+        "decode_bytes_read": d["bytes"],
+        "bytes_per_token": per(d["bytes"], tokens),
+        "reads_per_token": per(d["reads"], tokens),
+        "blocked_load_ms_per_step": per(1000 * d["blocked"], steps),
+        "blocked_loads_per_step": per(d["blocked_loads"], steps),
+        # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
+        "demand_read_gbps": (d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
+                             if d["demand_read_seconds"] > 0 else None),
+        "decode_hit_rate": per(d["hits"], lookups),
+        # Distinct experts a MoE layer needed per step (reactive: the rows' routed union;
+        # prerouted: the staged union); None when resident (nothing is looked up).
+        "mean_union_per_layer": d["union"] / d["union_layers"] if d["union_layers"] else None,
+        # build: Python building the graph, including blocking reads/stage waits and any
+        # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
+        "profile_ms_per_step": {f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
+                                for name in ("build", "eval")},
+    }
+
+
+class Sequence:
+    """One sequence (B = 1) on an engine: its cache and plans, carried from step to step."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.cache, self.plans = engine, engine.new_cache(), None
+        self.position = self.steps = 0
+
+    def prefill(self, tokens: list[int], sampler: RowSampler | None = None) -> mx.array:
+        """The prompt into the cache, the first step planned; its last logits [vocab].
+        `sampler`: the one that will sample from them (None: greedy), for a draft hedge."""
+        logits, self.plans = self.engine.prefill(
+            list(tokens), self.cache, samplers=None if sampler is None else [sampler])
+        self.position = len(tokens)
+        return logits
+
+    def step(self, token: int, sampler: RowSampler | None = None) -> mx.array:
+        """Consume `token`; the next logits [vocab]. `sampler`: the one that will sample from
+        them (None: greedy), for a draft hedge."""
+        self.steps += 1
+        logits, self.plans = self.engine.step(
+            mx.array([[int(token)]]), self.cache, self.plans,
+            samplers=None if sampler is None else [sampler],
+            where=f"at decode step {self.steps} (position {self.position})")
+        self.position += 1
+        return logits[0]

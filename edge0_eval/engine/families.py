@@ -1,6 +1,12 @@
-"""Per-family glue: where the MoE blocks are, which streaming twin replaces them, and the forward
-loop (mirroring mlx-lm's own `__call__`, plus a per-layer hook for the numerical guard and the
-prerouter features)."""
+"""The model-family registry: one `Family` per supported mlx-lm `model_type`, read by every
+consumer (the engine's step, convert's checks, LoRA, training, make-tiny) instead of branching on
+the name. Adding a family is one entry here plus its streaming MoE block (moe_blocks.py).
+
+An entry holds the forward's pieces around mlx-lm's own decoder layers (where the text model,
+embedding, layers and output head are; each layer's call arguments), the streaming block that
+replaces its MoE blocks (whose `rule` is the family's routing rule), the LoRA targets, the
+tiny-checkpoint config (checkpoints/tiny.py) and the numerical defaults.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.moe_blocks import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
+from edge0_eval.checkpoints.tiny_configs import bailing_tiny, qwen2_tiny, qwen3_5_tiny
+from edge0_eval.errors import CheckpointError
 
-LayerHook = Callable[[int, mx.array], mx.array]
-# How a decoder layer is called: call(i, layer, *args, **kwargs); training's served path uses it
-# to run layers under mx.checkpoint.
-LayerCall = Callable[..., mx.array]
-
-
-def _call(i: int, layer: nn.Module, *args, **kwargs) -> mx.array:
-    return layer(*args, **kwargs)
+# (text model, h, cache) -> per layer (layer, h, its cache) -> (args, kwargs) of the layer call
+LayerArgs = Callable[[nn.Module, mx.array, list], Callable]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class Family:
     name: str
     block_class: type
     module_path: str   # a layer's MoE block path, with {layer}: the index must name the same
+    text: Callable[[nn.Module], nn.Module]   # model -> the module holding .model and lm_head
+    embed_name: str                          # the input embedding, an attribute of text.model
+    layer_args: LayerArgs
+    lora_targets: tuple[str, ...]   # suffix patterns of the resident linears that get LoRA
+    tiny_config: Callable           # TinyShape -> config.json (checkpoints/tiny.py)
+    text_config_key: str | None = None   # the config.json section of the text model's keys
+    own_lm_head: bool = False            # an lm_head even when tie_word_embeddings is set
+    gate_selects: bool = False           # mlx-lm's block selects in its gate (its top_k there)
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.
     clip_hidden: float | None = None
     # A prompt cut in two pieces computes the same bits as in one (mlx-lm's layers, CPU): then
@@ -37,7 +46,7 @@ class Family:
     split_prefill: bool = True
 
     def text_config(self, config: dict) -> dict:
-        return config.get("text_config", config) if self.name == "qwen3_5_moe" else config
+        return config.get(self.text_config_key, config) if self.text_config_key else config
 
     def native_top_k(self, config: dict) -> int:
         return int(self.text_config(config)["num_experts_per_tok"])
@@ -52,100 +61,76 @@ class Family:
         return model.layers
 
     def embedding(self, model: nn.Module) -> nn.Module:
-        """The input embedding (next-token prerouter heads read its rows)."""
-        inner = getattr(model, "language_model", model).model
-        return inner.word_embeddings if hasattr(inner, "word_embeddings") else inner.embed_tokens
+        return getattr(self.text(model).model, self.embed_name)
 
     def output_head(self, model: nn.Module) -> tuple[nn.Module, nn.Module, bool]:
         """(final norm, LM head module, tied): the tied head is the input embedding, applied
         with `as_linear` (the draft hedge slices its rows)."""
-        owner = getattr(model, "language_model", model)
-        inner = owner.model
-        # As the forwards below: mlx-lm's qwen2_moe always has its own lm_head.
-        tied = self.name != "qwen2_moe" and bool(owner.args.tie_word_embeddings)
-        return inner.norm, self.embedding(model) if tied else owner.lm_head, tied
+        text = self.text(model)
+        tied = not self.own_lm_head and bool(text.args.tie_word_embeddings)
+        return text.model.norm, self.embedding(model) if tied else text.lm_head, tied
 
     def moe_layers(self, model: nn.Module) -> list[int]:
-        return [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
-
-    def forward(self, model: nn.Module, inputs: mx.array, cache: list,
-                hook: LayerHook | None = None, call: LayerCall | None = None,
-                last_only: bool = False) -> mx.array:
-        """Logits [B, L, vocab]; last_only: [B, 1, vocab] of the last position only.
-
-        A prefill needs only the last position's logits, and the LM head is the biggest single
-        op: over a whole chunk it costs as much as several decoder layers (mlx-lm's prefill
-        never computes it for the prompt's earlier positions either).
-        """
-        return _FORWARDS[self.name](model, inputs, cache, hook, call or _call, last_only)
+        return [i for i, layer in enumerate(model.layers) if "switch_mlp" in layer.mlp]
 
 
-def _layers(layers, h, cache, hook, call, args) -> mx.array:
-    """Each decoder layer as `call(i, layer, *a, **kw)`, (a, kw) = `args(layer, h, its cache)`,
-    then the hook on its output."""
-    for i, (layer, c) in enumerate(zip(layers, cache)):
-        a, kw = args(layer, h, c)
-        h = call(i, layer, *a, **kw)
-        if hook is not None:
-            h = hook(i, h)
-    return h
-
-
-def _logits(out, owner, tied: bool, embed) -> mx.array:
-    return embed.as_linear(out) if tied else owner.lm_head(out)
-
-
-def _last(h: mx.array, last_only: bool) -> mx.array:
-    return h[:, -1:] if last_only else h
-
-
-def _qwen_forward(model, inputs, cache, hook, call, last_only):
-    text = model.language_model
+def _qwen3_5_args(text, h, cache):
     inner = text.model
-    h = inner.embed_tokens(inputs)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: (
-        (h,), dict(mask=ssm_mask if layer.is_linear else fa_mask, cache=c)))
-    return _logits(inner.norm(_last(h, last_only)), text, text.args.tie_word_embeddings,
-                   inner.embed_tokens)
+    return lambda layer, h, c: ((h,), dict(mask=ssm_mask if layer.is_linear else fa_mask,
+                                           cache=c))
 
 
-def _bailing_forward(model, inputs, cache, hook, call, last_only):
-    inner = model.model
-    h = inner.word_embeddings(inputs)
+def _bailing_args(text, h, cache):
+    inner = text.model
     attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
     attn_mask = create_attention_mask(h, attn_cache, return_array=True)
     gla_mask = create_ssm_mask(h, cache[inner._gla_idx]) if inner._gla_idx is not None else None
     offset = attn_cache.offset if attn_cache is not None else 0
-    h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: (
-        (h, attn_mask if layer.is_global else gla_mask, c), dict(offset=offset)))
-    return _logits(inner.norm(_last(h, last_only)), model, model.args.tie_word_embeddings,
-                   inner.word_embeddings)
+    return lambda layer, h, c: ((h, attn_mask if layer.is_global else gla_mask, c),
+                                dict(offset=offset))
 
 
-def _qwen2_forward(model, inputs, cache, hook, call, last_only):
-    inner = model.model
-    h = inner.embed_tokens(inputs)
+def _qwen2_args(text, h, cache):
     mask = create_attention_mask(h, cache[0])
-    h = _layers(inner.layers, h, cache, hook, call, lambda layer, h, c: ((h, mask, c), {}))
-    # mlx-lm's qwen2_moe always has its own lm_head
-    return model.lm_head(inner.norm(_last(h, last_only)))
+    return lambda layer, h, c: ((h, mask, c), {})
 
 
-_FORWARDS = {"qwen3_5_moe": _qwen_forward, "bailing_hybrid": _bailing_forward,
-             "qwen2_moe": _qwen2_forward}
+# Checked against mlx-lm 0.32's qwen3_5.py / bailing_hybrid.py / qwen2_moe.py. Patterns that a
+# config does not build (MLA's q_a_proj when q_lora_rank is None) match nothing. The shared
+# experts' out=1 gates are left out; routers and routed experts never carry LoRA (lora.py).
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+           "mlp.shared_expert.down_proj")
 
 FAMILIES = {
-    "qwen3_5_moe": Family("qwen3_5_moe", QwenStreamingMoE,
-                          "language_model.model.layers.{layer}.mlp"),
+    "qwen3_5_moe": Family(
+        "qwen3_5_moe", QwenStreamingMoE, "language_model.model.layers.{layer}.mlp",
+        text=lambda model: model.language_model, embed_name="embed_tokens",
+        layer_args=_qwen3_5_args, text_config_key="text_config", tiny_config=qwen3_5_tiny,
+        lora_targets=_ATTENTION + (   # full attention every 4th layer, GatedDeltaNet the rest
+            "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+            "linear_attn.in_proj_a", "linear_attn.out_proj") + _SHARED),
     # +-1000 clipping prevents an fp16 overflow collapse on this tier. Other families run
     # unclipped: real models carry legitimate activations far above 1000 (SmolLM2 turned MoE:
     # ~25,000), which clipping destroys.
     # Its GLA sums a piece in 128-token blocks from the piece's start: a cut moves the sums.
-    "bailing_hybrid": Family("bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
-                             clip_hidden=1000.0, split_prefill=False),
-    "qwen2_moe": Family("qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp"),
+    "bailing_hybrid": Family(
+        "bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
+        text=lambda model: model, embed_name="word_embeddings", layer_args=_bailing_args,
+        tiny_config=bailing_tiny, gate_selects=True, clip_hidden=1000.0, split_prefill=False,
+        lora_targets=(   # linear attention; MLA (embed_q/unembed_out are MultiLinear, not
+            # Linear); both kinds' output; the shared experts; the dense layer-0 MLP (the
+            # router `mlp.gate.gate_proj` does not end with `.mlp.gate_proj`)
+            "attention.query_key_value", "attention.g_proj", "attention.q_proj",
+            "attention.q_a_proj", "attention.q_b_proj", "attention.kv_a_proj_with_mqa",
+            "attention.dense", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
+            "mlp.shared_experts.down_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+    "qwen2_moe": Family(
+        "qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp", text=lambda model: model,
+        embed_name="embed_tokens", layer_args=_qwen2_args, own_lm_head=True,
+        tiny_config=qwen2_tiny, lora_targets=_ATTENTION + _SHARED),   # q/k/v keep their bias
 }
 
 

@@ -16,14 +16,13 @@ longer served (issue 26).
 from __future__ import annotations
 
 import json
-import os
 import re
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 
-from edge0_eval.engine.checks import read_safetensors_header
+from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
 from edge0_eval.engine.prerouter import PrerouterConfig, PrerouterHeads, pair_problems
 from edge0_eval.errors import CheckpointError
 
@@ -31,13 +30,6 @@ KIND = "prerouter"
 FORMAT_VERSION = 1
 NEXT_TOKEN = "next_token"     # metadata features= of next-token heads (absent: context)
 _KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
-
-
-def _atomic_save(path: Path, arrays: dict, metadata: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
-    os.replace(tmp, path)
 
 
 def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = None,
@@ -64,8 +56,7 @@ def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = 
                    "format_version", "features", "context_consumers"):
             continue  # these describe the tensors; they come from the heads
         meta[key] = value if isinstance(value, str) else json.dumps(value)
-    _atomic_save(path, arrays, meta)
-    return path
+    return write_safetensors(path, arrays, meta)
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -201,7 +192,7 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         if problems:
             raise CheckpointError(f"{where} does not fit this model: {'; '.join(problems)} (MoE "
                                   f"layers: {list(moe_layers)}); train heads for this model")
-    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width,
+    config = PrerouterConfig(owners=owners, width=width,
                              top_k=top_k, hidden=hidden, num_experts=num_experts,
                              consumers=consumers, next_token=next_token)
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731

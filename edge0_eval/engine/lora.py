@@ -42,49 +42,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import ConfigError
 
 
-# Suffix patterns of resident linear layers, per family (checked against mlx-lm 0.32 model code:
-# qwen3_next.py / qwen3_5.py / bailing_hybrid.py / qwen2_moe.py). Patterns that a given config
-# does not build (e.g. MLA's q_a_proj when q_lora_rank is None) simply match nothing.
-_TARGETS = {
-    "qwen3_5_moe": [
-        # full attention (every 4th layer)
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        # GatedDeltaNet (linear attention)
-        "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
-        "linear_attn.in_proj_a", "linear_attn.out_proj",
-        # shared expert (resident); `mlp.shared_expert_gate` (out=1) is left out by default
-        "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
-    ],
-    "qwen3_next": [
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj",
-        "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
-    ],
-    "qwen2_moe": [
-        # attention (every layer; q/k/v carry a bias, which LoRALinear's base keeps)
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        # shared expert (resident); `mlp.shared_expert_gate` (out=1) is left out by default
-        "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
-    ],
-    "bailing_hybrid": [
-        # linear attention layers
-        "attention.query_key_value", "attention.g_proj",
-        # MLA (global) layers; q_a_proj/q_b_proj exist only when q_lora_rank is set.
-        # embed_q/unembed_out are MultiLinear (absorbed kv_b), not Linear: not targets.
-        "attention.q_proj", "attention.q_a_proj", "attention.q_b_proj",
-        "attention.kv_a_proj_with_mqa",
-        # output projection of both attention kinds
-        "attention.dense",
-        # shared experts of MoE layers
-        "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
-        "mlp.shared_experts.down_proj",
-        # dense layer-0 MLP (`mlp.gate.gate_proj`, the router, does not end with `.mlp.gate_proj`)
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    ],
-}
 _ROUTER_SUFFIXES = (".mlp.gate", ".mlp.gate.gate_proj")
 
 
@@ -190,11 +151,12 @@ def refusal(path: str, module) -> str | None:
 
 
 def default_targets(family_name: str) -> list[str]:
-    """Suffix patterns of the resident linear layers that get LoRA in `family_name`."""
-    if family_name not in _TARGETS:
+    """Suffix patterns of the resident linear layers that get LoRA in `family_name` (the
+    family registry's `lora_targets`)."""
+    if family_name not in FAMILIES:
         raise ConfigError(f"no default LoRA targets for model family {family_name!r}; "
-                          f"known: {', '.join(_TARGETS)} (pass targets= explicitly)")
-    return list(_TARGETS[family_name])
+                          f"known: {', '.join(FAMILIES)} (pass targets= explicitly)")
+    return list(FAMILIES[family_name].lora_targets)
 
 
 def _matches(path: str, pattern: str) -> bool:

@@ -11,7 +11,7 @@ Routing modes:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -24,20 +24,48 @@ from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.store import ExpertStore
 
 
-class LoadCounters(SimpleNamespace):
-    """Shared by all blocks of an engine: time the decode path spent waiting for reads."""
+@dataclass
+class Counters:
+    """Everything an engine counts, shared by its switches, prerouter and step; a phase's
+    figures are the difference of two copies (`since`)."""
 
-    def __init__(self):
-        # union_*: distinct experts per reactive layer call (the union of a batch's rows).
-        super().__init__(blocked_seconds=0.0, blocked_loads=0, demand_read_seconds=0.0,
-                         demand_read_bytes=0, union_experts=0, union_calls=0)
+    blocked_seconds: float = 0.0    # the decode path waiting for demand reads
+    blocked_loads: int = 0
+    demand_read_seconds: float = 0.0
+    demand_read_bytes: int = 0
+    union_experts: int = 0          # distinct experts per reactive layer call (rows' union)
+    union_calls: int = 0
+    steps: int = 0                  # step calls (DecodeStep), and their time split:
+    build_seconds: float = 0.0      # Python building the graph, blocking reads and stage waits
+    eval_seconds: float = 0.0       # compute left at the end
+    guard_events: int = 0           # hidden values clipped or NaN zeroed
+    nonfinite_events: int = 0
+    prerouted_steps: int = 0        # steps that executed staged plans
+    staged_experts: int = 0         # per consuming layer per step, the union of the rows' sets
+    staged_layers: int = 0          # (step, consuming layer) stagings
+    staged_loads: int = 0           # of those experts, bundles read (misses)
+    abandoned_plans: int = 0        # batched decode: layer plans dropped as rows left/joined
+    dropped_experts: int = 0        # planned experts absent from the slots at execution: 0
+    stage_wait_seconds: float = 0.0
+    head_seconds: float = 0.0
+    hedge_seconds: float = 0.0
+    hedge_staged: int = 0           # experts the hedge staged (per hedged layer per step)
+    hedge_hits: int = 0             # of those, in the routed set
+    hedge_cancelled: int = 0        # misses whose reads never started
+    hedge_wasted: int = 0           # misses read anyway (bundles read in vain)
+    draft_rows: int = 0             # draft hedge: rows whose token was drafted
+    draft_matches: int = 0          # of those, served the drafted token
+
+    def since(self, before: "Counters") -> "Counters":
+        return Counters(**{f.name: getattr(self, f.name) - getattr(before, f.name)
+                           for f in fields(self)})
 
 
 class StreamingSwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU over `n_slots` quantized slot buffers, filled from the expert store."""
 
     def __init__(self, layer: int, index: ExpertIndex, store: ExpertStore, n_slots: int,
-                 counters: LoadCounters, scale_dtype=None):
+                 counters: Counters, scale_dtype=None):
         super().__init__()
         spec = {t.name: t for t in index.tensors}
         hidden_dims, packed_in = spec["gate_proj.weight"].shape
@@ -61,7 +89,7 @@ class StreamingSwitchGLU(nn.Module):
             setattr(self.glu, proj, q)
         self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
                                    slots=LayerSlots(n_slots), num_experts=index.num_experts,
-                                   resident=False, pinned=False)
+                                   resident=False, pending=None)
         # Per bundle tensor, once: (name, projection, part, stored as bfloat16, slot dtype).
         self._io.tensors = []
         for name in TENSOR_ORDER:
@@ -76,14 +104,9 @@ class StreamingSwitchGLU(nn.Module):
     def slots(self) -> LayerSlots:
         return self._io.slots
 
-    def pin(self, pinned: bool = True) -> None:
-        """Serve from the slot table without syncing, until pin(False).
-
-        The caller guarantees that every expert this layer will be asked for is in the slots:
-        the prerouter while a layer executes its staged plan, training while a pass replays
-        the experts it loaded. Whoever installs such a plan pins, and unpins with it.
-        """
-        self._io.pinned = pinned
+    @property
+    def num_experts(self) -> int:
+        return self._io.num_experts
 
     def resize(self, n_slots: int) -> None:
         """Hold `n_slots` experts (batched decode: a layer's union of B rows, then back).
@@ -96,6 +119,7 @@ class StreamingSwitchGLU(nn.Module):
         old_n = io.slots.n_slots
         if n_slots == old_n or io.resident:
             return
+        self._drop_pending()
         io.slots.resize(n_slots)
         for proj in PROJECTIONS:
             linear = getattr(self.glu, proj)
@@ -113,6 +137,7 @@ class StreamingSwitchGLU(nn.Module):
     def load_experts(self, experts: list[int], blocking: bool = True) -> int:
         """Make `experts` resident (reading misses, blocking). Returns the number loaded."""
         io = self._io
+        self._drop_pending()
         _, loads = io.slots.assign(list(experts))
         if not loads:
             return 0   # all hits: sticky slots, the slot table is already right
@@ -198,13 +223,13 @@ class StreamingSwitchGLU(nn.Module):
         self._io.resident = True
 
     # -- compute ----------------------------------------------------------------------------
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, pinned: bool = False) -> mx.array:
+        """pinned: the caller guarantees every expert in `indices` is in the slots (a staged
+        plan, a training replay), so the ids map on the device: no host sync, differentiable."""
         io = self._io
         if io.resident:
             return self.glu(x, indices)
-        if io.pinned:
-            # A staged plan or a training replay (see pin): map on the device, no host sync,
-            # differentiable.
+        if pinned:
             return self.glu(x, io.lut[indices])
         mx.eval(indices)  # reactive: the true routing must reach the host to read misses
         ids = np.array(indices)
@@ -240,7 +265,9 @@ class StreamingSwitchGLU(nn.Module):
         """Reserve slots for a predicted set and start reading the misses in the background.
 
         Experts already resident keep their slot (sticky), so only changed slots are read and
-        written. Nothing else touches this layer's slots until `stage_finish`.
+        written. Until `stage_finish`, the set is this layer's pending one: any other use of the
+        slots (a load, a resize, another set) first drops it (`_drop_pending`), so a set whose
+        plan was abandoned never leaves reserved slots that were not written.
 
         `hedge`: an earlier staged set of this layer, not finished (hedged staging). Its reads
         of experts in `experts` count as this set's; its other reads are cancelled where they
@@ -250,6 +277,8 @@ class StreamingSwitchGLU(nn.Module):
         set's `hedge` tells what became of the hedge (`HedgeOutcome`; None without one).
         """
         io = self._io
+        if io.pending is not hedge:
+            self._drop_pending()
         experts = list(experts)
         outcome = None
         if hedge is not None:
@@ -274,8 +303,9 @@ class StreamingSwitchGLU(nn.Module):
                 kept_loads.append((e, slot))
                 kept_futures.append(f)
             loads, futures = kept_loads + loads, kept_futures + futures
-        return StagedSet(experts=experts, mapping=mapping, loads=loads, futures=futures,
-                         hedge=outcome)
+        io.pending = StagedSet(experts=experts, mapping=mapping, loads=loads, futures=futures,
+                               hedge=outcome)
+        return io.pending
 
     def stage_finish(self, staged: "StagedSet") -> tuple[float, int]:
         """Wait for the staged reads, write the changed slots, publish the slot table.
@@ -283,6 +313,8 @@ class StreamingSwitchGLU(nn.Module):
         Returns (seconds blocked waiting, experts missing from the slots afterwards).
         """
         io = self._io
+        if io.pending is staged:
+            io.pending = None
         started = time.perf_counter()
         try:
             parts = [f.result() for f in staged.futures]
@@ -295,6 +327,22 @@ class StreamingSwitchGLU(nn.Module):
             self._write_slots(staged.loads, parts)
         dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
         return waited, dropped
+
+    def _drop_pending(self) -> None:
+        """Cancel the pending staged set's reads and forget its slots (never written)."""
+        staged, self._io.pending = self._io.pending, None
+        if staged is None:
+            return
+        for f in staged.futures:
+            f.cancel()
+        for f in staged.futures:
+            if not f.cancelled():
+                try:
+                    f.result()
+                except Exception:
+                    pass
+        for e, _ in staged.loads:
+            self._io.slots.forget(e)
 
 
 class StagedSet(SimpleNamespace):

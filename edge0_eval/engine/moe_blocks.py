@@ -1,14 +1,13 @@
 """Each family's streaming MoE block: mlx-lm's MoE block with `switch_mlp` replaced by a
 `StreamingSwitchGLU` (engine/moe.py), its child modules kept under their original names
 (`gate`, `shared_expert(s)`, ...) so weights, LoRA keys and published adapters address the same
-paths. Routing is the family's rule (engine/routing.py); a prerouted step's plan replaces the
-router's choice of experts, never its weights.
+paths. True routing is mlx-lm's own, bit for bit; a `Route` (set by the step, engine/step.py)
+replaces the router's choice of experts, never its weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,123 +17,87 @@ from edge0_eval.engine.moe import StreamingSwitchGLU
 
 
 @dataclass
-class BlockTrace:
-    """What a streaming block is told to route and what it executed.
+class Route:
+    """What a block executes instead of its router's choice, for one call."""
 
-    Written only through the block's methods below (`set_plan`, `set_planner`, `set_capture`,
-    `set_measure_recall`) and read through `captured` and `recalls`; the engine's prerouted
-    decode and training's served path steer the block that way instead of reaching into it.
-    """
-
-    layer: int
-    plan: tuple | None = None          # (inds, None): execute exactly these, router weights
-    planner: Callable | None = None    # (block, x) -> (inds, weights): decided at call time
-    capture: bool = False              # keep the last call's MoE input and executed ids
-    last_input: mx.array | None = None
-    last_inds: mx.array | None = None
-    measure_recall: bool = False
-    recall: list = field(default_factory=list)
+    inds: mx.array                  # [B, L, K] experts, weighted by the layer's own router
+    mask: mx.array | None = None    # [B, L]: where False, the router's own choice instead
+    pinned: bool = False            # every expert of `inds` is in the slots: no host sync
 
 
-class _StreamingBlock(nn.Module):
-    """Common plumbing: the engine may set a routing plan and reads back what executed."""
+class StreamingMoE(nn.Module):
+    """Common plumbing. `route` (None: the true router) is set by whoever runs the layer;
+    with `capture` on, `last` holds the last call's (MoE input [B, L, H], executed ids)."""
 
-    def _init_trace(self, layer: int, top_k: int):
+    selection_order = "first"
+
+    def _init_streaming(self, switch: StreamingSwitchGLU, top_k: int) -> None:
+        self.switch_mlp = switch
         self.top_k = top_k
-        self._trace = BlockTrace(layer)
+        self.num_experts = switch.num_experts
+        self.route: Route | None = None
+        self.capture = False
+        self.last: tuple[mx.array, mx.array] | None = None
+        self.recall: list[mx.array] | None = None   # a list: keep each plan's recall (lazy)
 
-    def set_plan(self, inds: mx.array | None) -> None:
-        """Execute exactly `inds` [B, L, K], weighted by the router's own weights at them."""
-        self._trace.plan = None if inds is None else (inds, None)
-
-    def set_planner(self, planner: Callable | None) -> None:
-        """Route every call by `planner(block, x) -> (inds, weights)` (None: back to normal)."""
-        self._trace.planner = planner
-
-    def set_capture(self, on: bool) -> None:
-        """Keep each call's MoE input and executed ids for `captured`; clears what was kept."""
-        self._trace.capture = on
-        self._trace.last_input = self._trace.last_inds = None
-
-    @property
-    def capturing(self) -> bool:
-        return self._trace.capture
-
-    def captured(self) -> tuple[mx.array | None, mx.array | None]:
-        """(MoE input [B, L, H], executed ids [B, L, K]) of the last call while capturing."""
-        return self._trace.last_input, self._trace.last_inds
-
-    def set_measure_recall(self, on: bool) -> None:
-        """While a plan is set, also run the true router and keep the plan's recall."""
-        self._trace.measure_recall = on
-
-    def recalls(self) -> list[mx.array]:
-        """Online recall of each planned call while measuring (lazy scalars)."""
-        return list(self._trace.recall)
-
-    def _current_plan(self, x: mx.array) -> tuple | None:
-        if self._trace.planner is not None:
-            return self._trace.planner(self, x)
-        return self._trace.plan
-
-    def true_inds(self, x: mx.array) -> mx.array:
-        raise NotImplementedError
-
-    def _record_recall(self, x: mx.array, planned: mx.array) -> None:
-        """Online recall of a plan: |planned ∩ true top-k| / k, kept lazy (no sync here)."""
-        true = self.true_inds(x)
-        hit = (planned[..., :, None] == true[..., None, :]).any(axis=-1)
-        self._trace.recall.append(hit.astype(mx.float32).mean())
-
-    def _routed(self, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
-        if self._trace.plan is not None and self._trace.measure_recall:
-            self._record_recall(x, inds)
-        if self._trace.capture:
-            self._trace.last_input, self._trace.last_inds = x, inds
-        y = self.switch_mlp(x, inds)
-        return (y * scores[..., None]).sum(axis=-2)
+    def __call__(self, x: mx.array) -> mx.array:
+        route = self.route
+        if route is None:
+            inds, weights = self.select(x)
+        else:
+            inds = route.inds
+            if route.mask is not None:
+                inds = mx.where(route.mask[..., None], inds, self.select(x)[0])
+            weights = self.weights(x, inds)
+            if self.recall is not None:     # |planned ∩ true top-k| / k
+                hit = (inds[..., :, None] == self.select(x)[0][..., None, :]).any(axis=-1)
+                self.recall.append(hit.astype(mx.float32).mean())
+        if self.capture:
+            self.last = (x, inds)
+        y = self.switch_mlp(x, inds, pinned=route is not None and route.pinned)
+        y = (y * weights[..., None]).sum(axis=-2)
+        shared = self.shared(x)
+        return y if shared is None else y + shared
 
 
-class QwenStreamingMoE(_StreamingBlock):
-    """qwen3_next / qwen3_5_moe block: softmax top-k, normalised, shared expert with sigmoid gate."""
+class QwenStreamingMoE(StreamingMoE):
+    """qwen3_5_moe block: softmax top-k, normalised, a shared expert with a sigmoid gate."""
 
-    def __init__(self, block, switch: StreamingSwitchGLU, layer: int, top_k: int):
+    selection_order = "last"     # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
+
+    def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
         super().__init__()
         self.gate = block.gate
         self.shared_expert = block.shared_expert
         self.shared_expert_gate = block.shared_expert_gate
-        # qwen2_moe blocks have no such flag: they never normalise.
-        self.norm_topk_prob = getattr(block, "norm_topk_prob", False)
-        self.num_experts = block.num_experts
-        self.switch_mlp = switch
-        self._init_trace(layer, top_k)
+        self.norm_topk_prob = self.normalizes(block)
+        self._init_streaming(switch, top_k)
 
-    def router_probs(self, x: mx.array) -> mx.array:
+    @staticmethod
+    def normalizes(block) -> bool:
+        return bool(block.norm_topk_prob)
+
+    @property
+    def router(self) -> nn.Module:
+        return self.gate
+
+    @property
+    def rule(self) -> routing.RoutingRule:
+        return routing.RoutingRule(score="softmax", norm_topk_prob=self.norm_topk_prob)
+
+    def _probs(self, x: mx.array) -> mx.array:
         return mx.softmax(self.gate(x), axis=-1, precise=True)
 
-    def true_inds(self, x: mx.array) -> mx.array:
-        return self.select(self.router_probs(x), self.top_k)[0]
+    def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        probs = self._probs(x)
+        inds = routing.top_k(probs, self.top_k, self.selection_order)
+        return inds, routing.combine(probs, inds, normalize=self.norm_topk_prob)
 
-    selection_order = "last"     # mlx-lm qwen3_next / qwen3_5_moe
+    def weights(self, x: mx.array, inds: mx.array) -> mx.array:
+        return routing.combine(self._probs(x), inds, normalize=self.norm_topk_prob)
 
-    def select(self, probs: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        inds = routing.top_k(probs, k, self.selection_order)
-        return inds, self.combine(probs, inds)
-
-    def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
-        return routing.combine(probs, inds, normalize=self.norm_topk_prob)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        plan = self._current_plan(x)
-        if plan is None:
-            inds, scores = self.select(self.router_probs(x), self.top_k)
-        else:
-            inds, scores = plan
-            if scores is None:
-                scores = self.combine(self.router_probs(x), inds)
-        y = self._routed(x, inds, scores)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y + shared
+    def shared(self, x: mx.array) -> mx.array:
+        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class Qwen2StreamingMoE(QwenStreamingMoE):
@@ -146,41 +109,44 @@ class Qwen2StreamingMoE(QwenStreamingMoE):
 
     selection_order = "first"
 
+    @staticmethod
+    def normalizes(block) -> bool:
+        return False          # mlx-lm's qwen2_moe block has no norm_topk_prob: it never does
 
-class BailingStreamingMoE(_StreamingBlock):
+
+class BailingStreamingMoE(StreamingMoE):
     """bailing_hybrid block: sigmoid + expert bias, group-limited top-k, routed scaling."""
 
-    def __init__(self, block, switch: StreamingSwitchGLU, layer: int, top_k: int):
+    def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
         super().__init__()
         self.gate = block.gate            # mlx-lm's Gate: its own selection rule, reused as is
         self.shared_experts = block.shared_experts
-        self.switch_mlp = switch
-        self.num_experts = switch._io.num_experts
-        self._init_trace(layer, top_k)
+        self._init_streaming(switch, top_k)
         self.gate.top_k = top_k           # instance attribute: serves K != native top-k
 
-    def router_probs(self, x: mx.array) -> mx.array:
-        return mx.sigmoid(self.gate.gate_proj(x).astype(mx.float32))
+    @property
+    def router(self) -> nn.Module:
+        return self.gate.gate_proj
 
-    def true_inds(self, x: mx.array) -> mx.array:
-        return self.gate(x)[0]
+    @property
+    def rule(self) -> routing.RoutingRule:
+        gate = self.gate
+        return routing.RoutingRule(
+            score=gate.score_function, norm_topk_prob=bool(gate.norm_topk_prob),
+            expert_bias=gate.expert_bias, n_group=int(gate.n_group),
+            topk_group=int(gate.topk_group),
+            routed_scaling_factor=float(gate.routed_scaling_factor))
 
-    def combine(self, probs: mx.array, inds: mx.array) -> mx.array:
+    def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.gate(x)
+
+    def weights(self, x: mx.array, inds: mx.array) -> mx.array:
         # mlx-lm's Gate: normalised only for k > 1, then scaled.
+        probs = mx.sigmoid(self.gate.gate_proj(x).astype(mx.float32))
         return routing.combine(probs, inds,
                                normalize=inds.shape[-1] > 1 and self.gate.norm_topk_prob,
-                               eps=routing.NORM_EPS, scaling=self.gate.routed_scaling_factor)
+                               eps=routing.NORM_EPS,
+                               scaling=self.gate.routed_scaling_factor).astype(x.dtype)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        plan = self._current_plan(x)
-        if plan is None:
-            inds, scores = self.gate(x)
-        else:
-            inds, scores = plan
-            if scores is None:
-                scores = self.combine(self.router_probs(x), inds)
-            scores = scores.astype(x.dtype)
-        out = self._routed(x, inds, scores)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+    def shared(self, x: mx.array) -> mx.array | None:
+        return None if self.shared_experts is None else self.shared_experts(x)

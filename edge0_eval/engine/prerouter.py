@@ -1,37 +1,18 @@
-"""Prerouter heads: owner layer N predicts layer N+1's routing for the *next* token.
+"""Prerouter heads: owner layer N predicts its consumer's routing for the *next* token.
 
-Features for owner N at token t (dimension hidden + 2E):
-    concat[ h_N(t)            layer N's MoE input (the post-attention norm output),
-            onehot(top-k executed at layer N, token t),
-            onehot(top-k executed at layer N, token t-1) ]
-Head:  logits = fc2(gelu_erf(fc1(x))) + linear(x)   (no biases, as in the published layout)
+Features of owner N at token t (hidden + 2E): layer N's MoE input h_N(t), the one-hot of its
+executed top-k at t, and at t-1. Next-token heads (`next_token`, heads-file metadata
+features="next_token") append the input embedding of token t+1 (2 x hidden + 2E): it predicts
+most, but their plan waits for the sampled token (prerouted.py). Head: logits =
+fc2(gelu_erf(fc1(x))) + linear(x), no biases (the published layout; files: heads_file.py).
+All heads run in one batched computation: fc1 [O, width, in], fc2 [O, E, width], linear
+[O, E, in], feats [O, B, in] -> logits [O, B, E].
 
-Next-token heads (`next_token=True`, heads-file metadata features="next_token") also see
-            emb(t+1)                  the input embedding of the token just sampled
-appended last (dimension 2 x hidden + 2E). The next layer's routing of token t+1 depends most on
-which token t+1 is, and once it is sampled the embedding costs one row lookup; the price is that
-their plan waits for the sampled token, so the LM head no longer overlaps the staged reads
-(prerouted.py). Published head files have no such key: context features.
-
-Wrap-around head: the owner may be the LAST MoE layer, predicting the FIRST MoE layer of the
-next token (qwen3_5_moe / qwen2_moe: layer 0; bailing_hybrid: layer 1, its layer 0 is dense).
-With it every MoE layer's reads can start a whole step early. A head's consumer is owner + 1,
-except the wrap head's (`default_consumers`); files record the list as metadata "consumers"
-(a file without it is read as owner + 1 for every head, as before).
-
-`linear` is warm-started from the consuming layer's router weight (zero-padded over the 2E one-hot
-columns) and `fc2` starts at zero, so an untrained head *is* the "next router on the current
-hidden state" baseline.
-
-All heads are evaluated together, once per step: the weights are stacked
-    fc1 [O, width, in], fc2 [O, E, width], linear [O, E, in]
-and `PrerouterHeads(feats [O, B, in]) -> logits [O, B, E]` is three batched matmuls.
-
-Heads files (save, read, validate): `heads_file.py`.
-
-Expert selection from head logits follows the consuming layer's family rule (`select_experts`,
-a `routing.RoutingRule`): qwen softmax top-k (normalised, but not in qwen2_moe); bailing sigmoid +
-expert bias, group-limited top-k, normalised x routed_scaling_factor, exactly like mlx-lm's `Gate`.
+A head's consumer is owner + 1, except the wrap-around head's: the last MoE layer predicts the
+first MoE layer of the next token (`default_consumers`), so every MoE layer's reads can start a
+step early. Warm start: `linear` = the consumer's router (zero over the one-hot columns), fc2 = 0,
+so an untrained head is the "next router on the current hidden state" baseline. Selection from
+head logits is the consumer's family rule (its block's `rule`, routing.py).
 """
 
 from __future__ import annotations
@@ -43,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.engine.routing import RoutingRule, stack_rules
+from edge0_eval.engine.routing import RoutingRule  # noqa: F401 (training imports it here)
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -51,7 +32,6 @@ from edge0_eval.engine.routing import RoutingRule, stack_rules
 @dataclass
 class PrerouterConfig:
     owners: list[int]          # owner layers N, ascending
-    start_layer: int           # first consuming layer (= min(consumers))
     width: int                 # fc1 width
     top_k: int                 # the serving K the heads were trained for
     hidden: int
@@ -65,6 +45,11 @@ class PrerouterConfig:
         self.consumers = [int(c) for c in self.consumers]
         if len(self.consumers) != len(self.owners):
             raise ValueError(f"consumers {self.consumers} do not pair with owners {self.owners}")
+
+    @property
+    def start_layer(self) -> int:
+        """The first consuming layer."""
+        return min(self.consumers)
 
     @property
     def context_dim(self) -> int:
@@ -148,29 +133,20 @@ def pair_problems(owners: list[int], consumers: list[int], moe_layers: list[int]
 
 def check_owners(owners: list[int], moe_layers: list[int],
                  consumers: list[int] | None = None) -> list[int]:
-    """Owners must be distinct MoE layers whose next layer is also a MoE layer (`consumers`
-    None), or pair validly with `consumers` (parallel to `owners`; the wrap-around head is
-    owner = last MoE layer, consumer = first MoE layer). Sorted copy of the owners."""
-    moe = set(moe_layers)
+    """Owners must be distinct and pair validly with their consumers (parallel to `owners`;
+    default `default_consumers`). A sorted copy of the owners."""
     raw = [int(n) for n in owners]
-    owners = sorted(raw)
-    if not owners:
+    if not raw:
         raise ConfigError("no prerouter owners: the model has no MoE layer followed by another "
                           "(check --owners / --start-layer)")
-    if len(set(owners)) != len(owners):
-        raise ConfigError(f"owners {owners} has duplicates")
-    if consumers is None:
-        bad = [n for n in owners if n not in moe or n + 1 not in moe]
-        if bad:
-            raise ConfigError(f"owner layer(s) {bad} cannot own a head: an owner N and the layer "
-                              f"it predicts (N+1) must both be MoE layers (MoE layers: "
-                              f"{moe_layers})")
-        return owners
+    if len(set(raw)) != len(raw):
+        raise ConfigError(f"owners {sorted(raw)} has duplicates")
+    consumers = default_consumers(raw, moe_layers) if consumers is None else consumers
     problems = pair_problems(raw, [int(c) for c in consumers], moe_layers)
     if problems:
         raise ConfigError(f"prerouter heads cannot serve this model: {'; '.join(problems)} "
                           f"(MoE layers: {moe_layers})")
-    return owners
+    return sorted(raw)
 
 
 # -- heads --------------------------------------------------------------------------------------
@@ -215,8 +191,7 @@ class PrerouterHeads(nn.Module):
         owners = sorted(owners)
         idx = mx.array([have[n] for n in owners])
         consumers = [self.config.consumer_of[n] for n in owners]
-        cfg = replace(self.config, owners=owners, start_layer=min(consumers),
-                      consumers=consumers)
+        cfg = replace(self.config, owners=owners, consumers=consumers)
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
 
     def astype(self, dtype) -> "PrerouterHeads":
@@ -255,57 +230,11 @@ def append_next_embedding(feats: mx.array, next_embedding: mx.array) -> mx.array
     return mx.concatenate([feats, emb], axis=-1)
 
 
-def trace_features(engine, owners: list[int], onehot_prev: mx.array | None = None,
-                   position: int = -1) -> tuple[mx.array, mx.array]:
-    """Features for all `owners` from the engine's last forward (MoE traces must be captured).
-
-    Uses token `position` of the last chunk. Returns (feats [O, B, in], onehot_t [O, B, E]);
-    pass onehot_t back as `onehot_prev` on the next step (None = zeros, the first token).
-    """
-    hs, ohs = [], []
-    num_experts = None
-    for n in owners:
-        last_input, last_inds = engine.blocks[n].captured()
-        if last_input is None or last_inds is None:
-            raise ConfigError(f"layer {n} has no captured trace; call set_capture(True) on the "
-                              f"owner blocks before the forward")
-        num_experts = engine.blocks[n].num_experts
-        hs.append(last_input[:, position])
-        ohs.append(onehot(last_inds[:, position], num_experts, hs[-1].dtype))
-    h, oh_t = mx.stack(hs), mx.stack(ohs)
-    if onehot_prev is None:
-        onehot_prev = mx.zeros_like(oh_t)
-    return build_features(h, oh_t, onehot_prev), oh_t
-
-
-# -- routing rules ------------------------------------------------------------------------------
-
-def consumer_rule(engine, consumers: list[int]) -> RoutingRule:
-    """The stacked selection rule of the consuming layers for logits [O, B, E]: build it
-    once, then each step `inds, weights = rule.select(heads(feats), k)` is one computation."""
-    return stack_rules([RoutingRule.from_block(engine.blocks[c]) for c in consumers])
-
-
-def select_experts(block, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """Experts and combination weights for router-space `logits` under `block`'s family rule.
-
-    qwen: softmax, top-k, normalised (qwen2_moe: not normalised). bailing: sigmoid (or the
-    Gate's score function), plus the consuming layer's expert_bias for the choice only,
-    group-limited top-k like mlx-lm's Gate, weights from the unbiased scores, normalised and
-    x routed_scaling_factor.
-    """
-    return RoutingRule.from_block(block).select(logits, k)
-
-
-def router_logits(block, x: mx.array) -> mx.array:
-    """The block's router logits for input x (qwen: gate(x); bailing: gate.gate_proj(x))."""
-    gate = block.gate
-    return gate.gate_proj(x) if hasattr(gate, "gate_proj") else gate(x)
-
+# -- warm start from the routers ----------------------------------------------------------------
 
 def router_weight(block) -> tuple[mx.array, mx.array | None]:
     """The router's weight [E, H] as float32 (8-bit routers dequantized) and bias [E] or None."""
-    linear = block.gate.gate_proj if hasattr(block.gate, "gate_proj") else block.gate
+    linear = block.router
     if isinstance(linear, nn.QuantizedLinear):
         weight = mx.dequantize(linear.weight, linear.scales, linear.get("biases"),
                                group_size=linear.group_size, bits=linear.bits,
@@ -367,15 +296,11 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
     the embedding columns are s / RMS(embedding) x the consumer's router with its rows shuffled
     (heads_from_router_weights), so at s = 1 the token weighs about as much as the normalised
     hidden state."""
-    moe = engine.moe_layers
-    owners = sorted(int(n) for n in owners)
-    consumers = default_consumers(owners, moe)
-    owners = check_owners(owners, moe, consumers)
-    hidden = int(engine.family.hidden_size(engine.config))
-    num_experts = int(engine.index.num_experts)
-    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=int(width),
-                             top_k=int(top_k or engine.top_k), hidden=hidden,
-                             num_experts=num_experts, consumers=consumers,
+    owners = check_owners(owners, engine.moe_layers)
+    consumers = default_consumers(owners, engine.moe_layers)
+    config = PrerouterConfig(owners=owners, width=int(width), top_k=int(top_k or engine.top_k),
+                             hidden=int(engine.family.hidden_size(engine.config)),
+                             num_experts=int(engine.index.num_experts), consumers=consumers,
                              next_token=bool(next_token))
     pairs = [router_weight(engine.blocks[c]) for c in consumers]
     if embedding_scale:

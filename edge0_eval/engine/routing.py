@@ -1,8 +1,9 @@
 """Expert selection: the only code that turns router scores into (expert ids, weights).
 
-The streaming blocks (moe.py) route with their family's rule through `top_k` / `combine`;
-the prerouter heads' logits go through a `RoutingRule`, the same rule detached from the module
-so that it can be stacked over consumer layers and applied to all heads in one computation.
+The streaming blocks (moe_blocks.py) route with their family's rule through `top_k` / `combine`;
+the prerouter heads' logits go through a `RoutingRule` (each block's `rule`), the same rule
+detached from the module so that it can be stacked over consumer layers and applied to all heads
+in one computation.
 
 The order of the k selected ids is the order of the weighted sum, so each caller keeps the order
 mlx-lm's block uses ("last": qwen3's argpartition(probs)[-k:]; "first": argpartition(-sel)[:k]),
@@ -60,17 +61,6 @@ class RoutingRule:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-
-    @classmethod
-    def from_block(cls, block) -> "RoutingRule":
-        gate = block.gate
-        if hasattr(gate, "gate_proj"):      # bailing: mlx-lm Gate
-            return cls(score=getattr(gate, "score_function", "sigmoid"),
-                       norm_topk_prob=bool(gate.norm_topk_prob),
-                       expert_bias=gate.expert_bias, n_group=int(gate.n_group),
-                       topk_group=int(gate.topk_group),
-                       routed_scaling_factor=float(gate.routed_scaling_factor))
-        return cls(score="softmax", norm_topk_prob=bool(getattr(block, "norm_topk_prob", True)))
 
     def to_json(self) -> dict:
         return {"score": self.score, "norm_topk_prob": self.norm_topk_prob,

@@ -7,7 +7,7 @@ the teacher's top-k log-probabilities plus the remaining mass. It is one version
 prompts' source, so the teacher can run on one machine and the students on another.
 
 An arm is scored by forcing the teacher's tokens through exactly the path it serves: for the
-Edge0 engine `reset`, `prefill(prompt)`, then `step(token)` per teacher token (int4 slot pool,
+Edge0 engine `sequence()`, `prefill(prompt)`, then `step(token)` per teacher token (int4 slot pool,
 prerouted routing with the heads one token ahead, LoRA), as `Engine.generate` does; for an mlx-lm
 model, mlx-lm's own prefill-then-step scheme over a prompt cache. At each position the arm's
 log-probs at the teacher's top-k ids and its argmax give, per item:
@@ -60,18 +60,18 @@ def _logprobs(logits: mx.array) -> np.ndarray:
 
 
 class EngineRunner:
-    """The Edge0 engine's decode path: reset, prefill, then one `step` per token."""
+    """The Edge0 engine's decode path: a new sequence, its prefill, then one step per token."""
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine, self.sequence = engine, None
         self.module = engine.model      # what wired_limit wires: resident weights + slot pool
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:
-        self.engine.reset()
-        return _logprobs(self.engine.prefill(list(prompt_ids)))
+        self.sequence = self.engine.sequence()
+        return _logprobs(self.sequence.prefill(list(prompt_ids)))
 
     def advance(self, token: int) -> np.ndarray:
-        return _logprobs(self.engine.step(int(token)))
+        return _logprobs(self.sequence.step(int(token)))
 
 
 class MLXRunner:

@@ -80,32 +80,33 @@ def load_float32(model_dir, served: EngineOptions) -> Engine:
     return engine
 
 
-def run_documents(engine: Engine, docs: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray],
-                                                                 float]:
+def run_documents(engine: Engine, docs: list[list[int]]
+                  ) -> tuple[list[np.ndarray], list[np.ndarray], float]:
     """Every MoE layer's input [T, M, H] and executed top-K [T, M, K] over `docs`, and the
     tokens per second of the forward passes."""
     moe = list(engine.moe_layers)
     blocks = [engine.blocks[n] for n in moe]
     for b in blocks:
-        b.set_capture(True)
+        b.capture = True
     hs, inds, tokens = [], [], 0
     chunk = max(1, engine.options.prefill_chunk)
     started = time.perf_counter()
     try:
-        for doc in docs:
-            engine.reset()
+        for d, doc in enumerate(docs):
+            cache = engine.new_cache()
             for s in range(0, len(doc), chunk):
                 piece = doc[s: s + chunk]
-                logits = engine.forward(mx.array(piece)[None])
-                h = mx.stack([b.captured()[0][0] for b in blocks], 1)
-                ind = mx.stack([b.captured()[1][0] for b in blocks], 1)
-                mx.eval(logits, h, ind)
+                engine.step(mx.array(piece)[None], cache, plan_next=False,
+                            where=f"collecting document {d}")
+                h = mx.stack([b.last[0][0] for b in blocks], 1)
+                ind = mx.stack([b.last[1][0] for b in blocks], 1)
+                mx.eval(h, ind)
                 hs.append(np.array(h.astype(mx.float32)))
                 inds.append(np.array(ind))
                 tokens += len(piece)
     finally:
         for b in blocks:
-            b.set_capture(False)
+            b.capture = False
     seconds = time.perf_counter() - started
     return hs, inds, tokens / max(seconds, 1e-9)
 

@@ -64,7 +64,6 @@ class Distill(StageImpl):
                 examples.append(fit(Example(prompt, list(result.tokens)), o.seq_len))
         finally:
             engine.options.seed = seed
-            engine.reset()
         batch = collate(examples, self.pad)
         aux = teacher_topk(teacher_log_probs(setup.teacher, batch.tokens), o.kl_topk)
         mx.eval(aux)

@@ -13,8 +13,9 @@ import numpy as np
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.prerouter import (RoutingRule, build_features, default_consumers, onehot,
-                                         router_logits, router_weight, stack_rules)
+from edge0_eval.engine.prerouter import (build_features, default_consumers, onehot,
+                                         router_weight)
+from edge0_eval.engine.routing import RoutingRule, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import check_float32, load_float32
 from edge0_eval.training.data import read_documents, tokenize_documents
@@ -158,7 +159,7 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                 table.append([name, start, len(toks)])
                 start += len(toks)
             total = start
-            rule = RoutingRule.from_block(engine.blocks[moe[-1]])
+            rule = engine.blocks[moe[-1]].rule
             routers = {}
             for c in consumers:
                 w, b = router_weight(engine.blocks[c])
@@ -166,7 +167,7 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                 if b is not None:
                     routers[f"router_bias.{c}"] = b
             for n in moe:
-                bias = RoutingRule.from_block(engine.blocks[n]).expert_bias
+                bias = engine.blocks[n].rule.expert_bias
                 if bias is not None:
                     routers[f"expert_bias.{n}"] = bias.astype(mx.float32)
             mx.save_safetensors(str(store.dir / "routers.safetensors"), routers)
@@ -213,7 +214,7 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                   f"{c['float32_tok_s']:.1f} tok/s", flush=True)
         blocks = [engine.blocks[n] for n in moe]
         for b in blocks:
-            b.set_capture(True)
+            b.capture = True
         collected, started = 0, time.perf_counter()
         chunk = max(1, engine.options.prefill_chunk)
         bar = tqdm(total=meta["tokens"], initial=sum(d[2] for d in table[:done]),
@@ -222,20 +223,20 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
             for d in range(done, len(table)):
                 _, start, length = table[d]
                 tokens = tokens_of[d]
-                engine.reset()
+                cache = engine.new_cache()
                 for s in range(0, length, chunk):
                     piece = tokens[s: s + chunk]
-                    logits = engine.forward(mx.array(piece)[None])
+                    engine.step(mx.array(piece)[None], cache, plan_next=False,
+                                where=f"collecting document {d}")
                     hs, nrs = [], []
                     for n, c in zip(meta["pairs"], store_consumers):
-                        x = engine.blocks[n].captured()[0][0]
+                        x = engine.blocks[n].last[0][0]
                         hs.append(x)
-                        nr_inds, _ = RoutingRule.from_block(engine.blocks[c]).select(
-                            router_logits(engine.blocks[c], x), top_k)
-                        nrs.append(nr_inds)
-                    ind = [b.captured()[1][0] for b in blocks]
+                        consumer = engine.blocks[c]
+                        nrs.append(consumer.rule.select(consumer.router(x), top_k)[0])
+                    ind = [b.last[1][0] for b in blocks]
                     hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
-                    mx.eval(logits, hs, nrs, ind, [c.state for c in engine.cache])
+                    mx.eval(hs, nrs, ind)
                     a, z = start + s, start + s + len(piece)
                     h[a:z] = np.clip(np.array(hs.astype(mx.float32)), -65000, 65000)
                     nr[a:z] = np.array(nrs).astype(np.int16)
@@ -252,7 +253,7 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
             write_json(store.dir / COLLECTION_FILE, record)
             bar.close()
             for b in blocks:
-                b.set_capture(False)
+                b.capture = False
     finally:
         engine.close()
 

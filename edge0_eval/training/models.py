@@ -26,7 +26,7 @@ from mlx_lm import load
 from edge0_eval.engine import lora
 from edge0_eval.engine.adapters import load_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.families import family_for
+from edge0_eval.engine.families import FAMILIES, family_for
 from edge0_eval.engine.layout import ExpertIndex
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
@@ -46,8 +46,8 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "nu
 # -- teacher and student checks --------------------------------------------------------------------
 
 def _text_config(config: dict) -> dict:
-    return config.get("text_config", config) if config.get("model_type") == "qwen3_5_moe" \
-        else config
+    family = FAMILIES.get(config.get("model_type"))
+    return config if family is None else family.text_config(config)
 
 
 def architecture(model_dir: str | Path) -> dict:
@@ -151,8 +151,7 @@ def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[i
         raise ConfigError(f"--top-k {k} exceeds the model's {facts.num_experts} experts")
     moe = facts.moe_layers
     if owners:
-        owners = sorted(int(n) for n in owners)
-        owners = check_owners(owners, moe, default_consumers(owners, moe))
+        owners = check_owners(owners, moe)
         first = min(default_consumers(owners, moe))
         if start_layer is not None and start_layer != first and \
                 not (first == moe[0] and start_layer <= first):
@@ -160,8 +159,7 @@ def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[i
                               f"{owners} -> first consuming layer {first})")
     else:
         start = start_layer if start_layer is not None else d["start_layer"]
-        owners = default_owners(start, facts.n_layers, moe)
-        owners = check_owners(owners, moe, default_consumers(owners, moe))
+        owners = check_owners(default_owners(start, facts.n_layers, moe), moe)
     return k, owners, width or d["width"]
 
 

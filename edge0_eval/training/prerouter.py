@@ -44,9 +44,9 @@ from tqdm import tqdm
 
 from edge0_eval.engine.heads_file import load_heads, save_heads
 
-from edge0_eval.engine.prerouter import (
-    PrerouterConfig, RoutingRule, default_consumers, heads_from_router_weights,
-)
+from edge0_eval.engine.prerouter import (PrerouterConfig, default_consumers,
+                                         heads_from_router_weights)
+from edge0_eval.engine.routing import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.data import split_documents, subset_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
@@ -98,7 +98,7 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
         train_fp["train_tokens"] = opts.train_tokens
     if opts.next_token:
         train_fp["next_token"] = True
-    config = PrerouterConfig(owners=owners, start_layer=min(consumers), width=width, top_k=top_k,
+    config = PrerouterConfig(owners=owners, width=width, top_k=top_k,
                              hidden=meta["hidden"], num_experts=meta["num_experts"],
                              consumers=consumers, next_token=opts.next_token)
     routers = store.routers()

@@ -55,19 +55,13 @@ class Trainer:
             read += path.load_routed(unions)
             plan = path.replay_plan(disc, rows, unions)
             tokens = mx.array(batch.tokens[rows])
-            mask = mx.array(disc.mask[rows])
 
             def objective(model):
-                logits = path.forward(tokens, mask, plan).astype(mx.float32)
+                logits = path.forward(tokens, plan).astype(mx.float32)
                 return loss_fn(logits, rows, batch, aux) / total
 
-            path.pin(True)
-            try:
-                loss, grads = nn.value_and_grad(self.model, objective)(self.model)
-                mx.eval(loss, grads)
-            finally:
-                path.clear_plans()
-                path.pin(False)
+            loss, grads = nn.value_and_grad(self.model, objective)(self.model)
+            mx.eval(loss, grads)
             loss_sum += float(loss.item())
             grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b,
                                                                  grads_sum, grads)

@@ -1,0 +1,159 @@
+"""The one step of the served model: `(tokens, cache, plans) -> (logits, next plans)`.
+
+Every caller runs the model through `DecodeStep`: the prefill pieces and decode tokens of
+`Engine.generate`, the batch decoder (B rows a step), fidelity scoring, and training's served
+path (whole sequences; its gradient pass through `forward` alone). The cache (mlx-lm's, one per
+layer) and the prerouter's per-row state (`Plans`, prerouted.py) are arguments and results;
+the engine keeps neither. One prerouted decode step, top to bottom:
+
+  1. Plans that were not made at the end of the last step are made now (`Prerouter.plan`):
+     next-token heads, which need the step's tokens; plans dropped as batch rows changed; the
+     unstaged plans of training.
+  2. Embed, then mlx-lm's own decoder layers, called with the family's arguments
+     (families.py). A consuming layer first waits for its staged reads (`Prerouter.finish`)
+     and executes exactly that set (`Route`, moe_blocks.py); each output is clipped when
+     clipping is on.
+  3. After the last layer, before the LM head: the heads plan the next step from this step's
+     features and its reads start, overlapping the LM head (`Prerouter.after_step`).
+  4. The LM head; the last position's logits are evaluated with the caches and checked
+     finite, and the step is timed.
+
+A chunk of L > 1 positions (a prompt piece, a teacher-forced sequence) with plans is planned in
+the pass: consuming layer N+1 runs position t on the owner N head's prediction from position
+t-1, made as soon as layer N has run; position 0 on the carried plan (else its true router).
+A wrap-around head's consumer runs before its owner, so such heads step one position at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+from edge0_eval.engine.moe import Counters
+from edge0_eval.engine.moe_blocks import Route
+from edge0_eval.engine.prerouted import Plans, Prerouter
+from edge0_eval.errors import ConfigError, Edge0Error
+
+# How a decoder layer is called: call(i, layer, *args, **kwargs) (training: mx.checkpoint).
+LayerCall = Callable[..., mx.array]
+
+
+class NonFiniteError(Edge0Error):
+    """The model produced NaN/Inf logits: corrupt weights or an activation overflow."""
+
+
+class DecodeStep:
+    """The served model, one step at a time: `step(tokens, cache, plans) -> (logits, plans)`."""
+
+    def __init__(self, model, family, blocks: dict, prerouter: Prerouter | None,
+                 clip: float | None, counters: Counters, name: str):
+        self.family, self.blocks, self.prerouter = family, blocks, prerouter
+        self.clip, self.counters, self.name = clip, counters, name
+        self.text = family.text(model)
+        self.embed = family.embedding(model)
+        self.layers = family.layers(model)
+        self.norm, self.head, self.tied = family.output_head(model)
+
+    def __call__(self, tokens: mx.array, cache: list, plans: Plans | None = None, *,
+                 stage: bool = True, plan_next: bool = True, planned: mx.array | None = None,
+                 samplers: list | None = None, all_logits: bool = False,
+                 where: str = "at a step", rows: list[int] | None = None
+                 ) -> tuple[mx.array, Plans | None]:
+        """Logits of `tokens` [B, L] continuing `cache` (updated in place): [B, vocab] of the
+        last position (all_logits: [B, L, vocab]), evaluated and finite; and the next step's
+        plans (None without heads or `plan_next`).
+
+        plans: None routes every layer truly (a prompt); Plans() starts prerouted routing.
+        stage: plans made here start reading into the slot pool (else only ids: training,
+        whose pool loads what it routes). planned [B, L]: where False, layers route truly
+        (training's prompt positions). samplers: the rows' samplers, for a draft hedge.
+        where / rows: name the step and the rows (prompt numbers) in a NonFiniteError.
+        """
+        started = time.perf_counter()
+        pr = self.prerouter
+        if plans is not None and plans.feats is not None and not plans.layers:
+            plans = pr.plan(plans, tokens[:, 0], stage=stage)
+        if stage and plans is not None and plans.layers:
+            self.counters.prerouted_steps += 1
+        h, events = self.forward(tokens, cache, plans, planned=planned)
+        following = pr.after_step(plans, h, samplers, stage=stage) \
+            if pr is not None and plan_next else None
+        logits = self.logits(h if all_logits else h[:, -1:])
+        built = time.perf_counter()
+        last = logits[:, -1]
+        finite = mx.isfinite(last).all(axis=-1)
+        mx.eval(last, finite, events, [c.state for c in cache if c is not None])
+        if events is not None:
+            self.counters.guard_events += events.item()
+        if not finite.all().item():
+            self.counters.nonfinite_events += 1
+            bad = "" if rows is None else \
+                f" (prompt(s) {[r for r, ok in zip(rows, finite.tolist()) if not ok]})"
+            raise NonFiniteError(
+                f"{self.name}: non-finite logits {where}{bad}; a resident weight, expert or "
+                f"adapter holds NaN/Inf, or an activation overflowed (try --verify-crc, "
+                f"--compute-dtype float32, or re-run convert)")
+        self.counters.steps += 1
+        self.counters.build_seconds += built - started
+        self.counters.eval_seconds += time.perf_counter() - built
+        return (logits if all_logits else last), following
+
+    def forward(self, tokens: mx.array, cache: list, plans: Plans | None = None, *,
+                planned: mx.array | None = None, replay: dict[int, mx.array] | None = None,
+                call: LayerCall | None = None) -> tuple[mx.array, mx.array | None]:
+        """The layer loop, lazily: the last layer's output [B, L, H], and how many values the
+        clipping changed (None: off). `replay` (layer -> ids [B, L, K], in the slots) fixes
+        every MoE layer's experts: training's gradient pass, with `call` checkpointing."""
+        pr = self.prerouter if plans is not None else None
+        length = tokens.shape[1]
+        if pr is not None and length > 1 and pr.wrap is not None:
+            raise ConfigError("a wrap-around prerouter head plans one position at a time: "
+                              "step the tokens one by one")
+        h = self.embed(tokens)
+        layer_args = self.family.layer_args(self.text, h, cache)
+        events, ahead = None, {}
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            block = self.blocks.get(i)
+            if block is not None:
+                block.route = Route(replay[i], pinned=True) if replay is not None else \
+                    None if pr is None else \
+                    self._planned_route(i, h, plans, ahead.pop(i, None), planned)
+            args, kwargs = layer_args(layer, h, c)
+            h = layer(*args, **kwargs) if call is None else call(i, layer, *args, **kwargs)
+            if block is not None:
+                block.route = None
+            if self.clip:
+                bad = mx.logical_or(mx.isnan(h), mx.abs(h) > self.clip).sum()
+                events = bad if events is None else events + bad
+                h = mx.clip(mx.nan_to_num(h, nan=0.0), -self.clip, self.clip)
+            if pr is not None and length > 1 and i in pr.ahead:
+                ahead[i + 1] = pr.predict(i, tokens, plans)
+        return h, events
+
+    def _planned_route(self, layer: int, h: mx.array, plans: Plans, ahead: mx.array | None,
+                       planned: mx.array | None) -> Route | None:
+        """Layer `layer`'s route: its plan at position 0 (waiting for its staged reads first),
+        `ahead` (predicted in this pass) at positions 1.., the router where neither is."""
+        plan = plans.layers.get(layer)
+        if plan is None and ahead is None:
+            return None
+        if plan is not None:
+            inds, staged = plan
+            if staged is not None:
+                if layer > 0:
+                    mx.async_eval(h)   # earlier layers compute while its reads finish
+                self.prerouter.finish(layer, staged)
+            if ahead is None:     # pinned: the staged set is the whole route, nothing to read
+                return Route(inds, mask=planned, pinned=staged is not None and planned is None)
+        first = ahead[:, :1] if plan is None else inds
+        inds = mx.concatenate([first, ahead[:, :-1]], axis=1)
+        if plan is None:     # position 0 has no prediction: its router
+            later = mx.arange(inds.shape[1])[None] > 0
+            planned = later if planned is None else mx.logical_and(planned, later)
+        return Route(inds, mask=planned)
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self.norm(h)
+        return self.head.as_linear(out) if self.tied else self.head(out)
