@@ -19,14 +19,16 @@ from bad_inputs import (copy_model, edit_header, edit_json, expect_clear_error, 
                         mutate_index, outcome, read_header, write_header, write_mutated)
 from edge0_eval.cli import main
 from edge0_eval.engine.adapters import load_adapter
-from edge0_eval.engine.checks import check_model_dir, load_tokenizer_checked, read_config
+from edge0_eval.engine.families import check_model_dir, family_for
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.lora import default_targets, find_targets, linear_dims
 from edge0_eval.engine.heads_file import load_heads, save_heads
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
+from edge0_eval.formats.config import read_config
+from edge0_eval.formats.model_dir import load_tokenizer_checked
 from edge0_eval.evaluation.gate import load_report
 
 FUZZ_SEED = 16
@@ -183,7 +185,7 @@ def test_config_refused(case, edge0_qwen, tmp_path):
         elif case == "nan":
             text["rms_norm_eps"] = float("nan")
         path.write_text(json.dumps(cfg))
-    expect_clear_error(lambda: read_config(path), "config.json")
+    expect_clear_error(lambda: read_config(path, family_for), "config.json")
     expect_clear_error(lambda: Engine.load(model), "config.json")
 
 
@@ -651,7 +653,7 @@ def _fuzz_headers(rng, path: Path, load, n: int, names) -> list:
 
 
 def test_fuzz_resident_header(edge0_qwen, tmp_path):
-    from edge0_eval.engine.checks import check_resident
+    from edge0_eval.formats.model_dir import check_resident
 
     rng = random.Random(FUZZ_SEED + 1)
     model = copy_model(edge0_qwen, tmp_path / "m")
@@ -683,7 +685,7 @@ def test_fuzz_oracle_sees_an_injected_fault(edge0_qwen, tmp_path, monkeypatch):
     """With the index's consistency checks disabled, the same fuzz finds accepted corruptions
     or tracebacks: the suite can fail."""
     monkeypatch.setattr(ExpertIndex, "validate", lambda self, directory=None: None)
-    monkeypatch.setattr("edge0_eval.engine.checks.check_index_model", lambda *a, **k: None)
+    monkeypatch.setattr("edge0_eval.formats.model_dir.check_index_model", lambda *a, **k: None)
     model = copy_model(edge0_qwen, tmp_path / "m")
     kinds = [kind for _, kind, _ in _fuzz_index(model, random.Random(FUZZ_SEED), 40)]
     assert set(kinds) - {"error"}, kinds

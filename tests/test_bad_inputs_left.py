@@ -7,10 +7,11 @@ import pytest
 from bad_inputs import copy_model, edit_json, expect_clear_error
 from edge0_eval import generate as generate_verb
 from edge0_eval.cli import main
-from edge0_eval.engine.checks import read_config
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
+from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.families import family_for
+from edge0_eval.formats.config import read_config
 
 
 def _text(config: dict) -> dict:
@@ -27,7 +28,7 @@ def _text(config: dict) -> dict:
 def test_routing_width_in_config_refused(edge0_qwen, tmp_path, change, message):
     model = copy_model(edge0_qwen, tmp_path / "m")
     edit_json(model / "config.json", change)
-    error = expect_clear_error(lambda: read_config(model / "config.json"), "config.json")
+    error = expect_clear_error(lambda: read_config(model / "config.json", family_for), "config.json")
     assert message in error
     expect_clear_error(lambda: Engine.load(model), "config.json")
 

@@ -307,7 +307,7 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
     queued reads of its misses are cancelled and their slots freed, a slot the routed set
     needs is taken back, and afterwards every resident expert's slot holds its own bundle
     (no slot is written twice, nothing unwritten is trusted)."""
-    from edge0_eval.engine.layout import unpack_bundle
+    from edge0_eval.formats.layout import unpack_bundle
 
     index_stride = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     stride = index_stride.index.bundle_stride

@@ -171,7 +171,7 @@ def baseline(teacher_set, student_dir):
 
 def _rewrite_bundles(directory, edit):
     """edit(index, experts uint8 memmap) in place, then the index's crc32 recomputed."""
-    from edge0_eval.engine.layout import EXPERTS_NAME, ExpertIndex
+    from edge0_eval.formats.layout import EXPERTS_NAME, ExpertIndex
 
     index = ExpertIndex.load(directory)
     data = np.memmap(directory / EXPERTS_NAME, dtype=np.uint8, mode="r+")

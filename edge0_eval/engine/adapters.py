@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
-from edge0_eval.engine.json_files import read_json_file
+from edge0_eval.formats.safetensors import read_safetensors_header, write_safetensors
+from edge0_eval.formats.json_files import read_json_file
 from edge0_eval.engine.lora import (LoRALinear, get_module, linear_dims, lora_modules,
                                     natural_key, refusal, remove_lora, set_module)
 from edge0_eval.errors import CheckpointError, ConfigError

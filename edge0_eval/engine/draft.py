@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
+from edge0_eval.formats.safetensors import read_safetensors_header, write_safetensors
 from edge0_eval.engine.lora import LoRALinear
 from edge0_eval.errors import CheckpointError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
+from edge0_eval.formats.safetensors import read_safetensors_header, write_safetensors
 from edge0_eval.engine.prerouter import PrerouterConfig, PrerouterHeads, pair_problems
 from edge0_eval.errors import CheckpointError
 
