@@ -12,7 +12,7 @@ import pytest
 from mlx_lm import load
 
 from bad_inputs import copy_model
-from edge0_eval.engine.adapters import load_adapter
+from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError

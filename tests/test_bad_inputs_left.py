@@ -89,7 +89,7 @@ def bare_engine(edge0_qwen):
                          ids=["peft", "mlx-lm"])
 def test_lora_alpha_from_adapter_config(bare_engine, tmp_path, config):
     import json
-    from edge0_eval.engine.adapters import load_adapter
+    from edge0_eval.engine.lora import load_adapter
 
     path = _lora_without_alpha(bare_engine, tmp_path / "lora.safetensors")
     expect_clear_error(lambda: load_adapter(bare_engine.model, path), "adapter_config.json")
@@ -99,7 +99,7 @@ def test_lora_alpha_from_adapter_config(bare_engine, tmp_path, config):
 
 
 def test_bad_adapter_config_alpha_refused(bare_engine, tmp_path):
-    from edge0_eval.engine.adapters import load_adapter
+    from edge0_eval.engine.lora import load_adapter
 
     path = _lora_without_alpha(bare_engine, tmp_path / "lora.safetensors")
     (tmp_path / "adapter_config.json").write_text('{"lora_alpha": "32"}')

@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from edge0_eval.engine import lora
-from edge0_eval.engine.adapters import load_adapter
+from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.families import FAMILIES, family_for
 from edge0_eval.formats.layout import ExpertIndex
