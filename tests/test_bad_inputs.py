@@ -22,8 +22,8 @@ from edge0_eval.engine.families import check_model_dir, family_for
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.lora import default_targets, find_targets, linear_dims, load_adapter
-from edge0_eval.engine.heads_file import load_heads, save_heads
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.engine.prerouter import (default_owners, init_heads_from_routers, load_heads,
+                                         save_heads)
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.config import read_config
