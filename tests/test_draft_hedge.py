@@ -14,11 +14,12 @@ import pytest
 
 from decode_parity import assert_batch_rows_equal_solo
 
-from edge0_eval.engine.draft import DraftHead, load_draft_vocab, row_slice, save_draft_vocab
+from edge0_eval.engine.draft import DraftHead, row_slice
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import HEDGE_FILE, EngineOptions, MissingAdapterError
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
 
 from test_next_token_heads import next_token_heads
 

@@ -29,7 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 from edge0_eval.errors import CheckpointError
-from edge0_eval.engine.draft import DraftHead, is_draft_file, load_draft_vocab
+from edge0_eval.engine.draft import DraftHead
+from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
 from edge0_eval.engine.prerouter import load_heads
 from edge0_eval.formats.heads_file import KIND, read_metadata
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype

@@ -8,7 +8,8 @@ from what these modules return.
     layout          experts.bin + experts.index.json: the streaming layout's expert bundles
     config          config.json (against mlx-lm's ModelArgs) and generation_config.json
     model_dir       a converted model directory: resident weights, tokenizer, the files together
-    lora_file       this project's LoRA adapter files (read, validate, write)
-    published       PEFT and mlx-lm tuner adapters, read into this project's layout
+    adapters        LoRA adapter files: this project's (read, check, write), PEFT's and mlx-lm
+                    tuner's (read into this project's layout)
     heads_file      prerouter heads files and their `PrerouterConfig`
+    draft_file      draft vocabulary files (the draft-token hedge's token ids)
 """
