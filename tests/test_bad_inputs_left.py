@@ -28,7 +28,8 @@ def _text(config: dict) -> dict:
 def test_routing_width_in_config_refused(edge0_qwen, tmp_path, change, message):
     model = copy_model(edge0_qwen, tmp_path / "m")
     edit_json(model / "config.json", change)
-    error = expect_clear_error(lambda: read_config(model / "config.json", family_for), "config.json")
+    error = expect_clear_error(lambda: read_config(model / "config.json", family_for),
+                               "config.json")
     assert message in error
     expect_clear_error(lambda: Engine.load(model), "config.json")
 

@@ -142,7 +142,7 @@ def read_adapter(path: str | Path, *, expect_kind: str = KIND,
     r_meta = _meta_number(meta, "r", path, integer=True)
     alpha_value = float(alpha) if alpha is not None else _meta_number(meta, "alpha", path)
     if alpha_value is None:
-        alpha_value = alpha_from_adapter_config(path)
+        alpha_value = _alpha_from_adapter_config(path)
     if alpha_value is None:
         raise CheckpointError(f"{path}: metadata key 'alpha' is missing, no alpha was given "
                               f"(--lora-alpha / lora_alpha) and no {ADAPTER_CONFIG} beside it "
@@ -265,7 +265,7 @@ def _edge0_layout(arrays: dict[str, mx.array], path: Path) -> dict[str, mx.array
     return arrays
 
 
-def alpha_from_adapter_config(path: Path) -> float | None:
+def _alpha_from_adapter_config(path: Path) -> float | None:
     """alpha from the adapter_config.json beside an adapter file, as the trainers write it:
     PEFT's `lora_alpha` (scale alpha/r, or alpha/sqrt(r) with use_rslora), or mlx-lm's
     `lora_parameters` {rank, scale} (scale applied as is, so alpha = scale x rank). None when

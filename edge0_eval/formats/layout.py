@@ -329,7 +329,3 @@ def unpack_bundle(index: ExpertIndex, buf) -> dict[str, np.ndarray]:
                              dtype=_NP_DTYPES[spec.dtype])
         out[spec.name] = view.reshape(spec.shape)
     return out
-
-
-def numpy_dtype(dtype: str):
-    return _NP_DTYPES[dtype]

@@ -61,7 +61,7 @@ def check_index_model(index: ExpertIndex, config: dict, family: ModelFamily,
                       directory: str | Path) -> None:
     """The expert index's bundle shapes against the model config.json describes."""
     text = family.text_config(config)
-    where = Path(directory) / "experts.index.json"
+    where = Path(directory) / INDEX_NAME
     gate = index.tensor("gate_proj.weight")
     hidden = gate.shape[1] * 32 // index.bits
     want = {"hidden_size": hidden, "moe_intermediate_size": gate.shape[0]}
