@@ -251,6 +251,17 @@ def test_lora_refused(case, engine, tmp_path):
     expect_clear_error(_load_lora(engine, path), path)
 
 
+def test_refused_lora_leaves_the_model_untouched(engine, tmp_path):
+    """Every key of an adapter file is read before the model changes: a malformed 'step' (read
+    after the layers were swapped, before the file reader was split from the engine) leaves the
+    model's LoRA layers as they were."""
+    from edge0_eval.engine.lora import lora_modules
+    before = {p: id(m) for p, m in lora_modules(engine.model).items()}
+    path = _lora_file(engine, tmp_path / "lora.safetensors", step="ten")
+    expect_clear_error(_load_lora(engine, path), path)
+    assert {p: id(m) for p, m in lora_modules(engine.model).items()} == before
+
+
 def test_valid_lora_and_heads_load(engine, tmp_path):
     """The fixtures of the two tests around this one are themselves valid."""
     load_adapter(engine.model, _lora_file(engine, tmp_path / "l.safetensors"),
