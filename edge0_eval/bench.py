@@ -35,7 +35,7 @@ from edge0_eval import cli_types as ct
 from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError

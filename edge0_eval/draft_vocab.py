@@ -1,7 +1,7 @@
 """`edge0-eval draft-vocab MODEL --text FILE --out FILE`: a draft vocabulary for a draft hedge.
 
 Counts the tokens of the given text with the model's tokenizer and writes the N most frequent
-ids, most frequent first (engine/draft.py). Passed as the hedge (`--hedge FILE`, or saved as
+ids, most frequent first (formats/draft_file.py). Passed as the hedge (`--hedge FILE`, or saved as
 `prerouter_hedge.safetensors` beside the model) of next-token prerouter heads, it drafts each
 next token from those N rows of the LM head before the LM head runs, and stages the heads' sets
 at the draft. Counted frequency matters: on the testbed, ids taken in tokenizer order gave a
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from edge0_eval import cli_types as ct
-from edge0_eval.engine.draft import save_draft_vocab
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
+from edge0_eval.formats.draft_file import save_draft_vocab
 from edge0_eval.training.data import read_documents, tokenize_documents
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 from edge0_eval import cli_types as ct
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.heads_file import save_heads
-from edge0_eval.engine.prerouter import init_heads_from_routers
+from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads
 from edge0_eval.training.models import model_facts, resolve_heads
 from edge0_eval.training.options import add_head_layout_arguments
 

@@ -21,8 +21,9 @@ from opencompass.utils import build_dataset_from_cfg
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.engine.checks import check_model_dir, read_safetensors_header
+from edge0_eval.engine.families import check_model_dir
 from edge0_eval.errors import Edge0Error
+from edge0_eval.formats.safetensors import read_safetensors_header
 
 from .edge0_model import engine_fields, resolve_engine_options
 from .fidelity_dataset import preflight_problems as fidelity_preflight

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm import load
 
 from bad_inputs import copy_model
-from edge0_eval.engine.adapters import load_adapter
+from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError
@@ -168,7 +168,7 @@ def test_lora_alpha_option_reaches_the_engine(edge0_qwen, lora_weights, tmp_path
 def test_heads_without_kind_or_k_are_inferred_from_their_keys(edge0_qwen, tmp_path):
     """A heads file whose metadata lost kind and K loads as the same heads (at the engine's K,
     with a warning); a file whose keys are not all heads' still names its missing kind."""
-    from edge0_eval.engine.heads_file import load_heads
+    from edge0_eval.engine.prerouter import load_heads
     from test_bad_inputs import _heads_file
 
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge0_eval import cli
-from edge0_eval.engine.draft import load_draft_vocab, save_draft_vocab
+from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
 from edge0_eval.errors import CheckpointError
 
 

@@ -18,15 +18,16 @@ import pytest
 from bad_inputs import (copy_model, edit_header, edit_json, expect_clear_error, mutate_header,
                         mutate_index, outcome, read_header, write_header, write_mutated)
 from edge0_eval.cli import main
-from edge0_eval.engine.adapters import load_adapter
-from edge0_eval.engine.checks import check_model_dir, load_tokenizer_checked, read_config
+from edge0_eval.engine.families import check_model_dir, family_for
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
-from edge0_eval.engine.lora import default_targets, find_targets, linear_dims
-from edge0_eval.engine.heads_file import load_heads, save_heads
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
+from edge0_eval.engine.lora import default_targets, find_targets, linear_dims, load_adapter
+from edge0_eval.engine.prerouter import (default_owners, init_heads_from_routers, load_heads,
+                                         save_heads)
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
+from edge0_eval.formats.config import read_config
+from edge0_eval.formats.model_dir import load_tokenizer_checked
 from edge0_eval.evaluation.gate import load_report
 
 FUZZ_SEED = 16
@@ -183,7 +184,7 @@ def test_config_refused(case, edge0_qwen, tmp_path):
         elif case == "nan":
             text["rms_norm_eps"] = float("nan")
         path.write_text(json.dumps(cfg))
-    expect_clear_error(lambda: read_config(path), "config.json")
+    expect_clear_error(lambda: read_config(path, family_for), "config.json")
     expect_clear_error(lambda: Engine.load(model), "config.json")
 
 
@@ -248,6 +249,17 @@ def test_lora_refused(case, engine, tmp_path):
         edit_header(path, lambda h: h[sorted(k for k in h if k != "__metadata__")[0]]
                     .update(dtype="BF16"))
     expect_clear_error(_load_lora(engine, path), path)
+
+
+def test_refused_lora_leaves_the_model_untouched(engine, tmp_path):
+    """Every key of an adapter file is read before the model changes: a malformed 'step' (read
+    after the layers were swapped, before the file reader was split from the engine) leaves the
+    model's LoRA layers as they were."""
+    from edge0_eval.engine.lora import lora_modules
+    before = {p: id(m) for p, m in lora_modules(engine.model).items()}
+    path = _lora_file(engine, tmp_path / "lora.safetensors", step="ten")
+    expect_clear_error(_load_lora(engine, path), path)
+    assert {p: id(m) for p, m in lora_modules(engine.model).items()} == before
 
 
 def test_valid_lora_and_heads_load(engine, tmp_path):
@@ -651,7 +663,7 @@ def _fuzz_headers(rng, path: Path, load, n: int, names) -> list:
 
 
 def test_fuzz_resident_header(edge0_qwen, tmp_path):
-    from edge0_eval.engine.checks import check_resident
+    from edge0_eval.formats.model_dir import check_resident
 
     rng = random.Random(FUZZ_SEED + 1)
     model = copy_model(edge0_qwen, tmp_path / "m")
@@ -683,7 +695,7 @@ def test_fuzz_oracle_sees_an_injected_fault(edge0_qwen, tmp_path, monkeypatch):
     """With the index's consistency checks disabled, the same fuzz finds accepted corruptions
     or tracebacks: the suite can fail."""
     monkeypatch.setattr(ExpertIndex, "validate", lambda self, directory=None: None)
-    monkeypatch.setattr("edge0_eval.engine.checks.check_index_model", lambda *a, **k: None)
+    monkeypatch.setattr("edge0_eval.formats.model_dir.check_index_model", lambda *a, **k: None)
     model = copy_model(edge0_qwen, tmp_path / "m")
     kinds = [kind for _, kind, _ in _fuzz_index(model, random.Random(FUZZ_SEED), 40)]
     assert set(kinds) - {"error"}, kinds

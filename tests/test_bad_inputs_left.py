@@ -7,10 +7,11 @@ import pytest
 from bad_inputs import copy_model, edit_json, expect_clear_error
 from edge0_eval import generate as generate_verb
 from edge0_eval.cli import main
-from edge0_eval.engine.checks import read_config
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
+from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.families import family_for
+from edge0_eval.formats.config import read_config
 
 
 def _text(config: dict) -> dict:
@@ -27,7 +28,8 @@ def _text(config: dict) -> dict:
 def test_routing_width_in_config_refused(edge0_qwen, tmp_path, change, message):
     model = copy_model(edge0_qwen, tmp_path / "m")
     edit_json(model / "config.json", change)
-    error = expect_clear_error(lambda: read_config(model / "config.json"), "config.json")
+    error = expect_clear_error(lambda: read_config(model / "config.json", family_for),
+                               "config.json")
     assert message in error
     expect_clear_error(lambda: Engine.load(model), "config.json")
 
@@ -88,7 +90,7 @@ def bare_engine(edge0_qwen):
                          ids=["peft", "mlx-lm"])
 def test_lora_alpha_from_adapter_config(bare_engine, tmp_path, config):
     import json
-    from edge0_eval.engine.adapters import load_adapter
+    from edge0_eval.engine.lora import load_adapter
 
     path = _lora_without_alpha(bare_engine, tmp_path / "lora.safetensors")
     expect_clear_error(lambda: load_adapter(bare_engine.model, path), "adapter_config.json")
@@ -98,7 +100,7 @@ def test_lora_alpha_from_adapter_config(bare_engine, tmp_path, config):
 
 
 def test_bad_adapter_config_alpha_refused(bare_engine, tmp_path):
-    from edge0_eval.engine.adapters import load_adapter
+    from edge0_eval.engine.lora import load_adapter
 
     path = _lora_without_alpha(bare_engine, tmp_path / "lora.safetensors")
     (tmp_path / "adapter_config.json").write_text('{"lora_alpha": "32"}')

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from edge0_eval.checkpoints.convert import convert
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex, unpack_bundle
+from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex, unpack_bundle
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
 TOKENS = mx.array([[5, 17, 42, 99, 3, 250, 7, 64, 128, 11]])

@@ -14,12 +14,12 @@ import pytest
 
 from decode_parity import assert_batch_rows_equal_solo
 
-from edge0_eval.engine.draft import DraftHead, load_draft_vocab, row_slice, save_draft_vocab
+from edge0_eval.engine.draft import DraftHead, row_slice
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.heads_file import save_heads
 from edge0_eval.engine.options import HEDGE_FILE, EngineOptions, MissingAdapterError
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
 
 from test_next_token_heads import next_token_heads
 
@@ -307,7 +307,7 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
     queued reads of its misses are cancelled and their slots freed, a slot the routed set
     needs is taken back, and afterwards every resident expert's slot holds its own bundle
     (no slot is written twice, nothing unwritten is trusted)."""
-    from edge0_eval.engine.layout import unpack_bundle
+    from edge0_eval.formats.layout import unpack_bundle
 
     index_stride = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     stride = index_stride.index.bundle_stride

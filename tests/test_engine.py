@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.layout import EXPERTS_NAME, INDEX_NAME
+from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b"
 
@@ -104,7 +104,7 @@ def test_generate_is_deterministic_and_stops(edge0_qwen):
 
 
 def test_small_budget_peak_memory_below_resident(edge0_qwen64):
-    from edge0_eval.engine.layout import ExpertIndex
+    from edge0_eval.formats.layout import ExpertIndex
 
     index = ExpertIndex.load(edge0_qwen64)
     peaks = {}

@@ -11,11 +11,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.engine.adapters import save_adapter
+from edge0_eval.engine.lora import save_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.lora import apply_lora
-from edge0_eval.engine.heads_file import save_heads
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity as fid
 from edge0_eval.evaluation import fidelity_report as fr
@@ -171,7 +170,7 @@ def baseline(teacher_set, student_dir):
 
 def _rewrite_bundles(directory, edit):
     """edit(index, experts uint8 memmap) in place, then the index's crc32 recomputed."""
-    from edge0_eval.engine.layout import EXPERTS_NAME, ExpertIndex
+    from edge0_eval.formats.layout import EXPERTS_NAME, ExpertIndex
 
     index = ExpertIndex.load(directory)
     data = np.memmap(directory / EXPERTS_NAME, dtype=np.uint8, mode="r+")

@@ -7,7 +7,7 @@ import json
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.heads_file import read_metadata
+from edge0_eval.formats.heads_file import read_metadata
 
 
 def test_init_prerouter_writes_heads_the_engine_serves(edge0_qwen, tmp_path, capsys):
@@ -52,7 +52,7 @@ def test_init_prerouter_without_owners_is_one_clear_error(edge0_qwen, tmp_path, 
 def test_init_prerouter_embedding_scale(edge0_qwen, tmp_path, capsys):
     """--embedding-scale fills the next-token heads' embedding columns; without --next-token it
     is one clear error."""
-    from edge0_eval.engine.heads_file import load_heads
+    from edge0_eval.engine.prerouter import load_heads
 
     out = tmp_path / "h.safetensors"
     assert cli.main(["init-prerouter", str(edge0_qwen), "--start-layer", "0", "--width", "8",

@@ -17,9 +17,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.adapters import load_adapter, save_adapter
-from edge0_eval.engine.lora import (LoRALinear, apply_lora, default_targets, find_targets, linear_dims,
-                                    lora_modules, mark_trainable, remove_lora)
+from edge0_eval.engine.lora import (LoRALinear, apply_lora, default_targets, find_targets,
+                                    linear_dims, load_adapter, lora_modules, mark_trainable,
+                                    remove_lora, save_adapter)
 
 TOKENS = mx.array([[3, 17, 42, 7, 99, 5, 250, 11, 64, 8]])
 QWEN_Q = "language_model.model.layers.3.self_attn.q_proj"

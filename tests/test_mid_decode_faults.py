@@ -16,7 +16,7 @@ import pytest
 from bad_inputs import copy_model
 from perturbed_heads import perturbed_heads
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import EXPERTS_NAME
+from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import SETTLE_NS, ExpertStore
 from edge0_eval.errors import CheckpointError

@@ -16,12 +16,12 @@ from decode_parity import (assert_batch_rows_equal_solo, assert_discovery_equals
 from served_pass import replay_gradients
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import (build_features, default_owners,
-                                         init_heads_from_routers)
+                                         init_heads_from_routers, load_heads, save_heads)
 from edge0_eval.engine.routing import stack_rules
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.heads_file import read_metadata
 from edge0_eval.training.prerouter import train_prerouter
 from edge0_eval.training.state import report_paths
 

@@ -171,7 +171,7 @@ def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(edg
     """A plan left in flight (a sequence's last step, a batch's end) reserved slots whose
     bundles were never written; the next use of the layer drops it first, so those experts
     are read for real instead of being trusted as hits."""
-    from edge0_eval.engine.layout import unpack_bundle
+    from edge0_eval.formats.layout import unpack_bundle
 
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True,
                                                    slots_per_layer=4))

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.heads_file import KIND, load_heads, read_metadata, save_heads
 from edge0_eval.engine.moe import Counters
 from edge0_eval.engine.prerouted import Prerouter
 from edge0_eval.engine.prerouter import (
-    PrerouterConfig, PrerouterHeads, build_features, check_owners, default_owners,
-    init_heads_from_routers, onehot, router_weight, tier_defaults,
+    PrerouterHeads, build_features, check_owners, default_owners, init_heads_from_routers,
+    load_heads, onehot, router_weight, save_heads, tier_defaults,
 )
+from edge0_eval.formats.heads_file import KIND, PrerouterConfig, read_metadata
 from edge0_eval.engine.routing import RoutingRule, stack_rules
 
 FAMILIES = ("qwen3_5_moe", "bailing_hybrid", "qwen2_moe")

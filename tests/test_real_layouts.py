@@ -16,7 +16,7 @@ from mlx_lm.utils import load_model, quantize_model
 from edge0_eval.checkpoints.convert import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import RESIDENT_NAME
+from edge0_eval.formats.layout import RESIDENT_NAME
 from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError

@@ -13,7 +13,7 @@ from mlx.utils import tree_map
 from test_convert import load_converted
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.engine.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
 from edge0_eval.checkpoints.synthetic import estimate_bytes, write_synthetic
 
 SMALL_35B = {"num_experts": 8, "vocab_size": 1024}     # real per-layer shape, fewer experts

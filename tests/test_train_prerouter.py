@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.heads_file import load_heads, read_metadata
+from edge0_eval.engine.prerouter import load_heads
+from edge0_eval.formats.heads_file import read_metadata
 from edge0_eval.training.data import read_documents, split_documents
 from edge0_eval.training.features import FeatureStore, positions
 from edge0_eval.training.options import PrerouterOptions, parse_owners

@@ -39,8 +39,7 @@ def _student(teacher, root: Path) -> Path:
     """int4 `convert` of the teacher with untrained prerouter heads."""
     from edge0_eval.checkpoints.convert import convert
     from edge0_eval.engine.engine import Engine, EngineOptions
-    from edge0_eval.engine.heads_file import save_heads
-    from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+    from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 
     student = convert(teacher, root / "student", progress=False)
     engine = Engine.load(student, EngineOptions(mode="reactive", no_lora=True))
@@ -407,8 +406,7 @@ def test_stage2_with_every_layer_prerouted(pair, tmp_path):
     """A student whose heads include the wrap-around head (start layer 0) trains on its served
     path end to end, and a killed run resumed by the same command ends bit-identical."""
     from edge0_eval.engine.engine import Engine, EngineOptions
-    from edge0_eval.engine.heads_file import save_heads
-    from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+    from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
 
     teacher, student, prompts = pair
     wrapped = tmp_path / "student_wrap"

@@ -14,11 +14,11 @@ from served_pass import CONTINUATION_IDS, PROMPT_IDS, lora_engine_decode, replay
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.heads_file import load_heads, read_metadata, save_heads
 from edge0_eval.engine.prerouter import (
-    PrerouterConfig, build_features, check_owners, default_consumers, default_owners,
-    init_heads_from_routers, onehot,
+    build_features, check_owners, default_consumers, default_owners, init_heads_from_routers,
+    load_heads, onehot, save_heads,
 )
+from edge0_eval.formats.heads_file import PrerouterConfig, read_metadata
 from edge0_eval.errors import CheckpointError, ConfigError
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"

@@ -37,7 +37,7 @@ from edge0_eval.checkpoints.source import Checkpoint, to_numpy
 from edge0_eval.checkpoints.writer import (
     BundleWriter, check_free_space, check_out_empty, copy_side_files, file_digests, output_dir,
 )
-from edge0_eval.engine.layout import EXPERTS_NAME, PARTS, PROJECTIONS, RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import EXPERTS_NAME, PARTS, PROJECTIONS, RESIDENT_NAME, ExpertIndex
 
 
 def _write_resident(ckpt: Checkpoint, plan: Plan, path: Path) -> None:

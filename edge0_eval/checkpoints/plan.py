@@ -23,7 +23,7 @@ from mlx_lm.utils import _get_classes, infer_quant_config, quantize_model
 from edge0_eval.checkpoints.source import Checkpoint
 from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.layout import (
+from edge0_eval.formats.layout import (
     ALIGNMENT, PARTS, PROJECTIONS, ExpertIndex, align, make_tensor_specs,
 )
 

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import _get_classes, load_tokenizer
 
-from edge0_eval.engine.checks import eos_token_ids
+from edge0_eval.formats.config import eos_token_ids
 from edge0_eval.engine.families import FAMILIES
-from edge0_eval.engine.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.formats.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.store import ExpertStore
 

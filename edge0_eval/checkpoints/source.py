@@ -1,5 +1,5 @@
-"""Reading a checkpoint mlx-lm loads: safetensors headers checked up front (engine/checks.py's
-format check), tensors read lazily.
+"""Reading a checkpoint mlx-lm loads: safetensors headers checked up front (the format check of
+formats/safetensors.py), tensors read lazily.
 
 The tensors are MLX's lazy loads (`mx.load` reads a tensor's bytes only when it is evaluated),
 passed through the model's own mlx-lm `sanitize` as `mlx_lm.load` does, so every layout mlx-lm
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import _decode_tagged_floats
 
-from edge0_eval.engine.checks import read_safetensors_header
+from edge0_eval.formats.safetensors import read_safetensors_header
 from edge0_eval.errors import CheckpointError
 
 class Checkpoint:

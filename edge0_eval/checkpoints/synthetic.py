@@ -35,7 +35,7 @@ from edge0_eval.checkpoints.plan import (
 from edge0_eval.checkpoints.tokenizer import build_tokenizer
 from edge0_eval.checkpoints.writer import BundleWriter, check_free_space, check_out_empty, output_dir
 from edge0_eval.errors import ConfigError
-from edge0_eval.engine.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
 
 BITS = 4
 GROUP_SIZE = 64

@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.layout import ExpertIndex, pack_bundle
+from edge0_eval.formats.layout import ExpertIndex, pack_bundle
 
 # Files in SRC that are weights (or weight indexes) and so are not copied to OUT.
 _WEIGHT_FILE = re.compile(r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.pt|\.pth|\.gguf"

@@ -24,10 +24,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.checks import (check_resident, check_resident_names, eos_token_ids,
-                                      load_resident, load_tokenizer_checked, open_model_dir)
-from edge0_eval.engine.layout import RESIDENT_NAME, ExpertIndex
-from edge0_eval.engine.adapters import load_adapter
+from edge0_eval.engine.families import open_model_dir
+from edge0_eval.formats.config import eos_token_ids
+from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.model_dir import (check_resident, check_resident_names, load_resident,
+                                          load_tokenizer_checked)
+from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
 from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
 from edge0_eval.engine.moe import Counters, StreamingSwitchGLU

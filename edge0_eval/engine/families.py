@@ -5,12 +5,14 @@ the name. Adding a family is one entry here plus its streaming MoE block (moe_bl
 An entry holds the forward's pieces around mlx-lm's own decoder layers (where the text model,
 embedding, layers and output head are; each layer's call arguments), the streaming block that
 replaces its MoE blocks (whose `rule` is the family's routing rule), the LoRA targets, the
-tiny-checkpoint config (checkpoints/tiny.py) and the numerical defaults.
+tiny-checkpoint config (checkpoints/tiny.py) and the numerical defaults. `open_model_dir` and
+`check_model_dir` open a converted model with this registry (the files' checks: formats/).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
@@ -20,6 +22,8 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from edge0_eval.engine.moe_blocks import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
 from edge0_eval.checkpoints.tiny_configs import bailing_tiny, qwen2_tiny, qwen3_5_tiny
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats import model_dir
+from edge0_eval.formats.layout import ExpertIndex
 
 # (text model, h, cache) -> per layer (layer, h, its cache) -> (args, kwargs) of the layer call
 LayerArgs = Callable[[nn.Module, mx.array, list], Callable]
@@ -142,3 +146,14 @@ def family_for(config: dict, where: str = "config.json") -> Family:
             f"{', '.join(FAMILIES)}"
         )
     return FAMILIES[model_type]
+
+
+def open_model_dir(directory: str | Path) -> tuple[dict, Family, ExpertIndex]:
+    """A converted model's config.json, family and expert index, checked against each other
+    (formats/model_dir.py, with this registry)."""
+    return model_dir.open_model_dir(directory, family_for)
+
+
+def check_model_dir(directory: str | Path, verify_crc: bool = True) -> None:
+    """What Engine.load checks before reading weights, without loading any (a preflight)."""
+    model_dir.check_model_dir(directory, family_for, verify_crc)

@@ -5,16 +5,12 @@ quantized weights stay byte-identical and the adapter can be switched off (`remo
 LoRA goes only on resident linear layers (attention, linear attention, shared experts, the dense
 layer-0 MLP); never on routed experts (`switch_mlp`, streamed from disk) and never on routers.
 
-    from edge0_eval.engine.adapters import load_adapter
+    from edge0_eval.engine.lora import load_adapter
     meta = load_adapter(model, "lora.safetensors")          # validates everything, then applies
 
-File layout (ours and the published Edge0 one are the same; safetensors):
-    <module path>.lora_A   [r, in]    float16 (bfloat16 / float32 are read too)
-    <module path>.lora_B   [out, r]
-    metadata (all strings): kind="lora", format_version="1", r, alpha, and optionally model, K,
-    source, owners (JSON list; prerouter files), stage, step.
-`<module path>` is the module's path in mlx-lm's model object, e.g.
-`language_model.model.layers.3.self_attn.q_proj` (qwen3_5_moe) or
+The file (`<module path>.lora_A` [r, in], `.lora_B` [out, r], alpha metadata; PEFT and mlx-lm
+tuner files are read too) is formats/adapters.py's. `<module path>` is the module's path in
+mlx-lm's model object, e.g. `language_model.model.layers.3.self_attn.q_proj` (qwen3_5_moe) or
 `model.layers.0.attention.query_key_value` (bailing_hybrid). The engine's model is mlx-lm's class
 with only the MoE blocks' instances swapped, keeping every resident path, so one file serves both.
 
@@ -37,13 +33,17 @@ reproduces that.)
 from __future__ import annotations
 
 import math
+import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from edge0_eval.engine.families import FAMILIES
-from edge0_eval.errors import ConfigError
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.adapters import (KIND, SUFFIX_A, SUFFIX_B, natural_key, read_adapter,
+                                         write_adapter)
 
 
 _ROUTER_SUFFIXES = (".mlp.gate", ".mlp.gate.gate_proj")
@@ -107,10 +107,6 @@ class LoRALinear(nn.Module):
 
 
 # -- module paths ------------------------------------------------------------------------------
-
-def natural_key(path: str):
-    return [int(p) if p.isdigit() else p for p in path.split(".")]
-
 
 def get_module(model: nn.Module, path: str):
     """(module or None, deepest existing prefix)."""
@@ -244,3 +240,90 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
     mx.eval([m.parameters() for _, m in wrapped])
     return paths
 
+
+# -- adapter files (formats/adapters.py) -------------------------------------------------------
+
+def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
+                 alpha: float | None = None, top_k: int | None = None,
+                 compute_dtype=mx.float32) -> dict:
+    """Read the adapter at `path` (formats/adapters.py: ours, PEFT, mlx-lm tuner), check it
+    against `model`, then apply it (replacing any LoRA).
+
+    Beyond the file's own checks: every module exists (Hugging Face names mapped by the model's
+    `sanitize`), is a resident Linear/QuantizedLinear (not a router or routed expert) and A is
+    [r, in], B is [out, r] for its dims. Any failure raises one CheckpointError naming the file
+    and the key, and leaves the model untouched. top_k: the engine's routing width; a different
+    metadata `K` (the width the adapter was trained at) only warns. Returns the file's summary
+    (`AdapterFile.summary`) with `targets`, the module paths.
+    """
+    adapter = read_adapter(path, expect_kind=expect_kind, alpha=alpha)
+    path = adapter.path
+    planned = []
+    for module_path, (a, b) in _model_names(model, adapter.pairs).items():
+        key_a, key_b = module_path + SUFFIX_A, module_path + SUFFIX_B
+        module, existing = get_module(model, module_path)
+        if module is None:
+            raise CheckpointError(
+                f"{path}: key {key_a!r}: module {module_path!r} does not exist in this model "
+                f"(deepest existing path: {existing or '<root>'!r}); the adapter is for another "
+                f"model or layout")
+        why = refusal(module_path, module)
+        if why is not None:
+            raise CheckpointError(f"{path}: key {key_a!r}: module {module_path!r} is {why}")
+        base = module.linear if isinstance(module, LoRALinear) else module
+        in_dims, out_dims = linear_dims(base)
+        r = a.shape[0]
+        if tuple(a.shape) != (r, in_dims):
+            raise CheckpointError(f"{path}: key {key_a!r} has shape {tuple(a.shape)}; module "
+                                  f"{module_path!r} needs [r, {in_dims}]")
+        if tuple(b.shape) != (out_dims, r):
+            raise CheckpointError(f"{path}: key {key_b!r} has shape {tuple(b.shape)}; module "
+                                  f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})")
+        planned.append((module_path, base, a, b))
+    if top_k is not None and adapter.K is not None and adapter.K != top_k:
+        warnings.warn(f"{path}: the adapter was trained at K={adapter.K}, the engine routes "
+                      f"top-{top_k}", stacklevel=2)
+
+    # Everything validated: now (and only now) change the model.
+    new = [(p, LoRALinear(base, a.shape[0], adapter.alpha, a, b, compute_dtype))
+           for p, base, a, b in planned]
+    remove_lora(model)
+    for module_path, module in new:
+        set_module(model, module_path, module)
+    mx.eval([m.parameters() for _, m in new])
+    return {**adapter.summary(), "targets": [p for p, _ in new]}
+
+
+def _model_names(model: nn.Module, pairs: dict) -> dict:
+    """Module paths not in the model but whose Hugging Face name mlx-lm's `sanitize` maps to one
+    of its modules (`model.language_model.*` -> `language_model.model.*`), in layer order."""
+    sanitize = getattr(model, "sanitize", None)
+    out = {}
+    for module_path, pair in pairs.items():
+        if sanitize is not None and get_module(model, module_path)[0] is None:
+            try:
+                mapped = list(sanitize({f"{module_path}.weight": mx.zeros((1, 1))}))
+            except Exception:  # noqa: BLE001 - a family's sanitize on a placeholder; no mapping
+                mapped = []
+            if len(mapped) == 1 and mapped[0].endswith(".weight") and \
+                    get_module(model, mapped[0][: -len(".weight")])[0] is not None:
+                module_path = mapped[0][: -len(".weight")]
+        out[module_path] = pair
+    return {p: out[p] for p in sorted(out, key=natural_key)}
+
+
+def save_adapter(model: nn.Module, path: str | Path, metadata: dict | None = None,
+                 dtype: str = "float16") -> Path:
+    """Write the model's LoRA matrices (formats/adapters.py's `write_adapter`: dtype, metadata);
+    all layers must share one r and alpha. Returns the path."""
+    modules = lora_modules(model)
+    if not modules:
+        raise ConfigError("the model has no LoRA layers; call apply_lora or load_adapter first")
+    settings = {(m.r, m.alpha) for m in modules.values()}
+    if len(settings) > 1:
+        raise ConfigError(f"LoRA layers differ in (r, alpha): {sorted(settings)}; one file holds "
+                          f"one r and alpha")
+    r, alpha = settings.pop()
+    return write_adapter(path, {p: (m.lora_A, m.lora_B) for p, m in modules.items()}, r=r,
+                         alpha=alpha, metadata=metadata, dtype=dtype,
+                         model_type=getattr(model, "model_type", None))

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from edge0_eval.engine.layout import PARTS, PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
+from edge0_eval.formats.layout import PARTS, PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.store import ExpertStore
 

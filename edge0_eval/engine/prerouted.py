@@ -29,8 +29,10 @@ import mlx.core as mx
 import numpy as np
 
 from edge0_eval.errors import CheckpointError
-from edge0_eval.engine.draft import DraftHead, is_draft_file, load_draft_vocab
-from edge0_eval.engine.heads_file import KIND, load_heads, read_metadata
+from edge0_eval.engine.draft import DraftHead
+from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
+from edge0_eval.engine.prerouter import load_heads
+from edge0_eval.formats.heads_file import KIND, read_metadata
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.moe import Counters, StagedSet
 from edge0_eval.engine.prerouter import (PrerouterHeads, append_next_embedding, build_features,

@@ -4,7 +4,7 @@ Features of owner N at token t (hidden + 2E): layer N's MoE input h_N(t), the on
 executed top-k at t, and at t-1. Next-token heads (`next_token`, heads-file metadata
 features="next_token") append the input embedding of token t+1 (2 x hidden + 2E): it predicts
 most, but their plan waits for the sampled token (prerouted.py). Head: logits =
-fc2(gelu_erf(fc1(x))) + linear(x), no biases (the published layout; files: heads_file.py).
+fc2(gelu_erf(fc1(x))) + linear(x), no biases (the published layout; formats/heads_file.py).
 All heads run in one batched computation: fc1 [O, width, in], fc2 [O, E, width], linear
 [O, E, in], feats [O, B, in] -> logits [O, B, E].
 
@@ -17,52 +17,16 @@ head logits is the consumer's family rule (its block's `rule`, routing.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edge0_eval.errors import ConfigError
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.routing import RoutingRule  # noqa: F401 (training imports it here)
-
-
-# -- configuration ------------------------------------------------------------------------------
-
-@dataclass
-class PrerouterConfig:
-    owners: list[int]          # owner layers N, ascending
-    width: int                 # fc1 width
-    top_k: int                 # the serving K the heads were trained for
-    hidden: int
-    num_experts: int
-    consumers: list[int] | None = None   # layer each owner predicts (None: owner + 1 each)
-    next_token: bool = False   # features end with the sampled next token's input embedding
-
-    def __post_init__(self):
-        if self.consumers is None:
-            self.consumers = [n + 1 for n in self.owners]
-        self.consumers = [int(c) for c in self.consumers]
-        if len(self.consumers) != len(self.owners):
-            raise ValueError(f"consumers {self.consumers} do not pair with owners {self.owners}")
-
-    @property
-    def start_layer(self) -> int:
-        """The first consuming layer."""
-        return min(self.consumers)
-
-    @property
-    def context_dim(self) -> int:
-        """The context features' width: hidden + 2E (next-token heads append the embedding)."""
-        return self.hidden + 2 * self.num_experts
-
-    @property
-    def in_dim(self) -> int:
-        return self.hidden * (2 if self.next_token else 1) + 2 * self.num_experts
-
-    @property
-    def consumer_of(self) -> dict[int, int]:
-        return dict(zip(self.owners, self.consumers))
+from edge0_eval.formats.heads_file import HeadsFile, PrerouterConfig, read_heads, write_heads
 
 
 # Reference tiers (shared/README.md): serving K, first consuming layer, fc1 width.
@@ -197,6 +161,31 @@ class PrerouterHeads(nn.Module):
     def astype(self, dtype) -> "PrerouterHeads":
         return PrerouterHeads(self.config, self.fc1.astype(dtype), self.fc2.astype(dtype),
                               self.linear.astype(dtype))
+
+
+def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
+               owners: list[int] | None = None, dtype=None, model_type: str | None = None,
+               moe_layers: list[int] | None = None) -> PrerouterHeads:
+    """Heads from the file at `path`, checked by formats/heads_file.py's `read_heads` against a
+    model with `hidden`, `num_experts`, served at `top_k` (see there for `owners`, `dtype`,
+    `model_type`); `moe_layers` (the serving model's) checks every (owner, consumer) pair."""
+    heads = read_heads(path, hidden=hidden, num_experts=num_experts, top_k=top_k, owners=owners,
+                       dtype=dtype, model_type=model_type)
+    config = heads.config
+    if moe_layers is not None:
+        problems = pair_problems(config.owners, config.consumers, list(moe_layers))
+        if problems:
+            raise CheckpointError(f"prerouter file {Path(path)} does not fit this model: "
+                                  f"{'; '.join(problems)} (MoE layers: {list(moe_layers)}); "
+                                  f"train heads for this model")
+    return PrerouterHeads(config, heads.fc1, heads.fc2, heads.linear)
+
+
+def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = None,
+               dtype=mx.float16) -> Path:
+    """Write heads in the published layout (formats/heads_file.py's `write_heads`)."""
+    return write_heads(path, HeadsFile(heads.config, heads.fc1, heads.fc2, heads.linear),
+                       metadata, dtype)
 
 
 def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:

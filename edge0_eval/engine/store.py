@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.layout import INDEX_NAME, ExpertIndex
+from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 
 
 # Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position

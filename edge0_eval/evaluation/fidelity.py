@@ -35,7 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import INDEX_NAME
+from edge0_eval.formats.layout import INDEX_NAME
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu, wired_limit)
 from edge0_eval.errors import ConfigError

@@ -17,9 +17,7 @@ import hashlib
 from pathlib import Path
 
 from edge0_eval.evaluation.fidelity_set import fingerprint
-
-INDEX_FILE = "experts.index.json"      # engine/layout.INDEX_NAME (no MLX import here)
-RESIDENT_FILE = "resident.safetensors"  # engine/layout.RESIDENT_NAME
+from edge0_eval.formats.layout import INDEX_NAME, RESIDENT_NAME
 DIGITS = 16
 _cache: dict[tuple, str] = {}
 
@@ -42,12 +40,12 @@ def file_digest(path: Path) -> str:
 
 
 def weights_digest(path: Path, streaming: bool) -> str:
-    files = sorted([path / n for n in ("config.json", INDEX_FILE) if (path / n).is_file()]
+    files = sorted([path / n for n in ("config.json", INDEX_NAME) if (path / n).is_file()]
                    + list(path.glob("*.safetensors")))
     key = ("weights", str(path.resolve()), streaming, *(s for f in files for s in _stamp(f)))
     if key not in _cache:
-        _cache[key] = fingerprint(path, [RESIDENT_FILE] if streaming else None,
-                                  (INDEX_FILE,) if streaming else ())[:DIGITS]
+        _cache[key] = fingerprint(path, [RESIDENT_NAME] if streaming else None,
+                                  (INDEX_NAME,) if streaming else ())[:DIGITS]
     return _cache[key]
 
 

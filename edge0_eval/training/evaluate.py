@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from edge0_eval.engine.adapters import read_adapter_file
+from edge0_eval.formats.adapters import read_adapter_file
 from edge0_eval.engine.lora import lora_modules
 from edge0_eval.training.batches import Example, collate
 from edge0_eval.training.state import report_paths, write_json

@@ -24,10 +24,10 @@ import mlx.core as mx
 from mlx_lm import load
 
 from edge0_eval.engine import lora
-from edge0_eval.engine.adapters import load_adapter
+from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.families import FAMILIES, family_for
-from edge0_eval.engine.layout import ExpertIndex
+from edge0_eval.formats.layout import ExpertIndex
 from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu)
 from edge0_eval.engine.prerouter import (check_owners, default_consumers, default_owners,

@@ -42,12 +42,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from edge0_eval.engine.heads_file import load_heads, save_heads
-
-from edge0_eval.engine.prerouter import (PrerouterConfig, default_consumers,
-                                         heads_from_router_weights)
+from edge0_eval.engine.prerouter import (default_consumers, heads_from_router_weights,
+                                         load_heads, save_heads)
 from edge0_eval.engine.routing import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.heads_file import PrerouterConfig
 from edge0_eval.training.data import split_documents, subset_documents
 from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
                                           data_fingerprint, ensure_embeddings, positions)

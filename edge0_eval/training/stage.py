@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from tqdm import tqdm
 
-from edge0_eval.engine.adapters import save_adapter
+from edge0_eval.engine.lora import save_adapter
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import fit, stable_seed
 from edge0_eval.training.data import encode_prompt, read_prompts, split_prompts

@@ -1,12 +1,11 @@
-"""JSON model files read one way: UTF-8, strict JSON (no NaN), the expected top-level type.
-
-Shared by engine/checks.py and engine/layout.py: checks imports layout, so layout cannot import
-checks for it; this module imports neither.
-"""
+"""JSON model files read one way: UTF-8, strict JSON (no NaN), the expected top-level type; and
+the one test of a JSON value against a Python type hint (`type_ok`)."""
 
 from __future__ import annotations
 
 import json
+import math
+import typing
 from pathlib import Path
 
 from edge0_eval.errors import CheckpointError
@@ -43,3 +42,29 @@ def no_constant(name: str):
 def json_name(kind) -> str:
     return {dict: "object", list: "array", str: "string", int: "integer", float: "number",
             bool: "boolean", type(None): "null"}.get(kind, kind.__name__)
+
+
+def type_ok(value, hint) -> bool:
+    """Whether a JSON value fits a type hint as mlx-lm's ModelArgs use them: bools are not ints,
+    floats are finite; hints this cannot judge pass."""
+    origin = typing.get_origin(hint)
+    if hint is typing.Any:
+        return True
+    if origin is typing.Union:
+        return any(type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    if hint is list or origin is list:
+        return isinstance(value, list)
+    return True  # types we cannot judge are left to mlx-lm

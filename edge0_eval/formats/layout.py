@@ -1,8 +1,9 @@
 """On-disk streaming layout: resident weights, one file of expert bundles, and a versioned index.
 
 A converted model directory holds
-  config.json, tokenizer files     carried over from the source checkpoint
-  resident.safetensors            every weight except the routed experts (mlx-lm names)
+  config.json, tokenizer files     carried over from the source checkpoint (config.py)
+  resident.safetensors            every weight except the routed experts (mlx-lm names;
+                                  model_dir.py checks it)
   experts.bin                     one bundle per (MoE layer, expert), each page-aligned
   experts.index.json              this module's `ExpertIndex`
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval.engine.json_files import read_json_file
+from edge0_eval.formats.json_files import read_json_file, type_ok
 from edge0_eval.errors import CheckpointError
 
 FORMAT = "edge0-experts"
@@ -28,6 +29,7 @@ FORMAT_VERSION = 1
 INDEX_NAME = "experts.index.json"
 EXPERTS_NAME = "experts.bin"
 RESIDENT_NAME = "resident.safetensors"
+RECONVERT = "re-run `edge0-eval convert`"     # the fix for any damaged converted-model file
 ALIGNMENT = 4096
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PARTS = ("weight", "scales", "biases")
@@ -119,7 +121,7 @@ class ExpertIndex:
                 f"{path} not found: {directory} is not a converted Edge0 model; "
                 f"run `edge0-eval convert SRC {directory}` first"
             )
-        data = read_json_file(path, "expert index", _RECONVERT)
+        data = read_json_file(path, "expert index", RECONVERT)
         if data.get("format") != FORMAT:
             raise CheckpointError(f"{path}: format {data.get('format')!r} is not {FORMAT!r}")
         if data.get("format_version") != FORMAT_VERSION:
@@ -144,7 +146,7 @@ class ExpertIndex:
         names = [t.name for t in self.tensors]
         if names != list(TENSOR_ORDER):
             raise CheckpointError(f"{where}: bundle tensors {names} are not {list(TENSOR_ORDER)} "
-                                  f"in that order; {_RECONVERT}")
+                                  f"in that order; {RECONVERT}")
         _check_quant(self, where)
         want, nbytes = make_tensor_specs({t.name: (t.shape, t.dtype) for t in self.tensors})
         for spec, good in zip(self.tensors, want):
@@ -152,17 +154,17 @@ class ExpertIndex:
                 raise CheckpointError(
                     f"{where}: tensor {spec.name} is at offset {spec.offset} ({spec.nbytes} "
                     f"bytes) but the bundle layout puts it at {good.offset} ({good.nbytes} "
-                    f"bytes): offsets swapped, overlapping or sized wrong; {_RECONVERT}")
+                    f"bytes): offsets swapped, overlapping or sized wrong; {RECONVERT}")
         if self.bundle_bytes != nbytes or self.alignment != ALIGNMENT \
                 or self.bundle_stride != align(nbytes, ALIGNMENT):
             raise CheckpointError(f"{where}: bundle_bytes {self.bundle_bytes} / bundle_stride "
                                   f"{self.bundle_stride} / alignment {self.alignment} do not "
                                   f"match the tensors ({nbytes} bytes, stride "
-                                  f"{align(nbytes, ALIGNMENT)}); {_RECONVERT}")
+                                  f"{align(nbytes, ALIGNMENT)}); {RECONVERT}")
         if len(set(self.moe_layers)) != len(self.moe_layers) or \
                 self.moe_layers != sorted(self.moe_layers):
             raise CheckpointError(f"{where}: moe_layers {self.moe_layers} must be distinct and "
-                                  f"ascending; {_RECONVERT}")
+                                  f"ascending; {RECONVERT}")
         if self.file_size != self.expected_file_size():
             raise CheckpointError(f"{where}: file_size {self.file_size} does not match "
                                   f"{len(self.moe_layers)} layers x {self.num_experts} experts")
@@ -170,7 +172,7 @@ class ExpertIndex:
                            any(len(row) != self.num_experts for row in self.crc32)):
             raise CheckpointError(f"{where}: crc32 must hold one row of {self.num_experts} "
                                   f"checksums per MoE layer ({len(self.moe_layers)}); "
-                                  f"{_RECONVERT}")
+                                  f"{RECONVERT}")
         if directory is not None:
             path = Path(directory) / self.file
             if not path.is_file():
@@ -184,7 +186,6 @@ class ExpertIndex:
                 )
 
 
-_RECONVERT = "re-run `edge0-eval convert`"
 # What mx.quantize accepts: mode -> (bits, group sizes); scales dtype per mode.
 QUANT_MODES = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128))}
 _HALF = ("float16", "bfloat16", "float32")
@@ -193,7 +194,7 @@ _HALF = ("float16", "bfloat16", "float32")
 _FIELDS = {
     "model_type": (str, bool, "a model type string"),
     "num_experts": (int, lambda v: v > 0, "a positive integer"),
-    "moe_layers": (list, lambda v: len(v) > 0 and all(_is_int(x) and x >= 0 for x in v),
+    "moe_layers": (list, lambda v: len(v) > 0 and all(type_ok(x, int) and x >= 0 for x in v),
                    "a non-empty list of layer numbers"),
     "module_path": (str, lambda v: "{layer}" in v, "a path template containing {layer}"),
     "bits": (int, lambda v: v > 0, "a positive integer"),
@@ -207,8 +208,8 @@ _FIELDS = {
     "file_size": (int, lambda v: v >= 0, "a byte count"),
     "alignment": (int, lambda v: v > 0, "a positive integer"),
     "source": (dict, lambda v: True, "an object"),
-    "crc32": (list, lambda v: all(isinstance(r, list) and all(_is_int(c) and 0 <= c < 2**32
-                                                             for c in r) for r in v),
+    "crc32": (list, lambda v: all(isinstance(r, list) and
+                                  all(type_ok(c, int) and 0 <= c < 2**32 for c in r) for r in v),
               "a list of rows of 32-bit checksums"),
     "format": (str, bool, "'edge0-experts'"),
     "format_version": (int, bool, "an integer"),
@@ -217,37 +218,33 @@ _REQUIRED = ("model_type", "num_experts", "moe_layers", "module_path", "bits", "
              "mode", "tensors", "bundle_bytes", "bundle_stride")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def check_index_fields(data: dict, path) -> None:
     """Types and ranges of every index field, before any dataclass or numpy sees them."""
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
-        raise CheckpointError(f"{path}: unknown field(s) {unknown}; {_RECONVERT}")
+        raise CheckpointError(f"{path}: unknown field(s) {unknown}; {RECONVERT}")
     for key in _REQUIRED:
         if key not in data:
-            raise CheckpointError(f"{path}: required field {key!r} is missing; {_RECONVERT}")
+            raise CheckpointError(f"{path}: required field {key!r} is missing; {RECONVERT}")
     for key, value in data.items():
         kind, ok, want = _FIELDS[key]
-        good = _is_int(value) if kind is int else isinstance(value, kind)
+        good = type_ok(value, int) if kind is int else isinstance(value, kind)
         if not good or not ok(value):
             raise CheckpointError(f"{path}: field {key!r} is {_short(value)}; it must be {want}; "
-                                  f"{_RECONVERT}")
+                                  f"{RECONVERT}")
     for i, t in enumerate(data["tensors"]):
         if not isinstance(t, dict) or set(t) != {"name", "shape", "dtype", "offset", "nbytes"}:
             raise CheckpointError(f"{path}: tensors[{i}] must be an object with name, shape, "
-                                  f"dtype, offset, nbytes; {_RECONVERT}")
+                                  f"dtype, offset, nbytes; {RECONVERT}")
         if not isinstance(t["dtype"], str) or t["dtype"] not in _NP_DTYPES:
             raise CheckpointError(f"{path}: tensors[{i}] ({t['name']!r}) has dtype "
                                   f"{_short(t['dtype'])}; known: {', '.join(_NP_DTYPES)}")
         if not (isinstance(t["name"], str) and isinstance(t["shape"], list) and t["shape"]
-                and all(_is_int(d) and d > 0 for d in t["shape"])
-                and _is_int(t["offset"]) and t["offset"] >= 0
-                and _is_int(t["nbytes"]) and t["nbytes"] > 0):
+                and all(type_ok(d, int) and d > 0 for d in t["shape"])
+                and type_ok(t["offset"], int) and t["offset"] >= 0
+                and type_ok(t["nbytes"], int) and t["nbytes"] > 0):
             raise CheckpointError(f"{path}: tensors[{i}] has a bad name, shape, offset or nbytes "
-                                  f"({_short(t)}); {_RECONVERT}")
+                                  f"({_short(t)}); {RECONVERT}")
 
 
 def _short(value) -> str:
@@ -259,12 +256,12 @@ def _check_quant(index: "ExpertIndex", where) -> None:
     """Bits/group/mode MLX can serve, and tensor shapes/dtypes that follow from them."""
     if index.mode not in QUANT_MODES:
         raise CheckpointError(f"{where}: mode {index.mode!r} is not supported (supported: "
-                              f"{', '.join(QUANT_MODES)}); {_RECONVERT}")
+                              f"{', '.join(QUANT_MODES)}); {RECONVERT}")
     bits, groups = QUANT_MODES[index.mode]
     if index.bits not in bits or index.group_size not in groups:
         raise CheckpointError(f"{where}: bits {index.bits} / group_size {index.group_size} are "
                               f"not supported by {index.mode} (bits {bits}, groups {groups}); "
-                              f"{_RECONVERT}")
+                              f"{RECONVERT}")
     specs = {t.name: t for t in index.tensors}
     halves = set()
     for proj in PROJECTIONS:
@@ -276,7 +273,7 @@ def _check_quant(index: "ExpertIndex", where) -> None:
                 w.shape[1] * 32 != s.shape[1] * index.group_size * index.bits:
             raise CheckpointError(
                 f"{where}: {proj} shapes weight {w.shape} / scales {s.shape} / biases {b.shape} "
-                f"do not fit {index.bits}-bit groups of {index.group_size}; {_RECONVERT}")
+                f"do not fit {index.bits}-bit groups of {index.group_size}; {RECONVERT}")
         for spec in (s, b):
             if spec.dtype not in _HALF:
                 raise CheckpointError(f"{where}: {spec.name} is {spec.dtype}; scales and biases "
@@ -284,7 +281,7 @@ def _check_quant(index: "ExpertIndex", where) -> None:
             halves.add(spec.dtype)
     if len(halves) > 1:
         raise CheckpointError(f"{where}: scales/biases mix dtypes {sorted(halves)}; a conversion "
-                              f"writes one; {_RECONVERT}")
+                              f"writes one; {RECONVERT}")
     gate, up, down = (specs[f"{p}.weight"] for p in PROJECTIONS)
     if gate.shape != up.shape:
         raise CheckpointError(f"{where}: gate_proj {gate.shape} and up_proj {up.shape} differ")
@@ -292,7 +289,7 @@ def _check_quant(index: "ExpertIndex", where) -> None:
     hidden = gate.shape[1] * 32 // index.bits
     if down.shape[0] != hidden or down.shape[1] * 32 // index.bits != inter:
         raise CheckpointError(f"{where}: down_proj {down.shape} does not map the experts' "
-                              f"{inter} features back to {hidden}; {_RECONVERT}")
+                              f"{inter} features back to {hidden}; {RECONVERT}")
 
 
 def make_tensor_specs(shapes: dict[str, tuple[list[int], str]]) -> tuple[list[TensorSpec], int]:
@@ -332,7 +329,3 @@ def unpack_bundle(index: ExpertIndex, buf) -> dict[str, np.ndarray]:
                              dtype=_NP_DTYPES[spec.dtype])
         out[spec.name] = view.reshape(spec.shape)
     return out
-
-
-def numpy_dtype(dtype: str):
-    return _NP_DTYPES[dtype]

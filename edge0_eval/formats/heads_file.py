@@ -7,10 +7,11 @@ with string metadata kind="prerouter", K, owners (JSON list), consumers (JSON li
 owners; optional: absent means owner + 1 for every head), features ("next_token" for heads that
 also see the sampled next token's embedding, in = 2 x hidden + 2E; absent: the published context
 features, in = hidden + 2E), start_layer, width, hidden, num_experts, format_version, source,
-model, model_type. `load_heads` reads published files (which may lack start_layer/width/hidden/
+model, model_type. `read_heads` reads published files (which may lack start_layer/width/hidden/
 num_experts: they are then taken from the shapes) and checks everything against the model it
-will serve. Mixed heads' files (metadata context_consumers) are refused: that kind of head is no
-longer served (issue 26).
+will serve but the (owner, consumer) pairs, which the engine checks against its MoE layers
+(engine/prerouter.py's `load_heads`, which builds the heads). Mixed heads' files (metadata
+context_consumers) are refused: that kind of head is no longer served (issue 26).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from edge0_eval.engine.checks import read_safetensors_header, write_safetensors
-from edge0_eval.engine.prerouter import PrerouterConfig, PrerouterHeads, pair_problems
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.safetensors import read_safetensors_header, write_safetensors
 
 KIND = "prerouter"
 FORMAT_VERSION = 1
@@ -32,8 +33,57 @@ NEXT_TOKEN = "next_token"     # metadata features= of next-token heads (absent: 
 _KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
 
 
-def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = None,
-               dtype=mx.float16) -> Path:
+@dataclass
+class PrerouterConfig:
+    """The heads' shapes and pairing, as a heads file's metadata records them."""
+
+    owners: list[int]          # owner layers N, ascending
+    width: int                 # fc1 width
+    top_k: int                 # the serving K the heads were trained for
+    hidden: int
+    num_experts: int
+    consumers: list[int] | None = None   # layer each owner predicts (None: owner + 1 each)
+    next_token: bool = False   # features end with the sampled next token's input embedding
+
+    def __post_init__(self):
+        if self.consumers is None:
+            self.consumers = [n + 1 for n in self.owners]
+        self.consumers = [int(c) for c in self.consumers]
+        if len(self.consumers) != len(self.owners):
+            raise ValueError(f"consumers {self.consumers} do not pair with owners {self.owners}")
+
+    @property
+    def start_layer(self) -> int:
+        """The first consuming layer."""
+        return min(self.consumers)
+
+    @property
+    def context_dim(self) -> int:
+        """The context features' width: hidden + 2E (next-token heads append the embedding)."""
+        return self.hidden + 2 * self.num_experts
+
+    @property
+    def in_dim(self) -> int:
+        return self.hidden * (2 if self.next_token else 1) + 2 * self.num_experts
+
+    @property
+    def consumer_of(self) -> dict[int, int]:
+        return dict(zip(self.owners, self.consumers))
+
+
+@dataclass(frozen=True)
+class HeadsFile:
+    """A heads file's heads, stacked in owner order: fc1 [O, width, in], fc2 [O, E, width],
+    linear (linear_init) [O, E, in]."""
+
+    config: PrerouterConfig
+    fc1: mx.array
+    fc2: mx.array
+    linear: mx.array
+
+
+def write_heads(path: str | Path, heads: HeadsFile, metadata: dict | None = None,
+                dtype=mx.float16) -> Path:
     """Write heads in the published layout; `metadata` adds/overrides e.g. source and model.
 
     Weights are stored as `dtype` (float16 like the published adapters; None keeps the heads').
@@ -81,13 +131,10 @@ def _int_meta(meta: dict, key: str, path: Path) -> int | None:
                               f"integer") from None
 
 
-def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
+def read_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
                owners: list[int] | None = None, dtype=None,
-               model_type: str | None = None,
-               moe_layers: list[int] | None = None) -> PrerouterHeads:
-    """Load and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
-
-    `moe_layers` (the serving model's) checks every (owner, consumer) pair against it.
+               model_type: str | None = None) -> HeadsFile:
+    """Read and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
 
     `owners` (None: every head in the file) selects heads; each must be present. Any problem
     (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
@@ -171,11 +218,13 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
         raise CheckpointError(f"{where}: metadata features={features!r} is unknown; this build "
                               f"reads 'context' (absent) and {NEXT_TOKEN!r}")
     next_token = features == NEXT_TOKEN
-    in_dim = hidden * (2 if next_token else 1) + 2 * num_experts
     width = int(layers[owners[0]]["fc1"].shape[0])
+    config = PrerouterConfig(owners=owners, width=width, top_k=top_k, hidden=hidden,
+                             num_experts=num_experts, consumers=[consumer_of[n] for n in owners],
+                             next_token=next_token)
     for n in owners:
-        for name, want in (("fc1", (width, in_dim)), ("fc2", (num_experts, width)),
-                           ("linear_init", (num_experts, in_dim))):
+        for name, want in (("fc1", (width, config.in_dim)), ("fc2", (num_experts, width)),
+                           ("linear_init", (num_experts, config.in_dim))):
             got = tuple(layers[n][name].shape)
             if got != want:
                 raise CheckpointError(
@@ -186,26 +235,17 @@ def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     if meta_width is not None and meta_width != width:
         raise CheckpointError(f"{where}: metadata width={meta_width} but fc1 has width {width}")
     _int_meta(meta, "start_layer", path)  # checked for form; the heads define the first consumer
-    consumers = [consumer_of[n] for n in owners]
-    if moe_layers is not None:
-        problems = pair_problems(owners, consumers, list(moe_layers))
-        if problems:
-            raise CheckpointError(f"{where} does not fit this model: {'; '.join(problems)} (MoE "
-                                  f"layers: {list(moe_layers)}); train heads for this model")
-    config = PrerouterConfig(owners=owners, width=width,
-                             top_k=top_k, hidden=hidden, num_experts=num_experts,
-                             consumers=consumers, next_token=next_token)
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
-    heads = PrerouterHeads(config, stack("fc1"), stack("fc2"), stack("linear_init"))
+    fc1, fc2, linear = stack("fc1"), stack("fc2"), stack("linear_init")
     if dtype is not None:
-        heads = heads.astype(dtype)
-    finite = mx.stack([mx.all(mx.isfinite(heads.fc1)), mx.all(mx.isfinite(heads.fc2)),
-                       mx.all(mx.isfinite(heads.linear))]).tolist()
+        fc1, fc2, linear = fc1.astype(dtype), fc2.astype(dtype), linear.astype(dtype)
+    finite = mx.stack([mx.all(mx.isfinite(fc1)), mx.all(mx.isfinite(fc2)),
+                       mx.all(mx.isfinite(linear))]).tolist()
     bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
     if bad:
         raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
                               f"the heads are corrupt, train them again")
-    return heads
+    return HeadsFile(config, fc1, fc2, linear)
 
 
 def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]:
