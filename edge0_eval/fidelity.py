@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 
 from edge0_eval import cli_types as ct
+from edge0_eval import fidelity_bench
 
-from edge0_eval.evaluation.fidelity import (DEFAULT_MAX_NEW, DEFAULT_TOP_K, SOURCES,
-                                            gather_prompts, make_set)
+from edge0_eval.evaluation.fidelity import (DEFAULT_BATCH, DEFAULT_MAX_NEW, DEFAULT_TOP_K,
+                                            SOURCES, gather_prompts, make_set)
 from edge0_eval.evaluation.fidelity_set import ENDS, source_counts, write_set
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
@@ -48,10 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mk.add_argument("--thinking", action="store_true",
                     help="chat template with enable_thinking=True where the template reads it "
                          "(the set records whether it does; default off)")
+    mk.add_argument("--batch", type=ct.positive_int, default=DEFAULT_BATCH, metavar="N",
+                    help=f"continuations the teacher decodes together (default {DEFAULT_BATCH})")
     mk.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench = sub.add_parser("bench", help="teacher-forced scoring speed: decode steps vs pieces "
+                                         "(interleaved, one process)")
+    fidelity_bench.add_arguments(bench)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "bench":
+        return fidelity_bench.run(args)
     if args.limit is not None and args.limit < 1:
         raise ConfigError("--limit must be at least 1")
     sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     fset = make_set(args.teacher, prompts, info, max_new=args.max_new, min_new=args.min_new,
                     top_k=args.top_k,
                     compute_dtype=args.compute_dtype, thinking=args.thinking,
-                    progress=not args.no_progress)
+                    batch=args.batch, progress=not args.no_progress)
     path = write_set(fset, args.out)
     counts = ", ".join(f"{k} {v}" for k, v in source_counts(fset).items())
     positions = sum(len(i["tokens"]) for i in fset["items"])

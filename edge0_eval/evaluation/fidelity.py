@@ -32,6 +32,7 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
@@ -45,6 +46,7 @@ from edge0_eval.evaluation.fidelity_set import FORMAT, fingerprint, score_item, 
 
 DEFAULT_MAX_NEW = 32
 DEFAULT_TOP_K = 20
+DEFAULT_BATCH = 8    # continuations decoded together (the tier configs' batch_size)
 # mlx-lm's generate_step prefill chunk (prefill_step_size): the teacher path mirrors it.
 MLX_PREFILL_STEP = 2048
 # Positions a teacher-forced piece holds. Its logits are [piece, vocab] float32 (a 248,320-id
@@ -156,18 +158,35 @@ def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
             "argmax": [int(a) for a in argmax]}
 
 
-def greedy_tokens(runner, prompt_ids: list[int], max_new: int, stop_ids: set[int]
-                  ) -> list[int]:
-    """The teacher's greedy continuation, decoded one token at a time (the stop token kept)."""
-    tokens: list[int] = []
-    lp = runner.start(prompt_ids)
-    while len(tokens) < max_new:
-        token = int(np.argmax(lp))
-        tokens.append(token)
-        if token in stop_ids or len(tokens) >= max_new:
-            break
-        lp = runner.advance(token)
-    return tokens
+def greedy_continuations(model, prompts: list[list[int]], max_new: int, stop_ids: set[int],
+                         rows: int, progress: bool = False) -> list[list[int]]:
+    """Each prompt's greedy continuation (up to `max_new` tokens, the stop token kept), `rows`
+    decoded together by mlx-lm's BatchGenerator as the teacher arm batches (each prompt
+    prefilled alone). Its rows are then taken from the teacher-forced pass (teacher_rows),
+    which also ends a continuation where a batch rounded a near tie apart from that pass."""
+    gen = BatchGenerator(model, max_tokens=max_new, stop_tokens=[[t] for t in sorted(stop_ids)],
+                         completion_batch_size=max(1, rows), prefill_batch_size=1)
+    bar = tqdm(total=len(prompts), desc="teacher", unit="prompt") if progress else None
+    try:
+        uids = gen.insert([list(p) for p in prompts], [max_new] * len(prompts))
+        out = {uid: [] for uid in uids}
+        left = len(prompts)
+        while left:
+            responses = gen.next_generated()
+            if not responses:
+                raise ConfigError(f"teacher: mlx-lm's BatchGenerator stopped with {left} "
+                                  f"continuations unfinished")
+            for r in responses:
+                out[r.uid].append(int(r.token))
+                if r.finish_reason is not None:
+                    left -= 1
+                    if bar is not None:
+                        bar.update()
+    finally:
+        gen.close()
+        if bar is not None:
+            bar.close()
+    return [out[uid] for uid in uids]
 
 
 def top_ids(lp: np.ndarray, k: int) -> np.ndarray:
@@ -258,12 +277,13 @@ def template_thinks(tokenizer) -> bool:
 
 def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
              max_new: int = DEFAULT_MAX_NEW, min_new: int = 1, top_k: int = DEFAULT_TOP_K,
-             compute_dtype: str = "auto", thinking: bool = False, progress: bool = False,
-             loaded=None) -> dict:
+             compute_dtype: str = "auto", thinking: bool = False, batch: int = DEFAULT_BATCH,
+             progress: bool = False, loaded=None) -> dict:
     """The fidelity set of `prompts` on `teacher` (loaded: an already loaded (model, tokenizer)).
 
     Each prompt's greedy continuation is decoded (up to `max_new` tokens, ending on a stop
-    token), then its rows come from the teacher-forced pass (teacher_rows). A continuation
+    token; `batch` prompts at a time), then its rows come from the teacher-forced pass
+    (teacher_rows). A continuation
     shorter than `min_new` (a long-form set: the teacher stopped early) is left out, counted
     in the set's `left_out`."""
     if max_new < 1 or top_k < 1 or not 1 <= min_new <= max_new:
@@ -276,9 +296,10 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
     items, short = [], []
     with wired_limit(runner.module):
-        for p in _progress(prompts, progress, "teacher"):
-            ids = chat_ids(tokenizer, p.text, thinking)
-            tokens = greedy_tokens(runner, ids, max_new, stop)
+        prompt_ids = [chat_ids(tokenizer, p.text, thinking) for p in prompts]
+        continuations = greedy_continuations(model, prompt_ids, max_new, stop, batch, progress)
+        for p, ids, tokens in zip(_progress(prompts, progress, "teacher rows"), prompt_ids,
+                                  continuations):
             rows = teacher_rows(runner, ids, tokens, top_k)
             kept = len(rows["tokens"])
             end = "near_tie" if kept < len(tokens) else \
