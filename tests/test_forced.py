@@ -91,17 +91,23 @@ def test_forced_pieces_equal_decode_steps(served, mode, heads):
         tokens = [int(t) for t in np.random.default_rng(0).integers(3, 400, size=40)]
         want = _decoded(runner, prompt, tokens)
         for chunk in (7, fid.SCORE_CHUNK):      # pieces cut mid-way, and one piece
-            got = np.stack(list(fid.forced_logprobs(runner, prompt, tokens, chunk)))
-            _assert_same(family, got, want)
-            assert runner.sequence.steps == (len(tokens) - 1 if heads == "wrap"     # one position a piece
-                              else -(-(len(tokens) - 1) // chunk))
+            rows = [runner.start(prompt)]
+            rows += [lp for logits in runner.sequence.forced(tokens[:-1], chunk)
+                     for lp in fid._logprobs(logits)]
+            _assert_same(family, np.stack(rows), want)
+            assert runner.sequence.steps == -(-(len(tokens) - 1) // chunk)
         if mode == "prerouted":
             assert engine.stats()["prerouted_steps"] > 0 and engine.counters.dropped_experts == 0
-        # The scorer returns the same rows at the ids asked for, and the argmax.
+        if heads == "wrap":       # pieces ran to a fixed point, in more than one pass each
+            c = engine.counters
+            assert c.wrap_chunks > 0 and c.wrap_passes > c.wrap_chunks
+        # The scorer returns the same rows at the ids asked for, and the argmax (a wrap
+        # student on the CPU: one position a piece, where a fixed point's passes cost more).
         ids = [[t, *range(5)] for t in tokens]
         lp, argmax = fid.teacher_forced(runner, prompt, tokens, ids)
         _assert_same(family, lp, np.stack([w[np.asarray(r)] for w, r in zip(want, ids)]))
         assert argmax.tolist() == want.argmax(axis=-1).tolist()
+        assert runner.sequence.steps == (len(tokens) - 1 if heads == "wrap" else 1)
     finally:
         engine.close()
 

@@ -378,13 +378,10 @@ class Sequence:
         """Teacher forcing: consume `tokens` in pieces of up to `chunk` positions, one step a
         piece, yielding each piece's logits [L, vocab] (after each of its tokens, as `step`
         gives them one at a time). Prerouted, a piece routes each position on the heads'
-        prediction from the position before it, made in the pass (step.py); a wrap-around
-        head's consumer runs before its owner, so under one the pieces are single positions."""
+        prediction from the position before it, made in the pass; under a wrap-around head
+        a piece runs to a fixed point, in passes (step.py)."""
         if chunk < 1:
             raise ConfigError(f"chunk {chunk}: a piece holds at least one position")
-        prerouter = self.engine.prerouter
-        if self.plans is not None and prerouter is not None and prerouter.wrap is not None:
-            chunk = 1
         for start in range(0, len(tokens), chunk):
             piece = [int(t) for t in tokens[start:start + chunk]]
             self.steps += 1

@@ -55,6 +55,8 @@ class Counters:
     hedge_wasted: int = 0           # misses read anyway (bundles read in vain)
     draft_rows: int = 0             # draft hedge: rows whose token was drafted
     draft_matches: int = 0          # of those, served the drafted token
+    wrap_chunks: int = 0            # chunks run to a fixed point under a wrap-around head
+    wrap_passes: int = 0            # and the passes they took
 
     def since(self, before: "Counters") -> "Counters":
         return Counters(**{f.name: getattr(self, f.name) - getattr(before, f.name)

@@ -83,6 +83,13 @@ class EngineRunner:
         return _logprobs(self.sequence.step(int(token)))
 
     def forced(self, tokens: list[int], chunk: int) -> Iterator[mx.array]:
+        prerouter = self.engine.prerouter
+        if prerouter is not None and prerouter.wrap is not None and \
+                mx.default_device() == mx.cpu:
+            # A wrap-around head's pieces run to a fixed point, in passes (step.py). MLX's CPU
+            # kernels cost the same per row at any piece length (reports/perf.md), so there
+            # every pass past the first costs as much as stepping: one position a piece.
+            chunk = 1
         return self.sequence.forced(tokens, chunk)
 
 
