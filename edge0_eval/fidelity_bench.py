@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     if engine is not None:
         out["engine"] = {k: v for k, v in engine.stats().items()
                          if k in ("mode", "top_k", "slots_per_layer", "lora", "prerouter_owners",
-                                  "prerouter_wrap_around", "prerouter_features")}
+                                  "prerouter_wrap_around", "prerouter_features",
+                                  "wrap_passes_per_chunk")}
         engine.close()
     worst = max(x["max_abs_logprob_diff"] for x in rounds)
     print(f"positions/s: steps {mean['steps']:.3f}, pieces {mean['pieces']:.3f}, ratio "
