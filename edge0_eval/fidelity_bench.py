@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=ct.positive_int, default=2,
                         help="interleaved rounds over the two arms")
     parser.add_argument("--cache", choices=("cold", "warm"), default="warm")
+    parser.add_argument("--wrap-pieces", action="store_true",
+                        help="a wrap-around student in pieces (their fixed point, step.py) even "
+                             "on the CPU, where the scorer steps it: its passes per piece")
     parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
     add_engine_arguments(parser)
 
@@ -54,7 +57,8 @@ def _tokens(vocab: int, n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
 
 
-def _score(runner, arm: str, prompt: list[int], tokens: list[int], chunk: int) -> dict:
+def _score(runner, arm: str, prompt: list[int], tokens: list[int], chunk: int,
+           wrap_pieces: bool) -> dict:
     """One arm's run: (prefill seconds, continuation seconds, log-prob rows)."""
     t0 = time.perf_counter()
     rows = [runner.start(prompt)]
@@ -62,7 +66,8 @@ def _score(runner, arm: str, prompt: list[int], tokens: list[int], chunk: int) -
     if arm == "steps":
         rows += [runner.advance(t) for t in tokens[:-1]]
     else:
-        rows += [lp for logits in runner.forced(tokens[:-1], chunk) for lp in _logprobs(logits)]
+        pieces = runner.sequence.forced if wrap_pieces else runner.forced
+        rows += [lp for logits in pieces(tokens[:-1], chunk) for lp in _logprobs(logits)]
     t2 = time.perf_counter()
     return {"prefill_s": t1 - t0, "score_s": t2 - t1, "rows": np.stack(rows)}
 
@@ -86,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                 if engine is not None and args.cache == "cold":
                     engine.store.evict_page_cache()
                 before = engine.snapshot() if engine is not None else None
-                got[arm] = _score(runner, arm, prompt, tokens, args.chunk)
+                got[arm] = _score(runner, arm, prompt, tokens, args.chunk,
+                                  args.wrap_pieces and engine is not None)
                 if engine is not None:
                     got[arm]["bytes_read"] = engine.snapshot()["bytes"] - before["bytes"]
             diff = float(np.abs(got["pieces"]["rows"] - got["steps"]["rows"]).max())
@@ -108,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
            "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
            "model": str(args.model), "arm_kind": "teacher (mlx-lm)" if args.teacher else
            f"engine {args.mode}", "positions": args.positions, "prompt_tokens":
-           args.prompt_tokens, "chunk": args.chunk, "cache": args.cache, "rounds": rounds,
+           args.prompt_tokens, "chunk": args.chunk, "cache": args.cache,
+           "wrap_pieces": args.wrap_pieces, "rounds": rounds,
            "positions_per_s": mean, "ratio_pieces_over_steps": mean["pieces"] / mean["steps"],
            "bit_identical": all(x["max_abs_logprob_diff"] == 0.0 for x in rounds)}
     if engine is not None:
