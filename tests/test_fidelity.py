@@ -24,53 +24,7 @@ from edge0_eval.evaluation.report import build_report
 REPO = Path(__file__).resolve().parents[1]
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
-MODES = ("resident", "reactive", "prerouted")
-
-
-def _adapters(converted, directory):
-    """Random prerouter heads and a random LoRA (non-zero B) for a converted model."""
-    engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
-    owners = default_owners(engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers)
-    heads = init_heads_from_routers(engine, owners, width=32, seed=0)
-    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
-    heads_path = save_heads(directory / "prerouter.safetensors", heads)
-    apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
-    lora_path = save_adapter(engine.model, directory / "lora.safetensors")
-    engine.close()
-    return heads_path, lora_path
-
-
-@pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
-def served(request, tmp_path_factory):
-    converted = request.getfixturevalue(f"edge0_{request.param}")
-    heads, lora = _adapters(converted, tmp_path_factory.mktemp("adapters"))
-    return converted, heads, lora
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_scorer_equals_step_by_step_decode(served, mode):
-    """Bit-identical on the CPU: the scorer runs the very prefill/step calls generate makes."""
-    converted, heads, lora = served
-    engine = Engine.load(converted, EngineOptions(
-        mode=mode, slots_per_layer=None if mode == "resident" else 6,
-        prerouter_path=str(heads) if mode == "prerouted" else None, lora_path=str(lora)))
-    prompt = engine.tokenizer.encode(PROMPT)
-    result = engine.generate(prompt, max_tokens=10, stop_token_ids=set())
-    tokens = result.tokens
-    assert len(tokens) == 10
-    # generate's loop written out: prefill, then step each token it chose.
-    sequence = engine.sequence()
-    decoded = [fid._logprobs(sequence.prefill(prompt))]
-    decoded += [fid._logprobs(sequence.step(t)) for t in tokens[:-1]]
-    assert [int(np.argmax(lp)) for lp in decoded] == tokens
-    ids = [[t, *range(5)] for t in tokens]
-    lp, argmax = fid.teacher_forced(fid.EngineRunner(engine), prompt, tokens, ids)
-    assert argmax.tolist() == tokens
-    expected = np.stack([d[np.asarray(row)] for d, row in zip(decoded, ids)])
-    assert np.array_equal(lp, expected)
-    if mode == "prerouted":
-        assert engine.stats()["prerouted_steps"] > 0
-    engine.close()
+# The scorer against decode one step at a time, every family and mode: tests/test_forced.py.
 
 
 # --------------------------------------------------------------------------- the set
@@ -300,13 +254,18 @@ def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
         rdir.mkdir(parents=True)
         details = [{"example_abbr": f"edge0_fidelity_{n}", "id": [i], "source": ["humaneval"],
                     "kl": [kl], "agreement": [agree], "nll": [1.0], "greedy_match": [0],
-                    "positions": [12]} for n, (i, (kl, agree)) in enumerate(per_item[arm].items())]
+                    "positions": [12], "kl_positions": [[kl] * 12],
+                    "agree_positions": [[1] * 12]}
+                   for n, (i, (kl, agree)) in enumerate(per_item[arm].items())]
         (rdir / "edge0_fidelity.json").write_text(json.dumps({"kl": 0.0, "details": details}))
         arms[arm] = (arm, Run(tmp_path, list(fr.ARMS), ["edge0_fidelity"], {}, set()))
     section = fr.build(arms)
     assert section["status"] == "ok" and section["items"] == len(per_item["teacher"])
     for arm in fr.ARMS:
         assert section["arms"][arm]["kl"] == pytest.approx(baseline["fidelity"]["arms"][arm]["kl"])
+        positions = section["arms"][arm]["positions"]      # per-position lists, regrouped
+        assert positions["positions"] == 12 * section["items"]
+        assert positions["kl_mean"] == pytest.approx(section["arms"][arm]["kl"])
     assert fr.gate_checks({"fidelity": section}, baseline)[1]["result"] == "pass"
     # A fidelity-only run (no benchmark datasets) is a complete report.
     run = arms["teacher"][1]
@@ -385,3 +344,27 @@ def test_missing_set_stops_the_run_before_any_task(teacher_set, tmp_path, monkey
               check_models=False)
     rows = FidelityDataset.load(path=str(teacher_set[2]), limit=3)
     assert len(rows) == 3 and json.loads(rows[0]["item"])["tokens"]
+
+
+def test_long_form_set_leaves_out_short_continuations_and_ends_each_item(teacher_set):
+    teacher, model, _ = teacher_set
+    loaded = (model, fid.load_teacher(teacher)[1])
+    fset = fid.make_set(teacher, _text_prompts(), {}, max_new=64, min_new=60, top_k=4,
+                        thinking=True, loaded=loaded)
+    short = fset["left_out"]["shorter_than_min_new"]
+    assert short and fset["items"]          # this teacher stops early on some prompts
+    assert {i["id"] for i in fset["items"]} | set(short) == {p.id for p in _text_prompts()}
+    assert all(60 <= len(i["tokens"]) <= 64 and i["end"] in ("stop", "length")
+               for i in fset["items"])
+    # The tiny ChatML template ignores enable_thinking, and the set says so.
+    assert fset["thinking"] and not fset["thinking_in_template"]
+    # A continuation whose token is not the pass's top-1 (a near tie decode rounded apart)
+    # ends just before it; the rows up to there are the pass's.
+    item = fset["items"][0]
+    tokens = list(item["tokens"])
+    tokens[3] = item["topk_ids"][3][1]
+    rows = fid.teacher_rows(fid.MLXRunner(model), item["prompt_ids"], tokens, 4)
+    assert rows["tokens"] == tokens[:3] and rows["topk_ids"] == item["topk_ids"][:3]
+    assert rows["topk_logprobs"] == item["topk_logprobs"][:3]
+    with pytest.raises(ConfigError, match="--min-new"):
+        fid.make_set(teacher, _text_prompts()[:1], {}, max_new=4, min_new=5, loaded=loaded)

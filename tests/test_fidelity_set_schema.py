@@ -18,10 +18,12 @@ from model_wrappers.fidelity_dataset import preflight_problems
 def _valid_set(fingerprint: str = "0" * 64) -> dict:
     items = [{"id": f"t/{n}", "source": "text", "prompt": "p", "prompt_ids": [1, 2, 3 + n],
               "tokens": [4, 5], "topk_ids": [[4, 6], [5, 7]],
-              "topk_logprobs": [[-0.1, -2.5], [-0.2, -3.0]], "rest": [0.05, 0.1]}
+              "topk_logprobs": [[-0.1, -2.5], [-0.2, -3.0]], "rest": [0.05, 0.1], "end": "stop"}
              for n in range(3)]
     return {"format": fs.FORMAT, "teacher": {"name": "t", "fingerprint": fingerprint},
-            "max_new": 8, "top_k": 2, "thinking": False, "sources": {"text": {}}, "items": items}
+            "max_new": 8, "min_new": 2, "top_k": 2, "thinking": False,
+            "thinking_in_template": False, "left_out": {"shorter_than_min_new": []},
+            "sources": {"text": {}}, "items": items}
 
 
 def _write(fset, path):
@@ -37,7 +39,8 @@ def _leaf_paths(fset):
              ("items", 0, "topk_ids", 0, 1), ("items", 0, "topk_logprobs", 1, 0),
              ("items", 0, "rest", 0)]
             + [("items", 0, key) for key in item if key != "prompt"]
-            + [("max_new",), ("top_k",), ("teacher",), ("teacher", "fingerprint"), ("items",)])
+            + [("max_new",), ("min_new",), ("top_k",), ("teacher",), ("teacher", "fingerprint"),
+               ("items",)])
 
 
 def _set_at(fset, path, value):
@@ -108,6 +111,25 @@ def _accepted(cases, tmp_path) -> list:
 
 def test_valid_set_reads(tmp_path):
     assert fs.read_set(_write(_valid_set(), tmp_path / "s.json"))["top_k"] == 2
+
+
+def test_v1_sets_still_read_and_v2_needs_its_fields(tmp_path):
+    """v1 (rows decoded one step at a time; no min_new, left_out, end) stays readable."""
+    v1 = _valid_set()
+    v1["format"] = "edge0-eval/fidelity/v1"
+    for key in ("min_new", "thinking_in_template", "left_out"):
+        v1.pop(key)
+    for item in v1["items"]:
+        item.pop("end")
+    assert fs.read_set(_write(v1, tmp_path / "v1.json"))["format"].endswith("/v1")
+    short = _valid_set()
+    short["min_new"] = 3                     # its items hold 2 tokens
+    with pytest.raises(Exception, match="min_new..max_new"):
+        fs.read_set(_write(short, tmp_path / "short.json"))
+    v2 = _valid_set()
+    v2["items"][1].pop("end")
+    with pytest.raises(Exception, match="end None"):
+        fs.read_set(_write(v2, tmp_path / "v2.json"))
 
 
 def test_fuzzed_sets_are_each_one_clear_error(tmp_path):

@@ -17,6 +17,7 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -374,3 +375,21 @@ class Sequence:
             where=f"at decode step {self.steps} (position {self.position})")
         self.position += 1
         return logits[0]
+
+    def forced(self, tokens: list[int], chunk: int) -> Iterator[mx.array]:
+        """Teacher forcing: consume `tokens` in pieces of up to `chunk` positions, one step a
+        piece, yielding each piece's logits [L, vocab] (after each of its tokens, as `step`
+        gives them one at a time). Prerouted, a piece routes each position on the heads'
+        prediction from the position before it, made in the pass; under a wrap-around head
+        a piece runs to a fixed point, in passes (step.py)."""
+        if chunk < 1:
+            raise ConfigError(f"chunk {chunk}: a piece holds at least one position")
+        for start in range(0, len(tokens), chunk):
+            piece = [int(t) for t in tokens[start:start + chunk]]
+            self.steps += 1
+            logits, self.plans = self.engine.step(
+                mx.array([piece]), self.cache, self.plans, all_logits=True,
+                where=f"teacher-forced at positions {self.position}.."
+                      f"{self.position + len(piece) - 1}")
+            self.position += len(piece)
+            yield logits[0]

@@ -55,6 +55,8 @@ class Counters:
     hedge_wasted: int = 0           # misses read anyway (bundles read in vain)
     draft_rows: int = 0             # draft hedge: rows whose token was drafted
     draft_matches: int = 0          # of those, served the drafted token
+    wrap_chunks: int = 0            # chunks run to a fixed point under a wrap-around head
+    wrap_passes: int = 0            # and the passes they took
 
     def since(self, before: "Counters") -> "Counters":
         return Counters(**{f.name: getattr(self, f.name) - getattr(before, f.name)
@@ -242,23 +244,30 @@ class StreamingSwitchGLU(nn.Module):
         return self._call_in_groups(x, indices, ids, unique)
 
     def _call_in_groups(self, x, indices, ids, unique):
-        """More distinct experts than slots (long prefill): load them a slot-full at a time.
+        """More distinct experts than slots (a long prefill, a scored chunk): load them a
+        slot-full at a time, each expert read once.
 
-        Each (token, k) pair is computed in exactly one group and other groups add exact
-        zeros, so results equal the single-pass computation.
+        Each (token, k) pair is computed once, in the group holding its expert, and put back in
+        its place: a row's result does not depend on its batch mates (tests/test_fidelity.py
+        checks chunked against one-position passes), so results equal the single-pass
+        computation, at the single pass's compute.
         """
         io = self._io
-        n = io.slots.n_slots
-        out = None
+        n, k = io.slots.n_slots, ids.shape[-1]
+        flat = ids.reshape(-1)
+        rows = x.reshape(-1, x.shape[-1])
+        parts, where = [], []
         for start in range(0, len(unique), n):
             group = unique[start: start + n]
             self.load_experts(group)
-            member = mx.array(np.isin(ids, group))
-            slot_ids = mx.where(member, io.lut[indices], 0)
-            part = mx.where(member[..., None], self.glu(x, slot_ids), 0)
-            out = part if out is None else out + part
-            mx.eval(out)  # before the next group overwrites these slots
-        return out
+            pairs = np.flatnonzero(np.isin(flat, group))
+            slot_ids = io.lut[mx.array(flat[pairs].astype(np.int32))][:, None]
+            part = self.glu(rows[mx.array(pairs // k)], slot_ids)[:, 0]
+            mx.eval(part)  # before the next group overwrites these slots
+            parts.append(part)
+            where.append(pairs)
+        back = mx.array(np.argsort(np.concatenate(where)).astype(np.int32))
+        return mx.concatenate(parts)[back].reshape(*ids.shape, -1)
 
     # -- staging (prerouted decode) ---------------------------------------------------------
     def stage_begin(self, experts: list[int], hedge: "StagedSet | None" = None) -> "StagedSet":

@@ -233,6 +233,8 @@ class Prerouter:
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": self.wrap is not None,
+            # Chunks (teacher forcing, prefill pieces with plans) under a wrap-around head.
+            "wrap_passes_per_chunk": c.wrap_passes / c.wrap_chunks if c.wrap_chunks else None,
             "prerouter_features": "next_token" if self.next_token else "context",
         }
         if self.draft is not None:

@@ -21,7 +21,12 @@ the engine keeps neither. One prerouted decode step, top to bottom:
 A chunk of L > 1 positions (a prompt piece, a teacher-forced sequence) with plans is planned in
 the pass: consuming layer N+1 runs position t on the owner N head's prediction from position
 t-1, made as soon as layer N has run; position 0 on the carried plan (else its true router).
-A wrap-around head's consumer runs before its owner, so such heads step one position at a time.
+A wrap-around head's consumer (the first MoE layer) runs before its owner (the last), and the
+owner's features at t depend on the consumer's output at t, so no layer order computes such a
+chunk in one pass: it runs to a fixed point instead (`_fixed_point`): the consumer's routes are
+guessed (first its router), the chunk runs, and runs again on the owner's predictions until they
+reproduce the routes it ran on. That is the sequential result (each pass fixes at least the
+first position it guessed wrong: at most L passes) at the cost of the passes it takes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from typing import Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from edge0_eval.engine.moe import Counters
 from edge0_eval.engine.moe_blocks import Route
@@ -38,6 +44,8 @@ from edge0_eval.errors import ConfigError, Edge0Error
 
 # How a decoder layer is called: call(i, layer, *args, **kwargs) (training: mx.checkpoint).
 LayerCall = Callable[..., mx.array]
+# A wrap consumer's guess for a chunk's first fixed-point pass: its router after position 0.
+WRAP_ROUTER = "router"
 
 
 class NonFiniteError(Edge0Error):
@@ -77,7 +85,10 @@ class DecodeStep:
             plans = pr.plan(plans, tokens[:, 0], stage=stage)
         if stage and plans is not None and plans.layers:
             self.counters.prerouted_steps += 1
-        h, events = self.forward(tokens, cache, plans, planned=planned)
+        if plans is not None and pr.wrap is not None and tokens.shape[1] > 1:
+            h, events = self._fixed_point(tokens, cache, plans, planned)
+        else:
+            h, events = self.forward(tokens, cache, plans, planned=planned)
         following = pr.after_step(plans, h, samplers, stage=stage) \
             if pr is not None and plan_next else None
         logits = self.logits(h if all_logits else h[:, -1:])
@@ -102,18 +113,24 @@ class DecodeStep:
 
     def forward(self, tokens: mx.array, cache: list, plans: Plans | None = None, *,
                 planned: mx.array | None = None, replay: dict[int, mx.array] | None = None,
-                call: LayerCall | None = None) -> tuple[mx.array, mx.array | None]:
+                call: LayerCall | None = None, wrap_ahead: mx.array | str | None = None
+                ) -> tuple[mx.array, mx.array | None]:
         """The layer loop, lazily: the last layer's output [B, L, H], and how many values the
         clipping changed (None: off). `replay` (layer -> ids [B, L, K], in the slots) fixes
-        every MoE layer's experts: training's gradient pass, with `call` checkpointing."""
+        every MoE layer's experts: training's gradient pass, with `call` checkpointing.
+        `wrap_ahead`: under a wrap-around head, a chunk's guess for its consumer, as the
+        owner's `predict` gives them (entry t for position t + 1), or WRAP_ROUTER (its router
+        after position 0): one pass of `_fixed_point`."""
         pr = self.prerouter if plans is not None else None
         length = tokens.shape[1]
-        if pr is not None and length > 1 and pr.wrap is not None:
-            raise ConfigError("a wrap-around prerouter head plans one position at a time: "
-                              "step the tokens one by one")
+        wrap = pr.wrap if pr is not None and length > 1 else None
+        if wrap is not None and wrap_ahead is None:
+            raise ConfigError("a wrap-around prerouter head's consumer runs before its owner: "
+                              "a chunk of several positions runs to a fixed point (call the "
+                              "step), or step the tokens one by one")
         h = self.embed(tokens)
         layer_args = self.family.layer_args(self.text, h, cache)
-        events, ahead = None, {}
+        events, ahead = None, ({} if wrap is None else {wrap[1]: wrap_ahead})
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             block = self.blocks.get(i)
             if block is not None:
@@ -132,11 +149,46 @@ class DecodeStep:
                 ahead[i + 1] = pr.predict(i, tokens, plans)
         return h, events
 
-    def _planned_route(self, layer: int, h: mx.array, plans: Plans, ahead: mx.array | None,
-                       planned: mx.array | None) -> Route | None:
+    def _fixed_point(self, tokens: mx.array, cache: list, plans: Plans,
+                     planned: mx.array | None) -> tuple[mx.array, mx.array | None]:
+        """A chunk under a wrap-around head (see the module's docstring): passes of `forward`
+        until the owner's predictions reproduce the routes the consumer ran on, the caches
+        rewound to the chunk's start between passes. Passes and chunks are counted."""
+        owner, consumer = self.prerouter.wrap
+        marks = [_mark(c) for c in cache]
+        guess: mx.array | str = WRAP_ROUTER
+        while True:
+            h, events = self.forward(tokens, cache, plans, planned=planned, wrap_ahead=guess)
+            self.counters.wrap_passes += 1
+            predicted = self.prerouter.predict(owner, tokens, plans)
+            same = (predicted[:, :-1] == self.blocks[consumer].last[1][:, 1:]).all(axis=-1)
+            if planned is not None:       # where the router runs, no plan to reproduce
+                same = mx.logical_or(same, mx.logical_not(planned[:, 1:]))
+            if same.all().item():
+                self.counters.wrap_chunks += 1
+                return h, events
+            for c, mark in zip(cache, marks):
+                _rewind(c, mark)
+            guess = predicted
+            # The carried plans' staged sets are in the slots now: their ids only.
+            plans = Plans(plans.feats, plans.onehot,
+                          {n: (ids, None) for n, (ids, _) in plans.layers.items()})
+
+    def _planned_route(self, layer: int, h: mx.array, plans: Plans,
+                       ahead: mx.array | str | None, planned: mx.array | None) -> Route | None:
         """Layer `layer`'s route: its plan at position 0 (waiting for its staged reads first),
-        `ahead` (predicted in this pass) at positions 1.., the router where neither is."""
+        `ahead` (predicted in this pass, or a fixed-point guess) at positions 1.., the router
+        where neither is (WRAP_ROUTER: the router after position 0)."""
         plan = plans.layers.get(layer)
+        if isinstance(ahead, str):
+            if plan is None:
+                return None
+            inds = plan[0]
+            if plan[1] is not None:
+                self.prerouter.finish(layer, plan[1])
+            first = mx.arange(h.shape[1])[None] == 0
+            return Route(mx.broadcast_to(inds, (inds.shape[0], h.shape[1], inds.shape[-1])),
+                         mask=first if planned is None else mx.logical_and(planned, first))
         if plan is None and ahead is None:
             return None
         if plan is not None:
@@ -157,3 +209,22 @@ class DecodeStep:
     def logits(self, h: mx.array) -> mx.array:
         out = self.norm(h)
         return self.head.as_linear(out) if self.tied else self.head(out)
+
+
+def _mark(c):
+    """Where a layer's cache stands, to rewind a fixed-point pass: a KV cache's offset (a
+    rerun overwrites what lies beyond it), a recurrent cache's arrays (replaced, not written
+    in place, by a pass)."""
+    if isinstance(c, ArraysCache):
+        return list(c.cache), c.left_padding, c.lengths
+    if c is not None and c.is_trimmable():
+        return c.offset
+    raise ConfigError(f"a fixed-point pass cannot rewind a {type(c).__name__}: step the "
+                      f"tokens one by one")
+
+
+def _rewind(c, mark) -> None:
+    if isinstance(c, ArraysCache):
+        c.cache, c.left_padding, c.lengths = list(mark[0]), mark[1], mark[2]
+    else:
+        c.trim(c.offset - mark)

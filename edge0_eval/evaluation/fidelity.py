@@ -27,10 +27,12 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
@@ -44,8 +46,13 @@ from edge0_eval.evaluation.fidelity_set import FORMAT, fingerprint, score_item, 
 
 DEFAULT_MAX_NEW = 32
 DEFAULT_TOP_K = 20
+DEFAULT_BATCH = 8    # continuations decoded together (the tier configs' batch_size)
 # mlx-lm's generate_step prefill chunk (prefill_step_size): the teacher path mirrors it.
 MLX_PREFILL_STEP = 2048
+# Positions a teacher-forced piece holds. Its logits are [piece, vocab] float32 (a 248,320-id
+# vocabulary: 1 MB a position, twice with the log-probs): 128 keeps that near 0.25 GB, and
+# bailing_hybrid's GLA sums a piece in blocks of 128 (a piece is one block).
+SCORE_CHUNK = 128
 # OpenCompass's humaneval_gen prompt.
 HUMANEVAL_TEMPLATE = "Complete the following python code:\n{prompt}"
 SOURCES = ("humaneval", "ifbench")
@@ -54,13 +61,15 @@ SOURCES = ("humaneval", "ifbench")
 # --------------------------------------------------------------------------- runners
 
 def _logprobs(logits: mx.array) -> np.ndarray:
-    """Full log-probabilities [vocab] as Engine.generate computes them before sampling."""
-    lp = logits - mx.logsumexp(logits, keepdims=True)
+    """Log-probabilities over the vocabulary (last axis) as Engine.generate computes them before
+    sampling: [vocab] for one position, [L, vocab] for a piece (row by row the same bits)."""
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return np.array(lp.astype(mx.float32))
 
 
 class EngineRunner:
-    """The Edge0 engine's decode path: a new sequence, its prefill, then one step per token."""
+    """The Edge0 engine's served path: a new sequence, its prefill, then the teacher's tokens
+    in pieces (`Sequence.forced`) or one step per token (`advance`, as generate)."""
 
     def __init__(self, engine):
         self.engine, self.sequence = engine, None
@@ -73,10 +82,21 @@ class EngineRunner:
     def advance(self, token: int) -> np.ndarray:
         return _logprobs(self.sequence.step(int(token)))
 
+    def forced(self, tokens: list[int], chunk: int) -> Iterator[mx.array]:
+        prerouter = self.engine.prerouter
+        if prerouter is not None and prerouter.wrap is not None and \
+                mx.default_device() == mx.cpu:
+            # A wrap-around head's pieces run to a fixed point, in passes (step.py). MLX's CPU
+            # kernels cost the same per row at any piece length (reports/perf.md), so there
+            # every pass past the first costs as much as stepping: one position a piece.
+            chunk = 1
+        return self.sequence.forced(tokens, chunk)
+
 
 class MLXRunner:
     """An mlx-lm model over a prompt cache, as mlx_lm.generate_step runs it: the prompt but its
-    last token in chunks, then the last token and every continuation token one at a time."""
+    last token in chunks, then the last token alone; after that the teacher's tokens in pieces
+    (`forced`) or one at a time (`advance`)."""
 
     def __init__(self, model):
         self.model = self.module = model
@@ -85,7 +105,7 @@ class MLXRunner:
     def _forward(self, tokens: list[int]) -> mx.array:
         logits = self.model(mx.array(tokens)[None], cache=self.cache)
         mx.eval(logits)
-        return logits[0, -1]
+        return logits[0]
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:
         if not prompt_ids:
@@ -97,28 +117,42 @@ class MLXRunner:
             # needed, and it is the biggest single op.
             self.model(mx.array(head[i:i + MLX_PREFILL_STEP])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        return _logprobs(self._forward([int(prompt_ids[-1])]))
+        return _logprobs(self._forward([int(prompt_ids[-1])])[-1])
 
     def advance(self, token: int) -> np.ndarray:
-        return _logprobs(self._forward([int(token)]))
+        return _logprobs(self._forward([int(token)])[-1])
+
+    def forced(self, tokens: list[int], chunk: int) -> Iterator[mx.array]:
+        if chunk < 1:
+            raise ConfigError(f"chunk {chunk}: a piece holds at least one position")
+        for start in range(0, len(tokens), chunk):
+            yield self._forward([int(t) for t in tokens[start:start + chunk]])
 
 
 def runner_for(model) -> EngineRunner | MLXRunner:
     return EngineRunner(model) if isinstance(model, Engine) else MLXRunner(model)
 
 
-def teacher_forced(runner, prompt_ids: list[int], tokens: list[int],
-                   ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def forced_logprobs(runner, prompt_ids: list[int], tokens: list[int],
+                    chunk: int = SCORE_CHUNK) -> Iterator[np.ndarray]:
+    """The model's log-probs [vocab] before each of `tokens` (the first after the prompt), the
+    tokens forced in pieces of `chunk` positions: prefill, then teacher-forced pieces."""
+    if not tokens:
+        return
+    yield runner.start(prompt_ids)
+    for logits in runner.forced(tokens[:-1], chunk):
+        yield from _logprobs(logits)
+
+
+def teacher_forced(runner, prompt_ids: list[int], tokens: list[int], ids: list[list[int]],
+                   chunk: int = SCORE_CHUNK) -> tuple[np.ndarray, np.ndarray]:
     """(log-probs at `ids[i]` [P, K] float32, argmax [P]) with the teacher's tokens forced."""
     if len(ids) != len(tokens):
         raise ConfigError(f"{len(tokens)} tokens but {len(ids)} rows of top-k ids")
     rows, argmax = [], []
-    lp = runner.start(prompt_ids)
-    for i, token in enumerate(tokens):
+    for i, lp in enumerate(forced_logprobs(runner, prompt_ids, tokens, chunk)):
         rows.append(lp[np.asarray(ids[i], dtype=np.int64)])
         argmax.append(int(np.argmax(lp)))
-        if i + 1 < len(tokens):
-            lp = runner.advance(token)
     return np.stack(rows).astype(np.float32), np.asarray(argmax, dtype=np.int64)
 
 
@@ -131,23 +165,64 @@ def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
             "argmax": [int(a) for a in argmax]}
 
 
-def greedy_continuation(runner, prompt_ids: list[int], max_new: int, top_k: int,
-                        stop_ids: set[int]) -> dict:
-    """The teacher's greedy continuation and its top-k log-probs at every position."""
-    tokens, topk_ids, topk_lp = [], [], []
-    lp = runner.start(prompt_ids)
-    while len(tokens) < max_new:
-        # Stable sort: the first of equal maxima comes first, as np.argmax picks it.
-        order = np.argsort(-lp, kind="stable")[:top_k]
-        token = int(order[0])
-        tokens.append(token)
-        topk_ids.append([int(i) for i in order])
-        topk_lp.append([float(v) for v in lp[order]])
-        if token in stop_ids or len(tokens) >= max_new:
+def greedy_continuations(model, prompts: list[list[int]], max_new: int, stop_ids: set[int],
+                         rows: int, progress: bool = False) -> list[list[int]]:
+    """Each prompt's greedy continuation (up to `max_new` tokens, the stop token kept), `rows`
+    decoded together by mlx-lm's BatchGenerator as the teacher arm batches (each prompt
+    prefilled alone). Its rows are then taken from the teacher-forced pass (teacher_rows),
+    which also ends a continuation where a batch rounded a near tie apart from that pass."""
+    gen = BatchGenerator(model, max_tokens=max_new, stop_tokens=[[t] for t in sorted(stop_ids)],
+                         completion_batch_size=max(1, rows), prefill_batch_size=1)
+    bar = tqdm(total=len(prompts), desc="teacher", unit="prompt") if progress else None
+    try:
+        uids = gen.insert([list(p) for p in prompts], [max_new] * len(prompts))
+        out = {uid: [] for uid in uids}
+        left = len(prompts)
+        while left:
+            responses = gen.next_generated()
+            if not responses:
+                raise ConfigError(f"teacher: mlx-lm's BatchGenerator stopped with {left} "
+                                  f"continuations unfinished")
+            for r in responses:
+                out[r.uid].append(int(r.token))
+                if r.finish_reason is not None:
+                    left -= 1
+                    if bar is not None:
+                        bar.update()
+    finally:
+        gen.close()
+        if bar is not None:
+            bar.close()
+    return [out[uid] for uid in uids]
+
+
+def top_ids(lp: np.ndarray, k: int) -> np.ndarray:
+    """The k largest entries' ids, largest first, equal values in id order (as a stable sort
+    of the whole row orders them, and np.argmax picks the first); without sorting the row."""
+    if k >= lp.size:
+        return np.argsort(-lp, kind="stable")[:k]
+    kth = np.partition(lp, lp.size - k)[lp.size - k]
+    candidates = np.flatnonzero(lp >= kth)
+    return candidates[np.argsort(-lp[candidates], kind="stable")][:k]
+
+
+def teacher_rows(runner, prompt_ids: list[int], tokens: list[int], top_k: int) -> dict:
+    """The set's item for a continuation: at each position the teacher's top-k log-probs from
+    the pass its own arm is scored with (teacher_forced), so the teacher reproduces them bit
+    for bit. The item ends before the first position whose top-1 is not the continuation's
+    token: a near tie that decode and the pass round apart (only in families whose pieces and
+    single steps round differently, bailing_hybrid's GLA); `end` says "near_tie" then."""
+    out = {"tokens": [], "topk_ids": [], "topk_logprobs": []}
+    for token, lp in zip(tokens, forced_logprobs(runner, prompt_ids, tokens)):
+        order = top_ids(lp, top_k)
+        if int(order[0]) != token:
             break
-        lp = runner.advance(token)
-    return {"tokens": tokens, "topk_ids": topk_ids, "topk_logprobs": topk_lp,
-            "rest": [float(r) for r in tail_mass(np.asarray(topk_lp, dtype=np.float32))]}
+        out["tokens"].append(token)
+        out["topk_ids"].append([int(i) for i in order])
+        out["topk_logprobs"].append([float(v) for v in lp[order]])
+    out["rest"] = [float(r) for r in tail_mass(np.asarray(out["topk_logprobs"],
+                                                          dtype=np.float32))]
+    return out
 
 
 def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
@@ -199,30 +274,59 @@ class Prompt:
     text: str
 
 
+def template_thinks(tokenizer) -> bool:
+    """Whether the chat template reads enable_thinking (its prompt text changes with it)."""
+    chat = [{"role": "user", "content": "hi"}]
+    texts = {tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=on) for on in (False, True)}
+    return len(texts) == 2
+
+
 def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
-             max_new: int = DEFAULT_MAX_NEW, top_k: int = DEFAULT_TOP_K,
-             compute_dtype: str = "auto", thinking: bool = False, progress: bool = False,
-             loaded=None) -> dict:
-    """The fidelity set of `prompts` on `teacher` (loaded: an already loaded (model, tokenizer))."""
-    if max_new < 1 or top_k < 1:
-        raise ConfigError("--max-new and --top-k must be at least 1")
+             max_new: int = DEFAULT_MAX_NEW, min_new: int = 1, top_k: int = DEFAULT_TOP_K,
+             compute_dtype: str = "auto", thinking: bool = False, batch: int = DEFAULT_BATCH,
+             progress: bool = False, loaded=None) -> dict:
+    """The fidelity set of `prompts` on `teacher` (loaded: an already loaded (model, tokenizer)).
+
+    Each prompt's greedy continuation is decoded (up to `max_new` tokens, ending on a stop
+    token; `batch` prompts at a time), then its rows come from the teacher-forced pass
+    (teacher_rows). A continuation
+    shorter than `min_new` (a long-form set: the teacher stopped early) is left out, counted
+    in the set's `left_out`."""
+    if max_new < 1 or top_k < 1 or not 1 <= min_new <= max_new:
+        raise ConfigError("--max-new and --top-k must be at least 1, and --min-new between 1 "
+                          "and --max-new")
     if not prompts:
         raise ConfigError("no prompts: give --prompts-from and/or --text")
     model, tokenizer = loaded or load_teacher(teacher, compute_dtype)
     runner = MLXRunner(model)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    items = []
+    items, short = [], []
     with wired_limit(runner.module):
-        for p in _progress(prompts, progress, "teacher"):
-            ids = chat_ids(tokenizer, p.text, thinking)
+        prompt_ids = [chat_ids(tokenizer, p.text, thinking) for p in prompts]
+        continuations = greedy_continuations(model, prompt_ids, max_new, stop, batch, progress)
+        for p, ids, tokens in zip(_progress(prompts, progress, "teacher rows"), prompt_ids,
+                                  continuations):
+            rows = teacher_rows(runner, ids, tokens, top_k)
+            kept = len(rows["tokens"])
+            end = "near_tie" if kept < len(tokens) else \
+                "stop" if tokens[-1] in stop else "length"
+            if kept < min_new:
+                short.append(p.id)
+                continue
             items.append({"id": p.id, "source": p.source, "prompt": p.text, "prompt_ids": ids,
-                          **greedy_continuation(runner, ids, max_new, top_k, stop)})
+                          **rows, "end": end})
+    if not items:
+        raise ConfigError(f"every continuation ended before --min-new {min_new} tokens; lower "
+                          f"it or give prompts that ask for long answers")
     config = json.loads((Path(teacher) / "config.json").read_text())
     return {"format": FORMAT,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "teacher": {"name": Path(teacher).name, "fingerprint": fingerprint(teacher),
                         "model_type": config.get("model_type"), "compute_dtype": compute_dtype},
-            "max_new": max_new, "top_k": top_k, "thinking": thinking,
+            "max_new": max_new, "min_new": min_new, "top_k": top_k, "thinking": thinking,
+            "thinking_in_template": template_thinks(tokenizer),
+            "left_out": {"shorter_than_min_new": short},
             "sources": sources, "items": items}
 
 

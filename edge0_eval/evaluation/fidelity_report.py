@@ -31,6 +31,7 @@ import json
 import math
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation import fidelity_positions
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, METRICS
 from edge0_eval.evaluation.outputs import Run
 
@@ -45,6 +46,7 @@ MIN_KL_RISE = 1e-4                  # nats: below this a rise is float noise
 DEFAULT_MAX_AGREEMENT_DROP = 2.0    # points
 # The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
 SANITY_KL = 1e-9
+POSITION_KEYS = ("kl_positions", "agree_positions")   # fidelity_set.score_item's
 
 
 def is_fidelity(dataset: str) -> bool:
@@ -54,6 +56,13 @@ def is_fidelity(dataset: str) -> bool:
 def _first(value):
     # OpenCompass regroups details per example, each key a list over replicas (n = 1 here).
     return value[0] if isinstance(value, list) and value else value
+
+
+def _per_position(value) -> list | None:
+    """A per-position list of a detail, regrouped ([[...]]) or not ([...]); None if absent."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        value = value[0]
+    return value if isinstance(value, list) else None
 
 
 def load_arm(abbr: str, run: Run) -> dict:
@@ -87,6 +96,9 @@ def load_arm(abbr: str, run: Run) -> dict:
             out["notes"].append(f"{path}: item {_first(detail['id'])} lacks one of {METRICS}")
             return out
         row["source"] = str(_first(detail.get("source", "")))
+        # Results written before per-position figures were recorded have none (no profile).
+        for key in POSITION_KEYS:
+            row[key] = _per_position(detail.get(key))
         out["items"][str(_first(detail["id"]))] = row
     out["status"] = "ok" if out["items"] else "failed"
     return out
@@ -138,7 +150,8 @@ def build(arms: dict) -> dict | None:
 def arm_items(abbr: str, rows: list[dict]) -> dict:
     """load_arm's shape from scored rows (fidelity.score_model): for tests and tools."""
     return {"abbr": abbr, "status": "ok", "dataset": DATASET_ABBR, "notes": [],
-            "items": {r["id"]: {**{m: float(r[m]) for m in METRICS}, "source": r["source"]}
+            "items": {r["id"]: {**{m: float(r[m]) for m in METRICS}, "source": r["source"],
+                                **{k: r.get(k) for k in POSITION_KEYS}}
                       for r in rows}}
 
 
@@ -162,6 +175,14 @@ def summarize(loaded: dict) -> dict:
             entry["by_source"] = {s: _summary(got["items"], [i for i in ids if
                                                              got["items"][i]["source"] == s],
                                               versus) for s in sources}
+            rows = [got["items"][i] for i in ids]
+            if all(r.get("kl_positions") is not None for r in rows):
+                entry["positions"] = fidelity_positions.profile(
+                    [(r["kl_positions"], r["agree_positions"]) for r in rows])
+            else:
+                notes.append(f"fidelity: {arm} {got['abbr']}: no per-position figures (results "
+                             f"from before they were recorded); re-run its fidelity task for "
+                             f"the position view")
         table[arm] = entry
     per_item = {arm: {i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
                       for i in ids} for arm, e in table.items() if e["status"] == "ok" and ids}
@@ -179,7 +200,8 @@ def summarize(loaded: dict) -> dict:
         if not sanity["ok"]:
             notes.append(f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
                          f"{t['agreement']:.2f} on its own set: the set was made from another "
-                         f"teacher or path")
+                         f"teacher or path (a v1 set of a bailing_hybrid teacher: make it again, "
+                         f"fidelity_set.py)")
     ok = (bool(ids) and all(e["status"] == "ok" for e in table.values())
           and bool(sanity and sanity["ok"]))
     return {"status": "ok" if ok else "incomplete", "items": len(ids),
@@ -246,6 +268,7 @@ def markdown(fid: dict | None) -> str:
     if fid["notes"]:
         md.extend(f"- {n}" for n in fid["notes"])
         md.append("")
+    md.append(fidelity_positions.markdown(fid["arms"]))
     md.append("![fidelity](fidelity.png)\n")
     return "\n".join(md)
 
@@ -260,7 +283,8 @@ def write_plot(fid: dict | None, path) -> None:
     arms = [a for a in ARMS if fid["arms"].get(a, {}).get("status") == "ok"
             and "kl" in fid["arms"][a]]
     groups = ["all"] + sorted({s for a in arms for s in fid["arms"][a].get("by_source", {})})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    by_position = any(fid["arms"].get(a, {}).get("positions") for a in arms)
+    fig, axes = plt.subplots(1, 3 if by_position else 2, figsize=(16 if by_position else 11, 4))
     width = 0.8 / max(1, len(arms))
     for ax, metric, label in ((axes[0], "kl", "KL(teacher || arm), nats (lower is better)"),
                               (axes[1], "agreement", "top-1 agreement, % (higher is better)")):
@@ -275,7 +299,10 @@ def write_plot(fid: dict | None, path) -> None:
         ax.set_xticks(range(len(groups)), groups)
         ax.set_title(label, fontsize=9)
     axes[1].set_ylim(0, 105)
-    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))   # off the bars
+    if by_position:
+        fidelity_positions.plot(axes[2], {a: fid["arms"][a] for a in arms})
+    else:
+        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
     fig.suptitle(f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
                  f"interval vs the teacher)", fontsize=10)
     fig.tight_layout()

@@ -2,13 +2,20 @@
 without MLX). The set is made by edge0_eval/evaluation/fidelity.py (`edge0-eval fidelity make`).
 
 File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
-"edge0-eval/fidelity/v1":
+"edge0-eval/fidelity/v2":
   teacher   {name, fingerprint (sha256 of config, tokenizer and weight headers), model_type,
              compute_dtype}
-  max_new, top_k, thinking, created, sources {source: {file, items, ...}}
+  max_new, min_new, top_k, thinking (asked), thinking_in_template (the chat template reads
+  it), created, sources {source: {file, items, ...}}, left_out {shorter_than_min_new: [ids]}
   items     [{id, source, prompt (text), prompt_ids (chat template applied), tokens (the
              teacher's greedy continuation), topk_ids [P][K] (first = the token),
-             topk_logprobs [P][K], rest [P] (1 - top-k mass)}]
+             topk_logprobs [P][K], rest [P] (1 - top-k mass), end ("stop", "length", or
+             "near_tie": cut where decode and the teacher-forced pass round a tie apart)}]
+v2's rows come from the teacher-forced pass every arm is scored with (fidelity.teacher_rows);
+v1's (no min_new, left_out, end) were decoded one step at a time. Both read: the two are the
+same bits where a piece computes the bits of single steps (qwen3_5_moe, qwen2_moe:
+tests/test_fidelity.py); for bailing_hybrid a v1 set's teacher arm misses the exact sanity
+check (KL 0, agreement 100) by rounding, and the fix is to make the set again.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import numpy as np
 
 from edge0_eval.errors import ConfigError
 
-FORMAT = "edge0-eval/fidelity/v1"
+FORMAT = "edge0-eval/fidelity/v2"
+READABLE = ("edge0-eval/fidelity/v1", FORMAT)
+ENDS = ("stop", "length", "near_tie")
 # Where `data stage` lays a set and configs/datasets/edge0_fidelity.py looks (under the data root).
 SET_PATH = "data/fidelity/fidelity_set.json"
 # The dataset abbr of configs/datasets/edge0_fidelity.py; the report tells fidelity rows by it.
@@ -57,10 +66,13 @@ def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
     agree = argmax == tokens
     miss = np.flatnonzero(~agree)
     # tokens[i] is the teacher's argmax, the set's first top-k id: its arm log-prob is column 0.
+    # Per position (fidelity_positions.py): KL to 6 significant digits, agreement 0/1.
     return {"kl": float(kl.mean()), "agreement": float(agree.mean()),
             "nll": float(-a_lp[:, 0].mean()),
             "greedy_match": int(miss[0]) if miss.size else int(tokens.size),
-            "positions": int(tokens.size)}
+            "positions": int(tokens.size),
+            "kl_positions": [float(f"{v:.6g}") for v in kl],
+            "agree_positions": [int(a) for a in agree]}
 
 
 def mean_metrics(rows: list[dict]) -> dict:
@@ -120,18 +132,20 @@ def _is_real(v) -> bool:
 
 
 def _problem(fset) -> str | None:
-    if not isinstance(fset, dict) or fset.get("format") != FORMAT:
+    if not isinstance(fset, dict) or fset.get("format") not in READABLE:
         got = fset.get("format") if isinstance(fset, dict) else type(fset).__name__
-        return f"format {got!r}, expected {FORMAT!r}"
+        return f"format {got!r}, expected one of {READABLE}"
+    v2 = fset["format"] == FORMAT
     for key in ("teacher", "max_new", "top_k", "sources", "items"):
         if key not in fset:
             return f"no {key!r}"
     teacher = fset["teacher"]
     if not isinstance(teacher, dict) or not isinstance(teacher.get("fingerprint"), str):
         return "'teacher' must be an object with a string 'fingerprint'"
-    for key in ("max_new", "top_k"):
-        if not _is_int(fset[key]) or fset[key] < 1:
-            return f"{key!r} is {fset[key]!r}, expected a whole number >= 1"
+    for key in ("max_new", "top_k") + (("min_new",) if v2 else ()):
+        if not _is_int(fset.get(key)) or fset[key] < 1:
+            return f"{key!r} is {fset.get(key)!r}, expected a whole number >= 1"
+    low = fset["min_new"] if v2 else 1
     if not isinstance(fset["items"], list) or not fset["items"]:
         return "no items"
     k = fset["top_k"]
@@ -152,8 +166,10 @@ def _problem(fset) -> str | None:
             if not _is_ids(item[key]):
                 return f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
         p = len(item["tokens"])
-        if not item["prompt_ids"] or not p or p > fset["max_new"]:
-            return f"{where}: empty prompt, or not 1..max_new continuation tokens"
+        if not item["prompt_ids"] or not low <= p <= fset["max_new"]:
+            return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
+        if v2 and item.get("end") not in ENDS:
+            return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
         rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
         if not all(isinstance(r, list) for r in rows) or not all(len(r) == p for r in rows):
             return f"{where}: top-k rows do not match its {p} tokens"
