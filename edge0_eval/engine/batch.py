@@ -64,7 +64,6 @@ class _Row:
     stop: set[int]
     tokens: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
-    prefill_bytes: int = 0
     steps: int = 0                   # decode steps this row took part in
     decode_share_s: float = 0.0      # its share of those steps' wall time (step time / rows)
     decode_wall_s: float = 0.0       # wall time of those steps
@@ -72,6 +71,11 @@ class _Row:
     # row's): reads are shared by the rows of a step.
     decode: Counter = field(default_factory=Counter)
     step_tokens: int = 0
+    prefill: dict = field(default_factory=dict)   # the prefill's snapshot difference
+    # The server's logprobs: None, none; k >= 0, per token (its logprob, the top k (id, logprob)),
+    # of the model's distribution (log-softmax of the logits, before penalties and filters).
+    top_logprobs: int | None = None
+    logprobs: list = field(default_factory=list)
     done: bool = False
     cancelled: bool = False
     error: Exception | None = None   # the exception that ended it (see Faults)
@@ -80,6 +84,18 @@ class _Row:
 def merge_caches(caches: list[list]) -> list:
     """One B = 1 prompt cache per row (a list per layer) -> the batch's cache per layer."""
     return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+
+
+def token_logprobs(logits: mx.array, token: int, k: int) -> tuple[float, list]:
+    """(token's logprob, [(id, logprob)] of the k most likely, most likely first) of one row's
+    logits [V] (log-softmax: before penalties, filters and temperature)."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+    top = []
+    if k:
+        ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        values = logprobs[ids]
+        top = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+    return float(logprobs[token].item()), top
 
 
 def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
@@ -138,15 +154,16 @@ class BatchDecoder:
 
     # -- rows -------------------------------------------------------------------------------
     def add(self, key: Hashable, prompt: list[int], *, max_tokens: int, stop: set[int],
-            seed: int, sampling: dict) -> _Row:
+            seed: int, sampling: dict, top_logprobs: int | None = None) -> _Row:
         """Queue a row; it joins at the next step with room. sampling: RowSampler's keyword
-        arguments (temperature, top_p, top_k, min_p, penalties); its penalties see its prompt."""
+        arguments (temperature, top_p, top_k, min_p, penalties); its penalties see its prompt.
+        top_logprobs: keep each token's logprob and the top k (None: none)."""
         if len(prompt) == 0:
             raise ConfigError(f"row {key!r}: the prompt is empty (no tokens)")
         check_max_tokens(max_tokens)
         check_seed(seed)
         row = _Row(key, list(prompt), RowSampler(seed=int(seed), prompt=prompt, **sampling),
-                   max_tokens, set(stop))
+                   max_tokens, set(stop), top_logprobs=top_logprobs)
         if self.logits_trace is not None:
             self.logits_trace[key] = []
         self.waiting.append(row)
@@ -175,7 +192,7 @@ class BatchDecoder:
         if plans is not None:
             mx.eval(plans.feats, plans.onehot)
         row.prefill_s = time.perf_counter() - t0
-        row.prefill_bytes = e.snapshot()["bytes"] - before["bytes"]
+        row.prefill = {k: v - before[k] for k, v in e.snapshot().items()}
         if row.max_tokens >= 1:
             self._take(row, row.sampler(logits), logits)
         else:
@@ -187,6 +204,8 @@ class BatchDecoder:
             self.logits_trace[row.key].append(logits)
         t = int(token.item())
         row.tokens.append(t)
+        if row.top_logprobs is not None:
+            row.logprobs.append(token_logprobs(logits, t, row.top_logprobs))
         row.done = t in row.stop or len(row.tokens) >= row.max_tokens
 
     # -- the loop ---------------------------------------------------------------------------
@@ -310,7 +329,7 @@ class BatchDecoder:
             "batch_decode_s": seconds,
             "batch_decode_tok_s": tokens / seconds if seconds > 0 else 0.0,
             "batch_prefill_s": sum(r.prefill_s for r in rows),
-            "batch_prefill_bytes_read": sum(r.prefill_bytes for r in rows),
+            "batch_prefill_bytes_read": sum(r.prefill.get("bytes", 0) for r in rows),
         }
 
     @staticmethod
@@ -321,7 +340,7 @@ class BatchDecoder:
             "generated_tokens": len(row.tokens),
             "prefill_s": row.prefill_s,
             "prefill_tok_s": len(row.prompt) / row.prefill_s if row.prefill_s > 0 else 0.0,
-            "prefill_bytes_read": row.prefill_bytes,
+            "prefill_bytes_read": row.prefill.get("bytes", 0),
             "decode_steps": row.steps,
             "decode_s": row.decode_share_s,
             "decode_wall_s": row.decode_wall_s,
