@@ -86,15 +86,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
-    from aiohttp import web
+    from edge0_eval.server.app import start
 
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its row.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        runner, port = await start(app, host, port)
     except OSError as exc:
-        await runner.cleanup()
         raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another "
                           f"server on that port? choose another with --port") from None
     stop = asyncio.Event()

@@ -224,6 +224,20 @@ class Answer:
         return chunks
 
 
+async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0: any free port); (the runner, to clean up, and the port)."""
+    # handler_cancellation: a client that disconnects cancels its handler, hence its row.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
 def make_app(worker: Worker, *, served: str, vocab: int, max_tokens: int, seed: int,
              api_key: str | None = None) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)

@@ -60,26 +60,35 @@ class Job:
 
 
 class TextStream:
-    """Streamed text: the detokenizer's text, less what could still become a stop word (the
-    longest one's length - 1 characters) and an incomplete character at the end."""
+    """Streamed text, decoded incrementally as vLLM does (the text of a few tokens before the
+    last sent one, decoded with the new ones, less what those few tokens read), so it follows
+    `tokenizer.decode` of the whole answer (mlx-lm's streaming detokenizer does not always:
+    leading spaces, byte tokens). Held back: what could still become a stop word (the longest
+    one's length - 1 characters) and an incomplete character."""
 
     def __init__(self, tokenizer, stop_words: list[str]):
-        self.detokenizer = tokenizer.detokenizer
+        self.tokenizer = tokenizer
         self.hold = max((len(w) for w in stop_words), default=1) - 1
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0          # token offsets: decoded context, already read
+        self.text = ""                       # everything read so far
         self.sent = 0
 
     def add(self, token: int) -> str:
-        self.detokenizer.add_token(token)
-        text = self.detokenizer.text
-        end = len(text) - self.hold
-        while end > self.sent and text[end - 1] == "\ufffd":
-            end -= 1
-        out, self.sent = text[self.sent:end], max(self.sent, end)
+        self.tokens.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self.prefix:self.read])
+        after = decode(self.tokens[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
+        end = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
         return out
 
     def finish(self, final: str) -> str:
         """The rest of `final` (the whole answer, trimmed at its stop word)."""
-        if not final.startswith(self.detokenizer.text[:self.sent]):
+        if not final.startswith(self.text[:self.sent]):
             log.warning("streamed text is not a prefix of the decoded answer")
         return final[self.sent:]
 
@@ -127,7 +136,8 @@ class Worker(threading.Thread):
         decoder = self.decoder
         return {"rows": len(decoder.active) if decoder else 0,
                 "waiting": len(decoder.waiting) if decoder else 0,
-                "rows_at_once": self.rows_at_once, **self.counts}
+                "rows_at_once": self.rows_at_once,
+                **{k: self.counts[k] for k in ("served", "failed", "cancelled", "refused")}}
 
     # -- the thread ------------------------------------------------------------------------
     def run(self) -> None:
@@ -159,7 +169,17 @@ class Worker(threading.Thread):
                 for row in touched:
                     job = self.jobs.get(row)
                     if job is not None:
-                        self._advance(job, row)
+                        self._guarded(self._advance, job, row)
+
+    def _guarded(self, call, job: Job, *args) -> None:
+        """A fault in one job's handling fails that job (500), never the thread."""
+        try:
+            call(job, *args)
+        except Exception as exc:             # noqa: BLE001 - answered, and logged
+            log.exception("request handling failed")
+            if job.row is not None and not job.row.done:
+                self.decoder.cancel(job.row)
+            self._fail(job, exc)
 
     def _drain(self, block: bool) -> bool:
         """Take every queued call (waiting for one when idle); False on close."""
@@ -172,7 +192,7 @@ class Worker(threading.Thread):
             if kind == "close":
                 return False
             if kind == "add":
-                self._admit(job)
+                self._guarded(self._admit, job)
             elif job.row is not None and self.jobs.pop(job.row, None) is not None:
                 self.decoder.cancel(job.row)
                 self.counts["cancelled"] += 1
