@@ -35,6 +35,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -52,8 +53,39 @@ from edge0_eval.errors import ConfigError
 from .chat import DEFAULT_META_TEMPLATE, check_sample_indices, sampling_options
 
 
+def api_problems(name: str, cfg: Dict[str, Any], timeout: float = 10.0) -> List[str]:
+    """What would stop an API arm (the preflight's check, before any task): a missing tokenizer
+    copy, a host that does not answer GET /models, or one that serves another model (a server
+    that lists no such name, as mlx-lm's for 'default_model', is taken at its word)."""
+    problems = []
+    tokenizer = cfg.get('tokenizer_path')
+    if not tokenizer or not Path(str(tokenizer)).is_dir():
+        problems.append(f'{name}: tokenizer_path {tokenizer!r} is not a directory (a local copy '
+                        f'of the model\'s tokenizer files, config.json and '
+                        f'generation_config.json)')
+    bases = cfg.get('openai_api_base')
+    for base in [bases] if isinstance(bases, str) else list(bases or []):
+        try:
+            with urllib.request.urlopen(f'{str(base).rstrip("/")}/models',
+                                        timeout=timeout) as r:
+                body = r.read()
+        except (OSError, ValueError) as exc:
+            problems.append(f'{name}: {base} does not answer GET /models ({exc}); start the '
+                            f'server there (edge0-eval serve, mlx_lm.server) or fix the URL')
+            continue
+        try:
+            served = [m.get('id') for m in json.loads(body).get('data', [])]
+        except (ValueError, AttributeError):
+            continue                  # it answers, but lists nothing readable: not checked
+        if cfg.get('path') != 'default_model' and cfg.get('path') not in served:
+            problems.append(f'{name}: {base} serves {served}, not {cfg.get("path")!r}; start it '
+                            f'with --served-model-name {cfg.get("path")}')
+    return problems
+
+
 class Hosts:
-    """The listed API bases, least busy first; a failed host waits `cool` seconds."""
+    """The listed API bases: a request takes the least busy one that is up; a host that
+    failed is down for `cool` seconds (when every host is, the request waits for the first)."""
 
     def __init__(self, bases: List[str], cool: float):
         self.bases, self.cool = list(bases), cool
@@ -61,14 +93,14 @@ class Hosts:
         self.down_until = {b: 0.0 for b in self.bases}
         self.lock = threading.Lock()
 
-    def take(self, avoid: Optional[str]) -> str:
+    def take(self, avoid: Optional[str] = None) -> tuple[str, float]:
+        """(a base, seconds to wait before using it); `avoid`: the one that just failed."""
         with self.lock:
             now = time.monotonic()
-            usable = [b for b in self.bases if self.down_until[b] <= now and b != avoid] or \
-                [b for b in self.bases if b != avoid] or self.bases
-            base = min(usable, key=lambda b: (self.down_until[b] > now, self.busy[b]))
+            candidates = [b for b in self.bases if b != avoid] or self.bases
+            base = min(candidates, key=lambda b: (max(self.down_until[b], now), self.busy[b]))
             self.busy[base] += 1
-            return base
+            return base, max(0.0, self.down_until[base] - now)
 
     def give(self, base: str, failed: bool) -> None:
         with self.lock:
@@ -93,7 +125,7 @@ class Edge0APIModel(OpenAISDK):
     def __init__(self, path: str, openai_api_base, tokenizer_path: str,
                  max_seq_len: int = 32768, meta_template: Optional[Dict] = None,
                  generation_kwargs: Optional[Dict] = None, stop_words: Optional[List[str]] = None,
-                 chat_template_kwargs: Optional[Dict] = None, key: str = 'EMPTY',
+                 chat_template_kwargs: Optional[Dict] = None, key: Optional[str] = None,
                  retry: int = 3, retry_wait: float = 5.0, timeout: int = 3600,
                  max_workers: Optional[int] = None, stats_jsonl: Optional[str] = None,
                  **kwargs):
@@ -108,6 +140,9 @@ class Edge0APIModel(OpenAISDK):
                               f'template\'s thinking opener and prompt lengths are read from it)')
         if isinstance(retry, bool) or not isinstance(retry, int) or retry < 1:
             raise ConfigError(f'api: retry must be a whole number >= 1, not {retry!r}')
+        # The key `edge0-eval serve --api-key` reads from the same variable, kept out of configs
+        # (and so out of the config dump a run leaves).
+        key = key or os.environ.get('EDGE0_API_KEY') or 'EMPTY'
         self.sampling = sampling_options(dict(generation_kwargs or {}), 'api')
         self.stop_words = [s for s in (stop_words or []) if s]
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -174,7 +209,8 @@ class Edge0APIModel(OpenAISDK):
         request = self._request(prompt, sample, max_out_len, stop_words)
         last, base = None, None
         for attempt in range(self.retry):
-            base = self.hosts.take(avoid=base if attempt else None)
+            base, wait = self.hosts.take(avoid=base)
+            time.sleep(wait)
             start = time.perf_counter()
             failed = True
             try:
