@@ -115,7 +115,7 @@ class Edge0APIModel(OpenAISDK):
 
     Config example (configs/tiers/edge0_api.py)::
 
-        dict(type=Edge0APIModel, abbr='edge0-35b-student-api', path='student',
+        dict(type=Edge0APIModel, abbr='edge0-35b-student-api', path='edge0-student',
              openai_api_base=['http://host-a:8001/v1', 'http://host-b:8001/v1'],
              tokenizer_path='/models/student', **generation)
     """

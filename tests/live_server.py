@@ -60,13 +60,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(model, *args: str, port: int | None = None, log: Path | None = None,
-                timeout: float = 120) -> tuple[subprocess.Popen, int]:
-    """`edge0-eval serve MODEL ARGS --port P` as a subprocess, once /health answers."""
+def launch_serve(model, *args: str, port: int | None = None,
+                 log: Path | None = None) -> tuple[subprocess.Popen, int]:
+    """`edge0-eval serve MODEL ARGS --port P` as a subprocess (not yet answering)."""
     port = port or free_port()
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "edge0_eval", "serve", str(model), *args,
                              "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    return proc, port
+
+
+def start_serve(model, *args: str, port: int | None = None, log: Path | None = None,
+                timeout: float = 120) -> tuple[subprocess.Popen, int]:
+    """launch_serve, once /health answers."""
+    proc, port = launch_serve(model, *args, port=port, log=log)
     wait_healthy(port, proc, timeout)
     return proc, port
 

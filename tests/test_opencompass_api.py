@@ -5,7 +5,7 @@ Two `edge0-eval serve` processes serve the student (one `student_api` arm lists 
 is served by `mlx_lm.server`. Greedy: every served prediction equals the in-process arm's, the
 report pairs a served arm with an in-process one and carries the served samples' engine stats.
 Sampled, two answers per question: the student's served predictions equal the in-process
-student's at the same seeds and sample indices, also after its server is killed mid-run and
+student's at the same seeds and sample indices, also after its servers are killed mid-run and
 the run resumed with `opencompass -r` (nothing lost, nothing drawn twice differently).
 
 On the CPU, mlx_lm.server serves a float32 copy of the fp16 teacher: MLX's CPU gather_mm runs
@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from edge0_eval.demo import TINY_DATASETS, check_run, offline_env, opencompass_command
-from live_server import free_port, start_serve, stop, wait_healthy
+from live_server import free_port, launch_serve, stop, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / 'configs' / 'edge0_tiny.py'
@@ -50,10 +50,12 @@ def servers(tiny_env, tmp_path_factory):
     state = dict(work=work, teacher=f'http://127.0.0.1:{port}/v1', students=[], procs=[])
     try:
         for i in range(2):
-            proc, student_port = start_serve(tiny_env['EDGE0_TINY_STUDENT'], *SERVE,
-                                             log=work / f'student{i}.log')
+            proc, student_port = launch_serve(tiny_env['EDGE0_TINY_STUDENT'], *SERVE,
+                                              log=work / f'student{i}.log')
             state['procs'].append(proc)
             state['students'].append(student_port)
+        for proc, student_port in zip(state['procs'], state['students']):
+            wait_healthy(student_port, proc, 120)
         wait_healthy(port, teacher, 120)
         yield state
     finally:
@@ -128,28 +130,33 @@ def test_served_arms_equal_the_in_process_arms_and_the_report_pairs_them(tiny_en
         report['arms']['teacher']['settings']['generation']
 
 
-def test_sampled_repeats_survive_a_killed_server_and_a_resume(tiny_env, servers, tmp_path):
-    port = servers['students'][0]
+def test_sampled_repeats_survive_killed_servers_and_a_resume(tiny_env, servers, tmp_path):
+    """Sampled, two answers per question, the arm listing both hosts: both are killed mid-run
+    (with one left, its requests would just move to the other), restarted, and `-r` finishes."""
+    ports = servers['students']
     env = offline_env(tiny_env)
     env.update(EDGE0_ARMS='student,student_api', EDGE0_TINY_SAMPLED='1',
-               EDGE0_TINY_STUDENT_API=f'http://127.0.0.1:{port}/v1')
+               EDGE0_TINY_STUDENT_API=','.join(f'http://127.0.0.1:{p}/v1' for p in ports))
     work = tmp_path / 'out'
     run_oc = _opencompass(env, work, '-m', 'infer', wait=False)
-    start = _served(port)
+    start = sum(_served(p) for p in ports)
     deadline = time.monotonic() + 600
-    while _served(port) < start + 5:                     # a few served answers, then the kill
+    while sum(_served(p) for p in ports) < start + 5:   # a few served answers, then the kill
         assert time.monotonic() < deadline and run_oc.poll() is None
         time.sleep(0.05)
-    servers['procs'][0].send_signal(signal.SIGKILL)
+    for proc in servers['procs']:
+        proc.send_signal(signal.SIGKILL)
     assert run_oc.wait(900) == 0
     (run,) = [p for p in work.iterdir() if p.is_dir()]
     served_dir = run / 'predictions' / MODELS['student_api']
     done = {p.name for p in served_dir.glob('*.json')} if served_dir.is_dir() else set()
     assert len({d for d in TINY_DATASETS if f'{d}.json' in done}) < len(TINY_DATASETS)
 
-    proc, _ = start_serve(tiny_env['EDGE0_TINY_STUDENT'], *SERVE, port=port,
-                          log=servers['work'] / 'student0-restarted.log')
-    servers['procs'][0] = proc
+    servers['procs'] = [launch_serve(tiny_env['EDGE0_TINY_STUDENT'], *SERVE, port=p,
+                                     log=servers['work'] / f'student{i}-again.log')[0]
+                        for i, p in enumerate(ports)]
+    for proc, port in zip(servers['procs'], ports):
+        wait_healthy(port, proc, 120)
     _opencompass(env, work, '-m', 'infer', '-r', run.name)
     for dataset in TINY_DATASETS:
         mine = _predictions(run, MODELS['student'], dataset)

@@ -7,12 +7,9 @@ whole or streamed, greedy or sampled, a request is the in-process row.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import httpx
-import mlx.core as mx
 import openai
 import pytest
 
@@ -276,3 +273,20 @@ def test_serve_cli_errors_are_one_line(edge0_qwen, tmp_path, capsys):
         assert f"cannot listen on 127.0.0.1:{server.port}" in err and "Traceback" not in err
     finally:
         server.close()
+
+
+def test_stock_opencompass_openaisdk_carries_the_seed(served):
+    """OpenCompass's own OpenAISDK reaches the same row: the run's seed as the OpenAI `seed`
+    (openai_extra_kwargs), the sampling options and chat template arguments in extra_body.
+    It has no per-prompt sample index: it reproduces sample 0 of every question."""
+    from opencompass.models import OpenAISDK
+
+    server, engine = served
+    model = OpenAISDK(path=NAME, openai_api_base=server.base, key='none',
+                      tokenizer_path=str(engine.directory), max_seq_len=4096, retry=1,
+                      openai_extra_kwargs=dict(seed=11, temperature=0.9, top_p=0.9),
+                      extra_body=dict(chat_template_kwargs=TEMPLATE, top_k=20))
+    out = model.generate([MESSAGES[1][1]['content']], max_out_len=16)
+    ids = chat_ids(engine.tokenizer, [MESSAGES[1][1]], TEMPLATE)
+    want = _solo(engine, ids, 16, seed=11, temperature=0.9, top_p=0.9, top_k=20)
+    assert out == [engine.tokenizer.decode(want)]
