@@ -240,6 +240,8 @@ class Edge0APIModel(OpenAISDK):
         choice = response.choices[0]
         entries = (choice.logprobs.content if choice.logprobs is not None else None) or []
         ids = [getattr(e, 'id', None) for e in entries]
+        usage = response.usage
+        tokens = getattr(usage, 'completion_tokens', None)
         if entries and all(isinstance(i, int) for i in ids):
             row = RowStop(self.tokenizer, max_out_len,
                           stop_token_ids(self.tokenizer, stop_words), stop_words)
@@ -247,6 +249,7 @@ class Edge0APIModel(OpenAISDK):
                 if row.add(token):
                     break
             text, finish = self.tokenizer.decode(row.tokens), row.finish or choice.finish_reason
+            tokens = len(row.tokens)
         else:
             message = choice.message
             reasoning = (getattr(message, 'reasoning_content', None)
@@ -257,10 +260,9 @@ class Edge0APIModel(OpenAISDK):
             finish = choice.finish_reason
         text, hit = trim_at_stop(text, stop_words)
         served = getattr(response, 'edge0', None)
-        usage = response.usage
         stats = dict(served) if isinstance(served, dict) else {
             'prompt_tokens': getattr(usage, 'prompt_tokens', None),
-            'tokens': getattr(usage, 'completion_tokens', None), 'seed': self.sampling['seed'],
+            'tokens': tokens, 'seed': self.sampling['seed'],
             'sample': sample, 'finish_reason': finish, 'stop_word': hit,
             'model_identity': {'served_model': self.path}}
         stats.update(arm=self.arm, api_base=base, client_wall_s=round(wall, 4))
