@@ -19,7 +19,7 @@ ifeq ($(UNAME),Linux)
 	@# CPU torch first (served from local disk) so opencompass does not pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 endif
-	$(PY) -m pip install -q -e '.[eval,test]'
+	$(PY) -m pip install -q -e '.[eval,serve,test]'
 	@rm -f $(VENV)/.edge0-installed-*
 	@touch $@
 

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-synthetic": ("edge0_eval.checkpoints.synthetic", "write a full-shape random checkpoint in streaming layout"),
     "convert": ("edge0_eval.checkpoints.convert", "convert an mlx-lm checkpoint to the int4 streaming layout"),
     "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
+    "serve": ("edge0_eval.server", "serve the engine over an OpenAI-compatible HTTP API"),
     "bench": ("edge0_eval.bench", "benchmark the engine (arms interleaved in one process)"),
     "init-prerouter": ("edge0_eval.init_prerouter", "write untrained prerouter heads (warm start)"),
     "draft-vocab": ("edge0_eval.draft_vocab", "write a draft vocabulary (a draft-token hedge)"),

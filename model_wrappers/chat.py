@@ -7,7 +7,6 @@ generated; MLX is imported by the subclasses' modules only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -18,6 +17,8 @@ from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
+from edge0_eval.chat_rows import (RowStop, chat_ids, chat_text, fit_prompt,  # noqa: F401
+                                  row_seed, stop_token_ids, to_messages, trim_at_stop)
 from edge0_eval.engine.sampling_options import (FILTER_KEYS, PENALTY_KEYS, check_filters,
                                                 check_penalties, penalties_of)
 from edge0_eval.errors import ConfigError
@@ -32,59 +33,11 @@ DEFAULT_META_TEMPLATE = dict(
     ],
     reserved_roles=[dict(role='SYSTEM', api_role='SYSTEM')],
 )
-_ROLE_MAP = {'HUMAN': 'user', 'BOT': 'assistant', 'SYSTEM': 'system',
-             'user': 'user', 'assistant': 'assistant', 'system': 'system'}
 
 # Sampling options both arms understand (edge0_eval/engine/sampling_options.py: mlx-lm's
 # filters and penalties). Anything else in generation_kwargs is refused at construction so a
 # typo cannot silently change one arm's decoding.
 SAMPLING_KEYS = (*FILTER_KEYS, *PENALTY_KEYS, 'do_sample', 'seed')
-
-
-def to_messages(prompt: Any) -> List[Dict[str, str]]:
-    """Normalise what OpenCompass hands a model into chat messages.
-
-    Accepts a plain string, a PromptList of {'role': HUMAN|BOT|SYSTEM, 'prompt': ...} items (the
-    PromptTemplate configs) or a list of {'role', 'content'} dicts (the *_rawprompt_* configs).
-    Consecutive turns of one role are merged, as OpenCompass's HF chat wrapper does.
-    """
-    if isinstance(prompt, str):
-        messages = [{'role': 'user', 'content': prompt}]
-    else:
-        messages = []
-        for item in prompt:
-            if isinstance(item, str):
-                if item.strip():
-                    messages.append({'role': 'user', 'content': item})
-                continue
-            if 'section' in item and 'pos' in item:
-                continue
-            role = _ROLE_MAP.get(item.get('role'))
-            if role is None:
-                raise ValueError(f'unknown prompt role {item.get("role")!r} in {item!r}')
-            content = item['content'] if 'content' in item else item.get('prompt', '')
-            if content is None or content == '':
-                continue
-            messages.append({'role': role, 'content': str(content)})
-    merged: List[Dict[str, str]] = []
-    for msg in messages:
-        if merged and merged[-1]['role'] == msg['role']:
-            merged[-1] = {'role': msg['role'], 'content': merged[-1]['content'] + '\n' + msg['content']}
-        else:
-            merged.append(dict(msg))
-    return merged
-
-
-def trim_at_stop(text: str, stop_words: List[str]) -> tuple[str, Optional[str]]:
-    """Cut `text` at the earliest occurrence of any stop word; returns (text, stop hit)."""
-    best, hit = len(text), None
-    for stop in stop_words:
-        if not stop:
-            continue
-        pos = text.find(stop)
-        if 0 <= pos < best:
-            best, hit = pos, stop
-    return text[:best], hit
 
 
 def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, Any]:
@@ -120,62 +73,6 @@ def check_sample_indices(sample_indices, count: int, arm: str) -> List[int]:
         raise ConfigError(f'{arm}: sample_indices must hold one whole number >= 0 per prompt '
                           f'({count}), not {samples!r}')
     return samples
-
-
-def row_seed(seed: int, prompt_ids: List[int], sample: int = 0) -> int:
-    """One sample's sampling seed, from the configured seed, its prompt and its sample index.
-
-    So a sample never depends on its batch mates, its place in a batch or what ran before it:
-    a run is reproducible at any `batch_size` and after a resume, and each question draws its
-    own stream. `sample` tells a question's repeats apart (OpenCompass's dataset `n` copies a
-    prompt unchanged; the inferencer passes each copy's index): copy j of a question draws the
-    same stream in every run, and sample 0 keeps the seed it had before repeats existed.
-    """
-    text = f'{int(seed)}:' + ','.join(str(int(t)) for t in prompt_ids)
-    if sample:
-        text += f'#{int(sample)}'
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'little') & 0x7FFFFFFF
-
-
-class RowStop:
-    """When one row's generation ends, token by token; both arms and every path share it.
-
-    A stop id ends the row without being output ('eos' for the tokenizer's EOS ids, else
-    'stop_token'); `max_tokens` output tokens end it ('length'); a multi-token stop word ends it
-    as soon as the streamed text holds one ('stop_word'; the text is trimmed at it later).
-    """
-
-    def __init__(self, tokenizer, max_tokens: int, stop_ids: set, stop_words: List[str]):
-        self.max_tokens = max_tokens
-        self.stop_ids = set(stop_ids)
-        self.eos_ids = set(getattr(tokenizer, 'eos_token_ids', None) or [])
-        self.stop_words = [w for w in stop_words if w]
-        self.detokenizer = tokenizer.detokenizer if self.stop_words else None
-        self.tail = ''   # the last characters of the text: enough to hold any stop word
-        self.keep = max((len(w) for w in self.stop_words), default=0)
-        self.tokens: List[int] = []
-        self.finish: Optional[str] = None
-
-    def add(self, token: int) -> bool:
-        """Take the next sampled token; True when the row has ended."""
-        if self.finish is not None:
-            return True
-        token = int(token)
-        if token in self.stop_ids:
-            self.finish = 'eos' if token in self.eos_ids else 'stop_token'
-            return True
-        self.tokens.append(token)
-        if len(self.tokens) >= self.max_tokens:
-            self.finish = 'length'
-            return True
-        if self.detokenizer is not None:
-            self.detokenizer.add_token(token)
-            text = self.tail + self.detokenizer.last_segment
-            if any(w in text for w in self.stop_words):
-                self.finish = 'stop_word'
-                return True
-            self.tail = text[-self.keep:]
-        return False
 
 
 class ChatModelBase(BaseModel):
@@ -243,13 +140,10 @@ class ChatModelBase(BaseModel):
 
     # -- prompt handling ---------------------------------------------------------------------
     def chat_text(self, prompt: Any) -> str:
-        messages = to_messages(prompt)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False, **self.chat_template_kwargs)
+        return chat_text(self.tokenizer, prompt, self.chat_template_kwargs)
 
     def encode_prompt(self, prompt: Any) -> List[int]:
-        # The chat template already holds any BOS/special tokens the model wants.
-        return list(self.tokenizer.encode(self.chat_text(prompt), add_special_tokens=False))
+        return chat_ids(self.tokenizer, prompt, self.chat_template_kwargs)
 
     def get_token_len(self, prompt: Any) -> int:
         return len(self.encode_prompt(prompt))
@@ -262,22 +156,11 @@ class ChatModelBase(BaseModel):
 
     def _fit_prompt(self, ids: List[int], max_out_len: int) -> List[int]:
         """Keep the head and tail of an over-long prompt (OpenCompass's 'mid' truncation)."""
-        budget = self.max_seq_len - max_out_len
-        if budget <= 0 or len(ids) <= budget:
-            return ids
-        self.logger.warning(f'{self.arm}: prompt of {len(ids)} tokens cut to {budget} '
-                            f'(max_seq_len {self.max_seq_len} - max_out_len {max_out_len})')
-        half = budget // 2
-        return ids[:half] + ids[len(ids) - (budget - half):]
-
-    def _stop_token_ids(self, stop_words: List[str]) -> set:
-        """EOS ids plus every stop word that is exactly one token (the engine stops on ids)."""
-        ids = set(getattr(self.tokenizer, 'eos_token_ids', None) or [])
-        for word in stop_words:
-            enc = self.tokenizer.encode(word, add_special_tokens=False)
-            if len(enc) == 1:
-                ids.add(int(enc[0]))
-        return ids
+        fitted = fit_prompt(ids, self.max_seq_len, max_out_len)
+        if len(fitted) < len(ids):
+            self.logger.warning(f'{self.arm}: prompt of {len(ids)} tokens cut to {len(fitted)} '
+                                f'(max_seq_len {self.max_seq_len} - max_out_len {max_out_len})')
+        return fitted
 
     # -- OpenCompass entry points ------------------------------------------------------------
     def generate(self, inputs: List[Any], max_out_len: int, min_out_len: Optional[int] = None,
@@ -291,7 +174,7 @@ class ChatModelBase(BaseModel):
             self.logger.debug(f'{self.arm}: ignoring per-call kwargs {sorted(kwargs)}')
         samples = check_sample_indices(sample_indices, len(inputs), self.arm)
         stop_words = list(dict.fromkeys(self.stop_words + list(stopping_criteria or [])))
-        stop_ids = self._stop_token_ids(stop_words)
+        stop_ids = stop_token_ids(self.tokenizer, stop_words)
         prompts = [self._fit_prompt(self.encode_prompt(p), max_out_len) for p in inputs]
         seeds = [row_seed(self.sampling['seed'], ids, j) for ids, j in zip(prompts, samples)]
         start = time.perf_counter()

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
+from edge0_eval.chat_rows import RowStop, sample_stats
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions, MissingAdapterError
@@ -19,13 +20,7 @@ from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
 
-from .chat import ChatModelBase, RowStop
-
-# Per-sample engine figures gathered under "pool" in each sample's stats (in a batch,
-# bytes_per_token and the hit rates are the batch's: its rows share every read).
-POOL_KEYS = ('decode_hit_rate', 'cache_hit_rate', 'decode_bytes_read', 'prefill_bytes_read',
-             'bytes_per_token', 'reads_per_token', 'blocked_load_ms_per_step', 'bytes_read',
-             'evictions', 'rss_gib', 'mean_union_per_layer', 'expert_buffer_mib')
+from .chat import ChatModelBase
 
 
 def engine_fields() -> tuple[str, ...]:
@@ -144,16 +139,8 @@ class Edge0Model(ChatModelBase):
         for token in result.tokens:
             if row.add(token):
                 break
-        stats = result.stats
-        return row.tokens, {
-            'prefill_tok_s': stats.get('prefill_tok_s'),
-            'decode_tok_s': stats.get('decode_tok_s'),
-            'peak_memory_gib': stats.get('peak_memory_gib'),
-            'finish_reason': row.finish or 'length',
-            'cache': 'cold' if evicted else 'not evicted',
-            'pool': {k: stats[k] for k in POOL_KEYS if k in stats} or None,
-            'engine': {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
-        }
+        return row.tokens, sample_stats(result.stats, row.finish,
+                                        'cold' if evicted else 'not evicted')
 
     def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
         """Teacher-forced log-probs on the served decode path (datasets/edge0_fidelity.py)."""

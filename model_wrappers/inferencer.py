@@ -180,13 +180,15 @@ class Edge0GenInferencer(GenInferencer):
             total = len(results) if results else len(stats)
             # After a resumed run only the new samples have stats: they are the last ones.
             first = max(total - len(stats), 0)
-            identity = model_identity(self.model.path,
-                                      getattr(self.model, 'engine_options', None))
+            identity = None
             for offset, item in enumerate(stats):
                 item['index'] = first + offset
                 if items is not None and item['index'] < len(items):
                     item['item'] = items[item['index']]
-                item['model_identity'] = identity
+                if 'model_identity' not in item:   # a server's sample carries its host's
+                    identity = identity or model_identity(
+                        self.model.path, getattr(self.model, 'engine_options', None))
+                    item['model_identity'] = identity
             os.makedirs(out_dir, exist_ok=True)
             with open(stats_path(out_dir, out_file), 'w', encoding='utf-8') as f:
                 json.dump(stats, f, indent=1)

@@ -25,6 +25,7 @@ from edge0_eval.engine.families import check_model_dir
 from edge0_eval.errors import Edge0Error
 from edge0_eval.formats.safetensors import read_safetensors_header
 
+from .edge0_api_model import api_problems
 from .edge0_model import engine_fields, resolve_engine_options
 from .fidelity_dataset import preflight_problems as fidelity_preflight
 
@@ -66,6 +67,8 @@ def model_problems(models: Iterable[dict]) -> List[str]:
                         read_safetensors_header(file, what, 'train or copy it again')
             except Edge0Error as exc:   # the student's index/config are read too
                 problems.append(f'{name}: {exc}')
+        elif _type_name(model) == 'Edge0APIModel':
+            problems += api_problems(name, model)
         elif _type_name(model) == 'MLXLMModel':
             if not os.path.isfile(os.path.join(path, 'config.json')):
                 problems.append(f'{name}: {path} has no config.json (not an mlx-lm checkpoint)')

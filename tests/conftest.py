@@ -8,6 +8,15 @@ from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
 
 @pytest.fixture(scope="session")
+def tiny_env(tmp_path_factory):
+    """Tiny teacher, converted student with trained adapters, and fixture data, as `edge0-eval
+    demo` prepares them (about 100 s: made once for every OpenCompass test)."""
+    from edge0_eval.demo import prepare
+
+    return prepare(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory):
     """fp16 qwen3_5_moe, 4 layers (3 GatedDeltaNet + 1 full attention), 16 experts, top-4."""
     return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen", TinyShape(family="qwen3_5_moe"))

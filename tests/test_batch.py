@@ -298,3 +298,74 @@ def test_batch_end_abandons_no_plan(edge0_qwen, tmp_path):
     engine.generate_batch(prompts, MAX_TOKENS, batch_size=2, stop_token_ids=set())
     assert engine.stats()["abandoned_plans"] == len(engine.prerouter.consumers)
     engine.close()
+
+
+def _decoder_rows(engine, decoder, prompts, keys, stop):
+    return {k: decoder.add(k, prompts[k], max_tokens=MAX_TOKENS, stop=stop, seed=0,
+                           sampling=dict(temperature=0.0, top_p=1.0)) for k in keys}
+
+
+@pytest.mark.parametrize("mode", ["reactive", "prerouted"])
+def test_rows_join_and_leave_a_running_batch_and_equal_their_solo_runs(family, mode):
+    """The server's use of the decoder: rows are added while others decode, one is cancelled
+    mid-decode; every other row's logits are bit-identical to its solo run, and the cancelled
+    one's tokens are its solo run's first tokens."""
+    engine = _load(family, mode)
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:6]]
+    solo = [_solo(engine, p, set()) for p in prompts]
+    trace = {}
+    decoder = batch_module.BatchDecoder(engine, 3, trace)
+    with engine.batch_pool(3):
+        rows = _decoder_rows(engine, decoder, prompts, [0, 1], set())
+        for _ in range(2):
+            decoder.step()
+        rows |= _decoder_rows(engine, decoder, prompts, [2, 3, 4], set())   # 4 waits
+        decoder.step()
+        assert [r.key for r in decoder.active] == [0, 1, 2] and len(decoder.waiting) == 2
+        decoder.cancel(rows[1])                          # leaves before the next step
+        decoder.cancel(rows[4])                          # never joins
+        cut = len(rows[1].tokens)
+        decoder.step()
+        assert [r.key for r in decoder.active] == [0, 2, 3]
+        rows |= _decoder_rows(engine, decoder, prompts, [5], set())
+        while decoder.pending:
+            assert all(r.error is None for r in decoder.step())
+    assert decoder.decode["batch_joined"] >= 2
+    assert rows[1].cancelled and rows[1].tokens == solo[1][0][:cut] and cut < MAX_TOKENS
+    assert rows[4].tokens == [] and 4 not in [r.key for r in decoder.active]
+    kept = [0, 2, 3, 5]
+    assert _mismatches([solo[k] for k in kept], [rows[k] for k in kept],
+                       [trace[k] for k in kept]) == []
+    # The check sees a row that decoded with another row's cache (rows crossed).
+    assert _mismatches([solo[k] for k in kept], [rows[k] for k in kept[::-1]],
+                       [trace[k] for k in kept[::-1]]) != []
+    engine.close()
+
+
+def test_a_failed_step_fails_its_rows_and_the_next_rows_start_afresh(edge0_qwen, monkeypatch):
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
+    solo = [_solo(engine, p, set()) for p in prompts]
+    step, failed = engine.step, []
+
+    def failing(*args, where="", **kwargs):
+        if where == "at batched decode step 2" and not failed:   # rows 0 and 1 together
+            failed.append(where)
+            raise OSError("injected read error")
+        return step(*args, where=where, **kwargs)
+
+    monkeypatch.setattr(engine, "step", failing)
+    decoder = batch_module.BatchDecoder(engine, 4, {})
+    rows = _decoder_rows(engine, decoder, prompts, [0, 1], set())
+    touched = []
+    while decoder.pending:
+        touched += decoder.step()
+    assert {r.key for r in touched if r.error is not None} == {0, 1}
+    assert [len(rows[k].tokens) for k in (0, 1)] == [2, 2]     # the prefill's and step 1's
+    assert all(isinstance(rows[k].error, OSError) and rows[k].done for k in (0, 1))
+    assert decoder.active == [] and decoder.cache is None
+    # The decoder goes on: the next rows decode in a fresh batch, each as alone.
+    later = _decoder_rows(engine, decoder, prompts, [2, 3], set())
+    decoder.run()
+    assert [later[k].tokens for k in (2, 3)] == [solo[2][0], solo[3][0]]
+    engine.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.demo import (TINY_DATASETS, TINY_FIDELITY, TINY_MODELS, check_run, offline_env,
-                             prepare, report_and_gate)
+                             report_and_gate)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / 'configs'
@@ -28,12 +28,6 @@ def _opencompass(config: Path, work: Path, env: dict, timeout: int = 900):
     # cwd: OpenCompass leaves tmp/ and icl_inference_output/ in its working directory.
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=work.parent)
-
-
-@pytest.fixture(scope='module')
-def tiny_env(tmp_path_factory):
-    """Tiny teacher, converted student and fixture data, as `edge0-eval demo` prepares them."""
-    return prepare(tmp_path_factory.mktemp('demo'))
 
 
 def test_tiny_config_end_to_end(tiny_env, tmp_path):

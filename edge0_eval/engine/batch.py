@@ -1,12 +1,15 @@
-"""Batched decode: B rows per step, with continuous batching (`Engine.generate_batch`).
+"""Batched decode: B rows per step, with continuous batching (`Engine.generate_batch`, the
+server's worker).
 
 Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone into its
 own cache by the B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its
 caches then join the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache`
 (left padding, a per-row offset that RoPE and the masks read) and `ArraysCache.merge`
-(GatedDeltaNet / GLA states), then `extend` into the running batch. A finishing row leaves with
-`filter`; the next waiting prompt joins in its place. Every step decodes the active rows as one
-[B, 1] step (`Engine.step`, the same step as a solo decode).
+(GatedDeltaNet / GLA states), then `extend` into the running batch. A finishing or cancelled row
+leaves with `filter`; a waiting row takes its place. Every step decodes the active rows as one
+[B, 1] step (`Engine.step`, the same step as a solo decode). Rows join and leave only between
+steps: `add` queues a row, `cancel` ends one, `step` runs one iteration (leave, join, decode);
+`run` steps until every row has finished (generate_batch's fixed prompt list).
 
 MoE layers. Reactive: a layer reads the union of its rows' routed experts once
 (`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
@@ -20,16 +23,21 @@ next step, a joiner's features coming from its own prefill.
 Slot pool. A layer's union can hold B x K experts. While a batch runs, each layer's pool holds
 min(experts, B x K) slots when that exceeds the configured slots (expert_budget_mib /
 slots_per_layer are the B = 1 budget); that buffer is the batch's `expert_buffer_mib` in the
-stats, and the pool returns to the configured size afterwards (Engine.generate_batch). So
-prerouted never drops a planned expert, and reactive never splits a decode step into waves (it
-still would for a longer prefill, as at B = 1).
+stats (`Engine.batch_pool`). So prerouted never drops a planned expert, and reactive never
+splits a decode step into waves (it still would for a longer prefill, as at B = 1).
+
+Faults. A joiner whose prefill raises fails alone (its cache never joined). A decode step that
+raises (an expert read's I/O or checksum error, non-finite logits) fails every row in it: their
+caches were being written; the batch is emptied and the next rows start a fresh one. A failed
+row carries the exception (`_Row.error`); `run` raises it.
 
 Numerics. Each row's decode is its own arithmetic: matmuls, gather_qmm and the recurrent
 states are per row, and the padded keys a batch row attends over are masked to exact zeros. On
 the CPU (MLX 0.32) every row's logits are bit-identical to its solo run, all families and
-modes (tests/test_batch.py). Fused attention kernels elsewhere (Metal/CUDA SDPA with a mask
-over a longer, left-padded axis) may reduce in another order: there a row is equal to
-rounding (the tests' tolerance off the CPU), and its greedy tokens are still compared exactly.
+modes, whenever it joins or its mates leave (tests/test_batch.py). Fused attention kernels
+elsewhere (Metal/CUDA SDPA with a mask over a longer, left-padded axis) may reduce in another
+order: there a row is equal to rounding (the tests' tolerance off the CPU), and its greedy
+tokens are still compared exactly.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import numbers
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Hashable
 
 import mlx.core as mx
 
@@ -46,23 +55,47 @@ from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.errors import ConfigError
 
 
-@dataclass
+@dataclass(eq=False)    # rows are compared by identity
 class _Row:
-    index: int                       # position in the caller's prompt list
+    key: Hashable                    # the caller's name for it (generate_batch: prompt index)
     prompt: list[int]
     sampler: RowSampler
+    max_tokens: int
+    stop: set[int]
     tokens: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
-    prefill_bytes: int = 0
     steps: int = 0                   # decode steps this row took part in
     decode_share_s: float = 0.0      # its share of those steps' wall time (step time / rows)
     decode_wall_s: float = 0.0       # wall time of those steps
+    # Those steps' snapshot differences (Engine.snapshot), and the tokens they decoded (every
+    # row's): reads are shared by the rows of a step.
+    decode: Counter = field(default_factory=Counter)
+    step_tokens: int = 0
+    prefill: dict = field(default_factory=dict)   # the prefill's snapshot difference
+    # The server's logprobs: None, none; k >= 0, per token (its logprob, the top k (id, logprob)),
+    # of the model's distribution (log-softmax of the logits, before penalties and filters).
+    top_logprobs: int | None = None
+    logprobs: list = field(default_factory=list)
     done: bool = False
+    cancelled: bool = False
+    error: Exception | None = None   # the exception that ended it (see Faults)
 
 
 def merge_caches(caches: list[list]) -> list:
     """One B = 1 prompt cache per row (a list per layer) -> the batch's cache per layer."""
     return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+
+
+def token_logprobs(logits: mx.array, token: int, k: int) -> tuple[float, list]:
+    """(token's logprob, [(id, logprob)] of the k most likely, most likely first) of one row's
+    logits [V] (log-softmax: before penalties, filters and temperature)."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+    top = []
+    if k:
+        ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        values = logprobs[ids]
+        top = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+    return float(logprobs[token].item()), top
 
 
 def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
@@ -73,12 +106,8 @@ def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
         if len(p) == 0:
             raise ConfigError(f"generate_batch: prompt {i} is empty (no tokens); every prompt "
                               f"needs at least one token")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
-        raise ConfigError(f"batch_size must be a whole number >= 1 (or None: all prompts at "
-                          f"once), not {batch_size!r}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ConfigError(f"max_tokens must be a whole number >= 0, not {max_tokens!r}")
+    check_rows_at_once(batch_size, "batch_size", none="all prompts at once")
+    check_max_tokens(max_tokens)
     if seeds is not None and len(seeds) != len(prompts):
         raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
                           f"seed per prompt (or None: options.seed for every row)")
@@ -87,139 +116,202 @@ def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
     return min(len(prompts), batch_size or len(prompts))
 
 
+def check_rows_at_once(value, name: str, none: str | None = None) -> None:
+    if value is None and none is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1"
+                          + (f" (or None: {none})" if none else "") + f", not {value!r}")
+
+
+def check_max_tokens(max_tokens, name: str = "max_tokens") -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ConfigError(f"{name} must be a whole number >= 0, not {max_tokens!r}")
+
+
 def check_seed(seed, name: str = "seed") -> None:
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise ConfigError(f"{name} must be a whole number >= 0, not {seed!r}")
 
 
 class BatchDecoder:
-    """One generate_batch call: admits rows, steps the batch, keeps the accounting."""
+    """Continuous batching on one engine: rows are added, cancelled and stepped between steps.
 
-    def __init__(self, engine, prompts, max_tokens, batch_size, sampling: dict, stop,
-                 seeds, logits_trace=None):
-        self.engine = engine
-        self.prompts = [list(p) for p in prompts]
-        self.max_tokens, self.stop = max_tokens, stop
-        self.rows_at_once = batch_size
-        seeds = seeds if seeds is not None else [engine.options.seed] * len(prompts)
-        # sampling: RowSampler's keyword arguments (temperature, top_p, top_k, min_p,
-        # penalties); a row's penalties see its own prompt.
-        self.samplers = [RowSampler(seed=int(s), prompt=p, **sampling)
-                         for s, p in zip(seeds, self.prompts)]
-        # A list to fill (tests, fidelity): per prompt, the logits [V] each token came from.
-        self.logits_trace = logits_trace
-        if logits_trace is not None:
-            logits_trace[:] = [[] for _ in prompts]
+    rows_at_once: the most rows decoded together; more wait (first come, first joined).
+    logits_trace: a dict to fill (tests, fidelity): key -> the logits [V] each token came from.
+    The caller owns the engine's thread: nothing here is thread-safe.
+    """
+
+    def __init__(self, engine, rows_at_once: int, logits_trace: dict | None = None):
+        check_rows_at_once(rows_at_once, "rows_at_once")
+        self.engine, self.rows_at_once, self.logits_trace = engine, rows_at_once, logits_trace
+        self.waiting: deque[_Row] = deque()
+        self.active: list[_Row] = []
+        self.cache: list | None = None
+        self.plans: Plans | None = None if engine.prerouter is None else Plans()
         # The decode figures: snapshot differences (Engine.snapshot) summed over the steps.
         self.decode = Counter()
 
     # -- rows -------------------------------------------------------------------------------
-    def _join(self, index: int):
-        """Prefill prompt `index` alone (the B = 1 path) into its own cache; sample its first
-        token. Its plans are its features only: the batch plans its rows together."""
+    def add(self, key: Hashable, prompt: list[int], *, max_tokens: int, stop: set[int],
+            seed: int, sampling: dict, top_logprobs: int | None = None) -> _Row:
+        """Queue a row; it joins at the next step with room. sampling: RowSampler's keyword
+        arguments (temperature, top_p, top_k, min_p, penalties); its penalties see its prompt.
+        top_logprobs: keep each token's logprob and the top k (None: none)."""
+        if len(prompt) == 0:
+            raise ConfigError(f"row {key!r}: the prompt is empty (no tokens)")
+        check_max_tokens(max_tokens)
+        check_seed(seed)
+        row = _Row(key, list(prompt), RowSampler(seed=int(seed), prompt=prompt, **sampling),
+                   max_tokens, set(stop), top_logprobs=top_logprobs)
+        if self.logits_trace is not None:
+            self.logits_trace[key] = []
+        self.waiting.append(row)
+        return row
+
+    def cancel(self, row: _Row) -> None:
+        """End `row` now: a waiting row never joins; an active one leaves before the next step."""
+        if row.done:
+            return
+        row.done = row.cancelled = True
+        if row in self.waiting:
+            self.waiting.remove(row)
+
+    @property
+    def pending(self) -> bool:
+        """Rows are waiting or decoding."""
+        return bool(self.waiting or self.active)
+
+    def _join(self, row: _Row):
+        """Prefill `row` alone (the B = 1 path) into its own cache; sample its first token. Its
+        plans are its features only: the batch plans its rows together."""
         e = self.engine
-        row = _Row(index, self.prompts[index], self.samplers[index])
         cache = e.new_cache()
         before, t0 = e.snapshot(), time.perf_counter()
         logits, plans = e.prefill(row.prompt, cache, stage=False)
         if plans is not None:
             mx.eval(plans.feats, plans.onehot)
         row.prefill_s = time.perf_counter() - t0
-        row.prefill_bytes = e.snapshot()["bytes"] - before["bytes"]
-        if self.max_tokens >= 1:
+        row.prefill = {k: v - before[k] for k, v in e.snapshot().items()}
+        if row.max_tokens >= 1:
             self._take(row, row.sampler(logits), logits)
         else:
             row.done = True
-        return row, cache, plans
+        return cache, plans
 
     def _take(self, row: _Row, token: mx.array, logits: mx.array) -> None:
         if self.logits_trace is not None:
-            self.logits_trace[row.index].append(logits)
+            self.logits_trace[row.key].append(logits)
         t = int(token.item())
         row.tokens.append(t)
-        row.done = t in self.stop or len(row.tokens) >= self.max_tokens
+        if row.top_logprobs is not None:
+            row.logprobs.append(token_logprobs(logits, t, row.top_logprobs))
+        row.done = t in row.stop or len(row.tokens) >= row.max_tokens
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[_Row]:
-        e, pr = self.engine, self.engine.prerouter
-        waiting = deque(range(len(self.prompts)))
-        finished: list[_Row] = []
-        active: list[_Row] = []
-        cache, plans = None, None if pr is None else Plans()
-        while waiting or active:
-            # Between steps: finished rows leave, waiting prompts take their places.
-            t0, before = time.perf_counter(), e.snapshot()
-            keep = [j for j, r in enumerate(active) if not r.done]
-            joining = bool(waiting) and len(keep) < self.rows_at_once
-            if pr is not None and (len(keep) < len(active) or joining):
-                if keep or waiting:
-                    # Planned for the old rows inside the last step; a joiner's prefill must
-                    # not run it either. After the batch's last step the plan is left in
-                    # flight (the pool drops it on its next use), outside the decode
-                    # figures, as a solo generate's last plan is.
-                    pr.abandon(plans)
-                plans = plans.take(keep)
-            if len(keep) < len(active):
-                finished += [r for r in active if r.done]
-                active = [active[j] for j in keep]
-                if keep:
-                    idx = mx.array(keep, dtype=mx.int32)
-                    for c in cache:
-                        c.filter(idx)
-                else:
-                    cache = None
-            self._account(t0, before)
-            joined = []
-            while waiting and len(active) + len(joined) < self.rows_at_once:
-                row, row_cache, row_plans = self._join(waiting.popleft())
-                if row.done:
-                    finished.append(row)        # stopped on its first token: never joins
-                else:
-                    joined.append((row, row_cache, row_plans))
-            if joined:
-                if active:
-                    self.decode["batch_joined"] += len(joined)
-                new = merge_caches([c for _, c, _ in joined])
-                if cache is None:
-                    cache = new
-                else:
-                    for mine, theirs in zip(cache, new):
-                        mine.extend(theirs)
-                active += [r for r, _, _ in joined]
-                if pr is not None:
-                    plans = Plans.join([plans] + [p for *_, p in joined])
-            if active:
-                plans = self._step(active, cache, plans)
-        return sorted(finished, key=lambda r: r.index)
+        """Step until every row has finished; the rows in the order they were added. The first
+        failed row's exception is raised."""
+        rows = list(self.waiting)
+        while self.pending:
+            for row in self.step():
+                if row.error is not None:
+                    raise row.error
+        return rows
 
-    def _step(self, active: list[_Row], cache: list, plans: Plans | None) -> Plans | None:
-        """One decode step of the active rows (prerouted: planned inside the last step, or,
-        after rows left or joined, at the start of this one); the next step's plans."""
-        e = self.engine
+    def step(self) -> list[_Row]:
+        """One iteration: rows that finished leave, waiting rows join (prefilled alone), then
+        one decode step of the active rows. Returns the rows that took a token or failed."""
+        e, pr = self.engine, self.engine.prerouter
+        touched: list[_Row] = []
+        # Between steps: finished rows leave, waiting rows take their places.
         t0, before = time.perf_counter(), e.snapshot()
-        last, plans = e.step(mx.array([[r.tokens[-1]] for r in active]), cache, plans,
-                             samplers=[r.sampler for r in active],
-                             where=f"at batched decode step {self.decode['batch_steps'] + 1}",
-                             rows=[r.index for r in active])
+        keep = [j for j, r in enumerate(self.active) if not r.done]
+        joining = bool(self.waiting) and len(keep) < self.rows_at_once
+        if pr is not None and (len(keep) < len(self.active) or joining):
+            if keep or self.waiting:
+                # Planned for the old rows inside the last step; a joiner's prefill must not
+                # run it either. After the batch's last step the plan is left in flight (the
+                # pool drops it on its next use), outside the decode figures, as a solo
+                # generate's last plan is.
+                pr.abandon(self.plans)
+            self.plans = self.plans.take(keep)
+        if len(keep) < len(self.active):
+            self.active = [self.active[j] for j in keep]
+            if keep:
+                idx = mx.array(keep, dtype=mx.int32)
+                for c in self.cache:
+                    c.filter(idx)
+            else:
+                self.cache = None
+        self._account(t0, before)
+        joined = []
+        while self.waiting and len(self.active) + len(joined) < self.rows_at_once:
+            row = self.waiting.popleft()
+            try:
+                row_cache, row_plans = self._join(row)
+            except Exception as exc:     # noqa: BLE001 - the row fails alone (see Faults)
+                row.error, row.done = exc, True
+                touched.append(row)
+                continue
+            touched.append(row)
+            if not row.done:             # stopped on its first token: never joins
+                joined.append((row, row_cache, row_plans))
+        if joined:
+            if self.active:
+                self.decode["batch_joined"] += len(joined)
+            new = merge_caches([c for _, c, _ in joined])
+            if self.cache is None:
+                self.cache = new
+            else:
+                for mine, theirs in zip(self.cache, new):
+                    mine.extend(theirs)
+            self.active += [r for r, _, _ in joined]
+            if pr is not None:
+                self.plans = Plans.join([self.plans] + [p for *_, p in joined])
+        if self.active:
+            try:
+                self._step()
+            except Exception as exc:     # noqa: BLE001 - every row of the step fails
+                for row in self.active:
+                    row.error, row.done = exc, True
+                touched += [r for r in self.active if r not in touched]
+                self.active, self.cache = [], None
+                self.plans = None if pr is None else Plans()
+                return touched
+            touched += [r for r in self.active if r not in touched]
+        return touched
+
+    def _step(self) -> None:
+        """One decode step of the active rows (prerouted: planned inside the last step, or,
+        after rows left or joined, at the start of this one); keeps the next step's plans."""
+        e, active = self.engine, self.active
+        t0, before = time.perf_counter(), e.snapshot()
+        last, self.plans = e.step(mx.array([[r.tokens[-1]] for r in active]), self.cache,
+                                  self.plans, samplers=[r.sampler for r in active],
+                                  where=f"at batched decode step {self.decode['batch_steps'] + 1}",
+                                  rows=[r.key for r in active])
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
         dt = time.perf_counter() - t0
         self.decode["batch_steps"] += 1
         self.decode["batch_tokens"] += len(active)
-        self._account(t0, before)
+        diff = self._account(t0, before)
         for j, (r, t) in enumerate(zip(active, tokens)):
             r.steps += 1
             r.decode_share_s += dt / len(active)
             r.decode_wall_s += dt
+            r.decode.update(diff)
+            r.step_tokens += len(active)
             self._take(r, t, last[j])
-        return plans
 
-    def _account(self, t0: float, before: dict) -> None:
-        """Add the decode work since (t0, before) to the batch's decode figures."""
+    def _account(self, t0: float, before: dict) -> dict:
+        """Add the decode work since (t0, before) to the batch's decode figures; returns it."""
         after, d = self.engine.snapshot(), self.decode
         d["batch_seconds"] += time.perf_counter() - t0
-        for key, value in after.items():
-            d[key] += value - before[key]
+        diff = {key: value - before[key] for key, value in after.items()}
+        d.update(diff)
+        return diff
 
     # -- figures ----------------------------------------------------------------------------
     def batch_stats(self, rows: list[_Row]) -> dict:
@@ -237,7 +329,7 @@ class BatchDecoder:
             "batch_decode_s": seconds,
             "batch_decode_tok_s": tokens / seconds if seconds > 0 else 0.0,
             "batch_prefill_s": sum(r.prefill_s for r in rows),
-            "batch_prefill_bytes_read": sum(r.prefill_bytes for r in rows),
+            "batch_prefill_bytes_read": sum(r.prefill.get("bytes", 0) for r in rows),
         }
 
     @staticmethod
@@ -248,7 +340,7 @@ class BatchDecoder:
             "generated_tokens": len(row.tokens),
             "prefill_s": row.prefill_s,
             "prefill_tok_s": len(row.prompt) / row.prefill_s if row.prefill_s > 0 else 0.0,
-            "prefill_bytes_read": row.prefill_bytes,
+            "prefill_bytes_read": row.prefill.get("bytes", 0),
             "decode_steps": row.steps,
             "decode_s": row.decode_share_s,
             "decode_wall_s": row.decode_wall_s,

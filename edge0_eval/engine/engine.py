@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -231,23 +232,36 @@ class Engine:
         each of its tokens was sampled from, before any penalty (parity checks).
         """
         rows_at_once = check_batch_args(prompts, max_tokens, batch_size, seeds)
-        decoder = BatchDecoder(self, prompts, max_tokens, rows_at_once,
-                               dict(temperature=temperature, top_p=top_p, top_k=top_k,
-                                    min_p=min_p, penalties=penalties),
-                               self._stop_ids(stop_token_ids), seeds,
-                               logits_trace)
-        configured = self.resolved.slots_per_layer
-        self._resize_slots(max(configured, min(rows_at_once * self.top_k,
-                                               self.index.num_experts)))
-        try:
+        trace = None if logits_trace is None else {}
+        decoder = BatchDecoder(self, rows_at_once, trace)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                        penalties=penalties)
+        stop = self._stop_ids(stop_token_ids)
+        for i, prompt in enumerate(prompts):
+            decoder.add(i, prompt, max_tokens=max_tokens, stop=stop, sampling=sampling,
+                        seed=self.options.seed if seeds is None else seeds[i])
+        with self.batch_pool(rows_at_once):
             rows = decoder.run()
             self._last = decoder.batch_stats(rows) | decode_figures(
                 decoder.decode, decoder.decode["batch_steps"], decoder.decode["batch_tokens"])
             common = self.stats()           # with the batch's expert buffer
-        finally:
-            self._resize_slots(configured)
+        if logits_trace is not None:
+            logits_trace[:] = [trace[i] for i in range(len(prompts))]
         return [GenerationResult(tokens=r.tokens, prompt_tokens=len(r.prompt),
                                  stats={**common, **decoder.row_stats(r)}) for r in rows]
+
+    @contextmanager
+    def batch_pool(self, rows_at_once: int):
+        """While the block runs, every layer's slot pool holds min(experts, rows x K) slots
+        when the configured budget (the B = 1 budget) holds fewer, so a batch's union of
+        experts always fits; then the configured size again."""
+        configured = self.resolved.slots_per_layer
+        self._resize_slots(max(configured, min(rows_at_once * self.top_k,
+                                               self.index.num_experts)))
+        try:
+            yield self
+        finally:
+            self._resize_slots(configured)
 
     def _stop_ids(self, stop_token_ids: set[int] | None) -> set[int]:
         return set(self.tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)

@@ -1,0 +1,103 @@
+"""`edge0-eval serve MODEL [engine options]`: an OpenAI-compatible server on the engine's
+continuous batching.
+
+    edge0-eval serve student --mode prerouted --port 8001          # loopback only by default
+    curl localhost:8001/v1/chat/completions -d '{"model": "student", "messages": [...]}'
+
+The engine loads once and runs on one thread that owns the batch (worker.py); the HTTP side
+(app.py, aiohttp) parses and validates requests (requests.py) and relays answers. A request's
+seed is the run's seed: its row draws from `row_seed(seed, prompt ids, edge0_sample)`, so an
+answer equals the in-process `Edge0Model` arm's for the same prompt, settings and seed, alone
+or batched with any other requests (model_wrappers/edge0_api_model.py is the OpenCompass side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import signal
+import sys
+from pathlib import Path
+
+from edge0_eval import cli_types as ct
+from edge0_eval.cli_options import add_engine_arguments, options_from_args
+from edge0_eval.errors import ConfigError
+
+LOOPBACK = ("localhost",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="converted model directory (edge0-eval convert)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: loopback only; anything else "
+                             "should come with --api-key)")
+    parser.add_argument("--port", type=ct.positive_int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name requests give as `model` (default: MODEL's folder name)")
+    parser.add_argument("--max-batch", type=ct.positive_int, default=8,
+                        help="requests decoded together; more wait their turn (default 8; the "
+                             "expert buffer holds min(experts, B x top-k) slots per layer)")
+    parser.add_argument("--max-tokens", type=ct.positive_int, default=512,
+                        help="new tokens for a request that gives no max_tokens (default 512)")
+    parser.add_argument("--api-key", default=os.environ.get("EDGE0_API_KEY"),
+                        help="require `Authorization: Bearer KEY` (default: $EDGE0_API_KEY, "
+                             "else none)")
+    add_engine_arguments(parser)
+
+
+def _loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    # The server's imports (MLX, aiohttp) only when it runs: `edge0-eval --help` stays fast.
+    from edge0_eval.engine.engine import Engine
+    from edge0_eval.evaluation.identity import model_identity
+    from edge0_eval.server.app import make_app
+    from edge0_eval.server.worker import Worker
+
+    if args.port > 65535:
+        raise ConfigError(f"--port must be in 1..65535, not {args.port}")
+    options = options_from_args(args)
+    name = args.served_model_name or Path(args.model).resolve().name
+    worker = Worker(lambda: Engine.load(args.model, options), rows_at_once=args.max_batch,
+                    identity=model_identity(args.model, options), name=name)
+    worker.start_engine()
+    engine = worker.engine
+    vocab = int(engine.family.text_config(engine.config)["vocab_size"])
+    app = make_app(worker, served=name, vocab=vocab, max_tokens=args.max_tokens,
+                   seed=options.seed, api_key=args.api_key)
+    if not _loopback(args.host) and not args.api_key:
+        print(f"edge0-eval serve: warning: listening on {args.host} without --api-key: anyone "
+              f"who can reach this port can use the model", file=sys.stderr)
+    try:
+        asyncio.run(_serve(app, args.host, args.port, name, args.max_batch))
+    finally:
+        worker.close()
+        worker.join(timeout=30)
+    return 0
+
+
+async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
+    from edge0_eval.server.app import start
+
+    try:
+        runner, port = await start(app, host, port)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another "
+                          f"server on that port? choose another with --port") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"edge0-eval serve: {name} at http://{host}:{port}/v1 (up to {max_batch} requests "
+          f"decoded together)", flush=True)
+    await stop.wait()
+    await runner.cleanup()

@@ -1,0 +1,319 @@
+"""The engine's one thread: it owns the engine, its tokenizer and the batch; HTTP only queues.
+
+MLX and the engine are single-threaded, so every request is handed to `Worker` as a `Job`
+(`submit`, `cancel`: thread-safe) and everything that touches the model or the tokenizer runs
+here: the chat template and tokenization when the job is admitted, then the batch decoder
+(engine/batch.py), between whose steps rows join and leave. After each step every row that took
+a token advances its job: the shared stop rule (`RowStop`: EOS and single-token stop words end
+the row in the engine, a longer stop word here, and the row is cancelled before the next
+step), streamed text, and at the end the text trimmed at the stop word and the row's engine
+stats. A job hears back through its `post` callback (thread-safe), with one of
+  ('started', prompt_tokens) | ('delta', text, logprobs) | ('done', Finished)
+  | ('error', RequestError)
+An exception in a decode step (an expert read's I/O or checksum error, non-finite logits) fails
+every row in that step with a 500 error, never a partial answer marked complete; the worker
+goes on with the next requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from edge0_eval.chat_rows import (RowStop, chat_ids, fit_prompt, row_seed, sample_stats,
+                                  stop_token_ids, trim_at_stop)
+from edge0_eval.engine.batch import BatchDecoder
+from edge0_eval.engine.engine import decode_figures
+from edge0_eval.engine.mlx_compat import wired_limit
+from edge0_eval.server.requests import RequestError, RequestSpec
+
+log = logging.getLogger("edge0_eval.server")
+
+
+@dataclass
+class Finished:
+    text: str
+    finish_reason: str                # 'stop' | 'length' (OpenAI's)
+    prompt_tokens: int
+    tokens: list[int]
+    logprobs: list                    # per output token: its chat API logprobs entry
+    stats: dict                       # the sample's stats (chat_rows.sample_stats and more)
+
+
+@dataclass(eq=False)
+class Job:
+    spec: RequestSpec
+    post: Callable[[tuple], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    # The worker's, once admitted:
+    row: object = None
+    stop: RowStop | None = None
+    stream: "TextStream | None" = None
+    seed: int = 0
+    seen: int = 0                     # row tokens taken so far
+    logprobs: list = field(default_factory=list)
+
+
+class TextStream:
+    """Streamed text, decoded incrementally as vLLM does (the text of a few tokens before the
+    last sent one, decoded with the new ones, less what those few tokens read), so it follows
+    `tokenizer.decode` of the whole answer (mlx-lm's streaming detokenizer does not always:
+    leading spaces, byte tokens). Held back: what could still become a stop word (the longest
+    one's length - 1 characters) and an incomplete character."""
+
+    def __init__(self, tokenizer, stop_words: list[str]):
+        self.tokenizer = tokenizer
+        self.hold = max((len(w) for w in stop_words), default=1) - 1
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0          # token offsets: decoded context, already read
+        self.text = ""                       # everything read so far
+        self.sent = 0
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self.prefix:self.read])
+        after = decode(self.tokens[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
+        end = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self, final: str) -> str:
+        """The rest of `final` (the whole answer, trimmed at its stop word)."""
+        if not final.startswith(self.text[:self.sent]):
+            log.warning("streamed text is not a prefix of the decoded answer")
+        return final[self.sent:]
+
+
+def finish_reason(stop: RowStop) -> str:
+    return "length" if stop.finish in (None, "length") else "stop"
+
+
+class Worker(threading.Thread):
+    """The engine thread. load: makes the engine, on this thread (MLX 0.32 keeps its streams
+    per thread: arrays made on one thread cannot be evaluated on another). rows_at_once: the
+    most rows decoded together (more wait)."""
+
+    def __init__(self, load: Callable[[], object], *, rows_at_once: int, identity: dict,
+                 name: str):
+        super().__init__(name="edge0-engine", daemon=True)
+        self._load, self.rows_at_once = load, rows_at_once
+        self.identity, self.served_name = identity, name
+        self.engine = self.tokenizer = self.decoder = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: dict = {}                  # row -> job
+        self.counts = Counter()               # served, failed, cancelled, refused
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+
+    def start_engine(self) -> None:
+        """Start the thread and wait until the engine has loaded; its load error is raised."""
+        self.start()
+        self.ready.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    # -- the HTTP side's calls (any thread) ------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self.inbox.put(("add", job))
+
+    def cancel(self, job: Job) -> None:
+        self.inbox.put(("cancel", job))
+
+    def close(self) -> None:
+        self.inbox.put(("close", None))
+
+    def load(self) -> dict:
+        """Rows decoding and waiting, and the counts (read without a lock: a snapshot)."""
+        decoder = self.decoder
+        return {"rows": len(decoder.active) if decoder else 0,
+                "waiting": len(decoder.waiting) if decoder else 0,
+                "rows_at_once": self.rows_at_once,
+                **{k: self.counts[k] for k in ("served", "failed", "cancelled", "refused")}}
+
+    # -- the thread ------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.engine = self._load()
+            self.tokenizer = self.engine.tokenizer
+            self.decoder = BatchDecoder(self.engine, self.rows_at_once)
+        except BaseException as exc:         # noqa: BLE001 - raised by start_engine
+            self.load_error = exc
+            self.ready.set()
+            return
+        try:
+            self._serve()
+        finally:
+            self.engine.close()
+
+    def _serve(self) -> None:
+        with self.engine.batch_pool(self.rows_at_once), wired_limit(self.engine.model):
+            self.ready.set()
+            while self._drain(block=not self.decoder.pending):
+                if not self.decoder.pending:
+                    continue
+                try:
+                    touched = self.decoder.step()
+                except Exception as exc:     # noqa: BLE001 - a fault outside a step: start over
+                    log.exception("batch decoder failed")
+                    self._restart(exc)
+                    continue
+                for row in touched:
+                    job = self.jobs.get(row)
+                    if job is not None:
+                        self._guarded(self._advance, job, row)
+
+    def _guarded(self, call, job: Job, *args) -> None:
+        """A fault in one job's handling fails that job (500), never the thread."""
+        try:
+            call(job, *args)
+        except Exception as exc:             # noqa: BLE001 - answered, and logged
+            log.exception("request handling failed")
+            if job.row is not None and not job.row.done:
+                self.decoder.cancel(job.row)
+            self._fail(job, exc)
+
+    def _drain(self, block: bool) -> bool:
+        """Take every queued call (waiting for one when idle); False on close."""
+        try:
+            item = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, job = item
+            if kind == "close":
+                return False
+            if kind == "add":
+                self._guarded(self._admit, job)
+            elif job.row is not None and self.jobs.pop(job.row, None) is not None:
+                self.decoder.cancel(job.row)
+                self.counts["cancelled"] += 1
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _restart(self, exc: Exception) -> None:
+        for job in list(self.jobs.values()):
+            self._fail(job, exc)
+        self.decoder = BatchDecoder(self.engine, self.rows_at_once)
+
+    def _admit(self, job: Job) -> None:
+        """Tokenize the request and queue its row."""
+        spec, tok = job.spec, self.tokenizer
+        try:
+            if spec.kind == "chat":
+                ids = chat_ids(tok, spec.prompt, spec.chat_template_kwargs)
+            elif isinstance(spec.prompt, str):
+                ids = list(tok.encode(spec.prompt))   # as mlx-lm's server encodes a prompt
+            else:
+                ids = list(spec.prompt)
+        except Exception as exc:             # noqa: BLE001 - the template refused the messages
+            self.counts["refused"] += 1
+            if spec.kind == "chat":
+                param = "chat_template_kwargs" if spec.chat_template_kwargs else "messages"
+                what = "the chat template refused the request"
+            else:
+                param, what = "prompt", "the tokenizer refused the prompt"
+            job.post(("error", RequestError(f"{what}: {type(exc).__name__}: {exc}", param)))
+            return
+        if spec.max_seq_len is not None:
+            ids = fit_prompt(ids, spec.max_seq_len, spec.max_tokens)
+        if not ids:
+            self.counts["refused"] += 1
+            job.post(("error", RequestError("the prompt has no tokens", "prompt")))
+            return
+        stop_ids = stop_token_ids(tok, spec.stop)
+        job.seed = row_seed(spec.seed, ids, spec.sample)
+        job.stop = RowStop(tok, spec.max_tokens, stop_ids, spec.stop)
+        job.stream = TextStream(tok, spec.stop) if spec.stream else None
+        job.row = self.decoder.add(id(job), ids, max_tokens=spec.max_tokens, stop=stop_ids,
+                                   seed=job.seed, sampling=spec.sampling,
+                                   top_logprobs=spec.logprobs)
+        self.jobs[job.row] = job
+
+    def _advance(self, job: Job, row) -> None:
+        """The row's new tokens through its job: stop rule, streamed text, the end."""
+        if row.error is not None:
+            self._fail(job, row.error)
+            return
+        if job.seen == 0:
+            job.post(("started", len(row.prompt)))
+        new = row.tokens[job.seen:]
+        entries = row.logprobs[job.seen:] if job.spec.logprobs is not None else [None] * len(new)
+        job.seen = len(row.tokens)
+        text, logprobs, ended = "", [], False
+        for token, entry in zip(new, entries):
+            before = len(job.stop.tokens)
+            ended = job.stop.add(token)
+            if len(job.stop.tokens) > before and entry is not None:
+                logprobs.append(self._logprob_entry(token, *entry))
+            if ended:
+                break
+            if job.stream is not None:
+                text += job.stream.add(token)
+        job.logprobs += logprobs
+        if ended or row.done:
+            if not row.done:
+                self.decoder.cancel(row)     # a stop word: leave before the next step
+            self._finish(job, row, logprobs)
+        elif job.stream is not None and (text or logprobs):
+            job.post(("delta", text, logprobs))
+
+    def _finish(self, job: Job, row, logprobs: list) -> None:
+        """The answer: the text trimmed at its stop word (streamed: the rest of it, with the
+        last tokens' logprobs), then `done`."""
+        del self.jobs[row]
+        spec, stop = job.spec, job.stop
+        text, hit = trim_at_stop(self.tokenizer.decode(stop.tokens), spec.stop)
+        if job.stream is not None:
+            rest = job.stream.finish(text)
+            if rest or logprobs:
+                job.post(("delta", rest, logprobs))
+        self.counts["served"] += 1
+        job.post(("done", Finished(text, finish_reason(stop), len(row.prompt), stop.tokens,
+                                   job.logprobs, self._stats(job, row, hit))))
+
+    def _logprob_entry(self, token: int, logprob: float, top: list) -> dict:
+        """One output token's logprobs, as the chat API writes them (plus mlx-lm's `id`)."""
+        def one(t: int, lp: float) -> dict:
+            text = self.tokenizer.decode([t])
+            return {"id": t, "token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        self.jobs.pop(job.row, None)
+        self.counts["failed"] += 1
+        log.error("request failed in the engine: %s: %s", type(exc).__name__, exc)
+        job.post(("error", RequestError(
+            f"the engine failed while generating this answer ({type(exc).__name__}: {exc}); "
+            f"no partial answer is returned", status=500, kind="server_error",
+            code="engine_error")))
+
+    def _stats(self, job: Job, row, stop_word: str | None) -> dict:
+        """The sample's stats, as an in-process student sample's (chat_rows.sample_stats): the
+        engine's figures, with the row's own prefill and the decode steps it took part in
+        (shared with its batch mates: bytes_read, blocked_load_s and the pool figures)."""
+        pre, dec = row.prefill, row.decode
+        stats = {**self.engine.stats(), **BatchDecoder.row_stats(row),
+                 **decode_figures(dec, row.steps, row.step_tokens),
+                 "bytes_read": pre.get("bytes", 0) + dec["bytes"],
+                 "reads": pre.get("reads", 0) + dec["reads"],
+                 "blocked_load_s": pre.get("blocked", 0.0) + dec["blocked"],
+                 "batch_mean_rows_per_step": row.step_tokens / row.steps if row.steps else 1.0}
+        wall = time.perf_counter() - job.submitted
+        return {"prompt_tokens": len(row.prompt), "tokens": len(job.stop.tokens),
+                "wall_s": round(wall, 4),
+                "queue_s": round(max(0.0, wall - row.prefill_s - row.decode_wall_s), 4),
+                "stop_word": stop_word, "seed": job.seed, "sample": job.spec.sample,
+                "batch_size": self.decoder.rows_at_once,
+                **sample_stats(stats, job.stop.finish, "not evicted"),
+                "model_identity": self.identity, "served_model": self.served_name}

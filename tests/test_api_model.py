@@ -1,0 +1,62 @@
+"""Edge0APIModel (OpenCompass's OpenAISDK with the in-process arms' settings) against servers in
+this process: its predictions and sample seeds are the in-process Edge0Model's, it spreads a
+call over its hosts and leaves a dead one, and a refused request is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.errors import ConfigError
+from live_server import LiveServer, free_port
+from model_wrappers.edge0_api_model import Edge0APIModel, api_problems
+from model_wrappers.edge0_model import Edge0Model
+
+NAME = "edge0-student"
+GENERATION = dict(generation_kwargs=dict(temperature=0.8, top_p=0.9, seed=3),
+                  chat_template_kwargs=dict(enable_thinking=False), max_seq_len=2048)
+PROMPTS = [[{"role": "HUMAN", "prompt": "What is 2 + 2?"}], "Write a haiku about disks.",
+           [{"role": "SYSTEM", "prompt": "Be brief."}, {"role": "HUMAN", "prompt": "hi"}]]
+
+
+@pytest.fixture(scope="module")
+def hosts(edge0_qwen):
+    servers = [LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
+               for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def test_predictions_and_seeds_equal_the_in_process_arm(edge0_qwen, hosts):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    api = Edge0APIModel(path=NAME, openai_api_base=[dead] + [h.base for h in hosts],
+                        tokenizer_path=str(edge0_qwen), retry_wait=60, **GENERATION)
+    local = Edge0Model(path=str(edge0_qwen), mode="reactive", no_lora=True, **GENERATION)
+    samples = [0, 0, 1]
+    want = local.generate(PROMPTS, 20, sample_indices=samples)
+    got = api.generate(PROMPTS * 2, 20, sample_indices=samples * 2)
+    assert got == want * 2
+    stats, mine = api.pop_sample_stats(), local.pop_sample_stats()
+    assert [s["seed"] for s in stats] == [s["seed"] for s in mine] * 2
+    assert [s["finish_reason"] for s in stats] == [s["finish_reason"] for s in mine] * 2
+    served = {s["api_base"] for s in stats}
+    assert dead not in served and served == {h.base for h in hosts}   # both live hosts used
+    assert api.hosts.down_until[dead] > 0                             # the dead one left
+
+
+def test_a_refused_request_and_a_dead_host_are_clear_errors(edge0_qwen, hosts):
+    wrong = Edge0APIModel(path="another-model", openai_api_base=hosts[0].base,
+                          tokenizer_path=str(edge0_qwen), **GENERATION)
+    with pytest.raises(ConfigError, match="refused the request \\(404\\).*another-model"):
+        wrong.generate(PROMPTS[:1], 4)
+    dead = Edge0APIModel(path=NAME, openai_api_base=f"http://127.0.0.1:{free_port()}/v1",
+                         tokenizer_path=str(edge0_qwen), retry=2, retry_wait=0.1, **GENERATION)
+    with pytest.raises(RuntimeError, match="no host answered after 2 attempts.*opencompass -r"):
+        dead.generate(PROMPTS[:1], 4)
+    problems = api_problems("arm", dict(path="another-model", tokenizer_path="/nonexistent",
+                                        openai_api_base=[hosts[0].base]))
+    assert any("tokenizer_path" in p for p in problems)
+    assert any(f"serves ['{NAME}'], not 'another-model'" in p for p in problems)
+    with pytest.raises(ConfigError, match="openai_api_base"):
+        Edge0APIModel(path=NAME, openai_api_base="localhost:8000", tokenizer_path=str(edge0_qwen))

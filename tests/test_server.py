@@ -1,0 +1,292 @@
+"""`edge0-eval serve`: OpenAI's routes on the continuous-batching engine, in this process.
+
+Every answer is compared with the same prompt run alone in-process (`Engine.generate` at the
+row's seed, `row_seed(seed, prompt ids, sample)`), token for token: through the HTTP layer,
+whole or streamed, greedy or sampled, a request is the in-process row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from bad_inputs import copy_model
+from edge0_eval.chat_rows import chat_ids, row_seed
+from edge0_eval.cli import main
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.layout import EXPERTS_NAME
+from edge0_eval.engine.options import EngineOptions
+from live_server import LiveServer
+
+NAME = "tiny"
+MESSAGES = [[{"role": "user", "content": "What is 2 + 2?"}],
+            [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Write a haiku about disks, please."}],
+            [{"role": "user", "content": "def fib(n):"}]]
+TEMPLATE = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def served(edge0_qwen):
+    server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
+    solo = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    yield server, solo
+    server.close()
+    solo.close()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base, api_key="none", max_retries=0, timeout=60)
+
+
+def _solo(engine, ids, max_tokens, seed=0, sample=0, **sampling):
+    """The row alone: tokens up to (not including) EOS, as the server outputs them."""
+    tokens = engine.generate(ids, max_tokens, seed=row_seed(seed, ids, sample), **sampling).tokens
+    return [t for t in tokens if t not in engine.tokenizer.eos_token_ids]
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.9, top_p=0.9, top_k=20, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_chat_answers_equal_the_solo_row_whole_and_streamed(served, sampling):
+    server, engine = served
+    client = _client(server)
+    seed = sampling.pop("seed", 0)
+    for sample, messages in enumerate(MESSAGES):
+        ids = chat_ids(engine.tokenizer, messages, TEMPLATE)
+        want = _solo(engine, ids, 20, seed, sample, **sampling)
+        kw = dict(model=NAME, messages=messages, max_tokens=20, seed=seed, **sampling)
+        extra = dict(chat_template_kwargs=TEMPLATE, edge0_sample=sample,
+                     **{k: kw.pop(k) for k in ("top_k",) if k in kw})
+        whole = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3,
+                                               extra_body=extra)
+        entries = whole.choices[0].logprobs.content
+        assert [e.id for e in entries] == want
+        assert whole.choices[0].message.content == engine.tokenizer.decode(want)
+        assert whole.usage.completion_tokens == len(want)
+        assert whole.usage.prompt_tokens == len(ids)
+        assert whole.choices[0].finish_reason == ("length" if len(want) == 20 else "stop")
+        for e in entries:
+            top = [t.logprob for t in e.top_logprobs]
+            assert len(top) == 3 and top == sorted(top, reverse=True) and e.logprob <= 0
+            if not sampling:
+                assert e.logprob == pytest.approx(top[0])      # greedy: the most likely
+        stats = whole.edge0
+        assert stats["seed"] == row_seed(seed, ids, sample) and stats["sample"] == sample
+        assert stats["tokens"] == len(want) and stats["cache"] == "not evicted"
+        assert stats["pool"]["bytes_read"] >= 0 and "blocked_load_s" in stats["engine"]
+        assert stats["model_identity"] == {"weights": "test"}
+        chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body=extra))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == len(want)
+        last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+        assert last.edge0["tokens"] == len(want)
+
+
+def test_text_completions_take_text_or_token_ids(served):
+    server, engine = served
+    client = _client(server)
+    ids = engine.tokenizer.encode("Once upon a time")
+    want = _solo(engine, ids, 12)
+    for prompt in ("Once upon a time", ids):
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, logprobs=2)
+        assert out.choices[0].text == engine.tokenizer.decode(want)
+        assert len(out.choices[0].logprobs.token_logprobs) == len(want)
+        assert all(len(t) == 2 for t in out.choices[0].logprobs.top_logprobs)
+    streamed = client.completions.create(model=NAME, prompt=ids, max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == \
+        engine.tokenizer.decode(want)
+
+
+def test_a_stop_word_ends_the_row_and_is_cut(served):
+    server, engine = served
+    ids = chat_ids(engine.tokenizer, MESSAGES[0], TEMPLATE)
+    text = engine.tokenizer.decode(_solo(engine, ids, 20))
+    stop = text[6:9]                                  # a few characters from the middle
+    out = _client(server).chat.completions.create(
+        model=NAME, messages=MESSAGES[0], max_tokens=20, stop=[stop],
+        extra_body=dict(chat_template_kwargs=TEMPLATE))
+    assert out.choices[0].message.content == text[:text.index(stop)]
+    assert out.choices[0].finish_reason == "stop" and out.edge0["stop_word"] == stop
+
+
+BAD = [  # (route, body, status, param)
+    ("chat", {"messages": MESSAGES[0]}, 400, "model"),
+    ("chat", {"model": "other", "messages": MESSAGES[0]}, 404, "model"),
+    ("chat", {"model": NAME}, 400, "messages"),
+    ("chat", {"model": NAME, "messages": []}, 400, "messages"),
+    ("chat", {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("chat", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     400, "messages[0].content[0]"),
+    ("chat", {"temperature": -1}, 400, "temperature"),
+    ("chat", {"temperature": "hot"}, 400, "temperature"),
+    ("chat", {"top_p": 0}, 400, "top_p"),
+    ("chat", {"top_k": 2.5}, 400, "top_k"),
+    ("chat", {"min_p": 1.5}, 400, "min_p"),
+    ("chat", {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("chat", {"presence_context_size": 5}, 400, "presence_context_size"),
+    ("chat", {"max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"max_completion_tokens": -3}, 400, "max_completion_tokens"),
+    ("chat", {"stop": 5}, 400, "stop"),
+    ("chat", {"seed": -1}, 400, "seed"),
+    ("chat", {"n": 2}, 400, "n"),
+    ("chat", {"stream": "yes"}, 400, "stream"),
+    ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {"logprobs": "yes"}, 400, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat", {"chat_template_kwargs": ["thinking"]}, 400, "chat_template_kwargs"),
+    ("chat", {"edge0_sample": -1}, 400, "edge0_sample"),
+    ("chat", {"temprature": 0.5}, 400, "temprature"),
+    ("completion", {"model": NAME, "prompt": []}, 400, "prompt"),
+    ("completion", {"model": NAME, "prompt": [10**9]}, 400, "prompt"),
+    ("completion", {"model": NAME, "prompt": "x", "logprobs": 9}, 400, "logprobs"),
+    ("completion", {"model": NAME, "prompt": "x", "echo": True}, 400, "echo"),
+]
+
+
+def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(served):
+    server, _ = served
+    for route, body, status, param in BAD:
+        if route == "chat" and "messages" not in body and "model" not in body:
+            body = {"model": NAME, "messages": MESSAGES[0], **body}
+        path = "chat/completions" if route == "chat" else "completions"
+        r = httpx.post(f"{server.base}/{path}", json=body, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and param.split("[")[0].split(".")[0] in \
+            error["message"], (body, error)
+    for raw, status in ((b"{not json", 400), (b"[1, 2]", 400), (b"\xff\xfe", 400)):
+        r = httpx.post(f"{server.base}/chat/completions", content=raw, timeout=30)
+        assert r.status_code == status and "error" in r.json()
+    assert httpx.get(f"{server.base}/nothing", timeout=30).json()["error"]["message"]
+    r = httpx.post(f"{server.base}/models", timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        _client(server).chat.completions.create(model=NAME, messages=MESSAGES[0], top_p=7)
+    ok = _client(server).chat.completions.create(model=NAME, messages=MESSAGES[0], max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    assert server.health()["status"] == "ok"
+    assert httpx.get(f"{server.base}/models", timeout=30).json()["data"][0]["id"] == NAME
+
+
+def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeypatch):
+    """An expert read that fails inside a decode step (as engine/store.py raises it) fails the
+    request: a 500 error object, or, streaming, an error event with no [DONE]; the next
+    request is answered as alone."""
+    server, engine = served
+    step, fail = server.worker.engine.step, []     # fail: decode steps to go until the fault
+
+    def failing(*args, where="", **kwargs):
+        if where.startswith("at batched decode step") and fail:
+            fail[0] -= 1
+            if fail[0] == 0:
+                fail.clear()
+                raise OSError(5, "Input/output error", "experts.bin")
+        return step(*args, where=where, **kwargs)
+
+    failing.clip = step.clip                       # what Engine.stats reads of its step
+    monkeypatch.setattr(server.worker.engine, "step", failing)
+    client = _client(server)
+    kw = dict(model=NAME, messages=MESSAGES[1], max_tokens=20,
+              extra_body=dict(chat_template_kwargs=TEMPLATE))
+    fail.append(1)                              # before the first token is out: a 500
+    with pytest.raises(openai.InternalServerError, match="Input/output error") as err:
+        client.chat.completions.create(**kw)
+    assert err.value.body["code"] == "engine_error"
+    fail.append(4)                              # mid-stream: an error event
+    with httpx.stream("POST", f"{server.base}/chat/completions", timeout=30,
+                      json=dict(kw.pop("extra_body"), **kw, stream=True)) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and len(events) > 2 and "Input/output error" in events[-1]
+    assert "[DONE]" not in "".join(events)
+    assert not any('"finish_reason": "length"' in e or '"finish_reason": "stop"' in e
+                   for e in events)
+    ids = chat_ids(engine.tokenizer, MESSAGES[1], TEMPLATE)
+    again = client.chat.completions.create(**kw, extra_body=dict(chat_template_kwargs=TEMPLATE),
+                                           logprobs=True)
+    assert [e.id for e in again.choices[0].logprobs.content] == _solo(engine, ids, 20)
+    assert server.worker.load()["failed"] >= 2
+
+
+def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    server = LiveServer(model, EngineOptions(mode="reactive"), name=NAME)
+    try:
+        path = model / EXPERTS_NAME
+        with open(path, "r+b") as f:            # in place: every bundle's checksum fails
+            f.write(b"\x5a" * path.stat().st_size)
+        r = httpx.post(f"{server.base}/chat/completions", timeout=30,
+                       json=dict(model=NAME, messages=MESSAGES[0], max_tokens=5))
+        assert r.status_code == 500
+        assert "checksum mismatch" in r.json()["error"]["message"]
+        assert server.health()["status"] == "ok"
+    finally:
+        server.close()
+
+
+def test_a_client_that_leaves_cancels_its_row(served):
+    server, _ = served
+    before = server.worker.load()["cancelled"]
+    with httpx.stream("POST", f"{server.base}/chat/completions", timeout=30,
+                      json=dict(model=NAME, messages=MESSAGES[2], max_tokens=4000,
+                                stream=True)) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        load = server.worker.load()
+        if load["cancelled"] > before and load["rows"] == 0:
+            break
+        time.sleep(0.05)
+    load = server.worker.load()
+    assert load["cancelled"] == before + 1 and load["rows"] == 0 and load["waiting"] == 0
+
+
+def test_an_api_key_is_required_when_set(edge0_qwen):
+    server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME, api_key="k1")
+    try:
+        body = dict(model=NAME, messages=MESSAGES[0], max_tokens=2)
+        r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 200
+    finally:
+        server.close()
+
+
+def test_serve_cli_errors_are_one_line(edge0_qwen, tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+    server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
+    try:
+        assert main(["serve", str(edge0_qwen), "--port", str(server.port)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{server.port}" in err and "Traceback" not in err
+    finally:
+        server.close()
+
+
+def test_stock_opencompass_openaisdk_carries_the_seed(served):
+    """OpenCompass's own OpenAISDK reaches the same row: the run's seed as the OpenAI `seed`
+    (openai_extra_kwargs), the sampling options and chat template arguments in extra_body.
+    It has no per-prompt sample index: it reproduces sample 0 of every question."""
+    from opencompass.models import OpenAISDK
+
+    server, engine = served
+    model = OpenAISDK(path=NAME, openai_api_base=server.base, key='none',
+                      tokenizer_path=str(engine.directory), max_seq_len=4096, retry=1,
+                      openai_extra_kwargs=dict(seed=11, temperature=0.9, top_p=0.9),
+                      extra_body=dict(chat_template_kwargs=TEMPLATE, top_k=20))
+    out = model.generate([MESSAGES[1][1]['content']], max_out_len=16)
+    ids = chat_ids(engine.tokenizer, [MESSAGES[1][1]], TEMPLATE)
+    want = _solo(engine, ids, 16, seed=11, temperature=0.9, top_p=0.9, top_k=20)
+    assert out == [engine.tokenizer.decode(want)]
