@@ -110,27 +110,32 @@ def sequential_change(changes: list[float], threshold_points: float,
                       float(np.exp(min(down[at], 700.0))), float(np.exp(min(up[at], 700.0))))
 
 
-def simulate(items: int, churn: float, drop: float, threshold: float,
+def simulate(items: int, churn: float, drop: float, threshold: float | None,
              alpha: float = DEFAULT_ALPHA, runs: int = _SIMULATED_RUNS, seed: int = 0
              ) -> tuple[np.ndarray, np.ndarray]:
     """(first `regressed` crossing, first `within` crossing) per run of `items` 0/1 items of
     which a share churn/2 improves and churn/2 + drop worsens (the paired module's model of
-    a change; drop and churn as shares, threshold as a share)."""
+    a change; drop and churn as shares, threshold as a share; None: no `within` rule)."""
     rng = np.random.default_rng(seed)
     u = rng.random((runs, items))
     worse, better = churn / 2 + drop, churn / 2
     d = np.where(u < worse, 1.0, np.where(u < worse + better, -1.0, 0.0))
+    if threshold is None:
+        fail = _first(_log_wealth(d, 1.0) >= math.log(1 / alpha))
+        return fail, np.full_like(fail, items)
     fail, ok, _, _ = run_tests(d, threshold, alpha)
     return fail, ok
 
 
-def detectable_drop(items: int, churn: float, threshold_points: float,
+def detectable_drop(items: int, churn: float, threshold_points: float | None,
                     alpha: float = DEFAULT_ALPHA) -> float | None:
     """The drop (points) the `regressed` rule catches within `items` 0/1 items with
-    probability >= POWER at this churn, by seeded simulation; None when no drop is."""
+    probability >= POWER at this churn, by seeded simulation; None when no drop is.
+    threshold_points None: the `regressed` rule alone (a `within` rule at a threshold above
+    the drop fires first with probability <= alpha, so it costs at most alpha of power)."""
     if items == 0:
         return None
-    threshold = threshold_points / 100.0
+    threshold = None if threshold_points is None else threshold_points / 100.0
 
     def power(drop: float) -> float:
         fail, ok = simulate(items, churn, drop, threshold, alpha)
