@@ -78,3 +78,12 @@ def tiny_qwen64_q4(tmp_path_factory):
 @pytest.fixture(scope="session")
 def edge0_qwen64(tiny_qwen64_q4, tmp_path_factory):
     return _convert(tiny_qwen64_q4, tmp_path_factory, "qwen64")
+
+
+@pytest.fixture(scope="session")
+def demo_env(tmp_path_factory):
+    """What `edge0-eval demo` prepares (tiny teacher, student with trained adapters, fixture
+    data, fidelity set), once per session: the tests that run OpenCompass on it share it."""
+    from edge0_eval.demo import prepare
+
+    return prepare(tmp_path_factory.mktemp("demo"))

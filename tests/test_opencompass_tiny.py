@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.demo import (TINY_DATASETS, TINY_FIDELITY, TINY_MODELS, check_run, offline_env,
-                             prepare, report_and_gate)
+                             report_and_gate)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / 'configs'
@@ -31,9 +31,9 @@ def _opencompass(config: Path, work: Path, env: dict, timeout: int = 900):
 
 
 @pytest.fixture(scope='module')
-def tiny_env(tmp_path_factory):
+def tiny_env(demo_env):
     """Tiny teacher, converted student and fixture data, as `edge0-eval demo` prepares them."""
-    return prepare(tmp_path_factory.mktemp('demo'))
+    return demo_env
 
 
 def test_tiny_config_end_to_end(tiny_env, tmp_path):

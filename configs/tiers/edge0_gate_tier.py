@@ -16,7 +16,7 @@
 # PRIOR_TOKENS), so the hour's 57,000 benchmark tokens at 20 tok/s buy 14 items in all (1 to 5
 # per benchmark: no drop is detectable at all on 1 to 3 items, 75 points on 4). Thinking off,
 # the same time buys 56 items at the 1,024-token bound (more once lengths are measured), 14
-# per benchmark: drops of ~48 points (fixed test; 68 sequential) are detectable, enough to
+# per benchmark: drops of ~48 points (fixed test; 70 sequential) are detectable, enough to
 # catch a broken student, not one that lost a few points. Long thinking is what fidelity
 # covers, teacher-forced. AIME is left out: its problems need the long reasoning that
 # thinking-off answers of 1,024 tokens cut short, so its items would spend a fifth of the
@@ -65,7 +65,7 @@ edge0_gate_tiers = {
                  'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
                  'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
                  'IFBench': 14},
-        drops={'HumanEval': 67.8, 'GPQA-Diamond': 67.8, 'MMLU-Pro': 67.8, 'IFBench': 67.8},
+        drops={'HumanEval': 69.7, 'GPQA-Diamond': 69.7, 'MMLU-Pro': 69.7, 'IFBench': 69.7},
     ),
     '8b': dict(
         edge0_gate_inputs,
@@ -77,7 +77,7 @@ edge0_gate_tiers = {
                  'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
                  'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
                  'IFBench': 14},
-        drops={'HumanEval': 67.8, 'GPQA-Diamond': 67.8, 'MMLU-Pro': 67.8, 'IFBench': 67.8},
+        drops={'HumanEval': 69.7, 'GPQA-Diamond': 69.7, 'MMLU-Pro': 69.7, 'IFBench': 69.7},
     ),
 }
 

@@ -125,17 +125,17 @@ def run_opencompass(config: Path, out: Path, env: dict[str, str], log: Path,
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=offline_env(env), stdout=f, stderr=subprocess.STDOUT,
                                 cwd=log.parent)
-        shown: list[str] = []
+        shown: set[str] = set()
         while True:
             try:
                 proc.wait(timeout=PROGRESS_EVERY_S)
                 break
             except subprocess.TimeoutExpired:
                 runs = [out / reuse] if reuse else sorted(set(out.glob("*")) - before)
-                lines = read_lines(runs[-1]) if runs else []
-                if lines != shown:
-                    print("\n".join(lines), flush=True)
-                    shown = lines
+                for text in read_lines(runs[-1]) if runs else []:
+                    if text not in shown:      # only arms that moved since the last look
+                        print(text, flush=True)
+                        shown.add(text)
     new = [out / reuse] if reuse else sorted(p for p in set(out.glob("*")) - before
                                               if p.is_dir())
     if proc.returncode != 0 or not new:
