@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("edge0_eval.evaluation.data", "stage and verify OpenCompass benchmark data offline"),
     "report": ("edge0_eval.evaluation.report", "teacher-vs-student gap report from OpenCompass outputs"),
     "gate": ("edge0_eval.evaluation.gate", "CI regression gate on a report"),
+    "gate-run": ("edge0_eval.evaluation.gate_run", "run a gate config and gate it"),
     "fidelity": ("edge0_eval.fidelity", "make a teacher-forced fidelity set from a teacher"),
     "plan": ("edge0_eval.plan", "what an OpenCompass run will cost: tokens, hours, power"),
     "demo": ("edge0_eval.demo", "run the embedded default end to end"),

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -27,7 +28,10 @@ from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity import fingerprint, gather_prompts, make_set
 from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set, write_set
+from edge0_eval.evaluation import agreement, gate_run
 from edge0_eval.evaluation.fixtures import write_fixtures
+from edge0_eval.evaluation.gate_run import offline_env, opencompass_command
+from model_wrappers.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ('teacher', 'int4_exact', 'prerouted_nolora', 'student')
@@ -38,6 +42,7 @@ TINY_DATASETS = ('aime2026', 'IFBench', 'openai_humaneval', 'GPQA_diamond', 'mml
 TINY_FIDELITY = 'edge0_fidelity'
 # The tiny fidelity set: prompts per source and teacher tokens per prompt.
 TINY_FIDELITY_LIMIT, TINY_FIDELITY_MAX_NEW = 6, 16
+AGREEMENT_BATCH = 32      # prompts per generate call when the tiny teacher answers the set
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,26 +54,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='rebuild the tiny models instead of reusing them')
     parser.add_argument('--baseline', default=None,
                         help='gate the run against this report.json (default: '
-                             'reports/tiny/report.json of this checkout, when present)')
+                             'reports/tiny/report.json, with --gate reports/tiny_gate/report.json '
+                             'of this checkout, when present)')
+    parser.add_argument('--gate', action='store_true',
+                        help='run the tiny gate (configs/edge0_tiny_gate.py: fidelity and '
+                             'agreement with the teacher) instead, with `gate-run`')
+    parser.add_argument('--sequential', action='store_true',
+                        help='with --gate: in rounds, stopping when the sequential rule decides')
 
 
-def find_config(explicit: str | None = None) -> Path:
+def find_config(explicit: str | None = None, name: str = 'edge0_tiny.py') -> Path:
     candidates = [Path(explicit)] if explicit else [
-        Path(__file__).resolve().parent.parent / 'configs' / 'edge0_tiny.py',
-        Path.cwd() / 'configs' / 'edge0_tiny.py']
+        Path(__file__).resolve().parent.parent / 'configs' / name, Path.cwd() / 'configs' / name]
     for path in candidates:
         if path.is_file():
             return path
     raise Edge0Error(f'{candidates[0]} not found; run from the edge0-eval checkout or pass '
                      f'--config PATH')
-
-
-def opencompass_command() -> list[str]:
-    script = Path(sys.executable).parent / 'opencompass'
-    if script.is_file():
-        return [str(script)]
-    found = shutil.which('opencompass')
-    return [found] if found else [sys.executable, '-m', 'opencompass.cli.main']
 
 
 def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
@@ -101,6 +103,50 @@ def make_tiny_fidelity_set(teacher: Path, path: Path) -> Path:
             pass   # unreadable or stale: make it again
     prompts, sources = gather_prompts(['humaneval', 'ifbench'], [], TINY_FIDELITY_LIMIT)
     return write_set(make_set(teacher, prompts, sources, max_new=TINY_FIDELITY_MAX_NEW), path)
+
+
+def make_agreement_set(config: Path, env: dict[str, str]) -> Path:
+    """The agreement set (evaluation/agreement.py) of the gate config's teacher arm, answered
+    with its exact settings through its own model class; remade when either changed."""
+    cfg = gate_run.load_config_with(config, {**env, 'EDGE0_ARMS': 'teacher'})
+    (model,) = cfg['models']
+    settings = {k: model.get(k) for k in ('max_out_len', 'max_seq_len', 'generation_kwargs',
+                                          'chat_template_kwargs', 'stop_words', 'meta_template')}
+    settings = json.loads(json.dumps(settings, default=str))
+    prompts = agreement.prompts()
+    header = {'fingerprint': fingerprint(Path(model['path'])), 'settings': settings,
+              'prompts': hashlib.sha256('\n'.join(prompts).encode()).hexdigest()}
+    path = Path(env['COMPASS_DATA_CACHE']) / agreement.SET_PATH
+    if path.is_file():
+        try:
+            if agreement.read_set(path)[0] == header:
+                return path
+        except Edge0Error:
+            pass   # unreadable: make it again
+    teacher = MLXLMModel(path=model['path'], **{k: v for k, v in settings.items()
+                                                if k != 'max_out_len' and v is not None})
+    # Every row equals its run alone (tests/test_batch_wrappers.py), so a larger batch than
+    # the config's gives the same answers, sooner.
+    answers = [a for i in range(0, len(prompts), AGREEMENT_BATCH)
+               for a in teacher.generate(prompts[i:i + AGREEMENT_BATCH],
+                                         max_out_len=model['max_out_len'])]
+    return agreement.write_set(path, [{'prompt': p, 'reference': a}
+                                      for p, a in zip(prompts, answers)], header)
+
+
+def run_gate(args: argparse.Namespace, work: Path) -> int:
+    """`demo --gate`: the tiny gate config through `gate-run`, against its committed baseline
+    (none yet: run and report only)."""
+    config = find_config(args.config, 'edge0_tiny_gate.py')
+    env = prepare(work, fresh=args.fresh)
+    start = time.perf_counter()
+    make_agreement_set(config, env)
+    print(f'agreement set ready ({time.perf_counter() - start:.0f}s)', flush=True)
+    default = Path(__file__).resolve().parent.parent / 'reports' / 'tiny_gate' / 'report.json'
+    baseline = args.baseline or (str(default) if default.is_file() else 'none')
+    # The gate config chooses its own arms (the demo's env names the tiny config's four).
+    env = {k: v for k, v in env.items() if k != 'EDGE0_ARMS'}
+    return gate_run.gate_run(config, baseline, work / 'gate', env, args.sequential)
 
 
 def tiny_corpus(directory: Path) -> list[Path]:
@@ -145,48 +191,10 @@ def train_student_adapters(work: Path, teacher: Path, student: Path) -> None:
                '--out', str(lora), '--steps', '30', '--no-progress')
 
 
-def offline_env(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(extra)
-    # Nothing may reach a hub: make the HF libraries fail fast instead of trying.
-    env.update(HF_HUB_OFFLINE='1', HF_DATASETS_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
-    return env
-
-
-def _count_items(path: Path) -> int:
-    return len(json.loads(path.read_text(encoding='utf-8')))
-
-
 def check_run(run_dir: Path, models=TINY_MODELS,
               datasets=TINY_DATASETS + (TINY_FIDELITY,)) -> list[str]:
-    """Everything wrong with an OpenCompass run folder: missing or failed (model, dataset)."""
-    problems = []
-    for model in models:
-        for dataset in datasets:
-            pred = run_dir / 'predictions' / model / f'{dataset}.json'
-            stats = run_dir / 'predictions' / model / f'{dataset}.engine_stats.json'
-            result = run_dir / 'results' / model / f'{dataset}.json'
-            where = f'{model}/{dataset}'
-            if not pred.is_file():
-                problems.append(f'{where}: no predictions ({pred}); see logs/infer/{model}')
-                continue
-            n = _count_items(pred)
-            if not stats.is_file() or _count_items(stats) != n:
-                problems.append(f'{where}: engine stats missing or not one per prediction')
-            if not result.is_file():
-                problems.append(f'{where}: not scored ({result} missing); see logs/eval/{model}')
-                continue
-            scored = json.loads(result.read_text(encoding='utf-8'))
-            if 'error' in scored:
-                problems.append(f'{where}: scoring failed: {scored["error"]}')
-            elif not any(isinstance(v, (int, float)) for k, v in scored.items() if k != 'details'):
-                problems.append(f'{where}: results hold no metric')
-            elif not scored.get('details'):
-                problems.append(f'{where}: results hold no per-item details')
-    summaries = sorted((run_dir / 'summary').glob('summary_*.csv'))
-    if not summaries:
-        problems.append(f'{run_dir}/summary: no summary csv')
-    return problems
+    """Everything wrong with a tiny run folder (gate_run.check_run on the tiny config's lists)."""
+    return gate_run.check_run(run_dir, models, datasets)
 
 
 def run_tiny(work: Path, config: Path, env: dict[str, str]) -> Path:
@@ -238,6 +246,8 @@ def report_and_gate(run_dir: Path, out: Path, baseline: Path | None) -> Path:
 def run(args: argparse.Namespace) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    if args.gate:
+        return run_gate(args, work)
     config = find_config(args.config)
     start = time.perf_counter()
     env = prepare(work, fresh=args.fresh)

@@ -18,20 +18,25 @@ whose outcome changes between two runs of an unchanged model).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from edge0_eval import cli_types as ct
-from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.agreement import DATASET_ABBR as AGREEMENT_ABBR
+from edge0_eval.evaluation.agreement import SET_PATH as AGREEMENT_PATH
+from edge0_eval.evaluation.agreement import prompts as agreement_prompts
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set
+from edge0_eval.evaluation import sequential
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, detectable_drop
-from edge0_eval.evaluation.predictions import read_json
+from edge0_eval.evaluation.rounds import sample_size
+from edge0_eval.plan_measured import Measured, read_previous
 
 # Typical generated tokens per answer with thinking on (Qwen3.6-class models; shared notes of
 # 2026-12-02): the prior when no earlier run measured them. Keys: Benchmark.name.
@@ -59,6 +64,7 @@ class PlanOptions:
     task_overhead_s: float | None = None  # per arm: load, start, scoring (None: measured/prior)
     churn: float = DEFAULT_CHURN
     alpha: float = DEFAULT_ALPHA
+    fidelity_tok_s: float | None = None  # teacher-forced positions/s (None: the arm's rate)
 
 
 @dataclass
@@ -112,14 +118,16 @@ def dataset_abbr(cfg) -> str:
 
 def count_items(cfg) -> tuple[int, str]:
     """(items, where the count came from): built as OpenCompass builds it when its data is
-    staged, else the published size. A benchmark whose data file is missing is never built:
-    OpenCompass would try to download it."""
+    staged, else the published size (a gate sample: its int test_range of that). A benchmark
+    whose data file is missing is never built: OpenCompass would try to download it."""
     from opencompass.utils import build_dataset_from_cfg
     abbr = dataset_abbr(cfg)
     bench = benchmark_for(abbr)
+    if abbr == AGREEMENT_ABBR and not (data_root() / AGREEMENT_PATH).is_file():
+        return _sampled(cfg, len(agreement_prompts())), "prompts"
     staged = bench.data_path is None or (data_root() / bench.data_path).exists()
     if not staged and abbr in PUBLISHED_ITEMS:
-        return PUBLISHED_ITEMS[abbr], "published"
+        return _sampled(cfg, PUBLISHED_ITEMS[abbr]), "published"
     if not staged:
         raise ConfigError(f"dataset {abbr}: {data_root() / bench.data_path} not found; stage "
                           f"it (`edge0-eval data stage`) and point COMPASS_DATA_CACHE at it")
@@ -128,6 +136,20 @@ def count_items(cfg) -> tuple[int, str]:
     except Exception as exc:
         raise ConfigError(f"dataset {abbr}: its data could not be read ({type(exc).__name__}: "
                           f"{str(exc)[:200]}); check the files under {data_root()}") from None
+
+
+def _sampled(cfg, items: int) -> int:
+    """What OpenCompass's int test_range K leaves of `items` (load_partial_dataset: K when
+    0 < K < items, else all)."""
+    size = sample_size(cfg)
+    return size if size is not None and 0 < size < items else items
+
+
+def population(cfg) -> tuple[int, str]:
+    """count_items of the dataset without its test_range: the items a gate samples from."""
+    whole = copy.deepcopy(cfg)
+    whole["reader_cfg"] = {k: v for k, v in whole["reader_cfg"].items() if k != "test_range"}
+    return count_items(whole)
 
 
 def fidelity_positions() -> tuple[int, int] | None:
@@ -144,94 +166,6 @@ def thinking_on(model_cfg) -> bool:
     return bool(kwargs.get("enable_thinking", False))
 
 
-# -- an earlier run ------------------------------------------------------------------------------
-
-@dataclass
-class Measured:
-    tokens: dict[tuple[str, str], float]          # (arm, dataset) -> mean tokens per sample
-    rates: dict[tuple[str, str], float]           # (arm, dataset) -> tokens/s of its calls
-    arm_rates: dict[str, float]                   # arm -> tokens/s over all its datasets
-    overhead_s: float | None                      # per arm: run wall time minus generation
-
-
-def _stats_files(pred_dir: Path) -> dict[str, list[Path]]:
-    out: dict[str, list[Path]] = {}
-    for path in sorted(pred_dir.glob("*.engine_stats.json")):
-        stem = path.name[:-len(".engine_stats.json")]
-        base, _, shard = stem.rpartition("_")
-        dataset = base if shard.isdigit() and base else stem
-        out.setdefault(dataset, []).append(path)
-    return out
-
-
-def _call_seconds(rows: list[dict], path: Path) -> float:
-    """Seconds of the generate calls behind `rows`, in order: each call's rows carry its
-    batch_size; a batched call's time is its batch_wall_s, a single prompt's its wall_s."""
-    total, i = 0.0, 0
-    while i < len(rows):
-        size = rows[i].get("batch_size", 1)
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise Edge0Error(f"{path}: row {i} has batch_size {size!r}; the file is corrupt, "
-                             f"re-run that task")
-        call = rows[i:i + size]
-        walls = [r.get("batch_wall_s", r.get("wall_s")) for r in call]
-        if any(not isinstance(w, (int, float)) for w in walls):
-            raise Edge0Error(f"{path}: rows {i}..{i + len(call) - 1} lack wall_s; made by an "
-                             f"older edge0-eval? re-run that task")
-        total += max(walls)
-        i += size
-    return total
-
-
-def _run_wall_s(run: Path) -> float | None:
-    """The run's wall time: from its folder name (OpenCompass names it by its start time) to
-    the newest summary file."""
-    try:
-        start = datetime.strptime(run.name, "%Y%m%d_%H%M%S").timestamp()
-    except ValueError:
-        return None
-    ends = [p.stat().st_mtime for p in (run / "summary").glob("summary_*")]
-    return max(ends) - start if ends else None
-
-
-def read_previous(run: Path) -> Measured:
-    pred_root = run / "predictions"
-    if not pred_root.is_dir():
-        raise ConfigError(f"--from {run}: no predictions/ folder; give an OpenCompass run "
-                          f"folder (outputs/<config>/<timestamp>)")
-    tokens, rates, totals = {}, {}, {}
-    for model_dir in sorted(p for p in pred_root.iterdir() if p.is_dir()):
-        arm = model_dir.name
-        for dataset, files in _stats_files(model_dir).items():
-            rows: list[dict] = []
-            seconds = 0.0
-            for path in files:
-                data = read_json(path, "engine stats")
-                if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-                    raise Edge0Error(f"{path}: engine stats must be a list of objects; the "
-                                     f"file is corrupt, re-run that task")
-                rows += data
-                seconds += _call_seconds(data, path)
-            counts = [r.get("tokens") for r in rows]
-            if not rows or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
-                raise Edge0Error(f"{files[0]}: a row without a whole 'tokens' count; the file "
-                                 f"is corrupt, re-run that task")
-            tokens[(arm, dataset)] = sum(counts) / len(counts)
-            if seconds > 0:
-                rates[(arm, dataset)] = sum(counts) / seconds
-            done = totals.setdefault(arm, [0, 0.0])
-            done[0] += sum(counts)
-            done[1] += seconds
-    if not tokens:
-        raise ConfigError(f"--from {run}: no engine stats under {pred_root}")
-    wall = _run_wall_s(run)
-    overhead = None
-    if wall is not None:
-        overhead = max(0.0, wall - sum(s for _, s in totals.values())) / len(totals)
-    arm_rates = {arm: n / s for arm, (n, s) in totals.items() if s > 0}
-    return Measured(tokens, rates, arm_rates, overhead)
-
-
 # -- the plan ------------------------------------------------------------------------------------
 
 def _rate(opts: PlanOptions, measured: Measured | None, arm: str, dataset: str
@@ -245,6 +179,26 @@ def _rate(opts: PlanOptions, measured: Measured | None, arm: str, dataset: str
     if measured and arm in measured.arm_rates:
         return measured.arm_rates[arm], "measured (arm)"
     return opts.tok_s, "declared"
+
+
+def arm_abbr(model_cfg) -> str:
+    return model_cfg.get("abbr") or Path(model_cfg["path"]).name
+
+
+def tokens_per_sample(model_cfg, abbr: str, measured: Measured | None = None,
+                      positions: int | None = None, items: int = 1) -> tuple[float, str]:
+    """Expected generated tokens per sample of dataset `abbr` on this model, and their source:
+    a fidelity set's positions; measured by an earlier run; the thinking-on prior capped at
+    max_out_len; else max_out_len itself (an upper bound)."""
+    arm, limit = arm_abbr(model_cfg), int(model_cfg.get("max_out_len") or 0)
+    bench = benchmark_for(abbr).name
+    if positions is not None:
+        return positions / max(items, 1), "positions"
+    if measured and (arm, abbr) in measured.tokens:
+        return min(measured.tokens[(arm, abbr)], limit or math.inf), "measured"
+    if thinking_on(model_cfg) and bench in PRIOR_TOKENS:
+        return min(PRIOR_TOKENS[bench], limit or math.inf), "prior"
+    return float(limit), "limit"
 
 
 def make_plan(opts: PlanOptions) -> Plan:
@@ -270,19 +224,13 @@ def make_plan(opts: PlanOptions) -> Plan:
             counted[abbr] = (items, int(d.get("n", 1)), source, None)
     lines = []
     for m in models:
-        arm = m.get("abbr") or Path(m["path"]).name
-        limit = int(m.get("max_out_len") or 0)
+        arm = arm_abbr(m)
         for abbr, (items, samples, items_source, positions) in counted.items():
             bench = benchmark_for(abbr).name
-            if positions is not None:
-                per, source = positions / max(items, 1), "positions"
-            elif measured and (arm, abbr) in measured.tokens:
-                per, source = min(measured.tokens[(arm, abbr)], limit or math.inf), "measured"
-            elif thinking_on(m) and bench in PRIOR_TOKENS:
-                per, source = min(PRIOR_TOKENS[bench], limit or math.inf), "prior"
-            else:
-                per, source = float(limit), "limit"
+            per, source = tokens_per_sample(m, abbr, measured, positions, items)
             rate, rate_source = _rate(opts, measured, arm, abbr)
+            if positions is not None and opts.fidelity_tok_s is not None:
+                rate, rate_source = opts.fidelity_tok_s, "declared (teacher-forced)"
             tokens = items * samples * per
             lines.append(Line(arm, abbr, bench, items, samples, items_source, per, source,
                               tokens, rate, rate_source, tokens / rate / 3600))
@@ -307,6 +255,9 @@ def make_plan(opts: PlanOptions) -> Plan:
     for bench, p in power.items():
         p.update(churn=opts.churn, alpha=opts.alpha,
                  detectable_drop=detectable_drop(p["items"], opts.churn, opts.alpha))
+        if cfg.get("edge0_gate"):   # a gate config: what its sequential rule detects, too
+            p["sequential_drop"] = sequential.detectable_drop(p["items"], opts.churn, None,
+                                                              opts.alpha)
     if any(l.tokens_source == "limit" for l in lines):
         notes.append("'limit': no measured length and no prior for this setting, so every "
                      "sample is counted at max_out_len (an upper bound); pass --from RUN")
@@ -358,6 +309,10 @@ def render(plan: Plan) -> str:
     for bench, p in plan.power.items():
         drop = p["detectable_drop"]
         seen = f"{drop:.1f} points" if drop is not None else "none (too few items)"
+        if "sequential_drop" in p:
+            seq = p["sequential_drop"]
+            seen += (f"; sequential (gate-run --sequential): "
+                     f"{f'{seq:.1f} points' if seq is not None else 'none'}")
         out.append(f"| {bench} | {p['items']} | {seen} at churn {p['churn']:.0%}, "
                    f"alpha {p['alpha']} |")
     return "\n".join(out + [""] + [f"- {n}" for n in plan.notes])
@@ -383,8 +338,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unchanged model (default 0.10)")
     parser.add_argument("--alpha", type=ct.float_range(0.0, 0.5, low_open=True),
                         default=DEFAULT_ALPHA, help="the gate's false-fail rate")
+    parser.add_argument("--fidelity-tok-s", type=ct.positive_float, default=None,
+                        help="teacher-forced fidelity positions/s (default: the arm's rate, as "
+                             "step-by-step scoring runs today)")
     parser.add_argument("--json", dest="json_path", type=ct.output_file, default=None,
                         help="also write the plan as JSON here")
+    parser.add_argument("--size-gate", action="store_true",
+                        help="a gate config: print the sample (`samples`, `drops`) that fits "
+                             "its edge0_gate budget, to paste into the config")
+    parser.add_argument("--size-tok-s", type=ct.positive_float, default=None,
+                        help="with --size-gate: the student's tokens/s (default: measured by "
+                             "--from, else the config's edge0_gate tok_s)")
 
 
 def _arm_rates(pairs: list[str]) -> dict[str, float]:
@@ -402,9 +366,15 @@ def _arm_rates(pairs: list[str]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.size_gate:
+        # plan_gate builds on this module, so it is imported here, not at the top.
+        from edge0_eval import plan_gate
+        size = plan_gate.size_gate(args.config, tok_s=args.size_tok_s, previous=args.previous)
+        print(plan_gate.render(size, f"edge0-eval plan {args.config} --size-gate"))
+        return 0
     opts = PlanOptions(config=args.config, tok_s=args.tok_s, arm_tok_s=_arm_rates(args.arm_tok_s),
                        previous=args.previous, task_overhead_s=args.overhead_s,
-                       churn=args.churn, alpha=args.alpha)
+                       churn=args.churn, alpha=args.alpha, fidelity_tok_s=args.fidelity_tok_s)
     plan = make_plan(opts)
     print(render(plan))
     if args.json_path:

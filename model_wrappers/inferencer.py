@@ -42,6 +42,7 @@ from opencompass.utils.logging import get_logger
 from edge0_eval.errors import ConfigError
 
 from edge0_eval.evaluation.identity import model_identity
+from edge0_eval.evaluation.progress import Progress
 from edge0_eval.evaluation.thinking import prompt_opener
 
 
@@ -78,10 +79,11 @@ def sample_indices(count: int, items: Optional[List[int]], repeats: Optional[dic
 
 class _Sampled:
     """The model as GenInferencer calls it: each batch's `generate` gets its prompts' sample
-    indices, in the order the inferencer's dataloader hands out the batches."""
+    indices, in the order the inferencer's dataloader hands out the batches; each finished
+    batch counts toward the arm's progress."""
 
-    def __init__(self, model, batches: deque):
-        self._model, self._batches = model, batches
+    def __init__(self, model, batches: deque, progress: Optional[Progress] = None):
+        self._model, self._batches, self._progress = model, batches, progress
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -90,8 +92,11 @@ class _Sampled:
         samples = self._batches.popleft()
         if len(samples) != len(templates):
             raise RuntimeError(f'{len(templates)} prompts for {len(samples)} sample indices')
-        return self._model.generate_from_template(templates, max_out_len=max_out_len,
-                                                  sample_indices=samples, **kwargs)
+        out = self._model.generate_from_template(templates, max_out_len=max_out_len,
+                                                 sample_indices=samples, **kwargs)
+        if self._progress is not None:
+            self._progress.add(len(templates))
+        return out
 
 
 def store_thinking_openers(path: str, chat_text: Callable) -> int:
@@ -125,17 +130,24 @@ class Edge0GenInferencer(GenInferencer):
 
     repeats: how this task's test rows sit among the dataset's `n` copies, set by the project's
     partitioners (dict(copies, items, test_range)); not a key to write in a config.
+    progress: the arm's progress spec (edge0_eval/evaluation/progress.py), set by the project's
+    partitioners; None: no progress file or ETA lines.
     """
 
-    def __init__(self, *args, repeats: Optional[dict] = None, **kwargs):
+    def __init__(self, *args, repeats: Optional[dict] = None, progress: Optional[dict] = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.repeats = repeats
+        self.progress = progress
+        self._progress: Optional[Progress] = None
         self._samples: Optional[List[int]] = None
         self._batches: deque = deque()
 
     def get_dataloader(self, datalist, batch_size):
         """GenInferencer's dataloader over the prompts left (after a resume: the last ones);
         queues their sample indices batch by batch."""
+        if self._progress is not None:   # a resumed dataset: the rows before are done
+            self._progress.done = max(self._progress.row['items'] - len(datalist), 0)
         if self._samples is not None:
             left = self._samples[len(self._samples) - len(datalist):]
             size = batch_size or 1
@@ -156,9 +168,14 @@ class Edge0GenInferencer(GenInferencer):
         pop = getattr(model, 'pop_sample_stats', None)
         if pop is not None:
             pop()  # drop anything recorded outside this dataset
+        progress = (Progress(self.progress, get_logger().info)
+                    if self.progress and self.is_main_process else None)
+        if progress is not None and self.multiround:
+            progress = None   # batches are rounds there, not items
+        self._progress = progress if takes_samples else None
         if takes_samples:
             self._samples, self._batches = samples, deque()
-            self.model = _Sampled(model, self._batches)
+            self.model = _Sampled(model, self._batches, progress)
         elif any(samples):
             get_logger().warning(f'{out_file}: no sample indices reach {type(model).__name__} '
                                  f'(multi-round, or its generate takes none): its repeats are '
@@ -169,7 +186,7 @@ class Edge0GenInferencer(GenInferencer):
                                         output_json_filepath=output_json_filepath,
                                         output_json_filename=output_json_filename)
         finally:
-            self.model, self._samples = model, None
+            self.model, self._samples, self._progress = model, None, None
         if not self.is_main_process:
             return results
         chat_text = getattr(self.model, 'chat_text', None)

@@ -21,6 +21,7 @@ from opencompass.utils import build_dataset_from_cfg
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
 from edge0_eval.evaluation.data_paths import data_root
+from edge0_eval.evaluation.progress import task_specs
 from edge0_eval.engine.families import check_model_dir
 from edge0_eval.errors import Edge0Error
 from edge0_eval.formats.safetensors import read_safetensors_header
@@ -132,6 +133,21 @@ def repeat_layout(dataset: dict, sizes: Dict[str, int]) -> dict:
                 test_range=dataset['reader_cfg'].get('test_range'))
 
 
+def add_progress(tasks: List[dict]) -> List[dict]:
+    """Give every Edge0GenInferencer of every infer task its arm's progress spec (items and
+    expected tokens of the task's datasets; edge0_eval/evaluation/progress.py)."""
+    for task in tasks:
+        # The tasks share the config's dataset dicts; each arm's spec goes into its own copy.
+        task['datasets'] = [[copy.deepcopy(d) for d in ds] for ds in task['datasets']]
+        for model, datasets in zip(task['models'], task['datasets']):
+            specs = task_specs(model, datasets, task['work_dir'])
+            for dataset, spec in zip(datasets, specs):
+                inferencer = dataset['infer_cfg']['inferencer']
+                if _type_name(inferencer) == 'Edge0GenInferencer':
+                    inferencer['progress'] = spec
+    return tasks
+
+
 def add_repeat_layouts(tasks: List[dict]) -> List[dict]:
     """Give every Edge0GenInferencer of every task its dataset's `repeat_layout`."""
     sizes: Dict[str, int] = {}
@@ -163,7 +179,13 @@ class Edge0Partitioner(NaivePartitioner):
 
     def __call__(self, cfg):
         preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
-        return add_repeat_layouts(super().__call__(cfg))
+        tasks = add_repeat_layouts(super().__call__(cfg))
+        return add_progress(tasks) if _infers(self.out_dir) else tasks
+
+
+def _infers(out_dir: str) -> bool:
+    """Whether a partitioner serves OpenCompass's infer stage (its outputs: predictions/)."""
+    return os.path.basename(os.path.normpath(out_dir)) == 'predictions'
 
 
 @PARTITIONERS.register_module()
@@ -184,4 +206,5 @@ class Edge0NumWorkerPartitioner(NumWorkerPartitioner):
 
     def __call__(self, cfg):
         preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
-        return add_repeat_layouts(super().__call__(cfg))
+        tasks = add_repeat_layouts(super().__call__(cfg))
+        return add_progress(tasks) if _infers(self.out_dir) else tasks

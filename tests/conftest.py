@@ -87,3 +87,4 @@ def tiny_qwen64_q4(tmp_path_factory):
 @pytest.fixture(scope="session")
 def edge0_qwen64(tiny_qwen64_q4, tmp_path_factory):
     return _convert(tiny_qwen64_q4, tmp_path_factory, "qwen64")
+

@@ -242,7 +242,7 @@ def test_fuzzed_fidelity_sections_are_each_one_clear_error(tmp_path):
 def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
     """The fuzz can fail: with only the arms' status, KL and agreement checked (the check
     before this one), most of its corrupt sections get through."""
-    from edge0_eval.evaluation import gate
+    from edge0_eval.evaluation import gate_input as gate
 
     def arms_only(path, fid):
         for entry in fid["arms"].values():

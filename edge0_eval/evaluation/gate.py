@@ -18,7 +18,10 @@ reproduce the metric, the item count differs from the baseline, or the prompt ve
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
 With fidelity in the baseline, one more check per arm (fidelity_report.gate_checks: KL rise and
 agreement drop, each beyond its threshold plus the baseline's interval), named `fidelity ARM`.
-Exit status: 0 all pass, 1 regression or failure, 2 bad input.
+With --sequential (a gate run in rounds, evaluation/gate_run.py) the paired tests are the
+anytime-valid sequential tests of evaluation/gate_sequential.py, over the rounds' reports.
+Exit status: 0 all pass, 1 regression or failure, 2 bad input, 3 sequential and undecided with
+items left (run the next round).
 """
 
 from __future__ import annotations
@@ -26,13 +29,12 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from edge0_eval import cli_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, paired
-from edge0_eval.evaluation.predictions import strict_loads
-from edge0_eval.evaluation.report import OLD_SCHEMAS, SCHEMA
+from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
+from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.report import SCHEMA
 from edge0_eval.evaluation.settings import model_changes, settings_differences
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
@@ -40,7 +42,9 @@ DEFAULT_MAX_DROP = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("report", metavar="REPORT.json", help="report.json from edge0-eval report")
+    parser.add_argument("report", metavar="REPORT.json", nargs="+",
+                        help="report.json from edge0-eval report; with --sequential, the "
+                        "reports of the rounds so far in round order (the last is judged)")
     parser.add_argument("--baseline", required=True, metavar="BASELINE.json",
                         help="the report.json to compare against")
     parser.add_argument("--max-gap-increase", type=ct.nonneg_float,
@@ -57,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=paired.DEFAULT_ALPHA, metavar="A",
                         help="false-fail rate of each paired check on a run of unchanged "
                         f"quality (default {paired.DEFAULT_ALPHA})")
+    parser.add_argument("--sequential", action="store_true",
+                        help="sequential tests that may stop after any round: each benchmark "
+                        "regressed, within its max drop, or undecided (exit 3: run the next "
+                        "round)")
+    parser.add_argument("--benchmark-drop", action="append", default=[], metavar="NAME=P",
+                        help="the max drop and max gap increase of one benchmark, in points "
+                        "(e.g. 'MMLU-Pro=8'); repeatable; others take --max-drop and "
+                        "--max-gap-increase")
     parser.add_argument("--max-kl-rise", type=ct.nonneg_float,
                         default=fidelity_report.DEFAULT_MAX_KL_RISE, metavar="NATS",
                         help="fidelity: allowed KL rise per arm beyond the baseline's 95%% "
@@ -74,7 +86,16 @@ def run(args: argparse.Namespace) -> int:
                         ("--max-agreement-drop", args.max_agreement_drop)):
         if not (math.isfinite(value) and value >= 0):
             raise Edge0Error(f"{flag} {value}: must be a finite number >= 0")
-    current, baseline = load_report(args.report), load_report(args.baseline)
+    if args.sequential and not (0 < args.max_drop <= 100 and 0 < args.max_gap_increase <= 100):
+        raise Edge0Error("--sequential decides 'within' a max drop: --max-drop and "
+                         "--max-gap-increase must be in (0, 100] points")
+    if len(args.report) > 1 and not args.sequential:
+        raise Edge0Error("several reports are the rounds of a sequential gate run: pass "
+                         "--sequential (or one report)")
+    rounds = [load_report(path) for path in args.report]
+    current, baseline = rounds[-1], load_report(args.baseline)
+    paths, args.report = args.report, args.report[-1]
+    first_round = gate_sequential.check_rounds(paths, rounds) if args.sequential else None
     if current["benchmarks"] and not baseline["benchmarks"]:
         # Every benchmark would show as "new" and pass ungated.
         raise Edge0Error(f"{args.baseline}: no benchmarks, but {args.report} has "
@@ -93,20 +114,30 @@ def run(args: argparse.Namespace) -> int:
     for change in model_changes(_settings(current), _settings(baseline)):
         print(f"gate: note: model changed since the baseline (the change being judged): {change}")
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
-                      args.max_kl_rise, args.max_agreement_drop, alpha=args.alpha)
+                      args.max_kl_rise, args.max_agreement_drop, alpha=args.alpha,
+                      first_round=first_round, drops=benchmark_drops(args.benchmark_drop))
     print(format_table(checks))
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
     if failed:
         print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
         return 1
+    pending = [c.benchmark for c in checks if c.rule == "undecided" and not c.blind]
+    if pending:
+        print(f"gate: undecided ({', '.join(pending)}): no benchmark regressed so far; run the "
+              f"next round")
+        return gate_sequential.UNDECIDED_EXIT
     arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
     blind = [c.benchmark for c in checks if c.blind]
     if blind:
         print(f"gate: {len(blind)} check(s) cannot see the drop asked about ({', '.join(blind)}): "
               f"a pass there is not evidence of no regression; see 'cannot see' above")
     paired_n = sum(c.p_values[0] is not None for c in checks)
-    unpaired_n = len(checks) - arms - paired_n
+    sequential_n = sum(c.rule is not None for c in checks)
+    unpaired_n = len(checks) - arms - paired_n - sequential_n
     parts = ([f"{paired_n} paired with the baseline at alpha {args.alpha:g}"] if paired_n else [])
+    parts += ([f"{sequential_n} sequential at alpha {args.alpha:g} ("
+               f"{sum(c.rule == 'within' for c in checks)} decided within their max drop)"]
+              if sequential_n else [])
     parts += ([f"{unpaired_n} unpaired (max gap increase {args.max_gap_increase:g}, max drop "
                f"{args.max_drop:g}, each plus the 95% half-width)"] if unpaired_n else [])
     if arms:
@@ -117,162 +148,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def benchmark_drops(pairs: list[str]) -> dict[str, float]:
+    drops = {}
+    for pair in pairs:
+        name, _, value = pair.rpartition("=")
+        try:
+            drop = float(value)
+        except ValueError:
+            drop = -1.0
+        if not name or not (math.isfinite(drop) and 0 < drop <= 100):
+            raise Edge0Error(f"--benchmark-drop {pair!r}: give NAME=P with P in (0, 100] "
+                             f"points")
+        drops[name] = drop
+    return drops
+
+
 def _settings(report: dict) -> dict:
     return {arm: entry.get("settings") for arm, entry in report.get("arms", {}).items()}
-
-
-def _check_settings(path: str, arms) -> None:
-    """The report's arms: an object of objects, each arm's settings None (not recorded) or
-    {generation: object or None, scoring: object of objects, model: object (v2)}, as
-    `report` writes them."""
-    fix = "make it again with `edge0-eval report`"
-    if not isinstance(arms, dict) or not all(isinstance(v, dict) for v in arms.values()):
-        raise Edge0Error(f"{path}: 'arms' must be an object of arm objects; {fix}")
-    for arm, entry in arms.items():
-        st = entry.get("settings")
-        if st is not None and not (
-                isinstance(st, dict) and isinstance(st.get("generation"), (dict, type(None)))
-                and isinstance(st.get("scoring"), dict)
-                and all(isinstance(v, dict) for v in st["scoring"].values())
-                and isinstance(st.get("model", {}), dict)):
-            raise Edge0Error(f"{path}: arm {arm!r} settings are {st!r}, not {{generation, "
-                             f"scoring, model}} objects; {fix}")
-
-
-def load_report(path: str) -> dict:
-    """A report.json, every field the gate reads checked: a NaN or a missing score is an error."""
-    try:
-        report = strict_loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise Edge0Error(f"{path}: cannot read ({exc})") from None
-    if not isinstance(report, dict) or report.get("schema") not in (SCHEMA, *OLD_SCHEMAS):
-        raise Edge0Error(f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
-                         f"make one with `edge0-eval report`)")
-    rows = report.get("benchmarks")
-    if not isinstance(rows, list) or not (rows or report.get("fidelity")):
-        raise Edge0Error(f"{path}: no benchmarks and no fidelity; a report with nothing in it "
-                         f"gates nothing (make it again with `edge0-eval report`)")
-    seen = set()
-    for i, row in enumerate(rows):
-        where = f"{path}: benchmarks[{i}]"
-        if not isinstance(row, dict) or not isinstance(row.get("benchmark"), str) \
-                or not isinstance(row.get("status"), str):
-            raise Edge0Error(f"{where} needs a benchmark name and a status")
-        where = f"{path}: benchmark {row['benchmark']!r}"
-        if row["benchmark"] in seen:
-            raise Edge0Error(f"{where} appears twice")
-        seen.add(row["benchmark"])
-        arms = row.get("arms")
-        if not isinstance(arms, dict) or not all(isinstance(a, dict) and
-                                                 isinstance(a.get("status"), str)
-                                                 for a in arms.values()):
-            raise Edge0Error(f"{where}: 'arms' must map each arm to an object with a status")
-        for key in ("gap", "student", "delta_half_width", "teacher"):
-            value = row.get(key)
-            if value is not None and not _number(value):
-                raise Edge0Error(f"{where}: {key} is {value!r}, not a finite number")
-        if row.get("version") is not None and not isinstance(row["version"], str):
-            raise Edge0Error(f"{where}: version is {row['version']!r}, not a string")
-        for arm, entry in arms.items():
-            per_item = entry.get("per_item")
-            # The paired tests read these: each an item's score, a share in [0, 1].
-            if per_item is not None and not (isinstance(per_item, dict) and all(
-                    _number(v) and 0 <= v <= 1 for v in per_item.values())):
-                raise Edge0Error(f"{where}: arm {arm!r} per_item must map item ids to scores "
-                                 f"in [0, 1]; make it again with `edge0-eval report`")
-        if row["status"] == "ok":
-            missing = [a for a in ("teacher", "student") if a not in arms]
-            if missing:
-                raise Edge0Error(f"{where}: status ok but arm(s) {missing} are absent")
-            items = row.get("items")
-            if not (isinstance(items, int) and not isinstance(items, bool) and items > 0):
-                raise Edge0Error(f"{where}: status ok but items is {items!r}")
-            for key in ("gap", "student"):
-                if row.get(key) is None:
-                    raise Edge0Error(f"{where}: status ok but {key} is missing")
-            hw = row.get("delta_half_width")
-            if hw is not None and hw < 0:
-                raise Edge0Error(f"{where}: delta_half_width {hw} is negative")
-    _check_fidelity(path, report.get("fidelity"))
-    _check_settings(path, report.get("arms", {}))
-    return report
-
-
-# Every fidelity number the gate or the table reads: (low, high) of what can be measured.
-_ARM_RANGES = {"kl": (0.0, math.inf), "agreement": (0.0, 100.0), "nll": (0.0, math.inf),
-               "greedy_match": (0.0, math.inf)}
-
-
-def _check_fidelity(path: str, fid) -> None:
-    """The fidelity section as `report` writes it: every arm a dict with a status, its metrics
-    in range (KL >= 0, agreement in [0, 100] points), half-widths >= 0, item counts whole;
-    per_item [KL >= 0, agreement share in [0, 1]] per item; decomposition deltas finite with
-    half-widths >= 0; teacher_sanity an object with a boolean `ok`."""
-    if fid is None:
-        return
-    fix = "make it again with `edge0-eval report`"
-
-    def bad(where: str, what: str):
-        raise Edge0Error(f"{path}: fidelity{where} {what}; {fix}")
-
-    def number(where: str, value, low: float, high: float, optional: bool = False):
-        if optional and value is None:
-            return
-        # A negative KL or an agreement over 100% cannot be measured: a corrupt report.
-        if not (_number(value) and low <= value <= high):
-            bad(where, f"is {value!r}, not a finite number in [{low:g}, {high:g}]")
-
-    def whole(where: str, value):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            bad(where, f"is {value!r}, not a whole number >= 0")
-
-    if not isinstance(fid, dict) or not isinstance(fid.get("arms"), dict):
-        raise Edge0Error(f"{path}: fidelity must be an object with an 'arms' object; {fix}")
-    if "items" in fid:
-        whole(" items", fid["items"])
-    for arm, entry in fid["arms"].items():
-        where = f" arm {arm!r}"
-        if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
-            bad(where, "must be an object with a status")
-        for key, (low, high) in _ARM_RANGES.items():
-            if key in entry:
-                number(f"{where}: {key}", entry[key], low, high)
-            if f"{key}_half_width" in entry:
-                number(f"{where}: {key}_half_width", entry[f"{key}_half_width"], 0.0, math.inf,
-                       optional=True)
-        if "items" in entry:
-            whole(f"{where}: items", entry["items"])
-    per_item = fid.get("per_item", {})
-    if not isinstance(per_item, dict):
-        bad(" per_item", "is not an object")
-    for arm, items in per_item.items():
-        if not isinstance(items, dict):
-            bad(f" per_item {arm!r}", "is not an object of items")
-        for item, pair in items.items():
-            where = f" per_item {arm!r} item {item!r}"
-            if not isinstance(pair, list) or len(pair) != 2:
-                bad(where, f"is {pair!r}, not [KL, agreement]")
-            number(f"{where} KL", pair[0], 0.0, math.inf)
-            number(f"{where} agreement", pair[1], 0.0, 1.0)
-    decomposition = fid.get("decomposition", {})
-    if not isinstance(decomposition, dict):
-        bad(" decomposition", "is not an object")
-    for step, metrics in decomposition.items():
-        if not isinstance(metrics, dict):
-            bad(f" decomposition {step!r}", "is not an object")
-        for metric, value in metrics.items():
-            where = f" decomposition {step!r} {metric}"
-            if not isinstance(value, dict):
-                bad(where, "is not {delta, half_width}")
-            number(f"{where} delta", value.get("delta"), -math.inf, math.inf)
-            number(f"{where} half_width", value.get("half_width"), 0.0, math.inf, optional=True)
-    sanity = fid.get("teacher_sanity")
-    if sanity is not None and not (isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)):
-        bad(" teacher_sanity", f"is {sanity!r}, not an object with a boolean 'ok'")
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -289,6 +181,7 @@ class Check:
     p_values: tuple = (None, None)  # paired: (student drop, gap increase)
     detectable: float | None = None  # paired: the student drop detected at 80% power
     blind: bool = False             # paired: cannot see the drop it is asked about
+    rule: str | None = None         # sequential: regressed | within | undecided
 
     def fail(self, reason: str) -> None:
         self.result = "FAIL"
@@ -340,14 +233,35 @@ def _paired_checks(check: Check, base: dict, cur: dict, max_gap_increase: float,
     return True
 
 
+def _sequential_check(check: Check, base: dict, cur: dict, first_round: dict,
+                      max_gap_increase: float, max_drop: float, alpha: float) -> None:
+    verdict = gate_sequential.check_benchmark(base, cur, first_round.get(base["benchmark"], {}),
+                                              max_drop, max_gap_increase, alpha)
+    check.rule, check.drop, check.gap_increase = verdict.rule, verdict.drop, verdict.gap_increase
+    if verdict.student[0] is not None:   # both on the items seen so far, not the whole sample
+        check.student, check.gap = verdict.student, verdict.gap
+    check.blind = verdict.rule == "undecided" and verdict.exhausted
+    check.reasons += verdict.notes
+    for reason in verdict.failures:
+        check.fail(reason)
+
+
 def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: float,
              max_kl_rise: float = fidelity_report.DEFAULT_MAX_KL_RISE,
              max_agreement_drop: float = fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
-             alpha: float = paired.DEFAULT_ALPHA) -> list[Check]:
+             alpha: float = paired.DEFAULT_ALPHA, first_round: dict | None = None,
+             drops: dict[str, float] | None = None) -> list[Check]:
+    """The checks of every baseline benchmark; first_round (benchmark -> item -> round) makes
+    them sequential, drops gives a benchmark its own max drop and max gap increase."""
     rows = {r["benchmark"]: r for r in current["benchmarks"]}
     checks = []
+    unknown = sorted(set(drops or {}) - {r["benchmark"] for r in baseline["benchmarks"]})
+    if unknown:
+        raise Edge0Error(f"--benchmark-drop names {unknown}, not benchmarks of the baseline")
     for base in baseline["benchmarks"]:
         check = Check(base["benchmark"])
+        asked = (drops or {}).get(base["benchmark"])
+        drop_asked, gap_asked = (asked, asked) if asked else (max_drop, max_gap_increase)
         checks.append(check)
         cur = rows.get(base["benchmark"])
         if cur is None:
@@ -362,11 +276,14 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: f
             check.fail(_arm_problems(cur))
         if check.result == "FAIL":
             continue
-        if cur["items"] != base["items"]:
+        if cur["items"] != base["items"] and first_round is None:
             check.fail(f"{cur['items']} items, baseline {base['items']}")
         if base["version"] and cur["version"] and base["version"] != cur["version"]:
             check.fail(f"prompt version {cur['version']}, baseline {base['version']}")
-        if _paired_checks(check, base, cur, max_gap_increase, max_drop, alpha):
+        if first_round is not None:
+            _sequential_check(check, base, cur, first_round, gap_asked, drop_asked, alpha)
+            continue
+        if _paired_checks(check, base, cur, gap_asked, drop_asked, alpha):
             continue
         check.reasons.append("unpaired: the baseline has no per-item outcomes (regenerate it "
                              "with `edge0-eval report` to pair)")
@@ -375,10 +292,10 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: f
         check.half_width = hw
         check.gap_increase = cur["gap"] - base["gap"]
         check.drop = base["student"] - cur["student"]
-        if check.gap_increase > max_gap_increase + hw:
-            check.fail(f"gap widened {check.gap_increase:+.2f} > {max_gap_increase:g} + {hw:.2f}")
-        if check.drop > max_drop + hw:
-            check.fail(f"student dropped {check.drop:.2f} > {max_drop:g} + {hw:.2f}")
+        if check.gap_increase > gap_asked + hw:
+            check.fail(f"gap widened {check.gap_increase:+.2f} > {gap_asked:g} + {hw:.2f}")
+        if check.drop > drop_asked + hw:
+            check.fail(f"student dropped {check.drop:.2f} > {drop_asked:g} + {hw:.2f}")
     known = {c.benchmark for c in checks}
     for name, row in rows.items():
         if name not in known:

@@ -1,0 +1,20 @@
+# The 8B tier's CI gate: long-form fidelity plus a seeded sample of HumanEval, GPQA-Diamond,
+# MMLU-Pro (stratified by category) and IFBench, sized to one hour of the student at a declared
+# tok/s, gated against a baseline run of this config (configs/tiers/edge0_gate_tier.py says what
+# the sample is, why thinking is off, and how it is sized).
+#
+#   export COMPASS_DATA_CACHE=D EDGE0_8B_TEACHER=... EDGE0_8B_STUDENT=...   # as edge0_8b.py
+#   edge0-eval plan configs/edge0_8b_gate.py --tok-s 20           # what it costs and can detect
+#   edge0-eval gate-run configs/edge0_8b_gate.py --baseline none --work-dir base   # the baseline
+#   edge0-eval gate-run configs/edge0_8b_gate.py --baseline base/report/report.json --sequential
+from mmengine.config import read_base
+
+with read_base():
+    from .tiers.edge0_gate_tier import *  # noqa: F401,F403 (infer, eval, summarizer)
+
+if edge0_tier_problems['8b']:
+    raise SystemExit(edge0_tier_problems['8b'][0])
+edge0_gate = edge0_gate_tiers['8b']
+datasets = edge0_gate_datasets['8b']
+models = edge0_gate_models['8b']
+work_dir = 'outputs/edge0_8b_gate'

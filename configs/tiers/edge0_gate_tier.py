@@ -1,0 +1,109 @@
+# What the 35B and 8B gate configs share (configs/edge0_35b_gate.py, edge0_8b_gate.py): each
+# picks its entry of `edge0_gate_tiers`, `edge0_gate_datasets` and `edge0_gate_models`. The
+# tier's arms, paths, sampling, batch sizes and summary are the tier base's
+# (configs/tiers/edge0_tier.py); what a gate changes is said here.
+#
+# Two parts, each gated against a baseline run of the same config:
+#   fidelity  teacher-forced agreement with the teacher (configs/datasets/edge0_fidelity.py):
+#             the sensitive signal, and the one that sees long thinking: make the set with
+#             thinking on and long continuations (`edge0-eval fidelity make`).
+#   sample    a seeded sample of each benchmark: OpenCompass's own draw (reader_cfg.test_range
+#             = K: the same items in the same order for every arm, run and machine with the
+#             same data), MMLU-Pro stratified by category (K per category, in proportion).
+#
+# Thinking off, answers of at most 1,024 tokens, for the sample (decided for the hour's budget):
+# with thinking on a benchmark item costs 2,500 (MMLU-Pro) to 20,000 (AIME) tokens (plan.py's
+# PRIOR_TOKENS), so the hour's 57,000 benchmark tokens at 20 tok/s buy 14 items in all (1 to 5
+# per benchmark: no drop is detectable at all on 1 to 3 items, 75 points on 4). Thinking off,
+# the same time buys 56 items at the 1,024-token bound (more once lengths are measured), 14
+# per benchmark: drops of ~48 points (fixed test; 70 sequential) are detectable, enough to
+# catch a broken student, not one that lost a few points. Long thinking is what fidelity
+# covers, teacher-forced. AIME is left out: its problems need the long reasoning that
+# thinking-off answers of 1,024 tokens cut short, so its items would spend a fifth of the
+# budget on near-certain misses. Scores of the sample are not the tier's published numbers
+# (another regime); they are compared with the baseline only.
+#
+# Sizing (data: configs cannot run project code), per tier:
+#     edge0-eval plan configs/edge0_35b_gate.py --size-gate     # prints samples and drops
+# from the inputs below; tests/test_gate_configs.py checks that the sizes are that command's.
+# After a first gate run, `--size-gate --from RUN` sizes with measured lengths and rate.
+import os
+
+from mmengine.config import read_base
+
+from model_wrappers.round_partitioner import Edge0RoundPartitioner
+from opencompass.runners import LocalRunner
+from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
+
+with read_base():
+    from ..datasets.edge0_bundle import edge0_datasets
+    from ..datasets.edge0_fidelity import edge0_fidelity_datasets
+    from .edge0_tier import *  # noqa: F401,F403 (edge0_tier_models, problems, summarizer)
+
+edge0_gate_generation = dict(max_out_len=1024, chat_template_kwargs=dict(enable_thinking=False))
+# Rounds of a sequential run (`edge0-eval gate-run --sequential`): cumulative shares.
+edge0_gate_rounds = [0.125, 0.25, 0.5, 1.0]
+# Inputs, per tier. budget_h: hours of the student arm. tok_s: the student's aggregate decode
+# rate, the paper's 35B figure (20.4 tok/s on an M4 Pro); none is published for the 8B tier, so
+# the same is assumed. overhead_s: model load, OpenCompass start and scoring per run (assumed;
+# `plan --from` measures it). Fidelity: 100 prompts x 1,024 teacher tokens, scored at 10x the
+# decode rate, the target of teacher-forced scoring at prefill speed (issue 28; step by step,
+# as today, the set alone would take 85 minutes at 20 tok/s). churn: the share of items whose
+# outcome changes between runs of an unchanged student (the power figures' assumption).
+edge0_gate_inputs = dict(
+    budget_h=1.0, tok_s=20.0, overhead_s=120.0, fidelity_positions=102400, fidelity_tok_s=200.0,
+    benchmarks=['HumanEval', 'GPQA-Diamond', 'MMLU-Pro', 'IFBench'], churn=0.10, alpha=0.05,
+    rounds=edge0_gate_rounds)
+edge0_gate_tiers = {
+    '35b': dict(
+        edge0_gate_inputs,
+        # edge0-eval plan configs/edge0_35b_gate.py --size-gate: paste into edge0_gate
+        samples={'openai_humaneval': 14, 'GPQA_diamond': 14, 'mmlu_pro_math': 2,
+                 'mmlu_pro_physics': 2,
+                 'mmlu_pro_chemistry': 1, 'mmlu_pro_law': 1, 'mmlu_pro_engineering': 1,
+                 'mmlu_pro_other': 1, 'mmlu_pro_economics': 1, 'mmlu_pro_health': 1,
+                 'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
+                 'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
+                 'IFBench': 14},
+        drops={'HumanEval': 69.7, 'GPQA-Diamond': 69.7, 'MMLU-Pro': 69.7, 'IFBench': 69.7},
+    ),
+    '8b': dict(
+        edge0_gate_inputs,
+        # edge0-eval plan configs/edge0_8b_gate.py --size-gate: paste into edge0_gate
+        samples={'openai_humaneval': 14, 'GPQA_diamond': 14, 'mmlu_pro_math': 2,
+                 'mmlu_pro_physics': 2,
+                 'mmlu_pro_chemistry': 1, 'mmlu_pro_law': 1, 'mmlu_pro_engineering': 1,
+                 'mmlu_pro_other': 1, 'mmlu_pro_economics': 1, 'mmlu_pro_health': 1,
+                 'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
+                 'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
+                 'IFBench': 14},
+        drops={'HumanEval': 69.7, 'GPQA-Diamond': 69.7, 'MMLU-Pro': 69.7, 'IFBench': 69.7},
+    ),
+}
+
+# EDGE0_GATE_ROUND (set by `gate-run --sequential`): 0 runs the whole sample, r its round r.
+edge0_gate_round = os.environ.get('EDGE0_GATE_ROUND') or '0'
+if not edge0_gate_round.isdigit():
+    raise SystemExit(f'edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number')
+# The datasets the sample is drawn from (the sizing reads them), then each tier's sample.
+edge0_gate_sources = edge0_datasets
+edge0_gate_datasets = {
+    tier: [dict(d, reader_cfg=dict(d['reader_cfg'], test_range=gate['samples'][d['abbr']]))
+           for d in edge0_gate_sources if gate['samples'].get(d['abbr'])]
+    + edge0_fidelity_datasets
+    for tier, gate in edge0_gate_tiers.items()}
+edge0_gate_models = {tier: [dict(m, **edge0_gate_generation) for m in tier_models]
+                     for tier, tier_models in edge0_tier_models.items()}
+
+infer = dict(
+    partitioner=dict(type=Edge0RoundPartitioner, rounds=edge0_gate_rounds,
+                     round=int(edge0_gate_round), stage='infer'),
+    runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
+)
+eval = dict(
+    partitioner=dict(type=Edge0RoundPartitioner, check_models=False, rounds=edge0_gate_rounds,
+                     round=int(edge0_gate_round), stage='eval'),
+    runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
+)
+
+del os  # a module in the config namespace would break the config dump OpenCompass re-reads

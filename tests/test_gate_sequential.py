@@ -1,0 +1,107 @@
+"""`edge0-eval gate --sequential` on the reports of a gate run's rounds (hand-made trees): the
+rule that stopped each benchmark, the round it fired in, and the errors for rounds that are
+not one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge0_eval.cli import main
+from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
+from oc_tree import OCRun
+
+T, S = "qwen-teacher-fp16", "edge0-student"
+ITEMS = 120
+TEACHER = [1] * 90 + [0] * 30
+ASK = ["--benchmark-drop", "GPQA-Diamond=20"]
+
+
+def report(tmp_path: Path, name: str, student: list[int], items: int = ITEMS,
+           teacher: list[int] = TEACHER) -> Path:
+    """The report of a round that has scored the first `items` of the sample (a prefix of the
+    fixed order, as the rounds' growing test ranges are)."""
+    run = OCRun(tmp_path / name)
+    run.add(T, "GPQA_diamond", teacher[:items])
+    run.add(S, "GPQA_diamond", student[:items])
+    out = tmp_path / f"{name}_report"
+    assert main(["report", str(run.finish()), "--out", str(out)]) == 0
+    return out / "report.json"
+
+
+def gate(baseline: Path, *rounds: Path, extra=ASK) -> int:
+    return main(["gate", *map(str, rounds), "--baseline", str(baseline), "--sequential", *extra])
+
+
+def _line(out: str) -> str:
+    return next(l for l in out.splitlines() if l.startswith("GPQA"))
+
+
+@pytest.fixture
+def baseline(tmp_path):
+    return report(tmp_path, "base", TEACHER)
+
+
+def test_same_student_is_decided_within_in_an_early_round(tmp_path, baseline, capsys):
+    rounds = [report(tmp_path, f"r{i}", TEACHER, items=n) for i, n in enumerate((30, 60))]
+    assert gate(baseline, *rounds[:1]) == UNDECIDED_EXIT
+    assert "undecided after 30 items" in capsys.readouterr().out
+    assert gate(baseline, *rounds) == 0
+    out = capsys.readouterr().out
+    line = _line(out)
+    assert "pass" in line and "student drop: within 20 points, decided at item" in line
+    assert "(round 2;" in line
+    assert "1 sequential at alpha 0.05 (1 decided within their max drop)" in out
+
+
+def test_broken_student_fails_in_the_first_round(tmp_path, baseline, capsys):
+    broken = [0] * ITEMS                       # loses every item the teacher gets
+    assert gate(baseline, report(tmp_path, "r0", broken, items=30)) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in _line(out) and "student drop: regressed" in _line(out)
+    assert "(round 1; e-value" in _line(out)
+    assert "gate: FAIL (1 of 1: GPQA-Diamond)" in out
+
+
+def test_undecided_on_the_whole_sample_cannot_see(tmp_path, baseline, capsys):
+    # 8 of the teacher's items lost, 8 others regained: no drop, and 120 items at this churn
+    # cannot decide a 2-point threshold.
+    churn = list(TEACHER)
+    for i in range(8):
+        churn[i], churn[100 + i] = 0, 1
+    assert gate(baseline, report(tmp_path, "all", churn), extra=[]) == 0
+    out = capsys.readouterr().out
+    assert "cannot see a 2-point drop: the whole sample (120 items) left it undecided" in out
+    assert "cannot see the drop asked about (GPQA-Diamond" in out
+
+
+def test_rounds_that_are_not_one_run_are_refused(tmp_path, baseline, capsys):
+    first = report(tmp_path, "r0", TEACHER, items=30)
+    other = list(TEACHER)
+    other[3] = 0
+    second = report(tmp_path, "r1", other, items=60)
+    assert gate(baseline, first, second) == 2
+    err = capsys.readouterr().err
+    assert "GPQA-Diamond student item 3 is scored otherwise than in" in err
+    # Given backwards, the first round's items are missing from the "later" one.
+    assert gate(baseline, report(tmp_path, "r2", TEACHER, items=60), first) == 2
+    assert "is missing than in" in capsys.readouterr().err
+
+
+def test_items_outside_the_baseline_fail(tmp_path, capsys):
+    small = report(tmp_path, "small", TEACHER, items=40)
+    assert gate(small, report(tmp_path, "r0", TEACHER, items=60)) == 1
+    assert "item(s) are not in the baseline" in _line(capsys.readouterr().out)
+
+
+def test_bad_options_are_one_error(tmp_path, baseline, capsys):
+    one = report(tmp_path, "r0", TEACHER, items=30)
+    assert main(["gate", str(one), str(one), "--baseline", str(baseline)]) == 2
+    assert "pass --sequential" in capsys.readouterr().err
+    assert gate(baseline, one, extra=["--benchmark-drop", "GPQA-Diamond=0"]) == 2
+    assert "give NAME=P with P in (0, 100]" in capsys.readouterr().err
+    assert gate(baseline, one, extra=["--benchmark-drop", "AIME=5"]) == 2
+    assert "not benchmarks of the baseline" in capsys.readouterr().err
+    assert gate(baseline, one, extra=["--max-drop", "0"]) == 2
+    assert "must be in (0, 100] points" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""The sequential gate's rules (evaluation/sequential.py), checked by simulation as
+tests/test_paired_gate.py checks the fixed-size test: runs of unchanged quality (outcomes
+redrawn at known rates, as after a harmless numerical change) fail at most at alpha whenever
+they stop; a student that dropped by the threshold is declared `within` at most at alpha; a
+drop is caught at >= 80% where `detectable_drop` says; clean and broken students stop early."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edge0_eval.evaluation import paired
+from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
+from edge0_eval.evaluation.sequential import (REGRESSED, UNDECIDED, WITHIN, detectable_drop, order,
+                                              run_tests, sequential_change, simulate)
+
+RUNS = 1000
+ITEMS = 200
+
+
+def _upper(p: float, n: int, z: float = 2.576) -> float:
+    return p + z * math.sqrt(p * (1 - p) / n)
+
+
+def _lower(p: float, n: int, z: float = 2.576) -> float:
+    return p - z * math.sqrt(p * (1 - p) / n)
+
+
+def _item_runs(rng, rates: np.ndarray, drop: float = 0.0, samples: int = 1) -> np.ndarray:
+    """Per-item changes (baseline - current, item means over samples) of RUNS runs in which
+    every item's outcomes are redrawn at its own rate, the current run's lowered by `drop`."""
+    base = (rng.random((RUNS, len(rates), samples)) < rates[:, None]).mean(axis=2)
+    now_rates = np.clip(rates - drop, 0, 1)
+    now = (rng.random((RUNS, len(rates), samples)) < now_rates[:, None]).mean(axis=2)
+    return base - now
+
+
+def _verdicts(d: np.ndarray, threshold: float):
+    fail, ok, _, _ = run_tests(d, threshold)
+    n = d.shape[-1]
+    return (fail < n) & (fail <= ok), (ok < n) & (ok < fail), np.minimum(np.minimum(fail, ok), n)
+
+
+@pytest.mark.parametrize("difficulty,samples", [((7, 1), 1), ((2, 2), 1), ((2, 2), 4)])
+def test_unchanged_quality_fails_at_most_at_alpha(difficulty, samples):
+    """Item rates AIME-like (around 88%) or spread; one sample or the mean of 4 per item.
+    Anytime-valid: the bound holds whenever the gate stops, so the rate is at or below alpha."""
+    rng = np.random.default_rng(31)
+    rates = rng.beta(*difficulty, size=ITEMS)
+    failed, _, _ = _verdicts(_item_runs(rng, rates, samples=samples), 0.10)
+    assert failed.mean() <= _upper(DEFAULT_ALPHA, RUNS), failed.mean()
+
+
+def test_a_drop_at_the_threshold_is_declared_within_at_most_at_alpha():
+    rng = np.random.default_rng(32)
+    rates = rng.beta(2, 2, size=ITEMS)
+    _, within, _ = _verdicts(_item_runs(rng, rates, drop=0.10), 0.10)
+    assert within.mean() <= _upper(DEFAULT_ALPHA, RUNS), within.mean()
+
+
+def test_drop_caught_where_detectable_drop_says():
+    churn, threshold = 0.10, 10.0
+    said = detectable_drop(ITEMS, churn, threshold)
+    assert said is not None and said < 20
+    # A fresh simulation (another seed) at the printed drop: caught at >= 80%.
+    fail, ok = simulate(ITEMS, churn, said / 100, threshold / 100, runs=RUNS, seed=99)
+    caught = ((fail < ITEMS) & (fail <= ok)).mean()
+    assert caught >= _lower(POWER, RUNS), caught
+    # The price of looking after every item: more than the fixed-size test needs.
+    assert said > paired.detectable_drop(ITEMS, churn)
+
+
+def test_clean_and_broken_students_stop_early():
+    rng = np.random.default_rng(33)
+    rates = rng.beta(2, 2, size=ITEMS)
+    # Clean, low churn (common random numbers: most items reproduce): decided within early.
+    clean = _item_runs(rng, rates) * (rng.random((RUNS, ITEMS)) < 0.1)
+    failed, within, stop = _verdicts(clean, 0.10)
+    assert within.mean() >= 0.95 and np.median(stop) < ITEMS / 2, (within.mean(), stop)
+    # Broken (a 40-point drop): fails, after a few dozen items.
+    failed, _, stop = _verdicts(_item_runs(rng, rates, drop=0.40), 0.10)
+    assert failed.mean() >= 0.99 and np.median(stop) < 40, (failed.mean(), np.median(stop))
+
+
+def test_one_sequence_names_the_rule_that_stopped_it():
+    assert sequential_change([1.0] * 30, 10.0).rule == REGRESSED
+    broken = sequential_change([1.0] * 30, 10.0)
+    assert broken.decided_at < 30 and broken.e_regressed >= 1 / DEFAULT_ALPHA
+    assert broken.drop == pytest.approx(100.0)
+    same = sequential_change([0.0] * 200, 10.0)
+    assert same.rule == WITHIN and same.e_within >= 1 / DEFAULT_ALPHA and same.drop == 0.0
+    few = sequential_change([0.0] * 5, 10.0)
+    assert (few.rule, few.decided_at) == (UNDECIDED, None)
+    assert sequential_change([], 10.0).rule == UNDECIDED
+    with pytest.raises(ValueError):
+        sequential_change([0.0], 0.0)
+
+
+def test_order_is_fixed_and_independent_of_the_listing():
+    ids = [str(i) for i in range(50)]
+    assert order(ids) == order(list(reversed(ids))) != ids
+    assert sorted(order(ids)) == sorted(ids)
+    assert order(ids, "other seed") != order(ids)
