@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.engine.adapters import save_adapter
+from edge0_eval.engine.lora import save_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.heads_file import save_heads
+from edge0_eval.engine.prerouter import save_heads
 from edge0_eval.engine.lora import apply_lora
 from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
 from edge0_eval.evaluation import fidelity as fid

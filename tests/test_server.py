@@ -17,7 +17,7 @@ from bad_inputs import copy_model
 from edge0_eval.chat_rows import chat_ids, row_seed
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.layout import EXPERTS_NAME
+from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.engine.options import EngineOptions
 from live_server import LiveServer
 
