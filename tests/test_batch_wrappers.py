@@ -25,7 +25,7 @@ from edge0_eval.demo import TINY_DATASETS, make_tiny_fidelity_set, offline_env
 from edge0_eval.evaluation.fidelity_set import SET_PATH
 from edge0_eval.evaluation.fixtures import write_fixtures
 from model_wrappers import mlx_lm_model
-from model_wrappers.chat import row_seed
+from model_wrappers.chat import row_seed, stop_token_ids
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
 
@@ -51,7 +51,7 @@ def batch_vs_solo(model, prompts=PROMPTS, max_out_len=16, stop_ids=None, stop_wo
     (tokens, stats), through the wrappers' batch hook with OpenCompass's prompt handling."""
     ids = [model.encode_prompt(p) for p in prompts]
     seeds = [row_seed(model.sampling['seed'], i) for i in ids]
-    stop_ids = model._stop_token_ids([]) if stop_ids is None else stop_ids
+    stop_ids = stop_token_ids(model.tokenizer, []) if stop_ids is None else stop_ids
     batch = model._generate_batch(ids, max_out_len, stop_ids, list(stop_words), seeds)
     solo = [model._generate_batch([i], max_out_len, stop_ids, list(stop_words), [s])[0]
             for i, s in zip(ids, seeds)]
@@ -143,7 +143,7 @@ def test_teacher_stop_ids_and_words_end_rows_as_alone(tiny_qwen):
     word = next(text[i:i + 4] for i in range(2, len(text) - 4)
                 if len(model.tokenizer.encode(text[i:i + 4], add_special_tokens=False)) > 1
                 and text[i:i + 4] not in model.tokenizer.decode(free[1][:cut]))
-    stops = model._stop_token_ids([]) | {stop_id}
+    stops = stop_token_ids(model.tokenizer, []) | {stop_id}
     batch, solo = batch_vs_solo(model, stop_ids=stops, stop_words=[word])
     assert [t for t, _ in batch] == [t for t, _ in solo]
     finish = [s['finish_reason'] for _, s in batch]

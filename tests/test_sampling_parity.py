@@ -25,7 +25,7 @@ from edge0_eval.demo import offline_env
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.engine.sampling_options import penalties_of
-from model_wrappers.chat import row_seed
+from model_wrappers.chat import row_seed, stop_token_ids
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
 
@@ -126,7 +126,7 @@ def test_teacher_draws_mlx_lm_tokens_solo_and_batched(tiny_qwen, monkeypatch, ge
     model = MLXLMModel(path=str(tiny_qwen), generation_kwargs=gen)
     prompts = [model.encode_prompt(p) for p in PROMPTS]
     seeds = [row_seed(gen['seed'], p) for p in prompts]
-    stops = model._stop_token_ids([])
+    stops = stop_token_ids(model.tokenizer, [])
     real = MLXLMModel._processors
     for batch in (True, False):
         rec = Recorder()
