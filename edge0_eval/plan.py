@@ -5,7 +5,8 @@ aggregate rate (every row of a batch together). Lengths and rates come from an e
 (`--from RUN`: its per-sample engine stats, the same files the report reads) where it has the
 same arm and dataset, else from a stated prior: with thinking on, the typical lengths of
 PRIOR_TOKENS capped at max_out_len; with thinking off, max_out_len itself (an upper bound).
-Teacher-forced fidelity costs its positions, scored step by step at the arm's rate.
+Teacher-forced fidelity costs its prompts and positions, at the rate an earlier run's scoring
+measured (`--from`) or `--fidelity-tok-s`, else the arm's decode rate.
 
 Per benchmark it also states the smallest drop (points) a paired gate on that many items
 detects at 80% power (evaluation/paired.py), at the churn of `--churn` (the share of items
@@ -64,7 +65,7 @@ class PlanOptions:
     task_overhead_s: float | None = None  # per arm: load, start, scoring (None: measured/prior)
     churn: float = DEFAULT_CHURN
     alpha: float = DEFAULT_ALPHA
-    fidelity_tok_s: float | None = None  # teacher-forced positions/s (None: the arm's rate)
+    fidelity_tok_s: float | None = None  # teacher-forced prompt + positions/s (None: measured)
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Line:
     samples: int
     items_source: str                    # "data", "published", "fidelity set"
     tokens_per_sample: float
-    tokens_source: str                   # "measured", "prior", "limit", "positions"
+    tokens_source: str                   # "measured", "prior", "limit", "prompt + positions"
     tokens: float
     tok_s: float
     tok_s_source: str                    # "measured", "declared"
@@ -152,13 +153,15 @@ def population(cfg) -> tuple[int, str]:
     return count_items(whole)
 
 
-def fidelity_positions() -> tuple[int, int] | None:
-    """(items, teacher-forced positions) of the staged fidelity set; None when none is staged."""
+def fidelity_tokens() -> tuple[int, int] | None:
+    """(items, tokens the scorer runs: prompts + teacher-forced positions) of the staged fidelity
+    set; None when none is staged. Prompts count: a set of short continuations after long
+    prompts costs mostly its prefills."""
     path = data_root() / SET_PATH
     if not path.is_file():
         return None
     items = read_set(path)["items"]
-    return len(items), sum(len(item["tokens"]) for item in items)
+    return len(items), sum(len(item["prompt_ids"]) + len(item["tokens"]) for item in items)
 
 
 def thinking_on(model_cfg) -> bool:
@@ -193,7 +196,7 @@ def tokens_per_sample(model_cfg, abbr: str, measured: Measured | None = None,
     arm, limit = arm_abbr(model_cfg), int(model_cfg.get("max_out_len") or 0)
     bench = benchmark_for(abbr).name
     if positions is not None:
-        return positions / max(items, 1), "positions"
+        return positions / max(items, 1), "prompt + positions"
     if measured and (arm, abbr) in measured.tokens:
         return min(measured.tokens[(arm, abbr)], limit or math.inf), "measured"
     if thinking_on(model_cfg) and bench in PRIOR_TOKENS:
@@ -213,7 +216,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     for d in datasets:
         abbr = dataset_abbr(d)
         if abbr == FIDELITY_ABBR:
-            staged = fidelity_positions()
+            staged = fidelity_tokens()
             if staged is None:
                 notes.append(f"{abbr}: no fidelity set at {data_root() / SET_PATH}; its cost "
                              f"is left out (make one with `edge0-eval fidelity make`)")
@@ -297,7 +300,8 @@ def render(plan: Plan) -> str:
         out.append(f"| {r['arm']} | {r['benchmark']} | {r['items']} x {r['samples']} | "
                    f"{per:,.0f} ({', '.join(sorted(r['sources']))}) | {r['tokens']:,.0f} | "
                    f"{r['tok_s']:,.1f} ({r['rate_source']}) | {_hours(r['hours'])} |")
-    out += ["", "| arm | generated tokens | generation | + overhead | total |",
+    out += ["", "| arm | tokens (generated; fidelity: scored) | generation and scoring "
+                "| + overhead | total |",
             "| --- | --- | --- | --- | --- |"]
     for arm, a in plan.arms.items():
         out.append(f"| {arm} | {a['tokens']:,.0f} | {_hours(a['hours'])} | "
@@ -339,8 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=ct.float_range(0.0, 0.5, low_open=True),
                         default=DEFAULT_ALPHA, help="the gate's false-fail rate")
     parser.add_argument("--fidelity-tok-s", type=ct.positive_float, default=None,
-                        help="teacher-forced fidelity positions/s (default: the arm's rate, as "
-                             "step-by-step scoring runs today)")
+                        help="teacher-forced scoring rate, prompt and continuation tokens/s "
+                             "(default: measured by --from, else the arm's rate)")
     parser.add_argument("--json", dest="json_path", type=ct.output_file, default=None,
                         help="also write the plan as JSON here")
     parser.add_argument("--size-gate", action="store_true",

@@ -1,7 +1,8 @@
 """What an earlier run of a config measured, for `edge0-eval plan --from RUN`: per arm and
 dataset the mean generated tokens per sample and the tokens/s of its generate calls (prefill
-included), read from the engine stats the report reads, and the run's overhead per arm (its
-wall time less the generation it measured)."""
+included; for teacher-forced fidelity, prompt and continuation tokens/s), read from the engine
+stats the report reads, and the run's overhead per arm (its wall time less the generation it
+measured)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.predictions import read_json
 
 
@@ -84,8 +86,15 @@ def read_previous(run: Path) -> Measured:
                 raise Edge0Error(f"{files[0]}: a row without a whole 'tokens' count; the file "
                                  f"is corrupt, re-run that task")
             tokens[(arm, dataset)] = sum(counts) / len(counts)
+            work = sum(counts)
+            if dataset == FIDELITY_ABBR:   # scoring runs the prompt as well: plan.fidelity_tokens
+                prompts = [r.get("prompt_tokens") for r in rows]
+                if any(isinstance(p, bool) or not isinstance(p, int) for p in prompts):
+                    raise Edge0Error(f"{files[0]}: a row without a whole 'prompt_tokens' "
+                                     f"count; the file is corrupt, re-run that task")
+                work += sum(prompts)
             if seconds > 0:
-                rates[(arm, dataset)] = sum(counts) / seconds
+                rates[(arm, dataset)] = work / seconds
             done = totals.setdefault(arm, [0, 0.0])
             done[0] += sum(counts)
             done[1] += seconds

@@ -75,7 +75,29 @@ def check_sample_indices(sample_indices, count: int, arm: str) -> List[int]:
     return samples
 
 
-class ChatModelBase(BaseModel):
+class SampleStatsLog:
+    """Per-sample stats of an OpenCompass model (in-process or served): kept until the inferencer
+    pops them, and appended as JSON lines to `stats_jsonl` when it is set."""
+
+    arm: str
+    stats_jsonl: Optional[str]
+    sample_stats: List[Dict[str, Any]]
+
+    def _record(self, stats: Dict[str, Any]) -> None:
+        stats = {'arm': self.arm, **stats}
+        self.sample_stats.append(stats)
+        if self.stats_jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(self.stats_jsonl)), exist_ok=True)
+            with open(self.stats_jsonl, 'a', encoding='utf-8') as f:
+                f.write(json.dumps(stats) + '\n')
+
+    def pop_sample_stats(self) -> List[Dict[str, Any]]:
+        """Per-sample stats recorded since the last call (the inferencer writes them out)."""
+        out, self.sample_stats = self.sample_stats, []
+        return out
+
+
+class ChatModelBase(SampleStatsLog, BaseModel):
     """An OpenCompass chat model: chat template, stop words, sampling and per-sample stats.
 
     Subclasses implement `_load()` (returns the tokenizer) and either
@@ -195,16 +217,3 @@ class ChatModelBase(BaseModel):
             outputs.append(text)
         return outputs
 
-    # -- statistics --------------------------------------------------------------------------
-    def _record(self, stats: Dict[str, Any]) -> None:
-        stats = {'arm': self.arm, **stats}
-        self.sample_stats.append(stats)
-        if self.stats_jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(self.stats_jsonl)), exist_ok=True)
-            with open(self.stats_jsonl, 'a', encoding='utf-8') as f:
-                f.write(json.dumps(stats) + '\n')
-
-    def pop_sample_stats(self) -> List[Dict[str, Any]]:
-        """Per-sample stats recorded since the last call (the inferencer writes them out)."""
-        out, self.sample_stats = self.sample_stats, []
-        return out

@@ -50,7 +50,7 @@ from edge0_eval.chat_rows import (RowStop, chat_ids, chat_text, stop_token_ids, 
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 
-from .chat import DEFAULT_META_TEMPLATE, check_sample_indices, sampling_options
+from .chat import DEFAULT_META_TEMPLATE, SampleStatsLog, check_sample_indices, sampling_options
 
 
 def api_problems(name: str, cfg: Dict[str, Any], timeout: float = 10.0) -> List[str]:
@@ -110,7 +110,7 @@ class Hosts:
 
 
 @MODELS.register_module()
-class Edge0APIModel(OpenAISDK):
+class Edge0APIModel(SampleStatsLog, OpenAISDK):
     """An OpenAI-compatible API arm with the in-process arms' generation settings.
 
     Config example (configs/tiers/edge0_api.py)::
@@ -268,14 +268,3 @@ class Edge0APIModel(OpenAISDK):
         stats.update(arm=self.arm, api_base=base, client_wall_s=round(wall, 4))
         return text, stats
 
-    # -- statistics (as model_wrappers.chat.ChatModelBase) -----------------------------------
-    def _record(self, stats: Dict[str, Any]) -> None:
-        self.sample_stats.append(stats)
-        if self.stats_jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(self.stats_jsonl)), exist_ok=True)
-            with open(self.stats_jsonl, 'a', encoding='utf-8') as f:
-                f.write(json.dumps(stats) + '\n')
-
-    def pop_sample_stats(self) -> List[Dict[str, Any]]:
-        out, self.sample_stats = self.sample_stats, []
-        return out

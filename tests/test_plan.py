@@ -11,6 +11,7 @@ import pytest
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fixtures import write_fixtures
+from edge0_eval.evaluation.fidelity_set import SET_PATH
 from edge0_eval.evaluation.paired import detectable_drop
 from edge0_eval.plan import PRIOR_TOKENS, PUBLISHED_ITEMS, PlanOptions, make_plan, render
 
@@ -115,6 +116,26 @@ def test_previous_run_gives_lengths_rates_and_overhead(tiny_env, tmp_path):
     assert lines[('edge0-tiny-teacher', 'aime2026')].tok_s == 1000.0
     # Overhead: the run's wall time (107 s) less the generation it measured (7 s), per arm.
     assert plan.arms['edge0-tiny-student']['overhead_s'] == pytest.approx(100.0)
+
+
+def test_fidelity_counts_prompts_at_the_rate_measured_with_them(tiny_env, tmp_path, monkeypatch):
+    # Measured on a long-form set: 100 prompt + 500 forced tokens per item in 60 s: 10 tokens/s
+    # of scoring (8.3 positions/s). Planned: 4 items of 150 prompt + 50 forced tokens, which
+    # cost mostly their prefills: 800 tokens, 80 s (counting positions alone: 24 s, as the
+    # testbed's planner check found, 32% short).
+    rows = [dict(prompt_tokens=100, tokens=500, wall_s=60.0) for _ in range(3)]
+    run = _stats_run(tmp_path, {'edge0_fidelity': rows}, wall=200.0)
+    root = tmp_path / 'set-root'
+    (root / SET_PATH).parent.mkdir(parents=True)
+    (root / SET_PATH).write_text('{}')
+    short = {'items': [dict(prompt_ids=[1] * 150, tokens=[2] * 50) for _ in range(4)]}
+    monkeypatch.setattr('edge0_eval.plan.data_root', lambda: root)
+    monkeypatch.setattr('edge0_eval.plan.read_set', lambda path: short)
+    plan = make_plan(PlanOptions(config=TINY, tok_s=1000.0, previous=run))
+    line = {(l.arm, l.dataset): l for l in plan.lines}[('edge0-tiny-student', 'edge0_fidelity')]
+    assert (line.tok_s, line.tok_s_source) == (pytest.approx(10.0), 'measured')
+    assert line.tokens == 800 and line.tokens_source == 'prompt + positions'
+    assert line.hours * 3600 == pytest.approx(80.0)
 
 
 def test_corrupt_previous_stats_is_one_error(tiny_env, tmp_path):

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
-from edge0_eval.plan import (arm_abbr, count_items, dataset_abbr, fidelity_positions,
+from edge0_eval.plan import (arm_abbr, count_items, dataset_abbr, fidelity_tokens,
                              tokens_per_sample)
 
 LOG_EVERY_S = 30.0
@@ -37,7 +37,7 @@ def task_specs(model_cfg: dict, datasets: list[dict], work_dir: str) -> list[dic
     for d in datasets:
         abbr = dataset_abbr(d)
         if abbr.startswith(FIDELITY_ABBR):
-            staged = fidelity_positions()
+            staged = fidelity_tokens()
             items, positions = staged if staged else (0, None)
         else:
             items, positions = count_items(d)[0] * int(d.get("n", 1)), None
