@@ -112,7 +112,7 @@ def test_truncation_that_differs_beyond_its_noise_is_flagged(tmp_path):
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| AIME 2026 | accuracy, n=1 | 6 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | " \
            "ok (truncation differs: student) |" in md
-    assert "| AIME 2026 | student | 6 | 6 (100.0%) | 0 | +100.0 ±0.0 FLAG |" in md
+    assert "| AIME 2026 | student | 6 | 6 (100.0%) | 0 | +100.0 ±0.0 (p 0.016) FLAG |" in md
     assert "| GPQA-Diamond | accuracy, n=1 | 4 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | ok |" \
         in md
 

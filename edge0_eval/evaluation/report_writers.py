@@ -11,6 +11,7 @@ from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation import fidelity_report
+from edge0_eval.evaluation.samples import FLAG_ALPHA
 
 # Plot legend per arm (the arms themselves, and their order, come from report["arms"]).
 ARM_LABELS = {"teacher": "teacher (fp16)", "int4_exact": "int4 exact routing",
@@ -96,7 +97,8 @@ def _truncation_diff(diff: dict | None, arm: str) -> str:
     if not diff:
         return "n/a"
     half = f" ±{diff['half_width']:.1f}" if diff["half_width"] is not None else ""
-    return f"{diff['difference']:+.1f}{half}" + (" FLAG" if diff["flag"] else "")
+    p = f" (p {diff['p_value']:.2g})" if diff.get("p_value") is not None else ""
+    return f"{diff['difference']:+.1f}{half}{p}" + (" FLAG" if diff["flag"] else "")
 
 
 def _ci_text(row: dict) -> str:
@@ -204,7 +206,8 @@ def _markdown(report: dict) -> str:
     md.append("Outputs that stopped at the length limit (max_out_len), and of those the ones "
               "still inside their thinking block (scored by the open-thinking rule above). "
               "vs teacher: the arm's rate minus the teacher's, paired on items (clustered by "
-              "item), with its 95% interval; FLAG: the interval excludes 0. n/a: the arm's "
+              "item), with its 95% interval and the two-sided mid-p value of a paired sign-flip "
+              f"test of the per-item differences; FLAG: p < {FLAG_ALPHA:g}. n/a: the arm's "
               "predictions carry no finish reasons.\n")
     md.append(_table(["benchmark", "arm", "outputs", "cut at the limit", "cut inside thinking",
                       "vs teacher (points)"],
