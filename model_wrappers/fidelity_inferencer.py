@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Optional
 
 from opencompass.openicl.icl_inferencer.icl_base_inferencer import BaseInferencer
 from opencompass.registry import ICL_INFERENCERS
+from opencompass.utils.logging import get_logger
 
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.progress import Progress
 
 from .inferencer import stats_path
 
@@ -23,9 +26,13 @@ from .inferencer import stats_path
 @ICL_INFERENCERS.register_module()
 class FidelityInferencer(BaseInferencer):
 
-    def __init__(self, model, max_out_len=None, min_out_len=None, **kwargs):
+    def __init__(self, model, max_out_len=None, min_out_len=None,
+                 progress: Optional[dict] = None, **kwargs):
         # max/min_out_len come from the model config for every dataset; the set fixes the length.
+        # progress: the arm's progress spec (edge0_eval/evaluation/progress.py), set by the
+        # project's partitioners: a long set moves the arm's progress and ETA item by item.
         super().__init__(model=model, **kwargs)
+        self.progress = progress
 
     def inference(self, retriever, ice_template=None, prompt_template=None,
                   output_json_filepath=None, output_json_filename=None):
@@ -36,6 +43,8 @@ class FidelityInferencer(BaseInferencer):
             raise ConfigError(f'{type(self.model).__name__} has no fidelity_logprobs; the '
                               f'fidelity dataset runs on MLXLMModel and Edge0Model arms')
         preds, stats = {}, []
+        progress = (Progress(self.progress, get_logger().info)
+                    if self.progress and self.is_main_process else None)
         for index, row in enumerate(retriever.test_ds):
             item = json.loads(row['item'])
             start = time.perf_counter()
@@ -47,6 +56,8 @@ class FidelityInferencer(BaseInferencer):
                           'prompt_tokens': len(item['prompt_ids']),
                           'tokens': len(item['tokens']), 'wall_s': round(wall, 4),
                           'tok_s': round(len(item['tokens']) / wall, 2) if wall > 0 else None})
+            if progress is not None:
+                progress.add(1)
         if self.is_main_process:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, out_file), 'w', encoding='utf-8') as f:

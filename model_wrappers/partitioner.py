@@ -134,8 +134,9 @@ def repeat_layout(dataset: dict, sizes: Dict[str, int]) -> dict:
 
 
 def add_progress(tasks: List[dict]) -> List[dict]:
-    """Give every Edge0GenInferencer of every infer task its arm's progress spec (items and
-    expected tokens of the task's datasets; edge0_eval/evaluation/progress.py)."""
+    """Give every Edge0GenInferencer and FidelityInferencer of every infer task its arm's
+    progress spec (items and expected tokens of the task's datasets;
+    edge0_eval/evaluation/progress.py)."""
     for task in tasks:
         # The tasks share the config's dataset dicts; each arm's spec goes into its own copy.
         task['datasets'] = [[copy.deepcopy(d) for d in ds] for ds in task['datasets']]
@@ -143,7 +144,7 @@ def add_progress(tasks: List[dict]) -> List[dict]:
             specs = task_specs(model, datasets, task['work_dir'])
             for dataset, spec in zip(datasets, specs):
                 inferencer = dataset['infer_cfg']['inferencer']
-                if _type_name(inferencer) == 'Edge0GenInferencer':
+                if _type_name(inferencer) in ('Edge0GenInferencer', 'FidelityInferencer'):
                     inferencer['progress'] = spec
     return tasks
 

@@ -59,6 +59,9 @@ def test_tiny_config_end_to_end(tiny_env, tmp_path):
         preds = json.loads((run_dir / 'predictions' / model / f'{TINY_FIDELITY}.json').read_text())
         assert len(preds) == len(json.loads((run_dir / 'results' / model /
                                              f'{TINY_FIDELITY}.json').read_text())['details'])
+        # The fidelity set, the task's last dataset, moves the arm's progress item by item.
+        state = json.loads((run_dir / 'progress' / f'{model}.json').read_text())
+        assert state['dataset'] == TINY_FIDELITY and state['items'] == state['total'], state
     # The CI gate: this run's gap report against the committed tiny baseline.
     report = report_and_gate(run_dir, tmp_path / 'report', REPO / 'reports' / 'tiny' / 'report.json')
     report = json.loads(report.read_text())
