@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import INDEX_NAME
-from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
+from edge0_eval.engine.mlx_compat import (cast_floating, on_cpu, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu, wired_limit)
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
@@ -84,8 +84,7 @@ class EngineRunner:
 
     def forced(self, tokens: list[int], chunk: int) -> Iterator[mx.array]:
         prerouter = self.engine.prerouter
-        if prerouter is not None and prerouter.wrap is not None and \
-                mx.default_device() == mx.cpu:
+        if prerouter is not None and prerouter.wrap is not None and on_cpu():
             # A wrap-around head's pieces run to a fixed point, in passes (step.py). MLX's CPU
             # kernels cost the same per row at any piece length (reports/perf.md), so there
             # every pass past the first costs as much as stepping: one position a piece.
