@@ -12,7 +12,11 @@
 #     <think> block scores as an empty answer (EDGE0_OPEN_THINKING=pass: OpenCompass's
 #     pass-through), closed thinking blocks are removed, then the dataset's own postprocessor;
 #   - MMLU-Pro: besides `mmlu_pro` (mean of the 14 categories) the summary reports
-#     `mmlu_pro_per_question` (accuracy over all questions, the official figure).
+#     `mmlu_pro_per_question` (accuracy over all questions, the official figure); scored by
+#     AccwithDetailsEvaluator, the same verdict (processed answer == reference letter) with
+#     per-prediction details: with n > 1 samples OpenCompass's BaseEvaluator.evaluate averages
+#     replicas only through details, and for the shipped AccEvaluator (none) it returns the
+#     last replica's accuracy as the dataset's score.
 import os
 
 from mmengine.config import read_base
@@ -21,6 +25,7 @@ from model_wrappers.evaluators import (CheckedIFBenchEvaluator, SubsetHumanEvalE
                                        edge0_answer_text)
 from model_wrappers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
+from opencompass.openicl.icl_evaluator import AccwithDetailsEvaluator
 
 with read_base():
     from opencompass.configs.datasets.aime2026.aime2026_cascade_eval_gen_6ff468 import \
@@ -37,6 +42,8 @@ for d in humaneval_datasets:
     d['eval_cfg']['evaluator'] = dict(type=SubsetHumanEvalEvaluator)
 for d in ifbench_datasets:
     d['eval_cfg']['evaluator'] = dict(type=CheckedIFBenchEvaluator)
+for d in mmlu_pro_datasets:
+    d['eval_cfg']['evaluator'] = dict(type=AccwithDetailsEvaluator)
 
 # An output cut inside its <think> block scores as an empty answer (edge0_answer_text, default
 # 'empty'); EDGE0_OPEN_THINKING=pass restores OpenCompass's pass-through of the whole text. The

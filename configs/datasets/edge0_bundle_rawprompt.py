@@ -1,7 +1,8 @@
 # The five Edge0 benchmarks from OpenCompass's *_rawprompt_* configs: prompts reach the model
 # as {role, content} message lists instead of PromptLists. Same fixes as edge0_bundle.py; the
 # shipped raw-prompt GPQA and MMLU-Pro configs score with an LLM judge only, so they are given
-# the rule-based scorers of their PromptList twins (the judge stays optional for AIME).
+# the rule-based scorers of their PromptList twins (the judge stays optional for AIME; MMLU-Pro's
+# AccwithDetailsEvaluator for the reason edge0_bundle.py gives).
 import os
 
 from mmengine.config import read_base
@@ -10,7 +11,7 @@ from model_wrappers.evaluators import (CheckedIFBenchEvaluator, SubsetHumanEvalE
                                        edge0_answer_text)
 from model_wrappers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
-from opencompass.openicl.icl_evaluator import AccEvaluator
+from opencompass.openicl.icl_evaluator import AccwithDetailsEvaluator
 from opencompass.utils.text_postprocessors import match_answer_pattern
 
 with read_base():
@@ -32,7 +33,7 @@ if not os.environ.get('OC_JUDGE_MODEL'):
     for d in gpqa_raw_datasets:
         d['eval_cfg']['evaluator'] = d['eval_cfg']['evaluator']['rule_evaluator']
     for d in mmlu_pro_raw_datasets:
-        d['eval_cfg'] = dict(evaluator=dict(type=AccEvaluator),
+        d['eval_cfg'] = dict(evaluator=dict(type=AccwithDetailsEvaluator),
                              pred_postprocessor=dict(type=match_answer_pattern,
                                                      answer_pattern=r'(?i)ANSWER\s*:\s*([A-P])'))
 for d in humaneval_raw_datasets:
