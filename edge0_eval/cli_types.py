@@ -78,6 +78,21 @@ def float_range(low: float, high: float, low_open: bool = False):
     return parse
 
 
+def named(value_type, name: str = "NAME"):
+    """NAME=VALUE, VALUE checked by one of the validators above; gives (NAME, VALUE), so a
+    repeatable option (`action="append"`) becomes a dict with `dict(args.option)`."""
+    def parse(text: str) -> tuple[str, object]:
+        key, sep, value = text.rpartition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}=VALUE")
+        try:
+            return key, value_type(value)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    parse.__name__ = f"{name}=VALUE"
+    return parse
+
+
 def json_object(text: str) -> dict:
     """A JSON object with string keys, e.g. '{"enable_thinking": false}'."""
     try:

@@ -329,6 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="aggregate generated tokens/s of an arm (default 20, the "
                              "paper's 35B decode rate); --from measures it per arm instead")
     parser.add_argument("--arm-tok-s", action="append", default=[], metavar="ABBR=R",
+                        type=ct.named(ct.positive_float, "ABBR"),
                         help="one arm's rate (model abbr=tokens/s); repeatable")
     parser.add_argument("--from", dest="previous", type=Path, default=None,
                         help="an earlier run folder of this config: measured lengths, rates "
@@ -355,20 +356,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--from, else the config's edge0_gate tok_s)")
 
 
-def _arm_rates(pairs: list[str]) -> dict[str, float]:
-    rates = {}
-    for pair in pairs:
-        abbr, _, value = pair.partition("=")
-        try:
-            rate = float(value)
-        except ValueError:
-            rate = -1.0
-        if not abbr or not rate > 0:
-            raise ConfigError(f"--arm-tok-s {pair!r}: give ABBR=R with R > 0 tokens/s")
-        rates[abbr] = rate
-    return rates
-
-
 def run(args: argparse.Namespace) -> int:
     if args.size_gate:
         # plan_gate builds on this module, so it is imported here, not at the top.
@@ -376,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         size = plan_gate.size_gate(args.config, tok_s=args.size_tok_s, previous=args.previous)
         print(plan_gate.render(size, f"edge0-eval plan {args.config} --size-gate"))
         return 0
-    opts = PlanOptions(config=args.config, tok_s=args.tok_s, arm_tok_s=_arm_rates(args.arm_tok_s),
+    opts = PlanOptions(config=args.config, tok_s=args.tok_s, arm_tok_s=dict(args.arm_tok_s),
                        previous=args.previous, task_overhead_s=args.overhead_s,
                        churn=args.churn, alpha=args.alpha, fidelity_tok_s=args.fidelity_tok_s)
     plan = make_plan(opts)

@@ -99,8 +99,13 @@ def test_bad_options_are_one_error(tmp_path, baseline, capsys):
     one = report(tmp_path, "r0", TEACHER, items=30)
     assert main(["gate", str(one), str(one), "--baseline", str(baseline)]) == 2
     assert "pass --sequential" in capsys.readouterr().err
-    assert gate(baseline, one, extra=["--benchmark-drop", "GPQA-Diamond=0"]) == 2
-    assert "give NAME=P with P in (0, 100]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:      # argparse, at parse time
+        gate(baseline, one, extra=["--benchmark-drop", "GPQA-Diamond=0"])
+    assert exc.value.code == 2
+    assert "'GPQA-Diamond=0': 0 must be in (0, 100]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gate(baseline, one, extra=["--benchmark-drop", "GPQA-Diamond"])
+    assert "'GPQA-Diamond' is not NAME=VALUE" in capsys.readouterr().err
     assert gate(baseline, one, extra=["--benchmark-drop", "AIME=5"]) == 2
     assert "not benchmarks of the baseline" in capsys.readouterr().err
     assert gate(baseline, one, extra=["--max-drop", "0"]) == 2

@@ -169,5 +169,5 @@ def test_cli(tiny_env, tmp_path):
     proc = subprocess.run([sys.executable, '-m', 'edge0_eval', 'plan', str(TINY),
                            '--arm-tok-s', 'teacher'], capture_output=True, text=True,
                           env=dict(os.environ))
-    assert proc.returncode != 0 and 'give ABBR=R' in proc.stderr
+    assert proc.returncode == 2 and "'teacher' is not ABBR=VALUE" in proc.stderr
     assert 'Traceback' not in proc.stderr

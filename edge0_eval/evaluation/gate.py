@@ -66,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "regressed, within its max drop, or undecided (exit 3: run the next "
                         "round)")
     parser.add_argument("--benchmark-drop", action="append", default=[], metavar="NAME=P",
+                        type=ct.named(ct.float_range(0.0, 100.0, low_open=True)),
                         help="the max drop and max gap increase of one benchmark, in points "
                         "(e.g. 'MMLU-Pro=8'); repeatable; others take --max-drop and "
                         "--max-gap-increase")
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"gate: note: model changed since the baseline (the change being judged): {change}")
     checks = evaluate(current, baseline, args.max_gap_increase, args.max_drop,
                       args.max_kl_rise, args.max_agreement_drop, alpha=args.alpha,
-                      first_round=first_round, drops=benchmark_drops(args.benchmark_drop))
+                      first_round=first_round, drops=dict(args.benchmark_drop))
     print(format_table(checks))
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
     if failed:
@@ -146,21 +147,6 @@ def run(args: argparse.Namespace) -> int:
                      f"paired change's half-width")
     print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
     return 0
-
-
-def benchmark_drops(pairs: list[str]) -> dict[str, float]:
-    drops = {}
-    for pair in pairs:
-        name, _, value = pair.rpartition("=")
-        try:
-            drop = float(value)
-        except ValueError:
-            drop = -1.0
-        if not name or not (math.isfinite(drop) and 0 < drop <= 100):
-            raise Edge0Error(f"--benchmark-drop {pair!r}: give NAME=P with P in (0, 100] "
-                             f"points")
-        drops[name] = drop
-    return drops
 
 
 def _settings(report: dict) -> dict:
