@@ -346,13 +346,22 @@ def test_missing_set_stops_the_run_before_any_task(teacher_set, tmp_path, monkey
     assert len(rows) == 3 and json.loads(rows[0]["item"])["tokens"]
 
 
-def test_long_form_set_leaves_out_short_continuations_and_ends_each_item(teacher_set):
+def test_long_form_set_leaves_out_short_continuations_and_ends_each_item(teacher_set,
+                                                                         monkeypatch):
     teacher, model, _ = teacher_set
     loaded = (model, fid.load_teacher(teacher)[1])
+    passes = []                             # continuation lengths given a teacher-forced pass
+    rows_of = fid.teacher_rows
+    monkeypatch.setattr(fid, "teacher_rows",
+                        lambda runner, ids, tokens, k: passes.append(len(tokens)) or
+                        rows_of(runner, ids, tokens, k))
     fset = fid.make_set(teacher, _text_prompts(), {}, max_new=64, min_new=60, top_k=4,
                         thinking=True, loaded=loaded)
+    monkeypatch.undo()
     short = fset["left_out"]["shorter_than_min_new"]
     assert short and fset["items"]          # this teacher stops early on some prompts
+    # A continuation already shorter than --min-new gets no pass (left out whatever its rows).
+    assert len(passes) == len(fset["items"]) and min(passes) >= 60
     assert {i["id"] for i in fset["items"]} | set(short) == {p.id for p in _text_prompts()}
     assert all(60 <= len(i["tokens"]) <= 64 and i["end"] in ("stop", "length")
                for i in fset["items"])

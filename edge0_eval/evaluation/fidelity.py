@@ -306,6 +306,9 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
         continuations = greedy_continuations(model, prompt_ids, max_new, stop, batch, progress)
         for p, ids, tokens in zip(_progress(prompts, progress, "teacher rows"), prompt_ids,
                                   continuations):
+            if len(tokens) < min_new:       # left out whatever its rows: skip their pass
+                short.append(p.id)
+                continue
             rows = teacher_rows(runner, ids, tokens, top_k)
             kept = len(rows["tokens"])
             end = "near_tie" if kept < len(tokens) else \
