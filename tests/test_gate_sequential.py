@@ -110,3 +110,42 @@ def test_bad_options_are_one_error(tmp_path, baseline, capsys):
     assert "not benchmarks of the baseline" in capsys.readouterr().err
     assert gate(baseline, one, extra=["--max-drop", "0"]) == 2
     assert "must be in (0, 100] points" in capsys.readouterr().err
+
+
+def test_gate_run_undecided_after_its_last_round_is_an_error(tmp_path, monkeypatch):
+    """`gate` answering 'run the next round' after the last one (a baseline holding items the
+    sample never reaches) must not end `gate-run` as a pass. OpenCompass and the report are
+    stood in for: the loop's decision is what is tested."""
+    from edge0_eval.errors import Edge0Error
+    from edge0_eval.evaluation import gate_run as gr
+    cfg = {"edge0_gate": {"rounds": [0.5, 1.0]},
+           "models": [{"abbr": "edge0-x-teacher"}, {"abbr": "edge0-x-student"}],
+           "datasets": [{"abbr": "d", "reader_cfg": {"test_range": 10}}]}
+    calls = []
+    monkeypatch.setattr(gr, "load_config_with", lambda config, env: cfg)
+    monkeypatch.setattr(gr, "run_opencompass", lambda *a, **k: tmp_path / "run")
+    monkeypatch.setattr(gr, "check_run", lambda *a: [])
+    monkeypatch.setattr(gr, "cli_main", lambda args: calls.append(args[0]) or
+                        (UNDECIDED_EXIT if args[0] == "gate" else 0))
+    with pytest.raises(Edge0Error, match=r"still undecided after the last round \(2\)"):
+        gr.gate_run(Path("x.py"), "base.json", tmp_path / "w", {}, sequential=True)
+    assert calls == ["report", "gate", "report", "gate"]
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_a_teacher_without_a_student_item_is_one_failure(tmp_path, baseline, capsys, sequential):
+    """The gap pairs teacher and student per item: a baseline whose teacher lacks one of the
+    student's items fails naming it, in both modes (it raised KeyError)."""
+    import json
+    short = json.loads(baseline.read_text())
+    per_item = short["benchmarks"][0]["arms"]["teacher"]["per_item"]
+    gone = sorted(per_item)[-1]
+    del per_item[gone]
+    broken = tmp_path / "short.json"
+    broken.write_text(json.dumps(short))
+    extra = ASK + (["--sequential"] if sequential else [])
+    assert main(["gate", str(report(tmp_path, "all", TEACHER)), "--baseline", str(broken),
+                 *extra]) == 1
+    line = _line(capsys.readouterr().out)
+    assert "the baseline's teacher has no outcome for 1 of the student's items" in line
+    assert f"(e.g. {gone})" in line

@@ -198,6 +198,10 @@ def _paired_checks(check: Check, base: dict, cur: dict, max_gap_increase: float,
     if set(bs) != set(cs):
         check.fail(f"item ids differ from the baseline's ({len(set(bs) ^ set(cs))} not shared)")
         return True
+    unpaired = gate_sequential.teacher_gaps(bt, bs, ct_, cs)
+    if unpaired:
+        check.fail(unpaired)
+        return True
     student = paired.change(bs, cs, alpha)
     # Per item, student - teacher: its drop is the gap's widening.
     gap = paired.change({i: bs[i] - bt[i] for i in bs}, {i: cs[i] - ct_[i] for i in cs}, alpha)

@@ -241,6 +241,12 @@ def gate_run(config: Path, baseline: str, work: Path, env: dict[str, str],
                   f"{'pass' if code == 0 else 'FAIL' if code == 1 else f'exit {code}'} "
                   f"({time.perf_counter() - start:.0f} s)")
             return code
+    if sequential and baseline != "none":
+        # Undecided after the last round means items left: the baseline holds items this
+        # config's sample never reaches, so no round could decide.
+        raise Edge0Error(f"the gate was still undecided after the last round ({len(rounds)}): "
+                         f"{baseline} holds items this config's sample never reaches; make the "
+                         f"baseline with this gate config (`gate-run CONFIG --baseline none`)")
     return 0
 
 

@@ -43,6 +43,18 @@ def _per_item(row: dict, arm: str) -> dict | None:
     return items if isinstance(items, dict) and items else None
 
 
+def teacher_gaps(bt: dict, bs: dict, ct_: dict, cs: dict) -> str | None:
+    """Why the gap cannot be paired: a student item with no teacher outcome in its report
+    (None when both reports' teachers cover their students' items)."""
+    for name, teacher, student in (("the baseline", bt, bs), ("this report", ct_, cs)):
+        missing = [i for i in student if i not in teacher]
+        if missing:
+            return (f"{name}'s teacher has no outcome for {len(missing)} of the student's "
+                    f"items (e.g. {missing[0]}); make the report again with both arms scored "
+                    f"on the same items")
+    return None
+
+
 def first_rounds(reports: list[tuple[str, dict]]) -> dict[str, dict[str, int]]:
     """benchmark -> item id -> the round (1-based) whose report first holds it. A later round
     must hold every earlier item with the same outcome for every arm (the rounds rescore the
@@ -107,9 +119,9 @@ def check_benchmark(base: dict, cur: dict, first_round: dict[str, int], max_drop
         return Verdict(UNDECIDED, False, failures=[
             f"sequential: {len(foreign)} item(s) are not in the baseline (e.g. {foreign[0]}); "
             f"the baseline must hold the whole sample of the same gate config"])
-    if set(ct_) != set(cs):
-        return Verdict(UNDECIDED, False, failures=["sequential: teacher and student were "
-                                                   "scored on different items"])
+    unpaired = teacher_gaps(bt, bs, ct_, cs)
+    if unpaired:
+        return Verdict(UNDECIDED, False, failures=[f"sequential: {unpaired}"])
     seq = sequence(first_round, cs)
     student = sequential_change([bs[i] - cs[i] for i in seq], max_drop, alpha)
     gap = sequential_change([((bs[i] - bt[i]) - (cs[i] - ct_[i])) / 2 for i in seq],
