@@ -35,7 +35,7 @@ from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set
 from edge0_eval.evaluation import sequential
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA, detectable_drop
+from edge0_eval.evaluation.paired import DEFAULT_ALPHA, detectable_drop, per_test_alpha
 from edge0_eval.evaluation.rounds import sample_size
 from edge0_eval.plan_measured import Measured, read_previous
 
@@ -255,12 +255,14 @@ def make_plan(opts: PlanOptions) -> Plan:
             continue
         p = power.setdefault(benchmark_for(abbr).name, {"items": 0})
         p["items"] += items
+    # The gate's level for each of its tests over these benchmarks (paired.per_test_alpha).
+    level = per_test_alpha(opts.alpha, len(power))
     for bench, p in power.items():
-        p.update(churn=opts.churn, alpha=opts.alpha,
-                 detectable_drop=detectable_drop(p["items"], opts.churn, opts.alpha))
+        p.update(churn=opts.churn, alpha=opts.alpha, test_alpha=level,
+                 detectable_drop=detectable_drop(p["items"], opts.churn, level))
         if cfg.get("edge0_gate"):   # a gate config: what its sequential rule detects, too
             p["sequential_drop"] = sequential.detectable_drop(p["items"], opts.churn, None,
-                                                              opts.alpha)
+                                                              level)
     if any(l.tokens_source == "limit" for l in lines):
         notes.append("'limit': no measured length and no prior for this setting, so every "
                      "sample is counted at max_out_len (an upper bound); pass --from RUN")
@@ -318,7 +320,8 @@ def render(plan: Plan) -> str:
             seen += (f"; sequential (gate-run --sequential): "
                      f"{f'{seq:.1f} points' if seq is not None else 'none'}")
         out.append(f"| {bench} | {p['items']} | {seen} at churn {p['churn']:.0%}, "
-                   f"alpha {p['alpha']} |")
+                   f"each test at {p['test_alpha']:.3g} (alpha {p['alpha']:g} over "
+                   f"{2 * len(plan.power)} tests) |")
     return "\n".join(out + [""] + [f"- {n}" for n in plan.notes])
 
 

@@ -46,6 +46,7 @@ class GateSize:
     rows: list[dict] = field(default_factory=list)    # per benchmark, for the table
     seconds: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    test_alpha: float = 0.0                      # each paired test's level (paired.per_test_alpha)
 
 
 def gate_inputs(cfg, path: Path) -> dict:
@@ -129,11 +130,12 @@ def size_gate(config: Path, *, tok_s: float | None = None, previous: Path | None
     size = GateSize(arm, {}, {}, seconds=dict(budget=gate["budget_h"] * 3600,
                                               overhead=gate["overhead_s"], fidelity=fidelity_s,
                                               benchmarks=sum(items[b] * cost[b] for b in items)))
+    size.test_alpha = level = paired.per_test_alpha(gate["alpha"], len(gate["benchmarks"]))
     for bench in gate["benchmarks"]:
         size.samples.update(_stratify(items[bench], sizes[bench]))
         n = sum(size.samples[d] for d in sizes[bench])
-        seq = sequential.detectable_drop(n, gate["churn"], None, gate["alpha"]) if n else None
-        fixed = paired.detectable_drop(n, gate["churn"], gate["alpha"]) if n else None
+        seq = sequential.detectable_drop(n, gate["churn"], None, level) if n else None
+        fixed = paired.detectable_drop(n, gate["churn"], level) if n else None
         size.drops[bench] = math.ceil(seq * 10) / 10 if seq is not None else 100.0
         size.rows.append(dict(benchmark=bench, items=n, population=sum(sizes[bench].values()),
                               seconds_per_item=cost[bench], fixed=fixed, sequential=seq))
@@ -146,7 +148,9 @@ def size_gate(config: Path, *, tok_s: float | None = None, previous: Path | None
 def render(size: GateSize, gate_cmd: str) -> str:
     s = size.seconds
     out = [f"budget {s['budget'] / 3600:g} h of {size.arm}: overhead {s['overhead']:.0f} s, "
-           f"fidelity {s['fidelity']:.0f} s, benchmarks {s['benchmarks']:.0f} s", "",
+           f"fidelity {s['fidelity']:.0f} s, benchmarks {s['benchmarks']:.0f} s; each of the "
+           f"gate's {2 * len(size.rows)} tests at {size.test_alpha:.3g} (alpha over the tests)",
+           "",
            "| benchmark | items of | s/item | drop detectable at 80% power: fixed | sequential |",
            "| --- | --- | --- | --- | --- |"]
     for r in size.rows:

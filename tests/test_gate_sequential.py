@@ -52,7 +52,12 @@ def test_same_student_is_decided_within_in_an_early_round(tmp_path, baseline, ca
     line = _line(out)
     assert "pass" in line and "student drop: within 20 points, decided at item" in line
     assert "(round 2;" in line
-    assert "1 sequential at alpha 0.05 (1 decided within their max drop)" in out
+    assert ("1 sequential, each test at 0.025 = alpha 0.05 / 2 tests (1 decided within their "
+            "max drop)") in out
+    assert "probability at most 0.05 in all (Bonferroni over the 2 tests)" in out
+    # Decided within 20 points, asked about 2 (the default): said, and counted as blind.
+    assert "cannot see a 2-point drop: this sample is sized for 20 points" in line
+    assert "1 check(s) cannot see the drop asked about (GPQA-Diamond)" in out
 
 
 def test_broken_student_fails_in_the_first_round(tmp_path, baseline, capsys):

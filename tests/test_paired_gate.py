@@ -175,3 +175,29 @@ def test_samples_per_item_lower_the_detectable_drop(shift, one, four):
 
     assert one[0] <= median(1) <= one[1]
     assert four[0] <= median(4) <= four[1]
+
+
+def test_the_whole_gate_fails_unchanged_runs_at_most_at_alpha():
+    """The gate runs two tests per benchmark; uncorrected, 3 benchmarks of 56 items at 0.05
+    each failed ~25% of unchanged runs. gate.evaluate tests each at alpha / (2 x benchmarks)."""
+    from edge0_eval.evaluation.gate import evaluate
+    rng = np.random.default_rng(7)
+    benchmarks, items, runs = 3, 56, 200
+    student_rates = rng.beta(0.6, 0.6, size=(benchmarks, items))
+    teacher_rates = np.clip(student_rates + 0.1, 0, 1)
+
+    def report() -> dict:
+        rows = []
+        for b in range(benchmarks):
+            s = (rng.random(items) < student_rates[b]).astype(float)
+            t = (rng.random(items) < teacher_rates[b]).astype(float)
+            rows.append(dict(benchmark=f"b{b}", status="ok", items=items, version=None,
+                             gap=100 * (t.mean() - s.mean()), student=100 * s.mean(),
+                             delta_half_width=1.0,
+                             arms={"teacher": {"status": "ok", "per_item": _as_items(t)},
+                                   "student": {"status": "ok", "per_item": _as_items(s)}}))
+        return {"benchmarks": rows, "arms": {}}
+
+    failed = sum(any(c.result == "FAIL" for c in evaluate(report(), report(), 2.0, 2.0))
+                 for _ in range(runs))
+    assert failed / runs <= _interval(DEFAULT_ALPHA, runs)[1], failed / runs

@@ -16,8 +16,9 @@
 # PRIOR_TOKENS), so the hour's 57,000 benchmark tokens at 20 tok/s buy 14 items in all (1 to 5
 # per benchmark: no drop is detectable at all on 1 to 3 items, 75 points on 4). Thinking off,
 # the same time buys 56 items at the 1,024-token bound (more once lengths are measured), 14
-# per benchmark: drops of ~48 points (fixed test; 70 sequential) are detectable, enough to
-# catch a broken student, not one that lost a few points. Long thinking is what fidelity
+# per benchmark: drops of ~74 points (fixed test; 90 sequential; each of the gate's 8 tests at
+# alpha 0.05 / 8, so the gate as a whole fails an unchanged student at most 5% of the time)
+# are detectable, enough to catch a broken student, not one that lost a few points. Long thinking is what fidelity
 # covers, teacher-forced. AIME is left out: its problems need the long reasoning that
 # thinking-off answers of 1,024 tokens cut short, so its items would spend a fifth of the
 # budget on near-certain misses. Scores of the sample are not the tier's published numbers
@@ -66,7 +67,7 @@ edge0_gate_tiers = {
                  'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
                  'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
                  'IFBench': 14},
-        drops={'HumanEval': 69.7, 'GPQA-Diamond': 69.7, 'MMLU-Pro': 69.7, 'IFBench': 69.7},
+        drops={'HumanEval': 90.2, 'GPQA-Diamond': 90.2, 'MMLU-Pro': 90.2, 'IFBench': 90.2},
     ),
     '8b': dict(
         edge0_gate_inputs,
@@ -78,7 +79,7 @@ edge0_gate_tiers = {
                  'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
                  'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
                  'IFBench': 14},
-        drops={'HumanEval': 69.7, 'GPQA-Diamond': 69.7, 'MMLU-Pro': 69.7, 'IFBench': 69.7},
+        drops={'HumanEval': 90.2, 'GPQA-Diamond': 90.2, 'MMLU-Pro': 90.2, 'IFBench': 90.2},
     ),
 }
 

@@ -4,11 +4,14 @@ For every benchmark in the baseline whose two reports carry per-item outcomes, t
 is paired with the baseline item by item (evaluation/paired.py: an exact McNemar-type test for
 0/1 outcomes, a permutation test for graded ones), which is the run-to-run change the gate
 judges:
-  student drop   (baseline student - current student)  significant at alpha        -> FAIL
-  gap increase   (current gap - baseline gap)          significant at alpha        -> FAIL
-so a run of unchanged quality fails with probability alpha. max_drop and max_gap_increase are
-the drops the gate must be able to see: when the drop detectable at 80% power is larger, the
-check says so ("cannot see ...") and the summary counts it, instead of passing quietly.
+  student drop   (baseline student - current student)  significant at a            -> FAIL
+  gap increase   (current gap - baseline gap)          significant at a            -> FAIL
+each at a = alpha / (2 x the baseline's benchmarks) (paired.per_test_alpha), so a run of
+unchanged quality fails the benchmark part with probability at most alpha in all.
+max_drop and max_gap_increase are the drops the gate must be able to see: when the drop
+detectable at 80% power (at level a) is larger, or a benchmark's own drop (--benchmark-drop,
+a gate config's sized drops) is, the check says so ("cannot see ...") and the summary counts
+it, instead of passing quietly.
 A baseline without per-item outcomes (made before they were recorded) is compared as before,
 unpaired, with hw = the current report's 95% half-width of the teacher-student delta:
   gap increase > max_gap_increase + hw, student drop > max_drop + hw -> FAIL; regenerate it.
@@ -59,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"beyond the half-width) (default {DEFAULT_MAX_DROP})")
     parser.add_argument("--alpha", type=ct.float_range(0.0, 0.5, low_open=True),
                         default=paired.DEFAULT_ALPHA, metavar="A",
-                        help="false-fail rate of each paired check on a run of unchanged "
-                        f"quality (default {paired.DEFAULT_ALPHA})")
+                        help="false-fail rate of the benchmark checks together on a run of "
+                        "unchanged quality; each of the 2 tests per benchmark runs at A / "
+                        f"(2 x benchmarks) (default {paired.DEFAULT_ALPHA})")
     parser.add_argument("--sequential", action="store_true",
                         help="sequential tests that may stop after any round: each benchmark "
                         "regressed, within its max drop, or undecided (exit 3: run the next "
@@ -122,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
         return 1
-    pending = [c.benchmark for c in checks if c.rule == "undecided" and not c.blind]
+    pending = [c.benchmark for c in checks if c.pending]
     if pending:
         print(f"gate: undecided ({', '.join(pending)}): no benchmark regressed so far; run the "
               f"next round")
@@ -135,8 +139,11 @@ def run(args: argparse.Namespace) -> int:
     paired_n = sum(c.p_values[0] is not None for c in checks)
     sequential_n = sum(c.rule is not None for c in checks)
     unpaired_n = len(checks) - arms - paired_n - sequential_n
-    parts = ([f"{paired_n} paired with the baseline at alpha {args.alpha:g}"] if paired_n else [])
-    parts += ([f"{sequential_n} sequential at alpha {args.alpha:g} ("
+    tests = 2 * len(baseline["benchmarks"])
+    level = (f"each test at {paired.per_test_alpha(args.alpha, len(baseline['benchmarks'])):.3g}"
+             f" = alpha {args.alpha:g} / {tests} tests")
+    parts = ([f"{paired_n} paired with the baseline, {level}"] if paired_n else [])
+    parts += ([f"{sequential_n} sequential, {level} ("
                f"{sum(c.rule == 'within' for c in checks)} decided within their max drop)"]
               if sequential_n else [])
     parts += ([f"{unpaired_n} unpaired (max gap increase {args.max_gap_increase:g}, max drop "
@@ -146,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
                      f"baseline, max agreement drop {args.max_agreement_drop:g}, each plus the "
                      f"paired change's half-width")
     print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
+    if paired_n or sequential_n:
+        print(f"gate: a run of unchanged quality fails the benchmark checks with probability at "
+              f"most {args.alpha:g} in all (Bonferroni over the {tests} tests)")
     return 0
 
 
@@ -166,8 +176,9 @@ class Check:
     half_width: float | None = None
     p_values: tuple = (None, None)  # paired: (student drop, gap increase)
     detectable: float | None = None  # paired: the student drop detected at 80% power
-    blind: bool = False             # paired: cannot see the drop it is asked about
+    blind: bool = False             # cannot see the drop it is asked about
     rule: str | None = None         # sequential: regressed | within | undecided
+    pending: bool = False           # sequential: undecided with items left (next round)
 
     def fail(self, reason: str) -> None:
         self.result = "FAIL"
@@ -230,7 +241,8 @@ def _sequential_check(check: Check, base: dict, cur: dict, first_round: dict,
     check.rule, check.drop, check.gap_increase = verdict.rule, verdict.drop, verdict.gap_increase
     if verdict.student[0] is not None:   # both on the items seen so far, not the whole sample
         check.student, check.gap = verdict.student, verdict.gap
-    check.blind = verdict.rule == "undecided" and verdict.exhausted
+    check.blind = check.blind or (verdict.rule == "undecided" and verdict.exhausted)
+    check.pending = verdict.rule == "undecided" and not verdict.exhausted
     check.reasons += verdict.notes
     for reason in verdict.failures:
         check.fail(reason)
@@ -245,6 +257,7 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: f
     them sequential, drops gives a benchmark its own max drop and max gap increase."""
     rows = {r["benchmark"]: r for r in current["benchmarks"]}
     checks = []
+    level = paired.per_test_alpha(alpha, len(baseline["benchmarks"]))
     unknown = sorted(set(drops or {}) - {r["benchmark"] for r in baseline["benchmarks"]})
     if unknown:
         raise Edge0Error(f"--benchmark-drop names {unknown}, not benchmarks of the baseline")
@@ -270,10 +283,16 @@ def evaluate(current: dict, baseline: dict, max_gap_increase: float, max_drop: f
             check.fail(f"{cur['items']} items, baseline {base['items']}")
         if base["version"] and cur["version"] and base["version"] != cur["version"]:
             check.fail(f"prompt version {cur['version']}, baseline {base['version']}")
+        if asked and asked > min(max_drop, max_gap_increase):
+            # The sample was sized for a larger drop than the one asked about: a pass (even
+            # a decided `within`) says nothing about the smaller one.
+            check.blind = True
+            check.reasons.append(f"cannot see a {min(max_drop, max_gap_increase):g}-point drop: "
+                                 f"this sample is sized for {asked:g} points")
         if first_round is not None:
-            _sequential_check(check, base, cur, first_round, gap_asked, drop_asked, alpha)
+            _sequential_check(check, base, cur, first_round, gap_asked, drop_asked, level)
             continue
-        if _paired_checks(check, base, cur, gap_asked, drop_asked, alpha):
+        if _paired_checks(check, base, cur, gap_asked, drop_asked, level):
             continue
         check.reasons.append("unpaired: the baseline has no per-item outcomes (regenerate it "
                              "with `edge0-eval report` to pair)")

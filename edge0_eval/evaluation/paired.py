@@ -114,6 +114,14 @@ def _detectable_binary(n: int, improved: int, alpha: float) -> float | None:
     return 100.0 * hi
 
 
+def per_test_alpha(alpha: float, benchmarks: int) -> float:
+    """The level of each paired test in a gate of `benchmarks` benchmarks, two tests each
+    (student drop, gap widening), so that the gate as a whole fails a run of unchanged quality
+    with probability at most alpha (Bonferroni; the two tests of a benchmark are correlated,
+    so the gate-wide rate lies below alpha)."""
+    return alpha / (2 * max(benchmarks, 1))
+
+
 def detectable_drop(items: int, churn: float, alpha: float = DEFAULT_ALPHA) -> float | None:
     """The drop (points) the exact test catches at POWER on `items` 0/1 items of which a share
     `churn` changes between two runs of unchanged quality (the README's power table)."""

@@ -110,19 +110,16 @@ def sequential_change(changes: list[float], threshold_points: float,
                       float(np.exp(min(down[at], 700.0))), float(np.exp(min(up[at], 700.0))))
 
 
-def simulate(items: int, churn: float, drop: float, threshold: float | None,
+def simulate(items: int, churn: float, drop: float, threshold: float,
              alpha: float = DEFAULT_ALPHA, runs: int = _SIMULATED_RUNS, seed: int = 0
              ) -> tuple[np.ndarray, np.ndarray]:
     """(first `regressed` crossing, first `within` crossing) per run of `items` 0/1 items of
     which a share churn/2 improves and churn/2 + drop worsens (the paired module's model of
-    a change; drop and churn as shares, threshold as a share; None: no `within` rule)."""
+    a change; drop, churn and threshold as shares)."""
     rng = np.random.default_rng(seed)
     u = rng.random((runs, items))
     worse, better = churn / 2 + drop, churn / 2
     d = np.where(u < worse, 1.0, np.where(u < worse + better, -1.0, 0.0))
-    if threshold is None:
-        fail = _first(_log_wealth(d, 1.0) >= math.log(1 / alpha))
-        return fail, np.full_like(fail, items)
     fail, ok, _, _ = run_tests(d, threshold, alpha)
     return fail, ok
 
@@ -130,14 +127,15 @@ def simulate(items: int, churn: float, drop: float, threshold: float | None,
 def detectable_drop(items: int, churn: float, threshold_points: float | None,
                     alpha: float = DEFAULT_ALPHA) -> float | None:
     """The drop (points) the `regressed` rule catches within `items` 0/1 items with
-    probability >= POWER at this churn, by seeded simulation; None when no drop is.
-    threshold_points None: the `regressed` rule alone (a `within` rule at a threshold above
-    the drop fires first with probability <= alpha, so it costs at most alpha of power)."""
+    probability >= POWER at this churn, by seeded simulation, with the `within` rule running
+    beside it at `threshold_points` (it can stop a run first); None when no drop is.
+    threshold_points None: the `within` rule at the drop itself, as a gate sized by
+    `plan --size-gate` runs (each benchmark's threshold is its sized drop)."""
     if items == 0:
         return None
-    threshold = None if threshold_points is None else threshold_points / 100.0
 
     def power(drop: float) -> float:
+        threshold = drop if threshold_points is None else threshold_points / 100.0
         fail, ok = simulate(items, churn, drop, threshold, alpha)
         return float(((fail < items) & (fail <= ok)).mean())
 
