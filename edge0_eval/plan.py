@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -146,6 +147,19 @@ def _sampled(cfg, items: int) -> int:
     return size if size is not None and 0 < size < items else items
 
 
+def test_range_slice(dataset: dict) -> slice | None:
+    """A dataset's `reader_cfg.test_range` ('[a:b]', as OpenCompass slices it; NumWorker
+    chunks are such ranges) as a slice."""
+    text = (dataset.get('reader_cfg') or {}).get('test_range')
+    if not text:
+        return None
+    match = re.fullmatch(r'\[\s*(-?\d*)\s*:\s*(-?\d*)\s*\]', str(text))
+    if not match:
+        return None            # another form: check every item, as without a range
+    start, stop = (int(v) if v else None for v in match.groups())
+    return slice(start, stop)
+
+
 def population(cfg) -> tuple[int, str]:
     """count_items of the dataset without its test_range: the items a gate samples from."""
     whole = copy.deepcopy(cfg)
@@ -153,14 +167,14 @@ def population(cfg) -> tuple[int, str]:
     return count_items(whole)
 
 
-def fidelity_tokens() -> tuple[int, int] | None:
+def fidelity_tokens(part: slice | None = None) -> tuple[int, int] | None:
     """(items, tokens the scorer runs: prompts + teacher-forced positions) of the staged fidelity
-    set; None when none is staged. Prompts count: a set of short continuations after long
-    prompts costs mostly its prefills."""
+    set, or of its items `part` (a chunk's test_range); None when none is staged. Prompts
+    count: a set of short continuations after long prompts costs mostly its prefills."""
     path = data_root() / SET_PATH
     if not path.is_file():
         return None
-    items = read_set(path)["items"]
+    items = read_set(path)["items"][part or slice(None)]
     return len(items), sum(len(item["prompt_ids"]) + len(item["tokens"]) for item in items)
 
 

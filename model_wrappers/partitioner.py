@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from typing import Dict, Iterable, List
 
 from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
@@ -21,10 +20,11 @@ from opencompass.utils import build_dataset_from_cfg
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.progress import task_specs
+from edge0_eval.evaluation.progress import shard_specs, task_specs
 from edge0_eval.engine.families import check_model_dir
 from edge0_eval.errors import Edge0Error
 from edge0_eval.formats.safetensors import read_safetensors_header
+from edge0_eval.plan import test_range_slice
 
 from .edge0_api_model import api_problems
 from .edge0_model import engine_fields, resolve_engine_options
@@ -76,18 +76,6 @@ def model_problems(models: Iterable[dict]) -> List[str]:
     return problems
 
 
-def test_range_slice(dataset: dict) -> slice | None:
-    """A dataset's `reader_cfg.test_range` ('[a:b]', as OpenCompass slices it) as a slice."""
-    text = (dataset.get('reader_cfg') or {}).get('test_range')
-    if not text:
-        return None
-    match = re.fullmatch(r'\[\s*(-?\d*)\s*:\s*(-?\d*)\s*\]', str(text))
-    if not match:
-        return None            # another form: check every item, as without a range
-    start, stop = (int(v) if v else None for v in match.groups())
-    return slice(start, stop)
-
-
 def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool = True,
               check_models: bool = True) -> None:
     """Exit with every problem listed, one per line, if the run cannot succeed."""
@@ -136,16 +124,26 @@ def repeat_layout(dataset: dict, sizes: Dict[str, int]) -> dict:
 def add_progress(tasks: List[dict]) -> List[dict]:
     """Give every Edge0GenInferencer and FidelityInferencer of every infer task its arm's
     progress spec (items and expected tokens of the task's datasets;
-    edge0_eval/evaluation/progress.py)."""
+    edge0_eval/evaluation/progress.py). An arm split into several tasks (NumWorker chunks)
+    gets one progress file per task and the arm's totals in each (progress.shard_specs)."""
+    by_arm: Dict[str, list] = {}
+    placed = []
     for task in tasks:
         # The tasks share the config's dataset dicts; each arm's spec goes into its own copy.
         task['datasets'] = [[copy.deepcopy(d) for d in ds] for ds in task['datasets']]
         for model, datasets in zip(task['models'], task['datasets']):
             specs = task_specs(model, datasets, task['work_dir'])
-            for dataset, spec in zip(datasets, specs):
-                inferencer = dataset['infer_cfg']['inferencer']
-                if _type_name(inferencer) in ('Edge0GenInferencer', 'FidelityInferencer'):
-                    inferencer['progress'] = spec
+            if specs:
+                by_arm.setdefault(specs[0]['file'], []).append(specs)
+            placed += zip(datasets, specs)
+    for groups in by_arm.values():
+        if len(groups) > 1:
+            shard_specs(groups)
+    # Assigned last: a ConfigDict copies what it is given, so the specs must be complete.
+    for dataset, spec in placed:
+        inferencer = dataset['infer_cfg']['inferencer']
+        if _type_name(inferencer) in ('Edge0GenInferencer', 'FidelityInferencer'):
+            inferencer['progress'] = spec
     return tasks
 
 

@@ -182,3 +182,46 @@ def test_progress_weighs_items_by_their_expected_length(aime_root, tmp_path):
     state = second.add(14)
     assert state['items'] == 24 and state['eta_s'] == 0.0
     assert 'progress edge0-35b-student: 24/24 items (100.0%), GPQA_diamond 14/14' in line(state)
+
+
+def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
+    """NumWorker chunks of one arm run side by side: each task writes its own file with its own
+    slice of the fidelity set, and the arm's line sums them (before: every chunk counted the
+    whole set and they overwrote one file)."""
+    from mmengine.config import Config
+    from edge0_eval.evaluation.fidelity_set import FORMAT, SET_PATH
+    from edge0_eval.evaluation.fixtures import write_fixtures
+    from edge0_eval.evaluation.progress import read_lines
+    from model_wrappers.partitioner import Edge0NumWorkerPartitioner
+    data = tmp_path / 'data'
+    write_fixtures(data)
+    items = [{'id': f't/{n}', 'source': 'text', 'prompt': 'p', 'prompt_ids': [1, 2, 3],
+              'tokens': [4, 5], 'topk_ids': [[4, 6], [5, 7]],
+              'topk_logprobs': [[-0.1, -2.5], [-0.2, -3.0]], 'rest': [0.05, 0.1], 'end': 'stop'}
+             for n in range(10)]
+    (data / SET_PATH).parent.mkdir(parents=True, exist_ok=True)
+    (data / SET_PATH).write_text(json.dumps({
+        'format': FORMAT, 'teacher': {'name': 't', 'fingerprint': '0' * 64}, 'max_new': 8,
+        'min_new': 2, 'top_k': 2, 'thinking': False, 'thinking_in_template': False,
+        'left_out': {'shorter_than_min_new': []}, 'sources': {'text': {}}, 'items': items}))
+    for key, value in dict(COMPASS_DATA_CACHE=str(data), EDGE0_ARMS='teacher',
+                           EDGE0_TINY_TEACHER='unused').items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.fromfile(str(CONFIGS / 'edge0_tiny.py'))
+    datasets = [d for d in cfg['datasets'] if d['abbr'] == 'edge0_fidelity']
+    part = Edge0NumWorkerPartitioner(out_dir=str(tmp_path / 'w' / 'predictions'), num_worker=3,
+                                     min_task_size=1, full_data=False, check_models=False,
+                                     dataset_size_path=str(tmp_path / 'sizes.json'))
+    tasks = part(Config(dict(models=cfg['models'], datasets=datasets,
+                             work_dir=str(tmp_path / 'w'))))
+    specs = [t['datasets'][0][0]['infer_cfg']['inferencer']['progress'] for t in tasks]
+    assert len(specs) == 3 and len({s['file'] for s in specs}) == 3
+    sizes = [s['datasets'][0]['items'] for s in specs]
+    assert sum(sizes) == 10 and all(s['arm_items'] == 10 for s in specs)
+    first, second = Progress(specs[0]), Progress(specs[1])
+    first.add(sizes[0])
+    second.add(1)
+    (text,) = read_lines(tmp_path / 'w')
+    assert text.startswith(f"progress edge0-tiny-teacher: {sizes[0] + 1}/10 items "
+                           f"({10 * (sizes[0] + 1):.1f}%), chunks done 1/3"), text

@@ -14,6 +14,11 @@ ETA = elapsed x (expected tokens left / expected tokens done): items are weighte
 expected length, so an AIME item counts as 8 MMLU-Pro items, and the arm's own pace so far
 (prefill, batching, the machine) sets the rate. Datasets other inferencers score (fidelity)
 count as done when the next dataset starts.
+
+An arm split into several tasks (NumWorkerPartitioner's item chunks, run side by side) writes
+one file per task, `<run>/progress/<arm>/<k>.json`, each carrying the arm's totals; its line
+sums them (`arm_state`): items done over all chunks, ETA from the elapsed time since the first
+chunk started and the cost done by all of them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.plan import (arm_abbr, count_items, dataset_abbr, fidelity_tokens,
-                             tokens_per_sample)
+                             test_range_slice, tokens_per_sample)
 
 LOG_EVERY_S = 30.0
 
@@ -37,7 +42,7 @@ def task_specs(model_cfg: dict, datasets: list[dict], work_dir: str) -> list[dic
     for d in datasets:
         abbr = dataset_abbr(d)
         if abbr.startswith(FIDELITY_ABBR):
-            staged = fidelity_tokens()
+            staged = fidelity_tokens(test_range_slice(d))
             items, positions = staged if staged else (0, None)
         else:
             items, positions = count_items(d)[0] * int(d.get("n", 1)), None
@@ -45,6 +50,40 @@ def task_specs(model_cfg: dict, datasets: list[dict], work_dir: str) -> list[dic
         rows.append(dict(dataset=abbr, items=items, weight=max(per, 1.0)))
     file = str(Path(work_dir) / "progress" / f"{arm}.json")
     return [dict(arm=arm, file=file, index=i, datasets=rows) for i in range(len(rows))]
+
+
+def shard_specs(groups: list[list[dict]]) -> None:
+    """The specs of one arm's tasks (each a list from task_specs): one file per task under
+    progress/<arm>/, and the arm's totals in every spec (changed in place)."""
+    rows = [spec["datasets"] for specs in groups for spec in specs[:1]]
+    items = sum(r["items"] for task in rows for r in task)
+    cost = sum(r["items"] * r["weight"] for task in rows for r in task)
+    for k, specs in enumerate(groups):
+        for spec in specs:
+            path = Path(spec["file"])
+            spec.update(file=str(path.with_suffix("") / f"{k}.json"),
+                        arm_items=items, arm_cost=cost, arm_tasks=len(groups))
+
+
+def arm_state(folder: Path) -> dict | None:
+    """An arm's state summed over its tasks' files (shard_specs); None before any exists."""
+    states = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            states.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue    # being replaced: the next read sees it
+    if not states:
+        return None
+    first = states[0]
+    done_cost = sum(st["cost"] for st in states)
+    elapsed = max(st["updated"] for st in states) - min(st["started"] for st in states)
+    left = max(first["arm_cost"] - done_cost, 0.0)
+    return dict(arm=first["arm"], items=sum(st["items"] for st in states),
+                total=first["arm_items"], dataset="chunks done",
+                dataset_items=sum(st["items"] >= st["total"] for st in states),
+                dataset_total=first["arm_tasks"], elapsed_s=elapsed,
+                eta_s=elapsed * left / done_cost if done_cost else None)
 
 
 class Progress:
@@ -80,8 +119,11 @@ class Progress:
         left = max(self.total_cost - done_cost, 0.0)
         state = dict(arm=self.spec["arm"], started=self.started, updated=now,
                      items=done_items, total=self.total_items, dataset=self.row["dataset"],
-                     dataset_items=self.done, dataset_total=self.row["items"],
+                     dataset_items=self.done, dataset_total=self.row["items"], cost=done_cost,
                      elapsed_s=elapsed, eta_s=elapsed * left / done_cost if done_cost else None)
+        for key in ("arm_items", "arm_cost", "arm_tasks"):     # one of an arm's chunk tasks
+            if key in self.spec:
+                state[key] = self.spec[key]
         path = Path(self.spec["file"])
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -89,7 +131,7 @@ class Progress:
         tmp.replace(path)
         if self.log and (now - self.logged >= LOG_EVERY_S or self.done >= self.row["items"]):
             self.logged = now
-            self.log(line(state))
+            self.log(line(arm_state(path.parent) if "arm_tasks" in state else state))
         return state
 
 
@@ -109,11 +151,14 @@ def line(state: dict) -> str:
 
 
 def read_lines(run_dir: Path) -> list[str]:
-    """The progress line of every arm with a progress file in a run folder."""
+    """The progress line of every arm with a progress file (or folder of chunk files) in a
+    run folder."""
     out = []
-    for path in sorted((run_dir / "progress").glob("*.json")):
+    for path in sorted((run_dir / "progress").glob("*")):
         try:
-            out.append(line(json.loads(path.read_text())))
+            state = arm_state(path) if path.is_dir() else json.loads(path.read_text())
+            if state is not None and path.suffix in (".json", ""):
+                out.append(line(state))
         except (OSError, ValueError, KeyError, TypeError):
             continue    # being replaced: the next poll reads it
     return out
