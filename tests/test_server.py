@@ -7,6 +7,7 @@ whole or streamed, greedy or sampled, a request is the in-process row.
 
 from __future__ import annotations
 
+import random
 import time
 
 import httpx
@@ -14,11 +15,12 @@ import openai
 import pytest
 
 from bad_inputs import copy_model
-from edge0_eval.chat_rows import chat_ids, row_seed
+from edge0_eval.chat_rows import RowStop, chat_ids, row_seed, stop_token_ids, trim_at_stop
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.server.worker import TextStream
 from live_server import LiveServer
 
 NAME = "tiny"
@@ -176,6 +178,40 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(serve
     assert ok.choices[0].finish_reason in ("length", "stop")
     assert server.health()["status"] == "ok"
     assert httpx.get(f"{server.base}/models", timeout=30).json()["data"][0]["id"] == NAME
+
+
+def _stream_and_answer(tok, ids, stop):
+    """(streamed text, whole answer) of a row that takes `ids`, as the worker's _advance and
+    _finish make them: the stop rule first, then the streamed text, then the rest."""
+    rule, stream, streamed = RowStop(tok, 10**6, stop_token_ids(tok, stop), stop), \
+        TextStream(tok, stop), ""
+    for token in ids:
+        if rule.add(token):
+            break
+        streamed += stream.add(token)
+    final, _ = trim_at_stop(tok.decode(rule.tokens), stop)
+    return streamed, final
+
+
+def test_streamed_text_never_runs_past_a_stop_word(served):
+    """mlx-lm's streaming detokenizer (the stop rule's) shows a trailing space a token later
+    than `decode` (the streamed text's): with stop 'is ', 'The answer is' + ' ' streamed
+    'The answer i' before the rule stopped at 'The answer '. What is streamed must always be
+    a prefix of the answer, whatever the tokens and stop words."""
+    tok = served[1].tokenizer
+    ids = [t for part in ("The answer is", " ", "4.")
+           for t in tok.encode(part, add_special_tokens=False)]
+    assert _stream_and_answer(tok, ids, ["is "]) == ("The answer ", "The answer ")
+    rng = random.Random(0)
+    pieces = ["The answer is 4. ", "x = 1 + 2 ", "def fib(n): ", "Hello, world! ", " end\n",
+              "\u00e9 \u00fc \U0001F600 "]
+    for _ in range(200):
+        ids = tok.encode("".join(rng.choice(pieces) for _ in range(5)), add_special_tokens=False)
+        text = tok.decode(ids)
+        at = rng.randrange(len(text) - 4)
+        stop = [text[at:at + rng.randint(1, 4)]]
+        streamed, final = _stream_and_answer(tok, ids, stop)
+        assert final.startswith(streamed), (stop, streamed, final)
 
 
 def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeypatch):

@@ -64,14 +64,20 @@ class TextStream:
     last sent one, decoded with the new ones, less what those few tokens read), so it follows
     `tokenizer.decode` of the whole answer (mlx-lm's streaming detokenizer does not always:
     leading spaces, byte tokens). Held back: what could still become a stop word (the longest
-    one's length - 1 characters) and an incomplete character."""
+    one's length - 1 characters) and an incomplete character. Never sent: a stop word this
+    text already holds, and what follows it. The row's stop rule (RowStop) reads mlx-lm's
+    streaming detokenizer, which can show text a token later than `decode` does, so the row
+    may run a token past a stop word seen here; the answer is cut at that stop word, and so is
+    what is sent."""
 
     def __init__(self, tokenizer, stop_words: list[str]):
         self.tokenizer = tokenizer
+        self.stop_words = list(stop_words)
         self.hold = max((len(w) for w in stop_words), default=1) - 1
         self.tokens: list[int] = []
         self.prefix = self.read = 0          # token offsets: decoded context, already read
         self.text = ""                       # everything read so far
+        self.cut: int | None = None          # where the first stop word in it starts
         self.sent = 0
 
     def add(self, token: int) -> str:
@@ -80,9 +86,17 @@ class TextStream:
         before = decode(self.tokens[self.prefix:self.read])
         after = decode(self.tokens[self.prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
+            seen = len(self.text)
             self.text += after[len(before):]
+            if self.cut is None:
+                # A stop word that ends in the new text starts at most `hold` characters
+                # before it; one wholly in the older text was found already.
+                start = max(0, seen - self.hold)
+                hits = [i for w in self.stop_words if (i := self.text.find(w, start)) >= 0]
+                self.cut = min(hits, default=None)
             self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
-        end = max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) - self.hold if self.cut is None else self.cut
+        end = max(self.sent, end)
         out, self.sent = self.text[self.sent:end], end
         return out
 
