@@ -7,7 +7,9 @@ whole or streamed, greedy or sampled, a request is the in-process row.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
 
 import httpx
@@ -20,8 +22,9 @@ from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.server import worker as worker_module
 from edge0_eval.server.worker import TextStream
-from live_server import LiveServer
+from live_server import LiveServer, free_port
 
 NAME = "tiny"
 MESSAGES = [[{"role": "user", "content": "What is 2 + 2?"}],
@@ -251,6 +254,78 @@ def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeyp
                                            logprobs=True)
     assert [e.id for e in again.choices[0].logprobs.content] == _solo(engine, ids, 20)
     assert server.worker.load()["failed"] >= 2
+
+
+def test_a_worker_that_dies_fails_every_waiting_request_and_refuses_new_ones(edge0_qwen,
+                                                                            monkeypatch):
+    """A fault the worker cannot recover from (here: no memory for a new batch after a failed
+    step) ends its thread. Every request it held, decoding or still queued, is failed (500, no
+    hang); later ones are refused at once (503), and /health says so."""
+    server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME, rows_at_once=1)
+    try:
+        worker, release = server.worker, threading.Event()
+
+        def step():                          # holds the thread until the second request waits
+            release.wait(30)
+            raise OSError(5, "Input/output error", "experts.bin")
+
+        def no_batch(*args, **kwargs):
+            raise MemoryError("no memory for a new batch")
+
+        monkeypatch.setattr(worker.decoder, "step", step)
+        monkeypatch.setattr(worker_module, "BatchDecoder", no_batch)
+        body = dict(model=NAME, messages=MESSAGES[0], max_tokens=8)
+        answers = []
+
+        def ask():
+            r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=30)
+            answers.append((r.status_code, r.json()["error"]))
+
+        first = threading.Thread(target=ask)
+        first.start()
+        deadline = time.monotonic() + 20
+        while not worker.jobs and time.monotonic() < deadline:   # the first is decoding
+            time.sleep(0.02)
+        second = threading.Thread(target=ask)
+        second.start()
+        while worker.inbox.qsize() == 0 and time.monotonic() < deadline:   # the second queued
+            time.sleep(0.02)
+        release.set()
+        first.join(40)
+        second.join(40)
+        assert len(answers) == 2 and all(status == 500 for status, _ in answers), answers
+        assert any("MemoryError" in e["message"] for _, e in answers)
+        worker.join(10)
+        assert not worker.is_alive()
+        start = time.monotonic()
+        r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        assert time.monotonic() - start < 5
+        assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10).status_code == 503
+    finally:
+        release.set()
+        server.close()
+
+
+def test_serve_exits_when_the_batch_pool_cannot_be_made(edge0_qwen, monkeypatch, capsys):
+    """Entering the batch's expert pool fails (no memory for --max-batch x top-k slots): serve
+    exits with status 2 and one line naming the fix, never a hang."""
+    @contextlib.contextmanager
+    def no_pool(self, rows_at_once):
+        raise MemoryError(f"cannot allocate {rows_at_once} x top-k slots per layer")
+        yield
+
+    monkeypatch.setattr(Engine, "batch_pool", no_pool)
+    status = []
+    serve = threading.Thread(target=lambda: status.append(
+        main(["serve", str(edge0_qwen), "--port", str(free_port()), "--max-batch", "64"])),
+        daemon=True)
+    serve.start()
+    serve.join(60)
+    assert not serve.is_alive(), "serve hangs when the batch pool cannot be made"
+    err = capsys.readouterr().err
+    assert status == [2] and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "MemoryError: cannot allocate 64 x top-k slots" in err and "--max-batch" in err
 
 
 def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):

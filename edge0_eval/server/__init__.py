@@ -23,7 +23,7 @@ from pathlib import Path
 
 from edge0_eval import cli_types as ct
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
-from edge0_eval.errors import ConfigError
+from edge0_eval.errors import ConfigError, Edge0Error
 
 LOOPBACK = ("localhost",)
 
@@ -69,7 +69,14 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.model).resolve().name
     worker = Worker(lambda: Engine.load(args.model, options), rows_at_once=args.max_batch,
                     identity=model_identity(args.model, options), name=name)
-    worker.start_engine()
+    try:
+        worker.start_engine()
+    except Edge0Error:
+        raise
+    except Exception as exc:          # e.g. no memory for the batch's expert slots: one line
+        raise ConfigError(f"the engine could not start serving {args.model} "
+                          f"({type(exc).__name__}: {exc}); if memory ran out, try a smaller "
+                          f"--max-batch (now {args.max_batch})") from None
     engine = worker.engine
     vocab = int(engine.family.text_config(engine.config)["vocab_size"])
     app = make_app(worker, served=name, vocab=vocab, max_tokens=args.max_tokens,

@@ -10,7 +10,8 @@ engine never runs on the event loop.
 
 Every failure is a JSON error object: a bad request 400 naming the field (`param`), an unknown
 model 404, a missing key 401, a too-large body 413, an engine fault 500 (when a stream has
-begun: an `error` event, and no `[DONE]`). A client that disconnects cancels its row.
+begun: an `error` event, and no `[DONE]`), a stopped engine thread 503. A client that
+disconnects cancels its row.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from aiohttp import web
 
 from edge0_eval.server.requests import RequestError, RequestSpec, parse_request
-from edge0_eval.server.worker import Finished, Job, Worker
+from edge0_eval.server.worker import Finished, Job, Worker, stopped_error
 
 log = logging.getLogger("edge0_eval.server")
 MAX_BODY = 64 * 2**20                 # a long prompt as text is a few MB at most
@@ -89,7 +90,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     _authorized(request)
-    settings = request.app[SETTINGS]
+    worker, settings = request.app[WORKER], request.app[SETTINGS]
+    if not worker.is_alive():                   # nothing would ever answer the request
+        raise stopped_error()
     raw = await request.read()
     try:
         body = json.loads(raw)
@@ -106,7 +109,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         except RuntimeError:                    # the loop has closed: nobody is listening
             pass
 
-    worker, job = request.app[WORKER], Job(spec, post)
+    job = Job(spec, post)
     answer = Answer(spec, settings["served"])
     worker.submit(job)
     ended = False

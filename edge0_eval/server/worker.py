@@ -12,7 +12,9 @@ stats. A job hears back through its `post` callback (thread-safe), with one of
   | ('error', RequestError)
 An exception in a decode step (an expert read's I/O or checksum error, non-finite logits) fails
 every row in that step with a 500 error, never a partial answer marked complete; the worker
-goes on with the next requests.
+goes on with the next requests. If the thread itself ends (a fault outside those guards, or
+close), every request it still holds or has queued is failed the same way and later ones are
+refused (503): no caller waits forever.
 """
 
 from __future__ import annotations
@@ -107,6 +109,12 @@ class TextStream:
         return final[self.sent:]
 
 
+def stopped_error() -> RequestError:
+    return RequestError("the engine thread has stopped (its error is in the server's log); "
+                        "this server answers no more requests: restart it", status=503,
+                        kind="server_error", code="engine_stopped")
+
+
 def finish_reason(stop: RowStop) -> str:
     return "length" if stop.finish in (None, "length") else "stop"
 
@@ -127,6 +135,10 @@ class Worker(threading.Thread):
         self.counts = Counter()               # served, failed, cancelled, refused
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
+        # Once the thread is leaving nothing reads the inbox: `stopped`, set under the lock
+        # before the last drain, makes a later submit fail at once instead of waiting forever.
+        self._lock = threading.Lock()
+        self.stopped = False
 
     def start_engine(self) -> None:
         """Start the thread and wait until the engine has loaded; its load error is raised."""
@@ -137,7 +149,11 @@ class Worker(threading.Thread):
 
     # -- the HTTP side's calls (any thread) ------------------------------------------------
     def submit(self, job: Job) -> None:
-        self.inbox.put(("add", job))
+        with self._lock:
+            if not self.stopped:
+                self.inbox.put(("add", job))
+                return
+        job.post(("error", stopped_error()))
 
     def cancel(self, job: Job) -> None:
         self.inbox.put(("cancel", job))
@@ -155,18 +171,39 @@ class Worker(threading.Thread):
 
     # -- the thread ------------------------------------------------------------------------
     def run(self) -> None:
+        error = None
         try:
             self.engine = self._load()
             self.tokenizer = self.engine.tokenizer
             self.decoder = BatchDecoder(self.engine, self.rows_at_once)
-        except BaseException as exc:         # noqa: BLE001 - raised by start_engine
-            self.load_error = exc
-            self.ready.set()
-            return
-        try:
             self._serve()
+        except BaseException as exc:         # noqa: BLE001 - raised by start_engine, or told
+            error = exc                      # to every request still waiting (_leave)
+            if self.ready.is_set():
+                log.exception("the engine thread failed; every request is refused from now on")
+            else:                            # the load, or entering the batch pool
+                self.load_error = exc
         finally:
-            self.engine.close()
+            self._leave(error)
+            self.ready.set()                 # after load_error: start_engine reads it
+            if self.engine is not None:
+                self.engine.close()
+
+    def _leave(self, error: BaseException | None) -> None:
+        """The thread is leaving: fail every request that would otherwise wait forever, those
+        decoding or waiting for a row and those still queued (later ones: `submit`)."""
+        with self._lock:
+            self.stopped = True
+        reason = error or RuntimeError("the server stopped before this answer was complete")
+        for job in list(self.jobs.values()):
+            self._fail(job, reason)
+        while True:
+            try:
+                kind, job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._fail(job, reason)
 
     def _serve(self) -> None:
         with self.engine.batch_pool(self.rows_at_once), wired_limit(self.engine.model):
