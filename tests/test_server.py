@@ -344,6 +344,40 @@ def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):
         server.close()
 
 
+def _refused(server, cases: list) -> None:
+    """Each (route, body: a dict or raw bytes, param) is a 400 whose message names param."""
+    for route, body, param in cases:
+        path = "chat/completions" if route == "chat" else "completions"
+        kw = dict(content=body) if isinstance(body, bytes) else dict(json=body)
+        r = httpx.post(f"{server.base}/{path}", timeout=30, **kw)
+        assert r.status_code == 400, (param, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and param in error["message"], error
+
+
+def test_values_the_engine_cannot_take_are_400s_naming_the_field(served):
+    """Values that pass the plain checks but would fail in MLX, in the tokenizer or in the
+    JSON reader (each was a 500): a 400 naming the field."""
+    server, engine = served
+    vocab = int(engine.family.text_config(engine.config)["vocab_size"])
+    chat = dict(model=NAME, messages=MESSAGES[0], max_tokens=4)
+    _refused(server, [
+        ("chat", b'{"model": "tiny", "messages": ' + b"[" * 200000 + b"]" * 200000 + b"}",
+         "messages"),
+        ("chat", {**chat, "temperature": 0.7, "top_k": vocab}, "top_k"),
+        ("chat", {**chat, "repetition_penalty": 1.1, "repetition_context_size": 2**64},
+         "repetition_context_size"),
+        ("chat", {**chat, "presence_penalty": 0.5, "presence_context_size": 2**31},
+         "presence_context_size"),
+        ("chat", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                 b'"max_tokens": 4, "stop": ["\\ud800x"]}', "stop"),
+    ])
+    greedy = httpx.post(f"{server.base}/chat/completions", timeout=30,
+                        json={**chat, "temperature": 0, "top_k": vocab})   # top_k unused
+    assert greedy.status_code == 200
+    assert server.health()["status"] == "ok"
+
+
 def test_a_client_that_leaves_cancels_its_row(served):
     server, _ = served
     before = server.worker.load()["cancelled"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -30,6 +31,8 @@ from edge0_eval.server.worker import Finished, Job, Worker, stopped_error
 log = logging.getLogger("edge0_eval.server")
 MAX_BODY = 64 * 2**20                 # a long prompt as text is a few MB at most
 WORKER = web.AppKey("worker", Worker)
+# A JSON string (escapes included) or a bracket: enough to follow nesting depth.
+JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 SETTINGS = web.AppKey("settings", dict)
 
 
@@ -95,12 +98,18 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         raise stopped_error()
     raw = await request.read()
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON ({exc})") from None
-    spec = parse_request(body, kind, served=settings["served"], vocab=settings["vocab"],
-                         default_max_tokens=settings["max_tokens"],
-                         default_seed=settings["seed"])
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(f"the request body is not valid JSON ({exc})") from None
+        spec = parse_request(body, kind, served=settings["served"], vocab=settings["vocab"],
+                             default_max_tokens=settings["max_tokens"],
+                             default_seed=settings["seed"])
+    except RecursionError:              # reading it, or writing a value into an error message
+        field = _deepest_field(raw)
+        raise RequestError(f"{field or 'the request body'} nests JSON arrays or objects too "
+                           f"deeply (Python reads up to about 1000 levels); send flat values",
+                           field) from None
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def post(event: tuple) -> None:             # called on the worker thread
@@ -137,6 +146,27 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     finally:
         if not ended:                           # the client left (or the handler failed)
             worker.cancel(job)
+
+
+def _deepest_field(raw: bytes) -> str | None:
+    """The top-level field of a JSON object whose value nests deepest (None if not found)."""
+    depth = deepest = 0
+    last = key = field = None                    # JSON strings, as written
+    for match in JSON_NESTING.finditer(raw.decode("utf-8", "replace")):
+        token = match.group()
+        if token[0] == '"':
+            last = token if depth == 1 else last
+        elif token in "[{":
+            depth += 1
+            key = last if depth == 2 else key    # a value's opener: the key just before it
+            if depth > deepest:
+                deepest, field = depth, key
+        else:
+            depth -= 1
+    try:
+        return json.loads(field) if field else None
+    except ValueError:
+        return None
 
 
 async def _stream(response: web.StreamResponse, answer: "Answer", events: asyncio.Queue

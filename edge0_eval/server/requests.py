@@ -6,11 +6,14 @@ Fields (null is the same as absent):
   prompt (completions)       a string, or a list of token ids
   max_tokens / max_completion_tokens   whole number >= 1 (default `--max-tokens`)
   temperature, top_p, top_k, min_p     mlx-lm's filters, checked as the in-process arms check
-                             them (edge0_eval/engine/sampling_options.py; top_k 0 and min_p 0: off)
+                             them (edge0_eval/engine/sampling_options.py; top_k 0 and min_p 0: off;
+                             sampling, top_k below the vocabulary size, as mlx-lm's top-k needs)
   repetition_penalty, presence_penalty, frequency_penalty, and each *_context_size
                              mlx-lm's penalties, with mlx-lm's meaning (the last
-                             `*_context_size` tokens, the prompt included; not OpenAI's)
-  stop                       a string or a list of strings; the text is cut at the first
+                             `*_context_size` tokens, the prompt included; not OpenAI's); a
+                             context size at most 2**31 - 1 (MLX takes no larger)
+  stop                       a string or a list of strings (UTF-8 text: no lone surrogates);
+                             the text is cut at the first
   seed                       whole number >= 0 (default the server's `--seed`): the run's seed,
                              as in a model config's generation_kwargs; the row draws from
                              `row_seed(seed, prompt ids, edge0_sample)` (edge0_eval/chat_rows.py),
@@ -37,6 +40,7 @@ from edge0_eval.engine.sampling_options import PENALTIES, PENALTY_KEYS, check_fi
 from edge0_eval.errors import ConfigError
 
 ROLES = ('system', 'user', 'assistant')
+MAX_CONTEXT_SIZE = 2**31 - 1           # MLX reads a *_context_size as int32 (std::bad_cast above)
 MAX_TOP_LOGPROBS = {'chat': 20, 'completion': 5}
 COMMON = ('model', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k',
           'min_p', *PENALTY_KEYS, 'stop', 'seed', 'edge0_sample', 'edge0_max_seq_len',
@@ -159,10 +163,17 @@ def _stop(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError('stop must be a non-empty string or a list of them', 'stop')
+    for s in stops:
+        try:
+            s.encode('utf-8')           # the tokenizer takes UTF-8 text only
+        except UnicodeEncodeError as exc:
+            raise RequestError(f'stop {s!r} is not UTF-8 text ({exc.reason} at character '
+                               f'{exc.start}: a lone surrogate escape); send whole characters',
+                               'stop') from None
     return list(dict.fromkeys(stops))
 
 
-def _sampling(body: dict) -> dict:
+def _sampling(body: dict, vocab: int) -> dict:
     temperature = _number(body, 'temperature')
     if temperature is not None and temperature < 0:
         raise RequestError(f'temperature must be >= 0 (0: greedy), not {temperature!r}',
@@ -173,6 +184,9 @@ def _sampling(body: dict) -> dict:
     top_k = body.get('top_k')
     if top_k is not None:
         _checked(check_filters, 'top_k', top_k, 0.0)
+        if top_k >= vocab and temperature:  # mlx-lm's apply_top_k takes 0 < k < vocab only
+            raise RequestError(f'top_k must be below the vocabulary size {vocab} (0: off), not '
+                               f'{top_k}', 'top_k')
     min_p = body.get('min_p')
     if min_p is not None:
         _checked(check_filters, 'min_p', 0, min_p)
@@ -184,6 +198,9 @@ def _sampling(body: dict) -> dict:
         if key not in PENALTIES:           # a context size: its penalty must be set too
             penalty = key.replace('context_size', 'penalty')
             _checked(check_penalties, key, {key: value, penalty: penalties.get(penalty)})
+            if value > MAX_CONTEXT_SIZE:
+                raise RequestError(f'{key} must be at most {MAX_CONTEXT_SIZE} (the recent '
+                                   f'tokens the penalty looks at), not {value}', key)
     return dict(temperature=float(temperature or 0.0),
                 top_p=float(1.0 if top_p is None else top_p), top_k=int(top_k or 0),
                 min_p=float(min_p or 0.0), penalties=penalties)
@@ -243,7 +260,7 @@ def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_
     return RequestSpec(
         kind=kind, model=model, prompt=prompt,
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        sampling=_sampling(body), seed=default_seed if seed is None else seed,
+        sampling=_sampling(body, vocab), seed=default_seed if seed is None else seed,
         sample=_whole(body, 'edge0_sample', 0) or 0, stop=_stop(body),
         max_seq_len=_whole(body, 'edge0_max_seq_len', 1),
         chat_template_kwargs=dict(template or {}), logprobs=logprobs, stream=stream,
