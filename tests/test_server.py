@@ -378,6 +378,25 @@ def test_values_the_engine_cannot_take_are_400s_naming_the_field(served):
     assert server.health()["status"] == "ok"
 
 
+def test_a_row_holds_at_most_the_model_context(served):
+    """max_tokens, and the prompt with it, are bounded by the model's context (LiveServer's
+    default --max-model-len): more is a 400 naming the field, not a row run past it."""
+    server, engine = served
+    context = int(engine.family.text_config(engine.config)["max_position_embeddings"])
+    chat = dict(model=NAME, messages=MESSAGES[0])
+    refused = server.worker.load()["refused"]
+    _refused(server, [
+        ("chat", {**chat, "max_tokens": 10**9}, "max_tokens"),
+        ("chat", {**chat, "max_completion_tokens": context + 1}, "max_completion_tokens"),
+        ("chat", {**chat, "max_tokens": context - 2}, "messages"),
+        ("completion", dict(model=NAME, prompt=engine.tokenizer.encode("Once upon a time"),
+                            max_tokens=context - 1), "prompt"),
+    ])
+    assert server.worker.load()["refused"] == refused + 2      # the two over the context
+    assert server.worker.max_model_len == context
+    assert server.health()["status"] == "ok"
+
+
 def test_a_client_that_leaves_cancels_its_row(served):
     server, _ = served
     before = server.worker.load()["cancelled"]
@@ -411,6 +430,8 @@ def test_an_api_key_is_required_when_set(edge0_qwen):
 def test_serve_cli_errors_are_one_line(edge0_qwen, tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing")]) == 2
     assert "config.json not found" in capsys.readouterr().err
+    assert main(["serve", str(edge0_qwen), "--max-model-len", "64", "--max-tokens", "64"]) == 2
+    assert "--max-tokens 64 leaves no room for a prompt in 64 tokens" in capsys.readouterr().err
     server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
     try:
         assert main(["serve", str(edge0_qwen), "--port", str(server.port)]) == 2

@@ -104,7 +104,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             raise RequestError(f"the request body is not valid JSON ({exc})") from None
         spec = parse_request(body, kind, served=settings["served"], vocab=settings["vocab"],
                              default_max_tokens=settings["max_tokens"],
-                             default_seed=settings["seed"])
+                             default_seed=settings["seed"], max_model_len=worker.max_model_len)
     except RecursionError:              # reading it, or writing a value into an error message
         field = _deepest_field(raw)
         raise RequestError(f"{field or 'the request body'} nests JSON arrays or objects too "

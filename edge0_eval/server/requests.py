@@ -4,7 +4,9 @@ Fields (null is the same as absent):
   model                      required; the served name (`--served-model-name`)
   messages (chat)            [{role: system|user|assistant, content: str | [{type: text, text}]}]
   prompt (completions)       a string, or a list of token ids
-  max_tokens / max_completion_tokens   whole number >= 1 (default `--max-tokens`)
+  max_tokens / max_completion_tokens   whole number in 1..`--max-model-len` (default
+                             `--max-tokens`); with the prompt's tokens, at most `--max-model-len`
+                             (checked once the prompt is tokenized: worker.py)
   temperature, top_p, top_k, min_p     mlx-lm's filters, checked as the in-process arms check
                              them (edge0_eval/engine/sampling_options.py; top_k 0 and min_p 0: off;
                              sampling, top_k below the vocabulary size, as mlx-lm's top-k needs)
@@ -41,6 +43,9 @@ from edge0_eval.errors import ConfigError
 
 ROLES = ('system', 'user', 'assistant')
 MAX_CONTEXT_SIZE = 2**31 - 1           # MLX reads a *_context_size as int32 (std::bad_cast above)
+# A row's most tokens (prompt and answer) when neither --max-model-len nor the model's config
+# (max_position_embeddings) gives one.
+DEFAULT_MAX_MODEL_LEN = 32768
 MAX_TOP_LOGPROBS = {'chat': 20, 'completion': 5}
 COMMON = ('model', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k',
           'min_p', *PENALTY_KEYS, 'stop', 'seed', 'edge0_sample', 'edge0_max_seq_len',
@@ -207,8 +212,9 @@ def _sampling(body: dict, vocab: int) -> dict:
 
 
 def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_tokens: int,
-                  default_seed: int) -> RequestSpec:
-    """A request body of `kind` ('chat' or 'completion') -> its RequestSpec."""
+                  default_seed: int, max_model_len: int | None = None) -> RequestSpec:
+    """A request body of `kind` ('chat' or 'completion') -> its RequestSpec. max_model_len:
+    the most tokens a row may hold, prompt and answer (None: no bound)."""
     if not isinstance(body, dict):
         raise RequestError('the request body must be a JSON object')
     unknown = sorted(k for k in body if k not in FIELDS[kind])
@@ -230,9 +236,13 @@ def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_
             raise RequestError('echo must be false (the prompt is not returned)', 'echo')
     if body.get('user') is not None and not isinstance(body['user'], str):
         raise RequestError('user must be a string', 'user')
-    max_tokens = _whole(body, 'max_completion_tokens', 1)
-    if max_tokens is None:
-        max_tokens = _whole(body, 'max_tokens', 1)
+    key = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else \
+        'max_tokens'
+    max_tokens = _whole(body, key, 1)
+    if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
+        raise RequestError(f'{key} is {max_tokens}, more than the {max_model_len} tokens a row '
+                           f'may hold on this server, prompt included (--max-model-len); ask '
+                           f'for fewer', key)
     seed = _whole(body, 'seed', 0)
     stream = bool(_flag(body, 'stream'))
     options = body.get('stream_options')

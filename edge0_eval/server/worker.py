@@ -32,7 +32,7 @@ from edge0_eval.chat_rows import (RowStop, chat_ids, fit_prompt, row_seed, sampl
 from edge0_eval.engine.batch import BatchDecoder
 from edge0_eval.engine.engine import decode_figures
 from edge0_eval.engine.mlx_compat import wired_limit
-from edge0_eval.server.requests import RequestError, RequestSpec
+from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN, RequestError, RequestSpec
 
 log = logging.getLogger("edge0_eval.server")
 
@@ -109,6 +109,13 @@ class TextStream:
         return final[self.sent:]
 
 
+def model_context(engine) -> int | None:
+    """The model's context length from its config (max_position_embeddings), if it gives one."""
+    limit = engine.family.text_config(engine.config).get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 \
+        else None
+
+
 def stopped_error() -> RequestError:
     return RequestError("the engine thread has stopped (its error is in the server's log); "
                         "this server answers no more requests: restart it", status=503,
@@ -122,12 +129,15 @@ def finish_reason(stop: RowStop) -> str:
 class Worker(threading.Thread):
     """The engine thread. load: makes the engine, on this thread (MLX 0.32 keeps its streams
     per thread: arrays made on one thread cannot be evaluated on another). rows_at_once: the
-    most rows decoded together (more wait)."""
+    most rows decoded together (more wait). max_model_len: the most tokens a row may hold,
+    prompt and answer (None: the model's context, max_position_embeddings, once loaded;
+    DEFAULT_MAX_MODEL_LEN if its config gives none)."""
 
     def __init__(self, load: Callable[[], object], *, rows_at_once: int, identity: dict,
-                 name: str):
+                 name: str, max_model_len: int | None = None):
         super().__init__(name="edge0-engine", daemon=True)
         self._load, self.rows_at_once = load, rows_at_once
+        self.max_model_len = max_model_len
         self.identity, self.served_name = identity, name
         self.engine = self.tokenizer = self.decoder = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -176,6 +186,8 @@ class Worker(threading.Thread):
             self.engine = self._load()
             self.tokenizer = self.engine.tokenizer
             self.decoder = BatchDecoder(self.engine, self.rows_at_once)
+            if self.max_model_len is None:
+                self.max_model_len = model_context(self.engine) or DEFAULT_MAX_MODEL_LEN
             self._serve()
         except BaseException as exc:         # noqa: BLE001 - raised by start_engine, or told
             error = exc                      # to every request still waiting (_leave)
@@ -281,6 +293,15 @@ class Worker(threading.Thread):
         if not ids:
             self.counts["refused"] += 1
             job.post(("error", RequestError("the prompt has no tokens", "prompt")))
+            return
+        if len(ids) + spec.max_tokens > self.max_model_len:
+            self.counts["refused"] += 1
+            param = "messages" if spec.kind == "chat" else "prompt"
+            job.post(("error", RequestError(
+                f"the prompt ({param}) is {len(ids)} tokens and max_tokens {spec.max_tokens}: "
+                f"{len(ids) + spec.max_tokens} in all, more than the {self.max_model_len} a row "
+                f"may hold on this server (--max-model-len); shorten the prompt, ask for fewer "
+                f"tokens, or give edge0_max_seq_len to cut the prompt", param)))
             return
         stop_ids = stop_token_ids(tok, spec.stop)
         job.seed = row_seed(spec.seed, ids, spec.sample)
