@@ -218,6 +218,7 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
                 failed = False
             except APIStatusError as exc:
                 if exc.status_code < 500:
+                    failed = False        # the request is at fault, not the host: keep it up
                     raise ConfigError(f'api: {base} refused the request ({exc.status_code}): '
                                       f'{exc.message}') from None
                 last = exc

@@ -60,3 +60,13 @@ def test_a_refused_request_and_a_dead_host_are_clear_errors(edge0_qwen, hosts):
     assert any(f"serves ['{NAME}'], not 'another-model'" in p for p in problems)
     with pytest.raises(ConfigError, match="openai_api_base"):
         Edge0APIModel(path=NAME, openai_api_base="localhost:8000", tokenizer_path=str(edge0_qwen))
+
+
+def test_a_refused_request_leaves_the_host_up(edge0_qwen, hosts):
+    """A 4xx is the request's fault: the host that answered it is not put on cooldown."""
+    base = hosts[0].base
+    api = Edge0APIModel(path="another-model", openai_api_base=base,
+                        tokenizer_path=str(edge0_qwen), retry_wait=60, **GENERATION)
+    with pytest.raises(ConfigError, match="refused the request \\(404\\)"):
+        api.generate(PROMPTS[:1], 4)
+    assert api.hosts.down_until[base] == 0.0 and api.hosts.busy[base] == 0

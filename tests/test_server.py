@@ -7,6 +7,9 @@ whole or streamed, greedy or sampled, a request is the in-process row.
 
 from __future__ import annotations
 
+import contextlib
+import random
+import threading
 import time
 
 import httpx
@@ -14,12 +17,14 @@ import openai
 import pytest
 
 from bad_inputs import copy_model
-from edge0_eval.chat_rows import chat_ids, row_seed
+from edge0_eval.chat_rows import RowStop, chat_ids, row_seed, stop_token_ids, trim_at_stop
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.engine.options import EngineOptions
-from live_server import LiveServer
+from edge0_eval.server import worker as worker_module
+from edge0_eval.server.worker import TextStream
+from live_server import LiveServer, free_port
 
 NAME = "tiny"
 MESSAGES = [[{"role": "user", "content": "What is 2 + 2?"}],
@@ -178,6 +183,40 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(serve
     assert httpx.get(f"{server.base}/models", timeout=30).json()["data"][0]["id"] == NAME
 
 
+def _stream_and_answer(tok, ids, stop):
+    """(streamed text, whole answer) of a row that takes `ids`, as the worker's _advance and
+    _finish make them: the stop rule first, then the streamed text, then the rest."""
+    rule, stream, streamed = RowStop(tok, 10**6, stop_token_ids(tok, stop), stop), \
+        TextStream(tok, stop), ""
+    for token in ids:
+        if rule.add(token):
+            break
+        streamed += stream.add(token)
+    final, _ = trim_at_stop(tok.decode(rule.tokens), stop)
+    return streamed, final
+
+
+def test_streamed_text_never_runs_past_a_stop_word(served):
+    """mlx-lm's streaming detokenizer (the stop rule's) shows a trailing space a token later
+    than `decode` (the streamed text's): with stop 'is ', 'The answer is' + ' ' streamed
+    'The answer i' before the rule stopped at 'The answer '. What is streamed must always be
+    a prefix of the answer, whatever the tokens and stop words."""
+    tok = served[1].tokenizer
+    ids = [t for part in ("The answer is", " ", "4.")
+           for t in tok.encode(part, add_special_tokens=False)]
+    assert _stream_and_answer(tok, ids, ["is "]) == ("The answer ", "The answer ")
+    rng = random.Random(0)
+    pieces = ["The answer is 4. ", "x = 1 + 2 ", "def fib(n): ", "Hello, world! ", " end\n",
+              "\u00e9 \u00fc \U0001F600 "]
+    for _ in range(200):
+        ids = tok.encode("".join(rng.choice(pieces) for _ in range(5)), add_special_tokens=False)
+        text = tok.decode(ids)
+        at = rng.randrange(len(text) - 4)
+        stop = [text[at:at + rng.randint(1, 4)]]
+        streamed, final = _stream_and_answer(tok, ids, stop)
+        assert final.startswith(streamed), (stop, streamed, final)
+
+
 def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeypatch):
     """An expert read that fails inside a decode step (as engine/store.py raises it) fails the
     request: a 500 error object, or, streaming, an error event with no [DONE]; the next
@@ -217,6 +256,78 @@ def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeyp
     assert server.worker.load()["failed"] >= 2
 
 
+def test_a_worker_that_dies_fails_every_waiting_request_and_refuses_new_ones(edge0_qwen,
+                                                                            monkeypatch):
+    """A fault the worker cannot recover from (here: no memory for a new batch after a failed
+    step) ends its thread. Every request it held, decoding or still queued, is failed (500, no
+    hang); later ones are refused at once (503), and /health says so."""
+    server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME, rows_at_once=1)
+    try:
+        worker, release = server.worker, threading.Event()
+
+        def step():                          # holds the thread until the second request waits
+            release.wait(30)
+            raise OSError(5, "Input/output error", "experts.bin")
+
+        def no_batch(*args, **kwargs):
+            raise MemoryError("no memory for a new batch")
+
+        monkeypatch.setattr(worker.decoder, "step", step)
+        monkeypatch.setattr(worker_module, "BatchDecoder", no_batch)
+        body = dict(model=NAME, messages=MESSAGES[0], max_tokens=8)
+        answers = []
+
+        def ask():
+            r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=30)
+            answers.append((r.status_code, r.json()["error"]))
+
+        first = threading.Thread(target=ask)
+        first.start()
+        deadline = time.monotonic() + 20
+        while not worker.jobs and time.monotonic() < deadline:   # the first is decoding
+            time.sleep(0.02)
+        second = threading.Thread(target=ask)
+        second.start()
+        while worker.inbox.qsize() == 0 and time.monotonic() < deadline:   # the second queued
+            time.sleep(0.02)
+        release.set()
+        first.join(40)
+        second.join(40)
+        assert len(answers) == 2 and all(status == 500 for status, _ in answers), answers
+        assert any("MemoryError" in e["message"] for _, e in answers)
+        worker.join(10)
+        assert not worker.is_alive()
+        start = time.monotonic()
+        r = httpx.post(f"{server.base}/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        assert time.monotonic() - start < 5
+        assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10).status_code == 503
+    finally:
+        release.set()
+        server.close()
+
+
+def test_serve_exits_when_the_batch_pool_cannot_be_made(edge0_qwen, monkeypatch, capsys):
+    """Entering the batch's expert pool fails (no memory for --max-batch x top-k slots): serve
+    exits with status 2 and one line naming the fix, never a hang."""
+    @contextlib.contextmanager
+    def no_pool(self, rows_at_once):
+        raise MemoryError(f"cannot allocate {rows_at_once} x top-k slots per layer")
+        yield
+
+    monkeypatch.setattr(Engine, "batch_pool", no_pool)
+    status = []
+    serve = threading.Thread(target=lambda: status.append(
+        main(["serve", str(edge0_qwen), "--port", str(free_port()), "--max-batch", "64"])),
+        daemon=True)
+    serve.start()
+    serve.join(60)
+    assert not serve.is_alive(), "serve hangs when the batch pool cannot be made"
+    err = capsys.readouterr().err
+    assert status == [2] and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "MemoryError: cannot allocate 64 x top-k slots" in err and "--max-batch" in err
+
+
 def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):
     model = copy_model(edge0_qwen, tmp_path / "m")
     server = LiveServer(model, EngineOptions(mode="reactive"), name=NAME)
@@ -231,6 +342,59 @@ def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):
         assert server.health()["status"] == "ok"
     finally:
         server.close()
+
+
+def _refused(server, cases: list) -> None:
+    """Each (route, body: a dict or raw bytes, param) is a 400 whose message names param."""
+    for route, body, param in cases:
+        path = "chat/completions" if route == "chat" else "completions"
+        kw = dict(content=body) if isinstance(body, bytes) else dict(json=body)
+        r = httpx.post(f"{server.base}/{path}", timeout=30, **kw)
+        assert r.status_code == 400, (param, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and param in error["message"], error
+
+
+def test_values_the_engine_cannot_take_are_400s_naming_the_field(served):
+    """Values that pass the plain checks but would fail in MLX, in the tokenizer or in the
+    JSON reader (each was a 500): a 400 naming the field."""
+    server, engine = served
+    vocab = int(engine.family.text_config(engine.config)["vocab_size"])
+    chat = dict(model=NAME, messages=MESSAGES[0], max_tokens=4)
+    _refused(server, [
+        ("chat", b'{"model": "tiny", "messages": ' + b"[" * 200000 + b"]" * 200000 + b"}",
+         "messages"),
+        ("chat", {**chat, "temperature": 0.7, "top_k": vocab}, "top_k"),
+        ("chat", {**chat, "repetition_penalty": 1.1, "repetition_context_size": 2**64},
+         "repetition_context_size"),
+        ("chat", {**chat, "presence_penalty": 0.5, "presence_context_size": 2**31},
+         "presence_context_size"),
+        ("chat", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                 b'"max_tokens": 4, "stop": ["\\ud800x"]}', "stop"),
+    ])
+    greedy = httpx.post(f"{server.base}/chat/completions", timeout=30,
+                        json={**chat, "temperature": 0, "top_k": vocab})   # top_k unused
+    assert greedy.status_code == 200
+    assert server.health()["status"] == "ok"
+
+
+def test_a_row_holds_at_most_the_model_context(served):
+    """max_tokens, and the prompt with it, are bounded by the model's context (LiveServer's
+    default --max-model-len): more is a 400 naming the field, not a row run past it."""
+    server, engine = served
+    context = int(engine.family.text_config(engine.config)["max_position_embeddings"])
+    chat = dict(model=NAME, messages=MESSAGES[0])
+    refused = server.worker.load()["refused"]
+    _refused(server, [
+        ("chat", {**chat, "max_tokens": 10**9}, "max_tokens"),
+        ("chat", {**chat, "max_completion_tokens": context + 1}, "max_completion_tokens"),
+        ("chat", {**chat, "max_tokens": context - 2}, "messages"),
+        ("completion", dict(model=NAME, prompt=engine.tokenizer.encode("Once upon a time"),
+                            max_tokens=context - 1), "prompt"),
+    ])
+    assert server.worker.load()["refused"] == refused + 2      # the two over the context
+    assert server.worker.max_model_len == context
+    assert server.health()["status"] == "ok"
 
 
 def test_a_client_that_leaves_cancels_its_row(served):
@@ -266,6 +430,8 @@ def test_an_api_key_is_required_when_set(edge0_qwen):
 def test_serve_cli_errors_are_one_line(edge0_qwen, tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing")]) == 2
     assert "config.json not found" in capsys.readouterr().err
+    assert main(["serve", str(edge0_qwen), "--max-model-len", "64", "--max-tokens", "64"]) == 2
+    assert "--max-tokens 64 leaves no room for a prompt in 64 tokens" in capsys.readouterr().err
     server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
     try:
         assert main(["serve", str(edge0_qwen), "--port", str(server.port)]) == 2

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from edge0_eval import cli_types as ct
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
-from edge0_eval.errors import ConfigError
+from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN
 
 LOOPBACK = ("localhost",)
 
@@ -41,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "expert buffer holds min(experts, B x top-k) slots per layer)")
     parser.add_argument("--max-tokens", type=ct.positive_int, default=512,
                         help="new tokens for a request that gives no max_tokens (default 512)")
+    parser.add_argument("--max-model-len", type=ct.positive_int, default=None,
+                        help="the most tokens one request may hold, prompt and max_tokens "
+                             "together; more is refused with a 400 (default: the model's "
+                             f"context, config.json's max_position_embeddings; "
+                             f"{DEFAULT_MAX_MODEL_LEN} if it gives none)")
     parser.add_argument("--api-key", default=os.environ.get("EDGE0_API_KEY"),
                         help="require `Authorization: Bearer KEY` (default: $EDGE0_API_KEY, "
                              "else none)")
@@ -68,8 +74,22 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     name = args.served_model_name or Path(args.model).resolve().name
     worker = Worker(lambda: Engine.load(args.model, options), rows_at_once=args.max_batch,
-                    identity=model_identity(args.model, options), name=name)
-    worker.start_engine()
+                    identity=model_identity(args.model, options), name=name,
+                    max_model_len=args.max_model_len)
+    try:
+        worker.start_engine()
+    except Edge0Error:
+        raise
+    except Exception as exc:          # e.g. no memory for the batch's expert slots: one line
+        raise ConfigError(f"the engine could not start serving {args.model} "
+                          f"({type(exc).__name__}: {exc}); if memory ran out, try a smaller "
+                          f"--max-batch (now {args.max_batch})") from None
+    if args.max_tokens >= worker.max_model_len:     # no room left for a prompt
+        worker.close()
+        worker.join(timeout=30)
+        raise ConfigError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+                          f"{worker.max_model_len} tokens (--max-model-len, default the model's "
+                          f"context); give a smaller --max-tokens")
     engine = worker.engine
     vocab = int(engine.family.text_config(engine.config)["vocab_size"])
     app = make_app(worker, served=name, vocab=vocab, max_tokens=args.max_tokens,

@@ -10,7 +10,8 @@ engine never runs on the event loop.
 
 Every failure is a JSON error object: a bad request 400 naming the field (`param`), an unknown
 model 404, a missing key 401, a too-large body 413, an engine fault 500 (when a stream has
-begun: an `error` event, and no `[DONE]`). A client that disconnects cancels its row.
+begun: an `error` event, and no `[DONE]`), a stopped engine thread 503. A client that
+disconnects cancels its row.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 
 from aiohttp import web
 
 from edge0_eval.server.requests import RequestError, RequestSpec, parse_request
-from edge0_eval.server.worker import Finished, Job, Worker
+from edge0_eval.server.worker import Finished, Job, Worker, stopped_error
 
 log = logging.getLogger("edge0_eval.server")
 MAX_BODY = 64 * 2**20                 # a long prompt as text is a few MB at most
 WORKER = web.AppKey("worker", Worker)
+# A JSON string (escapes included) or a bracket: enough to follow nesting depth.
+JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 SETTINGS = web.AppKey("settings", dict)
 
 
@@ -89,15 +93,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     _authorized(request)
-    settings = request.app[SETTINGS]
+    worker, settings = request.app[WORKER], request.app[SETTINGS]
+    if not worker.is_alive():                   # nothing would ever answer the request
+        raise stopped_error()
     raw = await request.read()
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON ({exc})") from None
-    spec = parse_request(body, kind, served=settings["served"], vocab=settings["vocab"],
-                         default_max_tokens=settings["max_tokens"],
-                         default_seed=settings["seed"])
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(f"the request body is not valid JSON ({exc})") from None
+        spec = parse_request(body, kind, served=settings["served"], vocab=settings["vocab"],
+                             default_max_tokens=settings["max_tokens"],
+                             default_seed=settings["seed"], max_model_len=worker.max_model_len)
+    except RecursionError:              # reading it, or writing a value into an error message
+        field = _deepest_field(raw)
+        raise RequestError(f"{field or 'the request body'} nests JSON arrays or objects too "
+                           f"deeply (Python reads up to about 1000 levels); send flat values",
+                           field) from None
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def post(event: tuple) -> None:             # called on the worker thread
@@ -106,7 +118,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         except RuntimeError:                    # the loop has closed: nobody is listening
             pass
 
-    worker, job = request.app[WORKER], Job(spec, post)
+    job = Job(spec, post)
     answer = Answer(spec, settings["served"])
     worker.submit(job)
     ended = False
@@ -134,6 +146,27 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     finally:
         if not ended:                           # the client left (or the handler failed)
             worker.cancel(job)
+
+
+def _deepest_field(raw: bytes) -> str | None:
+    """The top-level field of a JSON object whose value nests deepest (None if not found)."""
+    depth = deepest = 0
+    last = key = field = None                    # JSON strings, as written
+    for match in JSON_NESTING.finditer(raw.decode("utf-8", "replace")):
+        token = match.group()
+        if token[0] == '"':
+            last = token if depth == 1 else last
+        elif token in "[{":
+            depth += 1
+            key = last if depth == 2 else key    # a value's opener: the key just before it
+            if depth > deepest:
+                deepest, field = depth, key
+        else:
+            depth -= 1
+    try:
+        return json.loads(field) if field else None
+    except ValueError:
+        return None
 
 
 async def _stream(response: web.StreamResponse, answer: "Answer", events: asyncio.Queue

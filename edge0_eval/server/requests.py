@@ -4,13 +4,18 @@ Fields (null is the same as absent):
   model                      required; the served name (`--served-model-name`)
   messages (chat)            [{role: system|user|assistant, content: str | [{type: text, text}]}]
   prompt (completions)       a string, or a list of token ids
-  max_tokens / max_completion_tokens   whole number >= 1 (default `--max-tokens`)
+  max_tokens / max_completion_tokens   whole number in 1..`--max-model-len` (default
+                             `--max-tokens`); with the prompt's tokens, at most `--max-model-len`
+                             (checked once the prompt is tokenized: worker.py)
   temperature, top_p, top_k, min_p     mlx-lm's filters, checked as the in-process arms check
-                             them (edge0_eval/engine/sampling_options.py; top_k 0 and min_p 0: off)
+                             them (edge0_eval/engine/sampling_options.py; top_k 0 and min_p 0: off;
+                             sampling, top_k below the vocabulary size, as mlx-lm's top-k needs)
   repetition_penalty, presence_penalty, frequency_penalty, and each *_context_size
                              mlx-lm's penalties, with mlx-lm's meaning (the last
-                             `*_context_size` tokens, the prompt included; not OpenAI's)
-  stop                       a string or a list of strings; the text is cut at the first
+                             `*_context_size` tokens, the prompt included; not OpenAI's); a
+                             context size at most 2**31 - 1 (MLX takes no larger)
+  stop                       a string or a list of strings (UTF-8 text: no lone surrogates);
+                             the text is cut at the first
   seed                       whole number >= 0 (default the server's `--seed`): the run's seed,
                              as in a model config's generation_kwargs; the row draws from
                              `row_seed(seed, prompt ids, edge0_sample)` (edge0_eval/chat_rows.py),
@@ -37,6 +42,10 @@ from edge0_eval.engine.sampling_options import PENALTIES, PENALTY_KEYS, check_fi
 from edge0_eval.errors import ConfigError
 
 ROLES = ('system', 'user', 'assistant')
+MAX_CONTEXT_SIZE = 2**31 - 1           # MLX reads a *_context_size as int32 (std::bad_cast above)
+# A row's most tokens (prompt and answer) when neither --max-model-len nor the model's config
+# (max_position_embeddings) gives one.
+DEFAULT_MAX_MODEL_LEN = 32768
 MAX_TOP_LOGPROBS = {'chat': 20, 'completion': 5}
 COMMON = ('model', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k',
           'min_p', *PENALTY_KEYS, 'stop', 'seed', 'edge0_sample', 'edge0_max_seq_len',
@@ -159,10 +168,17 @@ def _stop(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError('stop must be a non-empty string or a list of them', 'stop')
+    for s in stops:
+        try:
+            s.encode('utf-8')           # the tokenizer takes UTF-8 text only
+        except UnicodeEncodeError as exc:
+            raise RequestError(f'stop {s!r} is not UTF-8 text ({exc.reason} at character '
+                               f'{exc.start}: a lone surrogate escape); send whole characters',
+                               'stop') from None
     return list(dict.fromkeys(stops))
 
 
-def _sampling(body: dict) -> dict:
+def _sampling(body: dict, vocab: int) -> dict:
     temperature = _number(body, 'temperature')
     if temperature is not None and temperature < 0:
         raise RequestError(f'temperature must be >= 0 (0: greedy), not {temperature!r}',
@@ -173,6 +189,9 @@ def _sampling(body: dict) -> dict:
     top_k = body.get('top_k')
     if top_k is not None:
         _checked(check_filters, 'top_k', top_k, 0.0)
+        if top_k >= vocab and temperature:  # mlx-lm's apply_top_k takes 0 < k < vocab only
+            raise RequestError(f'top_k must be below the vocabulary size {vocab} (0: off), not '
+                               f'{top_k}', 'top_k')
     min_p = body.get('min_p')
     if min_p is not None:
         _checked(check_filters, 'min_p', 0, min_p)
@@ -184,14 +203,18 @@ def _sampling(body: dict) -> dict:
         if key not in PENALTIES:           # a context size: its penalty must be set too
             penalty = key.replace('context_size', 'penalty')
             _checked(check_penalties, key, {key: value, penalty: penalties.get(penalty)})
+            if value > MAX_CONTEXT_SIZE:
+                raise RequestError(f'{key} must be at most {MAX_CONTEXT_SIZE} (the recent '
+                                   f'tokens the penalty looks at), not {value}', key)
     return dict(temperature=float(temperature or 0.0),
                 top_p=float(1.0 if top_p is None else top_p), top_k=int(top_k or 0),
                 min_p=float(min_p or 0.0), penalties=penalties)
 
 
 def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_tokens: int,
-                  default_seed: int) -> RequestSpec:
-    """A request body of `kind` ('chat' or 'completion') -> its RequestSpec."""
+                  default_seed: int, max_model_len: int | None = None) -> RequestSpec:
+    """A request body of `kind` ('chat' or 'completion') -> its RequestSpec. max_model_len:
+    the most tokens a row may hold, prompt and answer (None: no bound)."""
     if not isinstance(body, dict):
         raise RequestError('the request body must be a JSON object')
     unknown = sorted(k for k in body if k not in FIELDS[kind])
@@ -213,9 +236,13 @@ def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_
             raise RequestError('echo must be false (the prompt is not returned)', 'echo')
     if body.get('user') is not None and not isinstance(body['user'], str):
         raise RequestError('user must be a string', 'user')
-    max_tokens = _whole(body, 'max_completion_tokens', 1)
-    if max_tokens is None:
-        max_tokens = _whole(body, 'max_tokens', 1)
+    key = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else \
+        'max_tokens'
+    max_tokens = _whole(body, key, 1)
+    if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
+        raise RequestError(f'{key} is {max_tokens}, more than the {max_model_len} tokens a row '
+                           f'may hold on this server, prompt included (--max-model-len); ask '
+                           f'for fewer', key)
     seed = _whole(body, 'seed', 0)
     stream = bool(_flag(body, 'stream'))
     options = body.get('stream_options')
@@ -243,7 +270,7 @@ def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_
     return RequestSpec(
         kind=kind, model=model, prompt=prompt,
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        sampling=_sampling(body), seed=default_seed if seed is None else seed,
+        sampling=_sampling(body, vocab), seed=default_seed if seed is None else seed,
         sample=_whole(body, 'edge0_sample', 0) or 0, stop=_stop(body),
         max_seq_len=_whole(body, 'edge0_max_seq_len', 1),
         chat_template_kwargs=dict(template or {}), logprobs=logprobs, stream=stream,

@@ -12,7 +12,9 @@ stats. A job hears back through its `post` callback (thread-safe), with one of
   | ('error', RequestError)
 An exception in a decode step (an expert read's I/O or checksum error, non-finite logits) fails
 every row in that step with a 500 error, never a partial answer marked complete; the worker
-goes on with the next requests.
+goes on with the next requests. If the thread itself ends (a fault outside those guards, or
+close), every request it still holds or has queued is failed the same way and later ones are
+refused (503): no caller waits forever.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from edge0_eval.chat_rows import (RowStop, chat_ids, fit_prompt, row_seed, sampl
 from edge0_eval.engine.batch import BatchDecoder
 from edge0_eval.engine.engine import decode_figures
 from edge0_eval.engine.mlx_compat import wired_limit
-from edge0_eval.server.requests import RequestError, RequestSpec
+from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN, RequestError, RequestSpec
 
 log = logging.getLogger("edge0_eval.server")
 
@@ -64,14 +66,20 @@ class TextStream:
     last sent one, decoded with the new ones, less what those few tokens read), so it follows
     `tokenizer.decode` of the whole answer (mlx-lm's streaming detokenizer does not always:
     leading spaces, byte tokens). Held back: what could still become a stop word (the longest
-    one's length - 1 characters) and an incomplete character."""
+    one's length - 1 characters) and an incomplete character. Never sent: a stop word this
+    text already holds, and what follows it. The row's stop rule (RowStop) reads mlx-lm's
+    streaming detokenizer, which can show text a token later than `decode` does, so the row
+    may run a token past a stop word seen here; the answer is cut at that stop word, and so is
+    what is sent."""
 
     def __init__(self, tokenizer, stop_words: list[str]):
         self.tokenizer = tokenizer
+        self.stop_words = list(stop_words)
         self.hold = max((len(w) for w in stop_words), default=1) - 1
         self.tokens: list[int] = []
         self.prefix = self.read = 0          # token offsets: decoded context, already read
         self.text = ""                       # everything read so far
+        self.cut: int | None = None          # where the first stop word in it starts
         self.sent = 0
 
     def add(self, token: int) -> str:
@@ -80,9 +88,17 @@ class TextStream:
         before = decode(self.tokens[self.prefix:self.read])
         after = decode(self.tokens[self.prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
+            seen = len(self.text)
             self.text += after[len(before):]
+            if self.cut is None:
+                # A stop word that ends in the new text starts at most `hold` characters
+                # before it; one wholly in the older text was found already.
+                start = max(0, seen - self.hold)
+                hits = [i for w in self.stop_words if (i := self.text.find(w, start)) >= 0]
+                self.cut = min(hits, default=None)
             self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
-        end = max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) - self.hold if self.cut is None else self.cut
+        end = max(self.sent, end)
         out, self.sent = self.text[self.sent:end], end
         return out
 
@@ -93,6 +109,19 @@ class TextStream:
         return final[self.sent:]
 
 
+def model_context(engine) -> int | None:
+    """The model's context length from its config (max_position_embeddings), if it gives one."""
+    limit = engine.family.text_config(engine.config).get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 \
+        else None
+
+
+def stopped_error() -> RequestError:
+    return RequestError("the engine thread has stopped (its error is in the server's log); "
+                        "this server answers no more requests: restart it", status=503,
+                        kind="server_error", code="engine_stopped")
+
+
 def finish_reason(stop: RowStop) -> str:
     return "length" if stop.finish in (None, "length") else "stop"
 
@@ -100,12 +129,15 @@ def finish_reason(stop: RowStop) -> str:
 class Worker(threading.Thread):
     """The engine thread. load: makes the engine, on this thread (MLX 0.32 keeps its streams
     per thread: arrays made on one thread cannot be evaluated on another). rows_at_once: the
-    most rows decoded together (more wait)."""
+    most rows decoded together (more wait). max_model_len: the most tokens a row may hold,
+    prompt and answer (None: the model's context, max_position_embeddings, once loaded;
+    DEFAULT_MAX_MODEL_LEN if its config gives none)."""
 
     def __init__(self, load: Callable[[], object], *, rows_at_once: int, identity: dict,
-                 name: str):
+                 name: str, max_model_len: int | None = None):
         super().__init__(name="edge0-engine", daemon=True)
         self._load, self.rows_at_once = load, rows_at_once
+        self.max_model_len = max_model_len
         self.identity, self.served_name = identity, name
         self.engine = self.tokenizer = self.decoder = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -113,6 +145,10 @@ class Worker(threading.Thread):
         self.counts = Counter()               # served, failed, cancelled, refused
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
+        # Once the thread is leaving nothing reads the inbox: `stopped`, set under the lock
+        # before the last drain, makes a later submit fail at once instead of waiting forever.
+        self._lock = threading.Lock()
+        self.stopped = False
 
     def start_engine(self) -> None:
         """Start the thread and wait until the engine has loaded; its load error is raised."""
@@ -123,7 +159,11 @@ class Worker(threading.Thread):
 
     # -- the HTTP side's calls (any thread) ------------------------------------------------
     def submit(self, job: Job) -> None:
-        self.inbox.put(("add", job))
+        with self._lock:
+            if not self.stopped:
+                self.inbox.put(("add", job))
+                return
+        job.post(("error", stopped_error()))
 
     def cancel(self, job: Job) -> None:
         self.inbox.put(("cancel", job))
@@ -141,18 +181,41 @@ class Worker(threading.Thread):
 
     # -- the thread ------------------------------------------------------------------------
     def run(self) -> None:
+        error = None
         try:
             self.engine = self._load()
             self.tokenizer = self.engine.tokenizer
             self.decoder = BatchDecoder(self.engine, self.rows_at_once)
-        except BaseException as exc:         # noqa: BLE001 - raised by start_engine
-            self.load_error = exc
-            self.ready.set()
-            return
-        try:
+            if self.max_model_len is None:
+                self.max_model_len = model_context(self.engine) or DEFAULT_MAX_MODEL_LEN
             self._serve()
+        except BaseException as exc:         # noqa: BLE001 - raised by start_engine, or told
+            error = exc                      # to every request still waiting (_leave)
+            if self.ready.is_set():
+                log.exception("the engine thread failed; every request is refused from now on")
+            else:                            # the load, or entering the batch pool
+                self.load_error = exc
         finally:
-            self.engine.close()
+            self._leave(error)
+            self.ready.set()                 # after load_error: start_engine reads it
+            if self.engine is not None:
+                self.engine.close()
+
+    def _leave(self, error: BaseException | None) -> None:
+        """The thread is leaving: fail every request that would otherwise wait forever, those
+        decoding or waiting for a row and those still queued (later ones: `submit`)."""
+        with self._lock:
+            self.stopped = True
+        reason = error or RuntimeError("the server stopped before this answer was complete")
+        for job in list(self.jobs.values()):
+            self._fail(job, reason)
+        while True:
+            try:
+                kind, job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._fail(job, reason)
 
     def _serve(self) -> None:
         with self.engine.batch_pool(self.rows_at_once), wired_limit(self.engine.model):
@@ -230,6 +293,15 @@ class Worker(threading.Thread):
         if not ids:
             self.counts["refused"] += 1
             job.post(("error", RequestError("the prompt has no tokens", "prompt")))
+            return
+        if len(ids) + spec.max_tokens > self.max_model_len:
+            self.counts["refused"] += 1
+            param = "messages" if spec.kind == "chat" else "prompt"
+            job.post(("error", RequestError(
+                f"the prompt ({param}) is {len(ids)} tokens and max_tokens {spec.max_tokens}: "
+                f"{len(ids) + spec.max_tokens} in all, more than the {self.max_model_len} a row "
+                f"may hold on this server (--max-model-len); shorten the prompt, ask for fewer "
+                f"tokens, or give edge0_max_seq_len to cut the prompt", param)))
             return
         stop_ids = stop_token_ids(tok, spec.stop)
         job.seed = row_seed(spec.seed, ids, spec.sample)
