@@ -377,3 +377,58 @@ def test_long_form_set_leaves_out_short_continuations_and_ends_each_item(teacher
     assert rows["topk_logprobs"] == item["topk_logprobs"][:3]
     with pytest.raises(ConfigError, match="--min-new"):
         fid.make_set(teacher, _text_prompts()[:1], {}, max_new=4, min_new=5, loaded=loaded)
+
+
+def test_another_set_of_the_same_size_fails_the_fidelity_gate(baseline):
+    """The same count of other prompts is another measurement: the gate compared counts only."""
+    import copy
+    other = copy.deepcopy(baseline)
+    for per_arm in other["fidelity"]["per_item"].values():
+        for item in list(per_arm):
+            per_arm[f"other/{item}"] = per_arm.pop(item)
+    failed = _failed(fr.gate_checks(other, baseline))
+    assert set(failed) == {f"fidelity {a}" for a in fr.ARMS}, failed
+    assert all("item ids differ from the baseline's" in " ".join(r) for r in failed.values())
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_log_probs_are_float32_whatever_the_compute_dtype(dtype):
+    """Half-precision logsumexp near logits of 20-30 is off by up to 0.06 nats (bf16): an arm's
+    top-k mass above 1, its tail floored, a false KL. _logprobs works in float32."""
+    rng = np.random.default_rng(0)
+    logits = (25 + 3 * rng.standard_normal((4, 4096))).astype(np.float32)
+    half = mx.array(logits).astype(dtype)
+    exact = np.asarray(half.astype(mx.float32), dtype=np.float64)
+    exact = exact - np.log(np.exp(exact - exact.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - exact.max(-1, keepdims=True)
+    assert np.abs(fid._logprobs(half) - exact).max() < 1e-4
+
+
+def test_a_non_finite_position_inside_a_piece_is_an_error(teacher_set, student_dir,
+                                                         monkeypatch):
+    """A forced piece is checked at every position, not only its last (the engine's step
+    and the teacher's runner)."""
+    from edge0_eval.engine.step import NonFiniteError
+    teacher, model, path = teacher_set
+    item = fs.read_set(path)["items"][0]
+
+    def first_row_nan(call):
+        def wrapped(*args, **kwargs):
+            out = call(*args, **kwargs)
+            if out.ndim == 3 and out.shape[1] > 1:
+                out = mx.concatenate([mx.full(out[:, :1].shape, mx.nan, out.dtype),
+                                      out[:, 1:]], axis=1)
+            return out
+        return wrapped
+
+    runner = fid.MLXRunner(model)
+    runner.start(item["prompt_ids"])
+    monkeypatch.setattr(runner, "model", first_row_nan(model))
+    with pytest.raises(NonFiniteError):
+        next(runner.forced(item["tokens"][:-1], 8))
+    engine = Engine.load(student_dir, EngineOptions(mode="reactive", no_lora=True))
+    runner = fid.EngineRunner(engine)
+    runner.start(item["prompt_ids"])
+    monkeypatch.setattr(engine.step, "logits", first_row_nan(engine.step.logits))
+    with pytest.raises(NonFiniteError, match="non-finite logits"):
+        list(runner.forced(item["tokens"][:-1], 8))

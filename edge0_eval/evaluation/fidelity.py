@@ -40,6 +40,7 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import INDEX_NAME
 from edge0_eval.engine.mlx_compat import (cast_floating, on_cpu, resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu, wired_limit)
+from edge0_eval.engine.step import NonFiniteError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
 from edge0_eval.evaluation.fidelity_set import FORMAT, fingerprint, score_item, tail_mass
@@ -61,10 +62,13 @@ SOURCES = ("humaneval", "ifbench")
 # --------------------------------------------------------------------------- runners
 
 def _logprobs(logits: mx.array) -> np.ndarray:
-    """Log-probabilities over the vocabulary (last axis) as Engine.generate computes them before
-    sampling: [vocab] for one position, [L, vocab] for a piece (row by row the same bits)."""
+    """Log-probabilities over the vocabulary (last axis) in float32 whatever the compute dtype:
+    [vocab] for one position, [L, vocab] for a piece (row by row the same bits). In half
+    precision logsumexp near logits of 20-30 is off by up to 0.06 nats (bf16), which pushes an
+    arm's top-k mass above 1 and its tail to the floor: a false ~1 nat of KL at that position."""
+    logits = logits.astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return np.array(lp.astype(mx.float32))
+    return np.array(lp)
 
 
 class EngineRunner:
@@ -103,7 +107,13 @@ class MLXRunner:
 
     def _forward(self, tokens: list[int]) -> mx.array:
         logits = self.model(mx.array(tokens)[None], cache=self.cache)
-        mx.eval(logits)
+        finite = mx.isfinite(logits).all()
+        mx.eval(logits, finite)
+        if not finite.item():
+            # A NaN row would drop out of the teacher's top-k (or leave none) unnoticed.
+            raise NonFiniteError("the mlx-lm model gave non-finite logits; a weight holds "
+                                 "NaN/Inf or an activation overflowed (try --compute-dtype "
+                                 "float32)")
         return logits[0]
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:

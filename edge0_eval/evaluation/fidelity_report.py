@@ -104,10 +104,14 @@ def load_arm(abbr: str, run: Run) -> dict:
     return out
 
 
+KL_ROUNDING = 1e-6     # a per-item mean KL this far below 0 is rounding, not corruption
+
+
 def _check_item(path, item, row: dict) -> None:
-    """Details hold KL in nats (finite, >= 0) and agreement as a share in [0, 1]."""
+    """Details hold KL in nats (finite, >= 0 but for rounding: an arm within float32 rounding
+    of the teacher can score -1e-8) and agreement as a share in [0, 1]."""
     kl, agreement = row.get("kl"), row.get("agreement")
-    if kl is not None and not (math.isfinite(kl) and kl >= 0):
+    if kl is not None and not (math.isfinite(kl) and kl >= -KL_ROUNDING):
         raise Edge0Error(f"{path}: item {item}: kl {kl} is not a finite number >= 0; the "
                          f"fidelity results are corrupt, re-run that task (delete the file)")
     if agreement is not None and not 0.0 <= agreement <= 1.0:
@@ -346,6 +350,11 @@ def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_
         check["items"] = (b["items"], c["items"])
         if c["items"] != b["items"]:
             fail(f"{c['items']} items, baseline {b['items']}")
+        ids = [set(r.get("per_item", {}).get(arm) or {}) for r in (base, cur)]
+        if all(ids) and ids[0] != ids[1]:
+            # The same count of other prompts (another set) is not the baseline's measurement.
+            fail(f"item ids differ from the baseline's ({len(ids[0] ^ ids[1])} not shared, e.g. "
+                 f"{sorted(ids[0] ^ ids[1])[0]}): scored on another set")
         if arm == "teacher":
             sanity = cur.get("teacher_sanity") or {}
             if not sanity.get("ok"):
