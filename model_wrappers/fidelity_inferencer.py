@@ -18,6 +18,7 @@ from opencompass.registry import ICL_INFERENCERS
 from opencompass.utils.logging import get_logger
 
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.fidelity_set import item_digest
 from edge0_eval.evaluation.progress import Progress
 
 from .inferencer import stats_path
@@ -50,6 +51,7 @@ class FidelityInferencer(BaseInferencer):
             start = time.perf_counter()
             out = score(item['prompt_ids'], item['tokens'], item['topk_ids'])
             wall = time.perf_counter() - start
+            out['item'] = item_digest(item)
             preds[str(index)] = {'origin_prompt': row['prompt'], 'prediction': json.dumps(out),
                                  'gold': item['id']}
             stats.append({'index': index, 'arm': getattr(self.model, 'arm', None),

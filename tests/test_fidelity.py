@@ -432,3 +432,22 @@ def test_a_non_finite_position_inside_a_piece_is_an_error(teacher_set, student_d
     monkeypatch.setattr(engine.step, "logits", first_row_nan(engine.step.logits))
     with pytest.raises(NonFiniteError, match="non-finite logits"):
         list(runner.forced(item["tokens"][:-1], 8))
+
+
+def test_a_prediction_made_on_another_item_is_refused(teacher_set):
+    """Predictions pair with the set by position (OpenCompass's -r reuses them after another
+    set of the same shapes is staged): the digest each records must be its item's."""
+    from model_wrappers.fidelity_evaluator import FidelityEvaluator
+    _, model, path = teacher_set
+    items = fs.read_set(path)["items"][:2]
+
+    def prediction(item, scored_on):
+        out = fid.model_logprobs(model, item["prompt_ids"], item["tokens"], item["topk_ids"])
+        return json.dumps({**out, "item": fs.item_digest(scored_on)})
+
+    refs = [json.dumps(i) for i in items]
+    good = FidelityEvaluator().score([prediction(i, i) for i in items], refs)
+    assert good["items"] == 2 and good["kl"] == 0.0
+    swapped = FidelityEvaluator().score([prediction(items[0], items[1]),
+                                         prediction(items[1], items[1])], refs)
+    assert "made on another item" in swapped["error"] and items[0]["id"] in swapped["error"]

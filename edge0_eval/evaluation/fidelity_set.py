@@ -75,6 +75,15 @@ def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
             "agree_positions": [int(a) for a in agree]}
 
 
+def item_digest(item: dict) -> str:
+    """What a prediction records of the set item it scored (its prompt, tokens and top-k ids),
+    so the evaluator cannot pair it with another item: predictions reused by `-r` after another
+    set was staged pair by position only."""
+    key = json.dumps([item["id"], item["prompt_ids"], item["tokens"], item["topk_ids"]],
+                     separators=(",", ":"))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def mean_metrics(rows: list[dict]) -> dict:
     return {m: sum(r[m] for r in rows) / len(rows) for m in METRICS} if rows else {}
 
