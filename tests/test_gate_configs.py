@@ -225,3 +225,15 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
     (text,) = read_lines(tmp_path / 'w')
     assert text.startswith(f"progress edge0-tiny-teacher: {sizes[0] + 1}/10 items "
                            f"({10 * (sizes[0] + 1):.1f}%), chunks done 1/3"), text
+
+
+def test_chunk_progress_of_an_arm_whose_name_has_a_dot(tmp_path):
+    """`qwen3.6-35b` has a suffix to pathlib: its chunk folder must still be read."""
+    from edge0_eval.evaluation.progress import read_lines, shard_specs
+    rows = [dict(dataset='d', items=4, weight=1.0)]
+    groups = [[dict(arm='qwen3.6-35b', file=str(tmp_path / 'progress' / 'qwen3.6-35b.json'),
+                    index=0, datasets=rows)] for _ in range(2)]
+    shard_specs(groups)
+    Progress(groups[0][0]).add(4)
+    (text,) = read_lines(tmp_path)
+    assert text.startswith('progress qwen3.6-35b: 4/8 items (50.0%), chunks done 1/2'), text

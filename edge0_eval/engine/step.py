@@ -94,9 +94,8 @@ class DecodeStep:
         logits = self.logits(h if all_logits else h[:, -1:])
         built = time.perf_counter()
         last = logits[:, -1]
-        # Every row scored: a teacher-forced piece (all_logits) is checked at each position.
-        finite = mx.isfinite(logits if all_logits else last).reshape(logits.shape[0], -1).all(
-            axis=-1)
+        # Every position computed (a teacher-forced piece: all of them) is checked, per row.
+        finite = mx.isfinite(logits).all(axis=(1, 2))
         mx.eval(last, finite, events, [c.state for c in cache if c is not None])
         if events is not None:
             self.counters.guard_events += events.item()

@@ -156,8 +156,13 @@ def read_lines(run_dir: Path) -> list[str]:
     out = []
     for path in sorted((run_dir / "progress").glob("*")):
         try:
-            state = arm_state(path) if path.is_dir() else json.loads(path.read_text())
-            if state is not None and path.suffix in (".json", ""):
+            if path.is_dir():              # an arm's chunk files (shard_specs)
+                state = arm_state(path)
+            elif path.suffix == ".json":     # not a file being written (.<name>.<pid>)
+                state = json.loads(path.read_text())
+            else:
+                continue
+            if state is not None:
                 out.append(line(state))
         except (OSError, ValueError, KeyError, TypeError):
             continue    # being replaced: the next poll reads it
