@@ -16,7 +16,8 @@ from datasets import Dataset
 from opencompass.datasets.base import BaseDataset
 from opencompass.registry import LOAD_DATASET
 
-from edge0_eval.errors import ConfigError
+from edge0_eval.engine.mlx_compat import activation_dtype
+from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import (DATASET_ABBR, SET_PATH, fingerprint, read_set,
                                                 vocab_problem)
@@ -43,7 +44,7 @@ def preflight_problems(datasets, arms=()) -> list[str]:
     the file itself, token ids beyond an arm's vocabulary, and a set made from another teacher
     than the run's, which would score every arm against the wrong model.
 
-    arms: (name, model directory, is the teacher) per arm of the run."""
+    arms: (name, model directory, is the teacher, compute_dtype) per arm of the run."""
     problems = []
     for d in datasets:
         if not str(d.get('abbr', '')).startswith(DATASET_ABBR):
@@ -54,7 +55,7 @@ def preflight_problems(datasets, arms=()) -> list[str]:
         except ConfigError as exc:
             problems.append(str(exc))
             continue
-        for name, path, is_teacher in arms:
+        for name, path, is_teacher, compute_dtype in arms:
             size = _vocab_size(path)
             problem = vocab_problem(fset, size) if size else None
             if problem:
@@ -66,7 +67,27 @@ def preflight_problems(datasets, arms=()) -> list[str]:
                     f'fidelity set {file} was made from teacher {fset["teacher"].get("name")!r}, '
                     f'not this run\'s teacher {path} (their fingerprints differ); make it again '
                     f'with `edge0-eval fidelity make {path} --out FILE` and stage it')
+            elif is_teacher and os.path.isdir(path):
+                problems += _dtype_problem(file, fset['teacher'], path, compute_dtype)
     return problems
+
+
+def _dtype_problem(file: Path, teacher: dict, path: str, compute_dtype: str) -> list[str]:
+    """The set's teacher ran in another dtype than this run's teacher arm will (a set made on
+    Metal in bfloat16, scored on the CPU in float32): the teacher would fail its own set's exact
+    check after the whole run, and every arm's KL would hold the dtype's rounding."""
+    made_in = teacher.get('dtype')      # absent in sets made before it was recorded
+    try:
+        runs_in = activation_dtype(compute_dtype, path)
+    except (ValueError, Edge0Error):
+        return []                        # the model checks name a bad dtype or checkpoint
+    if made_in is None or runs_in is None or made_in == runs_in:
+        return []
+    return [f'fidelity set {file} was made with its teacher computing in {made_in}, but this '
+            f'run\'s teacher arm {path} computes in {runs_in} (compute_dtype '
+            f'{compute_dtype!r} on this device), so it cannot reproduce its own set; give the '
+            f'teacher arm compute_dtype=\'{made_in}\' or make the set on this machine with '
+            f'`edge0-eval fidelity make {path} --compute-dtype {compute_dtype} --out FILE`']
 
 
 @LOAD_DATASET.register_module()

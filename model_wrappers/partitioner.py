@@ -89,8 +89,8 @@ def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool 
             ifbench_items = test_range_slice(d)
     problems = [c.message for c in verify(None, benchmarks, full=full_data,
                                           ifbench_items=ifbench_items) if not c.ok]
-    arms = [(m.get('abbr') or m['path'], m['path'], _type_name(m) == 'MLXLMModel')
-            for m in models if m.get('path')]
+    arms = [(m.get('abbr') or m['path'], m['path'], _type_name(m) == 'MLXLMModel',
+             m.get('compute_dtype', 'auto')) for m in models if m.get('path')]
     problems += fidelity_preflight(datasets, arms)
     if check_models:
         problems += model_problems(models)

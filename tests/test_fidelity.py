@@ -53,6 +53,9 @@ def test_set_round_trips_and_teacher_scores_exactly_zero(teacher_set):
     teacher, model, path = teacher_set
     fset = fs.read_set(path)
     assert fset["teacher"]["fingerprint"] == fid.fingerprint(teacher)
+    # What the teacher ran in here ('auto' resolved), for the teacher arm's preflight.
+    assert fset["teacher"]["compute_dtype"] == "auto"
+    assert fset["teacher"]["dtype"] == str(model(mx.array([[1, 2]])).dtype).split(".")[-1]
     assert all(len(it["topk_ids"][0]) == 8 and 1 <= len(it["tokens"]) <= 12
                for it in fset["items"])
     rows = fid.score_model(model, fset)

@@ -7,11 +7,13 @@ import copy
 import json
 import random
 
+import mlx.core as mx
 import pytest
 
 from bad_inputs import outcome
 from edge0_eval.cli import main
 from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.formats.safetensors import checkpoint_float_dtype, write_safetensors
 from model_wrappers.fidelity_dataset import preflight_problems
 
 
@@ -20,7 +22,8 @@ def _valid_set(fingerprint: str = "0" * 64) -> dict:
               "tokens": [4, 5], "topk_ids": [[4, 6], [5, 7]],
               "topk_logprobs": [[-0.1, -2.5], [-0.2, -3.0]], "rest": [0.05, 0.1], "end": "stop"}
              for n in range(3)]
-    return {"format": fs.FORMAT, "teacher": {"name": "t", "fingerprint": fingerprint},
+    return {"format": fs.FORMAT, "teacher": {"name": "t", "fingerprint": fingerprint,
+                                             "dtype": "float32"},
             "max_new": 8, "min_new": 2, "top_k": 2, "thinking": False,
             "thinking_in_template": False, "left_out": {"shorter_than_min_new": []},
             "sources": {"text": {}}, "items": items}
@@ -40,6 +43,7 @@ def _leaf_paths(fset):
              ("items", 0, "rest", 0)]
             + [("items", 0, key) for key in item if key != "prompt"]
             + [("max_new",), ("min_new",), ("top_k",), ("teacher",), ("teacher", "fingerprint"),
+               ("teacher", "dtype"),
                ("items",)])
 
 
@@ -64,6 +68,8 @@ def _legal_lie(path, value) -> bool:
         return isinstance(value, str) or whole
     if path[-1] == "source":
         return isinstance(value, str)
+    if path == ("teacher", "dtype"):                    # absent in older sets
+        return value is None
     if "topk_logprobs" in path and len(path) == 5:     # any finite log-prob <= 0
         return (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and value == value and value <= 0 and value != float("-inf"))
@@ -174,12 +180,12 @@ def _staged(tmp_path, fset, monkeypatch):
 def test_preflight_pairs_the_set_with_this_runs_teacher(tiny_qwen, tiny_bailing, tmp_path,
                                                         monkeypatch):
     datasets = _staged(tmp_path, _valid_set(fs.fingerprint(tiny_qwen)), monkeypatch)
-    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True)]) == []
-    problems = preflight_problems(datasets, [("teacher", str(tiny_bailing), True)])
+    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "auto")]) == []
+    problems = preflight_problems(datasets, [("teacher", str(tiny_bailing), True, "auto")])
     assert len(problems) == 1 and str(tiny_bailing) in problems[0]
     assert "fingerprints differ" in problems[0]
     # A student arm is no teacher: only its vocabulary is checked.
-    assert preflight_problems(datasets, [("student", str(tiny_bailing), False)]) == []
+    assert preflight_problems(datasets, [("student", str(tiny_bailing), False, "auto")]) == []
 
 
 def test_preflight_refuses_ids_beyond_an_arms_vocabulary(tiny_qwen, tmp_path, monkeypatch):
@@ -188,6 +194,44 @@ def test_preflight_refuses_ids_beyond_an_arms_vocabulary(tiny_qwen, tmp_path, mo
     fset = _valid_set(fs.fingerprint(tiny_qwen))
     fset["items"][2]["prompt_ids"][0] = vocab          # one past the embedding
     datasets = _staged(tmp_path, fset, monkeypatch)
-    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True)])
+    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "auto")])
     assert len(problems) == 1 and f"token id {vocab}" in problems[0]
     assert str(tmp_path / fs.SET_PATH) in problems[0]
+
+
+def test_preflight_refuses_a_set_made_in_another_dtype(tiny_qwen, tmp_path, monkeypatch):
+    # A set made where the teacher ran in bfloat16 (Metal's 'auto' on a bf16 checkpoint) cannot
+    # be reproduced by a teacher arm computing in float32 (the CPU's 'auto'): refused before
+    # any task, naming the file, both dtypes and the fix; the matching dtype passes.
+    fset = _valid_set(fs.fingerprint(tiny_qwen))
+    fset["teacher"]["dtype"] = "bfloat16"
+    datasets = _staged(tmp_path, fset, monkeypatch)
+    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")])
+    assert len(problems) == 1, problems
+    assert str(tmp_path / fs.SET_PATH) in problems[0] and str(tiny_qwen) in problems[0]
+    assert "bfloat16" in problems[0] and "float32" in problems[0]
+    assert "compute_dtype='bfloat16'" in problems[0]
+    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "bfloat16")]) == []
+    # Students are scored against the set whatever their dtype; sets without one are not checked.
+    assert preflight_problems(datasets, [("student", str(tiny_qwen), False, "float32")]) == []
+    del fset["teacher"]["dtype"]
+    datasets = _staged(tmp_path, fset, monkeypatch)
+    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")]) == []
+    fset["teacher"]["dtype"] = "fp8"
+    datasets = _staged(tmp_path, fset, monkeypatch)
+    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")])
+    assert len(problems) == 1 and "teacher dtype 'fp8'" in problems[0]
+
+
+def test_checkpoint_float_dtype_is_the_embeddings(tmp_path):
+    # A bf16 embedding among more float32 tensors (norms an mlx-vlm conversion keeps in f32):
+    # mlx-lm computes in the embedding's dtype, not the commonest.
+    write_safetensors(tmp_path / "model.safetensors",
+                      {"model.embed_tokens.weight": mx.zeros((4, 2), dtype=mx.bfloat16),
+                       **{f"model.layers.{i}.norm.weight": mx.zeros((2,)) for i in range(3)}},
+                      {})
+    assert checkpoint_float_dtype(tmp_path) == "bfloat16"
+    write_safetensors(tmp_path / "model.safetensors",
+                      {f"model.layers.{i}.norm.weight": mx.zeros((2,), dtype=mx.float16)
+                       for i in range(3)}, {})
+    assert checkpoint_float_dtype(tmp_path) == "float16"

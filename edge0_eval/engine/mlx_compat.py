@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import wired_limit as _mlx_lm_wired_limit
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config
+
+from edge0_eval.formats.safetensors import checkpoint_float_dtype
 
 
 def on_cpu() -> bool:
@@ -58,6 +62,16 @@ def resolve_compute_dtype(name: str = "auto"):
     if name == "auto":
         return mx.float32 if on_cpu() else None
     return getattr(mx, name)
+
+
+def activation_dtype(name: str, directory: str | Path) -> str | None:
+    """The dtype a model loaded from `directory` under compute dtype `name` runs in on this
+    device (resolve_compute_dtype, the checkpoint's where that keeps it), as a name; None when
+    the checkpoint holds no floating tensor. What a fidelity set records of its teacher and
+    the teacher arm must match (another dtype is another teacher to the exact sanity check)."""
+    dtype = resolve_compute_dtype(name)
+    return str(dtype).removeprefix("mlx.core.") if dtype is not None \
+        else checkpoint_float_dtype(directory)
 
 
 def cast_floating(model: nn.Module, dtype, skip: str | None = None) -> None:

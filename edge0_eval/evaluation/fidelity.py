@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import INDEX_NAME
-from edge0_eval.engine.mlx_compat import (cast_floating, on_cpu, resolve_compute_dtype,
+from edge0_eval.engine.mlx_compat import (activation_dtype, cast_floating, on_cpu,
+                                          resolve_compute_dtype,
                                           upcast_unquantized_experts_for_cpu, wired_limit)
 from edge0_eval.engine.step import NonFiniteError
 from edge0_eval.errors import ConfigError
@@ -335,7 +336,8 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
     return {"format": FORMAT,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "teacher": {"name": Path(teacher).name, "fingerprint": fingerprint(teacher),
-                        "model_type": config.get("model_type"), "compute_dtype": compute_dtype},
+                        "model_type": config.get("model_type"), "compute_dtype": compute_dtype,
+                        "dtype": activation_dtype(compute_dtype, teacher)},
             "max_new": max_new, "min_new": min_new, "top_k": top_k, "thinking": thinking,
             "thinking_in_template": template_thinks(tokenizer),
             "left_out": {"shorter_than_min_new": short},

@@ -204,7 +204,7 @@ def summarize(loaded: dict) -> dict:
         if not sanity["ok"]:
             notes.append(f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
                          f"{t['agreement']:.2f} on its own set: the set was made from another "
-                         f"teacher or path (a v1 set of a bailing_hybrid teacher: make it again, "
+                         f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make it again, "
                          f"fidelity_set.py)")
     ok = (bool(ids) and all(e["status"] == "ok" for e in table.values())
           and bool(sanity and sanity["ok"]))

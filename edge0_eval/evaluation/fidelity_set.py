@@ -4,7 +4,7 @@ without MLX). The set is made by edge0_eval/evaluation/fidelity.py (`edge0-eval 
 File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
 "edge0-eval/fidelity/v2":
   teacher   {name, fingerprint (sha256 of config, tokenizer and weight headers), model_type,
-             compute_dtype}
+             compute_dtype (as asked), dtype (what it ran in there; absent in older sets)}
   max_new, min_new, top_k, thinking (asked), thinking_in_template (the chat template reads
   it), created, sources {source: {file, items, ...}}, left_out {shorter_than_min_new: [ids]}
   items     [{id, source, prompt (text), prompt_ids (chat template applied), tokens (the
@@ -34,6 +34,7 @@ from edge0_eval.errors import ConfigError
 FORMAT = "edge0-eval/fidelity/v2"
 READABLE = ("edge0-eval/fidelity/v1", FORMAT)
 ENDS = ("stop", "length", "near_tie")
+DTYPES = ("float16", "bfloat16", "float32")     # a teacher's activation dtype
 # Where `data stage` lays a set and configs/datasets/edge0_fidelity.py looks (under the data root).
 SET_PATH = "data/fidelity/fidelity_set.json"
 # The dataset abbr of configs/datasets/edge0_fidelity.py; the report tells fidelity rows by it.
@@ -151,6 +152,8 @@ def _problem(fset) -> str | None:
     teacher = fset["teacher"]
     if not isinstance(teacher, dict) or not isinstance(teacher.get("fingerprint"), str):
         return "'teacher' must be an object with a string 'fingerprint'"
+    if teacher.get("dtype") not in (None, *DTYPES):
+        return f"teacher dtype {teacher['dtype']!r} is not one of {DTYPES}"
     for key in ("max_new", "top_k") + (("min_new",) if v2 else ()):
         if not _is_int(fset.get(key)) or fset[key] < 1:
             return f"{key!r} is {fset.get(key)!r}, expected a whole number >= 1"

@@ -103,3 +103,20 @@ def read_safetensors_header(path: str | Path, what: str, fix: str
     if 8 + n + pos != size:
         raise bad(f"tensors end at byte {8 + n + pos} but the file has {size} bytes")
     return tensors, dict(meta)
+
+
+def checkpoint_float_dtype(directory: str | Path) -> str | None:
+    """The floating dtype a model directory's weights hold, as mlx-lm computes in it: its token
+    embedding's (the weight, or a quantized one's scales), else the commonest floating dtype of
+    its *.safetensors tensors; None where none is floating. Headers only, never the weights."""
+    counts: dict[str, int] = {}
+    fix = "convert the checkpoint again"
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        tensors, _ = read_safetensors_header(file, "weights", fix)
+        for name, (code, _, _, _) in tensors.items():
+            if code not in ST_FLOAT:
+                continue
+            if "embed" in name and name.endswith((".weight", ".scales")):
+                return ST_FLOAT[code]
+            counts[code] = counts.get(code, 0) + 1
+    return ST_FLOAT[max(counts, key=counts.get)] if counts else None
