@@ -120,12 +120,40 @@ def row_seed(seed: int, prompt_ids: List[int], sample: int = 0) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'little') & 0x7FFFFFFF
 
 
+class IncrementalText:
+    """A row's text as its tokens arrive, decoded incrementally as vLLM does (the text of a few
+    tokens before the last read one, decoded with the new ones, less what those few tokens
+    read), so it follows `tokenizer.decode` of the whole row, which trims the answer at its stop
+    word (trim_at_stop). mlx-lm's streaming detokenizer does not always: it drops the leading
+    space of a row's first text (a stop word ' x' opening the answer was never seen, the row
+    ran to max_tokens and said 'length') and shows a trailing space a token late."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+        self.tokens: List[int] = []
+        self.prefix = self.read = 0          # token offsets: decoded context, already read
+        self.text = ''
+
+    def add(self, token: int) -> str:
+        """Take the next token; the text it completes ('' while a character is incomplete)."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.prefix:self.read])
+        after = self.decode(self.tokens[self.prefix:])
+        if len(after) <= len(before) or after.endswith('\ufffd'):
+            return ''
+        new = after[len(before):]
+        self.text += new
+        self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
+        return new
+
+
 class RowStop:
     """When one row's generation ends, token by token; both arms and every path share it.
 
     A stop id ends the row without being output ('eos' for the tokenizer's EOS ids, else
     'stop_token'); `max_tokens` output tokens end it ('length'); a multi-token stop word ends it
-    as soon as the streamed text holds one ('stop_word'; the text is trimmed at it later).
+    as soon as the row's text (IncrementalText) holds one ('stop_word'; the text is trimmed at
+    it later).
     """
 
     def __init__(self, tokenizer, max_tokens: int, stop_ids: set, stop_words: List[str]):
@@ -133,7 +161,7 @@ class RowStop:
         self.stop_ids = set(stop_ids)
         self.eos_ids = set(getattr(tokenizer, 'eos_token_ids', None) or [])
         self.stop_words = [w for w in stop_words if w]
-        self.detokenizer = tokenizer.detokenizer if self.stop_words else None
+        self.text = IncrementalText(tokenizer) if self.stop_words else None
         self.tail = ''   # the last characters of the text: enough to hold any stop word
         self.keep = max((len(w) for w in self.stop_words), default=0)
         self.tokens: List[int] = []
@@ -151,9 +179,8 @@ class RowStop:
         if len(self.tokens) >= self.max_tokens:
             self.finish = 'length'
             return True
-        if self.detokenizer is not None:
-            self.detokenizer.add_token(token)
-            text = self.tail + self.detokenizer.last_segment
+        if self.text is not None:
+            text = self.tail + self.text.add(token)
             if any(w in text for w in self.stop_words):
                 self.finish = 'stop_word'
                 return True

@@ -8,7 +8,8 @@ every request carries them. What stock `OpenAISDK` cannot do, this class does:
 
 - Hosts. Stock OpenAISDK picks one of its `openai_api_base` URLs at random per task. Here each
   request goes to the listed host with the fewest requests in flight; a host that refuses a
-  connection or answers 5xx is left for `retry_wait` seconds and the request is retried on
+  connection or answers 5xx, 408, 409 or 429 (busy, as the openai client retries them) is
+  left for `retry_wait` seconds and the request is retried on
   another (`retry` attempts in all); then the call fails and OpenCompass's `-r` resumes it.
 - Seeds. Each request sends the configured `seed` and, as the extension `edge0_sample`, which
   of its question's repeats it is (the inferencer passes the indices); `edge0-eval serve`
@@ -51,6 +52,10 @@ from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 
 from .chat import DEFAULT_META_TEMPLATE, SampleStatsLog, check_sample_indices, sampling_options
+
+# 4xx statuses that say the host is busy, not that the request is wrong (the openai client
+# retries these too): handled as a 5xx, another host tried.
+HOST_BUSY = (408, 409, 429)
 
 
 def api_problems(name: str, cfg: Dict[str, Any], timeout: float = 10.0) -> List[str]:
@@ -217,7 +222,7 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
                 response = self.clients[base].chat.completions.create(**request)
                 failed = False
             except APIStatusError as exc:
-                if exc.status_code < 500:
+                if exc.status_code < 500 and exc.status_code not in HOST_BUSY:
                     failed = False        # the request is at fault, not the host: keep it up
                     raise ConfigError(f'api: {base} refused the request ({exc.status_code}): '
                                       f'{exc.message}') from None

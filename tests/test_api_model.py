@@ -4,6 +4,10 @@ call over its hosts and leaves a dead one, and a refused request is one clear er
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
 from edge0_eval.engine.options import EngineOptions
@@ -70,3 +74,39 @@ def test_a_refused_request_leaves_the_host_up(edge0_qwen, hosts):
     with pytest.raises(ConfigError, match="refused the request \\(404\\)"):
         api.generate(PROMPTS[:1], 4)
     assert api.hosts.down_until[base] == 0.0 and api.hosts.busy[base] == 0
+
+
+def test_a_busy_host_is_retried_not_blamed_on_the_request(edge0_qwen):
+    """429 (and 408, 409) say the host is busy, as the openai client reads them: the request
+    is retried (it was a ConfigError that ended the call on the first 429)."""
+    calls = []
+
+    class Host(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(self.path)
+            code, body = (429, {"error": {"message": "too many requests"}}) if len(calls) == 1 \
+                else (200, {"id": "x", "object": "chat.completion", "created": 0, "model": NAME,
+                            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                                         "message": {"role": "assistant", "content": "4"}}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                      "total_tokens": 2}})
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Host)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = Edge0APIModel(path=NAME, openai_api_base=f"http://127.0.0.1:{server.server_port}/v1",
+                            tokenizer_path=str(edge0_qwen), retry=3, retry_wait=0.1)
+        assert api.generate(["What is 2 + 2?"], 4) == ["4"]
+        assert len(calls) == 2
+    finally:
+        server.shutdown()

@@ -23,7 +23,7 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.server import worker as worker_module
-from edge0_eval.server.worker import TextStream
+from edge0_eval.server.worker import TextStream, finish_reason
 from live_server import LiveServer, free_port
 
 NAME = "tiny"
@@ -205,6 +205,14 @@ def test_streamed_text_never_runs_past_a_stop_word(served):
     ids = [t for part in ("The answer is", " ", "4.")
            for t in tok.encode(part, add_special_tokens=False)]
     assert _stream_and_answer(tok, ids, ["is "]) == ("The answer ", "The answer ")
+    # A longer stop word completing in a later token but starting before the first one seen:
+    # the stream holds back after a first stop word too ('The answer ' was sent while the
+    # whole text's answer is 'The '; the rule now ends a row at the first, but the stream
+    # must not rely on it).
+    stop = ["is ", "answer is 4"]
+    stream = TextStream(tok, stop)
+    streamed = "".join(stream.add(t) for t in ids)
+    assert trim_at_stop(tok.decode(ids), stop)[0] == "The " and "The ".startswith(streamed)
     rng = random.Random(0)
     pieces = ["The answer is 4. ", "x = 1 + 2 ", "def fib(n): ", "Hello, world! ", " end\n",
               "\u00e9 \u00fc \U0001F600 "]
@@ -213,8 +221,26 @@ def test_streamed_text_never_runs_past_a_stop_word(served):
         text = tok.decode(ids)
         at = rng.randrange(len(text) - 4)
         stop = [text[at:at + rng.randint(1, 4)]]
+        if rng.random() < 0.5:          # a second, longer one starting at or before it
+            back = rng.randint(0, min(at, 6))
+            stop.append(text[at - back:at + rng.randint(5, 12)])
         streamed, final = _stream_and_answer(tok, ids, stop)
         assert final.startswith(streamed), (stop, streamed, final)
+
+
+def test_a_stop_word_opening_the_answer_with_a_space_ends_the_row(served):
+    """mlx-lm's streaming detokenizer drops the first text's leading space, so a stop word
+    ' is 4' at the very start was never seen: the row ran to max_tokens and said 'length'
+    (its text was trimmed right). The rule reads the text as `decode` gives it."""
+    tok = served[1].tokenizer
+    ids = tok.encode(" is 4. And that is all there was to say about it.",
+                     add_special_tokens=False)
+    for stop in ([" is 4"], ["is 4"]):
+        rule = RowStop(tok, len(ids) + 1, stop_token_ids(tok, stop), stop)
+        ended = [rule.add(t) for t in ids]
+        assert rule.finish == "stop_word" and ended.index(True) < 5, (stop, rule.finish)
+        assert finish_reason(rule) == "stop"
+        assert trim_at_stop(tok.decode(rule.tokens), stop)[0] == " is 4"[:5 - len(stop[0])]
 
 
 def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeypatch):
@@ -372,6 +398,13 @@ def test_values_the_engine_cannot_take_are_400s_naming_the_field(served):
         ("chat", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
                  b'"max_tokens": 4, "stop": ["\\ud800x"]}', "stop"),
     ])
+    # Too deep, then an unterminated run of escaped quotes: the scan for the field restarted
+    # at each quote, quadratic (124 s for this 200 KB body, holding the GIL and the event
+    # loop); one pass now takes milliseconds. Not a speed target: a bound 1000x off either.
+    start = time.perf_counter()
+    _refused(server, [("chat", b'{"messages": ' + b"[" * 5000 + b'"' + b'\\"' * 100000,
+                       "messages")])
+    assert time.perf_counter() - start < 10
     greedy = httpx.post(f"{server.base}/chat/completions", timeout=30,
                         json={**chat, "temperature": 0, "top_k": vocab})   # top_k unused
     assert greedy.status_code == 200
@@ -388,6 +421,7 @@ def test_a_row_holds_at_most_the_model_context(served):
     _refused(server, [
         ("chat", {**chat, "max_tokens": 10**9}, "max_tokens"),
         ("chat", {**chat, "max_completion_tokens": context + 1}, "max_completion_tokens"),
+        ("chat", {**chat, "max_tokens": context}, "max_tokens"),     # no room for a prompt
         ("chat", {**chat, "max_tokens": context - 2}, "messages"),
         ("completion", dict(model=NAME, prompt=engine.tokenizer.encode("Once upon a time"),
                             max_tokens=context - 1), "prompt"),

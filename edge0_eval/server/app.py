@@ -31,8 +31,9 @@ from edge0_eval.server.worker import Finished, Job, Worker, stopped_error
 log = logging.getLogger("edge0_eval.server")
 MAX_BODY = 64 * 2**20                 # a long prompt as text is a few MB at most
 WORKER = web.AppKey("worker", Worker)
-# A JSON string (escapes included) or a bracket: enough to follow nesting depth.
-JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+# A JSON string (escapes included) or a bracket: enough to follow nesting depth. An unterminated
+# string runs to the end: one pass (a scan restarted at each of its quotes was quadratic).
+JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]')
 SETTINGS = web.AppKey("settings", dict)
 
 

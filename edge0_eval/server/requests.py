@@ -239,10 +239,11 @@ def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_
     key = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else \
         'max_tokens'
     max_tokens = _whole(body, key, 1)
-    if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
-        raise RequestError(f'{key} is {max_tokens}, more than the {max_model_len} tokens a row '
-                           f'may hold on this server, prompt included (--max-model-len); ask '
-                           f'for fewer', key)
+    if max_tokens is not None and max_model_len is not None and max_tokens >= max_model_len:
+        # Equal leaves no room for a prompt (one token at least).
+        raise RequestError(f'{key} is {max_tokens}, leaving no room for a prompt in the '
+                           f'{max_model_len} tokens a row may hold on this server, prompt '
+                           f'included (--max-model-len); ask for fewer', key)
     seed = _whole(body, 'seed', 0)
     stream = bool(_flag(body, 'stream'))
     options = body.get('stream_options')

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from edge0_eval.chat_rows import (RowStop, chat_ids, fit_prompt, row_seed, sample_stats,
-                                  stop_token_ids, trim_at_stop)
+from edge0_eval.chat_rows import (IncrementalText, RowStop, chat_ids, fit_prompt, row_seed,
+                                  sample_stats, stop_token_ids, trim_at_stop)
 from edge0_eval.engine.batch import BatchDecoder
 from edge0_eval.engine.engine import decode_figures
 from edge0_eval.engine.mlx_compat import wired_limit
@@ -62,43 +62,34 @@ class Job:
 
 
 class TextStream:
-    """Streamed text, decoded incrementally as vLLM does (the text of a few tokens before the
-    last sent one, decoded with the new ones, less what those few tokens read), so it follows
-    `tokenizer.decode` of the whole answer (mlx-lm's streaming detokenizer does not always:
-    leading spaces, byte tokens). Held back: what could still become a stop word (the longest
-    one's length - 1 characters) and an incomplete character. Never sent: a stop word this
-    text already holds, and what follows it. The row's stop rule (RowStop) reads mlx-lm's
-    streaming detokenizer, which can show text a token later than `decode` does, so the row
-    may run a token past a stop word seen here; the answer is cut at that stop word, and so is
-    what is sent."""
+    """Streamed text: the row's text as its stop rule reads it (IncrementalText, which follows
+    `tokenizer.decode` of the whole answer). Held back: what could still become a stop word
+    (the longest one's length - 1 characters; an incomplete character is never read). Never
+    sent: a stop word this text holds, and what follows it. The hold applies after a first
+    stop word too: a longer one completing in a later token can start before it, and the
+    answer is cut at the earliest."""
 
     def __init__(self, tokenizer, stop_words: list[str]):
-        self.tokenizer = tokenizer
         self.stop_words = list(stop_words)
         self.hold = max((len(w) for w in stop_words), default=1) - 1
-        self.tokens: list[int] = []
-        self.prefix = self.read = 0          # token offsets: decoded context, already read
-        self.text = ""                       # everything read so far
-        self.cut: int | None = None          # where the first stop word in it starts
+        self.reader = IncrementalText(tokenizer)
+        self.cut: int | None = None          # where the earliest stop word in it starts
         self.sent = 0
 
+    @property
+    def text(self) -> str:
+        return self.reader.text
+
     def add(self, token: int) -> str:
-        self.tokens.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.tokens[self.prefix:self.read])
-        after = decode(self.tokens[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            seen = len(self.text)
-            self.text += after[len(before):]
-            if self.cut is None:
-                # A stop word that ends in the new text starts at most `hold` characters
-                # before it; one wholly in the older text was found already.
-                start = max(0, seen - self.hold)
-                hits = [i for w in self.stop_words if (i := self.text.find(w, start)) >= 0]
-                self.cut = min(hits, default=None)
-            self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
-        end = len(self.text) - self.hold if self.cut is None else self.cut
-        end = max(self.sent, end)
+        seen = len(self.text)
+        if self.reader.add(token):
+            # A stop word that ends in the new text starts at most `hold` characters before
+            # it; one wholly in the older text was found already.
+            start = max(0, seen - self.hold)
+            hits = [i for w in self.stop_words if (i := self.text.find(w, start)) >= 0]
+            self.cut = min(hits + ([] if self.cut is None else [self.cut]), default=None)
+        end = len(self.text) - self.hold
+        end = max(self.sent, end if self.cut is None else min(end, self.cut))
         out, self.sent = self.text[self.sent:end], end
         return out
 
