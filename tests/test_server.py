@@ -466,6 +466,8 @@ def test_serve_cli_errors_are_one_line(edge0_qwen, tmp_path, capsys):
     assert "config.json not found" in capsys.readouterr().err
     assert main(["serve", str(edge0_qwen), "--max-model-len", "64", "--max-tokens", "64"]) == 2
     assert "--max-tokens 64 leaves no room for a prompt in 64 tokens" in capsys.readouterr().err
+    assert main(["serve", str(edge0_qwen), "--max-model-len", "100000000"]) == 2
+    assert "--max-model-len 100000000 is beyond" in capsys.readouterr().err
     server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
     try:
         assert main(["serve", str(edge0_qwen), "--port", str(server.port)]) == 2

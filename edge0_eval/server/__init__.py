@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from edge0_eval.engine.engine import Engine
     from edge0_eval.evaluation.identity import model_identity
     from edge0_eval.server.app import make_app
-    from edge0_eval.server.worker import Worker
+    from edge0_eval.server.worker import Worker, model_context
 
     if args.port > 65535:
         raise ConfigError(f"--port must be in 1..65535, not {args.port}")
@@ -84,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the engine could not start serving {args.model} "
                           f"({type(exc).__name__}: {exc}); if memory ran out, try a smaller "
                           f"--max-batch (now {args.max_batch})") from None
+    context = model_context(worker.engine)
+    if context is not None and worker.max_model_len > context:
+        # As vLLM: positions past the trained context are out of distribution for the model.
+        worker.close()
+        worker.join(timeout=30)
+        raise ConfigError(f"--max-model-len {worker.max_model_len} is beyond {args.model}'s "
+                          f"context of {context} tokens (max_position_embeddings in its "
+                          f"config.json); give at most {context}")
     if args.max_tokens >= worker.max_model_len:     # no room left for a prompt
         worker.close()
         worker.join(timeout=30)
