@@ -427,6 +427,9 @@ def test_a_row_holds_at_most_the_model_context(served):
                             max_tokens=context - 1), "prompt"),
     ])
     assert server.worker.load()["refused"] == refused + 2      # the two over the context
+    over = httpx.post(f"{server.base}/chat/completions", timeout=30,
+                      json={**chat, "max_tokens": context - 2}).json()["error"]
+    assert over["code"] == "context_length_exceeded", over     # OpenAI's code, clients test it
     assert server.worker.max_model_len == context
     assert server.health()["status"] == "ok"
 

@@ -54,6 +54,10 @@ FIELDS = {'chat': COMMON + ('messages', 'top_logprobs', 'chat_template_kwargs'),
           'completion': COMMON + ('prompt', 'best_of', 'echo')}
 
 
+# OpenAI's error code for a request beyond the context, which clients test for.
+CONTEXT_EXCEEDED = 'context_length_exceeded'
+
+
 class RequestError(Exception):
     """A request the server refuses: an OpenAI error object with this status."""
 
@@ -243,7 +247,8 @@ def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_
         # Equal leaves no room for a prompt (one token at least).
         raise RequestError(f'{key} is {max_tokens}, leaving no room for a prompt in the '
                            f'{max_model_len} tokens a row may hold on this server, prompt '
-                           f'included (--max-model-len); ask for fewer', key)
+                           f'included (--max-model-len); ask for fewer', key,
+                           code=CONTEXT_EXCEEDED)
     seed = _whole(body, 'seed', 0)
     stream = bool(_flag(body, 'stream'))
     options = body.get('stream_options')

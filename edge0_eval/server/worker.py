@@ -32,7 +32,8 @@ from edge0_eval.chat_rows import (IncrementalText, RowStop, chat_ids, fit_prompt
 from edge0_eval.engine.batch import BatchDecoder
 from edge0_eval.engine.engine import decode_figures
 from edge0_eval.engine.mlx_compat import wired_limit
-from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN, RequestError, RequestSpec
+from edge0_eval.server.requests import (CONTEXT_EXCEEDED, DEFAULT_MAX_MODEL_LEN, RequestError,
+                                        RequestSpec)
 
 log = logging.getLogger("edge0_eval.server")
 
@@ -292,7 +293,8 @@ class Worker(threading.Thread):
                 f"the prompt ({param}) is {len(ids)} tokens and max_tokens {spec.max_tokens}: "
                 f"{len(ids) + spec.max_tokens} in all, more than the {self.max_model_len} a row "
                 f"may hold on this server (--max-model-len); shorten the prompt, ask for fewer "
-                f"tokens, or give edge0_max_seq_len to cut the prompt", param)))
+                f"tokens, or give edge0_max_seq_len to cut the prompt", param,
+                code=CONTEXT_EXCEEDED)))
             return
         stop_ids = stop_token_ids(tok, spec.stop)
         job.seed = row_seed(spec.seed, ids, spec.sample)
