@@ -161,7 +161,8 @@ class RowStop:
         self.stop_ids = set(stop_ids)
         self.eos_ids = set(getattr(tokenizer, 'eos_token_ids', None) or [])
         self.stop_words = [w for w in stop_words if w]
-        self.text = IncrementalText(tokenizer) if self.stop_words else None
+        # Its text; a stream of the row reads the same one (server/worker.py TextStream).
+        self.reader = IncrementalText(tokenizer) if self.stop_words else None
         self.tail = ''   # the last characters of the text: enough to hold any stop word
         self.keep = max((len(w) for w in self.stop_words), default=0)
         self.tokens: List[int] = []
@@ -179,8 +180,8 @@ class RowStop:
         if len(self.tokens) >= self.max_tokens:
             self.finish = 'length'
             return True
-        if self.text is not None:
-            text = self.tail + self.text.add(token)
+        if self.reader is not None:
+            text = self.tail + self.reader.add(token)
             if any(w in text for w in self.stop_words):
                 self.finish = 'stop_word'
                 return True

@@ -186,8 +186,8 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(serve
 def _stream_and_answer(tok, ids, stop):
     """(streamed text, whole answer) of a row that takes `ids`, as the worker's _advance and
     _finish make them: the stop rule first, then the streamed text, then the rest."""
-    rule, stream, streamed = RowStop(tok, 10**6, stop_token_ids(tok, stop), stop), \
-        TextStream(tok, stop), ""
+    rule, streamed = RowStop(tok, 10**6, stop_token_ids(tok, stop), stop), ""
+    stream = TextStream(tok, stop, rule.reader)      # the rule's reader, as the worker shares it
     for token in ids:
         if rule.add(token):
             break

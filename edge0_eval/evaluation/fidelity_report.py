@@ -204,8 +204,8 @@ def summarize(loaded: dict) -> dict:
         if not sanity["ok"]:
             notes.append(f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
                          f"{t['agreement']:.2f} on its own set: the set was made from another "
-                         f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make it again, "
-                         f"fidelity_set.py)")
+                         f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
+                         f"it again, fidelity_set.py)")
     ok = (bool(ids) and all(e["status"] == "ok" for e in table.values())
           and bool(sanity and sanity["ok"]))
     return {"status": "ok" if ok else "incomplete", "items": len(ids),

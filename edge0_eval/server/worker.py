@@ -64,16 +64,19 @@ class Job:
 
 class TextStream:
     """Streamed text: the row's text as its stop rule reads it (IncrementalText, which follows
-    `tokenizer.decode` of the whole answer). Held back: what could still become a stop word
-    (the longest one's length - 1 characters; an incomplete character is never read). Never
-    sent: a stop word this text holds, and what follows it. The hold applies after a first
-    stop word too: a longer one completing in a later token can start before it, and the
-    answer is cut at the earliest."""
+    `tokenizer.decode` of the whole answer; the rule's own reader when it has one, so a token is
+    decoded once). Held back: what could still become a stop word (the longest one's length - 1
+    characters; an incomplete character is never read). Never sent: a stop word this text
+    holds, and what follows it. The hold applies after a first stop word too: a longer one
+    completing in a later token can start before it, and the answer is cut at the earliest."""
 
-    def __init__(self, tokenizer, stop_words: list[str]):
+    def __init__(self, tokenizer, stop_words: list[str], reader: IncrementalText | None = None):
+        """reader: the row's stop rule's (RowStop.reader), fed by the rule; None: its own."""
         self.stop_words = list(stop_words)
         self.hold = max((len(w) for w in stop_words), default=1) - 1
-        self.reader = IncrementalText(tokenizer)
+        self.own = reader is None
+        self.reader = IncrementalText(tokenizer) if reader is None else reader
+        self.searched = 0                    # characters of the text seen by the last add
         self.cut: int | None = None          # where the earliest stop word in it starts
         self.sent = 0
 
@@ -82,8 +85,11 @@ class TextStream:
         return self.reader.text
 
     def add(self, token: int) -> str:
-        seen = len(self.text)
-        if self.reader.add(token):
+        """The text to send after `token` (already taken by a shared reader)."""
+        if self.own:
+            self.reader.add(token)
+        seen, self.searched = self.searched, len(self.text)
+        if self.searched > seen:
             # A stop word that ends in the new text starts at most `hold` characters before
             # it; one wholly in the older text was found already.
             start = max(0, seen - self.hold)
@@ -299,7 +305,7 @@ class Worker(threading.Thread):
         stop_ids = stop_token_ids(tok, spec.stop)
         job.seed = row_seed(spec.seed, ids, spec.sample)
         job.stop = RowStop(tok, spec.max_tokens, stop_ids, spec.stop)
-        job.stream = TextStream(tok, spec.stop) if spec.stream else None
+        job.stream = TextStream(tok, spec.stop, job.stop.reader) if spec.stream else None
         job.row = self.decoder.add(id(job), ids, max_tokens=spec.max_tokens, stop=stop_ids,
                                    seed=job.seed, sampling=spec.sampling,
                                    top_logprobs=spec.logprobs)
