@@ -8,7 +8,7 @@ UNAME := $(shell uname -s)
 # Reinstall when the dependency list changes.
 STAMP := $(VENV)/.edge0-installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: venv demo test clean
+.PHONY: venv demo lint test clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,12 @@ endif
 demo: $(STAMP)
 	$(VENV)/bin/edge0-eval demo
 
-test: $(STAMP)
+# mlx-lm's style (black, via ruff): the tree is kept formatted and lint-clean.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
