@@ -21,7 +21,7 @@ from mmengine.config import read_base
 with read_base():
     from .tiers.edge0_tier import *  # noqa: F401,F403 (datasets, infer, eval, summarizer)
 
-if edge0_tier_problems['35b']:
-    raise SystemExit(edge0_tier_problems['35b'][0])
-models = edge0_tier_models['35b']
-work_dir = 'outputs/edge0_35b'
+if edge0_tier_problems["35b"]:
+    raise SystemExit(edge0_tier_problems["35b"][0])
+models = edge0_tier_models["35b"]
+work_dir = "outputs/edge0_35b"

@@ -12,9 +12,9 @@ from mmengine.config import read_base
 with read_base():
     from .tiers.edge0_gate_tier import *  # noqa: F401,F403 (infer, eval, summarizer)
 
-if edge0_tier_problems['35b']:
-    raise SystemExit(edge0_tier_problems['35b'][0])
-edge0_gate = edge0_gate_tiers['35b']
-datasets = edge0_gate_datasets['35b']
-models = edge0_gate_models['35b']
-work_dir = 'outputs/edge0_35b_gate'
+if edge0_tier_problems["35b"]:
+    raise SystemExit(edge0_tier_problems["35b"][0])
+edge0_gate = edge0_gate_tiers["35b"]
+datasets = edge0_gate_datasets["35b"]
+models = edge0_gate_models["35b"]
+work_dir = "outputs/edge0_35b_gate"

@@ -19,7 +19,7 @@ from mmengine.config import read_base
 with read_base():
     from .tiers.edge0_tier import *  # noqa: F401,F403 (datasets, infer, eval, summarizer)
 
-if edge0_tier_problems['8b']:
-    raise SystemExit(edge0_tier_problems['8b'][0])
-models = edge0_tier_models['8b']
-work_dir = 'outputs/edge0_8b'
+if edge0_tier_problems["8b"]:
+    raise SystemExit(edge0_tier_problems["8b"][0])
+models = edge0_tier_models["8b"]
+work_dir = "outputs/edge0_8b"

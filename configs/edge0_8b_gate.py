@@ -12,9 +12,9 @@ from mmengine.config import read_base
 with read_base():
     from .tiers.edge0_gate_tier import *  # noqa: F401,F403 (infer, eval, summarizer)
 
-if edge0_tier_problems['8b']:
-    raise SystemExit(edge0_tier_problems['8b'][0])
-edge0_gate = edge0_gate_tiers['8b']
-datasets = edge0_gate_datasets['8b']
-models = edge0_gate_models['8b']
-work_dir = 'outputs/edge0_8b_gate'
+if edge0_tier_problems["8b"]:
+    raise SystemExit(edge0_tier_problems["8b"][0])
+edge0_gate = edge0_gate_tiers["8b"]
+datasets = edge0_gate_datasets["8b"]
+models = edge0_gate_models["8b"]
+work_dir = "outputs/edge0_8b_gate"

@@ -31,12 +31,14 @@ with read_base():
     from .tiers.edge0_local import eval, infer
 
 # The MMLU-Pro categories the fixture has (edge0_eval.evaluation.fixtures.MMLU_PRO_FIXTURE_CATEGORIES).
-tiny_mmlu_pro = ['mmlu_pro_math', 'mmlu_pro_physics']
-tiny_arms = os.environ.get('EDGE0_ARMS', 'teacher,student').split(',')
-tiny_sampled = os.environ.get('EDGE0_TINY_SAMPLED') == '1'
-datasets = ([d for d in edge0_raw_datasets if d['abbr'] in ('aime2026', 'IFBench')]
-            + [d for d in edge0_datasets
-               if d['abbr'] in ('openai_humaneval', 'GPQA_diamond', *tiny_mmlu_pro)])
+tiny_mmlu_pro = ["mmlu_pro_math", "mmlu_pro_physics"]
+tiny_arms = os.environ.get("EDGE0_ARMS", "teacher,student").split(",")
+tiny_sampled = os.environ.get("EDGE0_TINY_SAMPLED") == "1"
+datasets = [d for d in edge0_raw_datasets if d["abbr"] in ("aime2026", "IFBench")] + [
+    d
+    for d in edge0_datasets
+    if d["abbr"] in ("openai_humaneval", "GPQA_diamond", *tiny_mmlu_pro)
+]
 datasets = [dict(d, n=2) if tiny_sampled else d for d in datasets]
 # Teacher-forced fidelity on the set `edge0-eval demo` makes from the tiny teacher (in-process
 # arms only: a run with a served arm leaves it out).
@@ -45,51 +47,86 @@ datasets += [] if set(tiny_arms) & set(edge0_api_arms) else edge0_fidelity_datas
 # Identical generation settings for both arms: greedy, thinking off, 24 new tokens. batch_size
 # (EDGE0_TINY_BATCH, default 4): prompts decoded together; every row equals its run alone, so
 # predictions are those of batch_size 1 (tests/test_batch_wrappers.py runs both).
-tiny_batch = os.environ.get('EDGE0_TINY_BATCH', '4')
+tiny_batch = os.environ.get("EDGE0_TINY_BATCH", "4")
 if not (tiny_batch.isdigit() and int(tiny_batch) > 0):
-    raise SystemExit(f'edge0-eval: EDGE0_TINY_BATCH={tiny_batch!r} is not a whole number > 0')
-tiny_generation = dict(max_out_len=24, max_seq_len=2048, batch_size=int(tiny_batch),
-                       generation_kwargs=dict(temperature=0.6, top_p=0.95, seed=0)
-                       if tiny_sampled else dict(temperature=0.0),
-                       chat_template_kwargs=dict(enable_thinking=False),
-                       run_cfg=dict(num_gpus=0))
+    raise SystemExit(
+        f"edge0-eval: EDGE0_TINY_BATCH={tiny_batch!r} is not a whole number > 0"
+    )
+tiny_generation = dict(
+    max_out_len=24,
+    max_seq_len=2048,
+    batch_size=int(tiny_batch),
+    generation_kwargs=dict(temperature=0.6, top_p=0.95, seed=0)
+    if tiny_sampled
+    else dict(temperature=0.0),
+    chat_template_kwargs=dict(enable_thinking=False),
+    run_cfg=dict(num_gpus=0),
+)
 # Arms (EDGE0_ARMS, comma-separated; `edge0-eval demo` runs the four in-process ones;
 # configs/tiers/edge0_arms.py and edge0_api.py say what each is): teacher, int4_exact,
 # prerouted_nolora, student, teacher_api, student_api.
 tiny_roles = {**edge0_arm_paths, **edge0_api_paths}
 if set(tiny_arms) - set(tiny_roles):
-    raise SystemExit(f'edge0-eval: EDGE0_ARMS has unknown arms '
-                     f'{sorted(set(tiny_arms) - set(tiny_roles))}; choose from '
-                     f'{", ".join(tiny_roles)}')
-if any(tiny_roles[a] == 'teacher' for a in tiny_arms) and not os.environ.get('EDGE0_TINY_TEACHER'):
-    raise SystemExit('edge0-eval: EDGE0_TINY_TEACHER is not set: export it to a tiny '
-                     'checkpoint from `edge0-eval make-tiny` (or run `edge0-eval demo`)')
-if any(tiny_roles[a] == 'student' for a in tiny_arms) and not os.environ.get('EDGE0_TINY_STUDENT'):
-    raise SystemExit('edge0-eval: EDGE0_TINY_STUDENT is not set: export it to the output of '
-                     '`edge0-eval convert` with its adapters (or run `edge0-eval demo`)')
-tiny_api = {arm: os.environ.get(f'EDGE0_TINY_{arm.upper()}') for arm in edge0_api_arms}
+    raise SystemExit(
+        f"edge0-eval: EDGE0_ARMS has unknown arms "
+        f"{sorted(set(tiny_arms) - set(tiny_roles))}; choose from "
+        f"{', '.join(tiny_roles)}"
+    )
+if any(tiny_roles[a] == "teacher" for a in tiny_arms) and not os.environ.get(
+    "EDGE0_TINY_TEACHER"
+):
+    raise SystemExit(
+        "edge0-eval: EDGE0_TINY_TEACHER is not set: export it to a tiny "
+        "checkpoint from `edge0-eval make-tiny` (or run `edge0-eval demo`)"
+    )
+if any(tiny_roles[a] == "student" for a in tiny_arms) and not os.environ.get(
+    "EDGE0_TINY_STUDENT"
+):
+    raise SystemExit(
+        "edge0-eval: EDGE0_TINY_STUDENT is not set: export it to the output of "
+        "`edge0-eval convert` with its adapters (or run `edge0-eval demo`)"
+    )
+tiny_api = {arm: os.environ.get(f"EDGE0_TINY_{arm.upper()}") for arm in edge0_api_arms}
 for arm in set(tiny_arms) & set(edge0_api_arms):
     if not tiny_api[arm]:
-        raise SystemExit(f'edge0-eval: EDGE0_TINY_{arm.upper()} is not set: export it to the '
-                         f'server URL(s), comma-separated (http://HOST:PORT/v1)')
-tiny_paths = dict(teacher=os.environ.get('EDGE0_TINY_TEACHER'),
-                  student=os.environ.get('EDGE0_TINY_STUDENT'))
+        raise SystemExit(
+            f"edge0-eval: EDGE0_TINY_{arm.upper()} is not set: export it to the "
+            f"server URL(s), comma-separated (http://HOST:PORT/v1)"
+        )
+tiny_paths = dict(
+    teacher=os.environ.get("EDGE0_TINY_TEACHER"),
+    student=os.environ.get("EDGE0_TINY_STUDENT"),
+)
 # A small slot pool, so the student arms really stream (the tiny model has 16 experts x 4 layers).
-models = [dict(abbr='edge0-tiny-' + arm.replace('_', '-'), path=tiny_paths[edge0_arm_paths[arm]],
-               **edge0_arms[arm], **({} if arm == 'teacher' else dict(slots_per_layer=8)),
-               **tiny_generation) if arm in edge0_arms else
-          dict(abbr='edge0-tiny-' + arm.replace('_', '-'), **edge0_api_arms[arm],
-               openai_api_base=tiny_api[arm].split(','),
-               tokenizer_path=tiny_paths[edge0_api_paths[arm]], **tiny_generation)
-          for arm in tiny_arms]
+models = [
+    dict(
+        abbr="edge0-tiny-" + arm.replace("_", "-"),
+        path=tiny_paths[edge0_arm_paths[arm]],
+        **edge0_arms[arm],
+        **({} if arm == "teacher" else dict(slots_per_layer=8)),
+        **tiny_generation,
+    )
+    if arm in edge0_arms
+    else dict(
+        abbr="edge0-tiny-" + arm.replace("_", "-"),
+        **edge0_api_arms[arm],
+        openai_api_base=tiny_api[arm].split(","),
+        tokenizer_path=tiny_paths[edge0_api_paths[arm]],
+        **tiny_generation,
+    )
+    for arm in tiny_arms
+]
 
 summarizer = dict(
     type=Edge0Summarizer,
     dataset_abbrs=edge0_dataset_abbrs,
-    summary_groups=[dict(name='mmlu_pro', subsets=tiny_mmlu_pro),
-                    dict(name='mmlu_pro_per_question', subsets=tiny_mmlu_pro,
-                         weights='num_items')],
+    summary_groups=[
+        dict(name="mmlu_pro", subsets=tiny_mmlu_pro),
+        dict(name="mmlu_pro_per_question", subsets=tiny_mmlu_pro, weights="num_items"),
+    ],
 )
-work_dir = 'outputs/edge0_tiny'
+work_dir = "outputs/edge0_tiny"
 
-del os  # a module in the config namespace would break the config dump OpenCompass re-reads
+del (
+    os
+)  # a module in the config namespace would break the config dump OpenCompass re-reads

@@ -35,10 +35,10 @@ from edge0_eval import cli_types as ct
 from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
-from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
+from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
 
 ARMS = ("mlx-lm", "resident", "compute-only", "reactive", "prerouted")
 BATCH_ARMS = ("resident", "reactive", "prerouted")
@@ -46,53 +46,92 @@ BATCH_ARMS = ("resident", "reactive", "prerouted")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory")
-    parser.add_argument("--arms", default=None, type=ct.name_list,
-                        help=f"comma list from {', '.join(ARMS)} (default: the --mode arm)")
+    parser.add_argument(
+        "--arms",
+        default=None,
+        type=ct.name_list,
+        help=f"comma list from {', '.join(ARMS)} (default: the --mode arm)",
+    )
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold")
-    parser.add_argument("--tokens", type=ct.positive_int, default=32, help="decode tokens per run")
+    parser.add_argument(
+        "--tokens", type=ct.positive_int, default=32, help="decode tokens per run"
+    )
     parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
-    parser.add_argument("--repeats", type=ct.positive_int, default=1,
-                        help="interleaved rounds over the arms")
-    parser.add_argument("--batch", type=ct.positive_int_list, default=None,
-                        help="comma list of batch sizes (e.g. 1,4,8): run the engine arms "
-                             f"({', '.join(BATCH_ARMS)}) batched at each size")
-    parser.add_argument("--raw-reads", type=ct.nonneg_int, default=256,
-                        help="bundles read for the raw bandwidth figure (0 skips it)")
-    parser.add_argument("--emulate-balanced", action="store_true",
-                        help="set the storage throttle so pure read time equals the compute-only "
-                             "step time (where overlap gains most); figures are labelled emulated")
-    parser.add_argument("--compare-mmap", action="store_true",
-                        help="also copy the same number of random bundles out of an mmap")
-    parser.add_argument("--profile", action="store_true",
-                        help="print the split of a decode step per arm")
+    parser.add_argument(
+        "--repeats",
+        type=ct.positive_int,
+        default=1,
+        help="interleaved rounds over the arms",
+    )
+    parser.add_argument(
+        "--batch",
+        type=ct.positive_int_list,
+        default=None,
+        help="comma list of batch sizes (e.g. 1,4,8): run the engine arms "
+        f"({', '.join(BATCH_ARMS)}) batched at each size",
+    )
+    parser.add_argument(
+        "--raw-reads",
+        type=ct.nonneg_int,
+        default=256,
+        help="bundles read for the raw bandwidth figure (0 skips it)",
+    )
+    parser.add_argument(
+        "--emulate-balanced",
+        action="store_true",
+        help="set the storage throttle so pure read time equals the compute-only "
+        "step time (where overlap gains most); figures are labelled emulated",
+    )
+    parser.add_argument(
+        "--compare-mmap",
+        action="store_true",
+        help="also copy the same number of random bundles out of an mmap",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the split of a decode step per arm",
+    )
     parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
     add_engine_arguments(parser)
 
 
-def measure_raw_reads(directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0) -> dict:
+def measure_raw_reads(
+    directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0
+) -> dict:
     """Positioned reads of random bundles at `queue_depth`: the storage's physical limit here."""
-    store = ExpertStore(directory, io_workers=queue_depth, verify_crc=False)  # storage only
+    store = ExpertStore(
+        directory, io_workers=queue_depth, verify_crc=False
+    )  # storage only
     try:
         if cold:
             store.evict_page_cache()
         rng = random.Random(seed)
-        pairs = [(rng.choice(store.index.moe_layers), rng.randrange(store.index.num_experts))
-                 for _ in range(n_reads)]
+        pairs = [
+            (rng.choice(store.index.moe_layers), rng.randrange(store.index.num_experts))
+            for _ in range(n_reads)
+        ]
         started = time.perf_counter()
         with ThreadPoolExecutor(queue_depth) as pool:
             list(pool.map(lambda p: store.read(*p), pairs))
         elapsed = time.perf_counter() - started
         nbytes = n_reads * store.index.bundle_stride
-        return {"reads": n_reads, "bundle_bytes": store.index.bundle_stride,
-                "queue_depth": queue_depth, "cache": "cold" if cold else "warm",
-                "seconds": elapsed, "gbps": nbytes / elapsed / 1e9,
-                "ms_per_bundle": 1000 * elapsed / n_reads}
+        return {
+            "reads": n_reads,
+            "bundle_bytes": store.index.bundle_stride,
+            "queue_depth": queue_depth,
+            "cache": "cold" if cold else "warm",
+            "seconds": elapsed,
+            "gbps": nbytes / elapsed / 1e9,
+            "ms_per_bundle": 1000 * elapsed / n_reads,
+        }
     finally:
         store.close()
 
 
-def measure_mmap_reads(directory, n_reads: int, queue_depth: int, cold: bool,
-                       seed: int = 0) -> dict:
+def measure_mmap_reads(
+    directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0
+) -> dict:
     """The same random bundles copied out of an mmap of the file: the alternative to preadv."""
     index = ExpertIndex.load(directory)
     fd = os.open(os.path.join(directory, index.file), os.O_RDONLY)
@@ -101,26 +140,37 @@ def measure_mmap_reads(directory, n_reads: int, queue_depth: int, cold: bool,
         if cold:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         rng = random.Random(seed)
-        offsets = [index.bundle_offset(rng.choice(index.moe_layers), rng.randrange(index.num_experts))
-                   for _ in range(n_reads)]
-        copy = lambda o: bytes(mapped[o: o + index.bundle_stride])  # noqa: E731
+        offsets = [
+            index.bundle_offset(
+                rng.choice(index.moe_layers), rng.randrange(index.num_experts)
+            )
+            for _ in range(n_reads)
+        ]
+        copy = lambda o: bytes(mapped[o : o + index.bundle_stride])  # noqa: E731
         started = time.perf_counter()
         with ThreadPoolExecutor(queue_depth) as pool:
             list(pool.map(copy, offsets))
         elapsed = time.perf_counter() - started
         mapped.close()
-        return {"reads": n_reads, "queue_depth": queue_depth, "cache": "cold" if cold else "warm",
-                "gbps": n_reads * index.bundle_stride / elapsed / 1e9}
+        return {
+            "reads": n_reads,
+            "queue_depth": queue_depth,
+            "cache": "cold" if cold else "warm",
+            "gbps": n_reads * index.bundle_stride / elapsed / 1e9,
+        }
     finally:
         os.close(fd)
 
 
 def _prompt(tokenizer, n: int, row: int = 0) -> list[int]:
     """A prompt of n tokens; each `row` starts further into the text, so rows route apart."""
-    text = ("The quick brown fox jumps over the lazy dog while experts stream from disk. " * 64)
+    text = (
+        "The quick brown fox jumps over the lazy dog while experts stream from disk. "
+        * 64
+    )
     ids = tokenizer.encode(text)
     start = (7 * row) % max(1, len(ids))
-    return (ids * ((start + n) // max(1, len(ids)) + 1))[start: start + n]
+    return (ids * ((start + n) // max(1, len(ids)) + 1))[start : start + n]
 
 
 def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
@@ -132,11 +182,20 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
         engine.store.reset_stats()
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
         with wired_limit(engine.model):
-            result = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
+            result = engine.generate(
+                prompt, max_tokens=args.tokens, stop_token_ids=set()
+            )
         stats = result.stats
-        stats["blocked_gbps"] = (stats["decode_bytes_read"] / (stats["blocked_load_ms_per_step"]
-                                 * max(1, stats["generated_tokens"] - 1) / 1000)
-                                 if stats["blocked_load_ms_per_step"] > 0 else None)
+        stats["blocked_gbps"] = (
+            stats["decode_bytes_read"]
+            / (
+                stats["blocked_load_ms_per_step"]
+                * max(1, stats["generated_tokens"] - 1)
+                / 1000
+            )
+            if stats["blocked_load_ms_per_step"] > 0
+            else None
+        )
         return stats
     finally:
         engine.close()
@@ -149,21 +208,29 @@ def run_batch_arm(model_dir, mode: str, args, cold: bool, batch: int) -> dict:
         if cold:
             engine.store.evict_page_cache()
         engine.store.reset_stats()
-        prompts = [_prompt(engine.tokenizer, args.prompt_tokens, row) for row in range(batch)]
+        prompts = [
+            _prompt(engine.tokenizer, args.prompt_tokens, row) for row in range(batch)
+        ]
         with wired_limit(engine.model):
-            results = engine.generate_batch(prompts, max_tokens=args.tokens, batch_size=batch,
-                                            stop_token_ids=set())
+            results = engine.generate_batch(
+                prompts, max_tokens=args.tokens, batch_size=batch, stop_token_ids=set()
+            )
         stats = dict(results[0].stats)
         rows = [r.stats for r in results]
         row_rates = [r["decode_tok_s"] for r in rows]
-        stats.update({
-            "batch": batch,
-            "decode_tok_s": stats["batch_decode_tok_s"],        # aggregate, every row's tokens
-            "row_decode_tok_s": row_rates,
-            "mean_row_decode_tok_s": sum(row_rates) / len(row_rates),
-            "prefill_tok_s": sum(r["prompt_tokens"] for r in rows) / stats["batch_prefill_s"],
-            "generated_tokens": stats["batch_generated_tokens"],
-        })
+        stats.update(
+            {
+                "batch": batch,
+                "decode_tok_s": stats[
+                    "batch_decode_tok_s"
+                ],  # aggregate, every row's tokens
+                "row_decode_tok_s": row_rates,
+                "mean_row_decode_tok_s": sum(row_rates) / len(row_rates),
+                "prefill_tok_s": sum(r["prompt_tokens"] for r in rows)
+                / stats["batch_prefill_s"],
+                "generated_tokens": stats["batch_generated_tokens"],
+            }
+        )
         return stats
     finally:
         engine.close()
@@ -172,17 +239,21 @@ def run_batch_arm(model_dir, mode: str, args, cold: bool, batch: int) -> dict:
 def run_compute_only_arm(model_dir, args) -> dict:
     """Decode with every needed expert already in the slots: the same greedy run twice, with
     room for every expert the run touches; the second run reads nothing."""
-    options = options_from_args(args, mode="reactive", expert_budget_mib=None,
-                                slots_per_layer=None)
+    options = options_from_args(
+        args, mode="reactive", expert_budget_mib=None, slots_per_layer=None
+    )
     resolved = options.resolve(model_dir)
-    options.slots_per_layer = min(resolved.num_experts,
-                                  (args.prompt_tokens + args.tokens + 1) * resolved.top_k)
+    options.slots_per_layer = min(
+        resolved.num_experts, (args.prompt_tokens + args.tokens + 1) * resolved.top_k
+    )
     engine = Engine.load(model_dir, options)
     try:
         prompt = _prompt(engine.tokenizer, args.prompt_tokens)
         with wired_limit(engine.model):
             engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set())
-            stats = engine.generate(prompt, max_tokens=args.tokens, stop_token_ids=set()).stats
+            stats = engine.generate(
+                prompt, max_tokens=args.tokens, stop_token_ids=set()
+            ).stats
         stats["mode"] = "compute-only"
         if stats["decode_bytes_read"]:
             stats["note"] = "some experts were read: not purely compute"
@@ -193,31 +264,47 @@ def run_compute_only_arm(model_dir, args) -> dict:
 
 def run_mlx_lm_arm(model_dir, args) -> dict:
     mx.reset_peak_memory()
-    model, tokenizer = load_reference(model_dir, compute_dtype=args.compute_dtype,
-                                      top_k=args.top_k)
+    model, tokenizer = load_reference(
+        model_dir, compute_dtype=args.compute_dtype, top_k=args.top_k
+    )
     prompt = mx.array(_prompt(tokenizer, args.prompt_tokens))
     times = []
-    with wired_limit(model):     # as mlx-lm's own generate runs generate_step
+    with wired_limit(model):  # as mlx-lm's own generate runs generate_step
         started = time.perf_counter()
-        for _, _ in zip(range(args.tokens), generate_step(prompt, model, max_tokens=args.tokens,
-                                                          sampler=make_sampler(0.0))):
+        for _, _ in zip(
+            range(args.tokens),
+            generate_step(
+                prompt, model, max_tokens=args.tokens, sampler=make_sampler(0.0)
+            ),
+        ):
             times.append(time.perf_counter())
     prefill = times[0] - started
     decode = times[-1] - times[0]
     steps = len(times) - 1
-    return {"mode": "mlx-lm", "generated_tokens": len(times),
-            "prefill_tok_s": args.prompt_tokens / prefill,
-            "decode_tok_s": steps / decode if steps and decode > 0 else 0.0,
-            "peak_memory_gib": mx.get_peak_memory() / 2**30, "bytes_per_token": 0.0,
-            "blocked_load_ms_per_step": 0.0}
+    return {
+        "mode": "mlx-lm",
+        "generated_tokens": len(times),
+        "prefill_tok_s": args.prompt_tokens / prefill,
+        "decode_tok_s": steps / decode if steps and decode > 0 else 0.0,
+        "peak_memory_gib": mx.get_peak_memory() / 2**30,
+        "bytes_per_token": 0.0,
+        "blocked_load_ms_per_step": 0.0,
+    }
 
 
 def _print_table(rows: list[dict]) -> None:
-    cols = [("arm", "mode", "{}"), ("cache", "cache", "{}"), ("decode tok/s", "decode_tok_s", "{:.2f}"),
-            ("prefill tok/s", "prefill_tok_s", "{:.1f}"), ("peak GiB", "peak_memory_gib", "{:.3f}"),
-            ("RSS GiB", "rss_gib", "{:.3f}"), ("MiB/token", "bytes_per_token", "{:.2f}"),
-            ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
-            ("hit rate", "decode_hit_rate", "{:.2f}"), ("dropped", "dropped_experts", "{}")]
+    cols = [
+        ("arm", "mode", "{}"),
+        ("cache", "cache", "{}"),
+        ("decode tok/s", "decode_tok_s", "{:.2f}"),
+        ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
+        ("peak GiB", "peak_memory_gib", "{:.3f}"),
+        ("RSS GiB", "rss_gib", "{:.3f}"),
+        ("MiB/token", "bytes_per_token", "{:.2f}"),
+        ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+        ("hit rate", "decode_hit_rate", "{:.2f}"),
+        ("dropped", "dropped_experts", "{}"),
+    ]
     _print_rows(cols, rows)
 
 
@@ -235,14 +322,19 @@ def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
 
 
 def _print_batch_table(rows: list[dict]) -> None:
-    cols = [("arm", "mode", "{}"), ("B", "batch", "{}"), ("cache", "cache", "{}"),
-            ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
-            ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
-            ("MiB/token", "bytes_per_token", "{:.2f}"),
-            ("union/layer", "mean_union_per_layer", "{:.2f}"),
-            ("peak GiB", "peak_memory_gib", "{:.3f}"),
-            ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
-            ("slot MiB", "expert_buffer_mib", "{:.1f}"), ("storage", "storage", "{}")]
+    cols = [
+        ("arm", "mode", "{}"),
+        ("B", "batch", "{}"),
+        ("cache", "cache", "{}"),
+        ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
+        ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
+        ("MiB/token", "bytes_per_token", "{:.2f}"),
+        ("union/layer", "mean_union_per_layer", "{:.2f}"),
+        ("peak GiB", "peak_memory_gib", "{:.3f}"),
+        ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+        ("slot MiB", "expert_buffer_mib", "{:.1f}"),
+        ("storage", "storage", "{}"),
+    ]
     _print_rows(cols, rows)
 
 
@@ -252,40 +344,55 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     if args.batch and any(a not in BATCH_ARMS for a in arms):
-        raise ConfigError(f"--batch runs the engine arms {', '.join(BATCH_ARMS)}; drop "
-                          f"{', '.join(a for a in arms if a not in BATCH_ARMS)} from --arms "
-                          f"(run them in a bench without --batch)")
+        raise ConfigError(
+            f"--batch runs the engine arms {', '.join(BATCH_ARMS)}; drop "
+            f"{', '.join(a for a in arms if a not in BATCH_ARMS)} from --arms "
+            f"(run them in a bench without --batch)"
+        )
     cold = args.cache == "cold"
     if cold and not hasattr(os, "posix_fadvise"):
-        raise ConfigError("--cache cold needs posix_fadvise (Linux); on macOS use --cache warm "
-                          "or purge the page cache yourself")
+        raise ConfigError(
+            "--cache cold needs posix_fadvise (Linux); on macOS use --cache warm "
+            "or purge the page cache yourself"
+        )
     emulated = args.io_throttle_mbps is not None
     report = {
         "command": "edge0-eval bench " + " ".join(_argv_echo(args)),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.system()} {os.cpu_count()} cores, "
-                   f"mlx {mx.__version__} device {mx.default_device()}",
-        "cache": args.cache, "io_throttle_mbps": args.io_throttle_mbps, "emulated": emulated,
+        f"mlx {mx.__version__} device {mx.default_device()}",
+        "cache": args.cache,
+        "io_throttle_mbps": args.io_throttle_mbps,
+        "emulated": emulated,
         "checkpoint_bytes": checkpoint_bytes(args.model),
         "runs": [],
     }
     if args.raw_reads:
-        report["raw_reads"] = measure_raw_reads(args.model, args.raw_reads, args.io_workers, cold)
+        report["raw_reads"] = measure_raw_reads(
+            args.model, args.raw_reads, args.io_workers, cold
+        )
         r = report["raw_reads"]
-        print(f"raw positioned reads ({r['cache']}, qd {r['queue_depth']}, "
-              f"{r['bundle_bytes'] / 2**20:.2f} MiB bundles): {r['gbps']:.2f} GB/s, "
-              f"{r['ms_per_bundle']:.2f} ms/bundle")
+        print(
+            f"raw positioned reads ({r['cache']}, qd {r['queue_depth']}, "
+            f"{r['bundle_bytes'] / 2**20:.2f} MiB bundles): {r['gbps']:.2f} GB/s, "
+            f"{r['ms_per_bundle']:.2f} ms/bundle"
+        )
         if args.compare_mmap:
-            m = report["mmap_reads"] = measure_mmap_reads(args.model, args.raw_reads,
-                                                          args.io_workers, cold, seed=1)
-            print(f"same reads through mmap ({m['cache']}, qd {m['queue_depth']}): "
-                  f"{m['gbps']:.2f} GB/s")
+            m = report["mmap_reads"] = measure_mmap_reads(
+                args.model, args.raw_reads, args.io_workers, cold, seed=1
+            )
+            print(
+                f"same reads through mmap ({m['cache']}, qd {m['queue_depth']}): "
+                f"{m['gbps']:.2f} GB/s"
+            )
     if args.emulate_balanced:
         args.io_throttle_mbps = _balanced_throttle(args, cold)
         emulated = report["emulated"] = True
         report["io_throttle_mbps"] = args.io_throttle_mbps
-        print(f"storage emulation: {args.io_throttle_mbps:.1f} MB/s makes pure read time equal "
-              f"the compute-only step time")
+        print(
+            f"storage emulation: {args.io_throttle_mbps:.1f} MB/s makes pure read time equal "
+            f"the compute-only step time"
+        )
     storage = f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"
     for round_ in range(args.repeats):
         for batch in args.batch or [None]:
@@ -302,36 +409,49 @@ def run(args: argparse.Namespace) -> int:
                 gc.collect()
                 mx.clear_cache()
                 warm = arm in ("mlx-lm", "compute-only", "resident")
-                row.update({"arm": arm, "round": round_,
-                            "cache": "warm (experts in memory)" if warm else args.cache,
-                            "emulated": emulated and not warm,
-                            "storage": "in memory" if warm else storage})
+                row.update(
+                    {
+                        "arm": arm,
+                        "round": round_,
+                        "cache": "warm (experts in memory)" if warm else args.cache,
+                        "emulated": emulated and not warm,
+                        "storage": "in memory" if warm else storage,
+                    }
+                )
                 report["runs"].append(row)
     print(f"cache: {args.cache}; storage: {storage}")
     if args.batch:
-        report["batch_prompts"] = (f"B prompts of {args.prompt_tokens} tokens, each starting "
-                                   f"further into the same text; all B rows decode at once")
+        report["batch_prompts"] = (
+            f"B prompts of {args.prompt_tokens} tokens, each starting "
+            f"further into the same text; all B rows decode at once"
+        )
         _print_batch_table(report["runs"])
     else:
         _print_table(report["runs"])
     if args.profile:
         for row in report["runs"]:
             if "profile_ms_per_step" in row:
-                prof = ", ".join(f"{k} {v:.2f}" for k, v in row["profile_ms_per_step"].items())
+                prof = ", ".join(
+                    f"{k} {v:.2f}" for k, v in row["profile_ms_per_step"].items()
+                )
                 extra = ""
                 if "stage_wait_ms_per_step" in row:
-                    extra = (f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads "
-                             f"{row['head_ms_per_step']:.2f}, staged loads/step "
-                             f"{row['staged_loads_per_step']:.1f}")
+                    extra = (
+                        f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads "
+                        f"{row['head_ms_per_step']:.2f}, staged loads/step "
+                        f"{row['staged_loads_per_step']:.1f}"
+                    )
                     if row.get("online_recall") is not None:
                         extra += f", online recall {row['online_recall']:.3f}"
                     if row.get("hedge_precision") is not None:
-                        extra += (f", hedge {row['hedge_kind']} precision "
-                                  f"{row['hedge_precision']:.3f} (layers "
-                                  f"{len(row['hedge_layers'])}, heads "
-                                  f"{row['hedge_ms_per_step']:.2f} ms, wasted loads/step "
-                                  f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
-                                  f"{row['hedge_cancelled_per_step']:.1f})")
+                        extra += (
+                            f", hedge {row['hedge_kind']} precision "
+                            f"{row['hedge_precision']:.3f} (layers "
+                            f"{len(row['hedge_layers'])}, heads "
+                            f"{row['hedge_ms_per_step']:.2f} ms, wasted loads/step "
+                            f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
+                            f"{row['hedge_cancelled_per_step']:.1f})"
+                        )
                     if row.get("draft_match_rate") is not None:
                         extra += f", draft = token {row['draft_match_rate']:.3f}"
                 print(f"profile {row['arm']} (ms/step): {prof}{extra}")
@@ -355,7 +475,7 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
         action = actions.get(key)
         if action is None or key == "json_path" or value is None:
             continue
-        if isinstance(action, argparse.BooleanOptionalAction):   # --x / --no-x
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
             if value != action.default:
                 out.append(action.option_strings[0 if value else 1])
             continue
@@ -363,7 +483,9 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
-        out.append(max(action.option_strings, key=len) + ("" if value is True else f" {value}"))
+        out.append(
+            max(action.option_strings, key=len) + ("" if value is True else f" {value}")
+        )
     return out
 
 
@@ -378,19 +500,28 @@ def _balanced_throttle(args, cold: bool) -> float:
 def checkpoint_bytes(model_dir) -> int:
     """Bytes of the converted checkpoint's weights: the expert file plus the resident file."""
     index = ExpertIndex.load(model_dir)
-    return sum(p.stat().st_size for p in (Path(model_dir) / index.file,
-                                           Path(model_dir) / RESIDENT_NAME))
+    return sum(
+        p.stat().st_size
+        for p in (Path(model_dir) / index.file, Path(model_dir) / RESIDENT_NAME)
+    )
 
 
 def _mean(rows, arm, key, batch=None):
-    values = [r[key] for r in rows if r["arm"] == arm and r.get(key) is not None
-              and r.get("batch") == batch]
+    values = [
+        r[key]
+        for r in rows
+        if r["arm"] == arm and r.get(key) is not None and r.get("batch") == batch
+    ]
     return sum(values) / len(values) if values else None
 
 
-BATCH_RATIOS = {"decode": "decode_tok_s", "row_decode": "mean_row_decode_tok_s",
-                "bytes_per_token": "bytes_per_token", "union": "mean_union_per_layer",
-                "peak": "peak_memory_gib"}
+BATCH_RATIOS = {
+    "decode": "decode_tok_s",
+    "row_decode": "mean_row_decode_tok_s",
+    "bytes_per_token": "bytes_per_token",
+    "union": "mean_union_per_layer",
+    "peak": "peak_memory_gib",
+}
 
 
 def batch_targets(report: dict) -> dict:
@@ -398,7 +529,11 @@ def batch_targets(report: dict) -> dict:
     rows, out = report["runs"], {}
     sizes = sorted({r["batch"] for r in rows if r.get("batch") is not None})
     if 1 not in sizes:
-        return {"note": "no B = 1 runs: ratios to B = 1 need 1 in --batch"} if sizes else {}
+        return (
+            {"note": "no B = 1 runs: ratios to B = 1 need 1 in --batch"}
+            if sizes
+            else {}
+        )
     for arm in sorted({r["arm"] for r in rows if r.get("batch") is not None}):
         for batch in (b for b in sizes if b != 1):
             for name, key in BATCH_RATIOS.items():
@@ -415,7 +550,10 @@ def targets(report: dict) -> dict:
     rows, out = report["runs"], {}
     if any(r.get("batch") is not None for r in rows):
         return batch_targets(report)
-    pre_tps, rea_tps = _mean(rows, "prerouted", "decode_tok_s"), _mean(rows, "reactive", "decode_tok_s")
+    pre_tps, rea_tps = (
+        _mean(rows, "prerouted", "decode_tok_s"),
+        _mean(rows, "reactive", "decode_tok_s"),
+    )
     comp_tps = _mean(rows, "compute-only", "decode_tok_s")
     raw = report.get("raw_reads")
     if pre_tps and comp_tps and raw:
@@ -430,11 +568,16 @@ def targets(report: dict) -> dict:
         out["blocked_prerouted_over_reactive"] = round(pre_b / rea_b, 3)
     if pre_tps and rea_tps:
         out["decode_prerouted_over_reactive"] = round(pre_tps / rea_tps, 3)
-    res_tps, ref_tps = _mean(rows, "resident", "decode_tok_s"), _mean(rows, "mlx-lm", "decode_tok_s")
+    res_tps, ref_tps = (
+        _mean(rows, "resident", "decode_tok_s"),
+        _mean(rows, "mlx-lm", "decode_tok_s"),
+    )
     if res_tps and ref_tps:
         out["warm_engine_over_mlx_lm"] = round(res_tps / ref_tps, 3)
-    res_pre, ref_pre = _mean(rows, "resident", "prefill_tok_s"), _mean(rows, "mlx-lm",
-                                                                         "prefill_tok_s")
+    res_pre, ref_pre = (
+        _mean(rows, "resident", "prefill_tok_s"),
+        _mean(rows, "mlx-lm", "prefill_tok_s"),
+    )
     if res_pre and ref_pre:
         out["warm_prefill_engine_over_mlx_lm"] = round(res_pre / ref_pre, 3)
     achieved = _mean(rows, "reactive", "demand_read_gbps")

@@ -14,14 +14,31 @@ import hashlib
 from typing import Any, Dict, List, Optional
 
 # OpenCompass's PromptList roles and the OpenAI roles, onto chat template roles.
-ROLE_MAP = {'HUMAN': 'user', 'BOT': 'assistant', 'SYSTEM': 'system',
-            'user': 'user', 'assistant': 'assistant', 'system': 'system'}
+ROLE_MAP = {
+    "HUMAN": "user",
+    "BOT": "assistant",
+    "SYSTEM": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 # Per-sample engine figures gathered under "pool" in each student sample's stats (in a batch,
 # bytes_per_token and the hit rates are the batch's: its rows share every read).
-POOL_KEYS = ('decode_hit_rate', 'cache_hit_rate', 'decode_bytes_read', 'prefill_bytes_read',
-             'bytes_per_token', 'reads_per_token', 'blocked_load_ms_per_step', 'bytes_read',
-             'evictions', 'rss_gib', 'mean_union_per_layer', 'expert_buffer_mib')
+POOL_KEYS = (
+    "decode_hit_rate",
+    "cache_hit_rate",
+    "decode_bytes_read",
+    "prefill_bytes_read",
+    "bytes_per_token",
+    "reads_per_token",
+    "blocked_load_ms_per_step",
+    "bytes_read",
+    "evictions",
+    "rss_gib",
+    "mean_union_per_layer",
+    "expert_buffer_mib",
+)
 
 
 def to_messages(prompt: Any) -> List[Dict[str, str]]:
@@ -33,28 +50,32 @@ def to_messages(prompt: Any) -> List[Dict[str, str]]:
     wrapper does; empty turns are dropped.
     """
     if isinstance(prompt, str):
-        messages = [{'role': 'user', 'content': prompt}]
+        messages = [{"role": "user", "content": prompt}]
     else:
         messages = []
         for item in prompt:
             if isinstance(item, str):
                 if item.strip():
-                    messages.append({'role': 'user', 'content': item})
+                    messages.append({"role": "user", "content": item})
                 continue
-            if 'section' in item and 'pos' in item:
+            if "section" in item and "pos" in item:
                 continue
-            role = ROLE_MAP.get(item.get('role'))
+            role = ROLE_MAP.get(item.get("role"))
             if role is None:
-                raise ValueError(f'unknown prompt role {item.get("role")!r} in {item!r}')
-            content = item['content'] if 'content' in item else item.get('prompt', '')
-            if content is None or content == '':
+                raise ValueError(
+                    f"unknown prompt role {item.get('role')!r} in {item!r}"
+                )
+            content = item["content"] if "content" in item else item.get("prompt", "")
+            if content is None or content == "":
                 continue
-            messages.append({'role': role, 'content': str(content)})
+            messages.append({"role": role, "content": str(content)})
     merged: List[Dict[str, str]] = []
     for msg in messages:
-        if merged and merged[-1]['role'] == msg['role']:
-            merged[-1] = {'role': msg['role'],
-                          'content': merged[-1]['content'] + '\n' + msg['content']}
+        if merged and merged[-1]["role"] == msg["role"]:
+            merged[-1] = {
+                "role": msg["role"],
+                "content": merged[-1]["content"] + "\n" + msg["content"],
+            }
         else:
             merged.append(dict(msg))
     return merged
@@ -62,14 +83,21 @@ def to_messages(prompt: Any) -> List[Dict[str, str]]:
 
 def chat_text(tokenizer, prompt: Any, chat_template_kwargs: Dict) -> str:
     """The prompt as the chat template writes it, ready for the assistant's turn."""
-    return tokenizer.apply_chat_template(to_messages(prompt), add_generation_prompt=True,
-                                         tokenize=False, **chat_template_kwargs)
+    return tokenizer.apply_chat_template(
+        to_messages(prompt),
+        add_generation_prompt=True,
+        tokenize=False,
+        **chat_template_kwargs,
+    )
 
 
 def chat_ids(tokenizer, prompt: Any, chat_template_kwargs: Dict) -> List[int]:
     # The chat template already holds any BOS/special tokens the model wants.
-    return list(tokenizer.encode(chat_text(tokenizer, prompt, chat_template_kwargs),
-                                 add_special_tokens=False))
+    return list(
+        tokenizer.encode(
+            chat_text(tokenizer, prompt, chat_template_kwargs), add_special_tokens=False
+        )
+    )
 
 
 def fit_prompt(ids: List[int], max_seq_len: int, max_out_len: int) -> List[int]:
@@ -80,7 +108,7 @@ def fit_prompt(ids: List[int], max_seq_len: int, max_out_len: int) -> List[int]:
     if budget <= 0 or len(ids) <= budget:
         return ids
     half = budget // 2
-    return ids[:half] + ids[len(ids) - (budget - half):]
+    return ids[:half] + ids[len(ids) - (budget - half) :]
 
 
 def trim_at_stop(text: str, stop_words: List[str]) -> tuple[str, Optional[str]]:
@@ -97,7 +125,7 @@ def trim_at_stop(text: str, stop_words: List[str]) -> tuple[str, Optional[str]]:
 
 def stop_token_ids(tokenizer, stop_words: List[str]) -> set:
     """EOS ids plus every stop word that is exactly one token (the engine stops on ids)."""
-    ids = set(getattr(tokenizer, 'eos_token_ids', None) or [])
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for word in stop_words:
         enc = tokenizer.encode(word, add_special_tokens=False)
         if len(enc) == 1:
@@ -114,10 +142,13 @@ def row_seed(seed: int, prompt_ids: List[int], sample: int = 0) -> int:
     prompt unchanged; the inferencer passes each copy's index): copy j of a question draws the
     same stream in every run, and sample 0 keeps the seed it had before repeats existed.
     """
-    text = f'{int(seed)}:' + ','.join(str(int(t)) for t in prompt_ids)
+    text = f"{int(seed)}:" + ",".join(str(int(t)) for t in prompt_ids)
     if sample:
-        text += f'#{int(sample)}'
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'little') & 0x7FFFFFFF
+        text += f"#{int(sample)}"
+    return (
+        int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+        & 0x7FFFFFFF
+    )
 
 
 class IncrementalText:
@@ -131,17 +162,17 @@ class IncrementalText:
     def __init__(self, tokenizer):
         self.decode = tokenizer.decode
         self.tokens: List[int] = []
-        self.prefix = self.read = 0          # token offsets: decoded context, already read
-        self.text = ''
+        self.prefix = self.read = 0  # token offsets: decoded context, already read
+        self.text = ""
 
     def add(self, token: int) -> str:
         """Take the next token; the text it completes ('' while a character is incomplete)."""
         self.tokens.append(token)
-        before = self.decode(self.tokens[self.prefix:self.read])
-        after = self.decode(self.tokens[self.prefix:])
-        if len(after) <= len(before) or after.endswith('\ufffd'):
-            return ''
-        new = after[len(before):]
+        before = self.decode(self.tokens[self.prefix : self.read])
+        after = self.decode(self.tokens[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
         self.text += new
         self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
         return new
@@ -156,14 +187,16 @@ class RowStop:
     it later).
     """
 
-    def __init__(self, tokenizer, max_tokens: int, stop_ids: set, stop_words: List[str]):
+    def __init__(
+        self, tokenizer, max_tokens: int, stop_ids: set, stop_words: List[str]
+    ):
         self.max_tokens = max_tokens
         self.stop_ids = set(stop_ids)
-        self.eos_ids = set(getattr(tokenizer, 'eos_token_ids', None) or [])
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.stop_words = [w for w in stop_words if w]
         # Its text; a stream of the row reads the same one (server/worker.py TextStream).
         self.reader = IncrementalText(tokenizer) if self.stop_words else None
-        self.tail = ''   # the last characters of the text: enough to hold any stop word
+        self.tail = ""  # the last characters of the text: enough to hold any stop word
         self.keep = max((len(w) for w in self.stop_words), default=0)
         self.tokens: List[int] = []
         self.finish: Optional[str] = None
@@ -174,30 +207,32 @@ class RowStop:
             return True
         token = int(token)
         if token in self.stop_ids:
-            self.finish = 'eos' if token in self.eos_ids else 'stop_token'
+            self.finish = "eos" if token in self.eos_ids else "stop_token"
             return True
         self.tokens.append(token)
         if len(self.tokens) >= self.max_tokens:
-            self.finish = 'length'
+            self.finish = "length"
             return True
         if self.reader is not None:
             text = self.tail + self.reader.add(token)
             if any(w in text for w in self.stop_words):
-                self.finish = 'stop_word'
+                self.finish = "stop_word"
                 return True
-            self.tail = text[-self.keep:]
+            self.tail = text[-self.keep :]
         return False
 
 
-def sample_stats(stats: Dict[str, Any], finish: Optional[str], cache: str) -> Dict[str, Any]:
+def sample_stats(
+    stats: Dict[str, Any], finish: Optional[str], cache: str
+) -> Dict[str, Any]:
     """A student sample's stats from the engine's `stats` for its row: its speeds, how it ended,
     the page-cache label, the pool's figures and the engine's scalar figures."""
     return {
-        'prefill_tok_s': stats.get('prefill_tok_s'),
-        'decode_tok_s': stats.get('decode_tok_s'),
-        'peak_memory_gib': stats.get('peak_memory_gib'),
-        'finish_reason': finish or 'length',
-        'cache': cache,
-        'pool': {k: stats[k] for k in POOL_KEYS if k in stats} or None,
-        'engine': {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        "prefill_tok_s": stats.get("prefill_tok_s"),
+        "decode_tok_s": stats.get("decode_tok_s"),
+        "peak_memory_gib": stats.get("peak_memory_gib"),
+        "finish_reason": finish or "length",
+        "cache": cache,
+        "pool": {k: stats[k] for k in POOL_KEYS if k in stats} or None,
+        "engine": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
     }

@@ -11,31 +11,69 @@ import argparse
 import importlib
 import sys
 
+from edge0_eval.errors import Edge0Error
+
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny": ("edge0_eval.checkpoints.tiny", "write a tiny random-weight mlx-lm MoE checkpoint"),
-    "make-synthetic": ("edge0_eval.checkpoints.synthetic", "write a full-shape random checkpoint in streaming layout"),
-    "convert": ("edge0_eval.checkpoints.convert", "convert an mlx-lm checkpoint to the int4 streaming layout"),
+    "make-tiny": (
+        "edge0_eval.checkpoints.tiny",
+        "write a tiny random-weight mlx-lm MoE checkpoint",
+    ),
+    "make-synthetic": (
+        "edge0_eval.checkpoints.synthetic",
+        "write a full-shape random checkpoint in streaming layout",
+    ),
+    "convert": (
+        "edge0_eval.checkpoints.convert",
+        "convert an mlx-lm checkpoint to the int4 streaming layout",
+    ),
     "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
-    "serve": ("edge0_eval.server", "serve the engine over an OpenAI-compatible HTTP API"),
-    "bench": ("edge0_eval.bench", "benchmark the engine (arms interleaved in one process)"),
-    "init-prerouter": ("edge0_eval.init_prerouter", "write untrained prerouter heads (warm start)"),
-    "draft-vocab": ("edge0_eval.draft_vocab", "write a draft vocabulary (a draft-token hedge)"),
-    "train-prerouter": ("edge0_eval.training.prerouter", "stage 1: distil prerouter heads"),
+    "serve": (
+        "edge0_eval.server",
+        "serve the engine over an OpenAI-compatible HTTP API",
+    ),
+    "bench": (
+        "edge0_eval.bench",
+        "benchmark the engine (arms interleaved in one process)",
+    ),
+    "init-prerouter": (
+        "edge0_eval.init_prerouter",
+        "write untrained prerouter heads (warm start)",
+    ),
+    "draft-vocab": (
+        "edge0_eval.draft_vocab",
+        "write a draft vocabulary (a draft-token hedge)",
+    ),
+    "train-prerouter": (
+        "edge0_eval.training.prerouter",
+        "stage 1: distil prerouter heads",
+    ),
     "train-lora": ("edge0_eval.training.sft", "stage 2: student-path LoRA SFT"),
     "distill": ("edge0_eval.training.distill", "stage 3: on-policy distillation"),
-    "data": ("edge0_eval.evaluation.data", "stage and verify OpenCompass benchmark data offline"),
-    "report": ("edge0_eval.evaluation.report", "teacher-vs-student gap report from OpenCompass outputs"),
+    "data": (
+        "edge0_eval.evaluation.data",
+        "stage and verify OpenCompass benchmark data offline",
+    ),
+    "report": (
+        "edge0_eval.evaluation.report",
+        "teacher-vs-student gap report from OpenCompass outputs",
+    ),
     "gate": ("edge0_eval.evaluation.gate", "CI regression gate on a report"),
     "gate-run": ("edge0_eval.evaluation.gate_run", "run a gate config and gate it"),
-    "fidelity": ("edge0_eval.fidelity", "make a teacher-forced fidelity set from a teacher"),
-    "plan": ("edge0_eval.plan", "what an OpenCompass run will cost: tokens, hours, power"),
+    "fidelity": (
+        "edge0_eval.fidelity",
+        "make a teacher-forced fidelity set from a teacher",
+    ),
+    "plan": (
+        "edge0_eval.plan",
+        "what an OpenCompass run will cost: tokens, hours, power",
+    ),
     "demo": ("edge0_eval.demo", "run the embedded default end to end"),
-    "testbed": ("edge0_eval.checkpoints.testbed", "real-weight MoE testbed from SmolLM2"),
+    "testbed": (
+        "edge0_eval.checkpoints.testbed",
+        "real-weight MoE testbed from SmolLM2",
+    ),
 }
-
-
-from edge0_eval.errors import Edge0Error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,16 +97,20 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)
-            print(f"edge0-eval: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}",
-                  file=sys.stderr)
+            print(
+                f"edge0-eval: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}",
+                file=sys.stderr,
+            )
             return 2
         parser.print_help()
         return 0
     name, rest = argv[0], argv[1:]
     module_name, help_text = COMMANDS[name]
     if not _available(module_name):
-        print(f"edge0-eval {name}: not implemented in this build ({module_name} is missing)",
-              file=sys.stderr)
+        print(
+            f"edge0-eval {name}: not implemented in this build ({module_name} is missing)",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"edge0-eval {name}", description=help_text)
@@ -82,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Results are written whole at the end (atomic renames), so an interrupted verb leaves
         # no partial file to mistake for a result; a traceback would only hide that.
-        print(f"edge0-eval {name}: interrupted; nothing partial was written (outputs are "
-              f"renamed into place only when complete)",
-              file=sys.stderr)
+        print(
+            f"edge0-eval {name}: interrupted; nothing partial was written (outputs are "
+            f"renamed into place only when complete)",
+            file=sys.stderr,
+        )
         return 130
 
 

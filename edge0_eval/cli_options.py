@@ -7,7 +7,13 @@ from dataclasses import fields
 
 from edge0_eval import cli_types as ct
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
-from edge0_eval.engine.options import HEDGE_FILE, LORA_FILE, MODES, PREROUTER_FILE, EngineOptions
+from edge0_eval.engine.options import (
+    HEDGE_FILE,
+    LORA_FILE,
+    MODES,
+    PREROUTER_FILE,
+    EngineOptions,
+)
 
 # Every flag's default is the EngineOptions field's: one owner.
 _DEFAULTS = EngineOptions()
@@ -16,39 +22,86 @@ _DEFAULTS = EngineOptions()
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--mode", default=_DEFAULTS.mode, choices=MODES)
-    g.add_argument("--top-k", type=ct.positive_int, default=None,
-                   help="routing width (default: native)")
-    g.add_argument("--expert-budget-mib", type=ct.positive_float, default=None,
-                   help="memory for expert slots across all MoE layers")
+    g.add_argument(
+        "--top-k",
+        type=ct.positive_int,
+        default=None,
+        help="routing width (default: native)",
+    )
+    g.add_argument(
+        "--expert-budget-mib",
+        type=ct.positive_float,
+        default=None,
+        help="memory for expert slots across all MoE layers",
+    )
     g.add_argument("--slots-per-layer", type=ct.positive_int, default=None)
-    g.add_argument("--lora", dest="lora_path", default=None,
-                   help=f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)")
-    g.add_argument("--lora-alpha", type=ct.positive_float, default=None,
-                   help="the adapter's LoRA alpha (scale alpha/r), for a file whose metadata "
-                        "and adapter_config.json give none; overrides them when given")
-    g.add_argument("--prerouter", dest="prerouter_path", default=None,
-                   help=f"prerouter heads safetensors (default: MODEL/{PREROUTER_FILE})")
+    g.add_argument(
+        "--lora",
+        dest="lora_path",
+        default=None,
+        help=f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)",
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=ct.positive_float,
+        default=None,
+        help="the adapter's LoRA alpha (scale alpha/r), for a file whose metadata "
+        "and adapter_config.json give none; overrides them when given",
+    )
+    g.add_argument(
+        "--prerouter",
+        dest="prerouter_path",
+        default=None,
+        help=f"prerouter heads safetensors (default: MODEL/{PREROUTER_FILE})",
+    )
     g.add_argument("--no-lora", action="store_true")
-    g.add_argument("--no-prerouter", action="store_true",
-                   help="route every layer with its true router")
-    g.add_argument("--hedge", dest="hedge_path", default=None,
-                   help=f"hedge for next-token heads, staged before the LM head: a draft "
-                        f"vocabulary (edge0-eval draft-vocab) (default: MODEL/{HEDGE_FILE} if "
-                        f"present)")
+    g.add_argument(
+        "--no-prerouter",
+        action="store_true",
+        help="route every layer with its true router",
+    )
+    g.add_argument(
+        "--hedge",
+        dest="hedge_path",
+        default=None,
+        help=f"hedge for next-token heads, staged before the LM head: a draft "
+        f"vocabulary (edge0-eval draft-vocab) (default: MODEL/{HEDGE_FILE} if "
+        f"present)",
+    )
     g.add_argument("--no-hedge", action="store_true", help="stage without a hedge")
-    g.add_argument("--hedge-layers", type=ct.positive_int, default=None,
-                   help="hedge only the first N hedge layers in step order (default: all)")
-    g.add_argument("--measure-recall", action="store_true",
-                   help="prerouted: also run the true routers to report online recall (slower)")
+    g.add_argument(
+        "--hedge-layers",
+        type=ct.positive_int,
+        default=None,
+        help="hedge only the first N hedge layers in step order (default: all)",
+    )
+    g.add_argument(
+        "--measure-recall",
+        action="store_true",
+        help="prerouted: also run the true routers to report online recall (slower)",
+    )
     g.add_argument("--io-workers", type=ct.positive_int, default=_DEFAULTS.io_workers)
-    g.add_argument("--io-throttle-mbps", type=ct.positive_float, default=None,
-                   help="emulate storage of this bandwidth (figures are labelled emulated)")
-    g.add_argument("--verify-crc", action=argparse.BooleanOptionalAction,
-                   default=_DEFAULTS.verify_crc,
-                   help="crc32 of each expert bundle on its first read (default on)")
-    g.add_argument("--compute-dtype", default=_DEFAULTS.compute_dtype, choices=COMPUTE_DTYPES,
-                   help="activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)")
-    g.add_argument("--no-guard", action="store_true", help="disable hidden-state clipping")
+    g.add_argument(
+        "--io-throttle-mbps",
+        type=ct.positive_float,
+        default=None,
+        help="emulate storage of this bandwidth (figures are labelled emulated)",
+    )
+    g.add_argument(
+        "--verify-crc",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.verify_crc,
+        help="crc32 of each expert bundle on its first read (default on)",
+    )
+    g.add_argument(
+        "--compute-dtype",
+        default=_DEFAULTS.compute_dtype,
+        choices=COMPUTE_DTYPES,
+        help="activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)",
+    )
+    g.add_argument(
+        "--no-guard", action="store_true", help="disable hidden-state clipping"
+    )
     g.add_argument("--seed", type=ct.seed, default=_DEFAULTS.seed)
 
 

@@ -17,7 +17,8 @@ def _number(text: str, kind=float):
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+        ) from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
@@ -55,7 +56,7 @@ def nonneg_int(text: str) -> int:
     return value
 
 
-SEED_MAX = 2**64 - 1     # mx.random.key takes an unsigned 64-bit seed
+SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 
 
 def seed(text: str) -> int:
@@ -68,12 +69,15 @@ def seed(text: str) -> int:
 
 def float_range(low: float, high: float, low_open: bool = False):
     """A finite float in [low, high] ((low, high] with low_open)."""
+
     def parse(text: str) -> float:
         value = _number(text)
         if value < low or value > high or (low_open and value == low):
             raise argparse.ArgumentTypeError(
-                f"{text} must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+                f"{text} must be in {'(' if low_open else '['}{low:g}, {high:g}]"
+            )
         return value
+
     parse.__name__ = f"number in range {low:g}..{high:g}"
     return parse
 
@@ -81,6 +85,7 @@ def float_range(low: float, high: float, low_open: bool = False):
 def named(value_type, name: str = "NAME"):
     """NAME=VALUE, VALUE checked by one of the validators above; gives (NAME, VALUE), so a
     repeatable option (`action="append"`) becomes a dict with `dict(args.option)`."""
+
     def parse(text: str) -> tuple[str, object]:
         key, sep, value = text.rpartition("=")
         if not sep or not key:
@@ -89,6 +94,7 @@ def named(value_type, name: str = "NAME"):
             return key, value_type(value)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
     parse.__name__ = f"{name}=VALUE"
     return parse
 
@@ -98,10 +104,13 @@ def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({exc.msg})") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid JSON ({exc.msg})"
+        ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; give "
-                                         f"'{{\"name\": value, ...}}'")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object; give '{{\"name\": value, ...}}'"
+        )
     return value
 
 
@@ -139,7 +148,9 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"folder {parent} does not exist; create it first")
+        raise argparse.ArgumentTypeError(
+            f"folder {parent} does not exist; create it first"
+        )
     return text
 
 

@@ -26,127 +26,190 @@ from edge0_eval.checkpoints.convert import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation import agreement, gate_run
 from edge0_eval.evaluation.fidelity import fingerprint, gather_prompts, make_set
 from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set, write_set
-from edge0_eval.evaluation import agreement, gate_run
 from edge0_eval.evaluation.fixtures import write_fixtures
 from edge0_eval.evaluation.gate_run import offline_env, opencompass_command
 from model_wrappers.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
-TINY_ARMS = ('teacher', 'int4_exact', 'prerouted_nolora', 'student')
-TINY_MODELS = ('edge0-tiny-teacher', 'edge0-tiny-int4-exact', 'edge0-tiny-prerouted-nolora',
-               'edge0-tiny-student')
-TINY_DATASETS = ('aime2026', 'IFBench', 'openai_humaneval', 'GPQA_diamond', 'mmlu_pro_math',
-                 'mmlu_pro_physics')
-TINY_FIDELITY = 'edge0_fidelity'
+TINY_ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
+TINY_MODELS = (
+    "edge0-tiny-teacher",
+    "edge0-tiny-int4-exact",
+    "edge0-tiny-prerouted-nolora",
+    "edge0-tiny-student",
+)
+TINY_DATASETS = (
+    "aime2026",
+    "IFBench",
+    "openai_humaneval",
+    "GPQA_diamond",
+    "mmlu_pro_math",
+    "mmlu_pro_physics",
+)
+TINY_FIDELITY = "edge0_fidelity"
 # The tiny fidelity set: prompts per source and teacher tokens per prompt.
 TINY_FIDELITY_LIMIT, TINY_FIDELITY_MAX_NEW = 6, 16
-AGREEMENT_BATCH = 32      # prompts per generate call when the tiny teacher answers the set
+AGREEMENT_BATCH = 32  # prompts per generate call when the tiny teacher answers the set
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('--work-dir', default='outputs/demo',
-                        help='where models, data and results go (default: outputs/demo)')
-    parser.add_argument('--config', default=None,
-                        help='OpenCompass config (default: configs/edge0_tiny.py of this checkout)')
-    parser.add_argument('--fresh', action='store_true',
-                        help='rebuild the tiny models instead of reusing them')
-    parser.add_argument('--baseline', default=None,
-                        help='gate the run against this report.json (default: '
-                             'reports/tiny/report.json, with --gate reports/tiny_gate/report.json '
-                             'of this checkout, when present)')
-    parser.add_argument('--gate', action='store_true',
-                        help='run the tiny gate (configs/edge0_tiny_gate.py: fidelity and '
-                             'agreement with the teacher) instead, with `gate-run`')
-    parser.add_argument('--sequential', action='store_true',
-                        help='with --gate: in rounds, stopping when the sequential rule decides')
+    parser.add_argument(
+        "--work-dir",
+        default="outputs/demo",
+        help="where models, data and results go (default: outputs/demo)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="OpenCompass config (default: configs/edge0_tiny.py of this checkout)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="rebuild the tiny models instead of reusing them",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="gate the run against this report.json (default: "
+        "reports/tiny/report.json, with --gate reports/tiny_gate/report.json "
+        "of this checkout, when present)",
+    )
+    parser.add_argument(
+        "--gate",
+        action="store_true",
+        help="run the tiny gate (configs/edge0_tiny_gate.py: fidelity and "
+        "agreement with the teacher) instead, with `gate-run`",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="with --gate: in rounds, stopping when the sequential rule decides",
+    )
 
 
-def find_config(explicit: str | None = None, name: str = 'edge0_tiny.py') -> Path:
-    candidates = [Path(explicit)] if explicit else [
-        Path(__file__).resolve().parent.parent / 'configs' / name, Path.cwd() / 'configs' / name]
+def find_config(explicit: str | None = None, name: str = "edge0_tiny.py") -> Path:
+    candidates = (
+        [Path(explicit)]
+        if explicit
+        else [
+            Path(__file__).resolve().parent.parent / "configs" / name,
+            Path.cwd() / "configs" / name,
+        ]
+    )
     for path in candidates:
         if path.is_file():
             return path
-    raise Edge0Error(f'{candidates[0]} not found; run from the edge0-eval checkout or pass '
-                     f'--config PATH')
+    raise Edge0Error(
+        f"{candidates[0]} not found; run from the edge0-eval checkout or pass "
+        f"--config PATH"
+    )
 
 
 def prepare(work: Path, fresh: bool = False) -> dict[str, str]:
     """Tiny teacher, student and fixture data under `work`; returns the run's environment."""
-    teacher, student, data = work / 'tiny-teacher', work / 'tiny-student', work / 'data'
+    teacher, student, data = work / "tiny-teacher", work / "tiny-student", work / "data"
     if fresh:
         for path in (teacher, student):
             shutil.rmtree(path, ignore_errors=True)
-    if not (teacher / 'config.json').exists():
+    if not (teacher / "config.json").exists():
         shutil.rmtree(teacher, ignore_errors=True)
-        write_tiny(teacher, TinyShape(family='qwen3_5_moe'))
+        write_tiny(teacher, TinyShape(family="qwen3_5_moe"))
         shutil.rmtree(student, ignore_errors=True)
-    if not (student / 'experts.index.json').exists():
+    if not (student / "experts.index.json").exists():
         shutil.rmtree(student, ignore_errors=True)
         convert(str(teacher), str(student))
     write_fixtures(data)
     make_tiny_fidelity_set(teacher, data / SET_PATH)
     train_student_adapters(work, teacher, student)
-    return {'COMPASS_DATA_CACHE': str(data.resolve()), 'EDGE0_TINY_TEACHER': str(teacher.resolve()),
-            'EDGE0_TINY_STUDENT': str(student.resolve()), 'EDGE0_ARMS': ','.join(TINY_ARMS)}
+    return {
+        "COMPASS_DATA_CACHE": str(data.resolve()),
+        "EDGE0_TINY_TEACHER": str(teacher.resolve()),
+        "EDGE0_TINY_STUDENT": str(student.resolve()),
+        "EDGE0_ARMS": ",".join(TINY_ARMS),
+    }
 
 
 def make_tiny_fidelity_set(teacher: Path, path: Path) -> Path:
     """The fidelity set of the tiny teacher; remade when the teacher changed."""
     if path.is_file():
         try:
-            if read_set(path)['teacher']['fingerprint'] == fingerprint(teacher):
+            if read_set(path)["teacher"]["fingerprint"] == fingerprint(teacher):
                 return path
         except Edge0Error:
-            pass   # unreadable or stale: make it again
-    prompts, sources = gather_prompts(['humaneval', 'ifbench'], [], TINY_FIDELITY_LIMIT)
-    return write_set(make_set(teacher, prompts, sources, max_new=TINY_FIDELITY_MAX_NEW), path)
+            pass  # unreadable or stale: make it again
+    prompts, sources = gather_prompts(["humaneval", "ifbench"], [], TINY_FIDELITY_LIMIT)
+    return write_set(
+        make_set(teacher, prompts, sources, max_new=TINY_FIDELITY_MAX_NEW), path
+    )
 
 
 def make_agreement_set(config: Path, env: dict[str, str]) -> Path:
     """The agreement set (evaluation/agreement.py) of the gate config's teacher arm, answered
     with its exact settings through its own model class; remade when either changed."""
-    cfg = gate_run.load_config_with(config, {**env, 'EDGE0_ARMS': 'teacher'})
-    (model,) = cfg['models']
-    settings = {k: model.get(k) for k in ('max_out_len', 'max_seq_len', 'generation_kwargs',
-                                          'chat_template_kwargs', 'stop_words', 'meta_template')}
+    cfg = gate_run.load_config_with(config, {**env, "EDGE0_ARMS": "teacher"})
+    (model,) = cfg["models"]
+    settings = {
+        k: model.get(k)
+        for k in (
+            "max_out_len",
+            "max_seq_len",
+            "generation_kwargs",
+            "chat_template_kwargs",
+            "stop_words",
+            "meta_template",
+        )
+    }
     settings = json.loads(json.dumps(settings, default=str))
     prompts = agreement.prompts()
-    header = {'fingerprint': fingerprint(Path(model['path'])), 'settings': settings,
-              'prompts': hashlib.sha256('\n'.join(prompts).encode()).hexdigest()}
-    path = Path(env['COMPASS_DATA_CACHE']) / agreement.SET_PATH
+    header = {
+        "fingerprint": fingerprint(Path(model["path"])),
+        "settings": settings,
+        "prompts": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+    }
+    path = Path(env["COMPASS_DATA_CACHE"]) / agreement.SET_PATH
     if path.is_file():
         try:
             if agreement.read_set(path)[0] == header:
                 return path
         except Edge0Error:
-            pass   # unreadable: make it again
-    teacher = MLXLMModel(path=model['path'], **{k: v for k, v in settings.items()
-                                                if k != 'max_out_len' and v is not None})
+            pass  # unreadable: make it again
+    teacher = MLXLMModel(
+        path=model["path"],
+        **{k: v for k, v in settings.items() if k != "max_out_len" and v is not None},
+    )
     # Every row equals its run alone (tests/test_batch_wrappers.py), so a larger batch than
     # the config's gives the same answers, sooner.
-    answers = [a for i in range(0, len(prompts), AGREEMENT_BATCH)
-               for a in teacher.generate(prompts[i:i + AGREEMENT_BATCH],
-                                         max_out_len=model['max_out_len'])]
-    return agreement.write_set(path, [{'prompt': p, 'reference': a}
-                                      for p, a in zip(prompts, answers)], header)
+    answers = [
+        a
+        for i in range(0, len(prompts), AGREEMENT_BATCH)
+        for a in teacher.generate(
+            prompts[i : i + AGREEMENT_BATCH], max_out_len=model["max_out_len"]
+        )
+    ]
+    return agreement.write_set(
+        path, [{"prompt": p, "reference": a} for p, a in zip(prompts, answers)], header
+    )
 
 
 def run_gate(args: argparse.Namespace, work: Path) -> int:
     """`demo --gate`: the tiny gate config through `gate-run`, against its committed baseline
     (none yet: run and report only)."""
-    config = find_config(args.config, 'edge0_tiny_gate.py')
+    config = find_config(args.config, "edge0_tiny_gate.py")
     env = prepare(work, fresh=args.fresh)
     start = time.perf_counter()
     make_agreement_set(config, env)
-    print(f'agreement set ready ({time.perf_counter() - start:.0f}s)', flush=True)
-    default = Path(__file__).resolve().parent.parent / 'reports' / 'tiny_gate' / 'report.json'
-    baseline = args.baseline or (str(default) if default.is_file() else 'none')
+    print(f"agreement set ready ({time.perf_counter() - start:.0f}s)", flush=True)
+    default = (
+        Path(__file__).resolve().parent.parent / "reports" / "tiny_gate" / "report.json"
+    )
+    baseline = args.baseline or (str(default) if default.is_file() else "none")
     # The gate config chooses its own arms (the demo's env names the tiny config's four).
-    env = {k: v for k, v in env.items() if k != 'EDGE0_ARMS'}
-    return gate_run.gate_run(config, baseline, work / 'gate', env, args.sequential)
+    env = {k: v for k, v in env.items() if k != "EDGE0_ARMS"}
+    return gate_run.gate_run(config, baseline, work / "gate", env, args.sequential)
 
 
 def tiny_corpus(directory: Path) -> list[Path]:
@@ -154,45 +217,77 @@ def tiny_corpus(directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     files = []
     for module in (json, string, textwrap):
-        path = directory / f'{module.__name__.replace(".", "_")}.txt'
-        path.write_text(Path(module.__file__).read_text(encoding='utf-8'), encoding='utf-8')
+        path = directory / f"{module.__name__.replace('.', '_')}.txt"
+        path.write_text(
+            Path(module.__file__).read_text(encoding="utf-8"), encoding="utf-8"
+        )
         files.append(path)
     return files
 
 
 def tiny_prompts(path: Path) -> Path:
-    prompts = ['What is 2 + 2?', 'Write a Python function that reverses a string.',
-               'Name three primary colours.', 'Explain what a mixture of experts is.',
-               'Answer with one letter: (A) red (B) blue.', 'Write a haiku about disks.',
-               'def fib(n):', 'List the first five prime numbers.']
-    path.write_text('\n'.join(json.dumps({'prompt': p}) for p in prompts) + '\n')
+    prompts = [
+        "What is 2 + 2?",
+        "Write a Python function that reverses a string.",
+        "Name three primary colours.",
+        "Explain what a mixture of experts is.",
+        "Answer with one letter: (A) red (B) blue.",
+        "Write a haiku about disks.",
+        "def fib(n):",
+        "List the first five prime numbers.",
+    ]
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n")
     return path
 
 
 def _edge0(*args: str) -> None:
-    cmd = [sys.executable, '-m', 'edge0_eval', *args]
+    cmd = [sys.executable, "-m", "edge0_eval", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise Edge0Error(f'`edge0-eval {" ".join(args[:1])}` failed:\n'
-                         f'{(proc.stderr or proc.stdout)[-2000:]}')
+        raise Edge0Error(
+            f"`edge0-eval {' '.join(args[:1])}` failed:\n"
+            f"{(proc.stderr or proc.stdout)[-2000:]}"
+        )
 
 
 def train_student_adapters(work: Path, teacher: Path, student: Path) -> None:
     """The student's prerouter heads (stage 1) and recovery LoRA (stage 2), short runs."""
     heads = student / PREROUTER_FILE
     if not heads.exists():
-        corpus = tiny_corpus(work / 'corpus')
-        _edge0('train-prerouter', str(student), '--text', *map(str, corpus), '--out', str(heads),
-               '--steps', '300', '--max-tokens', '6000', '--no-progress')
+        corpus = tiny_corpus(work / "corpus")
+        _edge0(
+            "train-prerouter",
+            str(student),
+            "--text",
+            *map(str, corpus),
+            "--out",
+            str(heads),
+            "--steps",
+            "300",
+            "--max-tokens",
+            "6000",
+            "--no-progress",
+        )
     lora = student / LORA_FILE
     if not lora.exists():
-        prompts = tiny_prompts(work / 'prompts.jsonl')
-        _edge0('train-lora', str(teacher), str(student), '--prompts', str(prompts),
-               '--out', str(lora), '--steps', '30', '--no-progress')
+        prompts = tiny_prompts(work / "prompts.jsonl")
+        _edge0(
+            "train-lora",
+            str(teacher),
+            str(student),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(lora),
+            "--steps",
+            "30",
+            "--no-progress",
+        )
 
 
-def check_run(run_dir: Path, models=TINY_MODELS,
-              datasets=TINY_DATASETS + (TINY_FIDELITY,)) -> list[str]:
+def check_run(
+    run_dir: Path, models=TINY_MODELS, datasets=TINY_DATASETS + (TINY_FIDELITY,)
+) -> list[str]:
     """Everything wrong with a tiny run folder (gate_run.check_run on the tiny config's lists)."""
     return gate_run.check_run(run_dir, models, datasets)
 
@@ -200,47 +295,67 @@ def check_run(run_dir: Path, models=TINY_MODELS,
 def run_tiny(work: Path, config: Path, env: dict[str, str]) -> Path:
     """Run OpenCompass on the tiny config; returns the new run folder."""
     work = work.resolve()
-    out = work / 'opencompass'
-    before = set(out.glob('*')) if out.exists() else set()
-    log = work / 'opencompass.log'
-    cmd = opencompass_command() + [str(config.resolve()), '-w', str(out)]
-    print(f'running: {" ".join(cmd)}  (log: {log})', flush=True)
+    out = work / "opencompass"
+    before = set(out.glob("*")) if out.exists() else set()
+    log = work / "opencompass.log"
+    cmd = opencompass_command() + [str(config.resolve()), "-w", str(out)]
+    print(f"running: {' '.join(cmd)}  (log: {log})", flush=True)
     # OpenCompass leaves tmp/ and icl_inference_output/ in its working directory: use `work`.
-    with open(log, 'w') as f:
-        proc = subprocess.run(cmd, env=offline_env(env), stdout=f, stderr=subprocess.STDOUT,
-                              cwd=work)
-    new = sorted(p for p in set(out.glob('*')) - before if p.is_dir())
+    with open(log, "w") as f:
+        proc = subprocess.run(
+            cmd, env=offline_env(env), stdout=f, stderr=subprocess.STDOUT, cwd=work
+        )
+    new = sorted(p for p in set(out.glob("*")) - before if p.is_dir())
     if proc.returncode != 0 or not new:
-        tail = log.read_text(errors='replace').strip().splitlines()[-15:]
-        raise Edge0Error(f'opencompass exited {proc.returncode}; last lines of {log}:\n'
-                         + '\n'.join(tail))
+        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+        raise Edge0Error(
+            f"opencompass exited {proc.returncode}; last lines of {log}:\n"
+            + "\n".join(tail)
+        )
     return new[-1]
 
 
-TINY_ARM_SPEC = ','.join(f'{arm}={model}' for arm, model in zip(TINY_ARMS, TINY_MODELS))
+TINY_ARM_SPEC = ",".join(f"{arm}={model}" for arm, model in zip(TINY_ARMS, TINY_MODELS))
 
 
 def find_baseline(explicit: str | None) -> Path | None:
     if explicit:
         return Path(explicit)
-    default = Path(__file__).resolve().parent.parent / 'reports' / 'tiny' / 'report.json'
+    default = (
+        Path(__file__).resolve().parent.parent / "reports" / "tiny" / "report.json"
+    )
     return default if default.is_file() else None
 
 
 def report_and_gate(run_dir: Path, out: Path, baseline: Path | None) -> Path:
     """The gap report of a tiny run, gated against `baseline` (a committed report.json)."""
     # Relative paths: the report records its command, and reports get committed.
-    _edge0('report', os.path.relpath(run_dir), '--out', os.path.relpath(out),
-           '--arms', TINY_ARM_SPEC)
+    _edge0(
+        "report",
+        os.path.relpath(run_dir),
+        "--out",
+        os.path.relpath(out),
+        "--arms",
+        TINY_ARM_SPEC,
+    )
     if baseline is not None:
-        cmd = [sys.executable, '-m', 'edge0_eval', 'gate', str(out / 'report.json'),
-               '--baseline', str(baseline)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "edge0_eval",
+            "gate",
+            str(out / "report.json"),
+            "--baseline",
+            str(baseline),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         print(proc.stdout)
         if proc.returncode != 0:
-            raise Edge0Error(f'the gate against {baseline} failed:\n{proc.stdout[-3000:]}'
-                             f'{proc.stderr[-1000:]}')
-    return out / 'report.json'
+            raise Edge0Error(
+                f"the gate against {baseline} failed:\n{proc.stdout[-3000:]}"
+                f"{proc.stderr[-1000:]}"
+            )
+    return out / "report.json"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -251,18 +366,25 @@ def run(args: argparse.Namespace) -> int:
     config = find_config(args.config)
     start = time.perf_counter()
     env = prepare(work, fresh=args.fresh)
-    print(f'prepared tiny teacher, student and fixture data under {work} '
-          f'({time.perf_counter() - start:.0f}s)', flush=True)
+    print(
+        f"prepared tiny teacher, student and fixture data under {work} "
+        f"({time.perf_counter() - start:.0f}s)",
+        flush=True,
+    )
     run_dir = run_tiny(work, config, env)
     problems = check_run(run_dir)
     if problems:
-        raise Edge0Error(f'the OpenCompass run in {run_dir} is incomplete:\n  - '
-                         + '\n  - '.join(problems))
-    summary = sorted((run_dir / 'summary').glob('summary_*.csv'))
+        raise Edge0Error(
+            f"the OpenCompass run in {run_dir} is incomplete:\n  - "
+            + "\n  - ".join(problems)
+        )
+    summary = sorted((run_dir / "summary").glob("summary_*.csv"))
     if summary:
-        print(summary[-1].read_text().replace(',', '\t'))
-    report = report_and_gate(run_dir, work / 'report', find_baseline(args.baseline))
-    print(f'report: {report}')
-    print(f'demo ok: {len(TINY_MODELS)} arms x {len(TINY_DATASETS)} datasets + fidelity scored in '
-          f'{run_dir} ({time.perf_counter() - start:.0f}s)')
+        print(summary[-1].read_text().replace(",", "\t"))
+    report = report_and_gate(run_dir, work / "report", find_baseline(args.baseline))
+    print(f"report: {report}")
+    print(
+        f"demo ok: {len(TINY_MODELS)} arms x {len(TINY_DATASETS)} datasets + fidelity scored in "
+        f"{run_dir} ({time.perf_counter() - start:.0f}s)"
+    )
     return 0

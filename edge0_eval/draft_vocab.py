@@ -25,44 +25,82 @@ from edge0_eval.training.data import read_documents, tokenize_documents
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
-    parser.add_argument("--text", action="append", required=True,
-                        help="text to count (.jsonl with a \"text\" field, or plain text); "
-                             "repeatable")
-    parser.add_argument("--out", required=True, type=ct.output_path,
-                        help="draft vocabulary to write (.safetensors)")
-    parser.add_argument("--tokens", type=ct.positive_int, default=4096,
-                        help="ids to keep, most frequent first (default 4096)")
-    parser.add_argument("--max-tokens", type=ct.positive_int, default=2_000_000,
-                        help="tokens to count at most")
-    parser.add_argument("--max-doc-tokens", type=ct.positive_int, default=4096,
-                        help="tokens per document at most")
+    parser.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        help='text to count (.jsonl with a "text" field, or plain text); repeatable',
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=ct.output_path,
+        help="draft vocabulary to write (.safetensors)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=ct.positive_int,
+        default=4096,
+        help="ids to keep, most frequent first (default 4096)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=ct.positive_int,
+        default=2_000_000,
+        help="tokens to count at most",
+    )
+    parser.add_argument(
+        "--max-doc-tokens",
+        type=ct.positive_int,
+        default=4096,
+        help="tokens per document at most",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    probe = Engine.load(args.model, EngineOptions(mode="reactive", no_lora=True,
-                                                  no_prerouter=True))
+    probe = Engine.load(
+        args.model, EngineOptions(mode="reactive", no_lora=True, no_prerouter=True)
+    )
     try:
         vocab = int(probe.family.embedding(probe.model).weight.shape[0])
-        if args.tokens > vocab:         # before reading and tokenizing the text
-            raise ConfigError(f"--tokens {args.tokens} exceeds the model's vocabulary of {vocab}")
-        docs = tokenize_documents(probe.tokenizer, read_documents(args.text), args.max_tokens,
-                                  args.max_doc_tokens)
+        if args.tokens > vocab:  # before reading and tokenizing the text
+            raise ConfigError(
+                f"--tokens {args.tokens} exceeds the model's vocabulary of {vocab}"
+            )
+        docs = tokenize_documents(
+            probe.tokenizer,
+            read_documents(args.text),
+            args.max_tokens,
+            args.max_doc_tokens,
+        )
     finally:
         probe.close()
     if not docs:
-        raise ConfigError(f"{', '.join(args.text)}: no document of two or more tokens to count")
+        raise ConfigError(
+            f"{', '.join(args.text)}: no document of two or more tokens to count"
+        )
     ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in docs])
     counts = np.bincount(ids, minlength=vocab)[:vocab]
     seen = int((counts > 0).sum())
     # Most frequent first; ids never seen follow in id order (a stable sort), so a small text
     # still gives the N asked for.
     ranked = np.argsort(-counts, kind="stable")[: args.tokens]
-    path = save_draft_vocab(args.out, ranked, vocab, {
-        "source": "draft-vocab", "model": Path(args.model).resolve().name,
-        "tokens_counted": len(ids), "distinct_tokens": seen})
+    path = save_draft_vocab(
+        args.out,
+        ranked,
+        vocab,
+        {
+            "source": "draft-vocab",
+            "model": Path(args.model).resolve().name,
+            "tokens_counted": len(ids),
+            "distinct_tokens": seen,
+        },
+    )
     covered = counts[ranked].sum() / len(ids)
-    print(f"wrote {path}: {args.tokens} of {vocab} ids ({args.tokens / vocab:.1%} of the LM "
-          f"head), most frequent first, from {len(ids):,} tokens ({seen:,} distinct); they "
-          f"cover {covered:.1%} of the counted tokens"
-          f"{'' if seen >= args.tokens else f'; the last {args.tokens - seen} were never seen'}")
+    print(
+        f"wrote {path}: {args.tokens} of {vocab} ids ({args.tokens / vocab:.1%} of the LM "
+        f"head), most frequent first, from {len(ids):,} tokens ({seen:,} distinct); they "
+        f"cover {covered:.1%} of the counted tokens"
+        f"{'' if seen >= args.tokens else f'; the last {args.tokens - seen} were never seen'}"
+    )
     return 0

@@ -13,47 +13,103 @@ import argparse
 
 from edge0_eval import cli_types as ct
 from edge0_eval import fidelity_bench
-
-from edge0_eval.evaluation.fidelity import (DEFAULT_BATCH, DEFAULT_MAX_NEW, DEFAULT_TOP_K,
-                                            SOURCES, gather_prompts, make_set)
-from edge0_eval.evaluation.fidelity_set import ENDS, source_counts, write_set
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.fidelity import (
+    DEFAULT_BATCH,
+    DEFAULT_MAX_NEW,
+    DEFAULT_TOP_K,
+    SOURCES,
+    gather_prompts,
+    make_set,
+)
+from edge0_eval.evaluation.fidelity_set import ENDS, source_counts, write_set
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     mk = sub.add_parser("make", help="make a fidelity set from a teacher checkpoint")
-    mk.add_argument("teacher", metavar="TEACHER", help="mlx-lm teacher checkpoint directory")
-    mk.add_argument("--out", required=True, metavar="FILE", type=ct.output_path,
-                    help="the set to write (.json, or .json.gz for a gzipped one)")
-    mk.add_argument("--max-new", type=int, default=DEFAULT_MAX_NEW, metavar="N",
-                    help=f"teacher tokens per prompt (default {DEFAULT_MAX_NEW})")
-    mk.add_argument("--min-new", type=int, default=1, metavar="N",
-                    help="leave out prompts whose continuation stops before N tokens (a "
-                         "long-form set: e.g. --max-new 4096 --min-new 512 --thinking; the set "
-                         "lists them under left_out)")
-    mk.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
-                    help=f"teacher log-probs kept per position (default {DEFAULT_TOP_K})")
-    mk.add_argument("--prompts-from", default=",".join(SOURCES), metavar="SRC,...",
-                    help=f"packaged prompt sources, comma-separated, from {', '.join(SOURCES)} "
-                         f"(default all; '' for none)")
-    mk.add_argument("--limit", type=int, default=None, metavar="N",
-                    help="at most N prompts from each source (default all)")
-    mk.add_argument("--text", nargs="+", default=[], metavar="FILE",
-                    help="extra prompts: a .jsonl of {\"prompt\": ...} lines, or a text file "
-                         "(one prompt)")
-    mk.add_argument("--compute-dtype", default="auto", choices=COMPUTE_DTYPES,
-                    help="the teacher's activation dtype, as the teacher arm's compute_dtype "
-                         "(default auto)")
-    mk.add_argument("--thinking", action="store_true",
-                    help="chat template with enable_thinking=True where the template reads it "
-                         "(the set records whether it does; default off)")
-    mk.add_argument("--batch", type=ct.positive_int, default=DEFAULT_BATCH, metavar="N",
-                    help=f"continuations the teacher decodes together (default {DEFAULT_BATCH})")
+    mk.add_argument(
+        "teacher", metavar="TEACHER", help="mlx-lm teacher checkpoint directory"
+    )
+    mk.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        type=ct.output_path,
+        help="the set to write (.json, or .json.gz for a gzipped one)",
+    )
+    mk.add_argument(
+        "--max-new",
+        type=int,
+        default=DEFAULT_MAX_NEW,
+        metavar="N",
+        help=f"teacher tokens per prompt (default {DEFAULT_MAX_NEW})",
+    )
+    mk.add_argument(
+        "--min-new",
+        type=int,
+        default=1,
+        metavar="N",
+        help="leave out prompts whose continuation stops before N tokens (a "
+        "long-form set: e.g. --max-new 4096 --min-new 512 --thinking; the set "
+        "lists them under left_out)",
+    )
+    mk.add_argument(
+        "--top-k",
+        type=int,
+        default=DEFAULT_TOP_K,
+        metavar="K",
+        help=f"teacher log-probs kept per position (default {DEFAULT_TOP_K})",
+    )
+    mk.add_argument(
+        "--prompts-from",
+        default=",".join(SOURCES),
+        metavar="SRC,...",
+        help=f"packaged prompt sources, comma-separated, from {', '.join(SOURCES)} "
+        f"(default all; '' for none)",
+    )
+    mk.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N prompts from each source (default all)",
+    )
+    mk.add_argument(
+        "--text",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help='extra prompts: a .jsonl of {"prompt": ...} lines, or a text file '
+        "(one prompt)",
+    )
+    mk.add_argument(
+        "--compute-dtype",
+        default="auto",
+        choices=COMPUTE_DTYPES,
+        help="the teacher's activation dtype, as the teacher arm's compute_dtype "
+        "(default auto)",
+    )
+    mk.add_argument(
+        "--thinking",
+        action="store_true",
+        help="chat template with enable_thinking=True where the template reads it "
+        "(the set records whether it does; default off)",
+    )
+    mk.add_argument(
+        "--batch",
+        type=ct.positive_int,
+        default=DEFAULT_BATCH,
+        metavar="N",
+        help=f"continuations the teacher decodes together (default {DEFAULT_BATCH})",
+    )
     mk.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench = sub.add_parser("bench", help="teacher-forced scoring speed: decode steps vs pieces "
-                                         "(interleaved, one process)")
+    bench = sub.add_parser(
+        "bench",
+        help="teacher-forced scoring speed: decode steps vs pieces "
+        "(interleaved, one process)",
+    )
     fidelity_bench.add_arguments(bench)
 
 
@@ -64,19 +120,32 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--limit must be at least 1")
     sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]
     prompts, info = gather_prompts(sources, args.text, args.limit)
-    fset = make_set(args.teacher, prompts, info, max_new=args.max_new, min_new=args.min_new,
-                    top_k=args.top_k,
-                    compute_dtype=args.compute_dtype, thinking=args.thinking,
-                    batch=args.batch, progress=not args.no_progress)
+    fset = make_set(
+        args.teacher,
+        prompts,
+        info,
+        max_new=args.max_new,
+        min_new=args.min_new,
+        top_k=args.top_k,
+        compute_dtype=args.compute_dtype,
+        thinking=args.thinking,
+        batch=args.batch,
+        progress=not args.no_progress,
+    )
     path = write_set(fset, args.out)
     counts = ", ".join(f"{k} {v}" for k, v in source_counts(fset).items())
     positions = sum(len(i["tokens"]) for i in fset["items"])
     short = len(fset["left_out"]["shorter_than_min_new"])
     ends = {e: sum(i["end"] == e for i in fset["items"]) for e in ENDS}
-    print(f"wrote {path}: {len(fset['items'])} prompts ({counts}), {positions} positions, "
-          f"top-{fset['top_k']}, teacher {fset['teacher']['fingerprint'][:12]}; ended by "
-          f"{', '.join(f'{k} {v}' for k, v in ends.items())}"
-          + (f"; {short} left out, shorter than --min-new" if short else "")
-          + ("" if not args.thinking or fset["thinking_in_template"] else
-             "; the chat template has no thinking switch: thinking had no effect"))
+    print(
+        f"wrote {path}: {len(fset['items'])} prompts ({counts}), {positions} positions, "
+        f"top-{fset['top_k']}, teacher {fset['teacher']['fingerprint'][:12]}; ended by "
+        f"{', '.join(f'{k} {v}' for k, v in ends.items())}"
+        + (f"; {short} left out, shorter than --min-new" if short else "")
+        + (
+            ""
+            if not args.thinking or fset["thinking_in_template"]
+            else "; the chat template has no thinking switch: thinking had no effect"
+        )
+    )
     return 0

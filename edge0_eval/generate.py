@@ -24,33 +24,70 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
-    source.add_argument("--prompts", type=Path, default=None,
-                        help='JSON lines, one {"prompt": TEXT[, "seed": N]} per row')
-    parser.add_argument("--batch", type=ct.positive_int, default=None,
-                        help="--prompts: rows decoded at once (default 1); the expert buffer "
-                             "grows to B x top-k slots per layer when the budget holds fewer")
-    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--chat-template-config", type=ct.json_object, default={},
-                        help='extra arguments for the chat template as a JSON object, as in '
-                             'mlx-lm\'s generate: \'{"enable_thinking": false}\' turns '
-                             'thinking off')
+    source.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='JSON lines, one {"prompt": TEXT[, "seed": N]} per row',
+    )
+    parser.add_argument(
+        "--batch",
+        type=ct.positive_int,
+        default=None,
+        help="--prompts: rows decoded at once (default 1); the expert buffer "
+        "grows to B x top-k slots per layer when the budget holds fewer",
+    )
+    parser.add_argument(
+        "--raw", action="store_true", help="do not apply the chat template"
+    )
+    parser.add_argument(
+        "--chat-template-config",
+        type=ct.json_object,
+        default={},
+        help="extra arguments for the chat template as a JSON object, as in "
+        "mlx-lm's generate: '{\"enable_thinking\": false}' turns "
+        "thinking off",
+    )
     parser.add_argument("--max-tokens", type=ct.positive_int, default=64)
     parser.add_argument("--temp", type=ct.nonneg_float, default=0.0)
-    parser.add_argument("--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0)
+    parser.add_argument(
+        "--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0
+    )
     # Sampling filters and penalties as mlx-lm's (engine/sampling_options.py); --top-k is the
     # routing width, so the sampling one is --sample-top-k.
-    parser.add_argument("--sample-top-k", type=ct.nonneg_int, default=0,
-                        help="sample among the k most likely tokens (0: off)")
-    parser.add_argument("--min-p", type=ct.float_range(0.0, 1.0), default=0.0,
-                        help="drop tokens below min-p x the top token's probability (0: off)")
-    parser.add_argument("--presence-penalty", type=ct.finite_float, default=None,
-                        help="mlx-lm's: subtracted from the logits of the last 20 tokens "
-                             "(prompt included)")
-    parser.add_argument("--repetition-penalty", type=ct.positive_float, default=None,
-                        help="mlx-lm's: divides (multiplies if negative) the logits of the last "
-                             "20 tokens")
-    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file,
-                        help="write generated token ids, text and stats here")
+    parser.add_argument(
+        "--sample-top-k",
+        type=ct.nonneg_int,
+        default=0,
+        help="sample among the k most likely tokens (0: off)",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=ct.float_range(0.0, 1.0),
+        default=0.0,
+        help="drop tokens below min-p x the top token's probability (0: off)",
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=ct.finite_float,
+        default=None,
+        help="mlx-lm's: subtracted from the logits of the last 20 tokens "
+        "(prompt included)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=ct.positive_float,
+        default=None,
+        help="mlx-lm's: divides (multiplies if negative) the logits of the last "
+        "20 tokens",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        type=ct.output_file,
+        help="write generated token ids, text and stats here",
+    )
     add_engine_arguments(parser)
 
 
@@ -60,29 +97,46 @@ ROW_KEYS = ("prompt", "seed")
 def read_prompts(path: Path) -> list[tuple[str, int | None]]:
     """(prompt text, seed or None) per non-empty line of a --prompts file."""
     if not path.is_file():
-        raise ConfigError(f"--prompts {path}: file not found; give a JSON-lines file with one "
-                          f'{{"prompt": ...}} per line')
+        raise ConfigError(
+            f"--prompts {path}: file not found; give a JSON-lines file with one "
+            f'{{"prompt": ...}} per line'
+        )
     rows = []
     for lineno, record in iter_jsonl(path):
         unknown = sorted(set(record) - set(ROW_KEYS))
-        if unknown:     # a per-row option this reader does not apply would be ignored silently
-            raise ConfigError(f"--prompts {path}:{lineno}: unknown key "
-                              f"{', '.join(map(repr, unknown))}; the accepted keys are "
-                              f"{', '.join(map(repr, ROW_KEYS))} (sampling options such as "
-                              f"--temp apply to every row)")
+        if (
+            unknown
+        ):  # a per-row option this reader does not apply would be ignored silently
+            raise ConfigError(
+                f"--prompts {path}:{lineno}: unknown key "
+                f"{', '.join(map(repr, unknown))}; the accepted keys are "
+                f"{', '.join(map(repr, ROW_KEYS))} (sampling options such as "
+                f"--temp apply to every row)"
+            )
         prompt, seed = record.get("prompt"), record.get("seed")
         if not isinstance(prompt, str) or not prompt:
-            raise ConfigError(f'--prompts {path}:{lineno}: needs a non-empty "prompt" string')
+            raise ConfigError(
+                f'--prompts {path}:{lineno}: needs a non-empty "prompt" string'
+            )
         try:
             prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:   # a lone surrogate such as "\\ud800" from JSON
-            raise ConfigError(f'--prompts {path}:{lineno}: "prompt" is not valid Unicode text '
-                              f"({exc.reason} at character {exc.start}); fix the line's "
-                              f"escapes") from None
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or
-                                 not 0 <= seed <= ct.SEED_MAX):
-            raise ConfigError(f'--prompts {path}:{lineno}: "seed" must be a whole number in '
-                              f'[0, 2**64 - 1], not {seed!r}')
+        except (
+            UnicodeEncodeError
+        ) as exc:  # a lone surrogate such as "\\ud800" from JSON
+            raise ConfigError(
+                f'--prompts {path}:{lineno}: "prompt" is not valid Unicode text '
+                f"({exc.reason} at character {exc.start}); fix the line's "
+                f"escapes"
+            ) from None
+        if seed is not None and (
+            isinstance(seed, bool)
+            or not isinstance(seed, int)
+            or not 0 <= seed <= ct.SEED_MAX
+        ):
+            raise ConfigError(
+                f'--prompts {path}:{lineno}: "seed" must be a whole number in '
+                f"[0, 2**64 - 1], not {seed!r}"
+            )
         rows.append((prompt, seed))
     if not rows:
         raise ConfigError(f"--prompts {path}: no prompts in the file")
@@ -92,31 +146,40 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
 def _encode(tok, text: str, raw: bool, template_kwargs: dict) -> list[int]:
     if raw:
         return tok.encode(text)
-    return tok.apply_chat_template([{"role": "user", "content": text}],
-                                   add_generation_prompt=True, **template_kwargs)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        **template_kwargs,
+    )
 
 
 def _check_context(engine: Engine, prompt: list[int], where: str) -> None:
     limit = engine.family.text_config(engine.config).get("max_position_embeddings")
     if isinstance(limit, int) and len(prompt) >= limit:
-        raise ConfigError(f"{where}: the prompt is {len(prompt)} tokens; the model's context is "
-                          f"{limit} (max_position_embeddings), leaving no room to generate; "
-                          f"shorten the prompt")
+        raise ConfigError(
+            f"{where}: the prompt is {len(prompt)} tokens; the model's context is "
+            f"{limit} (max_position_embeddings), leaving no room to generate; "
+            f"shorten the prompt"
+        )
 
 
 def _summary(s: dict) -> str:
     label = " (emulated storage)" if s["emulated"] else ""
-    return (f"decode {s['decode_tok_s']:.1f} tok/s, prefill {s['prefill_tok_s']:.1f} tok/s, "
-            f"peak {s['peak_memory_gib']:.3f} GiB, {s['bytes_per_token'] / 2**20:.2f} MiB "
-            f"read/token, blocked {s['blocked_load_ms_per_step']:.1f} ms/step{label}")
+    return (
+        f"decode {s['decode_tok_s']:.1f} tok/s, prefill {s['prefill_tok_s']:.1f} tok/s, "
+        f"peak {s['peak_memory_gib']:.3f} GiB, {s['bytes_per_token'] / 2**20:.2f} MiB "
+        f"read/token, blocked {s['blocked_load_ms_per_step']:.1f} ms/step{label}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.prompts is None:
         raise ConfigError("--batch needs --prompts FILE (one prompt per line)")
     if args.raw and args.chat_template_config:
-        raise ConfigError("--chat-template-config has no effect with --raw (no chat template is "
-                          "applied); drop one of them")
+        raise ConfigError(
+            "--chat-template-config has no effect with --raw (no chat template is "
+            "applied); drop one of them"
+        )
     rows = read_prompts(args.prompts) if args.prompts is not None else None
     check_filters(args.sample_top_k, args.min_p)
     check_penalties(_penalties(args))
@@ -133,14 +196,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _penalties(args) -> dict:
-    return {k: v for k, v in (("presence_penalty", args.presence_penalty),
-                              ("repetition_penalty", args.repetition_penalty)) if v is not None}
+    return {
+        k: v
+        for k, v in (
+            ("presence_penalty", args.presence_penalty),
+            ("repetition_penalty", args.repetition_penalty),
+        )
+        if v is not None
+    }
 
 
 def _sampling(args) -> dict:
     """The engine's sampling arguments from the command line."""
-    return dict(temperature=args.temp, top_p=args.top_p, top_k=args.sample_top_k,
-                min_p=args.min_p, penalties=_penalties(args))
+    return dict(
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.sample_top_k,
+        min_p=args.min_p,
+        penalties=_penalties(args),
+    )
 
 
 def _run_one(engine: Engine, args) -> None:
@@ -154,34 +228,58 @@ def _run_one(engine: Engine, args) -> None:
     print(f"-- {s['generated_tokens']} tokens, {_summary(s)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"prompt_tokens": prompt, "tokens": result.tokens, "text": text,
-                       "stats": s}, f, indent=1)
+            json.dump(
+                {
+                    "prompt_tokens": prompt,
+                    "tokens": result.tokens,
+                    "text": text,
+                    "stats": s,
+                },
+                f,
+                indent=1,
+            )
 
 
 def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None:
     tok = engine.tokenizer
-    prompts = [_encode(tok, text, args.raw, args.chat_template_config) for text, _ in rows]
+    prompts = [
+        _encode(tok, text, args.raw, args.chat_template_config) for text, _ in rows
+    ]
     for row, prompt in enumerate(prompts, 1):
         _check_context(engine, prompt, f"--prompts {args.prompts} row {row}")
     seeds = [engine.options.seed if seed is None else seed for _, seed in rows]
-    results = engine.generate_batch(prompts, max_tokens=args.max_tokens,
-                                    batch_size=args.batch or 1, seeds=seeds, **_sampling(args))
+    results = engine.generate_batch(
+        prompts,
+        max_tokens=args.max_tokens,
+        batch_size=args.batch or 1,
+        seeds=seeds,
+        **_sampling(args),
+    )
     entries = []
     for i, ((text, _), prompt, result) in enumerate(zip(rows, prompts, results)):
         out = tok.decode(result.tokens)
         print(f"[{i}] {out}")
-        entries.append({"prompt": text, "prompt_tokens": prompt, "tokens": result.tokens,
-                        "text": out, "stats": result.stats})
+        entries.append(
+            {
+                "prompt": text,
+                "prompt_tokens": prompt,
+                "tokens": result.tokens,
+                "text": out,
+                "stats": result.stats,
+            }
+        )
     s = results[0].stats
     label = " (emulated storage)" if s["emulated"] else ""
     union = s["mean_union_per_layer"]
-    print(f"-- {len(rows)} rows, batch {s['batch_size']}: {s['batch_generated_tokens']} tokens, "
-          f"aggregate decode {s['batch_decode_tok_s']:.1f} tok/s, "
-          f"{s['bytes_per_token'] / 2**20:.2f} MiB read/token, "
-          f"union {'-' if union is None else f'{union:.1f}'} experts/layer, "
-          f"expert buffer {s['expert_buffer_mib']:.2f} MiB ({s['slots_per_layer']} slots/layer; "
-          f"grown to batch x top-k when the budget holds fewer), "
-          f"peak {s['peak_memory_gib']:.3f} GiB{label}")
+    print(
+        f"-- {len(rows)} rows, batch {s['batch_size']}: {s['batch_generated_tokens']} tokens, "
+        f"aggregate decode {s['batch_decode_tok_s']:.1f} tok/s, "
+        f"{s['bytes_per_token'] / 2**20:.2f} MiB read/token, "
+        f"union {'-' if union is None else f'{union:.1f}'} experts/layer, "
+        f"expert buffer {s['expert_buffer_mib']:.2f} MiB ({s['slots_per_layer']} slots/layer; "
+        f"grown to batch x top-k when the budget holds fewer), "
+        f"peak {s['peak_memory_gib']:.3f} GiB{label}"
+    )
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(entries, f, indent=1)

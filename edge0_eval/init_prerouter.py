@@ -11,7 +11,6 @@ starting point stage 1 trains from.
 from __future__ import annotations
 
 import argparse
-
 from pathlib import Path
 
 from edge0_eval import cli_types as ct
@@ -24,42 +23,70 @@ from edge0_eval.training.options import add_head_layout_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="converted model directory (edge0-eval convert)")
-    parser.add_argument("--out", required=True, type=ct.output_path,
-                        help="heads file to write (.safetensors)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=ct.output_path,
+        help="heads file to write (.safetensors)",
+    )
     add_head_layout_arguments(parser)
-    parser.add_argument("--top-k", type=ct.positive_int, default=None,
-                        help="serving K the heads are for (default: the tier's, else native)")
+    parser.add_argument(
+        "--top-k",
+        type=ct.positive_int,
+        default=None,
+        help="serving K the heads are for (default: the tier's, else native)",
+    )
     parser.add_argument("--seed", type=ct.seed, default=0)
-    parser.add_argument("--embedding-scale", type=ct.positive_float, default=0.0, metavar="S",
-                        help="with --next-token: S x the consumer's router (rows shuffled) over "
-                             "the embedding columns instead of zeros, so the untrained heads "
-                             "route by the token too and a draft hedge (--hedge) misses their "
-                             "sets when its draft is wrong; for speed benchmarks of hedged "
-                             "staging")
+    parser.add_argument(
+        "--embedding-scale",
+        type=ct.positive_float,
+        default=0.0,
+        metavar="S",
+        help="with --next-token: S x the consumer's router (rows shuffled) over "
+        "the embedding columns instead of zeros, so the untrained heads "
+        "route by the token too and a draft hedge (--hedge) misses their "
+        "sets when its draft is wrong; for speed benchmarks of hedged "
+        "staging",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     facts = model_facts(Path(args.model))
-    top_k, owners, width = resolve_heads(facts, top_k=args.top_k, start_layer=args.start_layer,
-                                         width=args.width)
-    probe = Engine.load(args.model, EngineOptions(mode="reactive", no_lora=True,
-                                                  no_prerouter=True))
+    top_k, owners, width = resolve_heads(
+        facts, top_k=args.top_k, start_layer=args.start_layer, width=args.width
+    )
+    probe = Engine.load(
+        args.model, EngineOptions(mode="reactive", no_lora=True, no_prerouter=True)
+    )
     try:
-        heads = init_heads_from_routers(probe, owners, width=width, seed=args.seed, top_k=top_k,
-                                        next_token=args.next_token,
-                                        embedding_scale=args.embedding_scale)
-        path = save_heads(args.out, heads, metadata={"source": "init-prerouter (untrained)",
-                                                     "model": Path(args.model).resolve().name,
-                                                     "model_type": facts.model_type})
+        heads = init_heads_from_routers(
+            probe,
+            owners,
+            width=width,
+            seed=args.seed,
+            top_k=top_k,
+            next_token=args.next_token,
+            embedding_scale=args.embedding_scale,
+        )
+        path = save_heads(
+            args.out,
+            heads,
+            metadata={
+                "source": "init-prerouter (untrained)",
+                "model": Path(args.model).resolve().name,
+                "model_type": facts.model_type,
+            },
+        )
     finally:
         probe.close()
     cfg = heads.config
     wrap = [f"{n} -> {c}" for n, c in zip(cfg.owners, cfg.consumers) if c != n + 1]
-    print(f"wrote {path}: {len(cfg.owners)} heads, owners {cfg.owners[0]}..{cfg.owners[-1]} "
-          f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
-          f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
-          f"K={cfg.top_k}, width {cfg.width}, "
-          f"{'next-token' if cfg.next_token else 'context'} features, untrained"
-          f"{f', embedding columns {args.embedding_scale:g} x shuffled routers' if args.embedding_scale else ''}")
+    print(
+        f"wrote {path}: {len(cfg.owners)} heads, owners {cfg.owners[0]}..{cfg.owners[-1]} "
+        f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
+        f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
+        f"K={cfg.top_k}, width {cfg.width}, "
+        f"{'next-token' if cfg.next_token else 'context'} features, untrained"
+        f"{f', embedding columns {args.embedding_scale:g} x shuffled routers' if args.embedding_scale else ''}"
+    )
     return 0
-

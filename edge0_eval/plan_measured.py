@@ -17,16 +17,16 @@ from edge0_eval.evaluation.predictions import read_json
 
 @dataclass
 class Measured:
-    tokens: dict[tuple[str, str], float]          # (arm, dataset) -> mean tokens per sample
-    rates: dict[tuple[str, str], float]           # (arm, dataset) -> tokens/s of its calls
-    arm_rates: dict[str, float]                   # arm -> tokens/s over all its datasets
-    overhead_s: float | None                      # per arm: run wall time minus generation
+    tokens: dict[tuple[str, str], float]  # (arm, dataset) -> mean tokens per sample
+    rates: dict[tuple[str, str], float]  # (arm, dataset) -> tokens/s of its calls
+    arm_rates: dict[str, float]  # arm -> tokens/s over all its datasets
+    overhead_s: float | None  # per arm: run wall time minus generation
 
 
 def _stats_files(pred_dir: Path) -> dict[str, list[Path]]:
     out: dict[str, list[Path]] = {}
     for path in sorted(pred_dir.glob("*.engine_stats.json")):
-        stem = path.name[:-len(".engine_stats.json")]
+        stem = path.name[: -len(".engine_stats.json")]
         base, _, shard = stem.rpartition("_")
         dataset = base if shard.isdigit() and base else stem
         out.setdefault(dataset, []).append(path)
@@ -40,13 +40,17 @@ def _call_seconds(rows: list[dict], path: Path) -> float:
     while i < len(rows):
         size = rows[i].get("batch_size", 1)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise Edge0Error(f"{path}: row {i} has batch_size {size!r}; the file is corrupt, "
-                             f"re-run that task")
-        call = rows[i:i + size]
+            raise Edge0Error(
+                f"{path}: row {i} has batch_size {size!r}; the file is corrupt, "
+                f"re-run that task"
+            )
+        call = rows[i : i + size]
         walls = [r.get("batch_wall_s", r.get("wall_s")) for r in call]
         if any(not isinstance(w, (int, float)) for w in walls):
-            raise Edge0Error(f"{path}: rows {i}..{i + len(call) - 1} lack wall_s; made by an "
-                             f"older edge0-eval? re-run that task")
+            raise Edge0Error(
+                f"{path}: rows {i}..{i + len(call) - 1} lack wall_s; made by an "
+                f"older edge0-eval? re-run that task"
+            )
         total += max(walls)
         i += size
     return total
@@ -66,8 +70,10 @@ def _run_wall_s(run: Path) -> float | None:
 def read_previous(run: Path) -> Measured:
     pred_root = run / "predictions"
     if not pred_root.is_dir():
-        raise ConfigError(f"--from {run}: no predictions/ folder; give an OpenCompass run "
-                          f"folder (outputs/<config>/<timestamp>)")
+        raise ConfigError(
+            f"--from {run}: no predictions/ folder; give an OpenCompass run "
+            f"folder (outputs/<config>/<timestamp>)"
+        )
     tokens, rates, totals = {}, {}, {}
     for model_dir in sorted(p for p in pred_root.iterdir() if p.is_dir()):
         arm = model_dir.name
@@ -76,22 +82,34 @@ def read_previous(run: Path) -> Measured:
             seconds = 0.0
             for path in files:
                 data = read_json(path, "engine stats")
-                if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-                    raise Edge0Error(f"{path}: engine stats must be a list of objects; the "
-                                     f"file is corrupt, re-run that task")
+                if not isinstance(data, list) or not all(
+                    isinstance(r, dict) for r in data
+                ):
+                    raise Edge0Error(
+                        f"{path}: engine stats must be a list of objects; the "
+                        f"file is corrupt, re-run that task"
+                    )
                 rows += data
                 seconds += _call_seconds(data, path)
             counts = [r.get("tokens") for r in rows]
-            if not rows or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
-                raise Edge0Error(f"{files[0]}: a row without a whole 'tokens' count; the file "
-                                 f"is corrupt, re-run that task")
+            if not rows or any(
+                isinstance(c, bool) or not isinstance(c, int) for c in counts
+            ):
+                raise Edge0Error(
+                    f"{files[0]}: a row without a whole 'tokens' count; the file "
+                    f"is corrupt, re-run that task"
+                )
             tokens[(arm, dataset)] = sum(counts) / len(counts)
             work = sum(counts)
-            if dataset == FIDELITY_ABBR:   # scoring runs the prompt as well: plan.fidelity_tokens
+            if (
+                dataset == FIDELITY_ABBR
+            ):  # scoring runs the prompt as well: plan.fidelity_tokens
                 prompts = [r.get("prompt_tokens") for r in rows]
                 if any(isinstance(p, bool) or not isinstance(p, int) for p in prompts):
-                    raise Edge0Error(f"{files[0]}: a row without a whole 'prompt_tokens' "
-                                     f"count; the file is corrupt, re-run that task")
+                    raise Edge0Error(
+                        f"{files[0]}: a row without a whole 'prompt_tokens' "
+                        f"count; the file is corrupt, re-run that task"
+                    )
                 work += sum(prompts)
             if seconds > 0:
                 rates[(arm, dataset)] = work / seconds

@@ -16,7 +16,6 @@ from edge0_eval.evaluation.data_paths import data_root
 
 @LOAD_DATASET.register_module()
 class AgreementDataset(BaseDataset):
-
     @staticmethod
     def load(path: str | None = None):
         """path: relative to the data root ($COMPASS_DATA_CACHE) unless absolute."""

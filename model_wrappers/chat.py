@@ -12,15 +12,28 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-import torch   # opencompass.models.base imports it already: no extra cost
+import torch  # opencompass.models.base imports it already: no extra cost
 from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
-from edge0_eval.chat_rows import (RowStop, chat_ids, chat_text, fit_prompt,  # noqa: F401
-                                  row_seed, stop_token_ids, to_messages, trim_at_stop)
-from edge0_eval.engine.sampling_options import (FILTER_KEYS, PENALTY_KEYS, check_filters,
-                                                check_penalties, penalties_of)
+from edge0_eval.chat_rows import (  # noqa: F401
+    RowStop,
+    chat_ids,
+    chat_text,
+    fit_prompt,
+    row_seed,
+    stop_token_ids,
+    to_messages,
+    trim_at_stop,
+)
+from edge0_eval.engine.sampling_options import (
+    FILTER_KEYS,
+    PENALTY_KEYS,
+    check_filters,
+    check_penalties,
+    penalties_of,
+)
 from edge0_eval.errors import ConfigError
 
 # HUMAN/BOT/SYSTEM items of an OpenCompass PromptList map onto chat roles. SYSTEM is a reserved
@@ -28,38 +41,46 @@ from edge0_eval.errors import ConfigError
 # message instead of being folded into the user turn.
 DEFAULT_META_TEMPLATE = dict(
     round=[
-        dict(role='HUMAN', api_role='HUMAN'),
-        dict(role='BOT', api_role='BOT', generate=True),
+        dict(role="HUMAN", api_role="HUMAN"),
+        dict(role="BOT", api_role="BOT", generate=True),
     ],
-    reserved_roles=[dict(role='SYSTEM', api_role='SYSTEM')],
+    reserved_roles=[dict(role="SYSTEM", api_role="SYSTEM")],
 )
 
 # Sampling options both arms understand (edge0_eval/engine/sampling_options.py: mlx-lm's
 # filters and penalties). Anything else in generation_kwargs is refused at construction so a
 # typo cannot silently change one arm's decoding.
-SAMPLING_KEYS = (*FILTER_KEYS, *PENALTY_KEYS, 'do_sample', 'seed')
+SAMPLING_KEYS = (*FILTER_KEYS, *PENALTY_KEYS, "do_sample", "seed")
 
 
 def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, Any]:
     """Validate generation kwargs and resolve them to explicit sampling options."""
-    unknown = sorted(set(generation_kwargs) - set(SAMPLING_KEYS) - {'max_new_tokens'})
+    unknown = sorted(set(generation_kwargs) - set(SAMPLING_KEYS) - {"max_new_tokens"})
     if unknown:
-        raise ConfigError(f'{arm}: unsupported generation_kwargs {unknown}; '
-                          f'supported: {", ".join(SAMPLING_KEYS)}')
-    opts = {'temperature': 0.0, 'top_p': 1.0, 'top_k': 0, 'min_p': 0.0, 'seed': 0,
-            **{key: None for key in PENALTY_KEYS}}
+        raise ConfigError(
+            f"{arm}: unsupported generation_kwargs {unknown}; "
+            f"supported: {', '.join(SAMPLING_KEYS)}"
+        )
+    opts = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "seed": 0,
+        **{key: None for key in PENALTY_KEYS},
+    }
     for key in opts:
         if generation_kwargs.get(key) is not None:
             opts[key] = generation_kwargs[key]
-    if generation_kwargs.get('do_sample') is False:
-        opts['temperature'] = 0.0
-    if opts['temperature'] < 0 or not 0 < opts['top_p'] <= 1:
-        raise ConfigError(f'{arm}: temperature must be >= 0 and top_p in (0, 1]')
+    if generation_kwargs.get("do_sample") is False:
+        opts["temperature"] = 0.0
+    if opts["temperature"] < 0 or not 0 < opts["top_p"] <= 1:
+        raise ConfigError(f"{arm}: temperature must be >= 0 and top_p in (0, 1]")
     try:
-        check_filters(opts['top_k'], opts['min_p'])
+        check_filters(opts["top_k"], opts["min_p"])
         check_penalties(penalties_of(opts))
     except ConfigError as exc:
-        raise ConfigError(f'{arm}: generation_kwargs: {exc}') from None
+        raise ConfigError(f"{arm}: generation_kwargs: {exc}") from None
     return opts
 
 
@@ -68,10 +89,13 @@ def check_sample_indices(sample_indices, count: int, arm: str) -> List[int]:
     if sample_indices is None:
         return [0] * count
     samples = list(sample_indices)
-    if len(samples) != count or any(isinstance(j, bool) or not isinstance(j, int) or j < 0
-                                    for j in samples):
-        raise ConfigError(f'{arm}: sample_indices must hold one whole number >= 0 per prompt '
-                          f'({count}), not {samples!r}')
+    if len(samples) != count or any(
+        isinstance(j, bool) or not isinstance(j, int) or j < 0 for j in samples
+    ):
+        raise ConfigError(
+            f"{arm}: sample_indices must hold one whole number >= 0 per prompt "
+            f"({count}), not {samples!r}"
+        )
     return samples
 
 
@@ -84,12 +108,14 @@ class SampleStatsLog:
     sample_stats: List[Dict[str, Any]]
 
     def _record(self, stats: Dict[str, Any]) -> None:
-        stats = {'arm': self.arm, **stats}
+        stats = {"arm": self.arm, **stats}
         self.sample_stats.append(stats)
         if self.stats_jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(self.stats_jsonl)), exist_ok=True)
-            with open(self.stats_jsonl, 'a', encoding='utf-8') as f:
-                f.write(json.dumps(stats) + '\n')
+            os.makedirs(
+                os.path.dirname(os.path.abspath(self.stats_jsonl)), exist_ok=True
+            )
+            with open(self.stats_jsonl, "a", encoding="utf-8") as f:
+                f.write(json.dumps(stats) + "\n")
 
     def pop_sample_stats(self) -> List[Dict[str, Any]]:
         """Per-sample stats recorded since the last call (the inferencer writes them out)."""
@@ -115,24 +141,31 @@ class ChatModelBase(SampleStatsLog, BaseModel):
         stats_jsonl: optional path; every sample's stats are also appended there as JSON lines.
     """
 
-    arm = 'model'
+    arm = "model"
 
-    def __init__(self,
-                 path: str,
-                 max_seq_len: int = 32768,
-                 tokenizer_only: bool = False,
-                 meta_template: Optional[Dict] = None,
-                 generation_kwargs: Optional[Dict] = None,
-                 stop_words: Optional[List[str]] = None,
-                 chat_template_kwargs: Optional[Dict] = None,
-                 stats_jsonl: Optional[str] = None,
-                 **kwargs):
-        super().__init__(path=path, max_seq_len=max_seq_len, tokenizer_only=tokenizer_only,
-                         meta_template=meta_template, generation_kwargs=generation_kwargs or {})
+    def __init__(
+        self,
+        path: str,
+        max_seq_len: int = 32768,
+        tokenizer_only: bool = False,
+        meta_template: Optional[Dict] = None,
+        generation_kwargs: Optional[Dict] = None,
+        stop_words: Optional[List[str]] = None,
+        chat_template_kwargs: Optional[Dict] = None,
+        stats_jsonl: Optional[str] = None,
+        **kwargs,
+    ):
+        super().__init__(
+            path=path,
+            max_seq_len=max_seq_len,
+            tokenizer_only=tokenizer_only,
+            meta_template=meta_template,
+            generation_kwargs=generation_kwargs or {},
+        )
         self.logger = get_logger()
         if kwargs:
             # A misspelt option would otherwise change one arm's behaviour silently.
-            raise ConfigError(f'{self.arm}: unknown model options {sorted(kwargs)}')
+            raise ConfigError(f"{self.arm}: unknown model options {sorted(kwargs)}")
         self.template_parser = APITemplateParser(meta_template or DEFAULT_META_TEMPLATE)
         self.sampling = sampling_options(self.generation_kwargs, self.arm)
         self.stop_words = [s for s in (stop_words or []) if s]
@@ -145,19 +178,32 @@ class ChatModelBase(SampleStatsLog, BaseModel):
     def _load(self, tokenizer_only: bool):
         raise NotImplementedError
 
-    def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
-                         stop_words: List[str], seed: int) -> tuple[List[int], Dict[str, Any]]:
+    def _generate_tokens(
+        self,
+        prompt_ids: List[int],
+        max_tokens: int,
+        stop_ids: set,
+        stop_words: List[str],
+        seed: int,
+    ) -> tuple[List[int], Dict[str, Any]]:
         raise NotImplementedError
 
-    def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
-                        stop_words: List[str], seeds: List[int]
-                        ) -> List[tuple[List[int], Dict[str, Any]]]:
+    def _generate_batch(
+        self,
+        prompts: List[List[int]],
+        max_tokens: int,
+        stop_ids: set,
+        stop_words: List[str],
+        seeds: List[int],
+    ) -> List[tuple[List[int], Dict[str, Any]]]:
         """(tokens, stats) per prompt, in prompt order; by default one prompt at a time."""
         rows = []
         for ids, seed in zip(prompts, seeds):
             start = time.perf_counter()
-            tokens, stats = self._generate_tokens(ids, max_tokens, stop_ids, stop_words, seed)
-            rows.append((tokens, {'wall_s': time.perf_counter() - start, **stats}))
+            tokens, stats = self._generate_tokens(
+                ids, max_tokens, stop_ids, stop_words, seed
+            )
+            rows.append((tokens, {"wall_s": time.perf_counter() - start, **stats}))
         return rows
 
     # -- prompt handling ---------------------------------------------------------------------
@@ -180,40 +226,59 @@ class ChatModelBase(SampleStatsLog, BaseModel):
         """Keep the head and tail of an over-long prompt (OpenCompass's 'mid' truncation)."""
         fitted = fit_prompt(ids, self.max_seq_len, max_out_len)
         if len(fitted) < len(ids):
-            self.logger.warning(f'{self.arm}: prompt of {len(ids)} tokens cut to {len(fitted)} '
-                                f'(max_seq_len {self.max_seq_len} - max_out_len {max_out_len})')
+            self.logger.warning(
+                f"{self.arm}: prompt of {len(ids)} tokens cut to {len(fitted)} "
+                f"(max_seq_len {self.max_seq_len} - max_out_len {max_out_len})"
+            )
         return fitted
 
     # -- OpenCompass entry points ------------------------------------------------------------
-    def generate(self, inputs: List[Any], max_out_len: int, min_out_len: Optional[int] = None,
-                 stopping_criteria: Optional[List[str]] = None,
-                 sample_indices: Optional[List[int]] = None, **kwargs) -> List[str]:
+    def generate(
+        self,
+        inputs: List[Any],
+        max_out_len: int,
+        min_out_len: Optional[int] = None,
+        stopping_criteria: Optional[List[str]] = None,
+        sample_indices: Optional[List[int]] = None,
+        **kwargs,
+    ) -> List[str]:
         """sample_indices: per input, which of its question's repeats it is (the inferencer
         passes them; None: 0 for every input). A repeat draws its own seed (`row_seed`)."""
         if self.tokenizer_only:
-            raise RuntimeError(f'{self.arm} was built with tokenizer_only=True')
+            raise RuntimeError(f"{self.arm} was built with tokenizer_only=True")
         if kwargs:
-            self.logger.debug(f'{self.arm}: ignoring per-call kwargs {sorted(kwargs)}')
+            self.logger.debug(f"{self.arm}: ignoring per-call kwargs {sorted(kwargs)}")
         samples = check_sample_indices(sample_indices, len(inputs), self.arm)
-        stop_words = list(dict.fromkeys(self.stop_words + list(stopping_criteria or [])))
+        stop_words = list(
+            dict.fromkeys(self.stop_words + list(stopping_criteria or []))
+        )
         stop_ids = stop_token_ids(self.tokenizer, stop_words)
         prompts = [self._fit_prompt(self.encode_prompt(p), max_out_len) for p in inputs]
-        seeds = [row_seed(self.sampling['seed'], ids, j) for ids, j in zip(prompts, samples)]
+        seeds = [
+            row_seed(self.sampling["seed"], ids, j) for ids, j in zip(prompts, samples)
+        ]
         start = time.perf_counter()
         rows = self._generate_batch(prompts, max_out_len, stop_ids, stop_words, seeds)
         wall = time.perf_counter() - start
         if len(rows) != len(prompts):
-            raise RuntimeError(f'{self.arm}: {len(rows)} outputs for {len(prompts)} prompts')
+            raise RuntimeError(
+                f"{self.arm}: {len(rows)} outputs for {len(prompts)} prompts"
+            )
         outputs = []
         for ids, seed, sample, (tokens, stats) in zip(prompts, seeds, samples, rows):
             text, hit = trim_at_stop(self.tokenizer.decode(tokens), stop_words)
             # wall_s: this row's own time (from the call's start in a batch); batch_* keys
             # hold the figures of the whole batch it ran in.
-            stats = {'prompt_tokens': len(ids), 'tokens': len(tokens),
-                     'wall_s': round(float(stats.pop('wall_s', wall)), 4),
-                     'stop_word': hit, 'seed': seed, 'sample': sample,
-                     'batch_size': len(prompts), **stats}
+            stats = {
+                "prompt_tokens": len(ids),
+                "tokens": len(tokens),
+                "wall_s": round(float(stats.pop("wall_s", wall)), 4),
+                "stop_word": hit,
+                "seed": seed,
+                "sample": sample,
+                "batch_size": len(prompts),
+                **stats,
+            }
             self._record(stats)
             outputs.append(text)
         return outputs
-

@@ -46,12 +46,23 @@ from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
 from opencompass.models import OpenAISDK
 from opencompass.registry import MODELS
 
-from edge0_eval.chat_rows import (RowStop, chat_ids, chat_text, stop_token_ids, to_messages,
-                                  trim_at_stop)
+from edge0_eval.chat_rows import (
+    RowStop,
+    chat_ids,
+    chat_text,
+    stop_token_ids,
+    to_messages,
+    trim_at_stop,
+)
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 
-from .chat import DEFAULT_META_TEMPLATE, SampleStatsLog, check_sample_indices, sampling_options
+from .chat import (
+    DEFAULT_META_TEMPLATE,
+    SampleStatsLog,
+    check_sample_indices,
+    sampling_options,
+)
 
 # 4xx statuses that say the host is busy, not that the request is wrong (the openai client
 # retries these too): handled as a 5xx, another host tried.
@@ -63,28 +74,35 @@ def api_problems(name: str, cfg: Dict[str, Any], timeout: float = 10.0) -> List[
     copy, a host that does not answer GET /models, or one that serves another model (a server
     that lists no such name, as mlx-lm's for 'default_model', is taken at its word)."""
     problems = []
-    tokenizer = cfg.get('tokenizer_path')
+    tokenizer = cfg.get("tokenizer_path")
     if not tokenizer or not Path(str(tokenizer)).is_dir():
-        problems.append(f'{name}: tokenizer_path {tokenizer!r} is not a directory (a local copy '
-                        f'of the model\'s tokenizer files, config.json and '
-                        f'generation_config.json)')
-    bases = cfg.get('openai_api_base')
+        problems.append(
+            f"{name}: tokenizer_path {tokenizer!r} is not a directory (a local copy "
+            f"of the model's tokenizer files, config.json and "
+            f"generation_config.json)"
+        )
+    bases = cfg.get("openai_api_base")
     for base in [bases] if isinstance(bases, str) else list(bases or []):
         try:
-            with urllib.request.urlopen(f'{str(base).rstrip("/")}/models',
-                                        timeout=timeout) as r:
+            with urllib.request.urlopen(
+                f"{str(base).rstrip('/')}/models", timeout=timeout
+            ) as r:
                 body = r.read()
         except (OSError, ValueError) as exc:
-            problems.append(f'{name}: {base} does not answer GET /models ({exc}); start the '
-                            f'server there (edge0-eval serve, mlx_lm.server) or fix the URL')
+            problems.append(
+                f"{name}: {base} does not answer GET /models ({exc}); start the "
+                f"server there (edge0-eval serve, mlx_lm.server) or fix the URL"
+            )
             continue
         try:
-            served = [m.get('id') for m in json.loads(body).get('data', [])]
+            served = [m.get("id") for m in json.loads(body).get("data", [])]
         except (ValueError, AttributeError):
-            continue                  # it answers, but lists nothing readable: not checked
-        if cfg.get('path') != 'default_model' and cfg.get('path') not in served:
-            problems.append(f'{name}: {base} serves {served}, not {cfg.get("path")!r}; start it '
-                            f'with --served-model-name {cfg.get("path")}')
+            continue  # it answers, but lists nothing readable: not checked
+        if cfg.get("path") != "default_model" and cfg.get("path") not in served:
+            problems.append(
+                f"{name}: {base} serves {served}, not {cfg.get('path')!r}; start it "
+                f"with --served-model-name {cfg.get('path')}"
+            )
     return problems
 
 
@@ -103,7 +121,9 @@ class Hosts:
         with self.lock:
             now = time.monotonic()
             candidates = [b for b in self.bases if b != avoid] or self.bases
-            base = min(candidates, key=lambda b: (max(self.down_until[b], now), self.busy[b]))
+            base = min(
+                candidates, key=lambda b: (max(self.down_until[b], now), self.busy[b])
+            )
             self.busy[base] += 1
             return base, max(0.0, self.down_until[base] - now)
 
@@ -125,54 +145,82 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
              tokenizer_path='/models/student', **generation)
     """
 
-    arm = 'api'
+    arm = "api"
 
-    def __init__(self, path: str, openai_api_base, tokenizer_path: str,
-                 max_seq_len: int = 32768, meta_template: Optional[Dict] = None,
-                 generation_kwargs: Optional[Dict] = None, stop_words: Optional[List[str]] = None,
-                 chat_template_kwargs: Optional[Dict] = None, key: Optional[str] = None,
-                 retry: int = 3, retry_wait: float = 5.0, timeout: int = 3600,
-                 max_workers: Optional[int] = None, stats_jsonl: Optional[str] = None,
-                 **kwargs):
-        bases = [openai_api_base] if isinstance(openai_api_base, str) else openai_api_base
-        if not bases or not all(isinstance(b, str) and b.startswith(('http://', 'https://'))
-                                for b in bases):
-            raise ConfigError(f'api: openai_api_base must be a URL or a list of URLs '
-                              f'(http://HOST:PORT/v1), not {openai_api_base!r}')
+    def __init__(
+        self,
+        path: str,
+        openai_api_base,
+        tokenizer_path: str,
+        max_seq_len: int = 32768,
+        meta_template: Optional[Dict] = None,
+        generation_kwargs: Optional[Dict] = None,
+        stop_words: Optional[List[str]] = None,
+        chat_template_kwargs: Optional[Dict] = None,
+        key: Optional[str] = None,
+        retry: int = 3,
+        retry_wait: float = 5.0,
+        timeout: int = 3600,
+        max_workers: Optional[int] = None,
+        stats_jsonl: Optional[str] = None,
+        **kwargs,
+    ):
+        bases = (
+            [openai_api_base] if isinstance(openai_api_base, str) else openai_api_base
+        )
+        if not bases or not all(
+            isinstance(b, str) and b.startswith(("http://", "https://")) for b in bases
+        ):
+            raise ConfigError(
+                f"api: openai_api_base must be a URL or a list of URLs "
+                f"(http://HOST:PORT/v1), not {openai_api_base!r}"
+            )
         if not tokenizer_path or not Path(tokenizer_path).is_dir():
-            raise ConfigError(f'api: tokenizer_path {tokenizer_path!r} is not a directory; give '
-                              f'a local copy of the model\'s tokenizer files (the chat '
-                              f'template\'s thinking opener and prompt lengths are read from it)')
+            raise ConfigError(
+                f"api: tokenizer_path {tokenizer_path!r} is not a directory; give "
+                f"a local copy of the model's tokenizer files (the chat "
+                f"template's thinking opener and prompt lengths are read from it)"
+            )
         if isinstance(retry, bool) or not isinstance(retry, int) or retry < 1:
-            raise ConfigError(f'api: retry must be a whole number >= 1, not {retry!r}')
+            raise ConfigError(f"api: retry must be a whole number >= 1, not {retry!r}")
         # The key `edge0-eval serve --api-key` reads from the same variable, kept out of configs
         # (and so out of the config dump a run leaves).
-        key = key or os.environ.get('EDGE0_API_KEY') or 'EMPTY'
-        self.sampling = sampling_options(dict(generation_kwargs or {}), 'api')
+        key = key or os.environ.get("EDGE0_API_KEY") or "EMPTY"
+        self.sampling = sampling_options(dict(generation_kwargs or {}), "api")
         self.stop_words = [s for s in (stop_words or []) if s]
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.stats_jsonl = stats_jsonl
         self.sample_stats: List[Dict[str, Any]] = []
         self.hosts = Hosts(bases, retry_wait)
-        self.concurrency = max_workers            # None: every prompt of a call at once
-        super().__init__(path=path, max_seq_len=max_seq_len, query_per_second=10**6,
-                         retry=retry, key=key, meta_template=meta_template or
-                         DEFAULT_META_TEMPLATE, openai_api_base=bases,
-                         tokenizer_path=tokenizer_path, max_workers=max_workers,
-                         timeout=timeout, **kwargs)
+        self.concurrency = max_workers  # None: every prompt of a call at once
+        super().__init__(
+            path=path,
+            max_seq_len=max_seq_len,
+            query_per_second=10**6,
+            retry=retry,
+            key=key,
+            meta_template=meta_template or DEFAULT_META_TEMPLATE,
+            openai_api_base=bases,
+            tokenizer_path=tokenizer_path,
+            max_workers=max_workers,
+            timeout=timeout,
+            **kwargs,
+        )
         self.generation_kwargs = dict(generation_kwargs or {})
         # The client OpenAISDK uses, one per host, without its own retries (ours go elsewhere).
-        self.clients = {b: OpenAI(base_url=b, api_key=key, max_retries=0, timeout=timeout)
-                        for b in bases}
+        self.clients = {
+            b: OpenAI(base_url=b, api_key=key, max_retries=0, timeout=timeout)
+            for b in bases
+        }
 
     # -- the tokenizer: the arm's own, as in-process ----------------------------------------
     def _init_tokenizer(self):
         """mlx-lm's tokenizer with the stop ids mlx_lm.load gives it (generation_config.json's
         eos over config.json's), as both in-process arms have it."""
         path = Path(self.tokenizer_path)
-        config = load_config(path) if (path / 'config.json').is_file() else {}
-        self.tokenizer = load_tokenizer(path, eos_token_ids=config.get('eos_token_id'))
-        self.tokenizer_type = 'mlx-lm'
+        config = load_config(path) if (path / "config.json").is_file() else {}
+        self.tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        self.tokenizer_type = "mlx-lm"
 
     def chat_text(self, prompt: Any) -> str:
         return chat_text(self.tokenizer, prompt, self.chat_template_kwargs)
@@ -181,11 +229,18 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
         return len(chat_ids(self.tokenizer, prompt, self.chat_template_kwargs))
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, inputs: List[Any], max_out_len: int,
-                 stopping_criteria: Optional[List[str]] = None,
-                 sample_indices: Optional[List[int]] = None, **kwargs) -> List[str]:
+    def generate(
+        self,
+        inputs: List[Any],
+        max_out_len: int,
+        stopping_criteria: Optional[List[str]] = None,
+        sample_indices: Optional[List[int]] = None,
+        **kwargs,
+    ) -> List[str]:
         samples = check_sample_indices(sample_indices, len(inputs), self.arm)
-        stop_words = list(dict.fromkeys(self.stop_words + list(stopping_criteria or [])))
+        stop_words = list(
+            dict.fromkeys(self.stop_words + list(stopping_criteria or []))
+        )
         jobs = [(p, j, max_out_len, stop_words) for p, j in zip(inputs, samples)]
         workers = min(len(jobs), self.concurrency or len(jobs)) or 1
         with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -196,21 +251,34 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
             outputs.append(text)
         return outputs
 
-    def _request(self, prompt: Any, sample: int, max_out_len: int,
-                 stop_words: List[str]) -> Dict[str, Any]:
+    def _request(
+        self, prompt: Any, sample: int, max_out_len: int, stop_words: List[str]
+    ) -> Dict[str, Any]:
         s = self.sampling
-        body = dict(model=self.path, messages=to_messages(prompt), max_tokens=max_out_len,
-                    temperature=s['temperature'], top_p=s['top_p'], seed=s['seed'],
-                    logprobs=True)
-        extra = dict(top_k=s['top_k'], min_p=s['min_p'], **penalties_of(s),
-                     chat_template_kwargs=self.chat_template_kwargs,
-                     edge0_sample=sample, edge0_max_seq_len=self.max_seq_len)
+        body = dict(
+            model=self.path,
+            messages=to_messages(prompt),
+            max_tokens=max_out_len,
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            seed=s["seed"],
+            logprobs=True,
+        )
+        extra = dict(
+            top_k=s["top_k"],
+            min_p=s["min_p"],
+            **penalties_of(s),
+            chat_template_kwargs=self.chat_template_kwargs,
+            edge0_sample=sample,
+            edge0_max_seq_len=self.max_seq_len,
+        )
         if stop_words:
-            body['stop'] = stop_words
+            body["stop"] = stop_words
         return dict(body, extra_body=extra)
 
-    def _generate_row(self, prompt: Any, sample: int, max_out_len: int,
-                      stop_words: List[str]) -> tuple[str, Dict[str, Any]]:
+    def _generate_row(
+        self, prompt: Any, sample: int, max_out_len: int, stop_words: List[str]
+    ) -> tuple[str, Dict[str, Any]]:
         request = self._request(prompt, sample, max_out_len, stop_words)
         last, base = None, None
         for attempt in range(self.retry):
@@ -223,54 +291,97 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
                 failed = False
             except APIStatusError as exc:
                 if exc.status_code < 500 and exc.status_code not in HOST_BUSY:
-                    failed = False        # the request is at fault, not the host: keep it up
-                    raise ConfigError(f'api: {base} refused the request ({exc.status_code}): '
-                                      f'{exc.message}') from None
+                    failed = False  # the request is at fault, not the host: keep it up
+                    raise ConfigError(
+                        f"api: {base} refused the request ({exc.status_code}): "
+                        f"{exc.message}"
+                    ) from None
                 last = exc
             except (APIConnectionError, APITimeoutError) as exc:
                 last = exc
             finally:
                 self.hosts.give(base, failed)
             if not failed:
-                return self._answer(response, base, prompt, sample, max_out_len, stop_words,
-                                    time.perf_counter() - start)
-            self.logger.warning(f'api: {base}: {type(last).__name__}: {last} (attempt '
-                                f'{attempt + 1} of {self.retry})')
-        raise RuntimeError(f'api: no host answered after {self.retry} attempts (last: {base}: '
-                           f'{type(last).__name__}: {last}); restart the server(s) and resume '
-                           f'with opencompass -r')
+                return self._answer(
+                    response,
+                    base,
+                    prompt,
+                    sample,
+                    max_out_len,
+                    stop_words,
+                    time.perf_counter() - start,
+                )
+            self.logger.warning(
+                f"api: {base}: {type(last).__name__}: {last} (attempt "
+                f"{attempt + 1} of {self.retry})"
+            )
+        raise RuntimeError(
+            f"api: no host answered after {self.retry} attempts (last: {base}: "
+            f"{type(last).__name__}: {last}); restart the server(s) and resume "
+            f"with opencompass -r"
+        )
 
-    def _answer(self, response, base: str, prompt: Any, sample: int, max_out_len: int,
-                stop_words: List[str], wall: float) -> tuple[str, Dict[str, Any]]:
+    def _answer(
+        self,
+        response,
+        base: str,
+        prompt: Any,
+        sample: int,
+        max_out_len: int,
+        stop_words: List[str],
+        wall: float,
+    ) -> tuple[str, Dict[str, Any]]:
         """The prediction as the in-process arm writes it, and the sample's stats."""
         choice = response.choices[0]
-        entries = (choice.logprobs.content if choice.logprobs is not None else None) or []
-        ids = [getattr(e, 'id', None) for e in entries]
+        entries = (
+            choice.logprobs.content if choice.logprobs is not None else None
+        ) or []
+        ids = [getattr(e, "id", None) for e in entries]
         usage = response.usage
-        tokens = getattr(usage, 'completion_tokens', None)
+        tokens = getattr(usage, "completion_tokens", None)
         if entries and all(isinstance(i, int) for i in ids):
-            row = RowStop(self.tokenizer, max_out_len,
-                          stop_token_ids(self.tokenizer, stop_words), stop_words)
+            row = RowStop(
+                self.tokenizer,
+                max_out_len,
+                stop_token_ids(self.tokenizer, stop_words),
+                stop_words,
+            )
             for token in ids:
                 if row.add(token):
                     break
-            text, finish = self.tokenizer.decode(row.tokens), row.finish or choice.finish_reason
+            text, finish = (
+                self.tokenizer.decode(row.tokens),
+                row.finish or choice.finish_reason,
+            )
             tokens = len(row.tokens)
         else:
             message = choice.message
-            reasoning = (getattr(message, 'reasoning_content', None)
-                         or getattr(message, 'reasoning', None) or '')
-            content = message.content or ''
-            text = reasoning + self.think_tag + content if reasoning and content else \
-                reasoning or content
+            reasoning = (
+                getattr(message, "reasoning_content", None)
+                or getattr(message, "reasoning", None)
+                or ""
+            )
+            content = message.content or ""
+            text = (
+                reasoning + self.think_tag + content
+                if reasoning and content
+                else reasoning or content
+            )
             finish = choice.finish_reason
         text, hit = trim_at_stop(text, stop_words)
-        served = getattr(response, 'edge0', None)
-        stats = dict(served) if isinstance(served, dict) else {
-            'prompt_tokens': getattr(usage, 'prompt_tokens', None),
-            'tokens': tokens, 'seed': self.sampling['seed'],
-            'sample': sample, 'finish_reason': finish, 'stop_word': hit,
-            'model_identity': {'served_model': self.path}}
+        served = getattr(response, "edge0", None)
+        stats = (
+            dict(served)
+            if isinstance(served, dict)
+            else {
+                "prompt_tokens": getattr(usage, "prompt_tokens", None),
+                "tokens": tokens,
+                "seed": self.sampling["seed"],
+                "sample": sample,
+                "finish_reason": finish,
+                "stop_word": hit,
+                "model_identity": {"served_model": self.path},
+            }
+        )
         stats.update(arm=self.arm, api_base=base, client_wall_s=round(wall, 4))
         return text, stats
-

@@ -39,20 +39,26 @@ def resolve_engine_options(path: str, **options) -> EngineOptions:
     """
     unknown = sorted(set(options) - set(engine_fields()))
     if unknown:
-        raise ConfigError(f'unknown student options {unknown}; engine options are '
-                          f'{", ".join(engine_fields())}')
+        raise ConfigError(
+            f"unknown student options {unknown}; engine options are "
+            f"{', '.join(engine_fields())}"
+        )
     if not path:
-        raise ConfigError('student path is empty')
+        raise ConfigError("student path is empty")
     if not os.path.isdir(path):
-        raise ConfigError(f'student directory {path} does not exist')
-    if not os.path.isfile(os.path.join(path, 'experts.index.json')):
-        raise ConfigError(f'{path} is not a converted Edge0 model (no experts.index.json); '
-                          f'run `edge0-eval convert TEACHER {path}` first')
+        raise ConfigError(f"student directory {path} does not exist")
+    if not os.path.isfile(os.path.join(path, "experts.index.json")):
+        raise ConfigError(
+            f"{path} is not a converted Edge0 model (no experts.index.json); "
+            f"run `edge0-eval convert TEACHER {path}` first"
+        )
     opts = EngineOptions(**options)
     try:
         opts.resolve(path, require_lora=True)
     except MissingAdapterError as exc:
-        raise MissingAdapterError(f'student {exc}') from None   # the preflight names the arm
+        raise MissingAdapterError(
+            f"student {exc}"
+        ) from None  # the preflight names the arm
     return opts
 
 
@@ -66,7 +72,7 @@ class Edge0Model(ChatModelBase):
     LoRA adapter is required (see `resolve_engine_options`).
     """
 
-    arm = 'student'
+    arm = "student"
 
     def __init__(self, path: str, cold_cache: bool = False, **kwargs):
         # cold_cache: evict the expert file from the page cache before every batch (every
@@ -74,8 +80,8 @@ class Edge0Model(ChatModelBase):
         # as the OS keeps it.
         self.cold_cache = cold_cache
         engine = {k: kwargs.pop(k) for k in engine_fields() if k in kwargs}
-        gen = kwargs.get('generation_kwargs') or {}
-        engine.setdefault('seed', int(gen.get('seed') or 0))
+        gen = kwargs.get("generation_kwargs") or {}
+        engine.setdefault("seed", int(gen.get("seed") or 0))
         self.engine_options = resolve_engine_options(path, **engine)
         self.engine = None
         super().__init__(path=path, **kwargs)
@@ -83,8 +89,13 @@ class Edge0Model(ChatModelBase):
     def _sampling(self) -> Dict[str, Any]:
         """The engine's sampling arguments: mlx-lm's filters and penalties, as the teacher's."""
         s = self.sampling
-        return dict(temperature=float(s['temperature']), top_p=float(s['top_p']),
-                    top_k=int(s['top_k']), min_p=float(s['min_p']), penalties=penalties_of(s))
+        return dict(
+            temperature=float(s["temperature"]),
+            top_p=float(s["top_p"]),
+            top_k=int(s["top_k"]),
+            min_p=float(s["min_p"]),
+            penalties=penalties_of(s),
+        )
 
     def _load(self, tokenizer_only: bool):
         if tokenizer_only:
@@ -92,46 +103,72 @@ class Edge0Model(ChatModelBase):
         self.engine = Engine.load(self.path, self.engine_options)
         return self.engine.tokenizer
 
-    def _generate_tokens(self, prompt_ids: List[int], max_tokens: int, stop_ids: set,
-                         stop_words: List[str], seed: int) -> tuple[List[int], Dict[str, Any]]:
+    def _generate_tokens(
+        self,
+        prompt_ids: List[int],
+        max_tokens: int,
+        stop_ids: set,
+        stop_words: List[str],
+        seed: int,
+    ) -> tuple[List[int], Dict[str, Any]]:
         """One prompt: Engine.generate, the batch_size 1 path."""
         mx.reset_peak_memory()  # the engine reports the peak since this point: per sample
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
         with wired_limit(self.engine.model):
-            result = self.engine.generate(prompt_ids, max_tokens, stop_token_ids=set(stop_ids),
-                                          seed=seed, **self._sampling())
+            result = self.engine.generate(
+                prompt_ids,
+                max_tokens,
+                stop_token_ids=set(stop_ids),
+                seed=seed,
+                **self._sampling(),
+            )
         return self._row(result, max_tokens, stop_ids, stop_words, evicted)
 
-    def _generate_batch(self, prompts: List[List[int]], max_tokens: int, stop_ids: set,
-                        stop_words: List[str], seeds: List[int]
-                        ) -> List[tuple[List[int], Dict[str, Any]]]:
+    def _generate_batch(
+        self,
+        prompts: List[List[int]],
+        max_tokens: int,
+        stop_ids: set,
+        stop_words: List[str],
+        seeds: List[int],
+    ) -> List[tuple[List[int], Dict[str, Any]]]:
         """Several prompts at once: Engine.generate_batch, each row on its own seed."""
         if len(prompts) == 1:
-            return super()._generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)
+            return super()._generate_batch(
+                prompts, max_tokens, stop_ids, stop_words, seeds
+            )
         mx.reset_peak_memory()
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
         start = time.perf_counter()
         with wired_limit(self.engine.model):
-            results = self.engine.generate_batch(prompts, max_tokens,
-                                                 stop_token_ids=set(stop_ids), seeds=list(seeds),
-                                                 **self._sampling())
+            results = self.engine.generate_batch(
+                prompts,
+                max_tokens,
+                stop_token_ids=set(stop_ids),
+                seeds=list(seeds),
+                **self._sampling(),
+            )
         batch_wall = round(time.perf_counter() - start, 4)
         rows = []
         for result in results:
             tokens, stats = self._row(result, max_tokens, stop_ids, stop_words, evicted)
             e = result.stats
-            prefill = e.get('batch_prefill_s') or 0.0
+            prefill = e.get("batch_prefill_s") or 0.0
             stats.update(
                 # The row's own time: its prefill and the wall time of its decode steps.
-                wall_s=(e.get('prefill_s') or 0.0) + (e.get('decode_wall_s') or 0.0),
+                wall_s=(e.get("prefill_s") or 0.0) + (e.get("decode_wall_s") or 0.0),
                 batch_wall_s=batch_wall,
-                batch_prefill_tok_s=round(sum(map(len, prompts)) / prefill, 2) if prefill else 0.0,
-                batch_decode_tok_s=round(float(e.get('batch_decode_tok_s') or 0.0), 2))
+                batch_prefill_tok_s=round(sum(map(len, prompts)) / prefill, 2)
+                if prefill
+                else 0.0,
+                batch_decode_tok_s=round(float(e.get("batch_decode_tok_s") or 0.0), 2),
+            )
             rows.append((tokens, stats))
         return rows
 
-    def _row(self, result, max_tokens, stop_ids, stop_words, evicted
-             ) -> tuple[List[int], Dict[str, Any]]:
+    def _row(
+        self, result, max_tokens, stop_ids, stop_words, evicted
+    ) -> tuple[List[int], Dict[str, Any]]:
         """The engine's tokens through the teacher's stop rules (RowStop), and its stats."""
         # The engine ends on a stop id and includes it; a multi-token stop word it cannot see
         # ends the row here, as it does the teacher's.
@@ -139,15 +176,16 @@ class Edge0Model(ChatModelBase):
         for token in result.tokens:
             if row.add(token):
                 break
-        return row.tokens, sample_stats(result.stats, row.finish,
-                                        'cold' if evicted else 'not evicted')
+        return row.tokens, sample_stats(
+            result.stats, row.finish, "cold" if evicted else "not evicted"
+        )
 
     def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
         """Teacher-forced log-probs on the served decode path (datasets/edge0_fidelity.py)."""
         return model_logprobs(self.engine, prompt_ids, tokens, topk_ids)
 
     def __del__(self):
-        engine = getattr(self, 'engine', None)
+        engine = getattr(self, "engine", None)
         if engine is not None:
             try:
                 engine.close()

@@ -19,8 +19,13 @@ from opencompass.registry import LOAD_DATASET
 from edge0_eval.engine.mlx_compat import activation_dtype
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.fidelity_set import (DATASET_ABBR, SET_PATH, fingerprint, read_set,
-                                                vocab_problem)
+from edge0_eval.evaluation.fidelity_set import (
+    DATASET_ABBR,
+    SET_PATH,
+    fingerprint,
+    read_set,
+    vocab_problem,
+)
 
 
 def set_file(path: str | None = None) -> Path:
@@ -32,10 +37,10 @@ def set_file(path: str | None = None) -> Path:
 
 def _vocab_size(model_dir: str) -> int | None:
     try:
-        cfg = json.loads((Path(model_dir) / 'config.json').read_text(encoding='utf-8'))
-        size = cfg.get('vocab_size') or (cfg.get('text_config') or {}).get('vocab_size')
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     except (OSError, ValueError, AttributeError):
-        return None     # the model checks name an unreadable config
+        return None  # the model checks name an unreadable config
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
@@ -47,9 +52,9 @@ def preflight_problems(datasets, arms=()) -> list[str]:
     arms: (name, model directory, is the teacher, compute_dtype) per arm of the run."""
     problems = []
     for d in datasets:
-        if not str(d.get('abbr', '')).startswith(DATASET_ABBR):
+        if not str(d.get("abbr", "")).startswith(DATASET_ABBR):
             continue
-        file = set_file(d.get('path'))
+        file = set_file(d.get("path"))
         try:
             fset = read_set(file)
         except ConfigError as exc:
@@ -59,45 +64,59 @@ def preflight_problems(datasets, arms=()) -> list[str]:
             size = _vocab_size(path)
             problem = vocab_problem(fset, size) if size else None
             if problem:
-                problems.append(f'fidelity set {file}: {problem} (arm {name}, {path}); make the '
-                                f'set from this run\'s teacher with `edge0-eval fidelity make`')
-            made_from = fset['teacher']['fingerprint']
+                problems.append(
+                    f"fidelity set {file}: {problem} (arm {name}, {path}); make the "
+                    f"set from this run's teacher with `edge0-eval fidelity make`"
+                )
+            made_from = fset["teacher"]["fingerprint"]
             if is_teacher and os.path.isdir(path) and fingerprint(path) != made_from:
                 problems.append(
-                    f'fidelity set {file} was made from teacher {fset["teacher"].get("name")!r}, '
-                    f'not this run\'s teacher {path} (their fingerprints differ); make it again '
-                    f'with `edge0-eval fidelity make {path} --out FILE` and stage it')
+                    f"fidelity set {file} was made from teacher {fset['teacher'].get('name')!r}, "
+                    f"not this run's teacher {path} (their fingerprints differ); make it again "
+                    f"with `edge0-eval fidelity make {path} --out FILE` and stage it"
+                )
             elif is_teacher and os.path.isdir(path):
-                problems += _dtype_problem(file, fset['teacher'], path, compute_dtype)
+                problems += _dtype_problem(file, fset["teacher"], path, compute_dtype)
     return problems
 
 
-def _dtype_problem(file: Path, teacher: dict, path: str, compute_dtype: str) -> list[str]:
+def _dtype_problem(
+    file: Path, teacher: dict, path: str, compute_dtype: str
+) -> list[str]:
     """The set's teacher ran in another dtype than this run's teacher arm will (a set made on
     Metal in bfloat16, scored on the CPU in float32): the teacher would fail its own set's exact
     check after the whole run, and every arm's KL would hold the dtype's rounding."""
-    made_in = teacher.get('dtype')      # absent in sets made before it was recorded
+    made_in = teacher.get("dtype")  # absent in sets made before it was recorded
     try:
         runs_in = activation_dtype(compute_dtype, path)
     except (ValueError, Edge0Error):
-        return []                        # the model checks name a bad dtype or checkpoint
+        return []  # the model checks name a bad dtype or checkpoint
     if made_in is None or runs_in is None or made_in == runs_in:
         return []
-    return [f'fidelity set {file} was made with its teacher computing in {made_in}, but this '
-            f'run\'s teacher arm {path} computes in {runs_in} (compute_dtype '
-            f'{compute_dtype!r} on this device), so it cannot reproduce its own set; give the '
-            f'teacher arm compute_dtype=\'{made_in}\' or make the set on this machine with '
-            f'`edge0-eval fidelity make {path} --compute-dtype {compute_dtype} --out FILE`']
+    return [
+        f"fidelity set {file} was made with its teacher computing in {made_in}, but this "
+        f"run's teacher arm {path} computes in {runs_in} (compute_dtype "
+        f"{compute_dtype!r} on this device), so it cannot reproduce its own set; give the "
+        f"teacher arm compute_dtype='{made_in}' or make the set on this machine with "
+        f"`edge0-eval fidelity make {path} --compute-dtype {compute_dtype} --out FILE`"
+    ]
 
 
 @LOAD_DATASET.register_module()
 class FidelityDataset(BaseDataset):
-
     @staticmethod
     def load(path: str | None = None, limit: int | None = None):
         """path: see set_file."""
         fset = read_set(set_file(path))
-        items = fset['items'][:limit]
-        return Dataset.from_list([{'id': it['id'], 'source': it['source'],
-                                   'prompt': it.get('prompt', ''), 'item': json.dumps(it)}
-                                  for it in items])
+        items = fset["items"][:limit]
+        return Dataset.from_list(
+            [
+                {
+                    "id": it["id"],
+                    "source": it["source"],
+                    "prompt": it.get("prompt", ""),
+                    "item": json.dumps(it),
+                }
+                for it in items
+            ]
+        )

@@ -18,19 +18,25 @@ from edge0_eval.evaluation.fidelity_set import item_digest, mean_metrics, score_
 
 @ICL_EVALUATORS.register_module()
 class FidelityEvaluator(BaseEvaluator):
-
     def score(self, predictions, references):
         if len(predictions) != len(references):
-            return {'error': 'preds and refrs have different length'}
+            return {"error": "preds and refrs have different length"}
         details = []
         for pred, ref in zip(predictions, references):
             item, out = json.loads(ref), json.loads(pred)
             # Predictions pair with the set by position; the digest says it is the same item
             # (predictions made before it was recorded carry none).
-            if 'item' in out and out['item'] != item_digest(item):
-                return {'error': f'the prediction for set item {item["id"]} was made on another '
-                                 f'item (another fidelity set staged since?); delete this '
-                                 f'dataset\'s predictions and run it again'}
-            details.append({'id': item['id'], 'source': item['source'],
-                            **score_item(item, out['logprobs'], out['argmax'])})
-        return {**mean_metrics(details), 'items': len(details), 'details': details}
+            if "item" in out and out["item"] != item_digest(item):
+                return {
+                    "error": f"the prediction for set item {item['id']} was made on another "
+                    f"item (another fidelity set staged since?); delete this "
+                    f"dataset's predictions and run it again"
+                }
+            details.append(
+                {
+                    "id": item["id"],
+                    "source": item["source"],
+                    **score_item(item, out["logprobs"], out["argmax"]),
+                }
+            )
+        return {**mean_metrics(details), "items": len(details), "details": details}

@@ -26,44 +26,69 @@ from .inferencer import stats_path
 
 @ICL_INFERENCERS.register_module()
 class FidelityInferencer(BaseInferencer):
-
-    def __init__(self, model, max_out_len=None, min_out_len=None,
-                 progress: Optional[dict] = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        max_out_len=None,
+        min_out_len=None,
+        progress: Optional[dict] = None,
+        **kwargs,
+    ):
         # max/min_out_len come from the model config for every dataset; the set fixes the length.
         # progress: the arm's progress spec (edge0_eval/evaluation/progress.py), set by the
         # project's partitioners: a long set moves the arm's progress and ETA item by item.
         super().__init__(model=model, **kwargs)
         self.progress = progress
 
-    def inference(self, retriever, ice_template=None, prompt_template=None,
-                  output_json_filepath=None, output_json_filename=None):
+    def inference(
+        self,
+        retriever,
+        ice_template=None,
+        prompt_template=None,
+        output_json_filepath=None,
+        output_json_filename=None,
+    ):
         out_dir = output_json_filepath or self.output_json_filepath
         out_file = output_json_filename or self.output_json_filename
-        score = getattr(self.model, 'fidelity_logprobs', None)
+        score = getattr(self.model, "fidelity_logprobs", None)
         if score is None:
-            raise ConfigError(f'{type(self.model).__name__} has no fidelity_logprobs; the '
-                              f'fidelity dataset runs on MLXLMModel and Edge0Model arms')
+            raise ConfigError(
+                f"{type(self.model).__name__} has no fidelity_logprobs; the "
+                f"fidelity dataset runs on MLXLMModel and Edge0Model arms"
+            )
         preds, stats = {}, []
-        progress = (Progress(self.progress, get_logger().info)
-                    if self.progress and self.is_main_process else None)
+        progress = (
+            Progress(self.progress, get_logger().info)
+            if self.progress and self.is_main_process
+            else None
+        )
         for index, row in enumerate(retriever.test_ds):
-            item = json.loads(row['item'])
+            item = json.loads(row["item"])
             start = time.perf_counter()
-            out = score(item['prompt_ids'], item['tokens'], item['topk_ids'])
+            out = score(item["prompt_ids"], item["tokens"], item["topk_ids"])
             wall = time.perf_counter() - start
-            out['item'] = item_digest(item)
-            preds[str(index)] = {'origin_prompt': row['prompt'], 'prediction': json.dumps(out),
-                                 'gold': item['id']}
-            stats.append({'index': index, 'arm': getattr(self.model, 'arm', None),
-                          'prompt_tokens': len(item['prompt_ids']),
-                          'tokens': len(item['tokens']), 'wall_s': round(wall, 4),
-                          'tok_s': round(len(item['tokens']) / wall, 2) if wall > 0 else None})
+            out["item"] = item_digest(item)
+            preds[str(index)] = {
+                "origin_prompt": row["prompt"],
+                "prediction": json.dumps(out),
+                "gold": item["id"],
+            }
+            stats.append(
+                {
+                    "index": index,
+                    "arm": getattr(self.model, "arm", None),
+                    "prompt_tokens": len(item["prompt_ids"]),
+                    "tokens": len(item["tokens"]),
+                    "wall_s": round(wall, 4),
+                    "tok_s": round(len(item["tokens"]) / wall, 2) if wall > 0 else None,
+                }
+            )
             if progress is not None:
                 progress.add(1)
         if self.is_main_process:
             os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, out_file), 'w', encoding='utf-8') as f:
+            with open(os.path.join(out_dir, out_file), "w", encoding="utf-8") as f:
                 json.dump(preds, f, indent=1)
-            with open(stats_path(out_dir, out_file), 'w', encoding='utf-8') as f:
+            with open(stats_path(out_dir, out_file), "w", encoding="utf-8") as f:
                 json.dump(stats, f, indent=1)
-        return [p['prediction'] for p in preds.values()]
+        return [p["prediction"] for p in preds.values()]

@@ -17,12 +17,12 @@ from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner
 from opencompass.registry import PARTITIONERS
 from opencompass.utils import build_dataset_from_cfg
 
+from edge0_eval.engine.families import check_model_dir
+from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.progress import shard_specs, task_specs
-from edge0_eval.engine.families import check_model_dir
-from edge0_eval.errors import Edge0Error
 from edge0_eval.formats.safetensors import read_safetensors_header
 from edge0_eval.plan import test_range_slice
 
@@ -37,88 +37,117 @@ def benchmark_of(dataset_abbr: str) -> str | None:
 
 
 def _type_name(cfg: dict) -> str:
-    kind = cfg.get('type')
-    return getattr(kind, '__name__', str(kind)).rsplit('.', 1)[-1]
+    kind = cfg.get("type")
+    return getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
 
 
 def model_problems(models: Iterable[dict]) -> List[str]:
     problems = []
     for model in models:
-        name = model.get('abbr') or model.get('path')
-        path = model.get('path')
+        name = model.get("abbr") or model.get("path")
+        path = model.get("path")
         if not path:
-            problems.append(f'{name}: no model path (is its environment variable set?)')
+            problems.append(f"{name}: no model path (is its environment variable set?)")
             continue
-        batch = model.get('batch_size', 1)
+        batch = model.get("batch_size", 1)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            problems.append(f'{name}: batch_size {batch!r} must be a whole number >= 1 '
-                            f'(the prompts each generate call decodes at once)')
-        if _type_name(model) == 'Edge0Model':
+            problems.append(
+                f"{name}: batch_size {batch!r} must be a whole number >= 1 "
+                f"(the prompts each generate call decodes at once)"
+            )
+        if _type_name(model) == "Edge0Model":
             try:
                 opts = resolve_engine_options(
-                    path, **{k: model[k] for k in engine_fields() if k in model})
+                    path, **{k: model[k] for k in engine_fields() if k in model}
+                )
                 resolved = opts.resolve(path, require_lora=True)
                 # The files themselves, as Engine.load reads them: a corrupt or foreign student
                 # stops the run here, not as failed tasks after the teacher's.
                 check_model_dir(path, verify_crc=opts.verify_crc)
-                for file, what in ((resolved.lora_path, 'LoRA adapter'),
-                                   (resolved.prerouter_path, 'prerouter heads'),
-                                   (resolved.hedge_path, 'prerouter hedge')):
+                for file, what in (
+                    (resolved.lora_path, "LoRA adapter"),
+                    (resolved.prerouter_path, "prerouter heads"),
+                    (resolved.hedge_path, "prerouter hedge"),
+                ):
                     if file is not None:
-                        read_safetensors_header(file, what, 'train or copy it again')
-            except Edge0Error as exc:   # the student's index/config are read too
-                problems.append(f'{name}: {exc}')
-        elif _type_name(model) == 'Edge0APIModel':
+                        read_safetensors_header(file, what, "train or copy it again")
+            except Edge0Error as exc:  # the student's index/config are read too
+                problems.append(f"{name}: {exc}")
+        elif _type_name(model) == "Edge0APIModel":
             problems += api_problems(name, model)
-        elif _type_name(model) == 'MLXLMModel':
-            if not os.path.isfile(os.path.join(path, 'config.json')):
-                problems.append(f'{name}: {path} has no config.json (not an mlx-lm checkpoint)')
+        elif _type_name(model) == "MLXLMModel":
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                problems.append(
+                    f"{name}: {path} has no config.json (not an mlx-lm checkpoint)"
+                )
     return problems
 
 
-def preflight(models: Iterable[dict], datasets: Iterable[dict], full_data: bool = True,
-              check_models: bool = True) -> None:
+def preflight(
+    models: Iterable[dict],
+    datasets: Iterable[dict],
+    full_data: bool = True,
+    check_models: bool = True,
+) -> None:
     """Exit with every problem listed, one per line, if the run cannot succeed."""
     benchmarks, ifbench_items = [], None
     datasets, models = list(datasets), list(models)
     for d in datasets:
-        b = benchmark_of(d.get('abbr', ''))
+        b = benchmark_of(d.get("abbr", ""))
         if b and b not in benchmarks:
             benchmarks.append(b)
-        if b == 'ifbench':
+        if b == "ifbench":
             ifbench_items = test_range_slice(d)
-    problems = [c.message for c in verify(None, benchmarks, full=full_data,
-                                          ifbench_items=ifbench_items) if not c.ok]
-    arms = [(m.get('abbr') or m['path'], m['path'], _type_name(m) == 'MLXLMModel',
-             m.get('compute_dtype', 'auto')) for m in models if m.get('path')]
+    problems = [
+        c.message
+        for c in verify(None, benchmarks, full=full_data, ifbench_items=ifbench_items)
+        if not c.ok
+    ]
+    arms = [
+        (
+            m.get("abbr") or m["path"],
+            m["path"],
+            _type_name(m) == "MLXLMModel",
+            m.get("compute_dtype", "auto"),
+        )
+        for m in models
+        if m.get("path")
+    ]
     problems += fidelity_preflight(datasets, arms)
     if check_models:
         problems += model_problems(models)
     if problems:
-        raise SystemExit('edge0-eval: cannot start the evaluation (data root '
-                         f'{data_root()}, from COMPASS_DATA_CACHE or the working directory):\n'
-                         '  - ' + '\n  - '.join(problems))
+        raise SystemExit(
+            "edge0-eval: cannot start the evaluation (data root "
+            f"{data_root()}, from COMPASS_DATA_CACHE or the working directory):\n"
+            "  - " + "\n  - ".join(problems)
+        )
 
 
 def repeat_layout(dataset: dict, sizes: Dict[str, int]) -> dict:
     """Where a dataset's test rows sit among its `n` copies, for Edge0GenInferencer's sample
     indices: dict(copies=n, items=N, test_range=the task's slice). N is read by building the
     dataset unsliced (only when n > 1); `sizes` caches it across a dataset's slices."""
-    copies = dataset.get('n', 1)
+    copies = dataset.get("n", 1)
     if copies == 1:
         return dict(copies=1)
     whole = copy.deepcopy(dataset)
-    for key in ('abbr', 'infer_cfg', 'eval_cfg'):
+    for key in ("abbr", "infer_cfg", "eval_cfg"):
         whole.pop(key, None)
-    whole['reader_cfg'].pop('test_range', None)
+    whole["reader_cfg"].pop("test_range", None)
     key = repr(whole)
     if key not in sizes:
         sizes[key] = len(build_dataset_from_cfg(whole).test)
     if sizes[key] % copies:
-        raise SystemExit(f'edge0-eval: {dataset.get("abbr")}: {sizes[key]} test rows are not '
-                         f'{copies} (n) equal copies')
-    return dict(copies=copies, items=sizes[key] // copies,
-                test_range=dataset['reader_cfg'].get('test_range'))
+        raise SystemExit(
+            f"edge0-eval: {dataset.get('abbr')}: {sizes[key]} test rows are not "
+            f"{copies} (n) equal copies"
+        )
+    return dict(
+        copies=copies,
+        items=sizes[key] // copies,
+        test_range=dataset["reader_cfg"].get("test_range"),
+    )
 
 
 def add_progress(tasks: List[dict]) -> List[dict]:
@@ -130,20 +159,20 @@ def add_progress(tasks: List[dict]) -> List[dict]:
     placed = []
     for task in tasks:
         # The tasks share the config's dataset dicts; each arm's spec goes into its own copy.
-        task['datasets'] = [[copy.deepcopy(d) for d in ds] for ds in task['datasets']]
-        for model, datasets in zip(task['models'], task['datasets']):
-            specs = task_specs(model, datasets, task['work_dir'])
+        task["datasets"] = [[copy.deepcopy(d) for d in ds] for ds in task["datasets"]]
+        for model, datasets in zip(task["models"], task["datasets"]):
+            specs = task_specs(model, datasets, task["work_dir"])
             if specs:
-                by_arm.setdefault(specs[0]['file'], []).append(specs)
+                by_arm.setdefault(specs[0]["file"], []).append(specs)
             placed += zip(datasets, specs)
     for groups in by_arm.values():
         if len(groups) > 1:
             shard_specs(groups)
     # Assigned last: a ConfigDict copies what it is given, so the specs must be complete.
     for dataset, spec in placed:
-        inferencer = dataset['infer_cfg']['inferencer']
-        if _type_name(inferencer) in ('Edge0GenInferencer', 'FidelityInferencer'):
-            inferencer['progress'] = spec
+        inferencer = dataset["infer_cfg"]["inferencer"]
+        if _type_name(inferencer) in ("Edge0GenInferencer", "FidelityInferencer"):
+            inferencer["progress"] = spec
     return tasks
 
 
@@ -151,11 +180,11 @@ def add_repeat_layouts(tasks: List[dict]) -> List[dict]:
     """Give every Edge0GenInferencer of every task its dataset's `repeat_layout`."""
     sizes: Dict[str, int] = {}
     for task in tasks:
-        for datasets in task['datasets']:
+        for datasets in task["datasets"]:
             for dataset in datasets:
-                inferencer = dataset['infer_cfg']['inferencer']
-                if _type_name(inferencer) == 'Edge0GenInferencer':
-                    inferencer['repeats'] = repeat_layout(dataset, sizes)
+                inferencer = dataset["infer_cfg"]["inferencer"]
+                if _type_name(inferencer) == "Edge0GenInferencer":
+                    inferencer["repeats"] = repeat_layout(dataset, sizes)
     return tasks
 
 
@@ -170,21 +199,27 @@ class Edge0Partitioner(NaivePartitioner):
             so each model loads once.
     """
 
-    def __init__(self, out_dir: str, n: int = 10000, full_data: bool = True,
-                 check_models: bool = True, keep_keys=None):
+    def __init__(
+        self,
+        out_dir: str,
+        n: int = 10000,
+        full_data: bool = True,
+        check_models: bool = True,
+        keep_keys=None,
+    ):
         super().__init__(out_dir=out_dir, n=n, keep_keys=keep_keys)
         self.full_data = full_data
         self.check_models = check_models
 
     def __call__(self, cfg):
-        preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
+        preflight(cfg["models"], cfg["datasets"], self.full_data, self.check_models)
         tasks = add_repeat_layouts(super().__call__(cfg))
         return add_progress(tasks) if _infers(self.out_dir) else tasks
 
 
 def _infers(out_dir: str) -> bool:
     """Whether a partitioner serves OpenCompass's infer stage (its outputs: predictions/)."""
-    return os.path.basename(os.path.normpath(out_dir)) == 'predictions'
+    return os.path.basename(os.path.normpath(out_dir)) == "predictions"
 
 
 @PARTITIONERS.register_module()
@@ -197,13 +232,14 @@ class Edge0NumWorkerPartitioner(NumWorkerPartitioner):
     (default `.cache/dataset_size.json` under the working directory), as OpenCompass does.
     """
 
-    def __init__(self, out_dir: str, full_data: bool = True, check_models: bool = True,
-                 **kwargs):
+    def __init__(
+        self, out_dir: str, full_data: bool = True, check_models: bool = True, **kwargs
+    ):
         super().__init__(out_dir=out_dir, **kwargs)
         self.full_data = full_data
         self.check_models = check_models
 
     def __call__(self, cfg):
-        preflight(cfg['models'], cfg['datasets'], self.full_data, self.check_models)
+        preflight(cfg["models"], cfg["datasets"], self.full_data, self.check_models)
         tasks = add_repeat_layouts(super().__call__(cfg))
         return add_progress(tasks) if _infers(self.out_dir) else tasks

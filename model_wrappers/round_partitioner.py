@@ -25,34 +25,51 @@ from .partitioner import Edge0Partitioner
 @PARTITIONERS.register_module()
 class Edge0RoundPartitioner(Edge0Partitioner):
     """Args (besides Edge0Partitioner's):
-        rounds: cumulative shares of each sampled dataset at the end of each round, ending at
-            1.0 (e.g. [0.125, 0.25, 0.5, 1.0]).
-        round: the round to run, 1-based; 0 runs the whole sample in one pass.
-        stage: 'infer' or 'eval' (which of OpenCompass's stages this partitioner serves).
+    rounds: cumulative shares of each sampled dataset at the end of each round, ending at
+        1.0 (e.g. [0.125, 0.25, 0.5, 1.0]).
+    round: the round to run, 1-based; 0 runs the whole sample in one pass.
+    stage: 'infer' or 'eval' (which of OpenCompass's stages this partitioner serves).
     """
 
-    def __init__(self, out_dir: str, rounds=(1.0,), round: int = 0, stage: str = 'infer',
-                 **kwargs):
+    def __init__(
+        self,
+        out_dir: str,
+        rounds=(1.0,),
+        round: int = 0,
+        stage: str = "infer",
+        **kwargs,
+    ):
         super().__init__(out_dir=out_dir, **kwargs)
         try:
             self.rounds = check_rounds(rounds)
         except Edge0Error as exc:
-            raise SystemExit(f'edge0-eval: {exc}') from None
-        if stage not in ('infer', 'eval'):
-            raise SystemExit(f"edge0-eval: partitioner stage {stage!r} is not 'infer' or 'eval'")
-        if isinstance(round, bool) or not isinstance(round, int) or \
-                not 0 <= round <= len(self.rounds):
-            raise SystemExit(f'edge0-eval: gate round {round!r}: give 0 (the whole sample) or '
-                             f'1..{len(self.rounds)} (EDGE0_GATE_ROUND)')
+            raise SystemExit(f"edge0-eval: {exc}") from None
+        if stage not in ("infer", "eval"):
+            raise SystemExit(
+                f"edge0-eval: partitioner stage {stage!r} is not 'infer' or 'eval'"
+            )
+        if (
+            isinstance(round, bool)
+            or not isinstance(round, int)
+            or not 0 <= round <= len(self.rounds)
+        ):
+            raise SystemExit(
+                f"edge0-eval: gate round {round!r}: give 0 (the whole sample) or "
+                f"1..{len(self.rounds)} (EDGE0_GATE_ROUND)"
+            )
         self.round, self.stage = round, stage
 
     def __call__(self, cfg):
         if self.round:
             cfg = copy.deepcopy(cfg)
             try:
-                cfg['datasets'] = round_datasets(list(cfg['datasets']), self.rounds, self.round,
-                                                 self.stage, Path(cfg['work_dir']) / 'predictions')
+                cfg["datasets"] = round_datasets(
+                    list(cfg["datasets"]),
+                    self.rounds,
+                    self.round,
+                    self.stage,
+                    Path(cfg["work_dir"]) / "predictions",
+                )
             except Edge0Error as exc:
-                raise SystemExit(f'edge0-eval: {exc}') from None
+                raise SystemExit(f"edge0-eval: {exc}") from None
         return super().__call__(cfg)
-

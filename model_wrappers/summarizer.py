@@ -14,7 +14,7 @@ import mmengine
 from opencompass.summarizers import DefaultSummarizer
 from opencompass.utils import dataset_abbr_from_cfg, get_infer_output_path
 
-NUM_ITEMS = 'num_items'
+NUM_ITEMS = "num_items"
 
 
 def count_items(details) -> int:
@@ -26,7 +26,6 @@ def count_items(details) -> int:
 
 
 class Edge0Summarizer(DefaultSummarizer):
-
     def _item_counts(self) -> dict:
         counts = {}
         for model in self.model_cfgs:
@@ -34,27 +33,31 @@ class Edge0Summarizer(DefaultSummarizer):
                 abbr = dataset_abbr_from_cfg(dataset)
                 if abbr in counts:
                     continue
-                path = get_infer_output_path(model, dataset, osp.join(self.work_dir, 'results'))
+                path = get_infer_output_path(
+                    model, dataset, osp.join(self.work_dir, "results")
+                )
                 if osp.exists(path):
-                    details = mmengine.load(path).get('details')
+                    details = mmengine.load(path).get("details")
                     if details:
                         counts[abbr] = count_items(details)
         return counts
 
-    def _calculate_group_metrics(self, raw_results, parsed_results, dataset_metrics,
-                                 dataset_eval_mode):
-        if any(sg.get('weights') == NUM_ITEMS for sg in self.summary_groups):
+    def _calculate_group_metrics(
+        self, raw_results, parsed_results, dataset_metrics, dataset_eval_mode
+    ):
+        if any(sg.get("weights") == NUM_ITEMS for sg in self.summary_groups):
             counts = self._item_counts()
             groups = []
             for sg in self.summary_groups:
-                if sg.get('weights') == NUM_ITEMS:
+                if sg.get("weights") == NUM_ITEMS:
                     sg = dict(sg)
-                    if all(s in counts for s in sg['subsets']):
-                        sg['weights'] = {s: counts[s] for s in sg['subsets']}
+                    if all(s in counts for s in sg["subsets"]):
+                        sg["weights"] = {s: counts[s] for s in sg["subsets"]}
                     else:
                         # Some subset has no results: leave the group incomplete ('-').
-                        sg['weights'] = {s: counts.get(s, 1) for s in sg['subsets']}
+                        sg["weights"] = {s: counts.get(s, 1) for s in sg["subsets"]}
                 groups.append(sg)
             self.summary_groups = groups
-        return super()._calculate_group_metrics(raw_results, parsed_results, dataset_metrics,
-                                                dataset_eval_mode)
+        return super()._calculate_group_metrics(
+            raw_results, parsed_results, dataset_metrics, dataset_eval_mode
+        )

@@ -19,39 +19,53 @@ def tiny_env(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory):
     """fp16 qwen3_5_moe, 4 layers (3 GatedDeltaNet + 1 full attention), 16 experts, top-4."""
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen", TinyShape(family="qwen3_5_moe"))
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "qwen", TinyShape(family="qwen3_5_moe")
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_bailing(tmp_path_factory):
     """fp16 bailing_hybrid, 4 layers (layer 0 dense), 16 experts in 8 groups, top-4."""
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "bailing",
-                      TinyShape(family="bailing_hybrid"))
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "bailing", TinyShape(family="bailing_hybrid")
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_q4(tmp_path_factory):
     """The same qwen shape, quantized by mlx-lm to int4 (group 64)."""
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen_q4",
-                      TinyShape(family="qwen3_5_moe"), quantize_bits=4)
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "qwen_q4",
+        TinyShape(family="qwen3_5_moe"),
+        quantize_bits=4,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_bailing_q4(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "bailing_q4",
-                      TinyShape(family="bailing_hybrid"), quantize_bits=4)
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "bailing_q4",
+        TinyShape(family="bailing_hybrid"),
+        quantize_bits=4,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """fp16 qwen2_moe, 4 layers (all MoE, attention with q/k/v bias), 16 experts, top-4."""
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen2", TinyShape(family="qwen2_moe"))
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "qwen2", TinyShape(family="qwen2_moe")
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_q4(tmp_path_factory):
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen2_q4",
-                      TinyShape(family="qwen2_moe"), quantize_bits=4)
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "qwen2_q4",
+        TinyShape(family="qwen2_moe"),
+        quantize_bits=4,
+    )
 
 
 def _convert(src, tmp_path_factory, name):
@@ -79,12 +93,20 @@ def edge0_qwen2(tiny_qwen2_q4, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen64_q4(tmp_path_factory):
     """64 experts, top-8, wider experts: expert bytes dominate, so budgets show in memory."""
-    shape = TinyShape(family="qwen3_5_moe", experts=64, top_k=8, hidden=128, heads=4,
-                      moe_intermediate=128, seed=1)
-    return write_tiny(tmp_path_factory.mktemp("ckpt") / "qwen64_q4", shape, quantize_bits=4)
+    shape = TinyShape(
+        family="qwen3_5_moe",
+        experts=64,
+        top_k=8,
+        hidden=128,
+        heads=4,
+        moe_intermediate=128,
+        seed=1,
+    )
+    return write_tiny(
+        tmp_path_factory.mktemp("ckpt") / "qwen64_q4", shape, quantize_bits=4
+    )
 
 
 @pytest.fixture(scope="session")
 def edge0_qwen64(tiny_qwen64_q4, tmp_path_factory):
     return _convert(tiny_qwen64_q4, tmp_path_factory, "qwen64")
-

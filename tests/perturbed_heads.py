@@ -12,11 +12,16 @@ import mlx.core as mx
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
+from edge0_eval.engine.prerouter import (
+    default_owners,
+    init_heads_from_routers,
+    save_heads,
+)
 
 
-def perturbed_heads(converted: Path, out_dir: Path, start_layer: int | None = None,
-                    key: int = 1) -> tuple[Path, list[int]]:
+def perturbed_heads(
+    converted: Path, out_dir: Path, start_layer: int | None = None, key: int = 1
+) -> tuple[Path, list[int]]:
     """(heads file, owners) for `converted`: owners from `start_layer` - 1 on (None: the first
     MoE layer + 1; 0 adds the wrap-around head)."""
     engine = Engine.load(converted, EngineOptions(mode="reactive"))

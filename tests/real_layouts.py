@@ -13,28 +13,48 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-VISION_CONFIG = {"model_type": "qwen3_5_moe", "depth": 1, "hidden_size": 32, "num_heads": 2,
-                 "out_hidden_size": 64, "patch_size": 16}
+VISION_CONFIG = {
+    "model_type": "qwen3_5_moe",
+    "depth": 1,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 16,
+}
 # The norms Qwen3.5's Hugging Face checkpoints store as an offset from one.
-_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
-                 "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+_OFFSET_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 
 
 def _extra(quantized: bool, prefix: str, shape=(64, 64)) -> dict:
     """A weight (and bias) under `prefix`, quantized as mlx-vlm quantizes its towers or not."""
     w = mx.random.normal(shape).astype(mx.float16) * 0.02
     if not quantized:
-        return {f"{prefix}.weight": w, f"{prefix}.bias": mx.zeros(shape[:1], mx.float16)}
+        return {
+            f"{prefix}.weight": w,
+            f"{prefix}.bias": mx.zeros(shape[:1], mx.float16),
+        }
     q, scales, biases = mx.quantize(w, 64, 4)
-    return {f"{prefix}.weight": q, f"{prefix}.scales": scales, f"{prefix}.biases": biases,
-            f"{prefix}.bias": mx.zeros(shape[:1], mx.float16)}
+    return {
+        f"{prefix}.weight": q,
+        f"{prefix}.scales": scales,
+        f"{prefix}.biases": biases,
+        f"{prefix}.bias": mx.zeros(shape[:1], mx.float16),
+    }
 
 
 def _save(src: Path, dst: Path, weights: dict, config: dict) -> Path:
     shutil.copytree(src, dst)
     for old in dst.glob("model*.safetensors*"):
         old.unlink()
-    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(dst / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -68,7 +88,12 @@ def hf_qwen(src: Path, dst: Path) -> Path:
         old = f"model.language_model.layers.{layer}.mlp.switch_mlp"
         new = f"model.language_model.layers.{layer}.mlp.experts"
         weights[f"{new}.gate_up_proj"] = mx.concatenate(
-            [weights.pop(f"{old}.gate_proj.weight"), weights.pop(f"{old}.up_proj.weight")], axis=1)
+            [
+                weights.pop(f"{old}.gate_proj.weight"),
+                weights.pop(f"{old}.up_proj.weight"),
+            ],
+            axis=1,
+        )
         weights[f"{new}.down_proj"] = weights.pop(f"{old}.down_proj.weight")
     weights.update(_extra(False, "model.visual.blocks.0.attn.qkv"))
     weights.update(_extra(False, "mtp.fc"))
@@ -88,15 +113,17 @@ def hf_ling(src: Path, dst: Path) -> Path:
             for e in range(0 if stacked is None else stacked.shape[0]):
                 weights[f"{p}.mlp.experts.{e}.{proj}.weight"] = stacked[e]
         if f"{p}.mlp.gate.gate_proj.weight" in weights:
-            weights[f"{p}.mlp.gate.weight"] = weights.pop(f"{p}.mlp.gate.gate_proj.weight")
+            weights[f"{p}.mlp.gate.weight"] = weights.pop(
+                f"{p}.mlp.gate.gate_proj.weight"
+            )
         if f"{p}.attention.embed_q.weight" not in weights:
-            continue                                                  # not an MLA layer
-        embed_q = weights.pop(f"{p}.attention.embed_q.weight")        # [H, kv_rank, nope]
-        unembed = weights.pop(f"{p}.attention.unembed_out.weight")    # [H, v, kv_rank]
+            continue  # not an MLA layer
+        embed_q = weights.pop(f"{p}.attention.embed_q.weight")  # [H, kv_rank, nope]
+        unembed = weights.pop(f"{p}.attention.unembed_out.weight")  # [H, v, kv_rank]
         kv_b = mx.concatenate([embed_q.swapaxes(-1, -2), unembed], axis=1)
         assert embed_q.shape[-1] == nope and kv_b.shape[0] == heads
         weights[f"{p}.attention.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
-    mtp = f"model.layers.{config['num_hidden_layers']}"      # the MTP layer Ling appends
+    mtp = f"model.layers.{config['num_hidden_layers']}"  # the MTP layer Ling appends
     weights.update(_extra(False, f"{mtp}.eh_proj"))
     weights[f"{mtp}.enorm.weight"] = mx.ones((64,), mx.float16)
     return _save(src, dst, weights, config)
@@ -115,4 +142,8 @@ def requantized(src: Path, dst: Path, **kwargs) -> Path:
 
 
 def names(path: Path) -> set[str]:
-    return {n for f in path.glob("*.safetensors") for n, _ in tree_flatten(dict(mx.load(str(f))))}
+    return {
+        n
+        for f in path.glob("*.safetensors")
+        for n, _ in tree_flatten(dict(mx.load(str(f))))
+    }

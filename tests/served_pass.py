@@ -27,13 +27,19 @@ PROMPT_IDS = [1, 87, 85, 259, 201, 263, 312, 81]
 CONTINUATION_IDS = [259, 71, 14, 223, 74, 294, 400]
 
 
-def lora_engine_decode(engine, moe: list[int], prompt: list[int] = PROMPT_IDS,
-                       cont: list[int] = CONTINUATION_IDS) -> tuple[mx.array, list[dict]]:
+def lora_engine_decode(
+    engine,
+    moe: list[int],
+    prompt: list[int] = PROMPT_IDS,
+    cont: list[int] = CONTINUATION_IDS,
+) -> tuple[mx.array, list[dict]]:
     """Random LoRA on `engine`, then prefill `prompt` and decode the forced `cont`: (the logits of
     every step [len(cont) + 1, 1, vocab], each step's executed sets {layer: sorted ids})."""
     from edge0_eval.engine import lora
 
-    lora.apply_lora(engine.model, r=4, alpha=8, init="random", family=engine.family.name)
+    lora.apply_lora(
+        engine.model, r=4, alpha=8, init="random", family=engine.family.name
+    )
     lora.mark_trainable(engine.model)
     for layer in moe:
         engine.blocks[layer].capture = True
@@ -42,6 +48,10 @@ def lora_engine_decode(engine, moe: list[int], prompt: list[int] = PROMPT_IDS,
     executed = []
     for t in cont:
         served.append(sequence.step(t))
-        executed.append({n: sorted(np.array(engine.blocks[n].last[1]).reshape(-1).tolist())
-                         for n in moe})
+        executed.append(
+            {
+                n: sorted(np.array(engine.blocks[n].last[1]).reshape(-1).tolist())
+                for n in moe
+            }
+        )
     return mx.stack(served), executed

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from bad_inputs import copy_model
 from mlx_lm import load
 
-from bad_inputs import copy_model
-from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError
 
 TOKENS = mx.array([[5, 17, 42, 99, 3, 250, 7, 64]])
 TARGETS = ("self_attn.q_proj", "self_attn.o_proj")
-LAYER = 3                      # the tiny qwen3_5_moe's full-attention layer
-RANK, SCALE = 4, 2.0           # PEFT: lora_alpha = SCALE x RANK
+LAYER = 3  # the tiny qwen3_5_moe's full-attention layer
+RANK, SCALE = 4, 2.0  # PEFT: lora_alpha = SCALE x RANK
 
 
 def _mlx_path(target: str) -> str:
@@ -42,10 +42,15 @@ def lora_weights(tiny_qwen_q4):
         module = model.language_model.model.layers[LAYER]
         for name in target.split("."):
             module = getattr(module, name)
-        out_dims, in_dims = module.weight.shape[0], module.weight.shape[1] * 32 // module.bits
+        out_dims, in_dims = (
+            module.weight.shape[0],
+            module.weight.shape[1] * 32 // module.bits,
+        )
         ka, kb, key = mx.random.split(key, 3)
-        weights[_mlx_path(target)] = (mx.random.normal((in_dims, RANK), key=ka) * 0.3,
-                                      mx.random.normal((RANK, out_dims), key=kb) * 0.3)
+        weights[_mlx_path(target)] = (
+            mx.random.normal((in_dims, RANK), key=ka) * 0.3,
+            mx.random.normal((RANK, out_dims), key=kb) * 0.3,
+        )
     return weights
 
 
@@ -55,10 +60,21 @@ def _mlx_lm_dir(weights, directory: Path, **config) -> Path:
     for path, (a, b) in weights.items():
         arrays[f"{path}.lora_a"], arrays[f"{path}.lora_b"] = a, b
     mx.save_safetensors(str(directory / "adapters.safetensors"), arrays)
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": 4,
-        "lora_parameters": {"rank": RANK, "scale": SCALE, "dropout": 0.0, "keys": list(TARGETS)},
-        **config}))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "fine_tune_type": "lora",
+                "num_layers": 4,
+                "lora_parameters": {
+                    "rank": RANK,
+                    "scale": SCALE,
+                    "dropout": 0.0,
+                    "keys": list(TARGETS),
+                },
+                **config,
+            }
+        )
+    )
     return directory / "adapters.safetensors"
 
 
@@ -69,11 +85,20 @@ def _peft_dir(weights, directory: Path, **config) -> Path:
         a, b = weights[_mlx_path(target)]
         base = f"base_model.model.{_hf_path(target)}"
         arrays[f"{base}.lora_A.weight"], arrays[f"{base}.lora_B.weight"] = a.T, b.T
-    mx.save_safetensors(str(directory / "adapter_model.safetensors"), arrays,
-                        metadata={"format": "pt"})
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": RANK, "lora_alpha": SCALE * RANK,
-        "target_modules": ["q_proj", "o_proj"], **config}))
+    mx.save_safetensors(
+        str(directory / "adapter_model.safetensors"), arrays, metadata={"format": "pt"}
+    )
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": RANK,
+                "lora_alpha": SCALE * RANK,
+                "target_modules": ["q_proj", "o_proj"],
+                **config,
+            }
+        )
+    )
     return directory / "adapter_model.safetensors"
 
 
@@ -82,7 +107,10 @@ def _ours_hf_names(weights, path: Path) -> Path:
     arrays = {}
     for target in TARGETS:
         a, b = weights[_mlx_path(target)]
-        arrays[f"{_hf_path(target)}.lora_A"], arrays[f"{_hf_path(target)}.lora_B"] = a.T, b.T
+        arrays[f"{_hf_path(target)}.lora_A"], arrays[f"{_hf_path(target)}.lora_B"] = (
+            a.T,
+            b.T,
+        )
     mx.save_safetensors(str(path), arrays, metadata={"kind": "lora", "r": str(RANK)})
     return path
 
@@ -106,37 +134,50 @@ def reference(tiny_qwen_q4, lora_weights, tmp_path_factory):
 def _assert_as_mlx_lm(ours, reference):
     base, want = reference
     moved = float(mx.abs(want - base).max())
-    assert moved > 0.1                       # the adapter matters at this scale
+    assert moved > 0.1  # the adapter matters at this scale
     assert float(mx.abs(ours - want).max()) < 0.01 * moved
 
 
 @pytest.mark.parametrize("fmt", ["mlx-lm", "peft", "ours-hf-names"])
-def test_published_formats_match_mlx_lm_adapter_loading(fmt, tiny_qwen_q4, lora_weights,
-                                                        reference, tmp_path):
+def test_published_formats_match_mlx_lm_adapter_loading(
+    fmt, tiny_qwen_q4, lora_weights, reference, tmp_path
+):
     if fmt == "mlx-lm":
         logits = _ours_logits(tiny_qwen_q4, _mlx_lm_dir(lora_weights, tmp_path / "a"))
     elif fmt == "peft":
         logits = _ours_logits(tiny_qwen_q4, _peft_dir(lora_weights, tmp_path / "a"))
     else:
-        logits = _ours_logits(tiny_qwen_q4, _ours_hf_names(lora_weights, tmp_path / "a.safetensors"),
-                              alpha=SCALE * RANK)
+        logits = _ours_logits(
+            tiny_qwen_q4,
+            _ours_hf_names(lora_weights, tmp_path / "a.safetensors"),
+            alpha=SCALE * RANK,
+        )
     _assert_as_mlx_lm(logits, reference)
 
 
 def test_rslora_scale(tiny_qwen_q4, lora_weights, reference, tmp_path):
     """rsLoRA scales by alpha/sqrt(r): the same effective scale with lora_alpha = SCALE*sqrt(r)."""
-    adapter = _peft_dir(lora_weights, tmp_path / "a", use_rslora=True,
-                        lora_alpha=SCALE * RANK ** 0.5)
+    adapter = _peft_dir(
+        lora_weights, tmp_path / "a", use_rslora=True, lora_alpha=SCALE * RANK**0.5
+    )
     _assert_as_mlx_lm(_ours_logits(tiny_qwen_q4, adapter), reference)
 
 
-@pytest.mark.parametrize("build,config,match", [
-    (_mlx_lm_dir, {"fine_tune_type": "dora"}, "'dora' adapter; only plain LoRA"),
-    (_peft_dir, {"use_dora": True}, "'DoRA' adapter; only plain LoRA"),
-    (_peft_dir, {"rank_pattern": {"q_proj": 8}}, "rank_pattern gives modules their own rank"),
-])
-def test_other_adapter_kinds_refused_naming_them(build, config, match, tiny_qwen_q4,
-                                                 lora_weights, tmp_path):
+@pytest.mark.parametrize(
+    "build,config,match",
+    [
+        (_mlx_lm_dir, {"fine_tune_type": "dora"}, "'dora' adapter; only plain LoRA"),
+        (_peft_dir, {"use_dora": True}, "'DoRA' adapter; only plain LoRA"),
+        (
+            _peft_dir,
+            {"rank_pattern": {"q_proj": 8}},
+            "rank_pattern gives modules their own rank",
+        ),
+    ],
+)
+def test_other_adapter_kinds_refused_naming_them(
+    build, config, match, tiny_qwen_q4, lora_weights, tmp_path
+):
     adapter = build(lora_weights, tmp_path / "a", **config)
     model, _ = load(str(tiny_qwen_q4))
     with pytest.raises(CheckpointError, match=match):
@@ -146,10 +187,14 @@ def test_other_adapter_kinds_refused_naming_them(build, config, match, tiny_qwen
 def test_expert_lora_refused(tiny_qwen_q4, lora_weights, tmp_path):
     adapter = _mlx_lm_dir(lora_weights, tmp_path / "a")
     arrays = dict(mx.load(str(adapter)))
-    arrays["language_model.model.layers.1.mlp.switch_mlp.up_proj.lora_a"] = mx.zeros((16, 64, 4))
+    arrays["language_model.model.layers.1.mlp.switch_mlp.up_proj.lora_a"] = mx.zeros(
+        (16, 64, 4)
+    )
     mx.save_safetensors(str(adapter), arrays)
     model, _ = load(str(tiny_qwen_q4))
-    with pytest.raises(CheckpointError, match="LoRA on routed experts .* is not served"):
+    with pytest.raises(
+        CheckpointError, match="LoRA on routed experts .* is not served"
+    ):
         load_adapter(model, adapter)
 
 
@@ -158,7 +203,9 @@ def test_lora_alpha_option_reaches_the_engine(edge0_qwen, lora_weights, tmp_path
     adapter = _ours_hf_names(lora_weights, tmp_path / "lora.safetensors")
     with pytest.raises(CheckpointError, match="--lora-alpha"):
         Engine.load(model, EngineOptions(lora_path=str(adapter)))
-    engine = Engine.load(model, EngineOptions(lora_path=str(adapter), lora_alpha=SCALE * RANK))
+    engine = Engine.load(
+        model, EngineOptions(lora_path=str(adapter), lora_alpha=SCALE * RANK)
+    )
     try:
         assert engine.lora["alpha"] == SCALE * RANK and engine.lora["scale"] == SCALE
     finally:
@@ -168,14 +215,18 @@ def test_lora_alpha_option_reaches_the_engine(edge0_qwen, lora_weights, tmp_path
 def test_heads_without_kind_or_k_are_inferred_from_their_keys(edge0_qwen, tmp_path):
     """A heads file whose metadata lost kind and K loads as the same heads (at the engine's K,
     with a warning); a file whose keys are not all heads' still names its missing kind."""
-    from edge0_eval.engine.prerouter import load_heads
     from test_bad_inputs import _heads_file
+
+    from edge0_eval.engine.prerouter import load_heads
 
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     try:
         full = _heads_file(engine, tmp_path / "full.safetensors")
-        dims = dict(hidden=engine.family.hidden_size(engine.config),
-                    num_experts=engine.index.num_experts, top_k=engine.top_k)
+        dims = dict(
+            hidden=engine.family.hidden_size(engine.config),
+            num_experts=engine.index.num_experts,
+            top_k=engine.top_k,
+        )
     finally:
         engine.close()
     arrays, meta = mx.load(str(full), return_metadata=True)
@@ -185,8 +236,11 @@ def test_heads_without_kind_or_k_are_inferred_from_their_keys(edge0_qwen, tmp_pa
         got = load_heads(tmp_path / "bare.safetensors", **dims)
     want = load_heads(full, **dims)
     assert mx.array_equal(got.fc1, want.fc1).item() and got.config == want.config
-    mx.save_safetensors(str(tmp_path / "mixed.safetensors"),
-                        {**arrays, "extra.weight": mx.zeros((2, 2))}, metadata=bare)
+    mx.save_safetensors(
+        str(tmp_path / "mixed.safetensors"),
+        {**arrays, "extra.weight": mx.zeros((2, 2))},
+        metadata=bare,
+    )
     with pytest.raises(CheckpointError, match="kind=None, expected 'prerouter'"):
         load_heads(tmp_path / "mixed.safetensors", **dims)
 
@@ -195,7 +249,8 @@ THINKING_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking %}"
-    "{{ 'x = 1\\n' }}{% endif %}{% endif %}")
+    "{{ 'x = 1\\n' }}{% endif %}{% endif %}"
+)
 
 
 def _generate(model, tmp_path, *extra):
@@ -203,10 +258,27 @@ def _generate(model, tmp_path, *extra):
     import sys
 
     out = tmp_path / "gen.json"
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "generate", str(model),
-                           "--prompt", "hi", "--max-tokens", "1", "--json", str(out), *extra],
-                          capture_output=True, text=True)
-    return proc, (json.loads(out.read_text())["prompt_tokens"] if proc.returncode == 0 else None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0_eval",
+            "generate",
+            str(model),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+            "--json",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    return proc, (
+        json.loads(out.read_text())["prompt_tokens"] if proc.returncode == 0 else None
+    )
 
 
 def test_generate_chat_template_config_reaches_the_template(edge0_qwen, tmp_path):
@@ -216,10 +288,14 @@ def test_generate_chat_template_config_reaches_the_template(edge0_qwen, tmp_path
     from bad_inputs import edit_json
 
     model = copy_model(edge0_qwen, tmp_path / "m")
-    edit_json(model / "tokenizer_config.json",
-              lambda c: c.__setitem__("chat_template", THINKING_TEMPLATE))
+    edit_json(
+        model / "tokenizer_config.json",
+        lambda c: c.__setitem__("chat_template", THINKING_TEMPLATE),
+    )
     _, default = _generate(model, tmp_path)
-    proc, on = _generate(model, tmp_path, "--chat-template-config", '{"enable_thinking": true}')
+    proc, on = _generate(
+        model, tmp_path, "--chat-template-config", '{"enable_thinking": true}'
+    )
     assert proc.returncode == 0, proc.stderr
     engine = Engine.load(model, EngineOptions(no_lora=True))
     try:

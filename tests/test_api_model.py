@@ -9,24 +9,32 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from live_server import LiveServer, free_port
 
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
-from live_server import LiveServer, free_port
 from model_wrappers.edge0_api_model import Edge0APIModel, api_problems
 from model_wrappers.edge0_model import Edge0Model
 
 NAME = "edge0-student"
-GENERATION = dict(generation_kwargs=dict(temperature=0.8, top_p=0.9, seed=3),
-                  chat_template_kwargs=dict(enable_thinking=False), max_seq_len=2048)
-PROMPTS = [[{"role": "HUMAN", "prompt": "What is 2 + 2?"}], "Write a haiku about disks.",
-           [{"role": "SYSTEM", "prompt": "Be brief."}, {"role": "HUMAN", "prompt": "hi"}]]
+GENERATION = dict(
+    generation_kwargs=dict(temperature=0.8, top_p=0.9, seed=3),
+    chat_template_kwargs=dict(enable_thinking=False),
+    max_seq_len=2048,
+)
+PROMPTS = [
+    [{"role": "HUMAN", "prompt": "What is 2 + 2?"}],
+    "Write a haiku about disks.",
+    [{"role": "SYSTEM", "prompt": "Be brief."}, {"role": "HUMAN", "prompt": "hi"}],
+]
 
 
 @pytest.fixture(scope="module")
 def hosts(edge0_qwen):
-    servers = [LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
-               for _ in range(2)]
+    servers = [
+        LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
+        for _ in range(2)
+    ]
     yield servers
     for s in servers:
         s.close()
@@ -34,9 +42,16 @@ def hosts(edge0_qwen):
 
 def test_predictions_and_seeds_equal_the_in_process_arm(edge0_qwen, hosts):
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    api = Edge0APIModel(path=NAME, openai_api_base=[dead] + [h.base for h in hosts],
-                        tokenizer_path=str(edge0_qwen), retry_wait=60, **GENERATION)
-    local = Edge0Model(path=str(edge0_qwen), mode="reactive", no_lora=True, **GENERATION)
+    api = Edge0APIModel(
+        path=NAME,
+        openai_api_base=[dead] + [h.base for h in hosts],
+        tokenizer_path=str(edge0_qwen),
+        retry_wait=60,
+        **GENERATION,
+    )
+    local = Edge0Model(
+        path=str(edge0_qwen), mode="reactive", no_lora=True, **GENERATION
+    )
     samples = [0, 0, 1]
     want = local.generate(PROMPTS, 20, sample_indices=samples)
     got = api.generate(PROMPTS * 2, 20, sample_indices=samples * 2)
@@ -45,32 +60,61 @@ def test_predictions_and_seeds_equal_the_in_process_arm(edge0_qwen, hosts):
     assert [s["seed"] for s in stats] == [s["seed"] for s in mine] * 2
     assert [s["finish_reason"] for s in stats] == [s["finish_reason"] for s in mine] * 2
     served = {s["api_base"] for s in stats}
-    assert dead not in served and served == {h.base for h in hosts}   # both live hosts used
-    assert api.hosts.down_until[dead] > 0                             # the dead one left
+    assert dead not in served and served == {
+        h.base for h in hosts
+    }  # both live hosts used
+    assert api.hosts.down_until[dead] > 0  # the dead one left
 
 
 def test_a_refused_request_and_a_dead_host_are_clear_errors(edge0_qwen, hosts):
-    wrong = Edge0APIModel(path="another-model", openai_api_base=hosts[0].base,
-                          tokenizer_path=str(edge0_qwen), **GENERATION)
-    with pytest.raises(ConfigError, match="refused the request \\(404\\).*another-model"):
+    wrong = Edge0APIModel(
+        path="another-model",
+        openai_api_base=hosts[0].base,
+        tokenizer_path=str(edge0_qwen),
+        **GENERATION,
+    )
+    with pytest.raises(
+        ConfigError, match="refused the request \\(404\\).*another-model"
+    ):
         wrong.generate(PROMPTS[:1], 4)
-    dead = Edge0APIModel(path=NAME, openai_api_base=f"http://127.0.0.1:{free_port()}/v1",
-                         tokenizer_path=str(edge0_qwen), retry=2, retry_wait=0.1, **GENERATION)
-    with pytest.raises(RuntimeError, match="no host answered after 2 attempts.*opencompass -r"):
+    dead = Edge0APIModel(
+        path=NAME,
+        openai_api_base=f"http://127.0.0.1:{free_port()}/v1",
+        tokenizer_path=str(edge0_qwen),
+        retry=2,
+        retry_wait=0.1,
+        **GENERATION,
+    )
+    with pytest.raises(
+        RuntimeError, match="no host answered after 2 attempts.*opencompass -r"
+    ):
         dead.generate(PROMPTS[:1], 4)
-    problems = api_problems("arm", dict(path="another-model", tokenizer_path="/nonexistent",
-                                        openai_api_base=[hosts[0].base]))
+    problems = api_problems(
+        "arm",
+        dict(
+            path="another-model",
+            tokenizer_path="/nonexistent",
+            openai_api_base=[hosts[0].base],
+        ),
+    )
     assert any("tokenizer_path" in p for p in problems)
     assert any(f"serves ['{NAME}'], not 'another-model'" in p for p in problems)
     with pytest.raises(ConfigError, match="openai_api_base"):
-        Edge0APIModel(path=NAME, openai_api_base="localhost:8000", tokenizer_path=str(edge0_qwen))
+        Edge0APIModel(
+            path=NAME, openai_api_base="localhost:8000", tokenizer_path=str(edge0_qwen)
+        )
 
 
 def test_a_refused_request_leaves_the_host_up(edge0_qwen, hosts):
     """A 4xx is the request's fault: the host that answered it is not put on cooldown."""
     base = hosts[0].base
-    api = Edge0APIModel(path="another-model", openai_api_base=base,
-                        tokenizer_path=str(edge0_qwen), retry_wait=60, **GENERATION)
+    api = Edge0APIModel(
+        path="another-model",
+        openai_api_base=base,
+        tokenizer_path=str(edge0_qwen),
+        retry_wait=60,
+        **GENERATION,
+    )
     with pytest.raises(ConfigError, match="refused the request \\(404\\)"):
         api.generate(PROMPTS[:1], 4)
     assert api.hosts.down_until[base] == 0.0 and api.hosts.busy[base] == 0
@@ -88,12 +132,32 @@ def test_a_busy_host_is_retried_not_blamed_on_the_request(edge0_qwen):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             calls.append(self.path)
-            code, body = (429, {"error": {"message": "too many requests"}}) if len(calls) == 1 \
-                else (200, {"id": "x", "object": "chat.completion", "created": 0, "model": NAME,
-                            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                                         "message": {"role": "assistant", "content": "4"}}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1,
-                                      "total_tokens": 2}})
+            code, body = (
+                (429, {"error": {"message": "too many requests"}})
+                if len(calls) == 1
+                else (
+                    200,
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": NAME,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "logprobs": None,
+                                "message": {"role": "assistant", "content": "4"},
+                            }
+                        ],
+                        "usage": {
+                            "prompt_tokens": 1,
+                            "completion_tokens": 1,
+                            "total_tokens": 2,
+                        },
+                    },
+                )
+            )
             data = json.dumps(body).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -104,8 +168,13 @@ def test_a_busy_host_is_retried_not_blamed_on_the_request(edge0_qwen):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Host)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        api = Edge0APIModel(path=NAME, openai_api_base=f"http://127.0.0.1:{server.server_port}/v1",
-                            tokenizer_path=str(edge0_qwen), retry=3, retry_wait=0.1)
+        api = Edge0APIModel(
+            path=NAME,
+            openai_api_base=f"http://127.0.0.1:{server.server_port}/v1",
+            tokenizer_path=str(edge0_qwen),
+            retry=3,
+            retry_wait=0.1,
+        )
         assert api.generate(["What is 2 + 2?"], 4) == ["4"]
         assert len(calls) == 2
     finally:

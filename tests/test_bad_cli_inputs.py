@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from edge0_eval import cli
-from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
 
 
 def _refused(argv, capsys, *names) -> str:
     try:
         rc = cli.main([str(a) for a in argv])
-    except SystemExit as exc:       # argparse
+    except SystemExit as exc:  # argparse
         rc = exc.code
     out = capsys.readouterr()
     message = out.err + out.out
@@ -47,25 +47,34 @@ def test_draft_of_unknown_format_version_refused(tmp_path):
         load_draft_vocab(path, 64)
 
 
-@pytest.mark.parametrize("option,value", [("--start-layer", "-1"),
-                                          ("--width", "0"), ("--width", "-4")])
-def test_init_prerouter_layout_out_of_range(option, value, edge0_qwen, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "option,value", [("--start-layer", "-1"), ("--width", "0"), ("--width", "-4")]
+)
+def test_init_prerouter_layout_out_of_range(
+    option, value, edge0_qwen, tmp_path, capsys
+):
     out = tmp_path / "heads.safetensors"
-    _refused(["init-prerouter", edge0_qwen, option, value, "--out", out], capsys, option)
+    _refused(
+        ["init-prerouter", edge0_qwen, option, value, "--out", out], capsys, option
+    )
     assert not out.exists()
 
 
-@pytest.mark.parametrize("line,names", [
-    ('{"prompt": "hi", "seed": 1180591620717411303424}', ('"seed"', ":1")),
-    ('{"prompt": "hi \\ud800"}', (":1",)),
-    ('{"prompt": "hi", "temperature": 0.5}', ("'temperature'",)),
-])
+@pytest.mark.parametrize(
+    "line,names",
+    [
+        ('{"prompt": "hi", "seed": 1180591620717411303424}', ('"seed"', ":1")),
+        ('{"prompt": "hi \\ud800"}', (":1",)),
+        ('{"prompt": "hi", "temperature": 0.5}', ("'temperature'",)),
+    ],
+)
 def test_generate_prompts_row_refused(line, names, edge0_qwen, tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(line + "\n")
     out = tmp_path / "out.json"
-    message = _refused(["generate", edge0_qwen, "--prompts", rows, "--json", out], capsys,
-                       str(rows))
+    message = _refused(
+        ["generate", edge0_qwen, "--prompts", rows, "--json", out], capsys, str(rows)
+    )
     assert all(n in message for n in names), message
     assert not out.exists()
 
@@ -78,22 +87,31 @@ def test_generate_unknown_key_names_the_accepted_keys(edge0_qwen, tmp_path, caps
 
 
 def test_generate_seed_beyond_64_bits_refused(edge0_qwen, capsys):
-    _refused(["generate", edge0_qwen, "--prompt", "x", "--seed", str(2**64)], capsys, "--seed")
+    _refused(
+        ["generate", edge0_qwen, "--prompt", "x", "--seed", str(2**64)],
+        capsys,
+        "--seed",
+    )
 
 
 def test_generate_prompt_longer_than_the_context_refused(edge0_qwen, tmp_path, capsys):
     config = json.loads((edge0_qwen / "config.json").read_text())
-    limit = config.get("max_position_embeddings") or \
-        config.get("text_config", {})["max_position_embeddings"]
+    limit = (
+        config.get("max_position_embeddings")
+        or config.get("text_config", {})["max_position_embeddings"]
+    )
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "a b " * limit}) + "\n")
-    message = _refused(["generate", edge0_qwen, "--raw", "--prompts", rows, "--max-tokens", "1"],
-                       capsys, "max_position_embeddings")
+    message = _refused(
+        ["generate", edge0_qwen, "--raw", "--prompts", rows, "--max-tokens", "1"],
+        capsys,
+        "max_position_embeddings",
+    )
     assert str(limit) in message
 
 
 def test_fidelity_make_bad_text_and_options(tmp_path, capsys):
-    teacher = tmp_path / "no-teacher"      # every case is refused before the teacher loads
+    teacher = tmp_path / "no-teacher"  # every case is refused before the teacher loads
     out = tmp_path / "set.json"
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00\x81 not text")
@@ -102,21 +120,41 @@ def test_fidelity_make_bad_text_and_options(tmp_path, capsys):
     base = ["fidelity", "make", teacher, "--prompts-from", ""]
     _refused([*base, "--text", binary, "--out", out], capsys, str(binary))
     _refused([*base, "--text", empty, "--out", out], capsys, str(empty))
-    _refused([*base, "--text", empty, "--compute-dtype", "float8", "--out", out], capsys,
-             "--compute-dtype")
+    _refused(
+        [*base, "--text", empty, "--compute-dtype", "float8", "--out", out],
+        capsys,
+        "--compute-dtype",
+    )
     folder = tmp_path / "folder"
     folder.mkdir()
     _refused([*base, "--text", empty, "--out", folder], capsys, "--out")
-    blank = tmp_path / "blank.jsonl"                # a prompt that is not a non-empty string
+    blank = tmp_path / "blank.jsonl"  # a prompt that is not a non-empty string
     for line in ('{"prompt": ""}', '{"prompt": 5}', '["prompt"]'):
         blank.write_text(line + "\n")
         _refused([*base, "--text", blank, "--out", out], capsys, f"{blank} line 1")
     assert not out.exists()
 
 
-def test_fidelity_make_refuses_a_converted_student_as_teacher(edge0_qwen, tmp_path, capsys):
+def test_fidelity_make_refuses_a_converted_student_as_teacher(
+    edge0_qwen, tmp_path, capsys
+):
     text = tmp_path / "p.txt"
     text.write_text("hello")
-    message = _refused(["fidelity", "make", edge0_qwen, "--prompts-from", "", "--text", text,
-                        "--out", tmp_path / "set.json"], capsys, str(edge0_qwen))
-    assert "converted streaming model" in message and not (tmp_path / "set.json").exists()
+    message = _refused(
+        [
+            "fidelity",
+            "make",
+            edge0_qwen,
+            "--prompts-from",
+            "",
+            "--text",
+            text,
+            "--out",
+            tmp_path / "set.json",
+        ],
+        capsys,
+        str(edge0_qwen),
+    )
+    assert (
+        "converted streaming model" in message and not (tmp_path / "set.json").exists()
+    )

@@ -6,23 +6,32 @@ import json
 import random
 
 import pytest
-
 from bad_inputs import expect_clear_error, outcome
+
 from edge0_eval.cli import main
 from edge0_eval.evaluation.gate import load_report
 from edge0_eval.evaluation.report import SCHEMA
 
 
 def _arm(**kw):
-    arm = {"abbr": "m", "status": "ok", "dataset": "edge0_fidelity", "items": 4,
-           "kl": 0.01, "agreement": 95.0}
+    arm = {
+        "abbr": "m",
+        "status": "ok",
+        "dataset": "edge0_fidelity",
+        "items": 4,
+        "kl": 0.01,
+        "agreement": 95.0,
+    }
     arm.update(kw)
     return arm
 
 
 def _write(path, fidelity, benchmarks=()):
-    path.write_text(json.dumps({"schema": SCHEMA, "benchmarks": list(benchmarks),
-                                "fidelity": fidelity}))
+    path.write_text(
+        json.dumps(
+            {"schema": SCHEMA, "benchmarks": list(benchmarks), "fidelity": fidelity}
+        )
+    )
     return path
 
 
@@ -47,10 +56,14 @@ FIDELITY_CASES = {
     "per_item negative kl": {**_fid(), "per_item": {"student": {"0": [-0.1, 0.5]}}},
     "per_item not a pair": {**_fid(), "per_item": {"student": {"0": 0.1}}},
     "per_item a list": {**_fid(), "per_item": [1]},
-    "decomposition string delta": {**_fid(), "decomposition": {
-        "lora": {"kl": {"delta": "0.1", "half_width": 0.01}}}},
-    "decomposition negative width": {**_fid(), "decomposition": {
-        "lora": {"kl": {"delta": 0.1, "half_width": -0.01}}}},
+    "decomposition string delta": {
+        **_fid(),
+        "decomposition": {"lora": {"kl": {"delta": "0.1", "half_width": 0.01}}},
+    },
+    "decomposition negative width": {
+        **_fid(),
+        "decomposition": {"lora": {"kl": {"delta": 0.1, "half_width": -0.01}}},
+    },
     "teacher_sanity a string": {**_fid(), "teacher_sanity": "ok"},
     "teacher_sanity ok not bool": {**_fid(), "teacher_sanity": {"ok": "yes"}},
 }
@@ -63,18 +76,32 @@ def test_gate_refuses_bad_fidelity(case, tmp_path):
 
 
 def test_gate_accepts_good_fidelity(tmp_path):
-    good = _write(tmp_path / "good.json", {
-        **_fid(kl_half_width=0.002, agreement_half_width=None, nll=1.2, greedy_match=7),
-        "per_item": {"student": {"0": [0.0, 1.0], "1": [0.3, 0.5]}},
-        "decomposition": {"lora": {"kl": {"delta": -0.01, "half_width": None}}},
-        "teacher_sanity": {"kl": 0.0, "agreement": 100.0, "ok": True}})
+    good = _write(
+        tmp_path / "good.json",
+        {
+            **_fid(
+                kl_half_width=0.002, agreement_half_width=None, nll=1.2, greedy_match=7
+            ),
+            "per_item": {"student": {"0": [0.0, 1.0], "1": [0.3, 0.5]}},
+            "decomposition": {"lora": {"kl": {"delta": -0.01, "half_width": None}}},
+            "teacher_sanity": {"kl": 0.0, "agreement": 100.0, "ok": True},
+        },
+    )
     assert load_report(str(good))["fidelity"]["arms"]["student"]["kl"] == 0.01
 
 
 def test_gate_refuses_baseline_without_benchmarks(tmp_path, capsys):
-    row = {"benchmark": "GPQA-Diamond", "status": "ok", "items": 100, "version": "abc",
-           "teacher": 80.0, "student": 78.0, "gap": 2.0, "delta_half_width": 3.0,
-           "arms": {"teacher": {"status": "ok"}, "student": {"status": "ok"}}}
+    row = {
+        "benchmark": "GPQA-Diamond",
+        "status": "ok",
+        "items": 100,
+        "version": "abc",
+        "teacher": 80.0,
+        "student": 78.0,
+        "gap": 2.0,
+        "delta_half_width": 3.0,
+        "arms": {"teacher": {"status": "ok"}, "student": {"status": "ok"}},
+    }
     report = _write(tmp_path / "report.json", _fid(), [row])
     baseline = _write(tmp_path / "baseline.json", _fid())
     # Before: every benchmark showed as "new" and the gate passed.
@@ -90,8 +117,22 @@ def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
 
     path = tmp_path / "results" / "m" / "edge0_fidelity.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"details": [{"id": "0", "kl": kl, "agreement": agreement,
-                                             "nll": 1.0, "greedy_match": 3, "source": "s"}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "details": [
+                    {
+                        "id": "0",
+                        "kl": kl,
+                        "agreement": agreement,
+                        "nll": 1.0,
+                        "greedy_match": 3,
+                        "source": "s",
+                    }
+                ]
+            }
+        )
+    )
     run = Run(tmp_path, ["m"], ["edge0_fidelity"], {}, set())
     expect_clear_error(lambda: load_arm("m", run), path)
 
@@ -105,8 +146,12 @@ def test_report_refuses_details_not_objects(details, tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"accuracy": 50.0, "details": details}))
     run = Run(tmp_path, ["m"], ["gpqa_diamond"], {}, set())
-    expect_clear_error(lambda: load_dataset_result(run, "m", benchmark_for("gpqa_diamond"),
-                                                   "gpqa_diamond"), path)
+    expect_clear_error(
+        lambda: load_dataset_result(
+            run, "m", benchmark_for("gpqa_diamond"), "gpqa_diamond"
+        ),
+        path,
+    )
 
 
 def _two_arm_run(tmp_path):
@@ -130,7 +175,7 @@ def test_report_flags_a_deleted_predictions_file(tmp_path):
     (outputs / "predictions" / "edge0-tiny-student" / "GPQA_diamond.json").unlink()
     r, _ = _report(tmp_path, outputs)
     assert r["GPQA-Diamond"]["status"] == "inconsistent"
-    assert r["AIME 2026"]["status"] == "ok"                       # the control
+    assert r["AIME 2026"]["status"] == "ok"  # the control
 
 
 def test_report_refuses_an_item_twice_in_the_details(tmp_path, capsys):
@@ -152,14 +197,15 @@ def test_a_repeated_key_in_a_results_file_is_not_scored(tmp_path):
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
     item = '{"predictions": "A", "references": "A"}'
-    path.write_text(f'{{"accuracy": 100.0, "details": {{"type": "GEN", "0": {item}, '
-                    f'"0": {item}}}}}')
+    path.write_text(
+        f'{{"accuracy": 100.0, "details": {{"type": "GEN", "0": {item}, "0": {item}}}}}'
+    )
     run = Run(tmp_path, ["m"], ["gpqa_diamond"], {}, set())
     res = load_dataset_result(run, "m", benchmark_for("gpqa_diamond"), "gpqa_diamond")
     assert res.status == "failed" and any("'0' appears twice" in n for n in res.notes)
     path.write_text(f'{{"accuracy": 100.0, "details": {{"type": "GEN", "0": {item}}}}}')
     res = load_dataset_result(run, "m", benchmark_for("gpqa_diamond"), "gpqa_diamond")
-    assert res.status == "ok"                                     # the control
+    assert res.status == "ok"  # the control
 
 
 def _refused(argv, path, capsys) -> None:
@@ -182,11 +228,19 @@ FUZZ_SEED, FUZZ_N = 30, 240
 
 
 def _full_section() -> dict:
-    return {**_fid(kl_half_width=0.002, agreement_half_width=0.5, nll=1.2, greedy_match=7.0),
-            "per_item": {"student": {"0": [0.0, 1.0], "1": [0.3, 0.5]}},
-            "decomposition": {"lora": {"kl": {"delta": -0.01, "half_width": 0.003},
-                                       "agreement": {"delta": 1.5, "half_width": 0.2}}},
-            "teacher_sanity": {"kl": 0.0, "agreement": 100.0, "ok": True}}
+    return {
+        **_fid(
+            kl_half_width=0.002, agreement_half_width=0.5, nll=1.2, greedy_match=7.0
+        ),
+        "per_item": {"student": {"0": [0.0, 1.0], "1": [0.3, 0.5]}},
+        "decomposition": {
+            "lora": {
+                "kl": {"delta": -0.01, "half_width": 0.003},
+                "agreement": {"delta": 1.5, "half_width": 0.2},
+            }
+        },
+        "teacher_sanity": {"kl": 0.0, "agreement": 100.0, "ok": True},
+    }
 
 
 def _sites(node, path=()):
@@ -209,11 +263,17 @@ def _is_num(value) -> bool:
 def _mutate(rng, section: dict) -> tuple[dict, str]:
     """One change that no report can hold: a wrong type anywhere, or an impossible value."""
     section = json.loads(json.dumps(section))
-    path, value = rng.choice([s for s in _sites(section) if s[0] != ("teacher_sanity", "kl")
-                              and s[0] != ("teacher_sanity", "agreement")])
+    path, value = rng.choice(
+        [
+            s
+            for s in _sites(section)
+            if s[0] != ("teacher_sanity", "kl")
+            and s[0] != ("teacher_sanity", "agreement")
+        ]
+    )
     if _is_num(value):
         choices = ["a string", [1], {"a": 1}, True]
-        if path[-1] != "delta":            # a decomposition delta can be negative
+        if path[-1] != "delta":  # a decomposition delta can be negative
             choices.append(-1.0 - abs(value))
         new = rng.choice(choices)
     else:
@@ -248,6 +308,7 @@ def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
         for entry in fid["arms"].values():
             if not isinstance(entry, dict) or not gate._number(entry.get("kl", 0.0)):
                 raise gate.Edge0Error(f"{path}: bad")
+
     monkeypatch.setattr(gate, "_check_fidelity", arms_only)
     rng = random.Random(FUZZ_SEED)
     accepted = 0
@@ -262,11 +323,21 @@ def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
 def test_gate_refuses_corrupt_per_item_outcomes(per_item, tmp_path):
     """The paired tests read every per-item score: a corrupt one is one error naming the file,
     not a TypeError inside the test."""
-    row = {"benchmark": "GPQA-Diamond", "status": "ok", "items": 1, "version": "abc",
-           "teacher": 100.0, "student": 100.0, "gap": 0.0, "delta_half_width": None,
-           "arms": {"teacher": {"status": "ok", "per_item": {"0": 1.0}},
-                    "student": {"status": "ok", "per_item": per_item}}}
+    row = {
+        "benchmark": "GPQA-Diamond",
+        "status": "ok",
+        "items": 1,
+        "version": "abc",
+        "teacher": 100.0,
+        "student": 100.0,
+        "gap": 0.0,
+        "delta_half_width": None,
+        "arms": {
+            "teacher": {"status": "ok", "per_item": {"0": 1.0}},
+            "student": {"status": "ok", "per_item": per_item},
+        },
+    }
     bad = _write(tmp_path / "r.json", None, [row])
     expect_clear_error(lambda: load_report(str(bad)), bad)
-    row["arms"]["student"]["per_item"] = {"0": 1.0}          # the control
+    row["arms"]["student"]["per_item"] = {"0": 1.0}  # the control
     assert load_report(str(_write(tmp_path / "ok.json", None, [row])))

@@ -14,26 +14,51 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from bad_inputs import (
+    copy_model,
+    edit_header,
+    edit_json,
+    expect_clear_error,
+    mutate_header,
+    mutate_index,
+    outcome,
+    read_header,
+    write_header,
+    write_mutated,
+)
 
-from bad_inputs import (copy_model, edit_header, edit_json, expect_clear_error, mutate_header,
-                        mutate_index, outcome, read_header, write_header, write_mutated)
 from edge0_eval.cli import main
-from edge0_eval.engine.families import check_model_dir, family_for
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME, RESIDENT_NAME, ExpertIndex
-from edge0_eval.engine.lora import default_targets, find_targets, linear_dims, load_adapter
-from edge0_eval.engine.prerouter import (default_owners, init_heads_from_routers, load_heads,
-                                         save_heads)
+from edge0_eval.engine.families import check_model_dir, family_for
+from edge0_eval.engine.lora import (
+    default_targets,
+    find_targets,
+    linear_dims,
+    load_adapter,
+)
+from edge0_eval.engine.prerouter import (
+    default_owners,
+    init_heads_from_routers,
+    load_heads,
+    save_heads,
+)
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
-from edge0_eval.formats.config import read_config
-from edge0_eval.formats.model_dir import load_tokenizer_checked
 from edge0_eval.evaluation.gate import load_report
+from edge0_eval.formats.config import read_config
+from edge0_eval.formats.layout import (
+    EXPERTS_NAME,
+    INDEX_NAME,
+    RESIDENT_NAME,
+    ExpertIndex,
+)
+from edge0_eval.formats.model_dir import load_tokenizer_checked
 
 FUZZ_SEED = 16
 
 
 # -- shared objects ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def engine(edge0_qwen):
@@ -60,8 +85,11 @@ def _lora_file(engine, path: Path, **meta) -> Path:
 
 def _heads_file(engine, path: Path) -> Path:
     owners = default_owners(1, len(engine.model.layers), engine.moe_layers)
-    save_heads(path, init_heads_from_routers(engine, owners, width=16, seed=0),
-               {"model_type": engine.config["model_type"]})
+    save_heads(
+        path,
+        init_heads_from_routers(engine, owners, width=16, seed=0),
+        {"model_type": engine.config["model_type"]},
+    )
     return path
 
 
@@ -70,12 +98,17 @@ def _load_lora(engine, path):
 
 
 def _load_heads(engine, path):
-    return lambda: load_heads(path, hidden=engine.family.hidden_size(engine.config),
-                              num_experts=engine.index.num_experts, top_k=engine.top_k)
+    return lambda: load_heads(
+        path,
+        hidden=engine.family.hidden_size(engine.config),
+        num_experts=engine.index.num_experts,
+        top_k=engine.top_k,
+    )
 
 
 def _full_check(model: Path):
     """What the engine checks before serving, plus every bundle read with its CRC."""
+
     def run():
         ExpertIndex.load(model)
         check_model_dir(model)
@@ -86,10 +119,12 @@ def _full_check(model: Path):
                     store.read(layer, e)
         finally:
             store.close()
+
     return run
 
 
 # -- expert index ----------------------------------------------------------------------------
+
 
 def _index_case(name):
     def change(d):
@@ -109,8 +144,10 @@ def _index_case(name):
         elif name == "mode mxfp4":
             d["mode"] = "mxfp4"
         elif name == "gate/up swapped":
-            t["gate_proj.weight"]["offset"], t["up_proj.weight"]["offset"] = \
-                t["up_proj.weight"]["offset"], t["gate_proj.weight"]["offset"]
+            t["gate_proj.weight"]["offset"], t["up_proj.weight"]["offset"] = (
+                t["up_proj.weight"]["offset"],
+                t["gate_proj.weight"]["offset"],
+            )
         elif name == "overlap":
             t["up_proj.weight"]["offset"] -= 64
         elif name == "past the end":
@@ -123,12 +160,26 @@ def _index_case(name):
             d["bits"] = True
         elif name == "negative offset":
             t["gate_proj.weight"]["offset"] = -8
+
     return change
 
 
-INDEX_CASES = ["float count", "unknown dtype", "file null", "bits 0", "bits 7", "group 48",
-               "mode mxfp4", "gate/up swapped", "overlap", "past the end", "list",
-               "string count", "bool bits", "negative offset"]
+INDEX_CASES = [
+    "float count",
+    "unknown dtype",
+    "file null",
+    "bits 0",
+    "bits 7",
+    "group 48",
+    "mode mxfp4",
+    "gate/up swapped",
+    "overlap",
+    "past the end",
+    "list",
+    "string count",
+    "bool bits",
+    "negative offset",
+]
 
 
 @pytest.mark.parametrize("case", INDEX_CASES)
@@ -154,15 +205,19 @@ def test_scale_dtype_relabelled_everywhere(edge0_qwen, tmp_path):
         for t in d["tensors"]:
             if t["dtype"] == "float16":
                 t["dtype"] = "bfloat16"
+
     edit_json(model / INDEX_NAME, change)
-    ExpertIndex.load(model)   # the index alone is self-consistent
+    ExpertIndex.load(model)  # the index alone is self-consistent
     expect_clear_error(lambda: Engine.load(model), RESIDENT_NAME, INDEX_NAME)
 
 
 # -- config.json -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["invalid", "list", "missing key", "string int", "float int",
-                                  "nan", "quant bits"])
+
+@pytest.mark.parametrize(
+    "case",
+    ["invalid", "list", "missing key", "string int", "float int", "nan", "quant bits"],
+)
 def test_config_refused(case, edge0_qwen, tmp_path):
     model = copy_model(edge0_qwen, tmp_path / "m")
     path = model / "config.json"
@@ -190,16 +245,28 @@ def test_config_refused(case, edge0_qwen, tmp_path):
 
 # -- resident header -------------------------------------------------------------------------
 
+
 def _resident_case(model: Path, case: str):
     path = model / RESIDENT_NAME
     if case == "one F16 -> BF16":
+
         def change(h):
             name = next(k for k, v in h.items() if k.endswith("norm.weight"))
             h[name]["dtype"] = "BF16"
+
         edit_header(path, change)
     elif case == "all F16 -> BF16":
-        edit_header(path, lambda h: [v.update(dtype="BF16") for k, v in h.items()
-                                     if k != "__metadata__" and v["dtype"] == "F16"] and None)
+        edit_header(
+            path,
+            lambda h: (
+                [
+                    v.update(dtype="BF16")
+                    for k, v in h.items()
+                    if k != "__metadata__" and v["dtype"] == "F16"
+                ]
+                and None
+            ),
+        )
     elif case == "missing quantized tensor":
         weights = mx.load(str(path))
         del weights[next(k for k in weights if k.endswith(".biases"))]
@@ -210,16 +277,27 @@ def _resident_case(model: Path, case: str):
     elif case == "metadata not a dict":
         edit_header(path, lambda h: h.update(__metadata__=["mlx"]))
     elif case == "unknown dtype":
-        edit_header(path, lambda h: next(v for k, v in h.items() if k != "__metadata__")
-                    .update(dtype="Q4"))
+        edit_header(
+            path,
+            lambda h: next(v for k, v in h.items() if k != "__metadata__").update(
+                dtype="Q4"
+            ),
+        )
     elif case == "huge length":
         raw = bytearray(path.read_bytes())
         raw[:8] = (2**50).to_bytes(8, "little")
         path.write_bytes(bytes(raw))
 
 
-RESIDENT_CASES = ["one F16 -> BF16", "all F16 -> BF16", "missing quantized tensor",
-                  "header list", "metadata not a dict", "unknown dtype", "huge length"]
+RESIDENT_CASES = [
+    "one F16 -> BF16",
+    "all F16 -> BF16",
+    "missing quantized tensor",
+    "header list",
+    "metadata not a dict",
+    "unknown dtype",
+    "huge length",
+]
 
 
 @pytest.mark.parametrize("case", RESIDENT_CASES)
@@ -231,23 +309,44 @@ def test_resident_header_refused(case, edge0_qwen, tmp_path):
 
 # -- adapters and heads ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["alpha 1e30", "alpha nan", "alpha negative", "owners dict",
-                                  "nan values", "metadata list", "mixed dtypes"])
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "alpha 1e30",
+        "alpha nan",
+        "alpha negative",
+        "owners dict",
+        "nan values",
+        "metadata list",
+        "mixed dtypes",
+    ],
+)
 def test_lora_refused(case, engine, tmp_path):
     path = tmp_path / "lora.safetensors"
-    meta = {"alpha 1e30": {"alpha": "1e30"}, "alpha nan": {"alpha": "nan"},
-            "alpha negative": {"alpha": "-8"}, "owners dict": {"owners": '{"a": 1}'}}
+    meta = {
+        "alpha 1e30": {"alpha": "1e30"},
+        "alpha nan": {"alpha": "nan"},
+        "alpha negative": {"alpha": "-8"},
+        "owners dict": {"owners": '{"a": 1}'},
+    }
     _lora_file(engine, path, **meta.get(case, {}))
     if case == "nan values":
         arrays = mx.load(str(path))
         key = sorted(arrays)[0]
         arrays[key] = mx.full(arrays[key].shape, float("inf"), dtype=arrays[key].dtype)
-        mx.save_safetensors(str(path), arrays, metadata={"kind": "lora", "r": "4", "alpha": "8"})
+        mx.save_safetensors(
+            str(path), arrays, metadata={"kind": "lora", "r": "4", "alpha": "8"}
+        )
     elif case == "metadata list":
         edit_header(path, lambda h: h.update(__metadata__=[["kind", "lora"]]))
     elif case == "mixed dtypes":
-        edit_header(path, lambda h: h[sorted(k for k in h if k != "__metadata__")[0]]
-                    .update(dtype="BF16"))
+        edit_header(
+            path,
+            lambda h: h[sorted(k for k in h if k != "__metadata__")[0]].update(
+                dtype="BF16"
+            ),
+        )
     expect_clear_error(_load_lora(engine, path), path)
 
 
@@ -256,6 +355,7 @@ def test_refused_lora_leaves_the_model_untouched(engine, tmp_path):
     after the layers were swapped, before the file reader was split from the engine) leaves the
     model's LoRA layers as they were."""
     from edge0_eval.engine.lora import lora_modules
+
     before = {p: id(m) for p, m in lora_modules(engine.model).items()}
     path = _lora_file(engine, tmp_path / "lora.safetensors", step="ten")
     expect_clear_error(_load_lora(engine, path), path)
@@ -264,9 +364,11 @@ def test_refused_lora_leaves_the_model_untouched(engine, tmp_path):
 
 def test_valid_lora_and_heads_load(engine, tmp_path):
     """The fixtures of the two tests around this one are themselves valid."""
-    load_adapter(engine.model, _lora_file(engine, tmp_path / "l.safetensors"),
-                 top_k=engine.top_k)
+    load_adapter(
+        engine.model, _lora_file(engine, tmp_path / "l.safetensors"), top_k=engine.top_k
+    )
     from edge0_eval.engine.lora import remove_lora
+
     remove_lora(engine.model)
     _load_heads(engine, _heads_file(engine, tmp_path / "h.safetensors"))()
 
@@ -293,11 +395,16 @@ def test_heads_of_another_family_refused(edge0_qwen, edge0_bailing, tmp_path):
         heads = _heads_file(bailing, tmp_path / "bailing_heads.safetensors")
     finally:
         bailing.close()
-    expect_clear_error(lambda: Engine.load(edge0_qwen, EngineOptions(
-        mode="prerouted", prerouter_path=str(heads))), heads)
+    expect_clear_error(
+        lambda: Engine.load(
+            edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(heads))
+        ),
+        heads,
+    )
 
 
 # -- tokenizer ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", ["missing", "truncated", "template"])
 def test_tokenizer_refused(case, edge0_qwen, tmp_path):
@@ -308,14 +415,19 @@ def test_tokenizer_refused(case, edge0_qwen, tmp_path):
         text = (model / "tokenizer.json").read_text()
         (model / "tokenizer.json").write_text(text[: len(text) // 2])
     else:
-        edit_json(model / "tokenizer_config.json",
-                  lambda c: c.update(chat_template="{% for m in messages %}{{ m['content'] }"))
+        edit_json(
+            model / "tokenizer_config.json",
+            lambda c: c.update(
+                chat_template="{% for m in messages %}{{ m['content'] }"
+            ),
+        )
     expect_clear_error(lambda: load_tokenizer_checked(model), model)
     if case == "missing":
         expect_clear_error(lambda: check_model_dir(model), model)
 
 
 # -- expert integrity at the default -------------------------------------------------------
+
 
 def _decode(model, **options):
     e = Engine.load(model, EngineOptions(mode="reactive", slots_per_layer=4, **options))
@@ -332,19 +444,21 @@ def test_corrupt_experts_fail_at_default(case, edge0_qwen, tmp_path):
     data = bytearray(path.read_bytes())
     index = ExpertIndex.load(model)
     if case == "bit flip":
-        for pos in range(len(index.moe_layers)):   # one bit in every expert of every layer
+        for pos in range(
+            len(index.moe_layers)
+        ):  # one bit in every expert of every layer
             for e in range(index.num_experts):
                 data[(pos * index.num_experts + e) * index.bundle_stride + 100] ^= 0x10
     elif case == "zeroed":
         data = bytearray(len(data))
-    else:   # another conversion's bundles, same size: this file's bundles in another order
+    else:  # another conversion's bundles, same size: this file's bundles in another order
         stride = index.bundle_stride
-        bundles = [data[i:i + stride] for i in range(0, len(data), stride)]
+        bundles = [data[i : i + stride] for i in range(0, len(data), stride)]
         data = bytearray(b"".join(bundles[1:] + bundles[:1]))
     path.write_bytes(bytes(data))
     message = expect_clear_error(lambda: _decode(model), "checksum mismatch for layer")
     assert str(path) in message
-    assert _decode(model, verify_crc=False)   # an explicit opt-out still serves
+    assert _decode(model, verify_crc=False)  # an explicit opt-out still serves
 
 
 def test_overwrite_during_decode_is_caught(edge0_qwen, tmp_path):
@@ -353,10 +467,12 @@ def test_overwrite_during_decode_is_caught(edge0_qwen, tmp_path):
     try:
         e.generate([1, 2, 3], max_tokens=3)
         size = (model / EXPERTS_NAME).stat().st_size
-        with open(model / EXPERTS_NAME, "r+b") as f:    # in place: same inode, same size
+        with open(model / EXPERTS_NAME, "r+b") as f:  # in place: same inode, same size
             f.write(b"\x5a" * size)
-        expect_clear_error(lambda: e.generate([5, 6, 7, 8, 9], max_tokens=6,
-                                              stop_token_ids=set()), "checksum mismatch")
+        expect_clear_error(
+            lambda: e.generate([5, 6, 7, 8, 9], max_tokens=6, stop_token_ids=set()),
+            "checksum mismatch",
+        )
     finally:
         e.close()
 
@@ -374,12 +490,33 @@ def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
     from model_wrappers.partitioner import model_problems
 
     model = copy_model(edge0_qwen, tmp_path / "m")
-    assert model_problems([{"abbr": "s", "path": str(model), "type": "Edge0Model",
-                            "mode": "reactive", "no_lora": True}]) == []
+    assert (
+        model_problems(
+            [
+                {
+                    "abbr": "s",
+                    "path": str(model),
+                    "type": "Edge0Model",
+                    "mode": "reactive",
+                    "no_lora": True,
+                }
+            ]
+        )
+        == []
+    )
     with open(model / EXPERTS_NAME, "ab") as f:
         f.write(b"\0" * 4096)
-    problems = model_problems([{"abbr": "s", "path": str(model), "type": "Edge0Model",
-                                "mode": "reactive", "no_lora": True}])
+    problems = model_problems(
+        [
+            {
+                "abbr": "s",
+                "path": str(model),
+                "type": "Edge0Model",
+                "mode": "reactive",
+                "no_lora": True,
+            }
+        ]
+    )
     assert len(problems) == 1 and EXPERTS_NAME in problems[0]
 
 
@@ -388,11 +525,20 @@ def test_preflight_refuses_a_bad_batch_size(tmp_path, batch):
     from model_wrappers.partitioner import model_problems
 
     (tmp_path / "config.json").write_text("{}")
-    good = model_problems([{"abbr": "t", "path": str(tmp_path), "type": "MLXLMModel",
-                            "batch_size": 4}])
+    good = model_problems(
+        [{"abbr": "t", "path": str(tmp_path), "type": "MLXLMModel", "batch_size": 4}]
+    )
     assert good == []
-    problems = model_problems([{"abbr": "t", "path": str(tmp_path), "type": "MLXLMModel",
-                                "batch_size": batch}])
+    problems = model_problems(
+        [
+            {
+                "abbr": "t",
+                "path": str(tmp_path),
+                "type": "MLXLMModel",
+                "batch_size": batch,
+            }
+        ]
+    )
     assert len(problems) == 1 and "t: batch_size" in problems[0]
 
 
@@ -406,8 +552,14 @@ CLI_CASES = [
     (["generate", "M", "--prompt", "x", "--top-p", "2"], "--top-p"),
     (["generate", "M", "--prompt", "x", "--top-p", "nan"], "--top-p"),
     (["generate", "M", "--prompt", "x", "--io-workers", "0"], "--io-workers"),
-    (["generate", "M", "--prompt", "x", "--io-throttle-mbps", "nan"], "--io-throttle-mbps"),
-    (["generate", "M", "--prompt", "x", "--expert-budget-mib", "nan"], "--expert-budget-mib"),
+    (
+        ["generate", "M", "--prompt", "x", "--io-throttle-mbps", "nan"],
+        "--io-throttle-mbps",
+    ),
+    (
+        ["generate", "M", "--prompt", "x", "--expert-budget-mib", "nan"],
+        "--expert-budget-mib",
+    ),
     (["generate", "M", "--prompt", "x", "--seed", "-1"], "--seed"),
     (["generate", "M", "--prompt", "x", "--json", "/nonexistent-dir/x.json"], "--json"),
     (["bench", "M", "--raw-reads", "-1"], "--raw-reads"),
@@ -415,13 +567,19 @@ CLI_CASES = [
     (["bench", "M", "--repeats", "0"], "--repeats"),
     (["bench", "M", "--arms", ""], "--arms"),
     (["gate", "R", "--baseline", "B", "--max-drop", "nan"], "--max-drop"),
-    (["gate", "R", "--baseline", "B", "--max-gap-increase", "inf"], "--max-gap-increase"),
+    (
+        ["gate", "R", "--baseline", "B", "--max-gap-increase", "inf"],
+        "--max-gap-increase",
+    ),
     (["data", "verify", "--benchmarks", ","], "--benchmarks"),
 ]
 
 
-@pytest.mark.parametrize("argv,option", CLI_CASES, ids=[" ".join(a[2:] if a[0] != "data" else a)
-                                                         for a, _ in CLI_CASES])
+@pytest.mark.parametrize(
+    "argv,option",
+    CLI_CASES,
+    ids=[" ".join(a[2:] if a[0] != "data" else a) for a, _ in CLI_CASES],
+)
 def test_cli_value_refused_at_parse_time(argv, option, capsys):
     expect_clear_error(lambda: main(argv), option, capsys=capsys)
 
@@ -429,10 +587,12 @@ def test_cli_value_refused_at_parse_time(argv, option, capsys):
 def test_cli_root_naming_a_file(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    expect_clear_error(lambda: main(["data", "verify", "--root", str(f)]), "--root",
-                       capsys=capsys)
-    expect_clear_error(lambda: main(["report", str(tmp_path), "--out", str(f)]), "--out",
-                       capsys=capsys)
+    expect_clear_error(
+        lambda: main(["data", "verify", "--root", str(f)]), "--root", capsys=capsys
+    )
+    expect_clear_error(
+        lambda: main(["report", str(tmp_path), "--out", str(f)]), "--out", capsys=capsys
+    )
 
 
 def test_cli_bad_model_exits_2_without_traceback(edge0_qwen, tmp_path, capsys):
@@ -445,10 +605,19 @@ def test_cli_bad_model_exits_2_without_traceback(edge0_qwen, tmp_path, capsys):
 
 # -- gate and report ------------------------------------------------------------------------
 
+
 def _row(**kw):
-    row = {"benchmark": "GPQA-Diamond", "status": "ok", "items": 100, "version": "abc",
-           "teacher": 80.0, "student": 78.0, "gap": 2.0, "delta_half_width": 3.0,
-           "arms": {"teacher": {"status": "ok"}, "student": {"status": "ok"}}}
+    row = {
+        "benchmark": "GPQA-Diamond",
+        "status": "ok",
+        "items": 100,
+        "version": "abc",
+        "teacher": 80.0,
+        "student": 78.0,
+        "gap": 2.0,
+        "delta_half_width": 3.0,
+        "arms": {"teacher": {"status": "ok"}, "student": {"status": "ok"}},
+    }
     row.update(kw)
     return row
 
@@ -456,18 +625,41 @@ def _row(**kw):
 def _report(path: Path, rows, raw: str | None = None) -> Path:
     from edge0_eval.evaluation.report import SCHEMA
 
-    text = raw if raw is not None else json.dumps({"schema": SCHEMA, "benchmarks": rows})
+    text = (
+        raw if raw is not None else json.dumps({"schema": SCHEMA, "benchmarks": rows})
+    )
     path.write_text(text)
     return path
 
 
 GATE_CASES = {
-    "nan gap": lambda p: _report(p, None, json.dumps(
-        {"schema": "edge0-eval/report/v1", "benchmarks": [_row(gap=float("nan"))]})),
-    "nan student": lambda p: _report(p, None, json.dumps(
-        {"schema": "edge0-eval/report/v1", "benchmarks": [_row(student=float("nan"))]})),
-    "inf half width": lambda p: _report(p, None, json.dumps(
-        {"schema": "edge0-eval/report/v1", "benchmarks": [_row(delta_half_width=float("inf"))]})),
+    "nan gap": lambda p: _report(
+        p,
+        None,
+        json.dumps(
+            {"schema": "edge0-eval/report/v1", "benchmarks": [_row(gap=float("nan"))]}
+        ),
+    ),
+    "nan student": lambda p: _report(
+        p,
+        None,
+        json.dumps(
+            {
+                "schema": "edge0-eval/report/v1",
+                "benchmarks": [_row(student=float("nan"))],
+            }
+        ),
+    ),
+    "inf half width": lambda p: _report(
+        p,
+        None,
+        json.dumps(
+            {
+                "schema": "edge0-eval/report/v1",
+                "benchmarks": [_row(delta_half_width=float("inf"))],
+            }
+        ),
+    ),
     "string score": lambda p: _report(p, [_row(student="78")]),
     "null score": lambda p: _report(p, [_row(gap=None)]),
     "no student arm": lambda p: _report(p, [_row(arms={"teacher": {"status": "ok"}})]),
@@ -505,8 +697,9 @@ def _oc_run(root: Path, stats: list | None = None, preds_text: str | None = None
     if preds_text is not None:
         (pred_dir / "GPQA_diamond.json").write_text(preds_text)
     elif not (pred_dir / "GPQA_diamond.json").exists():
-        (pred_dir / "GPQA_diamond.json").write_text(json.dumps(
-            {str(i): {"prediction": "A"} for i in range(4)}))
+        (pred_dir / "GPQA_diamond.json").write_text(
+            json.dumps({str(i): {"prediction": "A"} for i in range(4)})
+        )
     if stats is not None:
         (pred_dir / "GPQA_diamond.engine_stats.json").write_text(json.dumps(stats))
     return out
@@ -514,7 +707,9 @@ def _oc_run(root: Path, stats: list | None = None, preds_text: str | None = None
 
 def test_report_refuses_resumed_engine_stats(tmp_path, capsys):
     # a SIGKILL after 2 of 4 samples, then `-r`: only the 2 new samples have stats
-    run = _oc_run(tmp_path / "oc", stats=[{"index": 2, "tokens": 5}, {"index": 3, "tokens": 5}])
+    run = _oc_run(
+        tmp_path / "oc", stats=[{"index": 2, "tokens": 5}, {"index": 3, "tokens": 5}]
+    )
     assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 1
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["benchmarks"][0]["status"] == "inconsistent"
@@ -526,25 +721,35 @@ def test_report_complete_engine_stats_ok(tmp_path):
     assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
 
 
-@pytest.mark.parametrize("case", ["stats not a list", "stats invalid json", "preds a list",
-                                  "preds invalid json"])
+@pytest.mark.parametrize(
+    "case",
+    ["stats not a list", "stats invalid json", "preds a list", "preds invalid json"],
+)
 def test_report_refuses_invalid_output_files(case, tmp_path, capsys):
     stats = {"stats not a list": {"index": 0}}.get(case)
-    preds = {"preds a list": "[1, 2]", "preds invalid json": "{\"0\": "}.get(case)
+    preds = {"preds a list": "[1, 2]", "preds invalid json": '{"0": '}.get(case)
     run = _oc_run(tmp_path / "oc", stats=stats, preds_text=preds)
     if case == "stats invalid json":
-        (run / "predictions" / "edge0-student" / "GPQA_diamond.engine_stats.json").write_text("[{")
+        (
+            run / "predictions" / "edge0-student" / "GPQA_diamond.engine_stats.json"
+        ).write_text("[{")
     assert main(["report", str(run), "--out", str(tmp_path / "rep")]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "GPQA_diamond" in err
 
 
-@pytest.mark.parametrize("arms", ["teacher=qwen-teacher,student=qwen-teacher",
-                                  "teacher=qwen-teacher,student=edge0-student,"
-                                  "int4_exact=edge0-student"])
+@pytest.mark.parametrize(
+    "arms",
+    [
+        "teacher=qwen-teacher,student=qwen-teacher",
+        "teacher=qwen-teacher,student=edge0-student,int4_exact=edge0-student",
+    ],
+)
 def test_report_refuses_one_model_twice(arms, tmp_path, capsys):
     run = _oc_run(tmp_path / "oc")
-    assert main(["report", str(run), "--out", str(tmp_path / "rep"), "--arms", arms]) == 2
+    assert (
+        main(["report", str(run), "--out", str(tmp_path / "rep"), "--arms", arms]) == 2
+    )
     assert "--arms" in capsys.readouterr().err
 
 
@@ -555,6 +760,7 @@ def test_report_missing_results_exit_nonzero(tmp_path):
 
 
 # -- data files ------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
@@ -571,14 +777,21 @@ def _data_case(root: Path, case: str) -> str:
 
     new = root.parent / f"{root.name}-{case.replace(' ', '_')}"
     shutil.copytree(root, new)
-    bench = {"jsonl list": "aime2026", "aime null": "aime2026", "aime duplicates": "aime2026",
-             "mmlu Z": "mmlu_pro", "mmlu null category": "mmlu_pro",
-             "gpqa 5 columns": "gpqa"}[case]
+    bench = {
+        "jsonl list": "aime2026",
+        "aime null": "aime2026",
+        "aime duplicates": "aime2026",
+        "mmlu Z": "mmlu_pro",
+        "mmlu null category": "mmlu_pro",
+        "gpqa 5 columns": "gpqa",
+    }[case]
     path = new / PATHS[bench]
     if bench == "aime2026":
         rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
         if case == "jsonl list":
-            text = "\n".join([json.dumps(rows[0]), "[1, 2]"] + [json.dumps(r) for r in rows[1:]])
+            text = "\n".join(
+                [json.dumps(rows[0]), "[1, 2]"] + [json.dumps(r) for r in rows[1:]]
+            )
         elif case == "aime null":
             rows[0]["answer"] = None
             text = "\n".join(json.dumps(r) for r in rows)
@@ -598,16 +811,30 @@ def _data_case(root: Path, case: str) -> str:
         col = "answer" if case == "mmlu Z" else "category"
         values = table.column(col).to_pylist()
         values[0] = "Z" if case == "mmlu Z" else None
-        table = table.set_column(table.column_names.index(col), col,
-                                 pa.array(values, type=table.schema.field(col).type))
+        table = table.set_column(
+            table.column_names.index(col),
+            col,
+            pa.array(values, type=table.schema.field(col).type),
+        )
         pq.write_table(table, test_file)
     checks = verify(new, [bench], full=False)
-    assert len(checks) == 1 and not checks[0].ok, f"{case}: accepted: {checks[0].message}"
+    assert len(checks) == 1 and not checks[0].ok, (
+        f"{case}: accepted: {checks[0].message}"
+    )
     return checks[0].message
 
 
-@pytest.mark.parametrize("case", ["jsonl list", "aime null", "aime duplicates", "mmlu Z",
-                                  "mmlu null category", "gpqa 5 columns"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "jsonl list",
+        "aime null",
+        "aime duplicates",
+        "mmlu Z",
+        "mmlu null category",
+        "gpqa 5 columns",
+    ],
+)
 def test_data_files_refused(case, data_root):
     message = _data_case(data_root, case)
     assert str(data_root.parent) in message
@@ -615,9 +842,12 @@ def test_data_files_refused(case, data_root):
 
 # -- seeded fuzz ----------------------------------------------------------------------------
 
+
 def _tally(results: list[tuple[str, str, str]]):
     bad = [r for r in results if r[1] != "error"]
-    assert not bad, f"{len(bad)} of {len(results)} mutations not refused cleanly: {bad[:8]}"
+    assert not bad, (
+        f"{len(bad)} of {len(results)} mutations not refused cleanly: {bad[:8]}"
+    )
 
 
 def _fuzz_index(model: Path, rng, n: int) -> list[tuple[str, str, str]]:
@@ -630,8 +860,12 @@ def _fuzz_index(model: Path, rng, n: int) -> list[tuple[str, str, str]]:
         what = mutate_index(rng, data)
         (model / INDEX_NAME).write_text(json.dumps(data))
         kind, message = outcome(_full_check(model))
-        if kind == "error" and INDEX_NAME not in message and EXPERTS_NAME not in message \
-                and RESIDENT_NAME not in message:
+        if (
+            kind == "error"
+            and INDEX_NAME not in message
+            and EXPERTS_NAME not in message
+            and RESIDENT_NAME not in message
+        ):
             kind = "unnamed"
         results.append((what, kind, message[:160]))
     (model / INDEX_NAME).write_text(original)
@@ -641,7 +875,7 @@ def _fuzz_index(model: Path, rng, n: int) -> list[tuple[str, str, str]]:
 def test_fuzz_index(edge0_qwen, tmp_path):
     model = copy_model(edge0_qwen, tmp_path / "m")
     results = _fuzz_index(model, random.Random(FUZZ_SEED), 150)
-    _full_check(model)()      # the untouched copy passes the same oracle
+    _full_check(model)()  # the untouched copy passes the same oracle
     _tally(results)
 
 
@@ -658,7 +892,7 @@ def _fuzz_headers(rng, path: Path, load, n: int, names) -> list:
             kind = "unnamed"
         results.append((what, kind, message[:160]))
     path.write_bytes(original)
-    load()   # the restored file loads
+    load()  # the restored file loads
     return results
 
 
@@ -674,6 +908,7 @@ def test_fuzz_resident_header(edge0_qwen, tmp_path):
         check_resident(path, index)
         # A header the format accepts must still match the model: the engine's own load.
         Engine.load(model).close()
+
     _tally(_fuzz_headers(rng, path, load, 60, [path]))
 
 
@@ -684,8 +919,10 @@ def test_fuzz_lora_and_heads_headers(engine, tmp_path):
 
     def load_lora():
         load_adapter(engine.model, lora, top_k=engine.top_k)
+
     results = _fuzz_headers(rng, lora, load_lora, 60, [lora])
     from edge0_eval.engine.lora import remove_lora
+
     remove_lora(engine.model)
     results += _fuzz_headers(rng, heads, _load_heads(engine, heads), 60, [heads])
     _tally(results)
@@ -695,22 +932,35 @@ def test_fuzz_oracle_sees_an_injected_fault(edge0_qwen, tmp_path, monkeypatch):
     """With the index's consistency checks disabled, the same fuzz finds accepted corruptions
     or tracebacks: the suite can fail."""
     monkeypatch.setattr(ExpertIndex, "validate", lambda self, directory=None: None)
-    monkeypatch.setattr("edge0_eval.formats.model_dir.check_index_model", lambda *a, **k: None)
+    monkeypatch.setattr(
+        "edge0_eval.formats.model_dir.check_index_model", lambda *a, **k: None
+    )
     model = copy_model(edge0_qwen, tmp_path / "m")
     kinds = [kind for _, kind, _ in _fuzz_index(model, random.Random(FUZZ_SEED), 40)]
     assert set(kinds) - {"error"}, kinds
 
 
-@pytest.mark.parametrize("kw", [{"io_workers": 0}, {"io_throttle_mbps": float("nan")},
-                                {"io_throttle_mbps": -1.0}])
+@pytest.mark.parametrize(
+    "kw",
+    [{"io_workers": 0}, {"io_throttle_mbps": float("nan")}, {"io_throttle_mbps": -1.0}],
+)
 def test_store_options_refused(kw, edge0_qwen):
     expect_clear_error(lambda: ExpertStore(edge0_qwen, **kw), next(iter(kw)))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("expert_budget_mib", float("nan")), ("io_throttle_mbps", float("inf")), ("io_workers", 0),
-    ("seed", -1), ("top_k", 2.5), ("slots_per_layer", True), ("clip_hidden", float("nan")),
-    ("prefill_chunk", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("expert_budget_mib", float("nan")),
+        ("io_throttle_mbps", float("inf")),
+        ("io_workers", 0),
+        ("seed", -1),
+        ("top_k", 2.5),
+        ("slots_per_layer", True),
+        ("clip_hidden", float("nan")),
+        ("prefill_chunk", 0),
+    ],
+)
 def test_engine_options_from_a_config_refuse_bad_values(field, value):
     """A model config reaches EngineOptions without the CLI's parse-time checks."""
     with pytest.raises(ConfigError, match=field):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import BatchKVCache
+from perturbed_heads import perturbed_heads
 
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
@@ -23,13 +24,19 @@ from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.errors import ConfigError
-from perturbed_heads import perturbed_heads
 
 TOL = 0.0 if mx.default_device() == mx.cpu else 2e-2
 MAX_TOKENS = 8
-TEXTS = ["x", "The quick brown fox jumps over the lazy dog.", "hi there",
-         "def add(a, b):\n    return a + b  # a longer prompt than the others, by far",
-         "Once upon a time", "1 2 3 4 5 6 7", "lorem ipsum dolor sit amet", "ok"]
+TEXTS = [
+    "x",
+    "The quick brown fox jumps over the lazy dog.",
+    "hi there",
+    "def add(a, b):\n    return a + b  # a longer prompt than the others, by far",
+    "Once upon a time",
+    "1 2 3 4 5 6 7",
+    "lorem ipsum dolor sit amet",
+    "ok",
+]
 
 
 @pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
@@ -42,8 +49,14 @@ def family(request, tmp_path_factory):
 
 def _load(family, mode, **options):
     converted, heads = family
-    return Engine.load(converted, EngineOptions(
-        mode=mode, prerouter_path=str(heads) if mode == "prerouted" else None, **options))
+    return Engine.load(
+        converted,
+        EngineOptions(
+            mode=mode,
+            prerouter_path=str(heads) if mode == "prerouted" else None,
+            **options,
+        ),
+    )
 
 
 def _solo(engine, prompt, stop):
@@ -52,7 +65,9 @@ def _solo(engine, prompt, stop):
     logits, tokens, trace = sequence.prefill(prompt), [], []
     while True:
         trace.append(logits)
-        tokens.append(int(mx.argmax(logits - mx.logsumexp(logits, keepdims=True)).item()))
+        tokens.append(
+            int(mx.argmax(logits - mx.logsumexp(logits, keepdims=True)).item())
+        )
         if tokens[-1] in stop or len(tokens) >= MAX_TOKENS:
             return tokens, trace
         logits = sequence.step(tokens[-1])
@@ -61,9 +76,13 @@ def _solo(engine, prompt, stop):
 def _mismatches(solo, results, trace, tol=TOL) -> list[int]:
     """Rows whose tokens differ from their solo run or whose logits differ by more than tol."""
     bad = []
-    for i, ((tokens, solo_logits), result, logits) in enumerate(zip(solo, results, trace)):
-        diff = max((float(mx.abs(a - b).max()) for a, b in zip(solo_logits, logits)),
-                   default=0.0)
+    for i, ((tokens, solo_logits), result, logits) in enumerate(
+        zip(solo, results, trace)
+    ):
+        diff = max(
+            (float(mx.abs(a - b).max()) for a, b in zip(solo_logits, logits)),
+            default=0.0,
+        )
         if result.tokens != tokens or len(logits) != len(solo_logits) or diff > tol:
             bad.append(i)
     return bad
@@ -73,32 +92,39 @@ def _mismatches(solo, results, trace, tol=TOL) -> list[int]:
 def test_every_row_equals_its_solo_run(family, mode):
     engine = _load(family, mode)
     prompts = [engine.tokenizer.encode(t) for t in TEXTS]
-    assert len({len(p) for p in prompts}) >= 6           # different lengths: left padding
+    assert len({len(p) for p in prompts}) >= 6  # different lengths: left padding
     # A stop token from one row's output: some rows finish early, the others run on.
     stop = {_solo(engine, prompts[1], set())[0][2]}
     solo = [_solo(engine, p, stop) for p in prompts]
     lengths = [len(t) for t, _ in solo]
     assert min(lengths) < MAX_TOKENS and max(lengths) == MAX_TOKENS
-    assert engine.generate(prompts[3], MAX_TOKENS, stop_token_ids=stop).tokens == solo[3][0]
+    assert (
+        engine.generate(prompts[3], MAX_TOKENS, stop_token_ids=stop).tokens
+        == solo[3][0]
+    )
     for b in (1, 3, 8):
         trace = []
-        results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=b, stop_token_ids=stop,
-                                        logits_trace=trace)
+        results = engine.generate_batch(
+            prompts, MAX_TOKENS, batch_size=b, stop_token_ids=stop, logits_trace=trace
+        )
         assert _mismatches(solo, results, trace) == [], f"batch_size={b}"
         s = results[0].stats
         assert s["batch_size"] == b and s["batch_rows"] == len(prompts)
         if b == 3:
-            assert s["batch_joined_running"] > 0         # rows joined while others ran
+            assert s["batch_joined_running"] > 0  # rows joined while others ran
         for r, p in zip(results, prompts):
             assert r.prompt_tokens == len(p) == r.stats["prompt_tokens"]
             assert r.stats["generated_tokens"] == len(r.tokens)
         if mode == "resident":
-            assert s["mean_union_per_layer"] is None      # nothing looked up
+            assert s["mean_union_per_layer"] is None  # nothing looked up
         elif b == 1:
             assert s["mean_union_per_layer"] == engine.top_k
         else:
-            assert engine.top_k < s["mean_union_per_layer"] <= min(b * engine.top_k,
-                                                                   engine.index.num_experts)
+            assert (
+                engine.top_k
+                < s["mean_union_per_layer"]
+                <= min(b * engine.top_k, engine.index.num_experts)
+            )
     if mode == "prerouted":
         assert engine.stats()["dropped_experts"] == 0
     engine.close()
@@ -108,14 +134,17 @@ def test_wrap_around_heads_batch_equals_solo(edge0_qwen, tmp_path):
     """Start layer 0: the last MoE layer's head plans the first MoE layer of the next step,
     so every MoE layer of every batched step is prerouted (its plan is set before layer 0)."""
     path, _ = perturbed_heads(edge0_qwen, tmp_path, start_layer=0, key=2)
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path)))
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path))
+    )
     assert engine.prerouter.consumers[-1] == engine.moe_layers[0]
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:5]]
     stop = {_solo(engine, prompts[1], set())[0][2]}
     solo = [_solo(engine, p, stop) for p in prompts]
     trace = []
-    results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=3, stop_token_ids=stop,
-                                    logits_trace=trace)
+    results = engine.generate_batch(
+        prompts, MAX_TOKENS, batch_size=3, stop_token_ids=stop, logits_trace=trace
+    )
     engine.close()
     assert _mismatches(solo, results, trace) == []
     assert results[0].stats["dropped_experts"] == 0
@@ -129,9 +158,11 @@ def test_fault_injection_the_equality_check_catches_a_changed_row(family, monkey
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
     solo = [_solo(engine, p, set()) for p in prompts]
     trace = []
-    results = engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set(), logits_trace=trace)
+    results = engine.generate_batch(
+        prompts, MAX_TOKENS, stop_token_ids=set(), logits_trace=trace
+    )
     assert _mismatches(solo, results, trace) == []
-    assert _mismatches(solo[::-1], results, trace) != []           # swapped rows
+    assert _mismatches(solo[::-1], results, trace) != []  # swapped rows
 
     merge = batch_module.merge_caches
 
@@ -143,7 +174,9 @@ def test_fault_injection_the_equality_check_catches_a_changed_row(family, monkey
 
     monkeypatch.setattr(batch_module, "merge_caches", perturbed)
     trace = []
-    results = engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set(), logits_trace=trace)
+    results = engine.generate_batch(
+        prompts, MAX_TOKENS, stop_token_ids=set(), logits_trace=trace
+    )
     engine.close()
     assert _mismatches(solo, results, trace) == [2]
 
@@ -159,12 +192,16 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
 
     def recording_plan(*args, **kwargs):
         plans = plan(*args, **kwargs)
-        planned.append({l: (np.array(p[0]), sorted(p[1].experts)) for l, p in plans.layers.items()})
+        planned.append(
+            {l: (np.array(p[0]), sorted(p[1].experts)) for l, p in plans.layers.items()}
+        )
         return plans
 
     def checking_after_step(*args, stage):
-        for layer in consumers if stage else ():     # a decode step, not a joiner's prefill:
-            inds, staged = planned[-1][layer]         # what each row executed vs its own plan
+        for layer in (
+            consumers if stage else ()
+        ):  # a decode step, not a joiner's prefill:
+            inds, staged = planned[-1][layer]  # what each row executed vs its own plan
             executed = np.array(engine.blocks[layer].last[1])
             assert (executed == inds).all()
             assert sorted(set(executed.reshape(-1).tolist())) == staged
@@ -175,16 +212,22 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
     monkeypatch.setattr(pr, "after_step", checking_after_step)
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:6]]
     before = engine.stats()["dropped_experts"]
-    results = engine.generate_batch(prompts, MAX_TOKENS, batch_size=4, stop_token_ids=set())
+    results = engine.generate_batch(
+        prompts, MAX_TOKENS, batch_size=4, stop_token_ids=set()
+    )
     s = results[0].stats
     after = engine.stats()
     engine.close()
     assert s["dropped_experts"] == before == 0
     # The batch held B x K slots per layer (the B = 1 default is 2K); then the pool went back.
-    assert s["slots_per_layer"] == min(4 * engine.top_k, engine.index.num_experts) > \
-        after["slots_per_layer"] == 2 * engine.top_k
+    assert (
+        s["slots_per_layer"]
+        == min(4 * engine.top_k, engine.index.num_experts)
+        > after["slots_per_layer"]
+        == 2 * engine.top_k
+    )
     assert s["expert_buffer_mib"] > after["expert_buffer_mib"]
-    assert checked and max(checked) > engine.top_k                  # real unions were staged
+    assert checked and max(checked) > engine.top_k  # real unions were staged
     assert s["mean_union_per_layer"] > engine.top_k
     assert s["batch_decode_tokens"] == sum(len(r.tokens) - 1 for r in results)
 
@@ -194,11 +237,11 @@ def test_slot_pool_resize_keeps_the_residents_below_the_cut():
     slots.assign([10, 11, 12, 13])
     assert slots.resize(6) == [] and slots.n_slots == 6
     mapping, loads = slots.assign([14, 15])
-    assert sorted(mapping.values()) == [4, 5] and len(loads) == 2      # the new slots
-    assert sorted(slots.resize(3)) == [13, 14, 15]                     # slots 3..5 go
+    assert sorted(mapping.values()) == [4, 5] and len(loads) == 2  # the new slots
+    assert sorted(slots.resize(3)) == [13, 14, 15]  # slots 3..5 go
     assert [slots.slot_of(e) for e in (10, 11, 12)] == [0, 1, 2]
     mapping, loads = slots.assign([13])
-    assert loads == [(13, mapping[13])] and mapping[13] < 3            # read again, in range
+    assert loads == [(13, mapping[13])] and mapping[13] < 3  # read again, in range
 
 
 def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
@@ -210,16 +253,17 @@ def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
     results = engine.generate_batch(prompts, 12, batch_size=3, seeds=seeds, **kw)
     for p, s, r in zip(prompts, seeds, results):
         assert engine.generate(p, 12, seed=s, **kw).tokens == r.tokens
-    assert results[0].tokens == results[4].tokens          # same prompt, same seed
-    assert results[0].tokens != results[2].tokens          # same prompt, another seed
+    assert results[0].tokens == results[4].tokens  # same prompt, same seed
+    assert results[0].tokens != results[2].tokens  # same prompt, another seed
     greedy = engine.generate(prompts[0], 12, stop_token_ids=set()).tokens
-    assert results[0].tokens != greedy                     # it really sampled
-    mx.random.seed(1234)                                   # the global RNG plays no part
+    assert results[0].tokens != greedy  # it really sampled
+    mx.random.seed(1234)  # the global RNG plays no part
     assert engine.generate(prompts[0], 12, seed=5, **kw).tokens == results[0].tokens
     # The default seed is options.seed for every row.
     default = engine.generate_batch(prompts[:2], 12, **kw)
-    assert [r.tokens for r in default] == [engine.generate(p, 12, seed=0, **kw).tokens
-                                           for p in prompts[:2]]
+    assert [r.tokens for r in default] == [
+        engine.generate(p, 12, seed=0, **kw).tokens for p in prompts[:2]
+    ]
     engine.close()
 
 
@@ -228,16 +272,23 @@ def test_non_finite_batch_logits_are_an_error(edge0_qwen2, monkeypatch):
     engine = Engine.load(edge0_qwen2, EngineOptions(mode="reactive", clip_hidden=None))
     merge = batch_module.merge_caches
 
-    def poisoned(caches):        # after every row's (clean) prefill, before the first step
-        name = next(k for k, _ in tree_flatten(engine.model.parameters())
-                    if re.search(r"layers\.0\..*norm.*weight$", k))
+    def poisoned(caches):  # after every row's (clean) prefill, before the first step
+        name = next(
+            k
+            for k, _ in tree_flatten(engine.model.parameters())
+            if re.search(r"layers\.0\..*norm.*weight$", k)
+        )
         value = dict(tree_flatten(engine.model.parameters()))[name]
-        engine.model.update(tree_unflatten([(name, mx.full(value.shape, mx.nan, value.dtype))]))
+        engine.model.update(
+            tree_unflatten([(name, mx.full(value.shape, mx.nan, value.dtype))])
+        )
         return merge(caches)
 
     monkeypatch.setattr(batch_module, "merge_caches", poisoned)
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
-    with pytest.raises(NonFiniteError, match=r"at batched decode step 1 \(prompt\(s\) \[0, 1, 2\]"):
+    with pytest.raises(
+        NonFiniteError, match=r"at batched decode step 1 \(prompt\(s\) \[0, 1, 2\]"
+    ):
         engine.generate_batch(prompts, 4, stop_token_ids=set())
     assert engine.stats()["nonfinite_events"] == 1
     engine.close()
@@ -245,11 +296,13 @@ def test_non_finite_batch_logits_are_an_error(edge0_qwen2, monkeypatch):
 
 def test_bad_batch_input_is_one_clear_error(edge0_qwen):
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
-    cases = [(dict(prompts=[]), "prompts is empty"),
-             (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
-             (dict(prompts=[[1, 2]], batch_size=0), "batch_size"),
-             (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds has 2 entries"),
-             (dict(prompts=[[1, 2], [3]], seeds=[1, -1]), r"seeds\[1\]")]
+    cases = [
+        (dict(prompts=[]), "prompts is empty"),
+        (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+        (dict(prompts=[[1, 2]], batch_size=0), "batch_size"),
+        (dict(prompts=[[1, 2]], seeds=[1, 2]), "seeds has 2 entries"),
+        (dict(prompts=[[1, 2], [3]], seeds=[1, -1]), r"seeds\[1\]"),
+    ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             engine.generate_batch(max_tokens=2, **kwargs)
@@ -260,16 +313,36 @@ def test_bad_batch_input_is_one_clear_error(edge0_qwen):
 
 def test_cli_generate_prompts_file_batch(edge0_qwen, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "hello"}\n\n{"prompt": "def f(x):", "seed": 3}\n'
-                       '{"prompt": "a longer one, with more words in it"}\n')
+    prompts.write_text(
+        '{"prompt": "hello"}\n\n{"prompt": "def f(x):", "seed": 3}\n'
+        '{"prompt": "a longer one, with more words in it"}\n'
+    )
     out = tmp_path / "out.json"
-    assert main(["generate", str(edge0_qwen), "--prompts", str(prompts), "--batch", "2",
-                 "--max-tokens", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(edge0_qwen),
+                "--prompts",
+                str(prompts),
+                "--batch",
+                "2",
+                "--max-tokens",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "expert buffer" in printed and "batch 2" in printed
     entries = json.loads(out.read_text())
-    assert [e["prompt"] for e in entries] == ["hello", "def f(x):",
-                                              "a longer one, with more words in it"]
+    assert [e["prompt"] for e in entries] == [
+        "hello",
+        "def f(x):",
+        "a longer one, with more words in it",
+    ]
     engine = Engine.load(edge0_qwen, EngineOptions())
     for e in entries:
         assert e["tokens"] == engine.generate(e["prompt_tokens"], 4).tokens
@@ -278,9 +351,11 @@ def test_cli_generate_prompts_file_batch(edge0_qwen, tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
-    for argv, message in ((["--prompts", str(tmp_path / "missing.jsonl")], "file not found"),
-                          (["--prompts", str(bad)], "bad.jsonl:2"),
-                          (["--prompt", "x", "--batch", "2"], "--batch needs --prompts")):
+    for argv, message in (
+        (["--prompts", str(tmp_path / "missing.jsonl")], "file not found"),
+        (["--prompts", str(bad)], "bad.jsonl:2"),
+        (["--prompt", "x", "--batch", "2"], "--batch needs --prompts"),
+    ):
         assert main(["generate", str(edge0_qwen), *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
@@ -290,7 +365,9 @@ def test_batch_end_abandons_no_plan(edge0_qwen, tmp_path):
     """Rows that end together leave the last step's plan to generate_batch's reset (cancelled,
     outside the decode figures, as in a solo run); only a row leaving mid-batch abandons one."""
     path, _ = perturbed_heads(edge0_qwen, tmp_path)
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path)))
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(path))
+    )
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
     engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set())
     assert engine.stats()["abandoned_plans"] == 0
@@ -301,8 +378,17 @@ def test_batch_end_abandons_no_plan(edge0_qwen, tmp_path):
 
 
 def _decoder_rows(engine, decoder, prompts, keys, stop):
-    return {k: decoder.add(k, prompts[k], max_tokens=MAX_TOKENS, stop=stop, seed=0,
-                           sampling=dict(temperature=0.0, top_p=1.0)) for k in keys}
+    return {
+        k: decoder.add(
+            k,
+            prompts[k],
+            max_tokens=MAX_TOKENS,
+            stop=stop,
+            seed=0,
+            sampling=dict(temperature=0.0, top_p=1.0),
+        )
+        for k in keys
+    }
 
 
 @pytest.mark.parametrize("mode", ["reactive", "prerouted"])
@@ -319,11 +405,13 @@ def test_rows_join_and_leave_a_running_batch_and_equal_their_solo_runs(family, m
         rows = _decoder_rows(engine, decoder, prompts, [0, 1], set())
         for _ in range(2):
             decoder.step()
-        rows |= _decoder_rows(engine, decoder, prompts, [2, 3, 4], set())   # 4 waits
+        rows |= _decoder_rows(engine, decoder, prompts, [2, 3, 4], set())  # 4 waits
         decoder.step()
-        assert [r.key for r in decoder.active] == [0, 1, 2] and len(decoder.waiting) == 2
-        decoder.cancel(rows[1])                          # leaves before the next step
-        decoder.cancel(rows[4])                          # never joins
+        assert [r.key for r in decoder.active] == [0, 1, 2] and len(
+            decoder.waiting
+        ) == 2
+        decoder.cancel(rows[1])  # leaves before the next step
+        decoder.cancel(rows[4])  # never joins
         cut = len(rows[1].tokens)
         decoder.step()
         assert [r.key for r in decoder.active] == [0, 2, 3]
@@ -334,22 +422,34 @@ def test_rows_join_and_leave_a_running_batch_and_equal_their_solo_runs(family, m
     assert rows[1].cancelled and rows[1].tokens == solo[1][0][:cut] and cut < MAX_TOKENS
     assert rows[4].tokens == [] and 4 not in [r.key for r in decoder.active]
     kept = [0, 2, 3, 5]
-    assert _mismatches([solo[k] for k in kept], [rows[k] for k in kept],
-                       [trace[k] for k in kept]) == []
+    assert (
+        _mismatches(
+            [solo[k] for k in kept], [rows[k] for k in kept], [trace[k] for k in kept]
+        )
+        == []
+    )
     # The check sees a row that decoded with another row's cache (rows crossed).
-    assert _mismatches([solo[k] for k in kept], [rows[k] for k in kept[::-1]],
-                       [trace[k] for k in kept[::-1]]) != []
+    assert (
+        _mismatches(
+            [solo[k] for k in kept],
+            [rows[k] for k in kept[::-1]],
+            [trace[k] for k in kept[::-1]],
+        )
+        != []
+    )
     engine.close()
 
 
-def test_a_failed_step_fails_its_rows_and_the_next_rows_start_afresh(edge0_qwen, monkeypatch):
+def test_a_failed_step_fails_its_rows_and_the_next_rows_start_afresh(
+    edge0_qwen, monkeypatch
+):
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
     solo = [_solo(engine, p, set()) for p in prompts]
     step, failed = engine.step, []
 
     def failing(*args, where="", **kwargs):
-        if where == "at batched decode step 2" and not failed:   # rows 0 and 1 together
+        if where == "at batched decode step 2" and not failed:  # rows 0 and 1 together
             failed.append(where)
             raise OSError("injected read error")
         return step(*args, where=where, **kwargs)
@@ -361,7 +461,7 @@ def test_a_failed_step_fails_its_rows_and_the_next_rows_start_afresh(edge0_qwen,
     while decoder.pending:
         touched += decoder.step()
     assert {r.key for r in touched if r.error is not None} == {0, 1}
-    assert [len(rows[k].tokens) for k in (0, 1)] == [2, 2]     # the prefill's and step 1's
+    assert [len(rows[k].tokens) for k in (0, 1)] == [2, 2]  # the prefill's and step 1's
     assert all(isinstance(rows[k].error, OSError) and rows[k].done for k in (0, 1))
     assert decoder.active == [] and decoder.cache is None
     # The decoder goes on: the next rows decode in a fresh batch, each as alone.

@@ -31,8 +31,13 @@ from model_wrappers.mlx_lm_model import MLXLMModel
 
 REPO = Path(__file__).resolve().parent.parent
 # Different lengths (so a batch would pad), and one prompt twice (same prompt, same sample).
-PROMPTS = ['What is 2 + 2?', 'Tell me a long story about a dragon and a castle by the sea.',
-           'Hi', 'Explain gravity in simple words to a child of five, with an example.', 'Hi']
+PROMPTS = [
+    "What is 2 + 2?",
+    "Tell me a long story about a dragon and a castle by the sea.",
+    "Hi",
+    "Explain gravity in simple words to a child of five, with an example.",
+    "Hi",
+]
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=3)
 
@@ -42,19 +47,28 @@ def teacher(path, gen):
 
 
 def student(path, gen):
-    return Edge0Model(path=str(path), mode='reactive', no_lora=True, no_prerouter=True, top_k=2,
-                      slots_per_layer=4, generation_kwargs=gen)
+    return Edge0Model(
+        path=str(path),
+        mode="reactive",
+        no_lora=True,
+        no_prerouter=True,
+        top_k=2,
+        slots_per_layer=4,
+        generation_kwargs=gen,
+    )
 
 
 def batch_vs_solo(model, prompts=PROMPTS, max_out_len=16, stop_ids=None, stop_words=()):
     """Rows of one batch and the same prompts one by one: (batch rows, solo rows) of
     (tokens, stats), through the wrappers' batch hook with OpenCompass's prompt handling."""
     ids = [model.encode_prompt(p) for p in prompts]
-    seeds = [row_seed(model.sampling['seed'], i) for i in ids]
+    seeds = [row_seed(model.sampling["seed"], i) for i in ids]
     stop_ids = stop_token_ids(model.tokenizer, []) if stop_ids is None else stop_ids
     batch = model._generate_batch(ids, max_out_len, stop_ids, list(stop_words), seeds)
-    solo = [model._generate_batch([i], max_out_len, stop_ids, list(stop_words), [s])[0]
-            for i, s in zip(ids, seeds)]
+    solo = [
+        model._generate_batch([i], max_out_len, stop_ids, list(stop_words), [s])[0]
+        for i, s in zip(ids, seeds)
+    ]
     return batch, solo
 
 
@@ -66,21 +80,23 @@ def mismatches(model, prompts=PROMPTS, max_out_len=16) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(batch, solo)) if a != b]
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def edge0_dir(edge0_qwen):
     return edge0_qwen
 
 
-@pytest.mark.parametrize('gen', [GREEDY, SAMPLED], ids=['greedy', 'sampled'])
-@pytest.mark.parametrize('family', ['tiny_qwen', 'tiny_bailing'])
+@pytest.mark.parametrize("gen", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("family", ["tiny_qwen", "tiny_bailing"])
 def test_teacher_rows_equal_their_solo_runs(family, gen, request):
     # bailing_hybrid is the family where a batched (right-padded) prefill moves a shorter
     # row's logits: rows are prefilled alone, so they stay exact.
     model = teacher(request.getfixturevalue(family), gen)
     batch, solo = batch_vs_solo(model)
     assert [t for t, _ in batch] == [t for t, _ in solo]
-    assert [s['finish_reason'] for _, s in batch] == [s['finish_reason'] for _, s in solo]
-    assert batch[2][0] == batch[4][0]                      # one prompt, one sample
+    assert [s["finish_reason"] for _, s in batch] == [
+        s["finish_reason"] for _, s in solo
+    ]
+    assert batch[2][0] == batch[4][0]  # one prompt, one sample
     if gen is SAMPLED:
         # Sampling really happened: not the greedy tokens.
         greedy = teacher(request.getfixturevalue(family), GREEDY)
@@ -97,8 +113,13 @@ def logprob_gap(model, gen) -> float:
     at once) and each prompt's stream_generate run, over 12 greedy tokens."""
     ids = [model.encode_prompt(p) for p in PROMPTS]
     n = 12
-    solo = [[r.logprobs for r in stream_generate(model.model, model.tokenizer, i, max_tokens=n)]
-            for i in ids]
+    solo = [
+        [
+            r.logprobs
+            for r in stream_generate(model.model, model.tokenizer, i, max_tokens=n)
+        ]
+        for i in ids
+    ]
     try:
         uids = gen.insert(ids, [n] * len(ids))
         batch = {u: [] for u in uids}
@@ -108,11 +129,14 @@ def logprob_gap(model, gen) -> float:
     finally:
         gen.close()
     assert all(len(batch[u]) == len(row) == n for u, row in zip(uids, solo))
-    return max(float(mx.abs(a - b).max()) for u, row in zip(uids, solo)
-               for a, b in zip(batch[u], row))
+    return max(
+        float(mx.abs(a - b).max())
+        for u, row in zip(uids, solo)
+        for a, b in zip(batch[u], row)
+    )
 
 
-@pytest.mark.parametrize('family', ['tiny_qwen', 'tiny_bailing', 'tiny_qwen2'])
+@pytest.mark.parametrize("family", ["tiny_qwen", "tiny_bailing", "tiny_qwen2"])
 def test_teacher_batch_logits_match_solo(family, request):
     model = teacher(request.getfixturevalue(family), GREEDY)
     gap = logprob_gap(model, model._batch_generator(len(PROMPTS), 12, set()))
@@ -121,13 +145,17 @@ def test_teacher_batch_logits_match_solo(family, request):
         assert gap == 0.0
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason='measured on the CPU kernels')
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on the CPU kernels")
 def test_logits_check_fails_for_a_batched_prefill(tiny_bailing):
     """The rejected design: mlx-lm's default batched prefill right-pads the shorter prompts,
     which moves their logits on bailing_hybrid (the check must see it)."""
     model = teacher(tiny_bailing, GREEDY)
-    gen = BatchGenerator(model.model, max_tokens=12, completion_batch_size=len(PROMPTS),
-                         prefill_batch_size=len(PROMPTS))
+    gen = BatchGenerator(
+        model.model,
+        max_tokens=12,
+        completion_batch_size=len(PROMPTS),
+        prefill_batch_size=len(PROMPTS),
+    )
     assert logprob_gap(model, gen) > 0.0
 
 
@@ -138,30 +166,37 @@ def test_teacher_stop_ids_and_words_end_rows_as_alone(tiny_qwen):
     # before any stop id.
     cut = next(i for i in range(2, len(free[1])) if free[1][i] not in free[1][:i])
     stop_id = free[1][cut]
-    row3 = free[3][:free[3].index(stop_id)] if stop_id in free[3] else free[3]
+    row3 = free[3][: free[3].index(stop_id)] if stop_id in free[3] else free[3]
     text = model.tokenizer.decode(row3)
-    word = next(text[i:i + 4] for i in range(2, len(text) - 4)
-                if len(model.tokenizer.encode(text[i:i + 4], add_special_tokens=False)) > 1
-                and text[i:i + 4] not in model.tokenizer.decode(free[1][:cut]))
+    word = next(
+        text[i : i + 4]
+        for i in range(2, len(text) - 4)
+        if len(model.tokenizer.encode(text[i : i + 4], add_special_tokens=False)) > 1
+        and text[i : i + 4] not in model.tokenizer.decode(free[1][:cut])
+    )
     stops = stop_token_ids(model.tokenizer, []) | {stop_id}
     batch, solo = batch_vs_solo(model, stop_ids=stops, stop_words=[word])
     assert [t for t, _ in batch] == [t for t, _ in solo]
-    finish = [s['finish_reason'] for _, s in batch]
-    assert finish == [s['finish_reason'] for _, s in solo]
-    assert finish[1] == 'stop_token' and batch[1][0] == free[1][:cut]
-    assert finish[3] == 'stop_word' and 'length' in finish
+    finish = [s["finish_reason"] for _, s in batch]
+    assert finish == [s["finish_reason"] for _, s in solo]
+    assert finish[1] == "stop_token" and batch[1][0] == free[1][:cut]
+    assert finish[3] == "stop_word" and "length" in finish
     out = model.generate(PROMPTS, max_out_len=16, stopping_criteria=[word])
-    assert out == [model.generate([p], max_out_len=16, stopping_criteria=[word])[0]
-                   for p in PROMPTS]
+    assert out == [
+        model.generate([p], max_out_len=16, stopping_criteria=[word])[0]
+        for p in PROMPTS
+    ]
     assert word not in out[3]
 
 
-@pytest.mark.parametrize('gen', [GREEDY, SAMPLED], ids=['greedy', 'sampled'])
+@pytest.mark.parametrize("gen", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_student_rows_equal_their_solo_runs(edge0_dir, gen):
     model = student(edge0_dir, gen)
     batch, solo = batch_vs_solo(model)
     assert [t for t, _ in batch] == [t for t, _ in solo]
-    assert [s['finish_reason'] for _, s in batch] == [s['finish_reason'] for _, s in solo]
+    assert [s["finish_reason"] for _, s in batch] == [
+        s["finish_reason"] for _, s in solo
+    ]
     assert batch[2][0] == batch[4][0]
     assert mismatches(model) == []
 
@@ -169,20 +204,27 @@ def test_student_rows_equal_their_solo_runs(edge0_dir, gen):
 def test_student_stop_word_ends_rows_as_alone(edge0_dir):
     model = student(edge0_dir, GREEDY)
     text = model.generate([PROMPTS[3]], max_out_len=16)[0]
-    word = next(text[i:i + 4] for i in range(2, len(text) - 4)
-                if len(model.tokenizer.encode(text[i:i + 4], add_special_tokens=False)) > 1)
+    word = next(
+        text[i : i + 4]
+        for i in range(2, len(text) - 4)
+        if len(model.tokenizer.encode(text[i : i + 4], add_special_tokens=False)) > 1
+    )
     model.pop_sample_stats()
     out = model.generate(PROMPTS, max_out_len=16, stopping_criteria=[word])
     batch = model.pop_sample_stats()
-    assert out == [model.generate([p], max_out_len=16, stopping_criteria=[word])[0]
-                   for p in PROMPTS]
+    assert out == [
+        model.generate([p], max_out_len=16, stopping_criteria=[word])[0]
+        for p in PROMPTS
+    ]
     solo = model.pop_sample_stats()
-    assert [s['finish_reason'] for s in batch] == [s['finish_reason'] for s in solo]
-    assert batch[3]['finish_reason'] == 'stop_word' and batch[3]['stop_word'] == word
-    assert out[3] == text[:text.find(word)]
+    assert [s["finish_reason"] for s in batch] == [s["finish_reason"] for s in solo]
+    assert batch[3]["finish_reason"] == "stop_word" and batch[3]["stop_word"] == word
+    assert out[3] == text[: text.find(word)]
 
 
-def test_predictions_identical_at_batch_sizes_1_and_4_for_both_arms(tiny_qwen, edge0_dir):
+def test_predictions_identical_at_batch_sizes_1_and_4_for_both_arms(
+    tiny_qwen, edge0_dir
+):
     prompts = PROMPTS[:4]
     for model in (teacher(tiny_qwen, SAMPLED), student(edge0_dir, SAMPLED)):
         assert mismatches(model, prompts) == [], model.arm
@@ -191,30 +233,40 @@ def test_predictions_identical_at_batch_sizes_1_and_4_for_both_arms(tiny_qwen, e
 def test_per_sample_stats_stay_per_sample(tiny_qwen, edge0_dir, tmp_path):
     prompts = PROMPTS[:4]
     for model in (teacher(tiny_qwen, GREEDY), student(edge0_dir, GREEDY)):
-        model.stats_jsonl = str(tmp_path / f'{model.arm}.jsonl')
+        model.stats_jsonl = str(tmp_path / f"{model.arm}.jsonl")
         model.pop_sample_stats()
         model.generate(prompts, max_out_len=6)
         stats = model.pop_sample_stats()
         assert len(stats) == 4 and model.pop_sample_stats() == []
-        lines = [json.loads(x) for x in Path(model.stats_jsonl).read_text().splitlines()]
+        lines = [
+            json.loads(x) for x in Path(model.stats_jsonl).read_text().splitlines()
+        ]
         assert lines == stats
         for prompt, s in zip(prompts, stats):
             ids = model.encode_prompt(prompt)
-            assert s['prompt_tokens'] == len(ids) and s['seed'] == row_seed(0, ids)
-            assert s['batch_size'] == 4 and 0 < s['tokens'] <= 6
-            for key in ('decode_tok_s', 'prefill_tok_s', 'wall_s', 'batch_decode_tok_s',
-                        'batch_wall_s', 'peak_memory_gib'):
+            assert s["prompt_tokens"] == len(ids) and s["seed"] == row_seed(0, ids)
+            assert s["batch_size"] == 4 and 0 < s["tokens"] <= 6
+            for key in (
+                "decode_tok_s",
+                "prefill_tok_s",
+                "wall_s",
+                "batch_decode_tok_s",
+                "batch_wall_s",
+                "peak_memory_gib",
+            ):
                 assert isinstance(s[key], float) and s[key] >= 0, (model.arm, key)
-            assert s['wall_s'] <= s['batch_wall_s'] + 1e-3
+            assert s["wall_s"] <= s["batch_wall_s"] + 1e-3
         # The batch's figures are shared; each row's prompt length and seed are its own.
-        assert len({s['batch_decode_tok_s'] for s in stats}) == 1
-        assert len({s['prompt_tokens'] for s in stats}) == 4
+        assert len({s["batch_decode_tok_s"] for s in stats}) == 1
+        assert len({s["prompt_tokens"] for s in stats}) == 4
         model.generate(prompts[:1], max_out_len=6)
         (alone,) = model.pop_sample_stats()
-        assert alone['batch_size'] == 1 and 'batch_decode_tok_s' not in alone
+        assert alone["batch_size"] == 1 and "batch_decode_tok_s" not in alone
 
 
-def test_identity_check_fails_when_rows_share_the_global_random_stream(tiny_qwen, monkeypatch):
+def test_identity_check_fails_when_rows_share_the_global_random_stream(
+    tiny_qwen, monkeypatch
+):
     model = teacher(tiny_qwen, SAMPLED)
     assert mismatches(model) == []
 
@@ -224,7 +276,7 @@ def test_identity_check_fails_when_rows_share_the_global_random_stream(tiny_qwen
         mx.random.seed(0)
         return make_sampler(temp=temperature, top_p=top_p)
 
-    monkeypatch.setattr(mlx_lm_model, 'row_sampler', global_stream)
+    monkeypatch.setattr(mlx_lm_model, "row_sampler", global_stream)
     assert mismatches(model) != []
 
 
@@ -235,33 +287,49 @@ def test_identity_check_fails_when_rows_come_back_reversed(tiny_qwen, monkeypatc
     def reversed_rows(self, *args):
         return original(self, *args)[::-1]
 
-    monkeypatch.setattr(MLXLMModel, '_generate_batch', reversed_rows)
+    monkeypatch.setattr(MLXLMModel, "_generate_batch", reversed_rows)
     assert mismatches(model, PROMPTS[:4]) == [0, 1, 2, 3]
 
 
 # -- the real `opencompass` command -----------------------------------------------------------
 
-@pytest.fixture(scope='module')
+
+@pytest.fixture(scope="module")
 def oc_env(tmp_path_factory):
     """Tiny teacher, converted student (int4_exact needs no adapters) and fixture data."""
-    work = tmp_path_factory.mktemp('ocb')
-    teacher_dir, student_dir, data = work / 'teacher', work / 'student', work / 'data'
-    write_tiny(teacher_dir, TinyShape(family='qwen3_5_moe'))
+    work = tmp_path_factory.mktemp("ocb")
+    teacher_dir, student_dir, data = work / "teacher", work / "student", work / "data"
+    write_tiny(teacher_dir, TinyShape(family="qwen3_5_moe"))
     convert(str(teacher_dir), str(student_dir), progress=False)
     write_fixtures(data)
     make_tiny_fidelity_set(teacher_dir, data / SET_PATH)
-    return offline_env({'COMPASS_DATA_CACHE': str(data), 'EDGE0_TINY_TEACHER': str(teacher_dir),
-                        'EDGE0_TINY_STUDENT': str(student_dir),
-                        'EDGE0_ARMS': 'teacher,int4_exact'})
+    return offline_env(
+        {
+            "COMPASS_DATA_CACHE": str(data),
+            "EDGE0_TINY_TEACHER": str(teacher_dir),
+            "EDGE0_TINY_STUDENT": str(student_dir),
+            "EDGE0_ARMS": "teacher,int4_exact",
+        }
+    )
 
 
 def _run_tiny(env: dict, work: Path, batch: int) -> Path:
     work.mkdir(parents=True)
-    script = Path(sys.executable).parent / 'opencompass'
-    cmd = [str(script) if script.exists() else shutil.which('opencompass'),
-           str(REPO / 'configs' / 'edge0_tiny.py'), '-w', str(work)]
-    proc = subprocess.run(cmd, env={**env, 'EDGE0_TINY_BATCH': str(batch)}, capture_output=True,
-                          text=True, timeout=900, cwd=work.parent)
+    script = Path(sys.executable).parent / "opencompass"
+    cmd = [
+        str(script) if script.exists() else shutil.which("opencompass"),
+        str(REPO / "configs" / "edge0_tiny.py"),
+        "-w",
+        str(work),
+    ]
+    proc = subprocess.run(
+        cmd,
+        env={**env, "EDGE0_TINY_BATCH": str(batch)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=work.parent,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in work.iterdir() if p.is_dir()]
     return run_dir
@@ -273,51 +341,91 @@ def test_opencompass_predictions_at_batch_size_4_equal_batch_size_1(oc_env, tmp_
     from mmengine.config import Config
     from opencompass.utils.build import build_model_from_cfg
 
-    run = _run_tiny(oc_env, tmp_path / 'b4', 4)
-    (dumped,) = (run / 'configs').glob('*.py')
+    run = _run_tiny(oc_env, tmp_path / "b4", 4)
+    (dumped,) = (run / "configs").glob("*.py")
     cfg = Config.fromfile(str(dumped))
     batched = 0
-    for model_cfg in cfg['models']:
-        assert model_cfg['batch_size'] == 4
+    for model_cfg in cfg["models"]:
+        assert model_cfg["batch_size"] == 4
         model = build_model_from_cfg(model_cfg)
         for dataset in TINY_DATASETS:
-            preds = json.loads((run / 'predictions' / model_cfg['abbr'] /
-                                f'{dataset}.json').read_text())
-            stats = json.loads((run / 'predictions' / model_cfg['abbr'] /
-                                f'{dataset}.engine_stats.json').read_text())
-            assert [s['index'] for s in stats] == list(range(len(preds)))
-            assert [s['batch_size'] for s in stats] == \
-                   [min(4, len(preds) - 4 * (i // 4)) for i in range(len(preds))]
+            preds = json.loads(
+                (
+                    run / "predictions" / model_cfg["abbr"] / f"{dataset}.json"
+                ).read_text()
+            )
+            stats = json.loads(
+                (
+                    run
+                    / "predictions"
+                    / model_cfg["abbr"]
+                    / f"{dataset}.engine_stats.json"
+                ).read_text()
+            )
+            assert [s["index"] for s in stats] == list(range(len(preds)))
+            assert [s["batch_size"] for s in stats] == [
+                min(4, len(preds) - 4 * (i // 4)) for i in range(len(preds))
+            ]
             batched += len(preds) > 1
             for key, item in preds.items():
-                alone = model.generate([item['origin_prompt']], max_out_len=model_cfg['max_out_len'])
-                assert alone == [item['prediction']], (model_cfg['abbr'], dataset, key)
-    assert batched >= 2   # datasets whose rows really shared a batch
+                alone = model.generate(
+                    [item["origin_prompt"]], max_out_len=model_cfg["max_out_len"]
+                )
+                assert alone == [item["prediction"]], (model_cfg["abbr"], dataset, key)
+    assert batched >= 2  # datasets whose rows really shared a batch
 
 
 def test_configs_set_batch_size_per_arm(tmp_path):
-    code = ('import json\nfrom mmengine.config import Config\n'
-            'out = {}\n'
-            'for name in ("edge0_35b", "edge0_8b", "edge0_tiny", "edge0_testbed"):\n'
-            f'    cfg = Config.fromfile({str(REPO / "configs")!r} + f"/{{name}}.py")\n'
-            '    out[name] = {m["abbr"]: m["batch_size"] for m in cfg["models"]}\n'
-            'print(json.dumps(out))\n')
-    env = offline_env({k: 'x' for k in ('EDGE0_35B_TEACHER', 'EDGE0_35B_STUDENT', 'EDGE0_8B_TEACHER',
-                                        'EDGE0_8B_STUDENT', 'EDGE0_TINY_TEACHER',
-                                        'EDGE0_TINY_STUDENT', 'EDGE0_TESTBED')})
-    env.update(EDGE0_ARMS='teacher,student,int4_exact', EDGE0_TESTBED_BATCH='3')
-    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)
+    code = (
+        "import json\nfrom mmengine.config import Config\n"
+        "out = {}\n"
+        'for name in ("edge0_35b", "edge0_8b", "edge0_tiny", "edge0_testbed"):\n'
+        f'    cfg = Config.fromfile({str(REPO / "configs")!r} + f"/{{name}}.py")\n'
+        '    out[name] = {m["abbr"]: m["batch_size"] for m in cfg["models"]}\n'
+        "print(json.dumps(out))\n"
+    )
+    env = offline_env(
+        {
+            k: "x"
+            for k in (
+                "EDGE0_35B_TEACHER",
+                "EDGE0_35B_STUDENT",
+                "EDGE0_8B_TEACHER",
+                "EDGE0_8B_STUDENT",
+                "EDGE0_TINY_TEACHER",
+                "EDGE0_TINY_STUDENT",
+                "EDGE0_TESTBED",
+            )
+        }
+    )
+    env.update(EDGE0_ARMS="teacher,student,int4_exact", EDGE0_TESTBED_BATCH="3")
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     sizes = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sizes['edge0_35b'] == {'edge0-35b-teacher': 8, 'edge0-35b-student': 8,
-                                  'edge0-35b-int4-exact': 8}
-    assert set(sizes['edge0_8b'].values()) == {8}
-    assert set(sizes['edge0_tiny'].values()) == {4}
-    assert set(sizes['edge0_testbed'].values()) == {3}
-    for variable in ('EDGE0_TINY_BATCH', 'EDGE0_TESTBED_BATCH'):
-        proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                              env={**env, variable: '0'}, timeout=300, cwd=tmp_path)
+    assert sizes["edge0_35b"] == {
+        "edge0-35b-teacher": 8,
+        "edge0-35b-student": 8,
+        "edge0-35b-int4-exact": 8,
+    }
+    assert set(sizes["edge0_8b"].values()) == {8}
+    assert set(sizes["edge0_tiny"].values()) == {4}
+    assert set(sizes["edge0_testbed"].values()) == {3}
+    for variable in ("EDGE0_TINY_BATCH", "EDGE0_TESTBED_BATCH"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={**env, variable: "0"},
+            timeout=300,
+            cwd=tmp_path,
+        )
         assert proc.returncode != 0
         assert f"{variable}='0' is not a whole number > 0" in proc.stderr
 
@@ -336,21 +444,36 @@ def test_student_samples_with_top_k_and_min_p_as_the_teacher_arm(edge0_dir):
     model = student(edge0_dir, FILTERED)
     batch, solo = batch_vs_solo(model)
     assert [t for t, _ in batch] == [t for t, _ in solo]
-    engine = Engine.load(edge0_dir, EngineOptions(mode='reactive', no_lora=True,
-                                                  no_prerouter=True))
+    engine = Engine.load(
+        edge0_dir, EngineOptions(mode="reactive", no_lora=True, no_prerouter=True)
+    )
     try:
         prompts = [model.encode_prompt(p) for p in PROMPTS[:3]]
         seeds = [row_seed(3, i) for i in prompts]
         trace: list = []
-        rows = engine.generate_batch(prompts, 12, temperature=1.0, top_p=0.95, top_k=5,
-                                     min_p=0.05, seeds=seeds, stop_token_ids=set(),
-                                     logits_trace=trace)
+        rows = engine.generate_batch(
+            prompts,
+            12,
+            temperature=1.0,
+            top_p=0.95,
+            top_k=5,
+            min_p=0.05,
+            seeds=seeds,
+            stop_token_ids=set(),
+            logits_trace=trace,
+        )
         for row, seed, logits in zip(rows, seeds, trace):
             sample = row_sampler(seed, 1.0, top_p=0.95, min_p=0.05, top_k=5)
-            want = [int(sample(lg - mx.logsumexp(lg, keepdims=True)).item()) for lg in logits]
+            want = [
+                int(sample(lg - mx.logsumexp(lg, keepdims=True)).item())
+                for lg in logits
+            ]
             assert row.tokens == want
-        unfiltered = engine.generate_batch(prompts, 12, temperature=1.0, top_p=0.95,
-                                           seeds=seeds, stop_token_ids=set())
-        assert [r.tokens for r in unfiltered] != [r.tokens for r in rows]   # the filters act
+        unfiltered = engine.generate_batch(
+            prompts, 12, temperature=1.0, top_p=0.95, seeds=seeds, stop_token_ids=set()
+        )
+        assert [r.tokens for r in unfiltered] != [
+            r.tokens for r in rows
+        ]  # the filters act
     finally:
         engine.close()

@@ -17,14 +17,20 @@ import pytest
 from mlx.utils import tree_flatten
 
 from edge0_eval.checkpoints.convert import convert
-from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex, unpack_bundle
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.layout import (
+    EXPERTS_NAME,
+    RESIDENT_NAME,
+    ExpertIndex,
+    unpack_bundle,
+)
 
 TOKENS = mx.array([[5, 17, 42, 99, 3, 250, 7, 64, 128, 11]])
 
 
 # -- helpers: rebuild an mlx-lm model from a converted directory -------------------------------
+
 
 def restack_experts(out_dir: Path) -> dict[str, mx.array]:
     """experts.bin -> mlx-lm's stacked switch_mlp tensors ([E, ...] per projection/part)."""
@@ -35,7 +41,9 @@ def restack_experts(out_dir: Path) -> dict[str, mx.array]:
         bundles = []
         for e in range(index.num_experts):
             start = index.bundle_offset(layer, e)
-            bundles.append(unpack_bundle(index, data[start: start + index.bundle_bytes]))
+            bundles.append(
+                unpack_bundle(index, data[start : start + index.bundle_bytes])
+            )
         for spec in index.tensors:
             arr = mx.array(np.stack([b[spec.name] for b in bundles]))
             if spec.dtype == "bfloat16":
@@ -47,7 +55,9 @@ def restack_experts(out_dir: Path) -> dict[str, mx.array]:
 def converted_weights(out_dir: Path) -> dict[str, mx.array]:
     weights = dict(mx.load(str(out_dir / RESIDENT_NAME)))
     experts = restack_experts(out_dir)
-    assert not set(weights) & set(experts), "resident.safetensors must not hold routed experts"
+    assert not set(weights) & set(experts), (
+        "resident.safetensors must not hold routed experts"
+    )
     weights.update(experts)
     return weights
 
@@ -58,7 +68,9 @@ def load_converted(out_dir: Path):
 
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(out_dir / "config.json", tmp)
-        mx.save_safetensors(str(Path(tmp) / "model.safetensors"), converted_weights(out_dir))
+        mx.save_safetensors(
+            str(Path(tmp) / "model.safetensors"), converted_weights(out_dir)
+        )
         model, _ = load_model(Path(tmp), strict=True)
     return model
 
@@ -77,6 +89,7 @@ def nothing_written(parent: Path, keep: set[str]) -> bool:
 
 # -- fp source: quantized exactly as mlx-lm's quantize_model ----------------------------------
 
+
 def _assert_matches_quantize_model(src: Path, out: Path) -> None:
     from mlx_lm.utils import load_model, quantize_model, save_config
 
@@ -90,7 +103,9 @@ def _assert_matches_quantize_model(src: Path, out: Path) -> None:
         raw = json.loads((src / "config.json").read_text())
         _, want = quantize_model(load_model(src)[0], raw, group_size=64, bits=4)
         save_config(want, Path(tmp) / "config.json")
-        assert (out / "config.json").read_text() == (Path(tmp) / "config.json").read_text()
+        assert (out / "config.json").read_text() == (
+            Path(tmp) / "config.json"
+        ).read_text()
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_bailing", "tiny_qwen2"])
@@ -103,8 +118,10 @@ def test_float_source_bit_exact_with_mlx_lm_quantize_model(fixture, request, tmp
 
 
 def test_bfloat16_source_bit_exact(tmp_path):
-    src = write_tiny(tmp_path / "src", TinyShape(family="bailing_hybrid", dtype="bfloat16",
-                                                 layers=3, seed=5))
+    src = write_tiny(
+        tmp_path / "src",
+        TinyShape(family="bailing_hybrid", dtype="bfloat16", layers=3, seed=5),
+    )
     out = convert(src, tmp_path / "out", progress=False)
     _assert_matches_quantize_model(src, out)
     index = ExpertIndex.load(out)
@@ -119,27 +136,38 @@ def test_sharded_source_gives_the_same_output(tiny_qwen, tmp_path):
     (src / "model.safetensors").unlink()
     names = sorted(weights)
     # Split mid-way through the experts so one layer's projections straddle two shards.
-    cut = names.index(next(n for n in names if n.endswith("layers.2.mlp.switch_mlp.up_proj.weight")))
-    shards = {"model-00001-of-00002.safetensors": names[:cut],
-              "model-00002-of-00002.safetensors": names[cut:]}
+    cut = names.index(
+        next(n for n in names if n.endswith("layers.2.mlp.switch_mlp.up_proj.weight"))
+    )
+    shards = {
+        "model-00001-of-00002.safetensors": names[:cut],
+        "model-00002-of-00002.safetensors": names[cut:],
+    }
     weight_map = {}
     for file, part in shards.items():
-        mx.save_safetensors(str(src / file), {n: weights[n] for n in part},
-                            metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(src / file), {n: weights[n] for n in part}, metadata={"format": "mlx"}
+        )
         weight_map.update({n: file for n in part})
-    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
 
     one = convert(tiny_qwen, tmp_path / "one", progress=False)
     two = convert(src, tmp_path / "two", progress=False)
     assert (one / EXPERTS_NAME).read_bytes() == (two / EXPERTS_NAME).read_bytes()
-    assert_same_tensors(dict(mx.load(str(two / RESIDENT_NAME))),
-                        dict(mx.load(str(one / RESIDENT_NAME))))
+    assert_same_tensors(
+        dict(mx.load(str(two / RESIDENT_NAME))), dict(mx.load(str(one / RESIDENT_NAME)))
+    )
     assert sorted(ExpertIndex.load(two).source) == ["config.json", *shards]
 
 
 # -- quantized source: repacked bit for bit ----------------------------------------------------
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen_q4", "tiny_bailing_q4", "tiny_qwen2_q4"])
+
+@pytest.mark.parametrize(
+    "fixture", ["tiny_qwen_q4", "tiny_bailing_q4", "tiny_qwen2_q4"]
+)
 def test_quantized_source_same_logits_as_mlx_lm_load(fixture, request, tmp_path):
     from mlx_lm import load
 
@@ -147,8 +175,10 @@ def test_quantized_source_same_logits_as_mlx_lm_load(fixture, request, tmp_path)
     out = convert(src, tmp_path / "out", progress=False)
     reference, _ = load(str(src))
     ours = load_converted(out)
-    assert_same_tensors(dict(tree_flatten(ours.parameters())),
-                        dict(tree_flatten(reference.parameters())))
+    assert_same_tensors(
+        dict(tree_flatten(ours.parameters())),
+        dict(tree_flatten(reference.parameters())),
+    )
     want, got = reference(TOKENS), ours(TOKENS)
     assert mx.all(mx.isfinite(want)).item()
     assert mx.array_equal(got, want).item()
@@ -161,7 +191,7 @@ def test_index_bundles_and_side_files(tiny_bailing_q4, tmp_path):
     index = ExpertIndex.load(out)
     config = json.loads((src / "config.json").read_text())
     assert index.model_type == "bailing_hybrid"
-    assert index.moe_layers == [1, 2, 3]             # layer 0 is dense
+    assert index.moe_layers == [1, 2, 3]  # layer 0 is dense
     assert index.module_path == "model.layers.{layer}.mlp.switch_mlp"
     assert index.num_experts == config["num_experts"]
     assert index.bundle_stride % 4096 == 0 and index.bundle_stride >= index.bundle_bytes
@@ -171,20 +201,31 @@ def test_index_bundles_and_side_files(tiny_bailing_q4, tmp_path):
         for e in range(index.num_experts):
             start = index.bundle_offset(layer, e)
             assert start % 4096 == 0
-            assert zlib.crc32(data[start: start + index.bundle_stride]) == index.crc32[pos][e]
+            assert (
+                zlib.crc32(data[start : start + index.bundle_stride])
+                == index.crc32[pos][e]
+            )
     for name, info in index.source.items():
         body = (src / name).read_bytes()
         assert info == {"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
     assert set(index.source) == {"config.json", "model.safetensors"}
     files = {p.name for p in out.iterdir()}
-    assert files == {"config.json", "experts.bin", "experts.index.json", "resident.safetensors",
-                     "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "special_tokens_map.json"}
+    assert files == {
+        "config.json",
+        "experts.bin",
+        "experts.index.json",
+        "resident.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
     assert not any("switch_mlp" in k for k in mx.load(str(out / RESIDENT_NAME)))
-    assert nothing_written(tmp_path, {"out"})        # temp dir renamed, nothing left over
+    assert nothing_written(tmp_path, {"out"})  # temp dir renamed, nothing left over
 
 
 # -- bad input: one clear error, nothing written -----------------------------------------------
+
 
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
@@ -203,7 +244,9 @@ def test_truncated_shard_names_the_file(tiny_qwen_q4, tmp_path):
 def test_corrupt_header_names_the_file(tiny_qwen_q4, tmp_path):
     src = _copy(tiny_qwen_q4, tmp_path / "src")
     (src / "model.safetensors").write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: .*not a valid safetensors"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: .*not a valid safetensors"
+    ):
         convert(src, tmp_path / "out", progress=False)
     assert nothing_written(tmp_path, {"src"})
 
@@ -213,7 +256,9 @@ def test_unknown_model_type_names_supported_ones(tiny_qwen_q4, tmp_path):
     config = json.loads((src / "config.json").read_text())
     config["model_type"] = "llama"
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="'llama' is not supported.*qwen3_5_moe, bailing_hybrid"):
+    with pytest.raises(
+        CheckpointError, match="'llama' is not supported.*qwen3_5_moe, bailing_hybrid"
+    ):
         convert(src, tmp_path / "out", progress=False)
     assert nothing_written(tmp_path, {"src"})
 
@@ -231,9 +276,13 @@ def test_missing_expert_tensor(fixture, request, tmp_path):
     weights = mx.load(str(src / "model.safetensors"))
     gone = next(n for n in sorted(weights) if "layers.2.mlp.switch_mlp.down_proj" in n)
     del weights[gone]
-    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
-    with pytest.raises(CheckpointError,
-                       match=f"1 expert tensor.*missing after mlx-lm's sanitize, e.g. {gone};"):
+    mx.save_safetensors(
+        str(src / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=f"1 expert tensor.*missing after mlx-lm's sanitize, e.g. {gone};",
+    ):
         convert(src, tmp_path / "out", progress=False)
     assert nothing_written(tmp_path, {"src"})
 
@@ -248,8 +297,11 @@ def test_non_empty_out_refused_by_cli(tiny_qwen_q4, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "convert", str(tiny_qwen_q4),
-                           str(out)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge0_eval", "convert", str(tiny_qwen_q4), str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "exists and is not empty" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -258,9 +310,22 @@ def test_non_empty_out_refused_by_cli(tiny_qwen_q4, tmp_path):
 
 
 def test_cli_converts(tiny_bailing, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "convert", str(tiny_bailing),
-                           str(tmp_path / "out"), "--bits", "4", "--group-size", "64"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0_eval",
+            "convert",
+            str(tiny_bailing),
+            str(tmp_path / "out"),
+            "--bits",
+            "4",
+            "--group-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "3 MoE layers x 16 experts" in proc.stdout
     ExpertIndex.load(tmp_path / "out")

@@ -11,17 +11,19 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from decode_parity import assert_batch_rows_equal_solo
+from test_next_token_heads import next_token_heads
 
 from edge0_eval.engine.draft import DraftHead, row_slice
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import HEDGE_FILE, EngineOptions, MissingAdapterError
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers, save_heads
+from edge0_eval.engine.prerouter import (
+    default_owners,
+    init_heads_from_routers,
+    save_heads,
+)
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
-
-from test_next_token_heads import next_token_heads
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 
@@ -32,8 +34,9 @@ def context_heads(converted, path, start_layer=0, key: int | None = 3, owners=No
     engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
     try:
         if owners is None:
-            owners = default_owners(start_layer, len(engine.family.layers(engine.model)),
-                                    engine.moe_layers)
+            owners = default_owners(
+                start_layer, len(engine.family.layers(engine.model)), engine.moe_layers
+            )
         heads = init_heads_from_routers(engine, owners, width=32, seed=0)
         if key is not None:
             heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(key)) * 0.5
@@ -44,8 +47,16 @@ def context_heads(converted, path, start_layer=0, key: int | None = 3, owners=No
 
 def _engine(converted, heads, hedge=None, **options):
     extra = {"hedge_path": str(hedge)} if hedge is not None else {"no_hedge": True}
-    return Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads),
-                                                no_lora=True, **extra, **options))
+    return Engine.load(
+        converted,
+        EngineOptions(
+            mode="prerouted",
+            prerouter_path=str(heads),
+            no_lora=True,
+            **extra,
+            **options,
+        ),
+    )
 
 
 def _decode_logits(engine, steps: int = 10) -> tuple[list[mx.array], int]:
@@ -58,8 +69,6 @@ def _decode_logits(engine, steps: int = 10) -> tuple[list[mx.array], int]:
         logits = sequence.step(int(mx.argmax(logits).item()))
         out.append(logits)
     return out, engine.counters.blocked_loads - blocked
-
-
 
 
 @pytest.fixture(scope="module", params=["qwen", "bailing"])
@@ -115,12 +124,14 @@ def test_a_draft_that_misses_changes_no_logit(drafted, slots):
     converted, heads, moe, vocab, greedy, want, tmp = drafted
     served = list(dict.fromkeys(greedy[1:]))
     others = [i for i in range(vocab) if i not in served][:8]
-    ids = others[:4] + served[::2] + others[4:]            # every other served token
+    ids = others[:4] + served[::2] + others[4:]  # every other served token
     probe = _engine(converted, heads)
     k = probe.top_k
     probe.close()
     options = {} if slots is None else {"slots_per_layer": k}
-    engine = _engine(converted, heads, _vocab(tmp, "some.safetensors", ids, vocab), **options)
+    engine = _engine(
+        converted, heads, _vocab(tmp, "some.safetensors", ids, vocab), **options
+    )
     try:
         got, blocked = _decode_logits(engine)
         for step, (a, b) in enumerate(zip(want, got)):
@@ -158,21 +169,38 @@ def test_draft_head_is_the_lm_head_on_its_rows(edge0_qwen):
     finally:
         engine.close()
     x = mx.random.normal((2, 64), key=mx.random.key(1))
-    for layer in (nn.Linear(64, 32), nn.QuantizedLinear(64, 32, group_size=64, bits=4),
-                  LoRALinear(nn.Linear(64, 32), 4, 8.0,
-                             lora_B=mx.random.normal((32, 4), key=mx.random.key(2)))):
+    for layer in (
+        nn.Linear(64, 32),
+        nn.QuantizedLinear(64, 32, group_size=64, bits=4),
+        LoRALinear(
+            nn.Linear(64, 32),
+            4,
+            8.0,
+            lora_B=mx.random.normal((32, 4), key=mx.random.key(2)),
+        ),
+    ):
         assert mx.allclose(row_slice(layer, ids)(x), layer(x)[:, ids], atol=1e-5).item()
     with pytest.raises(TypeError, match="cannot slice the rows of a Sequential"):
-        row_slice(nn.Sequential(nn.Linear(64, 32)), ids)      # never a silently unsliced head
+        row_slice(
+            nn.Sequential(nn.Linear(64, 32)), ids
+        )  # never a silently unsliced head
 
 
 def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
     converted, heads, moe, vocab, _, _, tmp = drafted
     cases = [
-        (_vocab(tmp, "big.safetensors", [1, vocab], vocab), r"big.safetensors: ids for a vocab"),
-        (_vocab(tmp, "dup.safetensors", [1, 2, 1], vocab), r"dup.safetensors: .*unique 2 of 3"),
-        (_vocab(tmp, "other.safetensors", [1, 2], vocab + 1),
-         rf"other.safetensors: .*vocabulary of {vocab + 1} tokens.*this model has {vocab}"),
+        (
+            _vocab(tmp, "big.safetensors", [1, vocab], vocab),
+            r"big.safetensors: ids for a vocab",
+        ),
+        (
+            _vocab(tmp, "dup.safetensors", [1, 2, 1], vocab),
+            r"dup.safetensors: .*unique 2 of 3",
+        ),
+        (
+            _vocab(tmp, "other.safetensors", [1, 2], vocab + 1),
+            rf"other.safetensors: .*vocabulary of {vocab + 1} tokens.*this model has {vocab}",
+        ),
     ]
     trunc = tmp / "trunc.safetensors"
     trunc.write_bytes(_vocab(tmp, "ok.safetensors", [1, 2], vocab).read_bytes()[:60])
@@ -182,20 +210,28 @@ def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
             _engine(converted, heads, path)
     ctx = context_heads(converted, tmp / "ctx.safetensors")
     ok = tmp / "ok.safetensors"
-    with pytest.raises(CheckpointError, match=r"ok.safetensors: a hedge serves next-token"):
+    with pytest.raises(
+        CheckpointError, match=r"ok.safetensors: a hedge serves next-token"
+    ):
         _engine(converted, ctx, ok)
     # a context-heads file as the hedge: no longer served (issue 26), one error naming it
-    with pytest.raises(CheckpointError, match=r"ctx.safetensors holds prerouter heads: hedges "
-                                              r"of context heads are no longer served"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"ctx.safetensors holds prerouter heads: hedges "
+        r"of context heads are no longer served",
+    ):
         _engine(converted, heads, ctx)
-    with pytest.raises(CheckpointError, match=rf"ok.safetensors: hedge_layers 99: the "
-                                              rf"next-token heads plan {len(moe)} layers"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"ok.safetensors: hedge_layers 99: the "
+        rf"next-token heads plan {len(moe)} layers",
+    ):
         _engine(converted, heads, ok, hedge_layers=99)
     engine = _engine(converted, heads, ok, hedge_layers=1)
     try:
         assert engine.prerouter.draft_layers == [moe[0]]
         _decode_logits(engine, steps=4)
-        c = engine.prerouter.counters              # one layer's set staged per drafted step
+        c = engine.prerouter.counters  # one layer's set staged per drafted step
         assert c.draft_rows == 4 and c.hedge_staged == 4 * engine.top_k
         assert load_draft_vocab(ok, vocab).tolist() == [1, 2]
     finally:
@@ -208,12 +244,28 @@ def test_draft_vocab_cli_counts_the_text(edge0_qwen, tmp_path, capsys):
     text = tmp_path / "text.jsonl"
     text.write_text('{"text": "the cat the cat the dog"}\n{"text": "the end"}\n')
     out = tmp_path / "draft.safetensors"
-    assert cli.main(["draft-vocab", str(edge0_qwen), "--text", str(text), "--tokens", "16",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "draft-vocab",
+                str(edge0_qwen),
+                "--text",
+                str(text),
+                "--tokens",
+                "16",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     try:
-        tokens = [t for line in ("the cat the cat the dog", "the end")
-                  for t in engine.tokenizer.encode(line)]
+        tokens = [
+            t
+            for line in ("the cat the cat the dog", "the end")
+            for t in engine.tokenizer.encode(line)
+        ]
         vocab = engine.family.embedding(engine.model).weight.shape[0]
     finally:
         engine.close()
@@ -223,8 +275,21 @@ def test_draft_vocab_cli_counts_the_text(edge0_qwen, tmp_path, capsys):
     assert [counts[i] for i in ids] == sorted((counts[i] for i in ids), reverse=True)
     assert set(np.flatnonzero(counts).tolist()) <= set(ids)
     assert "16 of" in capsys.readouterr().out
-    assert cli.main(["draft-vocab", str(edge0_qwen), "--text", str(text), "--tokens",
-                     str(vocab + 1), "--out", str(out)]) != 0
+    assert (
+        cli.main(
+            [
+                "draft-vocab",
+                str(edge0_qwen),
+                "--text",
+                str(text),
+                "--tokens",
+                str(vocab + 1),
+                "--out",
+                str(out),
+            ]
+        )
+        != 0
+    )
 
 
 def test_a_sampled_draft_adds_the_samplers_noise(drafted):
@@ -232,28 +297,58 @@ def test_a_sampled_draft_adds_the_samplers_noise(drafted):
     draw drafts every sampled token (a plain argmax would not); with top-p on, tokens stay
     those of the unhedged engine. Solo and batched rows (each with its own seed) alike."""
     converted, heads, _, vocab, _, _, tmp = drafted
-    path = _vocab(tmp, "all_sampled.safetensors",
-                  np.random.default_rng(1).permutation(vocab), vocab)
+    path = _vocab(
+        tmp,
+        "all_sampled.safetensors",
+        np.random.default_rng(1).permutation(vocab),
+        vocab,
+    )
     plain, engine = _engine(converted, heads), _engine(converted, heads, path)
     try:
         prompt = plain.tokenizer.encode("def add(a, b):")
         for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
-            want = plain.generate(prompt, max_tokens=10, temperature=temperature, top_p=top_p,
-                                  seed=5, stop_token_ids=set()).tokens
-            engine.prerouter.counters.draft_rows = engine.prerouter.counters.draft_matches = 0
-            got = engine.generate(prompt, max_tokens=10, temperature=temperature, top_p=top_p,
-                                  seed=5, stop_token_ids=set()).tokens
+            want = plain.generate(
+                prompt,
+                max_tokens=10,
+                temperature=temperature,
+                top_p=top_p,
+                seed=5,
+                stop_token_ids=set(),
+            ).tokens
+            engine.prerouter.counters.draft_rows = (
+                engine.prerouter.counters.draft_matches
+            ) = 0
+            got = engine.generate(
+                prompt,
+                max_tokens=10,
+                temperature=temperature,
+                top_p=top_p,
+                seed=5,
+                stop_token_ids=set(),
+            ).tokens
             assert got == want, (temperature, top_p)
             if top_p == 1.0:
                 c = engine.prerouter.counters
-                assert c.draft_rows == 9 and c.draft_matches == 9   # every decode step
+                assert c.draft_rows == 9 and c.draft_matches == 9  # every decode step
         prompts = [plain.tokenizer.encode(p) for p in ("import os", "x = 1", "# hi")]
         seeds = [3, 4, 5]
-        solo = [plain.generate(p, max_tokens=6, temperature=1.0, seed=s,
-                               stop_token_ids=set()).tokens for p, s in zip(prompts, seeds)]
-        engine.prerouter.counters.draft_rows = engine.prerouter.counters.draft_matches = 0
-        rows = engine.generate_batch(prompts, max_tokens=6, batch_size=2, temperature=1.0,
-                                     seeds=seeds, stop_token_ids=set())
+        solo = [
+            plain.generate(
+                p, max_tokens=6, temperature=1.0, seed=s, stop_token_ids=set()
+            ).tokens
+            for p, s in zip(prompts, seeds)
+        ]
+        engine.prerouter.counters.draft_rows = (
+            engine.prerouter.counters.draft_matches
+        ) = 0
+        rows = engine.generate_batch(
+            prompts,
+            max_tokens=6,
+            batch_size=2,
+            temperature=1.0,
+            seeds=seeds,
+            stop_token_ids=set(),
+        )
         assert [r.tokens for r in rows] == solo
         c = engine.prerouter.counters
         assert c.draft_rows > 0 and c.draft_matches == c.draft_rows
@@ -272,18 +367,25 @@ def test_hedge_file_found_beside_the_model_and_turned_off(edge0_qwen, tmp_path):
     _vocab(model, HEDGE_FILE, [1, 2, 3], vocab)
     resolved = EngineOptions(mode="prerouted", no_lora=True).resolve(model)
     assert resolved.hedge_path == model / HEDGE_FILE
-    assert EngineOptions(mode="prerouted", no_hedge=True).resolve(model).hedge_path is None
+    assert (
+        EngineOptions(mode="prerouted", no_hedge=True).resolve(model).hedge_path is None
+    )
     assert EngineOptions(mode="reactive").resolve(model).hedge_path is None
     with pytest.raises(MissingAdapterError, match=r"nope.safetensors.*--no-hedge"):
-        EngineOptions(mode="prerouted", hedge_path=str(tmp_path / "nope.safetensors")
-                      ).resolve(model)
+        EngineOptions(
+            mode="prerouted", hedge_path=str(tmp_path / "nope.safetensors")
+        ).resolve(model)
     with pytest.raises(ConfigError, match="hedge_layers 2 without a hedge"):
         EngineOptions(mode="prerouted", no_hedge=True, hedge_layers=2).resolve(model)
     # another arm of the same command line (bench: reactive, compute-only) ignores it
-    assert EngineOptions(mode="reactive", hedge_layers=2).resolve(model).hedge_path is None
-    engine = Engine.load(model, EngineOptions(mode="prerouted", no_lora=True, hedge_layers=1))
+    assert (
+        EngineOptions(mode="reactive", hedge_layers=2).resolve(model).hedge_path is None
+    )
+    engine = Engine.load(
+        model, EngineOptions(mode="prerouted", no_lora=True, hedge_layers=1)
+    )
     try:
-        assert engine.prerouter.draft_layers == [moe[0]]     # the first in step order
+        assert engine.prerouter.draft_layers == [moe[0]]  # the first in step order
     finally:
         engine.close()
 
@@ -295,9 +397,14 @@ def test_cli_flags_reach_the_options():
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    opts = options_from_args(parser.parse_args(["--hedge", "h.safetensors", "--hedge-layers",
-                                                "3"]))
-    assert (opts.hedge_path, opts.hedge_layers, opts.no_hedge) == ("h.safetensors", 3, False)
+    opts = options_from_args(
+        parser.parse_args(["--hedge", "h.safetensors", "--hedge-layers", "3"])
+    )
+    assert (opts.hedge_path, opts.hedge_layers, opts.no_hedge) == (
+        "h.safetensors",
+        3,
+        False,
+    )
     assert options_from_args(parser.parse_args(["--no-hedge"])).no_hedge
 
 
@@ -312,14 +419,21 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
     index_stride = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     stride = index_stride.index.bundle_stride
     index_stride.close()
-    engine = Engine.load(edge0_qwen, EngineOptions(
-        mode="reactive", no_lora=True, slots_per_layer=slots, io_workers=1,
-        io_throttle_mbps=stride / 0.05 / 1e6))          # 50 ms a bundle, one at a time
+    engine = Engine.load(
+        edge0_qwen,
+        EngineOptions(
+            mode="reactive",
+            no_lora=True,
+            slots_per_layer=slots,
+            io_workers=1,
+            io_throttle_mbps=stride / 0.05 / 1e6,
+        ),
+    )  # 50 ms a bundle, one at a time
     try:
         switch = engine.blocks[engine.moe_layers[1]].switch_mlp
         hedge = switch.stage_begin([1, 0, 2, 3])
         while not (hedge.futures[0].running() or hedge.futures[0].done()):
-            time.sleep(0.001)               # expert 1's read has started: it cannot be cancelled
+            time.sleep(0.001)  # expert 1's read has started: it cannot be cancelled
         routed = switch.stage_begin([0, 4, 5, 6], hedge=hedge)
         outcome = routed.hedge
         assert (outcome.staged, outcome.hits, outcome.cancelled) == (4, 1, 2)
@@ -334,10 +448,13 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
         assert dropped == 0
         glu = switch.glu
         for e in switch.slots.resident_experts:
-            want = unpack_bundle(switch._io.index, engine.store.read(switch._io.layer, e))
+            want = unpack_bundle(
+                switch._io.index, engine.store.read(switch._io.layer, e)
+            )
             slot = switch.slots.slot_of(e)
-            assert mx.array_equal(glu.gate_proj["weight"][slot],
-                                  mx.array(want["gate_proj.weight"])).item(), (e, slot)
+            assert mx.array_equal(
+                glu.gate_proj["weight"][slot], mx.array(want["gate_proj.weight"])
+            ).item(), (e, slot)
         assert set(routed.experts) <= set(switch.slots.resident_experts)
     finally:
         engine.close()
@@ -350,8 +467,13 @@ def test_preflight_stops_a_truncated_hedge(edge0_qwen, tmp_path):
     shutil.copytree(edge0_qwen, model)
     next_token_heads(model, model / "prerouter.safetensors")
     hedge = _vocab(model, HEDGE_FILE, [1, 2, 3], 64)
-    arm = {"abbr": "s", "path": str(model), "type": "Edge0Model", "mode": "prerouted",
-           "no_lora": True}
+    arm = {
+        "abbr": "s",
+        "path": str(model),
+        "type": "Edge0Model",
+        "mode": "prerouted",
+        "no_lora": True,
+    }
     assert model_problems([arm]) == []
     hedge.write_bytes(hedge.read_bytes()[:60])
     problems = model_problems([arm])

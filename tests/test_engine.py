@@ -62,7 +62,9 @@ def test_reactive_matches_mlx_lm(family, request):
     worst, stats = _parity(src, converted)
     assert worst <= TOL
     assert stats["bytes_read"] > 0 and stats["guard_events"] == 0
-    assert stats["guard_clip"] == (1000.0 if family == "bailing" else None)   # family default
+    assert stats["guard_clip"] == (
+        1000.0 if family == "bailing" else None
+    )  # family default
 
 
 @pytest.mark.parametrize("family", ["qwen", "bailing", "qwen2", "qwen64"])
@@ -109,7 +111,9 @@ def test_small_budget_peak_memory_below_resident(edge0_qwen64):
     index = ExpertIndex.load(edge0_qwen64)
     peaks = {}
     for mode, slots in (("resident", None), ("reactive", 8)):
-        engine = Engine.load(edge0_qwen64, EngineOptions(mode=mode, slots_per_layer=slots))
+        engine = Engine.load(
+            edge0_qwen64, EngineOptions(mode=mode, slots_per_layer=slots)
+        )
         engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8)
         peaks[mode] = engine.stats()["peak_memory_gib"] * 2**30
         engine.close()
@@ -138,11 +142,14 @@ def test_truncated_expert_file(edge0_qwen, tmp_path):
         Engine.load(model)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(format_version=99), "format_version"),
-    (lambda d: d.update(num_experts=d["num_experts"] * 2), "file_size|experts"),
-    (lambda d: d.update(moe_layers=d["moe_layers"][:-1]), "file_size|MoE layers"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(format_version=99), "format_version"),
+        (lambda d: d.update(num_experts=d["num_experts"] * 2), "file_size|experts"),
+        (lambda d: d.update(moe_layers=d["moe_layers"][:-1]), "file_size|MoE layers"),
+    ],
+)
 def test_index_that_does_not_match(edge0_qwen, tmp_path, edit, message):
     model = _copy(edge0_qwen, tmp_path)
     data = json.loads((model / INDEX_NAME).read_text())
@@ -165,7 +172,7 @@ def test_read_error_during_decode_raises(edge0_qwen, tmp_path):
     model = _copy(edge0_qwen, tmp_path)
     engine = Engine.load(model, EngineOptions(slots_per_layer=4))
     with open(model / EXPERTS_NAME, "r+b") as f:
-        f.truncate(0)   # the open file now ends early: every miss is a short read
+        f.truncate(0)  # the open file now ends early: every miss is a short read
     with pytest.raises(CheckpointError, match="ended early"):
         engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=16)
     engine.close()
@@ -173,31 +180,75 @@ def test_read_error_during_decode_raises(edge0_qwen, tmp_path):
 
 def test_cli_generate_json_and_bench(edge0_qwen, tmp_path):
     out = tmp_path / "gen.json"
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "generate", str(edge0_qwen),
-                           "--prompt", "hi", "--max-tokens", "5", "--json", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0_eval",
+            "generate",
+            str(edge0_qwen),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "5",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert 1 <= len(data["tokens"]) <= 5 and data["stats"]["decode_tok_s"] >= 0
     bench = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "bench", str(edge0_qwen),
-                           "--arms", "mlx-lm,resident,reactive", "--cache", "cold",
-                           "--tokens", "4", "--raw-reads", "16", "--json", str(bench)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0_eval",
+            "bench",
+            str(edge0_qwen),
+            "--arms",
+            "mlx-lm,resident,reactive",
+            "--cache",
+            "cold",
+            "--tokens",
+            "4",
+            "--raw-reads",
+            "16",
+            "--json",
+            str(bench),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(bench.read_text())
     assert [r["arm"] for r in report["runs"]] == ["mlx-lm", "resident", "reactive"]
     assert report["raw_reads"]["gbps"] > 0 and report["cache"] == "cold"
     reactive = report["runs"][2]
     assert report["targets"]["peak_reactive_over_checkpoint"] == pytest.approx(
-        reactive["peak_memory_gib"] * 2**30 / report["checkpoint_bytes"], rel=1e-3)
+        reactive["peak_memory_gib"] * 2**30 / report["checkpoint_bytes"], rel=1e-3
+    )
     assert report["checkpoint_bytes"] > (edge0_qwen / "experts.bin").stat().st_size
 
 
 def test_cli_bad_budget_is_one_line(edge0_qwen):
-    proc = subprocess.run([sys.executable, "-m", "edge0_eval", "generate", str(edge0_qwen),
-                           "--prompt", "hi", "--expert-budget-mib", "0.001"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge0_eval",
+            "generate",
+            str(edge0_qwen),
+            "--prompt",
+            "hi",
+            "--expert-budget-mib",
+            "0.001",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "expert_budget_mib" in proc.stderr
 
@@ -212,7 +263,10 @@ def test_hidden_clipping_defaults_to_bailing_only():
     assert auto.resolved_clip(FAMILIES["qwen3_5_moe"]) is None
     assert auto.resolved_clip(FAMILIES["qwen2_moe"]) is None
     assert EngineOptions(clip_hidden=50.0).resolved_clip(FAMILIES["qwen2_moe"]) == 50.0
-    assert EngineOptions(clip_hidden=None).resolved_clip(FAMILIES["bailing_hybrid"]) is None
+    assert (
+        EngineOptions(clip_hidden=None).resolved_clip(FAMILIES["bailing_hybrid"])
+        is None
+    )
     for bad in (0, -1.0, "big"):
         with pytest.raises(ConfigError, match="clip_hidden"):
             EngineOptions(clip_hidden=bad).validate()
@@ -223,10 +277,14 @@ def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwe
     whatever the pool held before (slot order follows expert order)."""
     union = [40, 2, 17, 33, 9, 60]
     x = mx.random.normal((1, 16, 128), key=mx.random.key(0))
-    inds = mx.array([[[union[(t + j) % 6] for j in range(4)] for t in range(16)]])  # 64 rows
+    inds = mx.array(
+        [[[union[(t + j) % 6] for j in range(4)] for t in range(16)]]
+    )  # 64 rows
     outs = []
     for history in ([], [60, 40, 33], [9, 61, 2, 5, 40, 17, 12]):
-        engine = Engine.load(edge0_qwen64, EngineOptions(mode="reactive", slots_per_layer=12))
+        engine = Engine.load(
+            edge0_qwen64, EngineOptions(mode="reactive", slots_per_layer=12)
+        )
         switch = engine.blocks[engine.moe_layers[0]].switch_mlp
         x = x.astype(switch.glu.gate_proj.scales.dtype)
         if history:
@@ -234,7 +292,9 @@ def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwe
         switch.load_in_expert_order(union)
         slots = [switch.slots.slot_of(e) for e in sorted(union)]
         assert slots == sorted(slots)
-        assert mx.array_equal(switch._io.lut[mx.array(sorted(union))], mx.array(slots)).item()
+        assert mx.array_equal(
+            switch._io.lut[mx.array(sorted(union))], mx.array(slots)
+        ).item()
         outs.append(switch(x, inds, pinned=True))
         mx.eval(outs[-1])
         engine.close()

@@ -31,7 +31,11 @@ def test_profile_buckets_tail_and_shares_match_a_direct_count():
     assert first["items"] == 2 and first["positions"] == 128
     assert first["kl"] == pytest.approx((sum(short[0][:64]) + sum(long[0][:64])) / 128)
     # Only the long item reaches 1024: its positions 1024..1499, and no interval from one item.
-    assert late["items"] == 1 and late["positions"] == 476 and late["kl_half_width"] is None
+    assert (
+        late["items"] == 1
+        and late["positions"] == 476
+        and late["kl_half_width"] is None
+    )
     assert late["kl"] == pytest.approx(np.mean(long[0][1024:]))
     assert late["agreement"] == pytest.approx(100 * np.mean(long[1][1024:]))
     # A divergence that grows along the continuation shows as a rising curve.
@@ -49,7 +53,9 @@ def test_clustered_interval_is_the_item_means_interval_at_equal_lengths():
     got = fp.profile(items)["by_position"][0]
     per_item = [np.mean(k) for k, _ in items]
     assert got["kl"] == pytest.approx(np.mean(per_item))
-    assert got["kl_half_width"] == pytest.approx(1.96 * np.std(per_item, ddof=1) / np.sqrt(12))
+    assert got["kl_half_width"] == pytest.approx(
+        1.96 * np.std(per_item, ddof=1) / np.sqrt(12)
+    )
     # Counting the 768 positions as independent would give a far narrower, wrong interval.
     every = np.concatenate([k for k, _ in items])
     assert got["kl_half_width"] > 5 * 1.96 * every.std(ddof=1) / np.sqrt(every.size)
@@ -60,8 +66,12 @@ def _scored(n_items, length, shift, rng):
     rows = []
     for i in range(n_items):
         t = np.log(np.array([[0.7, 0.2]] * length, dtype=np.float32))
-        item = {"id": f"i{i}", "topk_logprobs": t.tolist(), "rest": tail_mass(t).tolist(),
-                "tokens": [1] * length}
+        item = {
+            "id": f"i{i}",
+            "topk_logprobs": t.tolist(),
+            "rest": tail_mass(t).tolist(),
+            "tokens": [1] * length,
+        }
         arm = t + shift * rng.random(t.shape)
         argmax = [1 if j % 3 or not shift else 2 for j in range(length)]
         rows.append({"id": f"i{i}", "source": "text", **score_item(item, arm, argmax)})
@@ -70,18 +80,22 @@ def _scored(n_items, length, shift, rng):
 
 def test_report_section_and_plot_carry_the_position_view(tmp_path):
     rng = np.random.default_rng(2)
-    loaded = {"teacher": fr.arm_items("t", _scored(4, 70, 0.0, rng)),
-              "student": fr.arm_items("s", _scored(4, 70, -0.5, rng))}
+    loaded = {
+        "teacher": fr.arm_items("t", _scored(4, 70, 0.0, rng)),
+        "student": fr.arm_items("s", _scored(4, 70, -0.5, rng)),
+    }
     section = fr.summarize(loaded)
-    teacher, student = section["arms"]["teacher"]["positions"], \
-        section["arms"]["student"]["positions"]
+    teacher, student = (
+        section["arms"]["teacher"]["positions"],
+        section["arms"]["student"]["positions"],
+    )
     assert teacher["kl_mean"] == 0.0 and teacher["share_above"]["0.1"] == 0.0
     assert student["kl_mean"] == pytest.approx(section["arms"]["student"]["kl"])
     assert [b["bucket"] for b in student["by_position"]] == ["0-63", "64-127"]
     assert student["by_position"][1]["agreement"] == pytest.approx(100 * 4 / 6)
     md = fr.markdown(section)
     assert "KL p99" in md and "share KL > 0.1" in md and "| 64-127 |" in md
-    json.dumps(section)                       # report.json holds it as is
+    json.dumps(section)  # report.json holds it as is
     fr.write_plot(section, tmp_path / "fidelity.png")
     assert (tmp_path / "fidelity.png").stat().st_size > 0
     # Results from before per-position figures: the section still builds, and says so.

@@ -9,8 +9,8 @@ import random
 
 import mlx.core as mx
 import pytest
-
 from bad_inputs import outcome
+
 from edge0_eval.cli import main
 from edge0_eval.evaluation import fidelity_set as fs
 from edge0_eval.formats.safetensors import checkpoint_float_dtype, write_safetensors
@@ -18,15 +18,32 @@ from model_wrappers.fidelity_dataset import preflight_problems
 
 
 def _valid_set(fingerprint: str = "0" * 64) -> dict:
-    items = [{"id": f"t/{n}", "source": "text", "prompt": "p", "prompt_ids": [1, 2, 3 + n],
-              "tokens": [4, 5], "topk_ids": [[4, 6], [5, 7]],
-              "topk_logprobs": [[-0.1, -2.5], [-0.2, -3.0]], "rest": [0.05, 0.1], "end": "stop"}
-             for n in range(3)]
-    return {"format": fs.FORMAT, "teacher": {"name": "t", "fingerprint": fingerprint,
-                                             "dtype": "float32"},
-            "max_new": 8, "min_new": 2, "top_k": 2, "thinking": False,
-            "thinking_in_template": False, "left_out": {"shorter_than_min_new": []},
-            "sources": {"text": {}}, "items": items}
+    items = [
+        {
+            "id": f"t/{n}",
+            "source": "text",
+            "prompt": "p",
+            "prompt_ids": [1, 2, 3 + n],
+            "tokens": [4, 5],
+            "topk_ids": [[4, 6], [5, 7]],
+            "topk_logprobs": [[-0.1, -2.5], [-0.2, -3.0]],
+            "rest": [0.05, 0.1],
+            "end": "stop",
+        }
+        for n in range(3)
+    ]
+    return {
+        "format": fs.FORMAT,
+        "teacher": {"name": "t", "fingerprint": fingerprint, "dtype": "float32"},
+        "max_new": 8,
+        "min_new": 2,
+        "top_k": 2,
+        "thinking": False,
+        "thinking_in_template": False,
+        "left_out": {"shorter_than_min_new": []},
+        "sources": {"text": {}},
+        "items": items,
+    }
 
 
 def _write(fset, path):
@@ -38,13 +55,25 @@ def _write(fset, path):
 # shape that no longer lines up. (name, function of (set, rng)).
 def _leaf_paths(fset):
     item = fset["items"][0]
-    return ([("items", 0, "prompt_ids", 0), ("items", 0, "tokens", 1),
-             ("items", 0, "topk_ids", 0, 1), ("items", 0, "topk_logprobs", 1, 0),
-             ("items", 0, "rest", 0)]
-            + [("items", 0, key) for key in item if key != "prompt"]
-            + [("max_new",), ("min_new",), ("top_k",), ("teacher",), ("teacher", "fingerprint"),
-               ("teacher", "dtype"),
-               ("items",)])
+    return (
+        [
+            ("items", 0, "prompt_ids", 0),
+            ("items", 0, "tokens", 1),
+            ("items", 0, "topk_ids", 0, 1),
+            ("items", 0, "topk_logprobs", 1, 0),
+            ("items", 0, "rest", 0),
+        ]
+        + [("items", 0, key) for key in item if key != "prompt"]
+        + [
+            ("max_new",),
+            ("min_new",),
+            ("top_k",),
+            ("teacher",),
+            ("teacher", "fingerprint"),
+            ("teacher", "dtype"),
+            ("items",),
+        ]
+    )
 
 
 def _set_at(fset, path, value):
@@ -55,10 +84,12 @@ def _set_at(fset, path, value):
 
 
 _LIES = ["7", None, [1], {"a": 1}, True, float("nan"), float("inf"), -1, 1.5, "", []]
-_NUMERIC = {("items", 0, "topk_logprobs", 1, 1): [0.5, float("nan"), "x", True, None],
-            ("items", 0, "rest", 1): [-0.01, 1.5, float("nan"), "0.1", None],
-            ("items", 0, "prompt_ids", 2): [-1, 2.0, "3", None],
-            ("items", 0, "topk_ids", 1, 1): [-2, "4", None, 1.5, 5]}   # 5: a repeated id
+_NUMERIC = {
+    ("items", 0, "topk_logprobs", 1, 1): [0.5, float("nan"), "x", True, None],
+    ("items", 0, "rest", 1): [-0.01, 1.5, float("nan"), "0.1", None],
+    ("items", 0, "prompt_ids", 2): [-1, 2.0, "3", None],
+    ("items", 0, "topk_ids", 1, 1): [-2, "4", None, 1.5, 5],
+}  # 5: a repeated id
 
 
 def _legal_lie(path, value) -> bool:
@@ -68,11 +99,16 @@ def _legal_lie(path, value) -> bool:
         return isinstance(value, str) or whole
     if path[-1] == "source":
         return isinstance(value, str)
-    if path == ("teacher", "dtype"):                    # absent in older sets
+    if path == ("teacher", "dtype"):  # absent in older sets
         return value is None
-    if "topk_logprobs" in path and len(path) == 5:     # any finite log-prob <= 0
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and value == value and value <= 0 and value != float("-inf"))
+    if "topk_logprobs" in path and len(path) == 5:  # any finite log-prob <= 0
+        return (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value == value
+            and value <= 0
+            and value != float("-inf")
+        )
     return False
 
 
@@ -93,8 +129,9 @@ def _mutations(seed: int, n: int):
                 continue
             _set_at(fset, path, value)
         elif kind == "drop":
-            fset["items"][rng.randrange(3)][rng.choice(["topk_ids", "topk_logprobs",
-                                                          "rest"])].pop()
+            fset["items"][rng.randrange(3)][
+                rng.choice(["topk_ids", "topk_logprobs", "rest"])
+            ].pop()
         elif kind == "extend":
             key = rng.choice(["topk_ids", "topk_logprobs", "rest", "tokens"])
             fset["items"][0][key].append(fset["items"][0][key][0])
@@ -108,7 +145,7 @@ def _accepted(cases, tmp_path) -> list:
     accepted = []
     for n, (kind, fset) in enumerate(cases):
         path = tmp_path / f"case{n}.json"
-        path.write_text(json.dumps(fset))          # NaN/Infinity as JSON writes them
+        path.write_text(json.dumps(fset))  # NaN/Infinity as JSON writes them
         got, message = outcome(lambda: fs.read_set(path))
         if got != "error" or str(path) not in message:
             accepted.append((kind, got, message[:200]))
@@ -129,7 +166,7 @@ def test_v1_sets_still_read_and_v2_needs_its_fields(tmp_path):
         item.pop("end")
     assert fs.read_set(_write(v1, tmp_path / "v1.json"))["format"].endswith("/v1")
     short = _valid_set()
-    short["min_new"] = 3                     # its items hold 2 tokens
+    short["min_new"] = 3  # its items hold 2 tokens
     with pytest.raises(Exception, match="min_new..max_new"):
         fs.read_set(_write(short, tmp_path / "short.json"))
     v2 = _valid_set()
@@ -150,19 +187,27 @@ def test_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
     assert _accepted(_mutations(seed=30, n=240), tmp_path)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s["items"][0]["topk_logprobs"][0].__setitem__(0, "-0.1"), "log-probs"),
-    (lambda s: s.update(max_new="8"), "max_new"),
-    (lambda s: s.update(top_k="2"), "top_k"),
-    (lambda s: s["items"][0].update(id=["t"]), "id"),
-    (lambda s: s["items"][0].update(tokens="45"), "tokens"),
-    (lambda s: s["items"][0]["rest"].__setitem__(0, -0.5), "tail mass"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda s: s["items"][0]["topk_logprobs"][0].__setitem__(0, "-0.1"),
+            "log-probs",
+        ),
+        (lambda s: s.update(max_new="8"), "max_new"),
+        (lambda s: s.update(top_k="2"), "top_k"),
+        (lambda s: s["items"][0].update(id=["t"]), "id"),
+        (lambda s: s["items"][0].update(tokens="45"), "tokens"),
+        (lambda s: s["items"][0]["rest"].__setitem__(0, -0.5), "tail mass"),
+    ],
+)
 def test_data_stage_refuses_type_lies(tmp_path, edit, message, capsys):
     fset = _valid_set()
     edit(fset)
     path = _write(fset, tmp_path / "set.json")
-    code = main(["data", "stage", "--root", str(tmp_path / "root"), "--fidelity", str(path)])
+    code = main(
+        ["data", "stage", "--root", str(tmp_path / "root"), "--fidelity", str(path)]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert str(path) in err and message in err
@@ -177,61 +222,99 @@ def _staged(tmp_path, fset, monkeypatch):
     return [{"abbr": fs.DATASET_ABBR}]
 
 
-def test_preflight_pairs_the_set_with_this_runs_teacher(tiny_qwen, tiny_bailing, tmp_path,
-                                                        monkeypatch):
+def test_preflight_pairs_the_set_with_this_runs_teacher(
+    tiny_qwen, tiny_bailing, tmp_path, monkeypatch
+):
     datasets = _staged(tmp_path, _valid_set(fs.fingerprint(tiny_qwen)), monkeypatch)
-    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "auto")]) == []
-    problems = preflight_problems(datasets, [("teacher", str(tiny_bailing), True, "auto")])
+    assert (
+        preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "auto")]) == []
+    )
+    problems = preflight_problems(
+        datasets, [("teacher", str(tiny_bailing), True, "auto")]
+    )
     assert len(problems) == 1 and str(tiny_bailing) in problems[0]
     assert "fingerprints differ" in problems[0]
     # A student arm is no teacher: only its vocabulary is checked.
-    assert preflight_problems(datasets, [("student", str(tiny_bailing), False, "auto")]) == []
+    assert (
+        preflight_problems(datasets, [("student", str(tiny_bailing), False, "auto")])
+        == []
+    )
 
 
-def test_preflight_refuses_ids_beyond_an_arms_vocabulary(tiny_qwen, tmp_path, monkeypatch):
-    vocab = json.loads((tiny_qwen / "config.json").read_text()).get("vocab_size") or \
-        json.loads((tiny_qwen / "config.json").read_text())["text_config"]["vocab_size"]
+def test_preflight_refuses_ids_beyond_an_arms_vocabulary(
+    tiny_qwen, tmp_path, monkeypatch
+):
+    vocab = (
+        json.loads((tiny_qwen / "config.json").read_text()).get("vocab_size")
+        or json.loads((tiny_qwen / "config.json").read_text())["text_config"][
+            "vocab_size"
+        ]
+    )
     fset = _valid_set(fs.fingerprint(tiny_qwen))
-    fset["items"][2]["prompt_ids"][0] = vocab          # one past the embedding
+    fset["items"][2]["prompt_ids"][0] = vocab  # one past the embedding
     datasets = _staged(tmp_path, fset, monkeypatch)
     problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "auto")])
     assert len(problems) == 1 and f"token id {vocab}" in problems[0]
     assert str(tmp_path / fs.SET_PATH) in problems[0]
 
 
-def test_preflight_refuses_a_set_made_in_another_dtype(tiny_qwen, tmp_path, monkeypatch):
+def test_preflight_refuses_a_set_made_in_another_dtype(
+    tiny_qwen, tmp_path, monkeypatch
+):
     # A set made where the teacher ran in bfloat16 (Metal's 'auto' on a bf16 checkpoint) cannot
     # be reproduced by a teacher arm computing in float32 (the CPU's 'auto'): refused before
     # any task, naming the file, both dtypes and the fix; the matching dtype passes.
     fset = _valid_set(fs.fingerprint(tiny_qwen))
     fset["teacher"]["dtype"] = "bfloat16"
     datasets = _staged(tmp_path, fset, monkeypatch)
-    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")])
+    problems = preflight_problems(
+        datasets, [("teacher", str(tiny_qwen), True, "float32")]
+    )
     assert len(problems) == 1, problems
     assert str(tmp_path / fs.SET_PATH) in problems[0] and str(tiny_qwen) in problems[0]
     assert "bfloat16" in problems[0] and "float32" in problems[0]
     assert "compute_dtype='bfloat16'" in problems[0]
-    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "bfloat16")]) == []
+    assert (
+        preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "bfloat16")])
+        == []
+    )
     # Students are scored against the set whatever their dtype; sets without one are not checked.
-    assert preflight_problems(datasets, [("student", str(tiny_qwen), False, "float32")]) == []
+    assert (
+        preflight_problems(datasets, [("student", str(tiny_qwen), False, "float32")])
+        == []
+    )
     del fset["teacher"]["dtype"]
     datasets = _staged(tmp_path, fset, monkeypatch)
-    assert preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")]) == []
+    assert (
+        preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")])
+        == []
+    )
     fset["teacher"]["dtype"] = "fp8"
     datasets = _staged(tmp_path, fset, monkeypatch)
-    problems = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "float32")])
+    problems = preflight_problems(
+        datasets, [("teacher", str(tiny_qwen), True, "float32")]
+    )
     assert len(problems) == 1 and "teacher dtype 'fp8'" in problems[0]
 
 
 def test_checkpoint_float_dtype_is_the_embeddings(tmp_path):
     # A bf16 embedding among more float32 tensors (norms an mlx-vlm conversion keeps in f32):
     # mlx-lm computes in the embedding's dtype, not the commonest.
-    write_safetensors(tmp_path / "model.safetensors",
-                      {"model.embed_tokens.weight": mx.zeros((4, 2), dtype=mx.bfloat16),
-                       **{f"model.layers.{i}.norm.weight": mx.zeros((2,)) for i in range(3)}},
-                      {})
+    write_safetensors(
+        tmp_path / "model.safetensors",
+        {
+            "model.embed_tokens.weight": mx.zeros((4, 2), dtype=mx.bfloat16),
+            **{f"model.layers.{i}.norm.weight": mx.zeros((2,)) for i in range(3)},
+        },
+        {},
+    )
     assert checkpoint_float_dtype(tmp_path) == "bfloat16"
-    write_safetensors(tmp_path / "model.safetensors",
-                      {f"model.layers.{i}.norm.weight": mx.zeros((2,), dtype=mx.float16)
-                       for i in range(3)}, {})
+    write_safetensors(
+        tmp_path / "model.safetensors",
+        {
+            f"model.layers.{i}.norm.weight": mx.zeros((2,), dtype=mx.float16)
+            for i in range(3)
+        },
+        {},
+    )
     assert checkpoint_float_dtype(tmp_path) == "float16"

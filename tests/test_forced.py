@@ -16,18 +16,25 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.engine.lora import save_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.prerouter import save_heads
-from edge0_eval.engine.lora import apply_lora
-from edge0_eval.engine.prerouter import default_owners, init_heads_from_routers
+from edge0_eval.engine.lora import apply_lora, save_adapter
+from edge0_eval.engine.prerouter import (
+    default_owners,
+    init_heads_from_routers,
+    save_heads,
+)
 from edge0_eval.evaluation import fidelity as fid
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 BAILING_TOL = 1e-3
 # (mode, heads): every mode the engine serves, and every kind of prerouter head.
-CASES = [("resident", None), ("reactive", None), ("prerouted", "context"),
-         ("prerouted", "next_token"), ("prerouted", "wrap")]
+CASES = [
+    ("resident", None),
+    ("reactive", None),
+    ("prerouted", "context"),
+    ("prerouted", "next_token"),
+    ("prerouted", "wrap"),
+]
 
 
 def _heads(engine, path, kind):
@@ -35,8 +42,13 @@ def _heads(engine, path, kind):
     also weigh the token's embedding)."""
     n = len(engine.family.layers(engine.model))
     start = 0 if kind == "wrap" else engine.moe_layers[0] + 1
-    heads = init_heads_from_routers(engine, default_owners(start, n, engine.moe_layers),
-                                    width=32, seed=0, next_token=kind == "next_token")
+    heads = init_heads_from_routers(
+        engine,
+        default_owners(start, n, engine.moe_layers),
+        width=32,
+        seed=0,
+        next_token=kind == "next_token",
+    )
     heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
     if kind == "next_token":
         cfg = heads.config
@@ -51,8 +63,10 @@ def served(request, tmp_path_factory):
     converted = request.getfixturevalue(f"edge0_{request.param}")
     out = tmp_path_factory.mktemp("forced")
     engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
-    heads = {kind: _heads(engine, out / f"{kind}.safetensors", kind)
-             for kind in ("context", "next_token", "wrap")}
+    heads = {
+        kind: _heads(engine, out / f"{kind}.safetensors", kind)
+        for kind in ("context", "next_token", "wrap")
+    }
     apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
     lora = save_adapter(engine.model, out / "lora.safetensors")
     engine.close()
@@ -62,9 +76,15 @@ def served(request, tmp_path_factory):
 def _engine(served, mode, heads):
     _, converted, files, lora = served
     # 6 slots of 16 experts at K=4: a piece's union overflows them (read in slot-fulls).
-    return Engine.load(converted, EngineOptions(
-        mode=mode, slots_per_layer=None if mode == "resident" else 6,
-        prerouter_path=str(files[heads]) if heads else None, lora_path=str(lora)))
+    return Engine.load(
+        converted,
+        EngineOptions(
+            mode=mode,
+            slots_per_layer=None if mode == "resident" else 6,
+            prerouter_path=str(files[heads]) if heads else None,
+            lora_path=str(lora),
+        ),
+    )
 
 
 def _decoded(runner, prompt, tokens):
@@ -90,22 +110,30 @@ def test_forced_pieces_equal_decode_steps(served, mode, heads):
         prompt = engine.tokenizer.encode(PROMPT)
         tokens = [int(t) for t in np.random.default_rng(0).integers(3, 400, size=40)]
         want = _decoded(runner, prompt, tokens)
-        for chunk in (7, fid.SCORE_CHUNK):      # pieces cut mid-way, and one piece
+        for chunk in (7, fid.SCORE_CHUNK):  # pieces cut mid-way, and one piece
             rows = [runner.start(prompt)]
-            rows += [lp for logits in runner.sequence.forced(tokens[:-1], chunk)
-                     for lp in fid._logprobs(logits)]
+            rows += [
+                lp
+                for logits in runner.sequence.forced(tokens[:-1], chunk)
+                for lp in fid._logprobs(logits)
+            ]
             _assert_same(family, np.stack(rows), want)
             assert runner.sequence.steps == -(-(len(tokens) - 1) // chunk)
         if mode == "prerouted":
-            assert engine.stats()["prerouted_steps"] > 0 and engine.counters.dropped_experts == 0
-        if heads == "wrap":       # pieces ran to a fixed point, in more than one pass each
+            assert (
+                engine.stats()["prerouted_steps"] > 0
+                and engine.counters.dropped_experts == 0
+            )
+        if heads == "wrap":  # pieces ran to a fixed point, in more than one pass each
             c = engine.counters
             assert c.wrap_chunks > 0 and c.wrap_passes > c.wrap_chunks
         # The scorer returns the same rows at the ids asked for, and the argmax (a wrap
         # student on the CPU: one position a piece, where a fixed point's passes cost more).
         ids = [[t, *range(5)] for t in tokens]
         lp, argmax = fid.teacher_forced(runner, prompt, tokens, ids)
-        _assert_same(family, lp, np.stack([w[np.asarray(r)] for w, r in zip(want, ids)]))
+        _assert_same(
+            family, lp, np.stack([w[np.asarray(r)] for w, r in zip(want, ids)])
+        )
         assert argmax.tolist() == want.argmax(axis=-1).tolist()
         assert runner.sequence.steps == (len(tokens) - 1 if heads == "wrap" else 1)
     finally:
@@ -121,8 +149,11 @@ def test_teacher_forced_pieces_equal_mlx_lm_steps(family, request):
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, 400, size=40)]
     want = _decoded(runner, prompt, tokens)
     for chunk in (7, fid.SCORE_CHUNK):
-        _assert_same(family, np.stack(list(fid.forced_logprobs(runner, prompt, tokens, chunk))),
-                     want)
+        _assert_same(
+            family,
+            np.stack(list(fid.forced_logprobs(runner, prompt, tokens, chunk))),
+            want,
+        )
 
 
 def test_a_piece_reads_and_computes_each_expert_pair_once(served, monkeypatch):

@@ -12,11 +12,16 @@ import pytest
 
 import edge0_eval.formats
 
-MODULES = sorted(p.stem for p in Path(edge0_eval.formats.__file__).parent.glob("*.py")
-                 if p.stem != "__init__")
-CODE = ("import importlib, sys\n"
-        "importlib.import_module(sys.argv[1])\n"
-        "print(' '.join(sorted(m for m in sys.modules if m.startswith('edge0_eval.'))))\n")
+MODULES = sorted(
+    p.stem
+    for p in Path(edge0_eval.formats.__file__).parent.glob("*.py")
+    if p.stem != "__init__"
+)
+CODE = (
+    "import importlib, sys\n"
+    "importlib.import_module(sys.argv[1])\n"
+    "print(' '.join(sorted(m for m in sys.modules if m.startswith('edge0_eval.'))))\n"
+)
 
 
 def test_every_format_module_is_listed():
@@ -25,10 +30,17 @@ def test_every_format_module_is_listed():
 
 @pytest.mark.parametrize("name", MODULES)
 def test_format_module_imports_alone_and_no_engine(name):
-    proc = subprocess.run([sys.executable, "-c", CODE, f"edge0_eval.formats.{name}"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CODE, f"edge0_eval.formats.{name}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     loaded = proc.stdout.split()
-    outside = [m for m in loaded if not m.startswith("edge0_eval.formats")
-               and m != "edge0_eval.errors"]
+    outside = [
+        m
+        for m in loaded
+        if not m.startswith("edge0_eval.formats") and m != "edge0_eval.errors"
+    ]
     assert f"edge0_eval.formats.{name}" in loaded and not outside, outside

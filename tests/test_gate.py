@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from oc_tree import OCRun
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation.gate import evaluate
-from oc_tree import OCRun
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 
@@ -17,12 +17,22 @@ T, S = "qwen-teacher-fp16", "edge0-student"
 # except `lost` of them, starting at `shift`.
 
 
-def build(root: Path, lost: int, *, aime_failed=False, drop_ifbench=False, he_items=5,
-          gpqa_prompt="{question}", shift: int = 0) -> Path:
+def build(
+    root: Path,
+    lost: int,
+    *,
+    aime_failed=False,
+    drop_ifbench=False,
+    he_items=5,
+    gpqa_prompt="{question}",
+    shift: int = 0,
+) -> Path:
     run = OCRun(root)
     teacher = [1] * 80 + [0] * 20
     student = [1] * 80 + [0] * 20
-    for i in range(shift, shift + lost):     # the student loses these of the teacher's items
+    for i in range(
+        shift, shift + lost
+    ):  # the student loses these of the teacher's items
         student[i] = 0
     run.add(T, "GPQA_diamond", teacher, prompt=gpqa_prompt)
     run.add(S, "GPQA_diamond", student, prompt=gpqa_prompt)
@@ -49,7 +59,7 @@ def gate(current: Path, baseline: Path, *extra) -> int:
 
 @pytest.fixture
 def baseline(tmp_path):
-    return report(tmp_path, "base", lost=2)   # student gap 2 points on GPQA
+    return report(tmp_path, "base", lost=2)  # student gap 2 points on GPQA
 
 
 def test_identical_report_passes(tmp_path, baseline, capsys):
@@ -78,7 +88,10 @@ def test_crafted_regression_fails(tmp_path, baseline, capsys):
     assert "gap widened +13.00 (paired, permutation-midp p=" in line
     assert "gate: FAIL (1 of 4: GPQA-Diamond)" in out
     # the false-fail rate the user accepts decides: at alpha 1e-9 it is not evidence enough
-    assert gate(tmp_path / "regress_report" / "report.json", baseline, "--alpha", "1e-9") == 0
+    assert (
+        gate(tmp_path / "regress_report" / "report.json", baseline, "--alpha", "1e-9")
+        == 0
+    )
 
 
 def test_a_sample_too_small_to_see_the_drop_says_so(tmp_path, baseline, capsys):
@@ -91,26 +104,35 @@ def test_a_sample_too_small_to_see_the_drop_says_so(tmp_path, baseline, capsys):
 
 
 def test_failed_task_fails(tmp_path, baseline, capsys):
-    assert gate(report(tmp_path, "failed", rc=1, lost=2, aime_failed=True), baseline) == 1
+    assert (
+        gate(report(tmp_path, "failed", rc=1, lost=2, aime_failed=True), baseline) == 1
+    )
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("AIME"))
     assert "FAIL" in line and "failed (student failed)" in line
 
 
 def test_missing_benchmark_fails(tmp_path, baseline, capsys):
     assert gate(report(tmp_path, "missing", lost=2, drop_ifbench=True), baseline) == 1
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("IFBench"))
+    line = next(
+        l for l in capsys.readouterr().out.splitlines() if l.startswith("IFBench")
+    )
     assert "FAIL" in line and "missing from the report" in line
 
 
 def test_item_count_change_fails(tmp_path, baseline, capsys):
     # one more HumanEval item; the gap is the same-ish but the benchmark is not the same
     assert gate(report(tmp_path, "items", lost=2, he_items=6), baseline) == 1
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval"))
+    line = next(
+        l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval")
+    )
     assert "FAIL" in line and "6 items, baseline 5" in line
 
 
 def test_prompt_version_change_fails(tmp_path, baseline, capsys):
-    assert gate(report(tmp_path, "prompt", lost=2, gpqa_prompt="Q: {question}"), baseline) == 1
+    assert (
+        gate(report(tmp_path, "prompt", lost=2, gpqa_prompt="Q: {question}"), baseline)
+        == 1
+    )
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("GPQA"))
     assert "FAIL" in line and "prompt version" in line
 
@@ -123,32 +145,56 @@ def test_missing_arm_fails(tmp_path, baseline, capsys):
     path = tmp_path / "cur.json"
     path.write_text(json.dumps(cur))
     assert gate(path, baseline) == 1
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval"))
+    line = next(
+        l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval")
+    )
     assert "missing_arm (student missing)" in line
 
 
 def _row(name, teacher, student, hw, items=100, status="ok", version="abcdef"):
-    return {"benchmark": name, "status": status, "items": items, "version": version,
-            "teacher": teacher, "student": student, "gap": teacher - student,
-            "delta_half_width": hw, "arms": {}}
+    return {
+        "benchmark": name,
+        "status": status,
+        "items": items,
+        "version": version,
+        "teacher": teacher,
+        "student": student,
+        "gap": teacher - student,
+        "delta_half_width": hw,
+        "arms": {},
+    }
 
 
 def test_thresholds_exactly():
     base = {"benchmarks": [_row("A", 80.0, 78.0, 3.0), _row("B", 80.0, 78.0, 3.0)]}
     # A: gap +5.0 == 2.0 + 3.0 (not beyond) -> pass; B: gap +5.5 > 5.0 -> FAIL
-    cur = {"benchmarks": [_row("A", 80.0, 73.0, 3.0), _row("B", 80.5, 73.0, 3.0),
-                          _row("C", 50.0, 50.0, 1.0)]}
+    cur = {
+        "benchmarks": [
+            _row("A", 80.0, 73.0, 3.0),
+            _row("B", 80.5, 73.0, 3.0),
+            _row("C", 50.0, 50.0, 1.0),
+        ]
+    }
     checks = {c.benchmark: c for c in evaluate(cur, base, 2.0, 10.0)}
-    assert checks["A"].result == "pass" and checks["A"].gap_increase == pytest.approx(5.0)
-    assert checks["B"].result == "FAIL" and checks["B"].gap_increase == pytest.approx(5.5)
-    assert checks["B"].drop == pytest.approx(5.0)   # within max_drop 10 + 3
-    assert checks["C"].result == "new"          # not in the baseline: shown, not gated
+    assert checks["A"].result == "pass" and checks["A"].gap_increase == pytest.approx(
+        5.0
+    )
+    assert checks["B"].result == "FAIL" and checks["B"].gap_increase == pytest.approx(
+        5.5
+    )
+    assert checks["B"].drop == pytest.approx(5.0)  # within max_drop 10 + 3
+    assert checks["C"].result == "new"  # not in the baseline: shown, not gated
     # the student drop alone fails, even when the teacher dropped too (gap unchanged)
     cur = {"benchmarks": [_row("A", 70.0, 68.0, 1.0), _row("B", 80.0, 78.0, 1.0)]}
     checks = {c.benchmark: c for c in evaluate(cur, base, 2.0, 2.0)}
     assert checks["A"].result == "FAIL" and checks["A"].reasons[1:] == [
-        "student dropped 10.00 > 2 + 1.00"]
-    assert checks["A"].reasons[0].startswith("unpaired: the baseline has no per-item outcomes")
+        "student dropped 10.00 > 2 + 1.00"
+    ]
+    assert (
+        checks["A"]
+        .reasons[0]
+        .startswith("unpaired: the baseline has no per-item outcomes")
+    )
     assert checks["B"].result == "pass"
     # a baseline row that was not ok cannot vouch for anything
     bad_base = {"benchmarks": [_row("A", 80.0, 78.0, 3.0, status="failed")]}

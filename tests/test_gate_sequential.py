@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from oc_tree import OCRun
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
-from oc_tree import OCRun
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 ITEMS = 120
@@ -18,8 +18,13 @@ TEACHER = [1] * 90 + [0] * 30
 ASK = ["--benchmark-drop", "GPQA-Diamond=20"]
 
 
-def report(tmp_path: Path, name: str, student: list[int], items: int = ITEMS,
-           teacher: list[int] = TEACHER) -> Path:
+def report(
+    tmp_path: Path,
+    name: str,
+    student: list[int],
+    items: int = ITEMS,
+    teacher: list[int] = TEACHER,
+) -> Path:
     """The report of a round that has scored the first `items` of the sample (a prefix of the
     fixed order, as the rounds' growing test ranges are)."""
     run = OCRun(tmp_path / name)
@@ -31,7 +36,9 @@ def report(tmp_path: Path, name: str, student: list[int], items: int = ITEMS,
 
 
 def gate(baseline: Path, *rounds: Path, extra=ASK) -> int:
-    return main(["gate", *map(str, rounds), "--baseline", str(baseline), "--sequential", *extra])
+    return main(
+        ["gate", *map(str, rounds), "--baseline", str(baseline), "--sequential", *extra]
+    )
 
 
 def _line(out: str) -> str:
@@ -44,7 +51,9 @@ def baseline(tmp_path):
 
 
 def test_same_student_is_decided_within_in_an_early_round(tmp_path, baseline, capsys):
-    rounds = [report(tmp_path, f"r{i}", TEACHER, items=n) for i, n in enumerate((30, 60))]
+    rounds = [
+        report(tmp_path, f"r{i}", TEACHER, items=n) for i, n in enumerate((30, 60))
+    ]
     assert gate(baseline, *rounds[:1]) == UNDECIDED_EXIT
     assert "undecided after 30 items" in capsys.readouterr().out
     assert gate(baseline, *rounds) == 0
@@ -52,8 +61,10 @@ def test_same_student_is_decided_within_in_an_early_round(tmp_path, baseline, ca
     line = _line(out)
     assert "pass" in line and "student drop: within 20 points, decided at item" in line
     assert "(round 2;" in line
-    assert ("1 sequential, each test at 0.025 = alpha 0.05 / 2 tests (1 decided within their "
-            "max drop)") in out
+    assert (
+        "1 sequential, each test at 0.025 = alpha 0.05 / 2 tests (1 decided within their "
+        "max drop)"
+    ) in out
     assert "probability at most 0.05 in all (Bonferroni over the 2 tests)" in out
     # Decided within 20 points, asked about 2 (the default): said, and counted as blind.
     assert "cannot see a 2-point drop: this sample is sized for 20 points" in line
@@ -61,7 +72,7 @@ def test_same_student_is_decided_within_in_an_early_round(tmp_path, baseline, ca
 
 
 def test_broken_student_fails_in_the_first_round(tmp_path, baseline, capsys):
-    broken = [0] * ITEMS                       # loses every item the teacher gets
+    broken = [0] * ITEMS  # loses every item the teacher gets
     assert gate(baseline, report(tmp_path, "r0", broken, items=30)) == 1
     out = capsys.readouterr().out
     assert "FAIL" in _line(out) and "student drop: regressed" in _line(out)
@@ -77,7 +88,10 @@ def test_undecided_on_the_whole_sample_cannot_see(tmp_path, baseline, capsys):
         churn[i], churn[100 + i] = 0, 1
     assert gate(baseline, report(tmp_path, "all", churn), extra=[]) == 0
     out = capsys.readouterr().out
-    assert "cannot see a 2-point drop: the whole sample (120 items) left it undecided" in out
+    assert (
+        "cannot see a 2-point drop: the whole sample (120 items) left it undecided"
+        in out
+    )
     assert "cannot see the drop asked about (GPQA-Diamond" in out
 
 
@@ -104,7 +118,7 @@ def test_bad_options_are_one_error(tmp_path, baseline, capsys):
     one = report(tmp_path, "r0", TEACHER, items=30)
     assert main(["gate", str(one), str(one), "--baseline", str(baseline)]) == 2
     assert "pass --sequential" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:      # argparse, at parse time
+    with pytest.raises(SystemExit) as exc:  # argparse, at parse time
         gate(baseline, one, extra=["--benchmark-drop", "GPQA-Diamond=0"])
     assert exc.value.code == 2
     assert "'GPQA-Diamond=0': 0 must be in (0, 100]" in capsys.readouterr().err
@@ -123,25 +137,36 @@ def test_gate_run_undecided_after_its_last_round_is_an_error(tmp_path, monkeypat
     stood in for: the loop's decision is what is tested."""
     from edge0_eval.errors import Edge0Error
     from edge0_eval.evaluation import gate_run as gr
-    cfg = {"edge0_gate": {"rounds": [0.5, 1.0]},
-           "models": [{"abbr": "edge0-x-teacher"}, {"abbr": "edge0-x-student"}],
-           "datasets": [{"abbr": "d", "reader_cfg": {"test_range": 10}}]}
+
+    cfg = {
+        "edge0_gate": {"rounds": [0.5, 1.0]},
+        "models": [{"abbr": "edge0-x-teacher"}, {"abbr": "edge0-x-student"}],
+        "datasets": [{"abbr": "d", "reader_cfg": {"test_range": 10}}],
+    }
     calls = []
     monkeypatch.setattr(gr, "load_config_with", lambda config, env: cfg)
     monkeypatch.setattr(gr, "run_opencompass", lambda *a, **k: tmp_path / "run")
     monkeypatch.setattr(gr, "check_run", lambda *a: [])
-    monkeypatch.setattr(gr, "cli_main", lambda args: calls.append(args[0]) or
-                        (UNDECIDED_EXIT if args[0] == "gate" else 0))
+    monkeypatch.setattr(
+        gr,
+        "cli_main",
+        lambda args: (
+            calls.append(args[0]) or (UNDECIDED_EXIT if args[0] == "gate" else 0)
+        ),
+    )
     with pytest.raises(Edge0Error, match=r"still undecided after the last round \(2\)"):
         gr.gate_run(Path("x.py"), "base.json", tmp_path / "w", {}, sequential=True)
     assert calls == ["report", "gate", "report", "gate"]
 
 
 @pytest.mark.parametrize("sequential", [True, False])
-def test_a_teacher_without_a_student_item_is_one_failure(tmp_path, baseline, capsys, sequential):
+def test_a_teacher_without_a_student_item_is_one_failure(
+    tmp_path, baseline, capsys, sequential
+):
     """The gap pairs teacher and student per item: a baseline whose teacher lacks one of the
     student's items fails naming it, in both modes (it raised KeyError)."""
     import json
+
     short = json.loads(baseline.read_text())
     per_item = short["benchmarks"][0]["arms"]["teacher"]["per_item"]
     gone = sorted(per_item)[-1]
@@ -149,8 +174,18 @@ def test_a_teacher_without_a_student_item_is_one_failure(tmp_path, baseline, cap
     broken = tmp_path / "short.json"
     broken.write_text(json.dumps(short))
     extra = ASK + (["--sequential"] if sequential else [])
-    assert main(["gate", str(report(tmp_path, "all", TEACHER)), "--baseline", str(broken),
-                 *extra]) == 1
+    assert (
+        main(
+            [
+                "gate",
+                str(report(tmp_path, "all", TEACHER)),
+                "--baseline",
+                str(broken),
+                *extra,
+            ]
+        )
+        == 1
+    )
     line = _line(capsys.readouterr().out)
     assert "the baseline's teacher has no outcome for 1 of the student's items" in line
     assert f"(e.g. {gone})" in line

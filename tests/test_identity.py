@@ -16,10 +16,14 @@ def test_identity_follows_the_files_not_the_directory(edge0_qwen, tiny_qwen, tmp
     (student / "lora.safetensors").write_bytes(b"adapter v1")
     reactive = EngineOptions(mode="reactive")
     first = model_identity(str(student), reactive)
-    assert first["lora"] is not None and first["prerouter"] is None and first["hedge"] is None
+    assert (
+        first["lora"] is not None
+        and first["prerouter"] is None
+        and first["hedge"] is None
+    )
     assert model_identity(str(student), EngineOptions(no_lora=True))["lora"] is None
 
-    elsewhere = tmp_path / "b" / "student"          # another machine, another path
+    elsewhere = tmp_path / "b" / "student"  # another machine, another path
     shutil.copytree(student, elsewhere)
     assert model_identity(str(elsewhere), reactive) == first
 
@@ -28,7 +32,7 @@ def test_identity_follows_the_files_not_the_directory(edge0_qwen, tiny_qwen, tmp
     assert changed["lora"] != first["lora"] and changed["weights"] == first["weights"]
 
     index = json.loads((elsewhere / "experts.index.json").read_text())
-    index["crc32"][0][0] ^= 1                        # one expert bundle's checksum
+    index["crc32"][0][0] ^= 1  # one expert bundle's checksum
     (elsewhere / "experts.index.json").write_text(json.dumps(index))
     assert model_identity(str(elsewhere), reactive)["weights"] != first["weights"]
 

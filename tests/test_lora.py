@@ -16,27 +16,48 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from edge0_eval.engine.lora import (
+    LoRALinear,
+    apply_lora,
+    default_targets,
+    find_targets,
+    linear_dims,
+    load_adapter,
+    lora_modules,
+    mark_trainable,
+    remove_lora,
+    save_adapter,
+)
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.lora import (LoRALinear, apply_lora, default_targets, find_targets,
-                                    linear_dims, load_adapter, lora_modules, mark_trainable,
-                                    remove_lora, save_adapter)
 
 TOKENS = mx.array([[3, 17, 42, 7, 99, 5, 250, 11, 64, 8]])
 QWEN_Q = "language_model.model.layers.3.self_attn.q_proj"
 # Hand-made "published" adapters: a few modules of each kind per family, in layer order
 # (the order load_adapter reports targets in).
 PUBLISHED = {
-    "qwen3_5_moe": ["language_model.model.layers.0.linear_attn.in_proj_qkv",
-                    "language_model.model.layers.1.linear_attn.out_proj",
-                    "language_model.model.layers.2.mlp.shared_expert.down_proj", QWEN_Q],
-    "bailing_hybrid": ["model.layers.0.attention.query_key_value", "model.layers.0.mlp.up_proj",
-                       "model.layers.1.attention.kv_a_proj_with_mqa",
-                       "model.layers.3.mlp.shared_experts.gate_proj"],
-    "qwen2_moe": ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj",
-                  "model.layers.3.mlp.shared_expert.up_proj"],
+    "qwen3_5_moe": [
+        "language_model.model.layers.0.linear_attn.in_proj_qkv",
+        "language_model.model.layers.1.linear_attn.out_proj",
+        "language_model.model.layers.2.mlp.shared_expert.down_proj",
+        QWEN_Q,
+    ],
+    "bailing_hybrid": [
+        "model.layers.0.attention.query_key_value",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.1.attention.kv_a_proj_with_mqa",
+        "model.layers.3.mlp.shared_experts.gate_proj",
+    ],
+    "qwen2_moe": [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.3.mlp.shared_expert.up_proj",
+    ],
 }
-CKPT = {"qwen3_5_moe": "tiny_qwen_q4", "bailing_hybrid": "tiny_bailing_q4",
-        "qwen2_moe": "tiny_qwen2_q4"}
+CKPT = {
+    "qwen3_5_moe": "tiny_qwen_q4",
+    "bailing_hybrid": "tiny_bailing_q4",
+    "qwen2_moe": "tiny_qwen2_q4",
+}
 
 
 @pytest.fixture(params=list(CKPT))
@@ -86,15 +107,26 @@ def random_pairs(model, paths, r=16, seed=0, dtype=mx.float16, scale_b=0.05):
     for path in paths:
         in_dims, out_dims = linear_dims(module(model, path))
         key, ka, kb = mx.random.split(key, 3)
-        out[f"{path}.lora_A"] = (mx.random.normal((r, in_dims), key=ka) * in_dims**-0.5).astype(dtype)
-        out[f"{path}.lora_B"] = (mx.random.normal((out_dims, r), key=kb) * scale_b).astype(dtype)
+        out[f"{path}.lora_A"] = (
+            mx.random.normal((r, in_dims), key=ka) * in_dims**-0.5
+        ).astype(dtype)
+        out[f"{path}.lora_B"] = (
+            mx.random.normal((out_dims, r), key=kb) * scale_b
+        ).astype(dtype)
     return out
 
 
 def published_metadata(**overrides) -> dict:
-    meta = {"model": "edge0-35b", "kind": "lora", "K": "4", "r": "16", "alpha": "32.0",
-            "source": "hand-made test file", "owners": json.dumps([6, 7, 8]),
-            "format_version": "1"}
+    meta = {
+        "model": "edge0-35b",
+        "kind": "lora",
+        "K": "4",
+        "r": "16",
+        "alpha": "32.0",
+        "source": "hand-made test file",
+        "owners": json.dumps([6, 7, 8]),
+        "format_version": "1",
+    }
     meta.update(overrides)
     return {k: v for k, v in meta.items() if v is not None}
 
@@ -106,30 +138,43 @@ def write(path, arrays, metadata):
 
 # -- targets ---------------------------------------------------------------------------------
 
+
 def test_default_targets_are_resident_linears_only(family, ckpt):
     model = load_model(ckpt)
     paths = find_targets(model, default_targets(family))
-    linears = {p for p, m in model.named_modules()
-               if isinstance(m, (nn.Linear, nn.QuantizedLinear))}
+    linears = {
+        p
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.QuantizedLinear))
+    }
     assert set(paths) <= linears
-    assert not [p for p in paths
-                if "switch_mlp" in p or p.endswith((".mlp.gate", ".mlp.gate.gate_proj"))]
+    assert not [
+        p
+        for p in paths
+        if "switch_mlp" in p or p.endswith((".mlp.gate", ".mlp.gate.gate_proj"))
+    ]
     left = sorted(linears - set(paths))
     if family == "qwen3_5_moe":
         # 3 GatedDeltaNet layers x (5 + 3 shared) + 1 full-attention layer x (4 + 3 shared)
         assert len(paths) == 31
-        assert all(p == "language_model.lm_head" or p.endswith((".mlp.gate",
-                                                                 ".mlp.shared_expert_gate"))
-                   for p in left), left
+        assert all(
+            p == "language_model.lm_head"
+            or p.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
+            for p in left
+        ), left
     elif family == "qwen2_moe":
         # 4 layers x (4 attention + 3 shared expert)
         assert len(paths) == 28
-        assert all(p == "lm_head" or p.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
-                   for p in left), left
+        assert all(
+            p == "lm_head" or p.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
+            for p in left
+        ), left
     else:
         # layer 0: linear attn 3 + dense MLP 3; layer 2: 3 + shared 3; MLA layers 1, 3: 3 + 3
         assert len(paths) == 24
-        assert all(p == "lm_head" or p.endswith(".mlp.gate.gate_proj") for p in left), left
+        assert all(p == "lm_head" or p.endswith(".mlp.gate.gate_proj") for p in left), (
+            left
+        )
     # Routers and experts are refused outright when asked for.
     router = "mlp.gate.gate_proj" if family == "bailing_hybrid" else "mlp.gate"
     with pytest.raises(ConfigError, match="router"):
@@ -142,14 +187,17 @@ def test_default_targets_are_resident_linears_only(family, ckpt):
 
 # -- (1) B = 0 leaves logits unchanged bit for bit -------------------------------------------
 
+
 def test_zero_b_is_bit_identical(family, ckpt, tmp_path):
     model = load_model(ckpt)
     before, names = logits(model), param_names(model)
     paths = apply_lora(model, r=16, alpha=32, init="zeros", seed=3)
     assert len(lora_modules(model)) == len(paths) > 0
     # A is random (the training init), B is zero: the delta is exactly zero.
-    assert all(mx.any(m.lora_A != 0).item() and not mx.any(m.lora_B != 0).item()
-               for m in lora_modules(model).values())
+    assert all(
+        mx.any(m.lora_A != 0).item() and not mx.any(m.lora_B != 0).item()
+        for m in lora_modules(model).values()
+    )
     assert same_bits(logits(model), before)
 
     # The same through a file, into a fresh model.
@@ -167,26 +215,43 @@ def test_zero_b_is_bit_identical(family, ckpt, tmp_path):
 
 # -- (2) a non-zero LoRA matches a reference from the dequantized weights --------------------
 
+
 def test_nonzero_lora_matches_hand_reference(tiny_qwen_q4):
     model = load_model(tiny_qwen_q4)
     before = logits(model)
-    assert apply_lora(model, r=16, alpha=32, targets=[QWEN_Q], init="random", seed=1) == [QWEN_Q]
+    assert apply_lora(
+        model, r=16, alpha=32, targets=[QWEN_Q], init="random", seed=1
+    ) == [QWEN_Q]
     layer = module(model, QWEN_Q)
-    assert isinstance(layer, LoRALinear) and isinstance(layer.linear, nn.QuantizedLinear)
+    assert isinstance(layer, LoRALinear) and isinstance(
+        layer.linear, nn.QuantizedLinear
+    )
     assert layer.linear.bits == 4 and layer.scale == 2.0
 
     base = layer.linear
     f32 = mx.float32
     # Dequantize with float32 scales/biases: the exact weights quantized_matmul multiplies by.
-    w = np.array(mx.dequantize(base.weight, base.scales.astype(f32), base.biases.astype(f32),
-                               group_size=base.group_size, bits=base.bits))
-    a, b = np.array(layer.lora_A, dtype=np.float64), np.array(layer.lora_B, dtype=np.float64)
+    w = np.array(
+        mx.dequantize(
+            base.weight,
+            base.scales.astype(f32),
+            base.biases.astype(f32),
+            group_size=base.group_size,
+            bits=base.bits,
+        )
+    )
+    a, b = (
+        np.array(layer.lora_A, dtype=np.float64),
+        np.array(layer.lora_B, dtype=np.float64),
+    )
     assert np.abs(b).max() > 0
     x16 = mx.random.normal((2, 5, w.shape[1]), key=mx.random.key(7)).astype(mx.float16)
     x = np.array(x16.astype(f32), dtype=np.float64)
     delta = 2.0 * (x @ a.T) @ b.T
     ref = x @ w.T.astype(np.float64) + delta
-    assert np.abs(delta).max() > 0.05 * np.abs(ref).max()  # the LoRA term is not negligible
+    assert (
+        np.abs(delta).max() > 0.05 * np.abs(ref).max()
+    )  # the LoRA term is not negligible
 
     # float32 input: everything in float32; within 1e-5 of the largest output.
     y32 = np.array(layer(x16.astype(f32)))
@@ -210,6 +275,7 @@ def test_nonzero_lora_matches_hand_reference(tiny_qwen_q4):
 
 # -- (3) the published layout loads and equals our own format --------------------------------
 
+
 def test_published_layout_equals_own_format(family, ckpt, tmp_path):
     model = load_model(ckpt)
     before = logits(model)
@@ -219,7 +285,12 @@ def test_published_layout_equals_own_format(family, ckpt, tmp_path):
     meta = load_adapter(model, published, top_k=4)
     assert meta["targets"] == PUBLISHED[family]
     assert (meta["kind"], meta["r"], meta["alpha"], meta["scale"], meta["K"]) == (
-        "lora", 16, 32.0, 2.0, 4)
+        "lora",
+        16,
+        32.0,
+        2.0,
+        4,
+    )
     assert meta["owners"] == [6, 7, 8] and meta["model"] == "edge0-35b"
     assert meta["file_dtype"] == "float16"
     from_published = logits(model)
@@ -232,17 +303,38 @@ def test_published_layout_equals_own_format(family, ckpt, tmp_path):
         layer = module(other, path)
         layer.lora_A = arrays[f"{path}.lora_A"].astype(mx.float32)
         layer.lora_B = arrays[f"{path}.lora_B"].astype(mx.float32)
-    own = save_adapter(other, tmp_path / "own.safetensors",
-                       {"source": "test", "K": 4, "stage": "recovery", "step": 120})
+    own = save_adapter(
+        other,
+        tmp_path / "own.safetensors",
+        {"source": "test", "K": 4, "stage": "recovery", "step": 120},
+    )
     from safetensors import safe_open
 
     with safe_open(str(own), "numpy") as f:
         header = f.metadata()
         assert sorted(f.keys()) == sorted(arrays)
-    assert {k: header[k] for k in ("kind", "format_version", "r", "alpha", "K", "stage",
-                                   "step", "source")} == {
-        "kind": "lora", "format_version": "1", "r": "16", "alpha": "32", "K": "4",
-        "stage": "recovery", "step": "120", "source": "test"}
+    assert {
+        k: header[k]
+        for k in (
+            "kind",
+            "format_version",
+            "r",
+            "alpha",
+            "K",
+            "stage",
+            "step",
+            "source",
+        )
+    } == {
+        "kind": "lora",
+        "format_version": "1",
+        "r": "16",
+        "alpha": "32",
+        "K": "4",
+        "stage": "recovery",
+        "step": "120",
+        "source": "test",
+    }
     assert header["model"] == family
 
     fresh = load_model(ckpt)
@@ -265,7 +357,9 @@ def test_bfloat16_file_and_alpha_override(tiny_bailing_q4, tmp_path):
     assert same_bits(logits(fresh), got)
 
     # No alpha in the file: an explicit alpha is required, and is used.
-    no_alpha = write(tmp_path / "noalpha.safetensors", arrays, published_metadata(alpha=None))
+    no_alpha = write(
+        tmp_path / "noalpha.safetensors", arrays, published_metadata(alpha=None)
+    )
     with pytest.raises(CheckpointError, match="'alpha' is missing"):
         load_adapter(fresh, no_alpha)
     assert load_adapter(fresh, no_alpha, alpha=32)["scale"] == 2.0
@@ -277,8 +371,11 @@ def test_bfloat16_file_and_alpha_override(tiny_bailing_q4, tmp_path):
 
 def test_k_mismatch_warns_and_reload_replaces(tiny_qwen_q4, tmp_path):
     model = load_model(tiny_qwen_q4)
-    first = write(tmp_path / "a.safetensors", random_pairs(model, PUBLISHED["qwen3_5_moe"]),
-                  published_metadata())
+    first = write(
+        tmp_path / "a.safetensors",
+        random_pairs(model, PUBLISHED["qwen3_5_moe"]),
+        published_metadata(),
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_adapter(model, first, top_k=8)
@@ -289,10 +386,13 @@ def test_k_mismatch_warns_and_reload_replaces(tiny_qwen_q4, tmp_path):
     assert all(m.lora_A.dtype == mx.float16 for m in lora_modules(model).values())
     assert np.allclose(np.array(logits(model)), np.array(in_fp32), atol=2e-2, rtol=1e-2)
 
-    second = write(tmp_path / "b.safetensors", random_pairs(model, [QWEN_Q], seed=5),
-                   published_metadata(K=None))
+    second = write(
+        tmp_path / "b.safetensors",
+        random_pairs(model, [QWEN_Q], seed=5),
+        published_metadata(K=None),
+    )
     load_adapter(model, second)
-    assert list(lora_modules(model)) == [QWEN_Q]   # the previous adapter is gone
+    assert list(lora_modules(model)) == [QWEN_Q]  # the previous adapter is gone
 
 
 def test_training_helpers(tiny_qwen_q4, tmp_path):
@@ -313,9 +413,12 @@ def test_training_helpers(tiny_qwen_q4, tmp_path):
 
 # -- (4) bad files: one clear error, model unchanged -----------------------------------------
 
+
 def _bad_cases(model):
     """name -> (arrays, metadata, text the error must contain besides the file path)."""
-    good = random_pairs(model, [QWEN_Q, "language_model.model.layers.0.linear_attn.in_proj_z"])
+    good = random_pairs(
+        model, [QWEN_Q, "language_model.model.layers.0.linear_attn.in_proj_z"]
+    )
     meta = published_metadata()
     a_key, b_key = f"{QWEN_Q}.lora_A", f"{QWEN_Q}.lora_B"
 
@@ -336,7 +439,11 @@ def _bad_cases(model):
         "wrong kind": (good, {**meta, "kind": "prerouter"}, "'kind'"),
         "A wrong shape": (replaced(a_key, mx.zeros((16, 32), mx.float16)), meta, a_key),
         "B wrong shape": (replaced(b_key, mx.zeros((64, 16), mx.float16)), meta, b_key),
-        "rank vs metadata": (replaced(a_key, mx.zeros((8, 64), mx.float16)), meta, a_key),
+        "rank vs metadata": (
+            replaced(a_key, mx.zeros((8, 64), mx.float16)),
+            meta,
+            a_key,
+        ),
         "3-d tensor": (replaced(a_key, mx.zeros((1, 16, 64), mx.float16)), meta, a_key),
         "integer tensor": (replaced(b_key, mx.zeros((128, 16), mx.int32)), meta, b_key),
         "module does not exist": (renamed(missing), meta, f"{missing}.lora_A"),
@@ -344,20 +451,46 @@ def _bad_cases(model):
         "routed expert": (renamed(expert), meta, "routed expert"),
         "not a linear": (renamed(norm), meta, "RMSNorm"),
         "B missing": ({k: v for k, v in good.items() if k != b_key}, meta, b_key),
-        "unexpected key": ({**good, f"{QWEN_Q}.weight": mx.zeros((4,))}, meta, f"{QWEN_Q}.weight"),
-        "NaN": (replaced(b_key, mx.full((128, 16), float("nan"), mx.float16)), meta, b_key),
+        "unexpected key": (
+            {**good, f"{QWEN_Q}.weight": mx.zeros((4,))},
+            meta,
+            f"{QWEN_Q}.weight",
+        ),
+        "NaN": (
+            replaced(b_key, mx.full((128, 16), float("nan"), mx.float16)),
+            meta,
+            b_key,
+        ),
         "format version": (good, {**meta, "format_version": "2"}, "'format_version'"),
         "alpha not a number": (good, {**meta, "alpha": "big"}, "'alpha'"),
         "no tensors": ({}, meta, "no tensors"),
     }
 
 
-@pytest.mark.parametrize("case", ["wrong kind", "A wrong shape", "B wrong shape",
-                                  "rank vs metadata", "3-d tensor", "integer tensor",
-                                  "module does not exist", "router", "routed expert",
-                                  "not a linear", "B missing", "unexpected key", "NaN",
-                                  "format version", "alpha not a number", "no tensors",
-                                  "missing file", "truncated file", "not safetensors"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wrong kind",
+        "A wrong shape",
+        "B wrong shape",
+        "rank vs metadata",
+        "3-d tensor",
+        "integer tensor",
+        "module does not exist",
+        "router",
+        "routed expert",
+        "not a linear",
+        "B missing",
+        "unexpected key",
+        "NaN",
+        "format version",
+        "alpha not a number",
+        "no tensors",
+        "missing file",
+        "truncated file",
+        "not safetensors",
+    ],
+)
 def test_bad_file_one_clear_error_model_unchanged(case, tiny_qwen_q4, tmp_path):
     model = load_model(tiny_qwen_q4)
     before, names = logits(model), param_names(model)
@@ -367,7 +500,9 @@ def test_bad_file_one_clear_error_model_unchanged(case, tiny_qwen_q4, tmp_path):
     elif case in ("truncated file", "not safetensors"):
         write(path, random_pairs(model, [QWEN_Q]), published_metadata())
         data = path.read_bytes()
-        path.write_bytes(data[: len(data) - 100] if case == "truncated file" else b"\0" * 64)
+        path.write_bytes(
+            data[: len(data) - 100] if case == "truncated file" else b"\0" * 64
+        )
         expect = "truncated or corrupt"
     else:
         arrays, meta, expect = _bad_cases(model)[case]
@@ -386,12 +521,18 @@ def test_bad_file_one_clear_error_model_unchanged(case, tiny_qwen_q4, tmp_path):
 
 def test_failed_load_keeps_previous_adapter(tiny_qwen_q4, tmp_path):
     model = load_model(tiny_qwen_q4)
-    good = write(tmp_path / "good.safetensors", random_pairs(model, PUBLISHED["qwen3_5_moe"]),
-                 published_metadata())
+    good = write(
+        tmp_path / "good.safetensors",
+        random_pairs(model, PUBLISHED["qwen3_5_moe"]),
+        published_metadata(),
+    )
     load_adapter(model, good)
     with_lora = logits(model)
-    bad = write(tmp_path / "bad.safetensors", random_pairs(model, [QWEN_Q]),
-                published_metadata(kind="prerouter"))
+    bad = write(
+        tmp_path / "bad.safetensors",
+        random_pairs(model, [QWEN_Q]),
+        published_metadata(kind="prerouter"),
+    )
     with pytest.raises(CheckpointError, match="prerouter"):
         load_adapter(model, bad)
     assert list(lora_modules(model)) == PUBLISHED["qwen3_5_moe"]
@@ -399,6 +540,7 @@ def test_failed_load_keeps_previous_adapter(tiny_qwen_q4, tmp_path):
 
 
 # -- the engine's model has the same paths ---------------------------------------------------
+
 
 @pytest.fixture
 def converted(family, ckpt, tmp_path_factory):
@@ -409,26 +551,30 @@ def converted(family, ckpt, tmp_path_factory):
 
 def test_engine_model_takes_the_same_adapter(family, ckpt, converted, tmp_path):
     from edge0_eval.engine.engine import Engine
-    from edge0_eval.engine.options import EngineOptions
-
     from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
+    from edge0_eval.engine.options import EngineOptions
 
     reference = load_model(ckpt)
     # The engine's dtype policy (float32 activations on CPU), applied to mlx-lm's model too.
     cast_floating(reference, resolve_compute_dtype("auto"))
-    adapter = write(tmp_path / "a.safetensors",
-                    random_pairs(reference, find_targets(reference, default_targets(family))),
-                    published_metadata())
+    adapter = write(
+        tmp_path / "a.safetensors",
+        random_pairs(reference, find_targets(reference, default_targets(family))),
+        published_metadata(),
+    )
     meta = load_adapter(reference, adapter)
     expected = logits(reference)
 
     engine = Engine.load(converted, EngineOptions(mode="resident"))
     try:
-        def forward():      # every position's logits, from an empty cache
-            return engine.step(TOKENS, engine.new_cache(), plan_next=False, all_logits=True)[0]
+
+        def forward():  # every position's logits, from an empty cache
+            return engine.step(
+                TOKENS, engine.new_cache(), plan_next=False, all_logits=True
+            )[0]
 
         plain = forward()
-        apply_lora(engine.model, init="zeros")         # B = 0: bit-identical in the engine too
+        apply_lora(engine.model, init="zeros")  # B = 0: bit-identical in the engine too
         assert same_bits(forward(), plain)
         assert load_adapter(engine.model, adapter)["targets"] == meta["targets"]
         got = forward()

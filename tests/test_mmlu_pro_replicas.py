@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval.evaluation.fixtures import write_fixtures
 from edge0_eval.cli import main
+from edge0_eval.evaluation.fixtures import write_fixtures
 
 pytest.importorskip("opencompass")
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Replica 0 answers every question right, replica 1 every one wrong: the mean is 50 points,
 # the last replica alone 0.
-RUN = '''
+RUN = """
 import json, os, os.path as osp, sys
 from mmengine.config import Config
 from opencompass.tasks.openicl_eval import OpenICLEvalTask
@@ -56,7 +56,7 @@ for m in models:
                                 work_dir=work, eval=dict(runner=dict(task=dict(dump_details=True))))
                            )).run()
 print(json.dumps({"items": items}))
-'''
+"""
 
 
 @pytest.mark.parametrize("bundle", ["edge0_bundle.py", "edge0_bundle_rawprompt.py"])
@@ -65,18 +65,44 @@ def test_mmlu_pro_score_is_the_mean_over_samples(tmp_path, bundle):
     write_fixtures(data)
     work = tmp_path / "outputs" / "20260301_000000"
     (tmp_path / "run.py").write_text(RUN)
-    env = {"COMPASS_DATA_CACHE": str(data), "PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "run.py", str(REPO / "configs" / "datasets" / bundle),
-                           str(work)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        "COMPASS_DATA_CACHE": str(data),
+        "PATH": "/usr/bin:/bin",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            str(REPO / "configs" / "datasets" / bundle),
+            str(work),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     items = json.loads(proc.stdout.strip().splitlines()[-1])["items"]
     assert items >= 2
-    result = json.loads((work / "results" / "m-student" / "mmlu_pro_math.json").read_text())
-    assert result.get("accuracy (2 runs average)") == pytest.approx(50.0), \
-        {k: v for k, v in result.items() if k != "details"}
+    result = json.loads(
+        (work / "results" / "m-student" / "mmlu_pro_math.json").read_text()
+    )
+    assert result.get("accuracy (2 runs average)") == pytest.approx(50.0), {
+        k: v for k, v in result.items() if k != "details"
+    }
     out = tmp_path / "rep"
-    main(["report", str(work), "--out", str(out), "--arms", "teacher=m-teacher,student=m-student"])
+    main(
+        [
+            "report",
+            str(work),
+            "--out",
+            str(out),
+            "--arms",
+            "teacher=m-teacher,student=m-student",
+        ]
+    )
     rep = json.loads((out / "report.json").read_text())
     (row,) = [r for r in rep["benchmarks"] if r["benchmark"] == "MMLU-Pro"]
     assert row["status"] == "ok" and row["items"] == items

@@ -20,35 +20,59 @@ CUT = "Let me see. Perhaps ANSWER: {gold} maybe, but wait"
 
 def test_thinking_closed_and_the_prompt_opener():
     assert thinking_closed("<think>\nhmm</think>\nANSWER: A") is True
-    assert thinking_closed("hmm</think> ANSWER: A") is True        # opener in the prompt
+    assert thinking_closed("hmm</think> ANSWER: A") is True  # opener in the prompt
     assert thinking_closed("<think>\n" + CUT) is False
     assert thinking_closed("<think>a</think> b <think> c") is False
     assert thinking_closed("ANSWER: A") is None and thinking_closed(None) is None
     qwen = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n"
     assert prompt_opener(qwen) == "<think>\n"
-    off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"          # enable_thinking=False
-    assert prompt_opener(off) == "" and prompt_opener("user: what is <think>? assistant:") == ""
+    off = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # enable_thinking=False
+    assert (
+        prompt_opener(off) == ""
+        and prompt_opener("user: what is <think>? assistant:") == ""
+    )
 
 
 def test_answer_text_rule_and_chain():
     pytest.importorskip("opencompass")
     from model_wrappers.evaluators import edge0_answer_text
 
-    pattern = dict(type="opencompass.utils.text_postprocessors.match_answer_pattern",
-                   answer_pattern=r"(?i)ANSWER\s*:\s*([A-D])")
+    pattern = dict(
+        type="opencompass.utils.text_postprocessors.match_answer_pattern",
+        answer_pattern=r"(?i)ANSWER\s*:\s*([A-D])",
+    )
     cut = "<think>\n" + CUT.format(gold="D")
     assert edge0_answer_text(cut) == "" and edge0_answer_text(cut, then=pattern) == ""
-    assert edge0_answer_text(cut, "pass", then=pattern) == "D"     # OpenCompass's behaviour
+    assert (
+        edge0_answer_text(cut, "pass", then=pattern) == "D"
+    )  # OpenCompass's behaviour
     closed = "<think>\nANSWER: B? no</think>\nANSWER: D"
     assert edge0_answer_text(closed, then=pattern) == "D"
     assert edge0_answer_text("ANSWER: C", then=pattern) == "C"
     with pytest.raises(ValueError, match="EDGE0_OPEN_THINKING"):
         edge0_answer_text(cut, "drop")
-    assert rule_of({"pred_postprocessor": {"type": "model_wrappers.evaluators.edge0_answer_text",
-                                           "open_thinking": "pass"}}) == "pass"
-    assert rule_of({"pred_postprocessor": {"type": "model_wrappers.evaluators.edge0_answer_text"}}
-                   ) == "empty"
-    assert rule_of({"evaluator": {"type": "x"}}) == "pass"        # no rule: OpenCompass's
+    assert (
+        rule_of(
+            {
+                "pred_postprocessor": {
+                    "type": "model_wrappers.evaluators.edge0_answer_text",
+                    "open_thinking": "pass",
+                }
+            }
+        )
+        == "pass"
+    )
+    assert (
+        rule_of(
+            {
+                "pred_postprocessor": {
+                    "type": "model_wrappers.evaluators.edge0_answer_text"
+                }
+            }
+        )
+        == "empty"
+    )
+    assert rule_of({"evaluator": {"type": "x"}}) == "pass"  # no rule: OpenCompass's
 
 
 def test_inferencer_keeps_the_prompts_thinking_opener(tmp_path):
@@ -56,14 +80,24 @@ def test_inferencer_keeps_the_prompts_thinking_opener(tmp_path):
     from model_wrappers.inferencer import store_thinking_openers
 
     path = tmp_path / "GPQA_diamond.json"
-    preds = {"0": {"origin_prompt": [{"role": "HUMAN", "prompt": "think"}],
-                   "prediction": CUT.format(gold="A"), "gold": "A"},
-             "1": {"origin_prompt": [{"role": "HUMAN", "prompt": "plain"}],
-                   "prediction": "ANSWER: B", "gold": "B"}}
+    preds = {
+        "0": {
+            "origin_prompt": [{"role": "HUMAN", "prompt": "think"}],
+            "prediction": CUT.format(gold="A"),
+            "gold": "A",
+        },
+        "1": {
+            "origin_prompt": [{"role": "HUMAN", "prompt": "plain"}],
+            "prediction": "ANSWER: B",
+            "gold": "B",
+        },
+    }
     path.write_text(json.dumps(preds))
 
-    def chat_text(prompt):   # a thinking template for the first prompt only
-        opener = "<think>\n" if prompt[0]["prompt"] == "think" else "<think>\n\n</think>\n\n"
+    def chat_text(prompt):  # a thinking template for the first prompt only
+        opener = (
+            "<think>\n" if prompt[0]["prompt"] == "think" else "<think>\n\n</think>\n\n"
+        )
         return f"<|im_start|>user\n{prompt[0]['prompt']}<|im_end|>\n<|im_start|>assistant\n{opener}"
 
     assert store_thinking_openers(str(path), chat_text) == 1
@@ -73,7 +107,7 @@ def test_inferencer_keeps_the_prompts_thinking_opener(tmp_path):
     assert thinking_closed(stored["0"]["prediction"]) is False
 
 
-EVAL = '''
+EVAL = """
 import json, os, os.path as osp, sys
 from mmengine.config import Config
 from opencompass.tasks.openicl_eval import OpenICLEvalTask
@@ -96,7 +130,7 @@ OpenICLEvalTask(Config(dict(models=[dict(abbr="m", type="x", path="x")], dataset
                        )).run()
 res = json.load(open("run/results/m/GPQA_diamond.json"))
 print(json.dumps([x["correct"] for x in res["details"]]))
-'''
+"""
 
 
 @pytest.mark.parametrize("rule,first", [(None, False), ("pass", True)])
@@ -109,14 +143,27 @@ def test_an_output_cut_inside_think_scores_empty_by_default(rule, first, tmp_pat
 
     write_fixtures(tmp_path / "data_root", with_nltk=False)
     (tmp_path / "eval.py").write_text(EVAL)
-    env = {**os.environ, "COMPASS_DATA_CACHE": str(tmp_path / "data_root"),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "COMPASS_DATA_CACHE": str(tmp_path / "data_root"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("EDGE0_OPEN_THINKING", None)
     if rule:
         env["EDGE0_OPEN_THINKING"] = rule
-    proc = subprocess.run([sys.executable, "eval.py",
-                           str(REPO / "configs" / "datasets" / "edge0_bundle.py"), CUT],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "eval.py",
+            str(REPO / "configs" / "datasets" / "edge0_bundle.py"),
+            CUT,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     correct = json.loads(proc.stdout.strip().splitlines()[-1])
     assert correct[0] == [first] and all(c == [True] for c in correct[1:])
@@ -124,9 +171,21 @@ def test_an_output_cut_inside_think_scores_empty_by_default(rule, first, tmp_pat
 
 def test_a_bad_rule_stops_the_config(tmp_path):
     pytest.importorskip("opencompass")
-    env = {**os.environ, "EDGE0_OPEN_THINKING": "drop",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "from mmengine.config import Config; "
-                           f"Config.fromfile({str(REPO / 'configs/datasets/edge0_bundle.py')!r})"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "EDGE0_OPEN_THINKING": "drop",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from mmengine.config import Config; "
+            f"Config.fromfile({str(REPO / 'configs/datasets/edge0_bundle.py')!r})",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "EDGE0_OPEN_THINKING='drop'" in proc.stderr

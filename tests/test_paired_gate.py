@@ -10,11 +10,17 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER, binary_change, change, graded_change
+from edge0_eval.evaluation.paired import (
+    DEFAULT_ALPHA,
+    POWER,
+    binary_change,
+    change,
+    graded_change,
+)
 
 RUNS = 1000
-ITEMS = 30                                   # AIME-sized
-RATES = np.random.default_rng(1).beta(7, 1, size=ITEMS)   # item difficulties around 88%
+ITEMS = 30  # AIME-sized
+RATES = np.random.default_rng(1).beta(7, 1, size=ITEMS)  # item difficulties around 88%
 
 
 def _as_items(values) -> dict[str, float]:
@@ -23,7 +29,9 @@ def _as_items(values) -> dict[str, float]:
 
 def _draw(rng, rates, drop_points: float = 0.0):
     base = (rng.random(len(rates)) < rates).astype(float)
-    now = (rng.random(len(rates)) < np.clip(rates - drop_points / 100, 0, 1)).astype(float)
+    now = (rng.random(len(rates)) < np.clip(rates - drop_points / 100, 0, 1)).astype(
+        float
+    )
     return _as_items(base), _as_items(now)
 
 
@@ -34,7 +42,9 @@ def _interval(p: float, n: int, z: float = 2.576) -> tuple[float, float]:
 
 def test_unchanged_quality_fails_at_alpha():
     rng = np.random.default_rng(11)
-    fails = sum(binary_change(*_draw(rng, RATES)).p_value < DEFAULT_ALPHA for _ in range(RUNS))
+    fails = sum(
+        binary_change(*_draw(rng, RATES)).p_value < DEFAULT_ALPHA for _ in range(RUNS)
+    )
     low, high = _interval(DEFAULT_ALPHA, RUNS)
     assert low <= fails / RUNS <= high, fails / RUNS
 
@@ -42,9 +52,12 @@ def test_unchanged_quality_fails_at_alpha():
 def test_injected_drop_caught_where_the_printed_power_says():
     rng = np.random.default_rng(12)
     drop = 30.0
-    said = [c for c in (binary_change(*_draw(rng, RATES, drop)) for _ in range(RUNS))
-            if c.detectable is not None and c.detectable <= drop]
-    assert len(said) > RUNS // 2                  # this drop is within the test's reach here
+    said = [
+        c
+        for c in (binary_change(*_draw(rng, RATES, drop)) for _ in range(RUNS))
+        if c.detectable is not None and c.detectable <= drop
+    ]
+    assert len(said) > RUNS // 2  # this drop is within the test's reach here
     caught = sum(c.p_value < DEFAULT_ALPHA for c in said) / len(said)
     assert caught >= _interval(POWER, len(said))[0], caught
 
@@ -67,7 +80,9 @@ def test_items_that_all_agree_never_fail():
 def test_verdict_is_fixed_by_the_outcomes():
     rng = np.random.default_rng(14)
     base, now = _draw(rng, RATES, 20.0)
-    assert binary_change(base, now).p_value == binary_change(dict(base), dict(now)).p_value
+    assert (
+        binary_change(base, now).p_value == binary_change(dict(base), dict(now)).p_value
+    )
 
 
 def test_only_shared_items_are_paired():
@@ -81,7 +96,9 @@ def test_graded_scores_use_the_permutation_test():
     fails = 0
     runs = 300
     for _ in range(runs):
-        base = _as_items(rng.integers(0, 5, ITEMS) / 4)      # IFBench-like instruction shares
+        base = _as_items(
+            rng.integers(0, 5, ITEMS) / 4
+        )  # IFBench-like instruction shares
         now = _as_items(rng.integers(0, 5, ITEMS) / 4)
         c = change(base, now)
         assert c.test == "permutation-midp"
@@ -100,9 +117,16 @@ def test_graded_drop_caught_where_the_printed_power_says():
 
     def draw(drop):
         base = rng.binomial(4, rates) / 4
-        return _as_items(base), _as_items(rng.binomial(4, np.clip(rates - drop / 100, 0, 1)) / 4)
+        return _as_items(base), _as_items(
+            rng.binomial(4, np.clip(rates - drop / 100, 0, 1)) / 4
+        )
+
     runs = 300
-    said = [c for c in (graded_change(*draw(15.0)) for _ in range(runs)) if c.detectable <= 15]
+    said = [
+        c
+        for c in (graded_change(*draw(15.0)) for _ in range(runs))
+        if c.detectable <= 15
+    ]
     assert len(said) > runs // 2
     caught = sum(c.p_value < DEFAULT_ALPHA for c in said) / len(said)
     assert caught >= _interval(POWER, len(said))[0], caught
@@ -133,8 +157,8 @@ def _pooled_mid_p(base: np.ndarray, now: np.ndarray, u: float) -> float:
     m = b + c
     if m == 0:
         return 1.0
-    pmf = [math.comb(m, k) / 2 ** m for k in range(m + 1)]
-    return sum(pmf[c + 1:]) + u * pmf[c]
+    pmf = [math.comb(m, k) / 2**m for k in range(m + 1)]
+    return sum(pmf[c + 1 :]) + u * pmf[c]
 
 
 def test_clustered_samples_fail_at_alpha_where_pooled_samples_do_not():
@@ -146,21 +170,25 @@ def test_clustered_samples_fail_at_alpha_where_pooled_samples_do_not():
         pooled += _pooled_mid_p(base, now, rng.random()) < DEFAULT_ALPHA
     low, high = _interval(DEFAULT_ALPHA, RUNS)
     assert low <= clustered / RUNS <= high, clustered / RUNS
-    assert pooled / RUNS > high, pooled / RUNS       # the control sees the shared shifts
+    assert pooled / RUNS > high, pooled / RUNS  # the control sees the shared shifts
 
 
 def test_clustered_drop_caught_where_the_printed_power_says():
     rng = np.random.default_rng(24)
     drop, runs = 20.0, 300
-    checks = [change(_item_means(_clustered_run(rng)), _item_means(_clustered_run(rng, drop)))
-              for _ in range(runs)]
+    checks = [
+        change(_item_means(_clustered_run(rng)), _item_means(_clustered_run(rng, drop)))
+        for _ in range(runs)
+    ]
     said = [c for c in checks if c.detectable is not None and c.detectable <= drop]
     assert len(said) > runs // 2
     caught = sum(c.p_value < DEFAULT_ALPHA for c in said) / len(said)
     assert caught >= _interval(POWER, len(said))[0], caught
 
 
-@pytest.mark.parametrize("shift,one,four", [(0.0, (27, 35), (8, 12)), (0.2, (30, 38), (12, 17))])
+@pytest.mark.parametrize(
+    "shift,one,four", [(0.0, (27, 35), (8, 12)), (0.2, (30, 38), (12, 17))]
+)
 def test_samples_per_item_lower_the_detectable_drop(shift, one, four):
     """The README's figures: AIME-sized, the median printed detectable drop over 150 simulated
     unchanged runs, with one and with four samples per item (items keep their rates, or a
@@ -170,7 +198,10 @@ def test_samples_per_item_lower_the_detectable_drop(shift, one, four):
     def median(samples: int) -> float:
         def run():
             rates = np.clip(RATES + rng.normal(0, shift, ITEMS), 0, 1)
-            return _as_items((rng.random((ITEMS, samples)) < rates[:, None]).mean(axis=1))
+            return _as_items(
+                (rng.random((ITEMS, samples)) < rates[:, None]).mean(axis=1)
+            )
+
         return float(np.median([change(run(), run()).detectable for _ in range(150)]))
 
     assert one[0] <= median(1) <= one[1]
@@ -181,6 +212,7 @@ def test_the_whole_gate_fails_unchanged_runs_at_most_at_alpha():
     """The gate runs two tests per benchmark; uncorrected, 3 benchmarks of 56 items at 0.05
     each failed ~25% of unchanged runs. gate.evaluate tests each at alpha / (2 x benchmarks)."""
     from edge0_eval.evaluation.gate import evaluate
+
     rng = np.random.default_rng(7)
     benchmarks, items, runs = 3, 56, 200
     student_rates = rng.beta(0.6, 0.6, size=(benchmarks, items))
@@ -191,13 +223,25 @@ def test_the_whole_gate_fails_unchanged_runs_at_most_at_alpha():
         for b in range(benchmarks):
             s = (rng.random(items) < student_rates[b]).astype(float)
             t = (rng.random(items) < teacher_rates[b]).astype(float)
-            rows.append(dict(benchmark=f"b{b}", status="ok", items=items, version=None,
-                             gap=100 * (t.mean() - s.mean()), student=100 * s.mean(),
-                             delta_half_width=1.0,
-                             arms={"teacher": {"status": "ok", "per_item": _as_items(t)},
-                                   "student": {"status": "ok", "per_item": _as_items(s)}}))
+            rows.append(
+                dict(
+                    benchmark=f"b{b}",
+                    status="ok",
+                    items=items,
+                    version=None,
+                    gap=100 * (t.mean() - s.mean()),
+                    student=100 * s.mean(),
+                    delta_half_width=1.0,
+                    arms={
+                        "teacher": {"status": "ok", "per_item": _as_items(t)},
+                        "student": {"status": "ok", "per_item": _as_items(s)},
+                    },
+                )
+            )
         return {"benchmarks": rows, "arms": {}}
 
-    failed = sum(any(c.result == "FAIL" for c in evaluate(report(), report(), 2.0, 2.0))
-                 for _ in range(runs))
+    failed = sum(
+        any(c.result == "FAIL" for c in evaluate(report(), report(), 2.0, 2.0))
+        for _ in range(runs)
+    )
     assert failed / runs <= _interval(DEFAULT_ALPHA, runs)[1], failed / runs

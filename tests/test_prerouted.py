@@ -5,13 +5,13 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
+from perturbed_heads import perturbed_heads
 
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.moe_blocks import Route
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
-from perturbed_heads import perturbed_heads
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 
@@ -25,8 +25,12 @@ def model_and_heads(request, tmp_path_factory):
 
 def test_staged_set_equals_routed_set_every_step(model_and_heads):
     converted, heads_path, owners = model_and_heads
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path),
-                                                  slots_per_layer=None))
+    engine = Engine.load(
+        converted,
+        EngineOptions(
+            mode="prerouted", prerouter_path=str(heads_path), slots_per_layer=None
+        ),
+    )
     consumers = engine.prerouter.consumers
     assert consumers == [o + 1 for o in owners]
     for layer in consumers:
@@ -37,13 +41,17 @@ def test_staged_set_equals_routed_set_every_step(model_and_heads):
     token = int(mx.argmax(logits).item())
     checked = 0
     for step in range(12):
-        planned = {layer: sorted(staged.experts)
-                   for layer, (_, staged) in sequence.plans.layers.items()}
+        planned = {
+            layer: sorted(staged.experts)
+            for layer, (_, staged) in sequence.plans.layers.items()
+        }
         logits = sequence.step(token)
         # Planned from the prompt's last token at step 0, from the previous step after that.
         assert set(planned) == set(consumers)
         for layer in consumers:
-            executed = sorted(np.array(engine.blocks[layer].last[1]).reshape(-1).tolist())
+            executed = sorted(
+                np.array(engine.blocks[layer].last[1]).reshape(-1).tolist()
+            )
             assert executed == planned[layer]
             checked += 1
         token = int(mx.argmax(logits).item())
@@ -59,14 +67,19 @@ def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
     converted, heads_path, _ = model_and_heads
     results = {}
     for mode in ("reactive", "prerouted"):
-        engine = Engine.load(converted, EngineOptions(mode=mode, prerouter_path=str(heads_path)))
+        engine = Engine.load(
+            converted, EngineOptions(mode=mode, prerouter_path=str(heads_path))
+        )
         k = engine.top_k
         engine.close()
-        engine = Engine.load(converted, EngineOptions(mode=mode, prerouter_path=str(heads_path),
-                                                      slots_per_layer=k))
+        engine = Engine.load(
+            converted,
+            EngineOptions(mode=mode, prerouter_path=str(heads_path), slots_per_layer=k),
+        )
         engine.store.evict_page_cache()
-        result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=16,
-                                 stop_token_ids=set())
+        result = engine.generate(
+            engine.tokenizer.encode(PROMPT), max_tokens=16, stop_token_ids=set()
+        )
         results[mode] = result.stats
         engine.close()
     rea, pre = results["reactive"], results["prerouted"]
@@ -81,27 +94,41 @@ def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
 def test_no_prerouter_routes_like_reactive(model_and_heads):
     converted, heads_path, _ = model_and_heads
     outs = []
-    for options in (EngineOptions(mode="reactive"),
-                    EngineOptions(mode="prerouted", no_prerouter=True)):
+    for options in (
+        EngineOptions(mode="reactive"),
+        EngineOptions(mode="prerouted", no_prerouter=True),
+    ):
         engine = Engine.load(converted, options)
-        outs.append(engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8).tokens)
+        outs.append(
+            engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8).tokens
+        )
         engine.close()
     assert outs[0] == outs[1]
 
 
 def test_online_recall(model_and_heads):
     converted, heads_path, _ = model_and_heads
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path),
-                                                  measure_recall=True))
-    result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8, stop_token_ids=set())
+    engine = Engine.load(
+        converted,
+        EngineOptions(
+            mode="prerouted", prerouter_path=str(heads_path), measure_recall=True
+        ),
+    )
+    result = engine.generate(
+        engine.tokenizer.encode(PROMPT), max_tokens=8, stop_token_ids=set()
+    )
     engine.close()
     assert 0.0 <= result.stats["online_recall"] <= 1.0
 
 
 def test_missing_heads_fail_before_loading(edge0_qwen, tmp_path):
     with pytest.raises(CheckpointError, match="prerouter"):
-        Engine.load(edge0_qwen, EngineOptions(mode="prerouted",
-                                              prerouter_path=str(tmp_path / "nope.safetensors")))
+        Engine.load(
+            edge0_qwen,
+            EngineOptions(
+                mode="prerouted", prerouter_path=str(tmp_path / "nope.safetensors")
+            ),
+        )
     with pytest.raises(CheckpointError, match="prerouted mode needs prerouter heads"):
         Engine.load(edge0_qwen, EngineOptions(mode="prerouted"))
 
@@ -112,13 +139,18 @@ def test_first_decode_plan_does_not_depend_on_prefill_chunking(model_and_heads):
     converted, heads_path, _ = model_and_heads
     plans = []
     for chunk in (512, None):
-        engine = Engine.load(converted, EngineOptions(mode="prerouted",
-                                                      prerouter_path=str(heads_path)))
+        engine = Engine.load(
+            converted, EngineOptions(mode="prerouted", prerouter_path=str(heads_path))
+        )
         prompt = engine.tokenizer.encode(PROMPT)
         engine.options.prefill_chunk = chunk or len(prompt) - 1
         _, planned = engine.prefill(prompt, engine.new_cache())
-        plans.append({layer: np.array(inds).tolist()
-                      for layer, (inds, _) in planned.layers.items()})
+        plans.append(
+            {
+                layer: np.array(inds).tolist()
+                for layer, (inds, _) in planned.layers.items()
+            }
+        )
         engine.close()
     assert plans[0] and plans[0] == plans[1]
 
@@ -132,10 +164,11 @@ def test_planned_weights_are_the_routers_and_match_true_routing(model_and_heads)
     engine = Engine.load(converted, EngineOptions(mode="reactive"))
     try:
         block = engine.blocks[owners[0] + 1]
-        x = mx.random.normal((1, 3, engine.family.hidden_size(engine.config)),
-                             key=mx.random.key(3))
+        x = mx.random.normal(
+            (1, 3, engine.family.hidden_size(engine.config)), key=mx.random.key(3)
+        )
         want = block(x)
-        block.route = Route(block.select(x)[0])           # router weights at the true set
+        block.route = Route(block.select(x)[0])  # router weights at the true set
         assert mx.array_equal(block(x), want).item()
         block.route = None
     finally:
@@ -155,10 +188,13 @@ def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
 
         def note(tag):
             return lambda buf: order.append(tag)
-        futures = [store.submit(layers[2], 1, prepare=note(2)),
-                   store.submit(layers[1], 1, prepare=note(1)),
-                   store.submit(layers[0], 1, prepare=note(0)),
-                   store.submit(layers[2], 2, DEMAND, prepare=note("demand"))]
+
+        futures = [
+            store.submit(layers[2], 1, prepare=note(2)),
+            store.submit(layers[1], 1, prepare=note(1)),
+            store.submit(layers[0], 1, prepare=note(0)),
+            store.submit(layers[2], 2, DEMAND, prepare=note("demand")),
+        ]
         gate.set()
         for f in [hold] + futures:
             f.result(timeout=10)
@@ -167,24 +203,30 @@ def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
         store.close()
 
 
-def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(edge0_qwen):
+def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(
+    edge0_qwen,
+):
     """A plan left in flight (a sequence's last step, a batch's end) reserved slots whose
     bundles were never written; the next use of the layer drops it first, so those experts
     are read for real instead of being trusted as hits."""
     from edge0_eval.formats.layout import unpack_bundle
 
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True,
-                                                   slots_per_layer=4))
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+    )
     try:
         switch = engine.blocks[engine.moe_layers[0]].switch_mlp
-        staged = switch.stage_begin([0, 1, 2, 3])       # never finished
-        assert switch.load_experts([2, 3]) == 2         # read again, not trusted as hits
+        staged = switch.stage_begin([0, 1, 2, 3])  # never finished
+        assert switch.load_experts([2, 3]) == 2  # read again, not trusted as hits
         assert all(f.done() for f in staged.futures)
         assert sorted(switch.slots.resident_experts) == [2, 3]
         for e in (2, 3):
-            want = unpack_bundle(switch._io.index, engine.store.read(switch._io.layer, e))
+            want = unpack_bundle(
+                switch._io.index, engine.store.read(switch._io.layer, e)
+            )
             slot = switch.slots.slot_of(e)
-            assert mx.array_equal(switch.glu.gate_proj["weight"][slot],
-                                  mx.array(want["gate_proj.weight"])).item(), e
+            assert mx.array_equal(
+                switch.glu.gate_proj["weight"][slot], mx.array(want["gate_proj.weight"])
+            ).item(), e
     finally:
         engine.close()

@@ -12,19 +12,22 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model, quantize_model
+from real_layouts import hf_ling, hf_qwen, mlx_vlm_style, requantized
+from test_convert import (
+    TOKENS,
+    _assert_matches_quantize_model,
+    assert_same_tensors,
+    load_converted,
+    nothing_written,
+)
 
 from edge0_eval.checkpoints.convert import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.engine import Engine
-from edge0_eval.formats.layout import RESIDENT_NAME
 from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError
-
-from real_layouts import hf_ling, hf_qwen, mlx_vlm_style, requantized
-from test_convert import (
-    TOKENS, _assert_matches_quantize_model, assert_same_tensors, load_converted, nothing_written,
-)
+from edge0_eval.formats.layout import RESIDENT_NAME
 
 PROMPT = [5, 17, 42, 99, 3]
 
@@ -56,14 +59,18 @@ def test_mlx_vlm_quantized_conversion_serves_mlx_lm_tokens(tiny_qwen_q4, tmp_pat
     _no_side_weights(out)
     reference, _ = load(str(src))
     ours = load_converted(out)
-    assert_same_tensors(dict(tree_flatten(ours.parameters())),
-                        dict(tree_flatten(reference.parameters())))
+    assert_same_tensors(
+        dict(tree_flatten(ours.parameters())),
+        dict(tree_flatten(reference.parameters())),
+    )
     assert mx.array_equal(ours(TOKENS), reference(TOKENS)).item()
     assert _engine_greedy(out, 8) == _greedy(reference, 8)
 
 
-@pytest.mark.parametrize("layout,fixture", [(mlx_vlm_style, "tiny_qwen"), (hf_qwen, "tiny_qwen"),
-                                            (hf_ling, "tiny_bailing")])
+@pytest.mark.parametrize(
+    "layout,fixture",
+    [(mlx_vlm_style, "tiny_qwen"), (hf_qwen, "tiny_qwen"), (hf_ling, "tiny_bailing")],
+)
 def test_float_layouts_quantized_exactly_as_mlx_lm(layout, fixture, request, tmp_path):
     """bf16/fp16 mlx-vlm conversions and original Hugging Face layouts (fused gate_up experts,
     offset norms, HF conv shapes; Ling's per-expert keys, gate.weight, kv_b_proj, MTP layer)."""
@@ -92,10 +99,19 @@ def _refused(src, tmp_path, match: str) -> None:
 
 
 def test_mixed_expert_bits_refused_naming_the_layers(tiny_qwen, tmp_path):
-    src = requantized(tiny_qwen, tmp_path / "src", group_size=64, bits=4,
-                      quant_predicate=_layer2_at_8_bits)
-    _refused(src, tmp_path, r"quantized differently by layer \(layer\(s\) 0, 1, 3: 4-bit group "
-                            r"64 affine; layer\(s\) 2: 8-bit group 64 affine\).*--bits 4")
+    src = requantized(
+        tiny_qwen,
+        tmp_path / "src",
+        group_size=64,
+        bits=4,
+        quant_predicate=_layer2_at_8_bits,
+    )
+    _refused(
+        src,
+        tmp_path,
+        r"quantized differently by layer \(layer\(s\) 0, 1, 3: 4-bit group "
+        r"64 affine; layer\(s\) 2: 8-bit group 64 affine\).*--bits 4",
+    )
 
 
 def test_mxfp4_experts_refused_naming_the_mode(tiny_qwen, tmp_path):
@@ -104,21 +120,32 @@ def test_mxfp4_experts_refused_naming_the_mode(tiny_qwen, tmp_path):
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_tensor_neither_used_nor_dropped_is_named(quantized, tiny_qwen, tiny_qwen_q4, tmp_path):
+def test_tensor_neither_used_nor_dropped_is_named(
+    quantized, tiny_qwen, tiny_qwen_q4, tmp_path
+):
     src = tmp_path / "src"
     mlx_vlm_style(tiny_qwen_q4 if quantized else tiny_qwen, src)
     weights = dict(mx.load(str(src / "model.safetensors")))
     weights["language_model.model.layers.0.adapter.weight"] = mx.zeros((4, 4))
-    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _refused(src, tmp_path, r"1 tensor\(s\) are neither used by the qwen3_5_moe model nor "
-                            r"dropped by mlx-lm's sanitize, e.g. "
-                            r"language_model.model.layers.0.adapter.weight; nothing was written")
+    mx.save_safetensors(
+        str(src / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    _refused(
+        src,
+        tmp_path,
+        r"1 tensor\(s\) are neither used by the qwen3_5_moe model nor "
+        r"dropped by mlx-lm's sanitize, e.g. "
+        r"language_model.model.layers.0.adapter.weight; nothing was written",
+    )
 
 
 def test_hugging_face_load_time_quantization_refused_with_the_fix(tiny_qwen, tmp_path):
     src = hf_qwen(tiny_qwen, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
     (src / "config.json").write_text(json.dumps(config))
     _refused(src, tmp_path, "quant_method 'fp8'.*mlx_lm.convert --hf-path SRC")
 
@@ -128,15 +155,21 @@ def test_sanitize_failure_is_one_clear_error(tiny_bailing, tmp_path):
     src = hf_ling(tiny_bailing, tmp_path / "src")
     weights = dict(mx.load(str(src / "model.safetensors")))
     del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
-    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _refused(src, tmp_path, "sanitize for model_type 'bailing_hybrid' failed.*do not match")
+    mx.save_safetensors(
+        str(src / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    _refused(
+        src, tmp_path, "sanitize for model_type 'bailing_hybrid' failed.*do not match"
+    )
 
 
 @pytest.mark.parametrize("layout", [None, hf_qwen])
 def test_convert_holds_about_one_layer_at_a_time(layout, tmp_path):
     """Sanitize is applied lazily: a fused HF source is read one layer's tensors at a time too."""
-    src = write_tiny(tmp_path / "src", TinyShape(layers=8, hidden=128, moe_intermediate=128,
-                                                 experts=32))
+    src = write_tiny(
+        tmp_path / "src",
+        TinyShape(layers=8, hidden=128, moe_intermediate=128, experts=32),
+    )
     if layout is not None:
         src = layout(src, tmp_path / "layout")
     weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -155,6 +188,12 @@ def test_expert_scales_whose_dtype_changes_by_layer_are_refused(tiny_qwen_q4, tm
     weights = dict(mx.load(str(src / "model.safetensors")))
     name = "language_model.model.layers.2.mlp.switch_mlp.up_proj.scales"
     weights[name] = weights[name].astype(mx.float32)
-    mx.save_safetensors(str(src / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _refused(src, tmp_path, "layers.2.mlp.switch_mlp.up_proj.scales is float32.*one bundle "
-                            "layout is needed")
+    mx.save_safetensors(
+        str(src / "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    _refused(
+        src,
+        tmp_path,
+        "layers.2.mlp.switch_mlp.up_proj.scales is float32.*one bundle "
+        "layout is needed",
+    )

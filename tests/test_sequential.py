@@ -13,8 +13,16 @@ import pytest
 
 from edge0_eval.evaluation import paired
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
-from edge0_eval.evaluation.sequential import (REGRESSED, UNDECIDED, WITHIN, detectable_drop, order,
-                                              run_tests, sequential_change, simulate)
+from edge0_eval.evaluation.sequential import (
+    REGRESSED,
+    UNDECIDED,
+    WITHIN,
+    detectable_drop,
+    order,
+    run_tests,
+    sequential_change,
+    simulate,
+)
 
 RUNS = 1000
 ITEMS = 200
@@ -28,7 +36,9 @@ def _lower(p: float, n: int, z: float = 2.576) -> float:
     return p - z * math.sqrt(p * (1 - p) / n)
 
 
-def _item_runs(rng, rates: np.ndarray, drop: float = 0.0, samples: int = 1) -> np.ndarray:
+def _item_runs(
+    rng, rates: np.ndarray, drop: float = 0.0, samples: int = 1
+) -> np.ndarray:
     """Per-item changes (baseline - current, item means over samples) of RUNS runs in which
     every item's outcomes are redrawn at its own rate, the current run's lowered by `drop`."""
     base = (rng.random((RUNS, len(rates), samples)) < rates[:, None]).mean(axis=2)
@@ -40,7 +50,11 @@ def _item_runs(rng, rates: np.ndarray, drop: float = 0.0, samples: int = 1) -> n
 def _verdicts(d: np.ndarray, threshold: float):
     fail, ok, _, _ = run_tests(d, threshold)
     n = d.shape[-1]
-    return (fail < n) & (fail <= ok), (ok < n) & (ok < fail), np.minimum(np.minimum(fail, ok), n)
+    return (
+        (fail < n) & (fail <= ok),
+        (ok < n) & (ok < fail),
+        np.minimum(np.minimum(fail, ok), n),
+    )
 
 
 @pytest.mark.parametrize("difficulty,samples", [((7, 1), 1), ((2, 2), 1), ((2, 2), 4)])
@@ -81,7 +95,10 @@ def test_clean_and_broken_students_stop_early():
     assert within.mean() >= 0.95 and np.median(stop) < ITEMS / 2, (within.mean(), stop)
     # Broken (a 40-point drop): fails, after a few dozen items.
     failed, _, stop = _verdicts(_item_runs(rng, rates, drop=0.40), 0.10)
-    assert failed.mean() >= 0.99 and np.median(stop) < 40, (failed.mean(), np.median(stop))
+    assert failed.mean() >= 0.99 and np.median(stop) < 40, (
+        failed.mean(),
+        np.median(stop),
+    )
 
 
 def test_one_sequence_names_the_rule_that_stopped_it():
@@ -90,7 +107,9 @@ def test_one_sequence_names_the_rule_that_stopped_it():
     assert broken.decided_at < 30 and broken.e_regressed >= 1 / DEFAULT_ALPHA
     assert broken.drop == pytest.approx(100.0)
     same = sequential_change([0.0] * 200, 10.0)
-    assert same.rule == WITHIN and same.e_within >= 1 / DEFAULT_ALPHA and same.drop == 0.0
+    assert (
+        same.rule == WITHIN and same.e_within >= 1 / DEFAULT_ALPHA and same.drop == 0.0
+    )
     few = sequential_change([0.0] * 5, 10.0)
     assert (few.rule, few.decided_at) == (UNDECIDED, None)
     assert sequential_change([], 10.0).rule == UNDECIDED

@@ -12,19 +12,23 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from test_prerouter import FAMILIES, converted_model
+from test_train_prerouter import CORPUS, options
 
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.training.collect_fp32 import (check_float32, compare, load_float32,
-                                              run_documents, set_agreement)
+from edge0_eval.training.collect_fp32 import (
+    check_float32,
+    compare,
+    load_float32,
+    run_documents,
+    set_agreement,
+)
 from edge0_eval.training.data import encode_prefix, subset_documents
 from edge0_eval.training.features import FeatureStore
 from edge0_eval.training.models import collector_options
 from edge0_eval.training.prerouter import train_prerouter
 from edge0_eval.training.state import report_paths
-
-from test_prerouter import FAMILIES, converted_model
-from test_train_prerouter import CORPUS, options
 
 SERVED = EngineOptions(mode="reactive", no_lora=True)
 
@@ -43,8 +47,9 @@ def fast(request, tmp_path_factory):
 
 def _logits(engine, tokens):
     """Every position's logits of `tokens` from an empty cache."""
-    return engine.step(mx.array(tokens)[None], engine.new_cache(), plan_next=False,
-                       all_logits=True)[0]
+    return engine.step(
+        mx.array(tokens)[None], engine.new_cache(), plan_next=False, all_logits=True
+    )[0]
 
 
 def test_float32_build_routes_like_the_served_path(fast):
@@ -74,16 +79,18 @@ def test_check_refuses_a_build_that_routes_otherwise(fast):
     layer = engine.moe_layers[-1]
     linear = engine.blocks[layer].router
     kept = linear.weight
-    linear.weight = -kept                      # injected fault: one layer's router flipped
+    linear.weight = -kept  # injected fault: one layer's router flipped
     try:
-        with pytest.raises(CheckpointError, match=f"routes layer {layer} like the served"):
+        with pytest.raises(
+            CheckpointError, match=f"routes layer {layer} like the served"
+        ):
             check_float32(model, SERVED, engine, docs)
     finally:
         linear.weight = kept
 
 
 def test_set_agreement_counts_shared_experts():
-    a = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])        # [T=2, M=2, K=2]
+    a = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])  # [T=2, M=2, K=2]
     b = np.array([[[1, 0], [2, 9]], [[4, 5], [8, 9]]])
     assert set_agreement(a, b).tolist() == [1.0, 0.25]
 
@@ -97,18 +104,27 @@ def test_train_prerouter_collects_in_float32(tmp_path_factory, capsys):
     model = converted_model(tmp_path_factory, "qwen2_moe")
     out = tmp_path_factory.mktemp("fp32_heads") / "heads.safetensors"
     served = train_prerouter(options(model, out, steps=5, check_tokens=64))
-    assert served["collection"]["path"] == "served" and "check" not in served["collection"]
+    assert (
+        served["collection"]["path"] == "served" and "check" not in served["collection"]
+    )
     capsys.readouterr()
-    report = train_prerouter(options(model, out, steps=5, check_tokens=64, collect="float32",
-                                     fresh=True))
+    report = train_prerouter(
+        options(model, out, steps=5, check_tokens=64, collect="float32", fresh=True)
+    )
     said = capsys.readouterr().out
-    assert "collecting again" in said and "float32 collector vs served int4 path" in said
+    assert (
+        "collecting again" in said and "float32 collector vs served int4 path" in said
+    )
     c = report["collection"]
     assert c["path"] == "float32" and c["check"]["ok"] and c["check"]["tokens"] == 64
-    assert c["runs"][0]["tokens"] == report["data"]["tokens"] and c["runs"][0]["tok_s"] > 0
+    assert (
+        c["runs"][0]["tokens"] == report["data"]["tokens"] and c["runs"][0]["tok_s"] > 0
+    )
     store = FeatureStore(Path(f"{out}.ckpt") / "features")
-    assert json.loads((store.dir / "data.json").read_text())["fingerprint"]["collect"] == \
-        "float32"
+    assert (
+        json.loads((store.dir / "data.json").read_text())["fingerprint"]["collect"]
+        == "float32"
+    )
     md = report_paths(out)[1].read_text()
     assert "Collected with the float32 path" in md and "Float32 check against" in md
     with pytest.raises(ConfigError, match="--collect"):
@@ -133,6 +149,9 @@ def test_train_tokens_cuts_the_training_documents_only(tmp_path_factory):
     assert cut["data"]["samples_heldout"] == full["data"]["samples_heldout"]
     assert cut["data"]["docs_heldout"] == full["data"]["docs_heldout"]
     assert cut["data"]["docs_train"] < full["data"]["docs_train"]
-    assert 200 - cut["data"]["docs_train"] <= cut["data"]["samples_train"] < \
-        full["data"]["samples_train"]
+    assert (
+        200 - cut["data"]["docs_train"]
+        <= cut["data"]["samples_train"]
+        < full["data"]["samples_train"]
+    )
     assert cut["data"]["train_tokens_cap"] == 200

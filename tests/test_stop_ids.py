@@ -3,12 +3,12 @@ the engine's student arm and the mlx-lm teacher arm stop on the same tokens."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
+from bad_inputs import copy_model, edit_json, expect_clear_error
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-import mlx.core as mx
 
-from bad_inputs import copy_model, edit_json, expect_clear_error
 from edge0_eval.engine.engine import Engine
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -37,7 +37,7 @@ def test_generation_config_stops_both_arms_alike(tiny_qwen_q4, edge0_qwen, tmp_p
         first = engine.generate(PROMPT, max_tokens=4, stop_token_ids=set()).tokens
     finally:
         engine.close()
-    stop = first[2]       # a token the greedy continuation reaches: both must stop there
+    stop = first[2]  # a token the greedy continuation reaches: both must stop there
     teacher = copy_model(tiny_qwen_q4, tmp_path / "teacher")
     student = copy_model(edge0_qwen, tmp_path / "student")
     for model in (teacher, student):
@@ -50,12 +50,16 @@ def test_generation_config_stops_both_arms_alike(tiny_qwen_q4, edge0_qwen, tmp_p
         tokens = engine.generate(PROMPT, max_tokens=8).tokens
     finally:
         engine.close()
-    assert stop in ref_eos and ref_tokens == first[:first.index(stop)]
-    assert tokens[:-1] == ref_tokens or tokens == ref_tokens      # the stop id itself, or not
+    assert stop in ref_eos and ref_tokens == first[: first.index(stop)]
+    assert (
+        tokens[:-1] == ref_tokens or tokens == ref_tokens
+    )  # the stop id itself, or not
     assert len(tokens) <= first.index(stop) + 1
 
 
-@pytest.mark.parametrize("text", ['{"eos_token_id": "2"}', '{"eos_token_id": [true]}', "{"])
+@pytest.mark.parametrize(
+    "text", ['{"eos_token_id": "2"}', '{"eos_token_id": [true]}', "{"]
+)
 def test_bad_generation_config_refused(edge0_qwen, tmp_path, text):
     model = copy_model(edge0_qwen, tmp_path / "m")
     (model / "generation_config.json").write_text(text)

@@ -17,100 +17,121 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_fidelity import fault_expert_scales, fault_lora_b, fault_swap_experts
 
 from edge0_eval.cli import main
 from edge0_eval.demo import make_agreement_set
 from edge0_eval.evaluation.gate_run import gate_run, load_config_with, offline_env
 from edge0_eval.plan import PlanOptions, make_plan
-from test_fidelity import fault_expert_scales, fault_lora_b, fault_swap_experts
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / 'configs' / 'edge0_tiny_gate.py'
-BASELINE = REPO / 'reports' / 'tiny_gate' / 'report.json'
-STUDENTS = 'int4_exact,student'
-INJECTED = 0.30                     # share of the student's agreement items whose answer is blanked
+CONFIG = REPO / "configs" / "edge0_tiny_gate.py"
+BASELINE = REPO / "reports" / "tiny_gate" / "report.json"
+STUDENTS = "int4_exact,student"
+INJECTED = 0.30  # share of the student's agreement items whose answer is blanked
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def gate_env(tiny_env):
-    env = {k: v for k, v in tiny_env.items() if k != 'EDGE0_ARMS'}
+    env = {k: v for k, v in tiny_env.items() if k != "EDGE0_ARMS"}
     make_agreement_set(CONFIG, env)
     return env
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def drops(gate_env) -> list[str]:
     """The config's thresholds, as gate-run passes them to the gate."""
-    gate = load_config_with(CONFIG, gate_env)['edge0_gate']
-    return [a for b, v in gate['drops'].items() for a in ('--benchmark-drop', f'{b}={v}')]
+    gate = load_config_with(CONFIG, gate_env)["edge0_gate"]
+    return [
+        a for b, v in gate["drops"].items() for a in ("--benchmark-drop", f"{b}={v}")
+    ]
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def teacher_run(gate_env, tmp_path_factory):
-    work = tmp_path_factory.mktemp('teacher')
-    assert gate_run(CONFIG, 'none', work, {**gate_env, 'EDGE0_ARMS': 'teacher'}) == 0
-    (run,) = (work / 'opencompass').iterdir()
+    work = tmp_path_factory.mktemp("teacher")
+    assert gate_run(CONFIG, "none", work, {**gate_env, "EDGE0_ARMS": "teacher"}) == 0
+    (run,) = (work / "opencompass").iterdir()
     return run
 
 
 def _students(env: dict, work: Path, teacher: Path, student: str | None = None) -> int:
-    env = {**env, 'EDGE0_ARMS': STUDENTS, **({'EDGE0_TINY_STUDENT': student} if student else {})}
+    env = {
+        **env,
+        "EDGE0_ARMS": STUDENTS,
+        **({"EDGE0_TINY_STUDENT": student} if student else {}),
+    }
     return gate_run(CONFIG, str(BASELINE), work, env, teacher_from=teacher)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def clean(gate_env, teacher_run, tmp_path_factory):
-    work = tmp_path_factory.mktemp('clean')
+    work = tmp_path_factory.mktemp("clean")
     return _students(gate_env, work, teacher_run), work
 
 
 def _table(report: Path, drops: list[str], capsys) -> dict[str, str]:
     """The gate's table against the baseline, by check name (rerun: the verdict is fixed)."""
     capsys.readouterr()
-    main(['gate', str(report), '--baseline', str(BASELINE), *drops])
+    main(["gate", str(report), "--baseline", str(BASELINE), *drops])
     out = capsys.readouterr().out
-    return {l.split('  ')[0]: l for l in out.splitlines() if l.startswith(('edge0_', 'fidelity'))}
+    return {
+        l.split("  ")[0]: l
+        for l in out.splitlines()
+        if l.startswith(("edge0_", "fidelity"))
+    }
 
 
 def test_clean_student_passes(clean, drops, capsys):
     code, work = clean
     assert code == 0
-    table = _table(work / 'report' / 'report.json', drops, capsys)
-    assert set(table) == {'edge0_agreement', 'fidelity teacher', 'fidelity int4_exact',
-                          'fidelity student'}
-    assert all(' pass ' in line or line.rstrip().endswith('pass') for line in table.values())
-    report = json.loads((work / 'report' / 'report.json').read_text())
-    (row,) = report['benchmarks']
+    table = _table(work / "report" / "report.json", drops, capsys)
+    assert set(table) == {
+        "edge0_agreement",
+        "fidelity teacher",
+        "fidelity int4_exact",
+        "fidelity student",
+    }
+    assert all(
+        " pass " in line or line.rstrip().endswith("pass") for line in table.values()
+    )
+    report = json.loads((work / "report" / "report.json").read_text())
+    (row,) = report["benchmarks"]
     # The sample is the config's: 234 items; the teacher answers every one as its set says.
-    assert row['items'] == 234 and row['teacher'] == 100.0 and 20 < row['student'] < 90
+    assert row["items"] == 234 and row["teacher"] == 100.0 and 20 < row["student"] < 90
 
 
-@pytest.mark.parametrize('fault,arm', [(fault_expert_scales, 'int4_exact'),
-                                       (fault_swap_experts, 'int4_exact')])
-def test_silent_expert_faults_fail_it(fault, arm, gate_env, teacher_run, drops, tmp_path,
-                                      capsys):
-    broken = tmp_path / 'student'
-    shutil.copytree(gate_env['EDGE0_TINY_STUDENT'], broken)
+@pytest.mark.parametrize(
+    "fault,arm",
+    [(fault_expert_scales, "int4_exact"), (fault_swap_experts, "int4_exact")],
+)
+def test_silent_expert_faults_fail_it(
+    fault, arm, gate_env, teacher_run, drops, tmp_path, capsys
+):
+    broken = tmp_path / "student"
+    shutil.copytree(gate_env["EDGE0_TINY_STUDENT"], broken)
     fault(broken)
-    assert _students(gate_env, tmp_path / 'work', teacher_run, str(broken)) == 1
-    table = _table(tmp_path / 'work' / 'report' / 'report.json', drops, capsys)
-    assert 'FAIL' in table[f'fidelity {arm}'] and 'KL rose' in table[f'fidelity {arm}']
+    assert _students(gate_env, tmp_path / "work", teacher_run, str(broken)) == 1
+    table = _table(tmp_path / "work" / "report" / "report.json", drops, capsys)
+    assert "FAIL" in table[f"fidelity {arm}"] and "KL rose" in table[f"fidelity {arm}"]
 
 
-def test_broken_student_in_rounds_fails_and_stops_after_the_first(gate_env, tmp_path, capfd):
+def test_broken_student_in_rounds_fails_and_stops_after_the_first(
+    gate_env, tmp_path, capfd
+):
     """The LoRA fault, run in rounds (every arm in each round): the first round decides."""
-    broken = tmp_path / 'student'
-    shutil.copytree(gate_env['EDGE0_TINY_STUDENT'], broken)
+    broken = tmp_path / "student"
+    shutil.copytree(gate_env["EDGE0_TINY_STUDENT"], broken)
     fault_lora_b(broken)
-    env = {**gate_env, 'EDGE0_TINY_STUDENT': str(broken)}
-    assert gate_run(CONFIG, str(BASELINE), tmp_path / 'work', env, sequential=True) == 1
+    env = {**gate_env, "EDGE0_TINY_STUDENT": str(broken)}
+    assert gate_run(CONFIG, str(BASELINE), tmp_path / "work", env, sequential=True) == 1
     out = capfd.readouterr().out
-    assert 'gate-run: stopped after round 1 of 4: FAIL' in out
-    assert not (tmp_path / 'work' / 'report_round2').exists()
-    fid = next(l for l in out.splitlines() if l.startswith('fidelity student '))
-    assert 'FAIL' in fid and 'KL rose' in fid
-    agreement = next(l for l in out.splitlines() if l.startswith('edge0_agreement '))
-    assert '234->30' in agreement            # the first round: 30 of the sample's 234 items
+    assert "gate-run: stopped after round 1 of 4: FAIL" in out
+    assert not (tmp_path / "work" / "report_round2").exists()
+    fid = next(l for l in out.splitlines() if l.startswith("fidelity student "))
+    assert "FAIL" in fid and "KL rose" in fid
+    agreement = next(l for l in out.splitlines() if l.startswith("edge0_agreement "))
+    assert "234->30" in agreement  # the first round: 30 of the sample's 234 items
 
 
 def _blank_share(predictions: Path, share: float) -> int:
@@ -120,43 +141,77 @@ def _blank_share(predictions: Path, share: float) -> int:
     hit = 0
     for key, item in preds.items():
         if int(hashlib.sha256(key.encode()).hexdigest(), 16) % 1000 < share * 1000:
-            item['prediction'] = ''
+            item["prediction"] = ""
             hit += 1
     predictions.write_text(json.dumps(preds))
     return hit
 
 
-def test_degraded_answers_fail_where_the_plan_has_the_power(clean, gate_env, teacher_run, drops,
-                                                             tmp_path, capsys, monkeypatch):
+def test_degraded_answers_fail_where_the_plan_has_the_power(
+    clean, gate_env, teacher_run, drops, tmp_path, capsys, monkeypatch
+):
     _, work = clean
-    (run,) = (work / 'opencompass').iterdir()
-    degraded = tmp_path / 'out' / run.name
+    (run,) = (work / "opencompass").iterdir()
+    degraded = tmp_path / "out" / run.name
     shutil.copytree(run, degraded)
-    student = 'edge0-tiny-student'
-    blanked = _blank_share(degraded / 'predictions' / student / 'edge0_agreement.json', INJECTED)
-    (degraded / 'results' / student / 'edge0_agreement.json').unlink()
-    shutil.rmtree(degraded / 'summary')
+    student = "edge0-tiny-student"
+    blanked = _blank_share(
+        degraded / "predictions" / student / "edge0_agreement.json", INJECTED
+    )
+    (degraded / "results" / student / "edge0_agreement.json").unlink()
+    shutil.rmtree(degraded / "summary")
     # OpenCompass scores the changed answers (eval only, in the copied run folder).
-    env = offline_env({**gate_env, 'EDGE0_ARMS': STUDENTS})
-    proc = subprocess.run([str(Path(sys.executable).parent / 'opencompass'), str(CONFIG), '-m',
-                           'eval', '-w', str(tmp_path / 'out'), '-r', run.name],
-                          env=env, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    env = offline_env({**gate_env, "EDGE0_ARMS": STUDENTS})
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "opencompass"),
+            str(CONFIG),
+            "-m",
+            "eval",
+            "-w",
+            str(tmp_path / "out"),
+            "-r",
+            run.name,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:]
-    out = tmp_path / 'report'
-    assert main(['report', str(degraded), str(teacher_run), '--out', str(out), '--arms',
-                 'teacher=edge0-tiny-teacher,int4_exact=edge0-tiny-int4-exact,'
-                 'student=edge0-tiny-student']) == 0
-    report = json.loads((out / 'report.json').read_text())
+    out = tmp_path / "report"
+    assert (
+        main(
+            [
+                "report",
+                str(degraded),
+                str(teacher_run),
+                "--out",
+                str(out),
+                "--arms",
+                "teacher=edge0-tiny-teacher,int4_exact=edge0-tiny-int4-exact,"
+                "student=edge0-tiny-student",
+            ]
+        )
+        == 0
+    )
+    report = json.loads((out / "report.json").read_text())
     base = json.loads(BASELINE.read_text())
-    drop = base['benchmarks'][0]['student'] - report['benchmarks'][0]['student']
+    drop = base["benchmarks"][0]["student"] - report["benchmarks"][0]["student"]
     # The plan's power for this sample (the config's churn) is within the injected drop.
     for key, value in gate_env.items():
         monkeypatch.setenv(key, value)
     plan = make_plan(PlanOptions(config=CONFIG, tok_s=27.0))
-    power = plan.power['edge0_agreement']
-    assert blanked > 0.2 * 234 and drop > power['detectable_drop']
-    assert drop > power['sequential_drop']
-    table = _table(out / 'report.json', drops, capsys)
-    assert 'FAIL' in table['edge0_agreement'] and 'student dropped' in table['edge0_agreement']
+    power = plan.power["edge0_agreement"]
+    assert blanked > 0.2 * 234 and drop > power["detectable_drop"]
+    assert drop > power["sequential_drop"]
+    table = _table(out / "report.json", drops, capsys)
+    assert (
+        "FAIL" in table["edge0_agreement"]
+        and "student dropped" in table["edge0_agreement"]
+    )
     # Fidelity is not what the answers changed: every arm still passes it.
-    assert not any('FAIL' in line for name, line in table.items() if name.startswith('fidelity'))
+    assert not any(
+        "FAIL" in line for name, line in table.items() if name.startswith("fidelity")
+    )

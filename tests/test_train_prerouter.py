@@ -10,9 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_prerouter import (  # one tiny model per family and session
+    FAMILIES,
+    converted_model,
+)
 
-from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.prerouter import load_heads
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import read_metadata
 from edge0_eval.training.data import read_documents, split_documents
 from edge0_eval.training.features import FeatureStore, positions
@@ -20,33 +24,63 @@ from edge0_eval.training.options import PrerouterOptions, parse_owners
 from edge0_eval.training.prerouter import train_prerouter
 from edge0_eval.training.state import Interrupted, report_paths
 
-from test_prerouter import FAMILIES, converted_model  # one tiny model per family and session
-
 STDLIB = Path(os.__file__).parent
-CORPUS = [STDLIB / f"{name}.py" for name in
-          ("textwrap", "shlex", "bisect", "heapq", "fnmatch", "glob", "colorsys", "keyword")]
+CORPUS = [
+    STDLIB / f"{name}.py"
+    for name in (
+        "textwrap",
+        "shlex",
+        "bisect",
+        "heapq",
+        "fnmatch",
+        "glob",
+        "colorsys",
+        "keyword",
+    )
+]
 
 
 def options(model, out, **kw) -> PrerouterOptions:
-    base = dict(model=str(model), texts=[str(p) for p in CORPUS], out=str(out), steps=40,
-                batch=64, lr=3e-3, holdout=0.25, max_doc_tokens=160, ckpt_every=10,
-                progress=False, save_dtype="float32")
+    base = dict(
+        model=str(model),
+        texts=[str(p) for p in CORPUS],
+        out=str(out),
+        steps=40,
+        batch=64,
+        lr=3e-3,
+        holdout=0.25,
+        max_doc_tokens=160,
+        ckpt_every=10,
+        progress=False,
+        save_dtype="float32",
+    )
     base.update(kw)
     return PrerouterOptions(**base)
 
 
 # -- documents and splits ------------------------------------------------------------------------
 
+
 def test_read_documents_text_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("plain text document\n")
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "b.jsonl").write_text(
-        json.dumps({"text": "from text", "prompt": "ignored"}) + "\n\n"
-        + json.dumps({"prompt": "Q: 1+1? ", "completion": "A: 2"}) + "\n"
-        + json.dumps({"completion": "only completion"}) + "\n")
-    docs = read_documents([tmp_path / "a.txt", tmp_path / "empty.txt", tmp_path / "b.jsonl"])
-    assert [d.text for d in docs] == ["plain text document\n", "from text", "Q: 1+1? A: 2",
-                                      "only completion"]
+        json.dumps({"text": "from text", "prompt": "ignored"})
+        + "\n\n"
+        + json.dumps({"prompt": "Q: 1+1? ", "completion": "A: 2"})
+        + "\n"
+        + json.dumps({"completion": "only completion"})
+        + "\n"
+    )
+    docs = read_documents(
+        [tmp_path / "a.txt", tmp_path / "empty.txt", tmp_path / "b.jsonl"]
+    )
+    assert [d.text for d in docs] == [
+        "plain text document\n",
+        "from text",
+        "Q: 1+1? A: 2",
+        "only completion",
+    ]
     assert docs[2].name.endswith("b.jsonl:3")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"messages": []}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: no string field \"text\""):
@@ -69,15 +103,18 @@ def test_parse_owners():
 
 def test_split_is_by_document_and_positions_stay_inside_documents():
     train, held = split_documents(10, 0.2, seed=3)
-    assert len(held) == 2 and not set(train) & set(held) and len(train) + len(held) == 10
+    assert (
+        len(held) == 2 and not set(train) & set(held) and len(train) + len(held) == 10
+    )
     assert split_documents(10, 0.2, seed=3) == (train, held)
-    assert split_documents(2, 0.01, seed=0)[1]            # at least one held-out document
+    assert split_documents(2, 0.01, seed=0)[1]  # at least one held-out document
     docs = [["a", 0, 4], ["b", 4, 3], ["c", 7, 2]]
     pos = positions(docs, [0, 2])
-    assert pos.tolist() == [0, 1, 2, 7]                    # t with t+1 in the same document
+    assert pos.tolist() == [0, 1, 2, 7]  # t with t+1 in the same document
 
 
 # -- end to end on tiny models -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def trained(request, tmp_path_factory):
@@ -139,13 +176,14 @@ def test_teacher_records_are_the_executed_routing(trained):
             engine.blocks[n].capture = True
         engine.step(mx.array(tokens)[None], engine.new_cache(), plan_next=False)
         for m, n in enumerate(meta["moe_layers"]):
-            got = np.sort(np.array(store.inds[start: start + length, m]), axis=-1)
+            got = np.sort(np.array(store.inds[start : start + length, m]), axis=-1)
             want = np.sort(np.array(engine.blocks[n].last[1][0]), axis=-1)
             assert (got == want).mean() > 0.99, f"layer {n}"
         for p, n in enumerate(meta["pairs"]):
             h = np.array(engine.blocks[n].last[0][0].astype(mx.float32))
-            np.testing.assert_allclose(store.h[start: start + length, p], h, rtol=2e-3,
-                                       atol=2e-3)
+            np.testing.assert_allclose(
+                store.h[start : start + length, p], h, rtol=2e-3, atol=2e-3
+            )
     finally:
         engine.close()
     from edge0_eval.training.features import Batches
@@ -161,7 +199,7 @@ def test_teacher_records_are_the_executed_routing(trained):
         assert b["target"][o, 0].tolist() == store.inds[start + 4, m_of[c]].tolist()
         assert b["cur"][o, 0].tolist() == store.inds[start + 3, m_of[n]].tolist()
         assert b["prev"][o, 0].tolist() == store.inds[start + 2, m_of[n]].tolist()
-        assert b["prev"][o, 1].tolist() == [-1] * 4          # first token: no previous
+        assert b["prev"][o, 1].tolist() == [-1] * 4  # first token: no previous
         assert b["prev_token"][o, 0].tolist() == store.inds[start + 3, m_of[c]].tolist()
 
 
@@ -173,11 +211,11 @@ def test_resume_after_kill_is_lossless(trained, tmp_path):
     out = tmp_path / "killed" / "h.safetensors"
     killed = replace(ref, out=str(out))
     with pytest.raises(Interrupted):
-        train_prerouter(killed, stop_after=17)          # last checkpoint at step 10
+        train_prerouter(killed, stop_after=17)  # last checkpoint at step 10
     state = Path(f"{out}.ckpt") / "train_state.safetensors"
     assert state.is_file() and not out.exists()
     assert mx.load(str(state), return_metadata=True)[1]["step"] == "10"
-    train_prerouter(killed)                             # the same command resumes
+    train_prerouter(killed)  # the same command resumes
     a = mx.load(str(ref_out))
     b = mx.load(str(out))
     assert sorted(a) == sorted(b)
@@ -193,7 +231,9 @@ def test_collection_resumes_per_document(trained, tmp_path):
     out = tmp_path / "h.safetensors"
     dst = Path(f"{out}.ckpt") / "features"
     shutil.copytree(src, dst)
-    (dst / "progress.json").write_text(json.dumps({"docs_done": 3}))   # "killed" in doc 3
+    (dst / "progress.json").write_text(
+        json.dumps({"docs_done": 3})
+    )  # "killed" in doc 3
     meta = json.loads((dst / "data.json").read_text())
     cut = meta["docs"][3][1]
     for name in ("h.npy", "inds.npy", "nr.npy"):
@@ -202,7 +242,9 @@ def test_collection_resumes_per_document(trained, tmp_path):
         arr.flush()
         del arr
     train_prerouter(replace(opts, out=str(out), steps=2))
-    assert json.loads((dst / "progress.json").read_text())["docs_done"] == len(meta["docs"])
+    assert json.loads((dst / "progress.json").read_text())["docs_done"] == len(
+        meta["docs"]
+    )
     for name in ("h.npy", "inds.npy", "nr.npy"):
         assert np.array_equal(np.load(src / name), np.load(dst / name)), name
 
@@ -239,16 +281,45 @@ def test_cli(trained, tmp_path, capsys):
 
     family, model, opts, _ = trained
     out = tmp_path / "cli.safetensors"
-    rc = main(["train-prerouter", str(model), "--text", *map(str, CORPUS[:3]), "--out",
-               str(out), "--steps", "5", "--batch", "16", "--max-doc-tokens", "64",
-               "--holdout", "0.3", "--owners", "1..2", "--width", "8", "--top-k", "2",
-               "--no-progress"])
+    rc = main(
+        [
+            "train-prerouter",
+            str(model),
+            "--text",
+            *map(str, CORPUS[:3]),
+            "--out",
+            str(out),
+            "--steps",
+            "5",
+            "--batch",
+            "16",
+            "--max-doc-tokens",
+            "64",
+            "--holdout",
+            "0.3",
+            "--owners",
+            "1..2",
+            "--width",
+            "8",
+            "--top-k",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     heads = load_heads(out, hidden=64, num_experts=16, top_k=2)
     assert heads.owners == [1, 2] and heads.config.width == 8
     assert "| owner N |" in capsys.readouterr().out
-    rc = main(["train-prerouter", str(model), "--text", str(tmp_path / "missing.txt"),
-               "--out", str(out)])
+    rc = main(
+        [
+            "train-prerouter",
+            str(model),
+            "--text",
+            str(tmp_path / "missing.txt"),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 2 and "no such file" in capsys.readouterr().err
 
 
@@ -266,7 +337,9 @@ def test_wrap_around_head_trains_and_reports(trained, tmp_path):
     assert report["owners"] == moe and report["start_layer"] == moe[0]
     assert report["consumers"] == moe[1:] + moe[:1]
     wrap = [row for row in report["layers"] if row["wrap_around"]]
-    assert len(wrap) == 1 and wrap[0]["owner"] == moe[-1] and wrap[0]["consumer"] == moe[0]
+    assert (
+        len(wrap) == 1 and wrap[0]["owner"] == moe[-1] and wrap[0]["consumer"] == moe[0]
+    )
     row = wrap[0]
     for key in ("recall_heads", "recall_prev_token", "recall_next_router"):
         assert 0.0 <= row[key] <= 1.0
@@ -281,9 +354,9 @@ def test_wrap_around_head_trains_and_reports(trained, tmp_path):
     engine = Engine.load(model, EngineOptions(mode="reactive"))
     try:
         first = engine.blocks[moe[0]]
-        x = mx.array(np.asarray(store.h[start: start + length, -1]).astype(np.float32))
+        x = mx.array(np.asarray(store.h[start : start + length, -1]).astype(np.float32))
         want, _ = first.rule.select(first.router(x), 4)
-        got = np.sort(np.asarray(store.nr[start: start + length, -1]), axis=-1)
+        got = np.sort(np.asarray(store.nr[start : start + length, -1]), axis=-1)
         agree = (got == np.sort(np.array(want), axis=-1)).mean()
         assert agree > 0.95
     finally:

@@ -13,7 +13,7 @@ from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.evaluation.fidelity import model_logprobs
 
-RECOMMENDED = 2**40     # large: mlx-lm warns when the model nears it
+RECOMMENDED = 2**40  # large: mlx-lm warns when the model nears it
 
 
 class FakeWiredLimit:
@@ -33,14 +33,20 @@ def metal(monkeypatch):
     """A device that reports a recommended working set, as Metal does."""
     fake = FakeWiredLimit()
     real = mx.device_info()
-    monkeypatch.setattr(mx, "device_info",
-                        lambda: {**real, "max_recommended_working_set_size": RECOMMENDED})
+    monkeypatch.setattr(
+        mx,
+        "device_info",
+        lambda: {**real, "max_recommended_working_set_size": RECOMMENDED},
+    )
     monkeypatch.setattr(mx, "set_wired_limit", fake)
     return fake
 
 
 def test_no_op_without_metal(monkeypatch):
-    assert "max_recommended_working_set_size" not in mx.device_info() or mx.metal.is_available()
+    assert (
+        "max_recommended_working_set_size" not in mx.device_info()
+        or mx.metal.is_available()
+    )
     if mx.metal.is_available():
         pytest.skip("this device has Metal")
     calls = []
@@ -57,12 +63,29 @@ def test_sets_the_recommended_limit_and_restores_the_previous_one(metal):
     with pytest.raises(RuntimeError):
         with wired_limit(nn.Linear(4, 4)):
             raise RuntimeError("a failed generation")
-    assert metal.limit == 7          # restored on the way out of an error too
+    assert metal.limit == 7  # restored on the way out of an error too
 
 
 def test_bench_arms_run_wired(edge0_qwen, metal, tmp_path):
-    assert main(["bench", str(edge0_qwen), "--arms", "mlx-lm,resident", "--cache", "warm",
-                 "--tokens", "2", "--prompt-tokens", "4", "--raw-reads", "0"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                str(edge0_qwen),
+                "--arms",
+                "mlx-lm,resident",
+                "--cache",
+                "warm",
+                "--tokens",
+                "2",
+                "--prompt-tokens",
+                "4",
+                "--raw-reads",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert metal.calls == [RECOMMENDED, 7, RECOMMENDED, 7] and metal.limit == 7
 
 
@@ -77,11 +100,17 @@ def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
     finally:
         engine.close()
 
-    student = Edge0Model(path=str(edge0_qwen), mode="reactive", no_lora=True,
-                         no_prerouter=True, top_k=2, generation_kwargs=dict(temperature=0.0))
+    student = Edge0Model(
+        path=str(edge0_qwen),
+        mode="reactive",
+        no_lora=True,
+        no_prerouter=True,
+        top_k=2,
+        generation_kwargs=dict(temperature=0.0),
+    )
     generate = student.engine.generate
 
-    def spy(*args, **kwargs):       # on this instance only: what limit is set while it runs
+    def spy(*args, **kwargs):  # on this instance only: what limit is set while it runs
         metal.seen.append(metal.limit)
         return generate(*args, **kwargs)
 

@@ -8,18 +8,28 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from served_pass import CONTINUATION_IDS, PROMPT_IDS, lora_engine_decode, replay_gradients
+from served_pass import (
+    CONTINUATION_IDS,
+    PROMPT_IDS,
+    lora_engine_decode,
+    replay_gradients,
+)
 
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import (
-    build_features, check_owners, default_consumers, default_owners, init_heads_from_routers,
-    load_heads, onehot, save_heads,
+    build_features,
+    check_owners,
+    default_consumers,
+    default_owners,
+    init_heads_from_routers,
+    load_heads,
+    onehot,
+    save_heads,
 )
-from edge0_eval.formats.heads_file import PrerouterConfig, read_metadata
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.heads_file import PrerouterConfig, read_metadata
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 STEPS = 10
@@ -28,9 +38,13 @@ STEPS = 10
 def wrap_heads_file(converted, path, perturb=True):
     engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
     try:
-        owners = default_owners(0, len(engine.family.layers(engine.model)), engine.moe_layers)
+        owners = default_owners(
+            0, len(engine.family.layers(engine.model)), engine.moe_layers
+        )
         heads = init_heads_from_routers(engine, owners, width=32, seed=0)
-        if perturb:     # not the plain router baseline: predictions differ from true routing
+        if (
+            perturb
+        ):  # not the plain router baseline: predictions differ from true routing
             heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
         return save_heads(path, heads), engine.moe_layers
     finally:
@@ -40,22 +54,24 @@ def wrap_heads_file(converted, path, perturb=True):
 @pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
 def wrapped(request, tmp_path_factory):
     converted = request.getfixturevalue(f"edge0_{request.param}")
-    path, moe = wrap_heads_file(converted, tmp_path_factory.mktemp("wrap") / "h.safetensors")
+    path, moe = wrap_heads_file(
+        converted, tmp_path_factory.mktemp("wrap") / "h.safetensors"
+    )
     return converted, path, moe
 
 
 def test_default_owners_with_start_layer_zero_add_the_wrap_head():
     assert default_owners(0, 4, [0, 1, 2, 3]) == [0, 1, 2, 3]
-    assert default_owners(1, 4, [0, 1, 2, 3]) == [0, 1, 2]          # start 1: no wrap
-    assert default_owners(0, 4, [1, 2, 3]) == [1, 2, 3]             # bailing: layer 0 dense
-    assert default_owners(1, 4, [1, 2, 3]) == [1, 2, 3]             # 1 = its first MoE layer
+    assert default_owners(1, 4, [0, 1, 2, 3]) == [0, 1, 2]  # start 1: no wrap
+    assert default_owners(0, 4, [1, 2, 3]) == [1, 2, 3]  # bailing: layer 0 dense
+    assert default_owners(1, 4, [1, 2, 3]) == [1, 2, 3]  # 1 = its first MoE layer
     assert default_consumers([1, 2, 3], [1, 2, 3]) == [2, 3, 1]
     assert default_consumers([0, 1, 2, 3], [0, 1, 2, 3]) == [1, 2, 3, 0]
     assert check_owners([3, 1, 2], [1, 2, 3], consumers=[1, 2, 3]) == [1, 2, 3]
     with pytest.raises(ConfigError, match=r"owner 2 -> layer 0"):
-        check_owners([2], [0, 1, 2, 3], consumers=[0])              # only the last layer wraps
+        check_owners([2], [0, 1, 2, 3], consumers=[0])  # only the last layer wraps
     with pytest.raises(ConfigError, match="must both be MoE"):
-        check_owners([3], [1, 2, 3], consumers=[0])                 # layer 0 is dense
+        check_owners([3], [1, 2, 3], consumers=[0])  # layer 0 is dense
 
 
 def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
@@ -67,11 +83,15 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
     probe = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
     k = probe.top_k
     probe.close()
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                  no_lora=True, slots_per_layer=k))
+    engine = Engine.load(
+        converted,
+        EngineOptions(
+            mode="prerouted", prerouter_path=str(path), no_lora=True, slots_per_layer=k
+        ),
+    )
     try:
         pr = engine.prerouter
-        assert sorted(pr.consumers) == moe              # every MoE layer consumes a head
+        assert sorted(pr.consumers) == moe  # every MoE layer consumes a head
         for layer in moe:
             engine.blocks[layer].capture = True
         engine.store.evict_page_cache()
@@ -80,8 +100,10 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
         blocked_before = engine.counters.blocked_loads
         token = int(mx.argmax(logits).item())
         for _ in range(STEPS):
-            planned = {layer: sorted(staged.experts)
-                       for layer, (_, staged) in sequence.plans.layers.items()}
+            planned = {
+                layer: sorted(staged.experts)
+                for layer, (_, staged) in sequence.plans.layers.items()
+            }
             # step 0 too (planned after prefill); reads queued in execution order, first MoE
             # layer first (the queue is FIFO), though the wrap head that plans it runs last
             assert list(planned) == moe
@@ -95,25 +117,32 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
         stats = engine.stats()
         assert stats["dropped_experts"] == 0 and stats["prerouter_wrap_around"]
         assert stats["prerouted_steps"] == STEPS
-        assert stats["staged_loads_per_step"] > 0       # slots == K: the staged reads were real
+        assert (
+            stats["staged_loads_per_step"] > 0
+        )  # slots == K: the staged reads were real
     finally:
         engine.close()
 
 
 def test_generate_with_wrap_heads_reports_zero_blocked_loads(wrapped):
     converted, path, _ = wrapped
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                  no_lora=True))
+    engine = Engine.load(
+        converted,
+        EngineOptions(mode="prerouted", prerouter_path=str(path), no_lora=True),
+    )
     try:
-        result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=8,
-                                 stop_token_ids=set())
+        result = engine.generate(
+            engine.tokenizer.encode(PROMPT), max_tokens=8, stop_token_ids=set()
+        )
         assert result.stats["blocked_loads_per_step"] == 0
         assert result.stats["dropped_experts"] == 0
     finally:
         engine.close()
 
 
-def test_untrained_wrap_head_is_first_router_on_last_layer_input(edge0_bailing, edge0_qwen):
+def test_untrained_wrap_head_is_first_router_on_last_layer_input(
+    edge0_bailing, edge0_qwen
+):
     for converted in (edge0_bailing, edge0_qwen):
         engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
         try:
@@ -124,14 +153,17 @@ def test_untrained_wrap_head_is_first_router_on_last_layer_input(edge0_bailing, 
             assert cfg.start_layer == moe[0]
             assert not heads.fc2.any().item()
             x = mx.random.normal((len(moe), 5, cfg.hidden), key=mx.random.key(1))
-            oh = onehot(mx.random.randint(0, cfg.num_experts, (len(moe), 5, cfg.top_k)),
-                        cfg.num_experts)
+            oh = onehot(
+                mx.random.randint(0, cfg.num_experts, (len(moe), 5, cfg.top_k)),
+                cfg.num_experts,
+            )
             logits = heads(build_features(x, oh, oh))
             wrap = moe.index(moe[-1])
-            want = engine.blocks[moe[0]].router(x[wrap])     # first router, last input
-            np.testing.assert_allclose(np.array(logits[wrap]), np.array(want), rtol=1e-4,
-                                       atol=1e-4)
-            other = engine.blocks[moe[-1]].router(x[wrap])   # not its own router
+            want = engine.blocks[moe[0]].router(x[wrap])  # first router, last input
+            np.testing.assert_allclose(
+                np.array(logits[wrap]), np.array(want), rtol=1e-4, atol=1e-4
+            )
+            other = engine.blocks[moe[-1]].router(x[wrap])  # not its own router
             assert not np.allclose(np.array(logits[wrap]), np.array(other), atol=1e-3)
         finally:
             engine.close()
@@ -156,14 +188,29 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
     finally:
         engine.close()
     path = save_heads(tmp_path / "h.safetensors", heads, dtype=mx.float32)
-    old = _rewrite(path, tmp_path / "old.safetensors", consumers=None)   # a pre-wrap file
+    old = _rewrite(
+        path, tmp_path / "old.safetensors", consumers=None
+    )  # a pre-wrap file
     assert "consumers" not in read_metadata(old)
     a = load_heads(path, hidden=heads.config.hidden, num_experts=16, top_k=4)
-    b = load_heads(old, hidden=heads.config.hidden, num_experts=16, top_k=4,
-                   moe_layers=[0, 1, 2, 3])
-    assert a.config == b.config == PrerouterConfig(
-        owners=[0, 1, 2], width=8, top_k=4, hidden=heads.config.hidden,
-        num_experts=16)
+    b = load_heads(
+        old,
+        hidden=heads.config.hidden,
+        num_experts=16,
+        top_k=4,
+        moe_layers=[0, 1, 2, 3],
+    )
+    assert (
+        a.config
+        == b.config
+        == PrerouterConfig(
+            owners=[0, 1, 2],
+            width=8,
+            top_k=4,
+            hidden=heads.config.hidden,
+            num_experts=16,
+        )
+    )
     assert b.config.consumers == [1, 2, 3]
     for name in ("fc1", "fc2", "linear"):
         assert mx.array_equal(getattr(a, name), getattr(b, name))
@@ -172,19 +219,29 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
 def test_old_file_owning_the_last_layer_is_refused_by_the_model(edge0_qwen, tmp_path):
     path, moe = wrap_heads_file(edge0_qwen, tmp_path / "w.safetensors", perturb=False)
     old = _rewrite(path, tmp_path / "old.safetensors", consumers=None)
-    with pytest.raises(CheckpointError, match=r"owner 3 -> layer 4: they must both be MoE") as err:
-        Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(old),
-                                              no_lora=True))
+    with pytest.raises(
+        CheckpointError, match=r"owner 3 -> layer 4: they must both be MoE"
+    ) as err:
+        Engine.load(
+            edge0_qwen,
+            EngineOptions(mode="prerouted", prerouter_path=str(old), no_lora=True),
+        )
     assert str(old) in str(err.value)
 
 
-@pytest.mark.parametrize("consumers,match", [
-    ("[1, 2, 3]", "not a JSON list of layer numbers, one per owner"),     # 3 for 4 owners
-    ("not json", "not a JSON list"),
-    ('[1, 2, 3, "0"]', "not a JSON list"),
-    ("[1, 2, 3, 7]", r"3 -> 7"),                                           # beyond owner + 1
-    ("[1, 2, 3, 1]", "a layer twice"),
-])
+@pytest.mark.parametrize(
+    "consumers,match",
+    [
+        (
+            "[1, 2, 3]",
+            "not a JSON list of layer numbers, one per owner",
+        ),  # 3 for 4 owners
+        ("not json", "not a JSON list"),
+        ('[1, 2, 3, "0"]', "not a JSON list"),
+        ("[1, 2, 3, 7]", r"3 -> 7"),  # beyond owner + 1
+        ("[1, 2, 3, 1]", "a layer twice"),
+    ],
+)
 def test_bad_consumers_entry_is_one_clear_error(edge0_qwen, tmp_path, consumers, match):
     path, moe = wrap_heads_file(edge0_qwen, tmp_path / "w.safetensors", perturb=False)
     bad = _rewrite(path, tmp_path / "bad.safetensors", consumers=consumers)
@@ -197,13 +254,15 @@ def test_consumer_that_does_not_fit_the_model_names_the_file(edge0_qwen, tmp_pat
     path, _ = wrap_heads_file(edge0_qwen, tmp_path / "w.safetensors", perturb=False)
     bad = _rewrite(path, tmp_path / "bad.safetensors", consumers="[1, 2, 0, 3]")
     hidden = read_int(bad, "hidden")
-    load_heads(bad, hidden=hidden, num_experts=16, top_k=4)       # well-formed on its own
+    load_heads(bad, hidden=hidden, num_experts=16, top_k=4)  # well-formed on its own
     with pytest.raises(CheckpointError, match=r"owner 2 -> layer 0") as err:
         load_heads(bad, hidden=hidden, num_experts=16, top_k=4, moe_layers=[0, 1, 2, 3])
     assert str(bad) in str(err.value)
     with pytest.raises(CheckpointError, match=str(bad)):
-        Engine.load(edge0_qwen, EngineOptions(mode="prerouted", prerouter_path=str(bad),
-                                              no_lora=True))
+        Engine.load(
+            edge0_qwen,
+            EngineOptions(mode="prerouted", prerouter_path=str(bad), no_lora=True),
+        )
 
 
 def read_int(path, key):
@@ -212,8 +271,21 @@ def read_int(path, key):
 
 def test_init_prerouter_start_layer_zero(edge0_bailing, tmp_path, capsys):
     out = tmp_path / "h.safetensors"
-    assert cli.main(["init-prerouter", str(edge0_bailing), "--start-layer", "0", "--width", "8",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "init-prerouter",
+                str(edge0_bailing),
+                "--start-layer",
+                "0",
+                "--width",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "wrap-around" in printed
     meta = read_metadata(out)
@@ -222,6 +294,7 @@ def test_init_prerouter_start_layer_zero(edge0_bailing, tmp_path, capsys):
 
 
 # -- stages 2/3: the served path with a wrap-around head ----------------------------------------
+
 
 @pytest.mark.parametrize("family", ["qwen", "bailing"])
 def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_path):
@@ -232,8 +305,12 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
 
     converted = request.getfixturevalue(f"edge0_{family}")
     path, moe = wrap_heads_file(converted, tmp_path / "h.safetensors")
-    engine = Engine.load(converted, EngineOptions(mode="prerouted", prerouter_path=str(path),
-                                                  no_lora=True, slots_per_layer=16))
+    engine = Engine.load(
+        converted,
+        EngineOptions(
+            mode="prerouted", prerouter_path=str(path), no_lora=True, slots_per_layer=16
+        ),
+    )
     try:
         prompt, cont = PROMPT_IDS, CONTINUATION_IDS
         served, executed = lora_engine_decode(engine, moe)
@@ -244,10 +321,11 @@ def test_served_path_with_wrap_head_equals_engine_decode(family, request, tmp_pa
         for ckpt in (False, True):
             served_path = ServedPath(engine, grad_checkpoint=ckpt)
             assert served_path.wrap == (moe[-1], moe[0])
-            disc = served_path.discover(tokens, valid, np.array([len(prompt)]),
-                                        keep_logits=True)
+            disc = served_path.discover(
+                tokens, valid, np.array([len(prompt)]), keep_logits=True
+            )
             assert sorted(disc.planned_layers) == moe
-            got = disc.logits[0, len(prompt) - 1:]
+            got = disc.logits[0, len(prompt) - 1 :]
             assert mx.allclose(got, served, atol=1e-4).item()
             for s, want in enumerate(executed):
                 p = len(prompt) + s

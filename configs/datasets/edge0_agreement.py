@@ -10,12 +10,18 @@ from opencompass.openicl.icl_retriever import ZeroRetriever
 
 edge0_agreement_datasets = [
     # abbr: edge0_eval.evaluation.agreement.DATASET_ABBR (a config cannot import it).
-    dict(abbr='edge0_agreement', type=AgreementDataset,
-         reader_cfg=dict(input_columns=['prompt'], output_column='reference'),
-         infer_cfg=dict(prompt_template=dict(type=PromptTemplate,
-                                             template=dict(round=[dict(role='HUMAN',
-                                                                       prompt='{prompt}')])),
-                        retriever=dict(type=ZeroRetriever),
-                        inferencer=dict(type=Edge0GenInferencer)),
-         eval_cfg=dict(evaluator=dict(type=AgreementEvaluator))),
+    dict(
+        abbr="edge0_agreement",
+        type=AgreementDataset,
+        reader_cfg=dict(input_columns=["prompt"], output_column="reference"),
+        infer_cfg=dict(
+            prompt_template=dict(
+                type=PromptTemplate,
+                template=dict(round=[dict(role="HUMAN", prompt="{prompt}")]),
+            ),
+            retriever=dict(type=ZeroRetriever),
+            inferencer=dict(type=Edge0GenInferencer),
+        ),
+        eval_cfg=dict(evaluator=dict(type=AgreementEvaluator)),
+    ),
 ]

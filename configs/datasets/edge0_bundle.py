@@ -21,55 +21,86 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.evaluators import (CheckedIFBenchEvaluator, SubsetHumanEvalEvaluator,
-                                       edge0_answer_text)
+from model_wrappers.evaluators import (
+    CheckedIFBenchEvaluator,
+    SubsetHumanEvalEvaluator,
+    edge0_answer_text,
+)
 from model_wrappers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
 from opencompass.openicl.icl_evaluator import AccwithDetailsEvaluator
 
 with read_base():
-    from opencompass.configs.datasets.aime2026.aime2026_cascade_eval_gen_6ff468 import \
-        aime2026_datasets
+    from opencompass.configs.datasets.aime2026.aime2026_cascade_eval_gen_6ff468 import (
+        aime2026_datasets,
+    )
     from opencompass.configs.datasets.gpqa.gpqa_gen import gpqa_datasets
     from opencompass.configs.datasets.humaneval.humaneval_gen import humaneval_datasets
     from opencompass.configs.datasets.IFBench.IFBench_gen import ifbench_datasets
     from opencompass.configs.datasets.mmlu_pro.mmlu_pro_gen import mmlu_pro_datasets
 
-if not os.environ.get('OC_JUDGE_MODEL'):
+if not os.environ.get("OC_JUDGE_MODEL"):
     for d in aime2026_datasets:
-        d['eval_cfg']['evaluator'] = dict(type=MATHVerifyEvaluator)
+        d["eval_cfg"]["evaluator"] = dict(type=MATHVerifyEvaluator)
 for d in humaneval_datasets:
-    d['eval_cfg']['evaluator'] = dict(type=SubsetHumanEvalEvaluator)
+    d["eval_cfg"]["evaluator"] = dict(type=SubsetHumanEvalEvaluator)
 for d in ifbench_datasets:
-    d['eval_cfg']['evaluator'] = dict(type=CheckedIFBenchEvaluator)
+    d["eval_cfg"]["evaluator"] = dict(type=CheckedIFBenchEvaluator)
 for d in mmlu_pro_datasets:
-    d['eval_cfg']['evaluator'] = dict(type=AccwithDetailsEvaluator)
+    d["eval_cfg"]["evaluator"] = dict(type=AccwithDetailsEvaluator)
 
 # An output cut inside its <think> block scores as an empty answer (edge0_answer_text, default
 # 'empty'); EDGE0_OPEN_THINKING=pass restores OpenCompass's pass-through of the whole text. The
 # names are edge0_eval.evaluation.thinking.OPEN_THINKING_RULES (a config cannot call project code).
-edge0_open_thinking = ({'open_thinking': os.environ['EDGE0_OPEN_THINKING']}
-                       if os.environ.get('EDGE0_OPEN_THINKING') else {})
-if edge0_open_thinking and edge0_open_thinking['open_thinking'] not in ('empty', 'pass'):
-    raise SystemExit(f"edge0-eval: EDGE0_OPEN_THINKING={os.environ['EDGE0_OPEN_THINKING']!r} "
-                     f"is not 'empty' or 'pass'")
-edge0_datasets = [*aime2026_datasets, *humaneval_datasets, *gpqa_datasets, *mmlu_pro_datasets,
-                  *ifbench_datasets]
-for d in edge0_datasets:
-    d['infer_cfg']['inferencer']['type'] = Edge0GenInferencer
-    d['infer_cfg']['inferencer'].pop('max_out_len', None)
-    # First the thinking rule, then the dataset's own postprocessor (`then`).
-    d['eval_cfg']['pred_postprocessor'] = dict(
-        type=edge0_answer_text, then=d['eval_cfg'].get('pred_postprocessor'),
-        **edge0_open_thinking)
-
-edge0_mmlu_pro_subsets = [d['abbr'] for d in mmlu_pro_datasets]
-edge0_summary_groups = [
-    dict(name='mmlu_pro', subsets=edge0_mmlu_pro_subsets),
-    # Edge0Summarizer weights each category by its number of scored questions.
-    dict(name='mmlu_pro_per_question', subsets=edge0_mmlu_pro_subsets, weights='num_items'),
+edge0_open_thinking = (
+    {"open_thinking": os.environ["EDGE0_OPEN_THINKING"]}
+    if os.environ.get("EDGE0_OPEN_THINKING")
+    else {}
+)
+if edge0_open_thinking and edge0_open_thinking["open_thinking"] not in (
+    "empty",
+    "pass",
+):
+    raise SystemExit(
+        f"edge0-eval: EDGE0_OPEN_THINKING={os.environ['EDGE0_OPEN_THINKING']!r} "
+        f"is not 'empty' or 'pass'"
+    )
+edge0_datasets = [
+    *aime2026_datasets,
+    *humaneval_datasets,
+    *gpqa_datasets,
+    *mmlu_pro_datasets,
+    *ifbench_datasets,
 ]
-edge0_dataset_abbrs = ['aime2026', 'openai_humaneval', 'GPQA_diamond', 'mmlu_pro_per_question',
-                       'mmlu_pro', 'IFBench']
+for d in edge0_datasets:
+    d["infer_cfg"]["inferencer"]["type"] = Edge0GenInferencer
+    d["infer_cfg"]["inferencer"].pop("max_out_len", None)
+    # First the thinking rule, then the dataset's own postprocessor (`then`).
+    d["eval_cfg"]["pred_postprocessor"] = dict(
+        type=edge0_answer_text,
+        then=d["eval_cfg"].get("pred_postprocessor"),
+        **edge0_open_thinking,
+    )
 
-del os  # a module in the config namespace would break the config dump OpenCompass re-reads
+edge0_mmlu_pro_subsets = [d["abbr"] for d in mmlu_pro_datasets]
+edge0_summary_groups = [
+    dict(name="mmlu_pro", subsets=edge0_mmlu_pro_subsets),
+    # Edge0Summarizer weights each category by its number of scored questions.
+    dict(
+        name="mmlu_pro_per_question",
+        subsets=edge0_mmlu_pro_subsets,
+        weights="num_items",
+    ),
+]
+edge0_dataset_abbrs = [
+    "aime2026",
+    "openai_humaneval",
+    "GPQA_diamond",
+    "mmlu_pro_per_question",
+    "mmlu_pro",
+    "IFBench",
+]
+
+del (
+    os
+)  # a module in the config namespace would break the config dump OpenCompass re-reads

@@ -13,10 +13,15 @@ from opencompass.openicl.icl_retriever import ZeroRetriever
 edge0_fidelity_datasets = [
     # abbr: edge0_eval.evaluation.fidelity_set.DATASET_ABBR (the report finds fidelity by it;
     # a config turns an imported name into a dotted string, so it is spelt out).
-    dict(abbr='edge0_fidelity', type=FidelityDataset,
-         reader_cfg=dict(input_columns=['prompt'], output_column='item'),
-         infer_cfg=dict(prompt_template=dict(type=PromptTemplate, template='{prompt}'),
-                        retriever=dict(type=ZeroRetriever),
-                        inferencer=dict(type=FidelityInferencer)),
-         eval_cfg=dict(evaluator=dict(type=FidelityEvaluator))),
+    dict(
+        abbr="edge0_fidelity",
+        type=FidelityDataset,
+        reader_cfg=dict(input_columns=["prompt"], output_column="item"),
+        infer_cfg=dict(
+            prompt_template=dict(type=PromptTemplate, template="{prompt}"),
+            retriever=dict(type=ZeroRetriever),
+            inferencer=dict(type=FidelityInferencer),
+        ),
+        eval_cfg=dict(evaluator=dict(type=FidelityEvaluator)),
+    ),
 ]

@@ -13,8 +13,8 @@
 from model_wrappers.edge0_api_model import Edge0APIModel
 
 edge0_api_arms = dict(
-    teacher_api=dict(type=Edge0APIModel, path='default_model'),
-    student_api=dict(type=Edge0APIModel, path='edge0-student'),
+    teacher_api=dict(type=Edge0APIModel, path="default_model"),
+    student_api=dict(type=Edge0APIModel, path="edge0-student"),
 )
 # Whose files each reads (tokenizer_path), as edge0_arm_paths.
-edge0_api_paths = dict(teacher_api='teacher', student_api='student')
+edge0_api_paths = dict(teacher_api="teacher", student_api="student")

@@ -10,10 +10,14 @@ from model_wrappers.mlx_lm_model import MLXLMModel
 
 edge0_arms = dict(
     teacher=dict(type=MLXLMModel),
-    int4_exact=dict(type=Edge0Model, mode='reactive', no_lora=True, no_prerouter=True),
-    prerouted_nolora=dict(type=Edge0Model, mode='prerouted', no_lora=True),
-    student=dict(type=Edge0Model, mode='prerouted'),
+    int4_exact=dict(type=Edge0Model, mode="reactive", no_lora=True, no_prerouter=True),
+    prerouted_nolora=dict(type=Edge0Model, mode="prerouted", no_lora=True),
+    student=dict(type=Edge0Model, mode="prerouted"),
 )
 # Which model directory each arm reads.
-edge0_arm_paths = dict(teacher='teacher', int4_exact='student', prerouted_nolora='student',
-                       student='student')
+edge0_arm_paths = dict(
+    teacher="teacher",
+    int4_exact="student",
+    prerouted_nolora="student",
+    student="student",
+)

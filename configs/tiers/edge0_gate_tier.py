@@ -41,7 +41,9 @@ with read_base():
     from ..datasets.edge0_fidelity import edge0_fidelity_datasets
     from .edge0_tier import *  # noqa: F401,F403 (edge0_tier_models, problems, summarizer)
 
-edge0_gate_generation = dict(max_out_len=1024, chat_template_kwargs=dict(enable_thinking=False))
+edge0_gate_generation = dict(
+    max_out_len=1024, chat_template_kwargs=dict(enable_thinking=False)
+)
 # Rounds of a sequential run (`edge0-eval gate-run --sequential`): cumulative shares.
 edge0_gate_rounds = [0.125, 0.25, 0.5, 1.0]
 # Inputs, per tier. budget_h: hours of the student arm. tok_s: the student's aggregate decode
@@ -53,59 +55,119 @@ edge0_gate_rounds = [0.125, 0.25, 0.5, 1.0]
 # `--fidelity-tok-s`. churn: the share of items whose outcome changes between runs of an
 # unchanged student (the power figures' assumption).
 edge0_gate_inputs = dict(
-    budget_h=1.0, tok_s=20.0, overhead_s=120.0, fidelity_positions=102400, fidelity_tok_s=200.0,
-    benchmarks=['HumanEval', 'GPQA-Diamond', 'MMLU-Pro', 'IFBench'], churn=0.10, alpha=0.05,
-    rounds=edge0_gate_rounds)
+    budget_h=1.0,
+    tok_s=20.0,
+    overhead_s=120.0,
+    fidelity_positions=102400,
+    fidelity_tok_s=200.0,
+    benchmarks=["HumanEval", "GPQA-Diamond", "MMLU-Pro", "IFBench"],
+    churn=0.10,
+    alpha=0.05,
+    rounds=edge0_gate_rounds,
+)
 edge0_gate_tiers = {
-    '35b': dict(
+    "35b": dict(
         edge0_gate_inputs,
         # edge0-eval plan configs/edge0_35b_gate.py --size-gate: paste into edge0_gate
-        samples={'openai_humaneval': 14, 'GPQA_diamond': 14, 'mmlu_pro_math': 2,
-                 'mmlu_pro_physics': 2,
-                 'mmlu_pro_chemistry': 1, 'mmlu_pro_law': 1, 'mmlu_pro_engineering': 1,
-                 'mmlu_pro_other': 1, 'mmlu_pro_economics': 1, 'mmlu_pro_health': 1,
-                 'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
-                 'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
-                 'IFBench': 14},
-        drops={'HumanEval': 90.2, 'GPQA-Diamond': 90.2, 'MMLU-Pro': 90.2, 'IFBench': 90.2},
+        samples={
+            "openai_humaneval": 14,
+            "GPQA_diamond": 14,
+            "mmlu_pro_math": 2,
+            "mmlu_pro_physics": 2,
+            "mmlu_pro_chemistry": 1,
+            "mmlu_pro_law": 1,
+            "mmlu_pro_engineering": 1,
+            "mmlu_pro_other": 1,
+            "mmlu_pro_economics": 1,
+            "mmlu_pro_health": 1,
+            "mmlu_pro_psychology": 1,
+            "mmlu_pro_business": 1,
+            "mmlu_pro_biology": 1,
+            "mmlu_pro_philosophy": 1,
+            "mmlu_pro_computer_science": 0,
+            "mmlu_pro_history": 0,
+            "IFBench": 14,
+        },
+        drops={
+            "HumanEval": 90.2,
+            "GPQA-Diamond": 90.2,
+            "MMLU-Pro": 90.2,
+            "IFBench": 90.2,
+        },
     ),
-    '8b': dict(
+    "8b": dict(
         edge0_gate_inputs,
         # edge0-eval plan configs/edge0_8b_gate.py --size-gate: paste into edge0_gate
-        samples={'openai_humaneval': 14, 'GPQA_diamond': 14, 'mmlu_pro_math': 2,
-                 'mmlu_pro_physics': 2,
-                 'mmlu_pro_chemistry': 1, 'mmlu_pro_law': 1, 'mmlu_pro_engineering': 1,
-                 'mmlu_pro_other': 1, 'mmlu_pro_economics': 1, 'mmlu_pro_health': 1,
-                 'mmlu_pro_psychology': 1, 'mmlu_pro_business': 1, 'mmlu_pro_biology': 1,
-                 'mmlu_pro_philosophy': 1, 'mmlu_pro_computer_science': 0, 'mmlu_pro_history': 0,
-                 'IFBench': 14},
-        drops={'HumanEval': 90.2, 'GPQA-Diamond': 90.2, 'MMLU-Pro': 90.2, 'IFBench': 90.2},
+        samples={
+            "openai_humaneval": 14,
+            "GPQA_diamond": 14,
+            "mmlu_pro_math": 2,
+            "mmlu_pro_physics": 2,
+            "mmlu_pro_chemistry": 1,
+            "mmlu_pro_law": 1,
+            "mmlu_pro_engineering": 1,
+            "mmlu_pro_other": 1,
+            "mmlu_pro_economics": 1,
+            "mmlu_pro_health": 1,
+            "mmlu_pro_psychology": 1,
+            "mmlu_pro_business": 1,
+            "mmlu_pro_biology": 1,
+            "mmlu_pro_philosophy": 1,
+            "mmlu_pro_computer_science": 0,
+            "mmlu_pro_history": 0,
+            "IFBench": 14,
+        },
+        drops={
+            "HumanEval": 90.2,
+            "GPQA-Diamond": 90.2,
+            "MMLU-Pro": 90.2,
+            "IFBench": 90.2,
+        },
     ),
 }
 
 # EDGE0_GATE_ROUND (set by `gate-run --sequential`): 0 runs the whole sample, r its round r.
-edge0_gate_round = os.environ.get('EDGE0_GATE_ROUND') or '0'
+edge0_gate_round = os.environ.get("EDGE0_GATE_ROUND") or "0"
 if not edge0_gate_round.isdigit():
-    raise SystemExit(f'edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number')
+    raise SystemExit(
+        f"edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number"
+    )
 # The datasets the sample is drawn from (the sizing reads them), then each tier's sample.
 edge0_gate_sources = edge0_datasets
 edge0_gate_datasets = {
-    tier: [dict(d, reader_cfg=dict(d['reader_cfg'], test_range=gate['samples'][d['abbr']]))
-           for d in edge0_gate_sources if gate['samples'].get(d['abbr'])]
+    tier: [
+        dict(d, reader_cfg=dict(d["reader_cfg"], test_range=gate["samples"][d["abbr"]]))
+        for d in edge0_gate_sources
+        if gate["samples"].get(d["abbr"])
+    ]
     + edge0_fidelity_datasets
-    for tier, gate in edge0_gate_tiers.items()}
-edge0_gate_models = {tier: [dict(m, **edge0_gate_generation) for m in tier_models]
-                     for tier, tier_models in edge0_tier_models.items()}
+    for tier, gate in edge0_gate_tiers.items()
+}
+edge0_gate_models = {
+    tier: [dict(m, **edge0_gate_generation) for m in tier_models]
+    for tier, tier_models in edge0_tier_models.items()
+}
 
 infer = dict(
-    partitioner=dict(type=Edge0RoundPartitioner, rounds=edge0_gate_rounds,
-                     round=int(edge0_gate_round), stage='infer'),
+    partitioner=dict(
+        type=Edge0RoundPartitioner,
+        rounds=edge0_gate_rounds,
+        round=int(edge0_gate_round),
+        stage="infer",
+    ),
     runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
 )
 eval = dict(
-    partitioner=dict(type=Edge0RoundPartitioner, check_models=False, rounds=edge0_gate_rounds,
-                     round=int(edge0_gate_round), stage='eval'),
+    partitioner=dict(
+        type=Edge0RoundPartitioner,
+        check_models=False,
+        rounds=edge0_gate_rounds,
+        round=int(edge0_gate_round),
+        stage="eval",
+    ),
     runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
 )
 
-del os  # a module in the config namespace would break the config dump OpenCompass re-reads
+del (
+    os
+)  # a module in the config namespace would break the config dump OpenCompass re-reads

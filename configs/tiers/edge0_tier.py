@@ -16,18 +16,22 @@ from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 
 with read_base():
-    from ..datasets.edge0_bundle import (edge0_dataset_abbrs, edge0_datasets,
-                                         edge0_summary_groups)
+    from ..datasets.edge0_bundle import (
+        edge0_dataset_abbrs,
+        edge0_datasets,
+        edge0_summary_groups,
+    )
     from ..datasets.edge0_fidelity import edge0_fidelity_datasets
     from .edge0_api import edge0_api_arms, edge0_api_paths
     from .edge0_arms import edge0_arm_paths, edge0_arms
 
-edge0_selected = os.environ.get('EDGE0_ARMS', 'teacher,student').split(',')
+edge0_selected = os.environ.get("EDGE0_ARMS", "teacher,student").split(",")
 # The five benchmarks, then teacher-forced fidelity on a set made from the tier's fp16 teacher
 # (`edge0-eval fidelity make`, laid out by `edge0-eval data stage --fidelity FILE`); a run with
 # a served arm (edge0_api.py) leaves fidelity out: it needs the model in the process.
-datasets = edge0_datasets + ([] if set(edge0_selected) & set(edge0_api_arms)
-                             else edge0_fidelity_datasets)
+datasets = edge0_datasets + (
+    [] if set(edge0_selected) & set(edge0_api_arms) else edge0_fidelity_datasets
+)
 
 # Sampling, chosen by EDGE0_SAMPLING (default `opencompass`), the same for every arm of a run
 # (`report` refuses to pair arms, and `gate` a baseline, sampled otherwise):
@@ -47,13 +51,16 @@ datasets = edge0_datasets + ([] if set(edge0_selected) & set(edge0_api_arms)
 #                every generated token and none of the prompt; and the prerouter hedge drafts the
 #                next token without penalties. The 8B tier (Ling) has no card setting gathered.
 edge0_tier_sampling = {
-    'opencompass': {'35b': dict(temperature=0.6, top_p=0.95),
-                    '8b': dict(temperature=0.6, top_p=0.95)},
-    'card': {'35b': dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)},
+    "opencompass": {
+        "35b": dict(temperature=0.6, top_p=0.95),
+        "8b": dict(temperature=0.6, top_p=0.95),
+    },
+    "card": {"35b": dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)},
 }
-edge0_sampling = os.environ.get('EDGE0_SAMPLING') or 'opencompass'
+edge0_sampling = os.environ.get("EDGE0_SAMPLING") or "opencompass"
 generation = dict(
-    max_out_len=32768, max_seq_len=40960,
+    max_out_len=32768,
+    max_seq_len=40960,
     chat_template_kwargs=dict(enable_thinking=True),
     run_cfg=dict(num_gpus=0),
 )
@@ -68,8 +75,11 @@ eval = dict(
     partitioner=dict(type=Edge0Partitioner, check_models=False),
     runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
 )
-summarizer = dict(type=Edge0Summarizer, dataset_abbrs=edge0_dataset_abbrs,
-                  summary_groups=edge0_summary_groups)
+summarizer = dict(
+    type=Edge0Summarizer,
+    dataset_abbrs=edge0_dataset_abbrs,
+    summary_groups=edge0_summary_groups,
+)
 
 # batch_size per tier and arm: the prompts OpenCompass hands a model per call, decoded together
 # (each row equals its run alone). A row costs, at the 40,960-token limit (a batch's caches pad
@@ -82,49 +92,85 @@ summarizer = dict(type=Edge0Summarizer, dataset_abbrs=edge0_dataset_abbrs,
 #     128 GB machine (batch_size=1, 65 GiB, on 96 GB); 8B 14.5 + 8 x 0.15 = 16 GiB, 32 GB.
 #   Served arms: the rows per host are its server's --max-batch; a call hands out batch_size
 #     prompts at once, spread over the hosts, so student_api's batch_size is 8 x its hosts.
-edge0_tier_batch = {'35b': dict(teacher=8, student=8), '8b': dict(teacher=8, student=8)}
+edge0_tier_batch = {"35b": dict(teacher=8, student=8), "8b": dict(teacher=8, student=8)}
 
 # Per tier: the Edge0Model settings every student arm shares. 35B: served at K=4 (native top-8),
 # as in the reference design; 8B: the native top-8 (the reference reduces K only on 35B).
-edge0_tier_students = {'35b': dict(top_k=4), '8b': dict(top_k=None)}
-edge0_roles = dict(teacher='the fp16 teacher (an mlx-lm checkpoint directory)',
-                   student='the student directory (`edge0-eval convert` output holding '
-                           'lora.safetensors and prerouter.safetensors)')
+edge0_tier_students = {"35b": dict(top_k=4), "8b": dict(top_k=None)}
+edge0_roles = dict(
+    teacher="the fp16 teacher (an mlx-lm checkpoint directory)",
+    student="the student directory (`edge0-eval convert` output holding "
+    "lora.safetensors and prerouter.safetensors)",
+)
 edge0_roles_of = {**edge0_arm_paths, **edge0_api_paths}
 edge0_unknown = sorted(set(edge0_selected) - set(edge0_roles_of))
 edge0_tier_models, edge0_tier_problems = {}, {}
 for tier, student_settings in edge0_tier_students.items():
-    variables = {role: f'EDGE0_{tier.upper()}_{role.upper()}' for role in edge0_roles}
+    variables = {role: f"EDGE0_{tier.upper()}_{role.upper()}" for role in edge0_roles}
     paths = {role: os.environ.get(v) for role, v in variables.items()}
     # Served arms: EDGE0_35B_STUDENT_API=http://host-a:8001/v1,http://host-b:8001/v1, and
     # EDGE0_35B_TEACHER_API=http://host-t:8080/v1; the role's path is their local tokenizer copy.
-    urls = {arm: (os.environ.get(f'EDGE0_{tier.upper()}_{arm.upper()}') or '').split(',')
-            for arm in edge0_api_arms}
+    urls = {
+        arm: (os.environ.get(f"EDGE0_{tier.upper()}_{arm.upper()}") or "").split(",")
+        for arm in edge0_api_arms
+    }
     edge0_tier_problems[tier] = (
-        [f'edge0-eval: EDGE0_ARMS has unknown arms {edge0_unknown}; choose from '
-         f'{", ".join(edge0_roles_of)}'] if edge0_unknown else
-        [f'edge0-eval: EDGE0_SAMPLING={edge0_sampling!r} is not a sampling of the {tier} tier; '
-         f'choose from {", ".join(k for k, v in edge0_tier_sampling.items() if tier in v)}']
-        if tier not in edge0_tier_sampling.get(edge0_sampling, {}) else
-        [f'edge0-eval: {variables[role]} is not set: export it to {what}'
-         for role, what in edge0_roles.items()
-         if not paths[role] and any(edge0_roles_of[a] == role for a in edge0_selected)]
-        + [f'edge0-eval: EDGE0_{tier.upper()}_{arm.upper()} is not set: export it to the '
-           f'server URL(s), comma-separated (http://HOST:PORT/v1)'
-           for arm in edge0_api_arms if arm in edge0_selected and not urls[arm][0]])
-    edge0_tier_models[tier] = [] if (edge0_unknown or tier not in edge0_tier_sampling.get(
-        edge0_sampling, {})) else [
-        dict(abbr=f'edge0-{tier}-' + arm.replace('_', '-'), path=paths[edge0_arm_paths[arm]],
-             **edge0_arms[arm], **({} if arm == 'teacher' else student_settings), **generation,
-             generation_kwargs=dict(edge0_tier_sampling[edge0_sampling][tier], seed=0),
-             batch_size=edge0_tier_batch[tier]['teacher' if arm == 'teacher' else 'student'])
-        if arm in edge0_arms else
-        dict(abbr=f'edge0-{tier}-' + arm.replace('_', '-'), **edge0_api_arms[arm],
-             openai_api_base=urls[arm], tokenizer_path=paths[edge0_api_paths[arm]],
-             **generation, generation_kwargs=dict(edge0_tier_sampling[edge0_sampling][tier],
-                                                  seed=0),
-             batch_size=edge0_tier_batch[tier][edge0_api_paths[arm]] * len(urls[arm]))
-        for arm in edge0_selected]
+        [
+            f"edge0-eval: EDGE0_ARMS has unknown arms {edge0_unknown}; choose from "
+            f"{', '.join(edge0_roles_of)}"
+        ]
+        if edge0_unknown
+        else [
+            f"edge0-eval: EDGE0_SAMPLING={edge0_sampling!r} is not a sampling of the {tier} tier; "
+            f"choose from {', '.join(k for k, v in edge0_tier_sampling.items() if tier in v)}"
+        ]
+        if tier not in edge0_tier_sampling.get(edge0_sampling, {})
+        else [
+            f"edge0-eval: {variables[role]} is not set: export it to {what}"
+            for role, what in edge0_roles.items()
+            if not paths[role]
+            and any(edge0_roles_of[a] == role for a in edge0_selected)
+        ]
+        + [
+            f"edge0-eval: EDGE0_{tier.upper()}_{arm.upper()} is not set: export it to the "
+            f"server URL(s), comma-separated (http://HOST:PORT/v1)"
+            for arm in edge0_api_arms
+            if arm in edge0_selected and not urls[arm][0]
+        ]
+    )
+    edge0_tier_models[tier] = (
+        []
+        if (edge0_unknown or tier not in edge0_tier_sampling.get(edge0_sampling, {}))
+        else [
+            dict(
+                abbr=f"edge0-{tier}-" + arm.replace("_", "-"),
+                path=paths[edge0_arm_paths[arm]],
+                **edge0_arms[arm],
+                **({} if arm == "teacher" else student_settings),
+                **generation,
+                generation_kwargs=dict(
+                    edge0_tier_sampling[edge0_sampling][tier], seed=0
+                ),
+                batch_size=edge0_tier_batch[tier][
+                    "teacher" if arm == "teacher" else "student"
+                ],
+            )
+            if arm in edge0_arms
+            else dict(
+                abbr=f"edge0-{tier}-" + arm.replace("_", "-"),
+                **edge0_api_arms[arm],
+                openai_api_base=urls[arm],
+                tokenizer_path=paths[edge0_api_paths[arm]],
+                **generation,
+                generation_kwargs=dict(
+                    edge0_tier_sampling[edge0_sampling][tier], seed=0
+                ),
+                batch_size=edge0_tier_batch[tier][edge0_api_paths[arm]]
+                * len(urls[arm]),
+            )
+            for arm in edge0_selected
+        ]
+    )
 
 # A module in the config namespace would break the config dump OpenCompass re-reads.
 del os

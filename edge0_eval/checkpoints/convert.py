@@ -31,13 +31,29 @@ from mlx_lm.utils import save_config
 from tqdm import tqdm
 
 from edge0_eval.checkpoints.plan import (
-    DEFAULT_BITS, DEFAULT_GROUP_SIZE, SUPPORTED_MODEL_TYPES, Plan, make_plan, new_index,
+    DEFAULT_BITS,
+    DEFAULT_GROUP_SIZE,
+    SUPPORTED_MODEL_TYPES,
+    Plan,
+    make_plan,
+    new_index,
 )
 from edge0_eval.checkpoints.source import Checkpoint, to_numpy
 from edge0_eval.checkpoints.writer import (
-    BundleWriter, check_free_space, check_out_empty, copy_side_files, file_digests, output_dir,
+    BundleWriter,
+    check_free_space,
+    check_out_empty,
+    copy_side_files,
+    file_digests,
+    output_dir,
 )
-from edge0_eval.formats.layout import EXPERTS_NAME, PARTS, PROJECTIONS, RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import (
+    EXPERTS_NAME,
+    PARTS,
+    PROJECTIONS,
+    RESIDENT_NAME,
+    ExpertIndex,
+)
 
 
 def _write_resident(ckpt: Checkpoint, plan: Plan, path: Path) -> None:
@@ -63,28 +79,40 @@ def _expert_source(ckpt: Checkpoint, plan: Plan, layer: int):
     """expert e -> its bundle arrays, for one layer (quantizing the layer first if SRC is fp)."""
     path = plan.switches[layer].path
     if ckpt.quantization is not None:
-        stacked = {f"{p}.{q}": to_numpy(ckpt.take(f"{path}.{p}.{q}"))
-                   for p in PROJECTIONS for q in PARTS}
+        stacked = {
+            f"{p}.{q}": to_numpy(ckpt.take(f"{path}.{p}.{q}"))
+            for p in PROJECTIONS
+            for q in PARTS
+        }
     else:
         stacked = {}
         for proj in PROJECTIONS:
             # Exactly what QuantizedSwitchLinear._quantize does with the stacked [E, out, in].
-            parts = mx.quantize(ckpt.take(f"{path}.{proj}.weight"), plan.group_size,
-                                plan.bits, mode=plan.mode)
+            parts = mx.quantize(
+                ckpt.take(f"{path}.{proj}.weight"),
+                plan.group_size,
+                plan.bits,
+                mode=plan.mode,
+            )
             mx.eval(*parts)
             for part, value in zip(PARTS, parts):
                 stacked[f"{proj}.{part}"] = to_numpy(value)
     return lambda e: {name: value[e] for name, value in stacked.items()}
 
 
-def convert(src: str | Path, out: str | Path, bits: int | None = None,
-            group_size: int | None = None, progress: bool = True) -> Path:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    bits: int | None = None,
+    group_size: int | None = None,
+    progress: bool = True,
+) -> Path:
     """Convert checkpoint `src` into the streaming layout at `out`. Returns `out`.
 
     `bits`/`group_size` default to 4/64 for a float SRC; for a quantized SRC they must be
     omitted or match it (it is repacked, never requantized).
     """
-    check_out_empty(out)         # the cheapest check first
+    check_out_empty(out)  # the cheapest check first
     ckpt = Checkpoint(src)
     plan = make_plan(ckpt, bits, group_size)
     index = new_index(plan, ckpt.model_type)
@@ -98,14 +126,18 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None,
             _write_resident(ckpt, plan, tmp / RESIDENT_NAME)
             writer = BundleWriter(tmp / EXPERTS_NAME, index)
             try:
-                for layer in tqdm(plan.moe_layers, desc="convert experts", unit="layer",
-                                  disable=not progress):
+                for layer in tqdm(
+                    plan.moe_layers,
+                    desc="convert experts",
+                    unit="layer",
+                    disable=not progress,
+                ):
                     writer.write_layer(layer, _expert_source(ckpt, plan, layer))
             finally:
                 writer.close()
             index.source = digests.result()
         finally:
-            stop.set()           # on failure, do not wait for a full hash of SRC
+            stop.set()  # on failure, do not wait for a full hash of SRC
             pool.shutdown()
         index.validate(tmp)
         index.save(tmp)
@@ -119,22 +151,35 @@ def convert(src: str | Path, out: str | Path, bits: int | None = None,
 
 # -- CLI ---------------------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help=f"checkpoint directory mlx-lm loads: an mlx-community "
-                                    f"conversion or a Hugging Face original "
-                                    f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    parser.add_argument(
+        "src",
+        help=f"checkpoint directory mlx-lm loads: an mlx-community "
+        f"conversion or a Hugging Face original "
+        f"({', '.join(SUPPORTED_MODEL_TYPES)})",
+    )
     parser.add_argument("out", help="output directory (must not exist or be empty)")
-    parser.add_argument("--bits", type=int, default=None,
-                        help=f"bits for a float SRC (default {DEFAULT_BITS}); a quantized SRC "
-                             f"is repacked as it is")
-    parser.add_argument("--group-size", type=int, default=None,
-                        help=f"quantization group size for a float SRC (default "
-                             f"{DEFAULT_GROUP_SIZE})")
+    parser.add_argument(
+        "--bits",
+        type=int,
+        default=None,
+        help=f"bits for a float SRC (default {DEFAULT_BITS}); a quantized SRC "
+        f"is repacked as it is",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help=f"quantization group size for a float SRC (default {DEFAULT_GROUP_SIZE})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size)
     index = ExpertIndex.load(out)
-    print(f"wrote {out}: {len(index.moe_layers)} MoE layers x {index.num_experts} experts, "
-          f"{index.bits}-bit group {index.group_size}, {index.file_size / 1e9:.2f} GB of experts")
+    print(
+        f"wrote {out}: {len(index.moe_layers)} MoE layers x {index.num_experts} experts, "
+        f"{index.bits}-bit group {index.group_size}, {index.file_size / 1e9:.2f} GB of experts"
+    )
     return 0

@@ -21,8 +21,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Split:
-    shared: np.ndarray    # [S] neuron ids of the always-on part
-    experts: np.ndarray   # [E, size] neuron ids per expert
+    shared: np.ndarray  # [S] neuron ids of the always-on part
+    experts: np.ndarray  # [E, size] neuron ids per expert
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -34,26 +34,38 @@ def neuron_activations(x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.nd
     return silu(x @ gate.T) * (x @ up.T)
 
 
-def split_neurons(acts: np.ndarray, down: np.ndarray, num_shared: int, num_experts: int,
-                  seed: int = 0, iters: int = 12) -> Split:
+def split_neurons(
+    acts: np.ndarray,
+    down: np.ndarray,
+    num_shared: int,
+    num_experts: int,
+    seed: int = 0,
+    iters: int = 12,
+) -> Split:
     """Partition the I neurons into `num_shared` shared ones and `num_experts` equal experts."""
     inter = acts.shape[1]
     routed_count = inter - num_shared
     if num_shared < 0 or num_experts < 1 or routed_count % num_experts:
-        raise ValueError(f"{inter} neurons minus {num_shared} shared do not split into "
-                         f"{num_experts} equal experts")
+        raise ValueError(
+            f"{inter} neurons minus {num_shared} shared do not split into "
+            f"{num_experts} equal experts"
+        )
     contribution = np.abs(acts) * np.linalg.norm(down, axis=0)[None, :]
     order = np.argsort(-contribution.mean(axis=0), kind="stable")
     shared = np.sort(order[:num_shared])
     routed = np.sort(order[num_shared:])
-    features = contribution[:, routed].T                      # [R, T]: when each neuron matters
+    features = contribution[:, routed].T  # [R, T]: when each neuron matters
     features = features / (np.linalg.norm(features, axis=1, keepdims=True) + 1e-12)
-    labels = balanced_kmeans(features, num_experts, routed_count // num_experts, seed, iters)
+    labels = balanced_kmeans(
+        features, num_experts, routed_count // num_experts, seed, iters
+    )
     experts = np.stack([np.sort(routed[labels == e]) for e in range(num_experts)])
     return Split(shared=shared, experts=experts)
 
 
-def balanced_kmeans(features: np.ndarray, k: int, size: int, seed: int, iters: int) -> np.ndarray:
+def balanced_kmeans(
+    features: np.ndarray, k: int, size: int, seed: int, iters: int
+) -> np.ndarray:
     """Cosine k-means where every cluster gets exactly `size` members (greedy capacity fill)."""
     rng = np.random.default_rng(seed)
     centroids = features[rng.choice(len(features), k, replace=False)]
@@ -80,8 +92,13 @@ def _balanced_assign(similarity: np.ndarray, size: int) -> np.ndarray:
 
 def expert_output_norms(acts: np.ndarray, down: np.ndarray, split: Split) -> np.ndarray:
     """[T, E] norm of each expert's output: the oracle the router is fitted to rank."""
-    return np.stack([np.linalg.norm(acts[:, ids] @ down[:, ids].T, axis=1)
-                     for ids in split.experts], axis=1)
+    return np.stack(
+        [
+            np.linalg.norm(acts[:, ids] @ down[:, ids].T, axis=1)
+            for ids in split.experts
+        ],
+        axis=1,
+    )
 
 
 def fit_router(x: np.ndarray, norms: np.ndarray, ridge: float = 1e-2) -> np.ndarray:

@@ -13,14 +13,25 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import _get_classes, load_tokenizer
 
-from edge0_eval.formats.config import eos_token_ids
 from edge0_eval.engine.families import FAMILIES
-from edge0_eval.formats.layout import RESIDENT_NAME, TENSOR_ORDER, ExpertIndex, unpack_bundle
-from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
+from edge0_eval.engine.mlx_compat import (
+    cast_floating,
+    quantize_like_mlx_lm,
+    resolve_compute_dtype,
+)
 from edge0_eval.engine.store import ExpertStore
+from edge0_eval.formats.config import eos_token_ids
+from edge0_eval.formats.layout import (
+    RESIDENT_NAME,
+    TENSOR_ORDER,
+    ExpertIndex,
+    unpack_bundle,
+)
 
 
-def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: int | None = None):
+def load_reference(
+    directory: str | Path, compute_dtype: str = "auto", top_k: int | None = None
+):
     """Returns (mlx-lm model, tokenizer) for a converted directory, all experts in memory.
 
     `compute_dtype` applies the engine's dtype policy (see mlx_compat) so both run alike.
@@ -34,7 +45,10 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
     store = ExpertStore(directory, index)
     try:
         for layer in index.moe_layers:
-            bundles = [unpack_bundle(index, store.read(layer, e)) for e in range(index.num_experts)]
+            bundles = [
+                unpack_bundle(index, store.read(layer, e))
+                for e in range(index.num_experts)
+            ]
             prefix = index.module_path.format(layer=layer)
             for name in TENSOR_ORDER:
                 stacked = mx.array(np.stack([b[name] for b in bundles]))
@@ -50,7 +64,9 @@ def load_reference(directory: str | Path, compute_dtype: str = "auto", top_k: in
         set_top_k(model, top_k)
     model.eval()
     mx.eval(model.parameters())
-    tokenizer = load_tokenizer(directory, eos_token_ids=eos_token_ids(directory, config))
+    tokenizer = load_tokenizer(
+        directory, eos_token_ids=eos_token_ids(directory, config)
+    )
     return model, tokenizer
 
 

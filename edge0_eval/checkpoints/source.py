@@ -17,8 +17,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import _decode_tagged_floats
 
-from edge0_eval.formats.safetensors import read_safetensors_header
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.safetensors import read_safetensors_header
+
 
 class Checkpoint:
     """A checkpoint directory: config plus lazily read tensors spread over one or more shards.
@@ -29,12 +30,16 @@ class Checkpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path} not found or not a directory: SRC must be a "
-                                  f"checkpoint directory mlx-lm loads")
+            raise CheckpointError(
+                f"{self.path} not found or not a directory: SRC must be a "
+                f"checkpoint directory mlx-lm loads"
+            )
         config_path = self.path / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"{config_path} not found: SRC must be a checkpoint directory "
-                                  f"mlx-lm loads (config.json + *.safetensors)")
+            raise CheckpointError(
+                f"{config_path} not found: SRC must be a checkpoint directory "
+                f"mlx-lm loads (config.json + *.safetensors)"
+            )
         try:
             self.config = _decode_tagged_floats(json.loads(config_path.read_text()))
         except json.JSONDecodeError as exc:
@@ -45,26 +50,36 @@ class Checkpoint:
         self.weights: dict[str, mx.array] = {}
         for f in self.files:
             # The header by the format's rules first: MLX is never handed a malformed one.
-            read_safetensors_header(f, "checkpoint shard", "re-download or re-save the checkpoint")
+            read_safetensors_header(
+                f, "checkpoint shard", "re-download or re-save the checkpoint"
+            )
             try:
                 self.weights.update(mx.load(str(f)))
             except (RuntimeError, ValueError) as exc:
-                raise CheckpointError(f"{f} cannot be read by MLX ({exc}); re-download "
-                                      f"or re-save the checkpoint") from None
+                raise CheckpointError(
+                    f"{f} cannot be read by MLX ({exc}); re-download "
+                    f"or re-save the checkpoint"
+                ) from None
 
     def _weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                names = sorted(
+                    set(json.loads(index.read_text())["weight_map"].values())
+                )
             except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
                 raise CheckpointError(f"{index} is malformed ({exc})") from None
             missing = [n for n in names if not (self.path / n).is_file()]
             if missing:
-                raise CheckpointError(f"{index} lists shard(s) missing from {self.path}: "
-                                      f"{', '.join(missing)}")
+                raise CheckpointError(
+                    f"{index} lists shard(s) missing from {self.path}: "
+                    f"{', '.join(missing)}"
+                )
             return [self.path / n for n in names]
-        files = sorted(self.path.glob("model*.safetensors")) or sorted(self.path.glob("*.safetensors"))
+        files = sorted(self.path.glob("model*.safetensors")) or sorted(
+            self.path.glob("*.safetensors")
+        )
         if not files:
             raise CheckpointError(f"no *.safetensors weights in {self.path}")
         return files
@@ -83,7 +98,8 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.path}: mlx-lm's sanitize for model_type {self.model_type!r} failed "
                 f"({type(exc).__name__}: {exc}); the weights do not match config.json (a shard "
-                f"missing, or another model's config?)") from None
+                f"missing, or another model's config?)"
+            ) from None
 
     @property
     def model_type(self) -> str:
@@ -114,8 +130,10 @@ class Checkpoint:
         try:
             mx.eval(arr)
         except (RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"{self.path}: reading {name} failed ({exc}); the file "
-                                  f"changed or is damaged: re-download it") from None
+            raise CheckpointError(
+                f"{self.path}: reading {name} failed ({exc}); the file "
+                f"changed or is damaged: re-download it"
+            ) from None
         return arr
 
     def source_files(self) -> list[Path]:

@@ -30,16 +30,28 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from edge0_eval.checkpoints.plan import (
-    Plan, build_lazy_model, lazy_quantize, new_index, quantized_modules, switch_layers,
+    Plan,
+    build_lazy_model,
+    lazy_quantize,
+    new_index,
+    quantized_modules,
+    switch_layers,
 )
 from edge0_eval.checkpoints.tokenizer import build_tokenizer
-from edge0_eval.checkpoints.writer import BundleWriter, check_free_space, check_out_empty, output_dir
+from edge0_eval.checkpoints.writer import (
+    BundleWriter,
+    check_free_space,
+    check_out_empty,
+    output_dir,
+)
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
 
 BITS = 4
 GROUP_SIZE = 64
-TOKENIZER_VOCAB = 512   # the tokenizer is small; the model's embedding has the real vocab
+TOKENIZER_VOCAB = (
+    512  # the tokenizer is small; the model's embedding has the real vocab
+)
 
 # Qwen3.5/3.6-35B-A3B text tower (mlx-lm `qwen3_5_moe`, parameters under text_config).
 QWEN35_35B_TEXT = {
@@ -66,9 +78,13 @@ QWEN35_35B_TEXT = {
     "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512,
     "norm_topk_prob": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
-                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                        "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
 }
 
 # Ling 3.0 tiny (mlx-lm `bailing_hybrid`). Tier facts: hidden 1536, 24 layers, 128 experts, top-8,
@@ -117,52 +133,78 @@ LING_8B = {
 SHAPES = ("35b", "8b")
 
 
-def shape_config(shape: str, layers: int | None = None, overrides: dict | None = None) -> dict:
+def shape_config(
+    shape: str, layers: int | None = None, overrides: dict | None = None
+) -> dict:
     """The (unquantized) mlx-lm config.json for a tier; `overrides` patch the text parameters."""
     if shape not in SHAPES:
-        raise ConfigError(f"unknown --shape {shape!r}; choose one of {', '.join(SHAPES)}")
+        raise ConfigError(
+            f"unknown --shape {shape!r}; choose one of {', '.join(SHAPES)}"
+        )
     text = copy.deepcopy(QWEN35_35B_TEXT if shape == "35b" else LING_8B)
     text.update(overrides or {})
     if layers is not None:
         text["num_hidden_layers"] = layers
     _validate(shape, text)
     if shape == "35b":
-        return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
+        return {
+            "model_type": "qwen3_5_moe",
+            "text_config": text,
+            "tie_word_embeddings": False,
+        }
     return text
 
 
 def _validate(shape: str, text: dict) -> None:
-    layers, experts, top_k = text["num_hidden_layers"], text["num_experts"], text["num_experts_per_tok"]
-    min_layers = 2 if shape == "8b" else 1     # Ling's layer 0 is dense
+    layers, experts, top_k = (
+        text["num_hidden_layers"],
+        text["num_experts"],
+        text["num_experts_per_tok"],
+    )
+    min_layers = 2 if shape == "8b" else 1  # Ling's layer 0 is dense
     if layers < min_layers:
         raise ConfigError(f"--layers must be at least {min_layers} for --shape {shape}")
     if not 1 <= top_k <= experts:
         raise ConfigError(f"--experts {experts} must be at least top-k {top_k}")
     if shape == "8b":
         groups, keep = text["n_group"], text["topk_group"]
-        if experts % groups or experts // groups < 2 or top_k > keep * experts // groups:
-            raise ConfigError(f"--experts {experts} does not fit {groups}-group routing keeping "
-                              f"{keep} groups with top-{top_k} (needs a multiple of {groups}, "
-                              f"at least {2 * groups})")
+        if (
+            experts % groups
+            or experts // groups < 2
+            or top_k > keep * experts // groups
+        ):
+            raise ConfigError(
+                f"--experts {experts} does not fit {groups}-group routing keeping "
+                f"{keep} groups with top-{top_k} (needs a multiple of {groups}, "
+                f"at least {2 * groups})"
+            )
 
 
 # -- random quantized tensors ------------------------------------------------------------------
+
 
 def _rng(seed: int, name: str) -> np.random.Generator:
     """One generator per tensor: the bytes do not depend on generation order or layer count."""
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def random_quantized(rng, rows: tuple[int, ...], in_dim: int, bits: int = BITS,
-                     group_size: int = GROUP_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def random_quantized(
+    rng,
+    rows: tuple[int, ...],
+    in_dim: int,
+    bits: int = BITS,
+    group_size: int = GROUP_SIZE,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Packed affine codes + fp16 scales/biases of a `rows x in_dim` weight (mx.quantize layout)."""
     weight = rng.integers(0, 2**32, size=(*rows, in_dim * bits // 32), dtype=np.uint32)
-    base = 2.0 / (2**bits * np.sqrt(in_dim))    # 4 bits: 1 / (8 sqrt(in))
-    scales = (base * rng.uniform(0.8, 1.2, size=(*rows, in_dim // group_size))).astype(np.float16)
+    base = 2.0 / (2**bits * np.sqrt(in_dim))  # 4 bits: 1 / (8 sqrt(in))
+    scales = (base * rng.uniform(0.8, 1.2, size=(*rows, in_dim // group_size))).astype(
+        np.float16
+    )
     # Codes are uniform on 0..2^bits-1 (mean 7.5 at 4 bits): centring on that mean, not on 8,
     # keeps every row zero-mean. An offset here adds one common direction to every layer's
     # output and collapses routing onto the same experts for every token (measured: 97% hits).
-    biases = (scales * -((2 ** bits - 1) / 2)).astype(np.float16)
+    biases = (scales * -((2**bits - 1) / 2)).astype(np.float16)
     return weight, scales, biases
 
 
@@ -172,17 +214,18 @@ _FLOAT32_PARAMS = ("A_log", "expert_bias")
 
 def _random_dense(rng, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """An unquantized parameter, initialised the way a trained model roughly looks."""
-    if name.endswith("A_log"):                   # GatedDeltaNet decay, as mlx-lm initialises it
+    if name.endswith("A_log"):  # GatedDeltaNet decay, as mlx-lm initialises it
         return np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
     if name.endswith("expert_bias"):
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
-    if len(shape) == 1:                          # norms and dt_bias
+    if len(shape) == 1:  # norms and dt_bias
         return np.ones(shape, dtype=np.float16)
     fan_in = int(np.prod(shape[1:])) if name.endswith("conv1d.weight") else shape[-1]
     return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float16)
 
 
 # -- writing -----------------------------------------------------------------------------------
+
 
 def _resident_nbytes(qmodel, expert_prefixes: tuple[str, ...]) -> int:
     """Size of resident.safetensors' data, by the same dtype rules as `_resident`."""
@@ -208,8 +251,9 @@ def _resident(qmodel, expert_prefixes: tuple[str, ...], seed: int) -> dict:
             if leaf == "weight":
                 group, bits, _ = qmods[module]
                 in_dim = value.shape[-1] * 32 // bits
-                parts = random_quantized(_rng(seed, name), tuple(value.shape[:-1]), in_dim,
-                                         bits, group)
+                parts = random_quantized(
+                    _rng(seed, name), tuple(value.shape[:-1]), in_dim, bits, group
+                )
                 for part, arr in zip(("weight", "scales", "biases"), parts):
                     out[f"{module}.{part}"] = mx.array(arr)
             continue
@@ -228,13 +272,20 @@ def _expert_specs(switch) -> dict[str, tuple[list[int], str]]:
 
 def _layer_experts(switch, seed: int):
     """expert e -> its random bundle tensors; generated on demand, nothing kept."""
+
     def arrays(e: int) -> dict[str, np.ndarray]:
         rng = _rng(seed, f"{switch.path}.expert{e}")
         out = {}
         for proj, (out_dim, in_dim) in switch.dims.items():
             parts = random_quantized(rng, (out_dim,), in_dim)
-            out.update({f"{proj}.{p}": a for p, a in zip(("weight", "scales", "biases"), parts)})
+            out.update(
+                {
+                    f"{proj}.{p}": a
+                    for p, a in zip(("weight", "scales", "biases"), parts)
+                }
+            )
         return out
+
     return arrays
 
 
@@ -244,8 +295,14 @@ def _write_tokenizer(directory: Path, config: dict) -> None:
     eos, pad = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     # transformers reads these from config.json; without them it falls back to defaults.
     for section in (config, config.get("text_config", {})):
-        section["eos_token_id"], section["pad_token_id"], section["bos_token_id"] = eos, pad, None
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+        section["eos_token_id"], section["pad_token_id"], section["bos_token_id"] = (
+            eos,
+            pad,
+            None,
+        )
+    (directory / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos}, indent=2)
+    )
 
 
 def _prepare(shape: str, layers: int | None, overrides: dict | None):
@@ -253,28 +310,44 @@ def _prepare(shape: str, layers: int | None, overrides: dict | None):
     config = shape_config(shape, layers, overrides)
     switches = switch_layers(model := build_lazy_model(config))
     qmodel, qconfig = lazy_quantize(model, config, GROUP_SIZE, BITS)
-    plan = Plan(config=qconfig, copy_config=False, switches=switches, bits=BITS,
-                group_size=GROUP_SIZE, specs=_expert_specs(next(iter(switches.values()))),
-                resident_names=[], quantize_resident={})
+    plan = Plan(
+        config=qconfig,
+        copy_config=False,
+        switches=switches,
+        bits=BITS,
+        group_size=GROUP_SIZE,
+        specs=_expert_specs(next(iter(switches.values()))),
+        resident_names=[],
+        quantize_resident={},
+    )
     return qmodel, plan
 
 
-def estimate_bytes(shape: str, layers: int | None = None,
-                   overrides: dict | None = None) -> dict[str, int]:
+def estimate_bytes(
+    shape: str, layers: int | None = None, overrides: dict | None = None
+) -> dict[str, int]:
     """{"experts": experts.bin size, "resident": resident tensor bytes} for a tier."""
     qmodel, plan = _prepare(shape, layers, overrides)
     prefixes = tuple(s.path + "." for s in plan.switches.values())
-    return {"experts": new_index(plan, "").file_size,
-            "resident": _resident_nbytes(qmodel, prefixes)}
+    return {
+        "experts": new_index(plan, "").file_size,
+        "resident": _resident_nbytes(qmodel, prefixes),
+    }
 
 
-def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = None,
-                    seed: int = 0, overrides: dict | None = None, progress: bool = True) -> Path:
+def write_synthetic(
+    out: str | Path,
+    shape: str = "35b",
+    layers: int | None = None,
+    seed: int = 0,
+    overrides: dict | None = None,
+    progress: bool = True,
+) -> Path:
     """Write a random-weight checkpoint of tier `shape` in the streaming layout. Returns `out`.
 
     `overrides` patch the text config (tests use e.g. {"num_experts": 8, "vocab_size": 1024}).
     """
-    check_out_empty(out)         # the cheapest check first
+    check_out_empty(out)  # the cheapest check first
     qmodel, plan = _prepare(shape, layers, overrides)
     qconfig = plan.config
     index = new_index(plan, qconfig["model_type"])
@@ -282,12 +355,19 @@ def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = No
     with output_dir(out) as tmp:
         check_free_space(tmp, index.file_size + _resident_nbytes(qmodel, prefixes))
         # Resident weights are ~7% of the model (1.4 GB at 35B): built in memory, saved once.
-        mx.save_safetensors(str(tmp / RESIDENT_NAME), _resident(qmodel, prefixes, seed),
-                            metadata={"format": "mlx"})
+        mx.save_safetensors(
+            str(tmp / RESIDENT_NAME),
+            _resident(qmodel, prefixes, seed),
+            metadata={"format": "mlx"},
+        )
         writer = BundleWriter(tmp / EXPERTS_NAME, index)
         try:
-            for layer in tqdm(plan.moe_layers, desc=f"synthetic {shape} experts", unit="layer",
-                              disable=not progress):
+            for layer in tqdm(
+                plan.moe_layers,
+                desc=f"synthetic {shape} experts",
+                unit="layer",
+                disable=not progress,
+            ):
                 writer.write_layer(layer, _layer_experts(plan.switches[layer], seed))
         finally:
             writer.close()
@@ -300,13 +380,22 @@ def write_synthetic(out: str | Path, shape: str = "35b", layers: int | None = No
 
 # -- CLI ---------------------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output directory (must not exist or be empty)")
-    parser.add_argument("--shape", required=True, choices=SHAPES,
-                        help="35b: Qwen3.5/3.6-35B-A3B (qwen3_5_moe); 8b: Ling (bailing_hybrid)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default: the tier's full depth); same per-layer "
-                             "shape, for quick runs")
+    parser.add_argument(
+        "--shape",
+        required=True,
+        choices=SHAPES,
+        help="35b: Qwen3.5/3.6-35B-A3B (qwen3_5_moe); 8b: Ling (bailing_hybrid)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the tier's full depth); same per-layer "
+        "shape, for quick runs",
+    )
     parser.add_argument("--seed", type=int, default=0)
     # Test-only scale-downs; not part of the public interface.
     parser.add_argument("--experts", type=int, default=None, help=argparse.SUPPRESS)
@@ -319,11 +408,14 @@ def run(args: argparse.Namespace) -> int:
         overrides["num_experts"] = args.experts
     if args.vocab is not None:
         overrides["vocab_size"] = args.vocab
-    out = write_synthetic(args.out, args.shape, layers=args.layers, seed=args.seed,
-                          overrides=overrides)
+    out = write_synthetic(
+        args.out, args.shape, layers=args.layers, seed=args.seed, overrides=overrides
+    )
     index = ExpertIndex.load(out)
     resident = (out / RESIDENT_NAME).stat().st_size
-    print(f"wrote {args.shape} synthetic checkpoint to {out}: {len(index.moe_layers)} MoE layers "
-          f"x {index.num_experts} experts, experts {index.file_size / 1e9:.2f} GB + resident "
-          f"{resident / 1e9:.2f} GB")
+    print(
+        f"wrote {args.shape} synthetic checkpoint to {out}: {len(index.moe_layers)} MoE layers "
+        f"x {index.num_experts} experts, experts {index.file_size / 1e9:.2f} GB + resident "
+        f"{resident / 1e9:.2f} GB"
+    )
     return 0

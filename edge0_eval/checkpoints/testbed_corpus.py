@@ -48,16 +48,23 @@ def _source_segment(lines: list[str], node: ast.AST) -> str:
     """ast.get_source_segment(source, node) from pre-split lines (column offsets are UTF-8)."""
     first, last = node.lineno - 1, node.end_lineno - 1
     if first == last:
-        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
-    head = lines[first].encode()[node.col_offset:].decode()
-    tail = lines[last].encode()[:node.end_col_offset].decode()
-    return "".join([head, *lines[first + 1:last], tail])
+        return lines[first].encode()[node.col_offset : node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset :].decode()
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return "".join([head, *lines[first + 1 : last], tail])
 
 
 def chat_texts(tokenizer, pairs: list[dict]) -> list[str]:
-    return [tokenizer.apply_chat_template(
-        [{"role": "user", "content": p["prompt"]},
-         {"role": "assistant", "content": p["completion"]}], tokenize=False) for p in pairs]
+    return [
+        tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": p["prompt"]},
+                {"role": "assistant", "content": p["completion"]},
+            ],
+            tokenize=False,
+        )
+        for p in pairs
+    ]
 
 
 def write_corpus(directory: Path, tokenizer, fit: list[dict], held: list[dict]) -> None:

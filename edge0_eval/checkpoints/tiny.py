@@ -37,21 +37,37 @@ class TinyShape:
 
     def validate(self) -> None:
         if self.family not in FAMILIES:
-            raise ConfigError(f"unknown family {self.family!r}; choose one of "
-                              f"{', '.join(FAMILIES)}")
-        for name in ("layers", "experts", "top_k", "hidden", "heads", "moe_intermediate"):
+            raise ConfigError(
+                f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}"
+            )
+        for name in (
+            "layers",
+            "experts",
+            "top_k",
+            "hidden",
+            "heads",
+            "moe_intermediate",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.top_k > self.experts:
-            raise ConfigError(f"--top-k {self.top_k} is larger than --experts {self.experts}")
+            raise ConfigError(
+                f"--top-k {self.top_k} is larger than --experts {self.experts}"
+            )
         if self.hidden % self.heads:
-            raise ConfigError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+            raise ConfigError(
+                f"--hidden {self.hidden} is not divisible by --heads {self.heads}"
+            )
         head_dim = self.hidden // self.heads
         if head_dim % 4:
-            raise ConfigError(f"head dim {head_dim} (hidden/heads) must be a multiple of 4")
+            raise ConfigError(
+                f"head dim {head_dim} (hidden/heads) must be a multiple of 4"
+            )
         if self.dtype not in ("float16", "bfloat16", "float32"):
-            raise ConfigError(f"--dtype must be float16, bfloat16 or float32, not {self.dtype!r}")
-        FAMILIES[self.family].tiny_config(self)      # the family's own refusals
+            raise ConfigError(
+                f"--dtype must be float16, bfloat16 or float32, not {self.dtype!r}"
+            )
+        FAMILIES[self.family].tiny_config(self)  # the family's own refusals
 
 
 def build_model(config: dict, seed: int, dtype: str):
@@ -74,7 +90,9 @@ def build_model(config: dict, seed: int, dtype: str):
     return model
 
 
-def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = None) -> Path:
+def write_tiny(
+    out: str | Path, shape: TinyShape, quantize_bits: int | None = None
+) -> Path:
     """Write the checkpoint to `out` (which must not exist or be empty). Returns the path."""
     shape.validate()
     with output_dir(out) as tmp:
@@ -82,7 +100,9 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
         config = FAMILIES[shape.family].tiny_config(shape)
         model = build_model(config, shape.seed, shape.dtype)
         if quantize_bits:
-            model, config = quantize_model(model, config, group_size=64, bits=quantize_bits)
+            model, config = quantize_model(
+                model, config, group_size=64, bits=quantize_bits
+            )
         eos, pad = _token_id(tmp, "<|im_end|>"), _token_id(tmp, "<|endoftext|>")
         # transformers reads these ids from config.json; without them it warns about defaults
         # that point outside the tiny vocabulary.
@@ -90,7 +110,9 @@ def write_tiny(out: str | Path, shape: TinyShape, quantize_bits: int | None = No
             section.update(eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
-        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": eos}, indent=2)
+        )
     return Path(out)
 
 
@@ -105,7 +127,9 @@ def _token_id(path: Path, content: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TinyShape()
     parser.add_argument("out", help="output directory (must not exist or be empty)")
-    parser.add_argument("--family", default=d.family, help=f"one of {', '.join(FAMILIES)}")
+    parser.add_argument(
+        "--family", default=d.family, help=f"one of {', '.join(FAMILIES)}"
+    )
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--experts", type=int, default=d.experts)
     parser.add_argument("--top-k", type=int, default=d.top_k)
@@ -114,15 +138,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--dtype", default=d.dtype, help="float16 | bfloat16 | float32")
-    parser.add_argument("--quantize", type=int, choices=(4, 8), default=None,
-                        help="also quantize (mlx-lm affine, group 64) to this many bits")
+    parser.add_argument(
+        "--quantize",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="also quantize (mlx-lm affine, group 64) to this many bits",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     shape = TinyShape(
-        family=args.family, layers=args.layers, experts=args.experts, top_k=args.top_k,
-        hidden=args.hidden, heads=args.heads, moe_intermediate=args.moe_intermediate,
-        seed=args.seed, dtype=args.dtype,
+        family=args.family,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        heads=args.heads,
+        moe_intermediate=args.moe_intermediate,
+        seed=args.seed,
+        dtype=args.dtype,
     )
     path = write_tiny(args.out, shape, quantize_bits=args.quantize)
     print(f"wrote {shape.family} checkpoint to {path}")

@@ -42,17 +42,23 @@ def qwen3_5_tiny(shape) -> dict:
             "mrope_section": [11, 11, 10],
         },
     }
-    return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
+    return {
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
 
 
 def qwen2_tiny(shape) -> dict:
     return {
         "model_type": "qwen2_moe",
         "hidden_size": shape.hidden,
-        "intermediate_size": shape.moe_intermediate * 4,   # unused: every layer is MoE
+        "intermediate_size": shape.moe_intermediate * 4,  # unused: every layer is MoE
         "num_hidden_layers": shape.layers,
         "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.heads // 2 if shape.heads % 2 == 0 else shape.heads,
+        "num_key_value_heads": shape.heads // 2
+        if shape.heads % 2 == 0
+        else shape.heads,
         "rms_norm_eps": 1e-6,
         "vocab_size": shape.vocab_size,
         "max_position_embeddings": 4096,
@@ -75,9 +81,11 @@ def _bailing_groups(experts: int) -> int:
 def bailing_tiny(shape) -> dict:
     groups = _bailing_groups(shape.experts)
     if shape.top_k > max(1, groups // 2) * (shape.experts // groups):
-        raise ConfigError(f"--top-k {shape.top_k} cannot be met by group-limited routing over "
-                          f"{shape.experts} experts in {groups} groups keeping "
-                          f"{max(1, groups // 2)}")
+        raise ConfigError(
+            f"--top-k {shape.top_k} cannot be met by group-limited routing over "
+            f"{shape.experts} experts in {groups} groups keeping "
+            f"{max(1, groups // 2)}"
+        )
     if shape.layers < 2:
         raise ConfigError("bailing_hybrid needs --layers >= 2 (layer 0 is dense)")
     head_dim = shape.hidden // shape.heads
@@ -115,5 +123,3 @@ def bailing_tiny(shape) -> dict:
         "tie_word_embeddings": False,
         "use_qk_norm": True,
     }
-
-

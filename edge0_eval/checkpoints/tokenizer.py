@@ -67,13 +67,21 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> int:
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
             str(tok.token_to_id(t)): {
-                "content": t, "lstrip": False, "normalized": False,
-                "rstrip": False, "single_word": False, "special": True,
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
             }
             for t in SPECIAL_TOKENS
         },
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True)
+    )
     special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, sort_keys=True))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(special, indent=2, sort_keys=True)
+    )
     return tok.get_vocab_size()

@@ -16,8 +16,10 @@ from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import ExpertIndex, pack_bundle
 
 # Files in SRC that are weights (or weight indexes) and so are not copied to OUT.
-_WEIGHT_FILE = re.compile(r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.pt|\.pth|\.gguf"
-                          r"|\.npz|\.h5|\.msgpack|\.ckpt)$")
+_WEIGHT_FILE = re.compile(
+    r"(\.safetensors|\.safetensors\.index\.json|\.bin|\.pt|\.pth|\.gguf"
+    r"|\.npz|\.h5|\.msgpack|\.ckpt)$"
+)
 
 
 def file_digest(path: Path, stop: threading.Event | None = None) -> dict:
@@ -48,7 +50,9 @@ class BundleWriter:
         crcs = []
         for e in range(self.index.num_experts):
             if self.file.tell() != self.index.bundle_offset(layer, e):
-                raise RuntimeError(f"bundle ({layer}, {e}) would land at the wrong offset")
+                raise RuntimeError(
+                    f"bundle ({layer}, {e}) would land at the wrong offset"
+                )
             bundle = pack_bundle(self.index, expert_arrays(e))
             crcs.append(zlib.crc32(bundle))
             self.file.write(bundle)
@@ -61,14 +65,20 @@ class BundleWriter:
 def copy_side_files(src: Path, dst: Path) -> None:
     """Tokenizer, generation config, chat template, code...: every regular non-weight file."""
     for path in sorted(src.iterdir()):
-        if path.is_file() and path.name != "config.json" and not _WEIGHT_FILE.search(path.name):
+        if (
+            path.is_file()
+            and path.name != "config.json"
+            and not _WEIGHT_FILE.search(path.name)
+        ):
             shutil.copy2(path, dst / path.name)
 
 
 def check_out_empty(out: str | Path) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not empty; choose a new directory or remove it")
+        raise ConfigError(
+            f"{out} exists and is not empty; choose a new directory or remove it"
+        )
     return out
 
 
@@ -96,6 +106,7 @@ def output_dir(out: str | Path):
 def check_free_space(directory: Path, needed: int) -> None:
     free = shutil.disk_usage(directory).free
     if free < needed:
-        raise CheckpointError(f"not enough free space in {directory}: need about "
-                              f"{needed / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
-
+        raise CheckpointError(
+            f"not enough free space in {directory}: need about "
+            f"{needed / 1e9:.2f} GB, {free / 1e9:.2f} GB free"
+        )

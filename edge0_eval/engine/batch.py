@@ -55,30 +55,32 @@ from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.errors import ConfigError
 
 
-@dataclass(eq=False)    # rows are compared by identity
+@dataclass(eq=False)  # rows are compared by identity
 class _Row:
-    key: Hashable                    # the caller's name for it (generate_batch: prompt index)
+    key: Hashable  # the caller's name for it (generate_batch: prompt index)
     prompt: list[int]
     sampler: RowSampler
     max_tokens: int
     stop: set[int]
     tokens: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
-    steps: int = 0                   # decode steps this row took part in
-    decode_share_s: float = 0.0      # its share of those steps' wall time (step time / rows)
-    decode_wall_s: float = 0.0       # wall time of those steps
+    steps: int = 0  # decode steps this row took part in
+    decode_share_s: float = (
+        0.0  # its share of those steps' wall time (step time / rows)
+    )
+    decode_wall_s: float = 0.0  # wall time of those steps
     # Those steps' snapshot differences (Engine.snapshot), and the tokens they decoded (every
     # row's): reads are shared by the rows of a step.
     decode: Counter = field(default_factory=Counter)
     step_tokens: int = 0
-    prefill: dict = field(default_factory=dict)   # the prefill's snapshot difference
+    prefill: dict = field(default_factory=dict)  # the prefill's snapshot difference
     # The server's logprobs: None, none; k >= 0, per token (its logprob, the top k (id, logprob)),
     # of the model's distribution (log-softmax of the logits, before penalties and filters).
     top_logprobs: int | None = None
     logprobs: list = field(default_factory=list)
     done: bool = False
     cancelled: bool = False
-    error: Exception | None = None   # the exception that ended it (see Faults)
+    error: Exception | None = None  # the exception that ended it (see Faults)
 
 
 def merge_caches(caches: list[list]) -> list:
@@ -104,13 +106,17 @@ def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
         raise ConfigError("generate_batch: prompts is empty; give at least one prompt")
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise ConfigError(f"generate_batch: prompt {i} is empty (no tokens); every prompt "
-                              f"needs at least one token")
+            raise ConfigError(
+                f"generate_batch: prompt {i} is empty (no tokens); every prompt "
+                f"needs at least one token"
+            )
     check_rows_at_once(batch_size, "batch_size", none="all prompts at once")
     check_max_tokens(max_tokens)
     if seeds is not None and len(seeds) != len(prompts):
-        raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
-                          f"seed per prompt (or None: options.seed for every row)")
+        raise ConfigError(
+            f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one "
+            f"seed per prompt (or None: options.seed for every row)"
+        )
     for i, seed in enumerate(seeds or []):
         check_seed(seed, f"seeds[{i}]")
     return min(len(prompts), batch_size or len(prompts))
@@ -120,12 +126,19 @@ def check_rows_at_once(value, name: str, none: str | None = None) -> None:
     if value is None and none is not None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1"
-                          + (f" (or None: {none})" if none else "") + f", not {value!r}")
+        raise ConfigError(
+            f"{name} must be a whole number >= 1"
+            + (f" (or None: {none})" if none else "")
+            + f", not {value!r}"
+        )
 
 
 def check_max_tokens(max_tokens, name: str = "max_tokens") -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+    if (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or max_tokens < 0
+    ):
         raise ConfigError(f"{name} must be a whole number >= 0, not {max_tokens!r}")
 
 
@@ -144,7 +157,11 @@ class BatchDecoder:
 
     def __init__(self, engine, rows_at_once: int, logits_trace: dict | None = None):
         check_rows_at_once(rows_at_once, "rows_at_once")
-        self.engine, self.rows_at_once, self.logits_trace = engine, rows_at_once, logits_trace
+        self.engine, self.rows_at_once, self.logits_trace = (
+            engine,
+            rows_at_once,
+            logits_trace,
+        )
         self.waiting: deque[_Row] = deque()
         self.active: list[_Row] = []
         self.cache: list | None = None
@@ -153,8 +170,17 @@ class BatchDecoder:
         self.decode = Counter()
 
     # -- rows -------------------------------------------------------------------------------
-    def add(self, key: Hashable, prompt: list[int], *, max_tokens: int, stop: set[int],
-            seed: int, sampling: dict, top_logprobs: int | None = None) -> _Row:
+    def add(
+        self,
+        key: Hashable,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        stop: set[int],
+        seed: int,
+        sampling: dict,
+        top_logprobs: int | None = None,
+    ) -> _Row:
         """Queue a row; it joins at the next step with room. sampling: RowSampler's keyword
         arguments (temperature, top_p, top_k, min_p, penalties); its penalties see its prompt.
         top_logprobs: keep each token's logprob and the top k (None: none)."""
@@ -162,8 +188,14 @@ class BatchDecoder:
             raise ConfigError(f"row {key!r}: the prompt is empty (no tokens)")
         check_max_tokens(max_tokens)
         check_seed(seed)
-        row = _Row(key, list(prompt), RowSampler(seed=int(seed), prompt=prompt, **sampling),
-                   max_tokens, set(stop), top_logprobs=top_logprobs)
+        row = _Row(
+            key,
+            list(prompt),
+            RowSampler(seed=int(seed), prompt=prompt, **sampling),
+            max_tokens,
+            set(stop),
+            top_logprobs=top_logprobs,
+        )
         if self.logits_trace is not None:
             self.logits_trace[key] = []
         self.waiting.append(row)
@@ -250,12 +282,12 @@ class BatchDecoder:
             row = self.waiting.popleft()
             try:
                 row_cache, row_plans = self._join(row)
-            except Exception as exc:     # noqa: BLE001 - the row fails alone (see Faults)
+            except Exception as exc:  # noqa: BLE001 - the row fails alone (see Faults)
                 row.error, row.done = exc, True
                 touched.append(row)
                 continue
             touched.append(row)
-            if not row.done:             # stopped on its first token: never joins
+            if not row.done:  # stopped on its first token: never joins
                 joined.append((row, row_cache, row_plans))
         if joined:
             if self.active:
@@ -272,7 +304,7 @@ class BatchDecoder:
         if self.active:
             try:
                 self._step()
-            except Exception as exc:     # noqa: BLE001 - every row of the step fails
+            except Exception as exc:  # noqa: BLE001 - every row of the step fails
                 for row in self.active:
                     row.error, row.done = exc, True
                 touched += [r for r in self.active if r not in touched]
@@ -287,10 +319,14 @@ class BatchDecoder:
         after rows left or joined, at the start of this one); keeps the next step's plans."""
         e, active = self.engine, self.active
         t0, before = time.perf_counter(), e.snapshot()
-        last, self.plans = e.step(mx.array([[r.tokens[-1]] for r in active]), self.cache,
-                                  self.plans, samplers=[r.sampler for r in active],
-                                  where=f"at batched decode step {self.decode['batch_steps'] + 1}",
-                                  rows=[r.key for r in active])
+        last, self.plans = e.step(
+            mx.array([[r.tokens[-1]] for r in active]),
+            self.cache,
+            self.plans,
+            samplers=[r.sampler for r in active],
+            where=f"at batched decode step {self.decode['batch_steps'] + 1}",
+            rows=[r.key for r in active],
+        )
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
         mx.eval(*tokens)
         dt = time.perf_counter() - t0
@@ -319,10 +355,10 @@ class BatchDecoder:
         d = self.decode
         tokens, steps, seconds = d["batch_tokens"], d["batch_steps"], d["batch_seconds"]
         return {
-            "batch_size": self.rows_at_once,       # rows at once: min(batch_size, prompts)
+            "batch_size": self.rows_at_once,  # rows at once: min(batch_size, prompts)
             "batch_rows": len(rows),
             "batch_steps": steps,
-            "batch_joined_running": d["batch_joined"],    # rows that joined running rows
+            "batch_joined_running": d["batch_joined"],  # rows that joined running rows
             "batch_mean_rows_per_step": tokens / steps if steps else 0.0,
             "batch_generated_tokens": sum(len(r.tokens) for r in rows),
             "batch_decode_tokens": tokens,
@@ -339,11 +375,15 @@ class BatchDecoder:
             "prompt_tokens": len(row.prompt),
             "generated_tokens": len(row.tokens),
             "prefill_s": row.prefill_s,
-            "prefill_tok_s": len(row.prompt) / row.prefill_s if row.prefill_s > 0 else 0.0,
+            "prefill_tok_s": len(row.prompt) / row.prefill_s
+            if row.prefill_s > 0
+            else 0.0,
             "prefill_bytes_read": row.prefill.get("bytes", 0),
             "decode_steps": row.steps,
             "decode_s": row.decode_share_s,
             "decode_wall_s": row.decode_wall_s,
             # The row's own stream rate: its tokens over the wall time of its steps.
-            "decode_tok_s": row.steps / row.decode_wall_s if row.decode_wall_s > 0 else 0.0,
+            "decode_tok_s": row.steps / row.decode_wall_s
+            if row.decode_wall_s > 0
+            else 0.0,
         }

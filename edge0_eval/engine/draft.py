@@ -29,7 +29,9 @@ def row_slice(head: nn.Module, ids: mx.array) -> nn.Module:
         out.lora_B = head.lora_B[ids]
         return out
     if not isinstance(head.get("weight"), mx.array):
-        raise TypeError(f"cannot slice the rows of a {type(head).__name__} output layer")
+        raise TypeError(
+            f"cannot slice the rows of a {type(head).__name__} output layer"
+        )
     out = copy.copy(head)
     for name in ("weight", "scales", "biases", "bias"):
         if out.get(name) is not None:
@@ -38,7 +40,11 @@ def row_slice(head: nn.Module, ids: mx.array) -> nn.Module:
 
 
 def _rows(head: nn.Module) -> int:
-    return _rows(head.linear) if isinstance(head, LoRALinear) else int(head.weight.shape[0])
+    return (
+        _rows(head.linear)
+        if isinstance(head, LoRALinear)
+        else int(head.weight.shape[0])
+    )
 
 
 class DraftHead:
@@ -57,9 +63,11 @@ class DraftHead:
         logits = self.head.as_linear(x) if self.tied else self.head(x)
         if samplers and any(s.temperature > 0 for s in samplers):
             noise = [s.draft_noise(self.vocab) for s in samplers]
-            scale = mx.array([[1.0 / s.temperature if s.temperature > 0 else 1.0]
-                              for s in samplers])
-            gumbel = mx.stack([mx.zeros(self.ids.shape) if g is None else g[self.ids]
-                               for g in noise])
+            scale = mx.array(
+                [[1.0 / s.temperature if s.temperature > 0 else 1.0] for s in samplers]
+            )
+            gumbel = mx.stack(
+                [mx.zeros(self.ids.shape) if g is None else g[self.ids] for g in noise]
+            )
             logits = logits.astype(mx.float32) * scale + gumbel
         return self.ids[mx.argmax(logits, axis=-1)]

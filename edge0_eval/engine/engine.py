@@ -25,21 +25,29 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.engine.families import open_model_dir
-from edge0_eval.formats.config import eos_token_ids
-from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
-from edge0_eval.formats.model_dir import (check_resident, check_resident_names, load_resident,
-                                          load_tokenizer_checked)
-from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
-from edge0_eval.engine.mlx_compat import cast_floating, quantize_like_mlx_lm, resolve_compute_dtype
+from edge0_eval.engine.families import open_model_dir
+from edge0_eval.engine.lora import load_adapter
+from edge0_eval.engine.mlx_compat import (
+    cast_floating,
+    quantize_like_mlx_lm,
+    resolve_compute_dtype,
+)
 from edge0_eval.engine.moe import Counters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
 from edge0_eval.engine.prerouted import Plans, attach_prerouter
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (NonFiniteError: API)
 from edge0_eval.engine.store import ExpertStore
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.config import eos_token_ids
+from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.model_dir import (
+    check_resident,
+    check_resident_names,
+    load_resident,
+    load_tokenizer_checked,
+)
 
 
 @dataclass
@@ -62,9 +70,18 @@ def _rss_gib() -> float:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, tokenizer, config: dict, index: ExpertIndex,
-                 store: ExpertStore, options: EngineOptions, resolved: ResolvedOptions,
-                 counters: Counters, directory: Path):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        config: dict,
+        index: ExpertIndex,
+        store: ExpertStore,
+        options: EngineOptions,
+        resolved: ResolvedOptions,
+        counters: Counters,
+        directory: Path,
+    ):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.resolved, self.family = resolved, resolved.family
         self.index, self.store, self.options = index, store, options
@@ -74,20 +91,34 @@ class Engine:
         self.blocks = {i: self.family.layers(model)[i].mlp for i in self.moe_layers}
         self.lora = None
         self._last = {}
-        self.prerouter = None if resolved.prerouter_path is None else \
-            attach_prerouter(self, resolved.prerouter_path)
+        self.prerouter = (
+            None
+            if resolved.prerouter_path is None
+            else attach_prerouter(self, resolved.prerouter_path)
+        )
         # The one step every caller runs (step.py).
-        self.step = DecodeStep(model, self.family, self.blocks, self.prerouter,
-                               resolved.clip_hidden, counters, str(directory))
+        self.step = DecodeStep(
+            model,
+            self.family,
+            self.blocks,
+            self.prerouter,
+            resolved.clip_hidden,
+            counters,
+            str(directory),
+        )
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, directory: str | Path, options: EngineOptions | None = None) -> "Engine":
+    def load(
+        cls, directory: str | Path, options: EngineOptions | None = None
+    ) -> "Engine":
         options = options or EngineOptions()
         directory = Path(directory)
         config_path = directory / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"{config_path} not found; is {directory} a converted model?")
+            raise CheckpointError(
+                f"{config_path} not found; is {directory} a converted model?"
+            )
         config, family, index = open_model_dir(directory)
         # Every model-dependent decision, before any weights load (a missing file fails here).
         resolved = options.resolve(directory, config, index)
@@ -98,16 +129,24 @@ class Engine:
         model = model_class(args_class.from_dict(config))
         moe_in_model = family.moe_layers(model)
         if moe_in_model != list(index.moe_layers):
-            raise CheckpointError(f"{directory}: index lists MoE layers {index.moe_layers} but the "
-                                  f"config builds {moe_in_model}; re-run convert")
-        store = ExpertStore(directory, index, io_workers=options.io_workers,
-                            io_throttle_mbps=options.io_throttle_mbps,
-                            verify_crc=options.verify_crc)
+            raise CheckpointError(
+                f"{directory}: index lists MoE layers {index.moe_layers} but the "
+                f"config builds {moe_in_model}; re-run convert"
+            )
+        store = ExpertStore(
+            directory,
+            index,
+            io_workers=options.io_workers,
+            io_throttle_mbps=options.io_throttle_mbps,
+            verify_crc=options.verify_crc,
+        )
         counters = Counters()
         layers = family.layers(model)
         compute_dtype = resolve_compute_dtype(options.compute_dtype)
         for i in index.moe_layers:
-            switch = StreamingSwitchGLU(i, index, store, slots, counters, scale_dtype=compute_dtype)
+            switch = StreamingSwitchGLU(
+                i, index, store, slots, counters, scale_dtype=compute_dtype
+            )
             # Instance-level replacement: mlx-lm's classes stay untouched.
             layers[i].mlp = family.block_class(layers[i].mlp, switch, top_k)
 
@@ -121,8 +160,13 @@ class Engine:
         lora = None
         if resolved.lora_path is not None:
             # Unmerged: a parallel path on resident modules; int4 weights stay untouched.
-            lora = load_adapter(model, resolved.lora_path, expect_kind="lora", top_k=top_k,
-                                alpha=options.lora_alpha)
+            lora = load_adapter(
+                model,
+                resolved.lora_path,
+                expect_kind="lora",
+                top_k=top_k,
+                alpha=options.lora_alpha,
+            )
         model.eval()
         mx.eval(model.parameters())
         del resident
@@ -131,8 +175,17 @@ class Engine:
         if options.mode == "resident":
             for i in index.moe_layers:
                 layers[i].mlp.switch_mlp.preload_all()
-        engine = cls(model, tokenizer, config, index, store, options, resolved, counters,
-                     directory)
+        engine = cls(
+            model,
+            tokenizer,
+            config,
+            index,
+            store,
+            options,
+            resolved,
+            counters,
+            directory,
+        )
         engine.lora = lora
         store.reset_stats()
         mx.reset_peak_memory()
@@ -141,17 +194,25 @@ class Engine:
     # -- running ----------------------------------------------------------------------------
     def new_cache(self) -> list:
         """An empty cache for one sequence (per layer, mlx-lm's own)."""
-        return make_prompt_cache(self.model)   # qwen2_moe has no make_cache of its own
+        return make_prompt_cache(self.model)  # qwen2_moe has no make_cache of its own
 
-    def prefill(self, tokens: list[int], cache: list, *, stage: bool = True,
-                samplers: list | None = None) -> tuple[mx.array, Plans | None]:
+    def prefill(
+        self,
+        tokens: list[int],
+        cache: list,
+        *,
+        stage: bool = True,
+        samplers: list | None = None,
+    ) -> tuple[mx.array, Plans | None]:
         """Process a prompt into `cache`: (the last position's logits [vocab], the first decode
         step's plans). stage=False (batched decode): the plans are the row's features only;
         the batch plans all its rows together. samplers: as for a step (a draft hedge)."""
         if not tokens:
             raise ConfigError("empty prompt: nothing to prefill")
         n, chunk = len(tokens), max(1, self.options.prefill_chunk)
-        keep = min(n, 2 if chunk > 1 else 1)   # the last piece: the heads' t and t-1 features
+        keep = min(
+            n, 2 if chunk > 1 else 1
+        )  # the last piece: the heads' t and t-1 features
         if self.family.split_prefill:
             # As mlx-lm's generate_step: the last tokens alone, so that for every earlier
             # position only what the caches hold is computed (never its LM head, nor the part
@@ -164,20 +225,35 @@ class Engine:
         pieces = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
         where = f"in the prefill of tokens 0..{n - 1}"
         for start, end in pieces[:-1]:
-            self.step(mx.array(tokens[start:end])[None], cache, plan_next=False, where=where)
+            self.step(
+                mx.array(tokens[start:end])[None], cache, plan_next=False, where=where
+            )
         start, end = pieces[-1]
-        logits, plans = self.step(mx.array(tokens[start:end])[None], cache, stage=stage,
-                                  samplers=samplers, where=where)
+        logits, plans = self.step(
+            mx.array(tokens[start:end])[None],
+            cache,
+            stage=stage,
+            samplers=samplers,
+            where=where,
+        )
         return logits[0], plans
 
     def sequence(self) -> "Sequence":
         """A new sequence: `prefill(prompt)`, then `step(token)` per token."""
         return Sequence(self)
 
-    def generate(self, prompt_tokens: list[int], max_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, stop_token_ids: set[int] | None = None,
-                 seed: int | None = None, top_k: int = 0, min_p: float = 0.0,
-                 penalties: dict | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt_tokens: list[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: set[int] | None = None,
+        seed: int | None = None,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        penalties: dict | None = None,
+    ) -> GenerationResult:
         """One sequence. Sampling draws from the row's own key (`seed`, default options.seed;
         see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
         seed s, sampled or greedy. penalties: mlx-lm's (sampling_options.PENALTY_KEYS), on the
@@ -185,8 +261,15 @@ class Engine:
         stop = self._stop_ids(stop_token_ids)
         if seed is not None:
             check_seed(seed)
-        sampler = RowSampler(temperature, top_p, int(self.options.seed if seed is None else seed),
-                             top_k=top_k, min_p=min_p, prompt=prompt_tokens, penalties=penalties)
+        sampler = RowSampler(
+            temperature,
+            top_p,
+            int(self.options.seed if seed is None else seed),
+            top_k=top_k,
+            min_p=min_p,
+            prompt=prompt_tokens,
+            penalties=penalties,
+        )
         sequence = self.sequence()
         before = self.snapshot()
         t0 = time.perf_counter()
@@ -201,16 +284,34 @@ class Engine:
                 break
             logits = sequence.step(token, sampler)
         t2 = time.perf_counter()
-        self._last = self._phase_stats(before, mid, self.snapshot(), len(prompt_tokens),
-                                       len(tokens), t1 - t0, t2 - t1)
-        return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_tokens), stats=self.stats())
+        self._last = self._phase_stats(
+            before,
+            mid,
+            self.snapshot(),
+            len(prompt_tokens),
+            len(tokens),
+            t1 - t0,
+            t2 - t1,
+        )
+        return GenerationResult(
+            tokens=tokens, prompt_tokens=len(prompt_tokens), stats=self.stats()
+        )
 
-    def generate_batch(self, prompts: list[list[int]], max_tokens: int, *,
-                       batch_size: int | None = None, temperature: float = 0.0,
-                       top_p: float = 1.0, stop_token_ids: set[int] | None = None,
-                       seeds: list[int] | None = None, top_k: int = 0, min_p: float = 0.0,
-                       penalties: dict | None = None,
-                       logits_trace: list | None = None) -> list[GenerationResult]:
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        *,
+        batch_size: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop_token_ids: set[int] | None = None,
+        seeds: list[int] | None = None,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        penalties: dict | None = None,
+        logits_trace: list | None = None,
+    ) -> list[GenerationResult]:
         """Decode many prompts, `batch_size` rows at a time (None: all at once); continuous
         batching: when a row finishes, the next waiting prompt joins (engine/batch.py).
 
@@ -234,21 +335,41 @@ class Engine:
         rows_at_once = check_batch_args(prompts, max_tokens, batch_size, seeds)
         trace = None if logits_trace is None else {}
         decoder = BatchDecoder(self, rows_at_once, trace)
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                        penalties=penalties)
+        sampling = dict(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            penalties=penalties,
+        )
         stop = self._stop_ids(stop_token_ids)
         for i, prompt in enumerate(prompts):
-            decoder.add(i, prompt, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                        seed=self.options.seed if seeds is None else seeds[i])
+            decoder.add(
+                i,
+                prompt,
+                max_tokens=max_tokens,
+                stop=stop,
+                sampling=sampling,
+                seed=self.options.seed if seeds is None else seeds[i],
+            )
         with self.batch_pool(rows_at_once):
             rows = decoder.run()
             self._last = decoder.batch_stats(rows) | decode_figures(
-                decoder.decode, decoder.decode["batch_steps"], decoder.decode["batch_tokens"])
-            common = self.stats()           # with the batch's expert buffer
+                decoder.decode,
+                decoder.decode["batch_steps"],
+                decoder.decode["batch_tokens"],
+            )
+            common = self.stats()  # with the batch's expert buffer
         if logits_trace is not None:
             logits_trace[:] = [trace[i] for i in range(len(prompts))]
-        return [GenerationResult(tokens=r.tokens, prompt_tokens=len(r.prompt),
-                                 stats={**common, **decoder.row_stats(r)}) for r in rows]
+        return [
+            GenerationResult(
+                tokens=r.tokens,
+                prompt_tokens=len(r.prompt),
+                stats={**common, **decoder.row_stats(r)},
+            )
+            for r in rows
+        ]
 
     @contextmanager
     def batch_pool(self, rows_at_once: int):
@@ -256,15 +377,20 @@ class Engine:
         when the configured budget (the B = 1 budget) holds fewer, so a batch's union of
         experts always fits; then the configured size again."""
         configured = self.resolved.slots_per_layer
-        self._resize_slots(max(configured, min(rows_at_once * self.top_k,
-                                               self.index.num_experts)))
+        self._resize_slots(
+            max(configured, min(rows_at_once * self.top_k, self.index.num_experts))
+        )
         try:
             yield self
         finally:
             self._resize_slots(configured)
 
     def _stop_ids(self, stop_token_ids: set[int] | None) -> set[int]:
-        return set(self.tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)
+        return (
+            set(self.tokenizer.eos_token_ids)
+            if stop_token_ids is None
+            else set(stop_token_ids)
+        )
 
     def _resize_slots(self, n_slots: int) -> None:
         """Every MoE layer's slot pool to `n_slots` (not in resident mode: all are held)."""
@@ -280,8 +406,10 @@ class Engine:
         pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
         c = self.counters
         return asdict(c) | {
-            "bytes": self.store.stats.bytes_read, "reads": self.store.stats.reads,
-            "hits": sum(p.hits for p in pool), "misses": sum(p.misses for p in pool),
+            "bytes": self.store.stats.bytes_read,
+            "reads": self.store.stats.reads,
+            "hits": sum(p.hits for p in pool),
+            "misses": sum(p.misses for p in pool),
             # Waiting for reads: demand reads, and staged reads not done when needed.
             "blocked": c.blocked_seconds + c.stage_wait_seconds,
             # Distinct experts per layer call, and such calls (reactive unions + staged sets).
@@ -289,8 +417,10 @@ class Engine:
             "union_layers": c.union_calls + c.staged_layers,
         }
 
-    def _phase_stats(self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode) -> dict:
-        steps = max(0, n_gen - 1)   # the first token comes from the prefill logits
+    def _phase_stats(
+        self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode
+    ) -> dict:
+        steps = max(0, n_gen - 1)  # the first token comes from the prefill logits
         return {
             "prompt_tokens": n_prompt,
             "generated_tokens": n_gen,
@@ -310,8 +440,10 @@ class Engine:
             "mode": self.options.mode,
             "top_k": self.top_k,
             "slots_per_layer": self.slots_per_layer,
-            "expert_buffer_mib": self.slots_per_layer * len(self.moe_layers)
-                                 * self.index.bundle_stride / 2**20,
+            "expert_buffer_mib": self.slots_per_layer
+            * len(self.moe_layers)
+            * self.index.bundle_stride
+            / 2**20,
             "io_throttle_mbps": self.options.io_throttle_mbps,
             "emulated": self.options.io_throttle_mbps is not None,
             "peak_memory_gib": mx.get_peak_memory() / 2**30,
@@ -340,6 +472,7 @@ class Engine:
 def decode_figures(d: dict, steps: int, tokens: int) -> dict:
     """A decode phase's figures from the difference `d` of two snapshots: per decoded token
     (every row's) and per step."""
+
     def per(x, n):
         return x / n if n else 0.0
 
@@ -351,16 +484,23 @@ def decode_figures(d: dict, steps: int, tokens: int) -> dict:
         "blocked_load_ms_per_step": per(1000 * d["blocked"], steps),
         "blocked_loads_per_step": per(d["blocked_loads"], steps),
         # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
-        "demand_read_gbps": (d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
-                             if d["demand_read_seconds"] > 0 else None),
+        "demand_read_gbps": (
+            d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
+            if d["demand_read_seconds"] > 0
+            else None
+        ),
         "decode_hit_rate": per(d["hits"], lookups),
         # Distinct experts a MoE layer needed per step (reactive: the rows' routed union;
         # prerouted: the staged union); None when resident (nothing is looked up).
-        "mean_union_per_layer": d["union"] / d["union_layers"] if d["union_layers"] else None,
+        "mean_union_per_layer": d["union"] / d["union_layers"]
+        if d["union_layers"]
+        else None,
         # build: Python building the graph, including blocking reads/stage waits and any
         # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
-        "profile_ms_per_step": {f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
-                                for name in ("build", "eval")},
+        "profile_ms_per_step": {
+            f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
+            for name in ("build", "eval")
+        },
     }
 
 
@@ -375,7 +515,8 @@ class Sequence:
         """The prompt into the cache, the first step planned; its last logits [vocab].
         `sampler`: the one that will sample from them (None: greedy), for a draft hedge."""
         logits, self.plans = self.engine.prefill(
-            list(tokens), self.cache, samplers=None if sampler is None else [sampler])
+            list(tokens), self.cache, samplers=None if sampler is None else [sampler]
+        )
         self.position = len(tokens)
         return logits
 
@@ -384,9 +525,12 @@ class Sequence:
         them (None: greedy), for a draft hedge."""
         self.steps += 1
         logits, self.plans = self.engine.step(
-            mx.array([[int(token)]]), self.cache, self.plans,
+            mx.array([[int(token)]]),
+            self.cache,
+            self.plans,
             samplers=None if sampler is None else [sampler],
-            where=f"at decode step {self.steps} (position {self.position})")
+            where=f"at decode step {self.steps} (position {self.position})",
+        )
         self.position += 1
         return logits[0]
 
@@ -399,11 +543,15 @@ class Sequence:
         if chunk < 1:
             raise ConfigError(f"chunk {chunk}: a piece holds at least one position")
         for start in range(0, len(tokens), chunk):
-            piece = [int(t) for t in tokens[start:start + chunk]]
+            piece = [int(t) for t in tokens[start : start + chunk]]
             self.steps += 1
             logits, self.plans = self.engine.step(
-                mx.array([piece]), self.cache, self.plans, all_logits=True,
+                mx.array([piece]),
+                self.cache,
+                self.plans,
+                all_logits=True,
                 where=f"teacher-forced at positions {self.position}.."
-                      f"{self.position + len(piece) - 1}")
+                f"{self.position + len(piece) - 1}",
+            )
             self.position += len(piece)
             yield logits[0]

@@ -19,8 +19,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-from edge0_eval.engine.moe_blocks import BailingStreamingMoE, Qwen2StreamingMoE, QwenStreamingMoE
 from edge0_eval.checkpoints.tiny_configs import bailing_tiny, qwen2_tiny, qwen3_5_tiny
+from edge0_eval.engine.moe_blocks import (
+    BailingStreamingMoE,
+    Qwen2StreamingMoE,
+    QwenStreamingMoE,
+)
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats import model_dir
 from edge0_eval.formats.layout import ExpertIndex
@@ -33,15 +37,23 @@ LayerArgs = Callable[[nn.Module, mx.array, list], Callable]
 class Family:
     name: str
     block_class: type
-    module_path: str   # a layer's MoE block path, with {layer}: the index must name the same
-    text: Callable[[nn.Module], nn.Module]   # model -> the module holding .model and lm_head
-    embed_name: str                          # the input embedding, an attribute of text.model
+    module_path: (
+        str  # a layer's MoE block path, with {layer}: the index must name the same
+    )
+    text: Callable[
+        [nn.Module], nn.Module
+    ]  # model -> the module holding .model and lm_head
+    embed_name: str  # the input embedding, an attribute of text.model
     layer_args: LayerArgs
-    lora_targets: tuple[str, ...]   # suffix patterns of the resident linears that get LoRA
-    tiny_config: Callable           # TinyShape -> config.json (checkpoints/tiny.py)
-    text_config_key: str | None = None   # the config.json section of the text model's keys
-    own_lm_head: bool = False            # an lm_head even when tie_word_embeddings is set
-    gate_selects: bool = False           # mlx-lm's block selects in its gate (its top_k there)
+    lora_targets: tuple[
+        str, ...
+    ]  # suffix patterns of the resident linears that get LoRA
+    tiny_config: Callable  # TinyShape -> config.json (checkpoints/tiny.py)
+    text_config_key: str | None = (
+        None  # the config.json section of the text model's keys
+    )
+    own_lm_head: bool = False  # an lm_head even when tie_word_embeddings is set
+    gate_selects: bool = False  # mlx-lm's block selects in its gate (its top_k there)
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.
     clip_hidden: float | None = None
     # A prompt cut in two pieces computes the same bits as in one (mlx-lm's layers, CPU): then
@@ -50,7 +62,9 @@ class Family:
     split_prefill: bool = True
 
     def text_config(self, config: dict) -> dict:
-        return config.get(self.text_config_key, config) if self.text_config_key else config
+        return (
+            config.get(self.text_config_key, config) if self.text_config_key else config
+        )
 
     def native_top_k(self, config: dict) -> int:
         return int(self.text_config(config)["num_experts_per_tok"])
@@ -82,18 +96,26 @@ def _qwen3_5_args(text, h, cache):
     inner = text.model
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    return lambda layer, h, c: ((h,), dict(mask=ssm_mask if layer.is_linear else fa_mask,
-                                           cache=c))
+    return lambda layer, h, c: (
+        (h,),
+        dict(mask=ssm_mask if layer.is_linear else fa_mask, cache=c),
+    )
 
 
 def _bailing_args(text, h, cache):
     inner = text.model
     attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
     attn_mask = create_attention_mask(h, attn_cache, return_array=True)
-    gla_mask = create_ssm_mask(h, cache[inner._gla_idx]) if inner._gla_idx is not None else None
+    gla_mask = (
+        create_ssm_mask(h, cache[inner._gla_idx])
+        if inner._gla_idx is not None
+        else None
+    )
     offset = attn_cache.offset if attn_cache is not None else 0
-    return lambda layer, h, c: ((h, attn_mask if layer.is_global else gla_mask, c),
-                                dict(offset=offset))
+    return lambda layer, h, c: (
+        (h, attn_mask if layer.is_global else gla_mask, c),
+        dict(offset=offset),
+    )
 
 
 def _qwen2_args(text, h, cache):
@@ -104,37 +126,82 @@ def _qwen2_args(text, h, cache):
 # Checked against mlx-lm 0.32's qwen3_5.py / bailing_hybrid.py / qwen2_moe.py. Patterns that a
 # config does not build (MLA's q_a_proj when q_lora_rank is None) match nothing. The shared
 # experts' out=1 gates are left out; routers and routed experts never carry LoRA (lora.py).
-_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-_SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
-           "mlp.shared_expert.down_proj")
+_ATTENTION = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+)
+_SHARED = (
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+)
 
 FAMILIES = {
     "qwen3_5_moe": Family(
-        "qwen3_5_moe", QwenStreamingMoE, "language_model.model.layers.{layer}.mlp",
-        text=lambda model: model.language_model, embed_name="embed_tokens",
-        layer_args=_qwen3_5_args, text_config_key="text_config", tiny_config=qwen3_5_tiny,
-        lora_targets=_ATTENTION + (   # full attention every 4th layer, GatedDeltaNet the rest
-            "linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
-            "linear_attn.in_proj_a", "linear_attn.out_proj") + _SHARED),
+        "qwen3_5_moe",
+        QwenStreamingMoE,
+        "language_model.model.layers.{layer}.mlp",
+        text=lambda model: model.language_model,
+        embed_name="embed_tokens",
+        layer_args=_qwen3_5_args,
+        text_config_key="text_config",
+        tiny_config=qwen3_5_tiny,
+        lora_targets=_ATTENTION
+        + (  # full attention every 4th layer, GatedDeltaNet the rest
+            "linear_attn.in_proj_qkv",
+            "linear_attn.in_proj_z",
+            "linear_attn.in_proj_b",
+            "linear_attn.in_proj_a",
+            "linear_attn.out_proj",
+        )
+        + _SHARED,
+    ),
     # +-1000 clipping prevents an fp16 overflow collapse on this tier. Other families run
     # unclipped: real models carry legitimate activations far above 1000 (SmolLM2 turned MoE:
     # ~25,000), which clipping destroys.
     # Its GLA sums a piece in 128-token blocks from the piece's start: a cut moves the sums.
     "bailing_hybrid": Family(
-        "bailing_hybrid", BailingStreamingMoE, "model.layers.{layer}.mlp",
-        text=lambda model: model, embed_name="word_embeddings", layer_args=_bailing_args,
-        tiny_config=bailing_tiny, gate_selects=True, clip_hidden=1000.0, split_prefill=False,
-        lora_targets=(   # linear attention; MLA (embed_q/unembed_out are MultiLinear, not
+        "bailing_hybrid",
+        BailingStreamingMoE,
+        "model.layers.{layer}.mlp",
+        text=lambda model: model,
+        embed_name="word_embeddings",
+        layer_args=_bailing_args,
+        tiny_config=bailing_tiny,
+        gate_selects=True,
+        clip_hidden=1000.0,
+        split_prefill=False,
+        lora_targets=(  # linear attention; MLA (embed_q/unembed_out are MultiLinear, not
             # Linear); both kinds' output; the shared experts; the dense layer-0 MLP (the
             # router `mlp.gate.gate_proj` does not end with `.mlp.gate_proj`)
-            "attention.query_key_value", "attention.g_proj", "attention.q_proj",
-            "attention.q_a_proj", "attention.q_b_proj", "attention.kv_a_proj_with_mqa",
-            "attention.dense", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj",
-            "mlp.shared_experts.down_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+            "attention.query_key_value",
+            "attention.g_proj",
+            "attention.q_proj",
+            "attention.q_a_proj",
+            "attention.q_b_proj",
+            "attention.kv_a_proj_with_mqa",
+            "attention.dense",
+            "mlp.shared_experts.gate_proj",
+            "mlp.shared_experts.up_proj",
+            "mlp.shared_experts.down_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ),
+    ),
     "qwen2_moe": Family(
-        "qwen2_moe", Qwen2StreamingMoE, "model.layers.{layer}.mlp", text=lambda model: model,
-        embed_name="embed_tokens", layer_args=_qwen2_args, own_lm_head=True,
-        tiny_config=qwen2_tiny, lora_targets=_ATTENTION + _SHARED),   # q/k/v keep their bias
+        "qwen2_moe",
+        Qwen2StreamingMoE,
+        "model.layers.{layer}.mlp",
+        text=lambda model: model,
+        embed_name="embed_tokens",
+        layer_args=_qwen2_args,
+        own_lm_head=True,
+        tiny_config=qwen2_tiny,
+        lora_targets=_ATTENTION + _SHARED,
+    ),  # q/k/v keep their bias
 }
 
 

@@ -42,14 +42,20 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.formats.adapters import (KIND, SUFFIX_A, SUFFIX_B, natural_key, read_adapter,
-                                         write_adapter)
-
+from edge0_eval.formats.adapters import (
+    KIND,
+    SUFFIX_A,
+    SUFFIX_B,
+    natural_key,
+    read_adapter,
+    write_adapter,
+)
 
 _ROUTER_SUFFIXES = (".mlp.gate", ".mlp.gate.gate_proj")
 
 
 # -- the layer ---------------------------------------------------------------------------------
+
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(input_dims, output_dims) of a Linear or QuantizedLinear (or of a LoRALinear's base)."""
@@ -71,8 +77,15 @@ class LoRALinear(nn.Module):
     so `trainable_parameters()` of the wrapper holds only the two LoRA matrices.
     """
 
-    def __init__(self, linear: nn.Module, r: int, alpha: float, lora_A: mx.array | None = None,
-                 lora_B: mx.array | None = None, compute_dtype=mx.float32):
+    def __init__(
+        self,
+        linear: nn.Module,
+        r: int,
+        alpha: float,
+        lora_A: mx.array | None = None,
+        lora_B: mx.array | None = None,
+        compute_dtype=mx.float32,
+    ):
         super().__init__()
         if isinstance(linear, LoRALinear):
             raise TypeError("the layer already has a LoRA path")
@@ -86,8 +99,10 @@ class LoRALinear(nn.Module):
         a = mx.zeros((r, in_dims)) if lora_A is None else lora_A
         b = mx.zeros((out_dims, r)) if lora_B is None else lora_B
         if tuple(a.shape) != (r, in_dims) or tuple(b.shape) != (out_dims, r):
-            raise ValueError(f"LoRA shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit "
-                             f"[{r}, {in_dims}]/[{out_dims}, {r}]")
+            raise ValueError(
+                f"LoRA shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit "
+                f"[{r}, {in_dims}]/[{out_dims}, {r}]"
+            )
         self.lora_A = a.astype(compute_dtype)
         self.lora_B = b.astype(compute_dtype)
 
@@ -107,6 +122,7 @@ class LoRALinear(nn.Module):
 
 
 # -- module paths ------------------------------------------------------------------------------
+
 
 def get_module(model: nn.Module, path: str):
     """(module or None, deepest existing prefix)."""
@@ -135,8 +151,12 @@ def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 def refusal(path: str, module) -> str | None:
     """Why `module` at `path` may not carry a LoRA path, or None if it may."""
-    if "switch_mlp" in path.split(".") or isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
-        return "a routed expert (streamed from disk); LoRA goes on resident modules only"
+    if "switch_mlp" in path.split(".") or isinstance(
+        module, (SwitchLinear, QuantizedSwitchLinear)
+    ):
+        return (
+            "a routed expert (streamed from disk); LoRA goes on resident modules only"
+        )
     if ("." + path).endswith(_ROUTER_SUFFIXES):
         return "a router; LoRA is never applied to routers"
     if isinstance(module, LoRALinear):
@@ -150,8 +170,10 @@ def default_targets(family_name: str) -> list[str]:
     """Suffix patterns of the resident linear layers that get LoRA in `family_name` (the
     family registry's `lora_targets`)."""
     if family_name not in FAMILIES:
-        raise ConfigError(f"no default LoRA targets for model family {family_name!r}; "
-                          f"known: {', '.join(FAMILIES)} (pass targets= explicitly)")
+        raise ConfigError(
+            f"no default LoRA targets for model family {family_name!r}; "
+            f"known: {', '.join(FAMILIES)} (pass targets= explicitly)"
+        )
     return list(FAMILIES[family_name].lora_targets)
 
 
@@ -169,7 +191,9 @@ def find_targets(model: nn.Module, patterns: list[str]) -> list[str]:
     for path, module in model.named_modules():
         if not path or not any(_matches(path, p) for p in patterns):
             continue
-        if path.endswith(".linear") and isinstance(get_module(model, path[:-7])[0], LoRALinear):
+        if path.endswith(".linear") and isinstance(
+            get_module(model, path[:-7])[0], LoRALinear
+        ):
             continue
         why = refusal(path, module)
         if why is not None:
@@ -201,9 +225,17 @@ def mark_trainable(model: nn.Module) -> None:
 
 # -- apply (training init) ---------------------------------------------------------------------
 
-def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
-               targets: list[str] | None = None, init: str = "zeros", seed: int = 0,
-               family: str | None = None, compute_dtype=mx.float32) -> list[str]:
+
+def apply_lora(
+    model: nn.Module,
+    r: int = 16,
+    alpha: float = 32.0,
+    targets: list[str] | None = None,
+    init: str = "zeros",
+    seed: int = 0,
+    family: str | None = None,
+    compute_dtype=mx.float32,
+) -> list[str]:
     """Wrap the target layers in `LoRALinear`; returns their paths.
 
     targets: suffix patterns (default `default_targets(family or model.model_type)`).
@@ -223,8 +255,10 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
         raise ConfigError(f"no LoRA targets match {list(targets)}")
     already = [p for p in paths if isinstance(get_module(model, p)[0], LoRALinear)]
     if already:
-        raise ConfigError(f"{already[0]} already has LoRA ({len(already)} layers); "
-                          f"call remove_lora(model) first")
+        raise ConfigError(
+            f"{already[0]} already has LoRA ({len(already)} layers); "
+            f"call remove_lora(model) first"
+        )
     keys = mx.random.split(mx.random.key(seed), 2 * len(paths))
     wrapped = []
     for i, path in enumerate(paths):
@@ -232,8 +266,11 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
         in_dims, out_dims = linear_dims(base)
         bound = 1 / math.sqrt(in_dims)
         a = mx.random.uniform(-bound, bound, (r, in_dims), key=keys[2 * i])
-        b = (mx.random.normal((out_dims, r), key=keys[2 * i + 1]) / r if init == "random"
-             else mx.zeros((out_dims, r)))
+        b = (
+            mx.random.normal((out_dims, r), key=keys[2 * i + 1]) / r
+            if init == "random"
+            else mx.zeros((out_dims, r))
+        )
         wrapped.append((path, LoRALinear(base, r, alpha, a, b, compute_dtype)))
     for path, module in wrapped:
         set_module(model, path, module)
@@ -243,9 +280,16 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32.0,
 
 # -- adapter files (formats/adapters.py) -------------------------------------------------------
 
-def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
-                 alpha: float | None = None, top_k: int | None = None,
-                 compute_dtype=mx.float32) -> dict:
+
+def load_adapter(
+    model: nn.Module,
+    path: str | Path,
+    expect_kind: str = KIND,
+    *,
+    alpha: float | None = None,
+    top_k: int | None = None,
+    compute_dtype=mx.float32,
+) -> dict:
     """Read the adapter at `path` (formats/adapters.py: ours, PEFT, mlx-lm tuner), check it
     against `model`, then apply it (replacing any LoRA).
 
@@ -266,27 +310,39 @@ def load_adapter(model: nn.Module, path: str | Path, expect_kind: str = KIND, *,
             raise CheckpointError(
                 f"{path}: key {key_a!r}: module {module_path!r} does not exist in this model "
                 f"(deepest existing path: {existing or '<root>'!r}); the adapter is for another "
-                f"model or layout")
+                f"model or layout"
+            )
         why = refusal(module_path, module)
         if why is not None:
-            raise CheckpointError(f"{path}: key {key_a!r}: module {module_path!r} is {why}")
+            raise CheckpointError(
+                f"{path}: key {key_a!r}: module {module_path!r} is {why}"
+            )
         base = module.linear if isinstance(module, LoRALinear) else module
         in_dims, out_dims = linear_dims(base)
         r = a.shape[0]
         if tuple(a.shape) != (r, in_dims):
-            raise CheckpointError(f"{path}: key {key_a!r} has shape {tuple(a.shape)}; module "
-                                  f"{module_path!r} needs [r, {in_dims}]")
+            raise CheckpointError(
+                f"{path}: key {key_a!r} has shape {tuple(a.shape)}; module "
+                f"{module_path!r} needs [r, {in_dims}]"
+            )
         if tuple(b.shape) != (out_dims, r):
-            raise CheckpointError(f"{path}: key {key_b!r} has shape {tuple(b.shape)}; module "
-                                  f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})")
+            raise CheckpointError(
+                f"{path}: key {key_b!r} has shape {tuple(b.shape)}; module "
+                f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})"
+            )
         planned.append((module_path, base, a, b))
     if top_k is not None and adapter.K is not None and adapter.K != top_k:
-        warnings.warn(f"{path}: the adapter was trained at K={adapter.K}, the engine routes "
-                      f"top-{top_k}", stacklevel=2)
+        warnings.warn(
+            f"{path}: the adapter was trained at K={adapter.K}, the engine routes "
+            f"top-{top_k}",
+            stacklevel=2,
+        )
 
     # Everything validated: now (and only now) change the model.
-    new = [(p, LoRALinear(base, a.shape[0], adapter.alpha, a, b, compute_dtype))
-           for p, base, a, b in planned]
+    new = [
+        (p, LoRALinear(base, a.shape[0], adapter.alpha, a, b, compute_dtype))
+        for p, base, a, b in planned
+    ]
     remove_lora(model)
     for module_path, module in new:
         set_module(model, module_path, module)
@@ -305,25 +361,42 @@ def _model_names(model: nn.Module, pairs: dict) -> dict:
                 mapped = list(sanitize({f"{module_path}.weight": mx.zeros((1, 1))}))
             except Exception:  # noqa: BLE001 - a family's sanitize on a placeholder; no mapping
                 mapped = []
-            if len(mapped) == 1 and mapped[0].endswith(".weight") and \
-                    get_module(model, mapped[0][: -len(".weight")])[0] is not None:
+            if (
+                len(mapped) == 1
+                and mapped[0].endswith(".weight")
+                and get_module(model, mapped[0][: -len(".weight")])[0] is not None
+            ):
                 module_path = mapped[0][: -len(".weight")]
         out[module_path] = pair
     return {p: out[p] for p in sorted(out, key=natural_key)}
 
 
-def save_adapter(model: nn.Module, path: str | Path, metadata: dict | None = None,
-                 dtype: str = "float16") -> Path:
+def save_adapter(
+    model: nn.Module,
+    path: str | Path,
+    metadata: dict | None = None,
+    dtype: str = "float16",
+) -> Path:
     """Write the model's LoRA matrices (formats/adapters.py's `write_adapter`: dtype, metadata);
     all layers must share one r and alpha. Returns the path."""
     modules = lora_modules(model)
     if not modules:
-        raise ConfigError("the model has no LoRA layers; call apply_lora or load_adapter first")
+        raise ConfigError(
+            "the model has no LoRA layers; call apply_lora or load_adapter first"
+        )
     settings = {(m.r, m.alpha) for m in modules.values()}
     if len(settings) > 1:
-        raise ConfigError(f"LoRA layers differ in (r, alpha): {sorted(settings)}; one file holds "
-                          f"one r and alpha")
+        raise ConfigError(
+            f"LoRA layers differ in (r, alpha): {sorted(settings)}; one file holds "
+            f"one r and alpha"
+        )
     r, alpha = settings.pop()
-    return write_adapter(path, {p: (m.lora_A, m.lora_B) for p, m in modules.items()}, r=r,
-                         alpha=alpha, metadata=metadata, dtype=dtype,
-                         model_type=getattr(model, "model_type", None))
+    return write_adapter(
+        path,
+        {p: (m.lora_A, m.lora_B) for p, m in modules.items()},
+        r=r,
+        alpha=alpha,
+        metadata=metadata,
+        dtype=dtype,
+        model_type=getattr(model, "model_type", None),
+    )

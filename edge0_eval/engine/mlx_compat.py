@@ -70,8 +70,11 @@ def activation_dtype(name: str, directory: str | Path) -> str | None:
     the checkpoint holds no floating tensor. What a fidelity set records of its teacher and
     the teacher arm must match (another dtype is another teacher to the exact sanity check)."""
     dtype = resolve_compute_dtype(name)
-    return str(dtype).removeprefix("mlx.core.") if dtype is not None \
+    return (
+        str(dtype).removeprefix("mlx.core.")
+        if dtype is not None
         else checkpoint_float_dtype(directory)
+    )
 
 
 def cast_floating(model: nn.Module, dtype, skip: str | None = None) -> None:
@@ -84,7 +87,8 @@ def cast_floating(model: nn.Module, dtype, skip: str | None = None) -> None:
     changed = [
         (name, value.astype(dtype))
         for name, value in tree_flatten(model.parameters())
-        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != dtype
+        if mx.issubdtype(value.dtype, mx.floating)
+        and value.dtype != dtype
         and not (skip and skip in name)
     ]
     if changed:
@@ -104,5 +108,10 @@ def quantize_like_mlx_lm(model: nn.Module, config: dict, weights: dict) -> None:
             return False
         return infer_quant_config(path, module, weights)
 
-    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
-                mode=quantization.get("mode", "affine"), class_predicate=predicate)
+    nn.quantize(
+        model,
+        group_size=quantization["group_size"],
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )

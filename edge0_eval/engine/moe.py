@@ -19,9 +19,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from edge0_eval.formats.layout import PARTS, PROJECTIONS, TENSOR_ORDER, ExpertIndex, unpack_bundle
 from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.store import ExpertStore
+from edge0_eval.formats.layout import (
+    PARTS,
+    PROJECTIONS,
+    TENSOR_ORDER,
+    ExpertIndex,
+    unpack_bundle,
+)
 
 
 @dataclass
@@ -29,45 +35,58 @@ class Counters:
     """Everything an engine counts, shared by its switches, prerouter and step; a phase's
     figures are the difference of two copies (`since`)."""
 
-    blocked_seconds: float = 0.0    # the decode path waiting for demand reads
+    blocked_seconds: float = 0.0  # the decode path waiting for demand reads
     blocked_loads: int = 0
     demand_read_seconds: float = 0.0
     demand_read_bytes: int = 0
-    union_experts: int = 0          # distinct experts per reactive layer call (rows' union)
+    union_experts: int = 0  # distinct experts per reactive layer call (rows' union)
     union_calls: int = 0
-    steps: int = 0                  # step calls (DecodeStep), and their time split:
-    build_seconds: float = 0.0      # Python building the graph, blocking reads and stage waits
-    eval_seconds: float = 0.0       # compute left at the end
-    guard_events: int = 0           # hidden values clipped or NaN zeroed
+    steps: int = 0  # step calls (DecodeStep), and their time split:
+    build_seconds: float = (
+        0.0  # Python building the graph, blocking reads and stage waits
+    )
+    eval_seconds: float = 0.0  # compute left at the end
+    guard_events: int = 0  # hidden values clipped or NaN zeroed
     nonfinite_events: int = 0
-    prerouted_steps: int = 0        # steps that executed staged plans
-    staged_experts: int = 0         # per consuming layer per step, the union of the rows' sets
-    staged_layers: int = 0          # (step, consuming layer) stagings
-    staged_loads: int = 0           # of those experts, bundles read (misses)
-    abandoned_plans: int = 0        # batched decode: layer plans dropped as rows left/joined
-    dropped_experts: int = 0        # planned experts absent from the slots at execution: 0
+    prerouted_steps: int = 0  # steps that executed staged plans
+    staged_experts: int = 0  # per consuming layer per step, the union of the rows' sets
+    staged_layers: int = 0  # (step, consuming layer) stagings
+    staged_loads: int = 0  # of those experts, bundles read (misses)
+    abandoned_plans: int = 0  # batched decode: layer plans dropped as rows left/joined
+    dropped_experts: int = 0  # planned experts absent from the slots at execution: 0
     stage_wait_seconds: float = 0.0
     head_seconds: float = 0.0
     hedge_seconds: float = 0.0
-    hedge_staged: int = 0           # experts the hedge staged (per hedged layer per step)
-    hedge_hits: int = 0             # of those, in the routed set
-    hedge_cancelled: int = 0        # misses whose reads never started
-    hedge_wasted: int = 0           # misses read anyway (bundles read in vain)
-    draft_rows: int = 0             # draft hedge: rows whose token was drafted
-    draft_matches: int = 0          # of those, served the drafted token
-    wrap_chunks: int = 0            # chunks run to a fixed point under a wrap-around head
-    wrap_passes: int = 0            # and the passes they took
+    hedge_staged: int = 0  # experts the hedge staged (per hedged layer per step)
+    hedge_hits: int = 0  # of those, in the routed set
+    hedge_cancelled: int = 0  # misses whose reads never started
+    hedge_wasted: int = 0  # misses read anyway (bundles read in vain)
+    draft_rows: int = 0  # draft hedge: rows whose token was drafted
+    draft_matches: int = 0  # of those, served the drafted token
+    wrap_chunks: int = 0  # chunks run to a fixed point under a wrap-around head
+    wrap_passes: int = 0  # and the passes they took
 
     def since(self, before: "Counters") -> "Counters":
-        return Counters(**{f.name: getattr(self, f.name) - getattr(before, f.name)
-                           for f in fields(self)})
+        return Counters(
+            **{
+                f.name: getattr(self, f.name) - getattr(before, f.name)
+                for f in fields(self)
+            }
+        )
 
 
 class StreamingSwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU over `n_slots` quantized slot buffers, filled from the expert store."""
 
-    def __init__(self, layer: int, index: ExpertIndex, store: ExpertStore, n_slots: int,
-                 counters: Counters, scale_dtype=None):
+    def __init__(
+        self,
+        layer: int,
+        index: ExpertIndex,
+        store: ExpertStore,
+        n_slots: int,
+        counters: Counters,
+        scale_dtype=None,
+    ):
         super().__init__()
         spec = {t.name: t for t in index.tensors}
         hidden_dims, packed_in = spec["gate_proj.weight"].shape
@@ -76,12 +95,20 @@ class StreamingSwitchGLU(nn.Module):
         for proj in PROJECTIONS:
             q = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
             nn.Module.__init__(q)
-            q.group_size, q.bits, q.mode, q.global_scale = (index.group_size, index.bits,
-                                                            index.mode, None)
+            q.group_size, q.bits, q.mode, q.global_scale = (
+                index.group_size,
+                index.bits,
+                index.mode,
+                None,
+            )
             for part in ("weight", "scales", "biases"):
                 t = spec[f"{proj}.{part}"]
-                dtype = {"uint32": mx.uint32, "float16": mx.float16,
-                         "bfloat16": mx.bfloat16, "float32": mx.float32}[t.dtype]
+                dtype = {
+                    "uint32": mx.uint32,
+                    "float16": mx.float16,
+                    "bfloat16": mx.bfloat16,
+                    "float32": mx.float32,
+                }[t.dtype]
                 if part != "weight" and scale_dtype is not None:
                     # The compute dtype: on the CPU gather_qmm with float16 scales runs
                     # several times slower than with float32 ones.
@@ -89,15 +116,29 @@ class StreamingSwitchGLU(nn.Module):
                 setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
             q.freeze()
             setattr(self.glu, proj, q)
-        self._io = SimpleNamespace(layer=layer, index=index, store=store, counters=counters,
-                                   slots=LayerSlots(n_slots), num_experts=index.num_experts,
-                                   resident=False, pending=None)
+        self._io = SimpleNamespace(
+            layer=layer,
+            index=index,
+            store=store,
+            counters=counters,
+            slots=LayerSlots(n_slots),
+            num_experts=index.num_experts,
+            resident=False,
+            pending=None,
+        )
         # Per bundle tensor, once: (name, projection, part, stored as bfloat16, slot dtype).
         self._io.tensors = []
         for name in TENSOR_ORDER:
             proj, part = name.split(".")
-            self._io.tensors.append((name, proj, part, spec[name].dtype == "bfloat16",
-                                     getattr(self.glu, proj)[part].dtype))
+            self._io.tensors.append(
+                (
+                    name,
+                    proj,
+                    part,
+                    spec[name].dtype == "bfloat16",
+                    getattr(self.glu, proj)[part].dtype,
+                )
+            )
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
         self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
         mx.eval(self.glu.parameters())
@@ -129,9 +170,17 @@ class StreamingSwitchGLU(nn.Module):
                 old = linear[part]
                 if n_slots > old_n:
                     new = mx.concatenate(
-                        [old, mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype)])
+                        [
+                            old,
+                            mx.zeros(
+                                (n_slots - old_n, *old.shape[1:]), dtype=old.dtype
+                            ),
+                        ]
+                    )
                 else:
-                    new = mx.contiguous(old[:n_slots])   # a copy: the slice would keep it all
+                    new = mx.contiguous(
+                        old[:n_slots]
+                    )  # a copy: the slice would keep it all
                 setattr(linear, part, new)
         mx.eval(self.glu.parameters())
 
@@ -142,7 +191,7 @@ class StreamingSwitchGLU(nn.Module):
         self._drop_pending()
         _, loads = io.slots.assign(list(experts))
         if not loads:
-            return 0   # all hits: sticky slots, the slot table is already right
+            return 0  # all hits: sticky slots, the slot table is already right
         started = time.perf_counter()
         try:
             parts = io.store.read_many([(io.layer, e) for e, _ in loads], self._prepare)
@@ -172,7 +221,10 @@ class StreamingSwitchGLU(nn.Module):
         current = [io.slots.slot_of(e) for e in order]
         target = sorted(current)
         if current != target:
-            src, dst = mx.array(current, dtype=mx.int32), mx.array(target, dtype=mx.int32)
+            src, dst = (
+                mx.array(current, dtype=mx.int32),
+                mx.array(target, dtype=mx.int32),
+            )
             for proj in PROJECTIONS:
                 linear = getattr(self.glu, proj)
                 for part in PARTS:
@@ -210,9 +262,12 @@ class StreamingSwitchGLU(nn.Module):
                 if bf16:
                     value = value.view(mx.bfloat16)
                 buffer = getattr(self.glu, proj)[part]
-                buffer[slot] = value.astype(slot_dtype)   # in place on the module's array
+                buffer[slot] = value.astype(
+                    slot_dtype
+                )  # in place on the module's array
         self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = mx.array(
-            [s for _, s in loads], dtype=mx.int32)
+            [s for _, s in loads], dtype=mx.int32
+        )
 
     def preload_all(self) -> None:
         """Resident mode: every expert in its own slot, identity slot table."""
@@ -221,11 +276,13 @@ class StreamingSwitchGLU(nn.Module):
             raise ValueError("resident mode needs one slot per expert")
         for start in range(0, n, 16):
             self.load_experts(list(range(start, min(n, start + 16))), blocking=False)
-            mx.eval(self.glu.parameters(), self._io.lut)   # bound the pending writes
+            mx.eval(self.glu.parameters(), self._io.lut)  # bound the pending writes
         self._io.resident = True
 
     # -- compute ----------------------------------------------------------------------------
-    def __call__(self, x: mx.array, indices: mx.array, pinned: bool = False) -> mx.array:
+    def __call__(
+        self, x: mx.array, indices: mx.array, pinned: bool = False
+    ) -> mx.array:
         """pinned: the caller guarantees every expert in `indices` is in the slots (a staged
         plan, a training replay), so the ids map on the device: no host sync, differentiable."""
         io = self._io
@@ -233,7 +290,9 @@ class StreamingSwitchGLU(nn.Module):
             return self.glu(x, indices)
         if pinned:
             return self.glu(x, io.lut[indices])
-        mx.eval(indices)  # reactive: the true routing must reach the host to read misses
+        mx.eval(
+            indices
+        )  # reactive: the true routing must reach the host to read misses
         ids = np.array(indices)
         unique = np.unique(ids).tolist()
         io.counters.union_experts += len(unique)
@@ -258,7 +317,7 @@ class StreamingSwitchGLU(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         parts, where = [], []
         for start in range(0, len(unique), n):
-            group = unique[start: start + n]
+            group = unique[start : start + n]
             self.load_experts(group)
             pairs = np.flatnonzero(np.isin(flat, group))
             slot_ids = io.lut[mx.array(flat[pairs].astype(np.int32))][:, None]
@@ -270,7 +329,9 @@ class StreamingSwitchGLU(nn.Module):
         return mx.concatenate(parts)[back].reshape(*ids.shape, -1)
 
     # -- staging (prerouted decode) ---------------------------------------------------------
-    def stage_begin(self, experts: list[int], hedge: "StagedSet | None" = None) -> "StagedSet":
+    def stage_begin(
+        self, experts: list[int], hedge: "StagedSet | None" = None
+    ) -> "StagedSet":
         """Reserve slots for a predicted set and start reading the misses in the background.
 
         Experts already resident keep their slot (sticky), so only changed slots are read and
@@ -292,28 +353,36 @@ class StreamingSwitchGLU(nn.Module):
         outcome = None
         if hedge is not None:
             wanted = set(experts)
-            outcome = HedgeOutcome(staged=len(hedge.experts),
-                                   hits=len(wanted.intersection(hedge.experts)))
+            outcome = HedgeOutcome(
+                staged=len(hedge.experts), hits=len(wanted.intersection(hedge.experts))
+            )
             for (e, _), f in zip(hedge.loads, hedge.futures):
                 if e not in wanted and f.cancel():
                     io.slots.forget(e)
                     outcome.cancelled += 1
         mapping, loads = io.slots.assign(experts)
-        futures = [io.store.submit(io.layer, e, prepare=self._prepare) for e, _ in loads]
+        futures = [
+            io.store.submit(io.layer, e, prepare=self._prepare) for e, _ in loads
+        ]
         if hedge is not None:
             kept_loads, kept_futures = [], []
             for (e, slot), f in zip(hedge.loads, hedge.futures):
                 if f.cancelled():
                     continue
-                outcome.wasted += e not in mapping    # its read started, for nothing
+                outcome.wasted += e not in mapping  # its read started, for nothing
                 if io.slots.slot_of(e) != slot:
-                    f.cancel()     # its slot went to `experts`: the bundle is not needed
+                    f.cancel()  # its slot went to `experts`: the bundle is not needed
                     continue
                 kept_loads.append((e, slot))
                 kept_futures.append(f)
             loads, futures = kept_loads + loads, kept_futures + futures
-        io.pending = StagedSet(experts=experts, mapping=mapping, loads=loads, futures=futures,
-                               hedge=outcome)
+        io.pending = StagedSet(
+            experts=experts,
+            mapping=mapping,
+            loads=loads,
+            futures=futures,
+            hedge=outcome,
+        )
         return io.pending
 
     def stage_finish(self, staged: "StagedSet") -> tuple[float, int]:
@@ -361,7 +430,8 @@ class StagedSet(SimpleNamespace):
 @dataclass
 class HedgeOutcome:
     """What became of one layer's hedge when its routed set was staged."""
-    staged: int          # experts the hedge staged
-    hits: int            # of those, in the routed set
-    cancelled: int = 0   # reads of the others never started: nothing read
-    wasted: int = 0      # reads of the others that had started: bundles read in vain
+
+    staged: int  # experts the hedge staged
+    hits: int  # of those, in the routed set
+    cancelled: int = 0  # reads of the others never started: nothing read
+    wasted: int = 0  # reads of the others that had started: bundles read in vain

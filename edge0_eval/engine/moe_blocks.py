@@ -20,9 +20,9 @@ from edge0_eval.engine.moe import StreamingSwitchGLU
 class Route:
     """What a block executes instead of its router's choice, for one call."""
 
-    inds: mx.array                  # [B, L, K] experts, weighted by the layer's own router
-    mask: mx.array | None = None    # [B, L]: where False, the router's own choice instead
-    pinned: bool = False            # every expert of `inds` is in the slots: no host sync
+    inds: mx.array  # [B, L, K] experts, weighted by the layer's own router
+    mask: mx.array | None = None  # [B, L]: where False, the router's own choice instead
+    pinned: bool = False  # every expert of `inds` is in the slots: no host sync
 
 
 class StreamingMoE(nn.Module):
@@ -38,7 +38,9 @@ class StreamingMoE(nn.Module):
         self.route: Route | None = None
         self.capture = False
         self.last: tuple[mx.array, mx.array] | None = None
-        self.recall: list[mx.array] | None = None   # a list: keep each plan's recall (lazy)
+        self.recall: list[mx.array] | None = (
+            None  # a list: keep each plan's recall (lazy)
+        )
 
     def __call__(self, x: mx.array) -> mx.array:
         route = self.route
@@ -49,8 +51,10 @@ class StreamingMoE(nn.Module):
             if route.mask is not None:
                 inds = mx.where(route.mask[..., None], inds, self.select(x)[0])
             weights = self.weights(x, inds)
-            if self.recall is not None:     # |planned ∩ true top-k| / k
-                hit = (inds[..., :, None] == self.select(x)[0][..., None, :]).any(axis=-1)
+            if self.recall is not None:  # |planned ∩ true top-k| / k
+                hit = (inds[..., :, None] == self.select(x)[0][..., None, :]).any(
+                    axis=-1
+                )
                 self.recall.append(hit.astype(mx.float32).mean())
         if self.capture:
             self.last = (x, inds)
@@ -63,7 +67,9 @@ class StreamingMoE(nn.Module):
 class QwenStreamingMoE(StreamingMoE):
     """qwen3_5_moe block: softmax top-k, normalised, a shared expert with a sigmoid gate."""
 
-    selection_order = "last"     # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
+    selection_order = (
+        "last"  # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
+    )
 
     def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
         super().__init__()
@@ -111,7 +117,7 @@ class Qwen2StreamingMoE(QwenStreamingMoE):
 
     @staticmethod
     def normalizes(block) -> bool:
-        return False          # mlx-lm's qwen2_moe block has no norm_topk_prob: it never does
+        return False  # mlx-lm's qwen2_moe block has no norm_topk_prob: it never does
 
 
 class BailingStreamingMoE(StreamingMoE):
@@ -119,10 +125,10 @@ class BailingStreamingMoE(StreamingMoE):
 
     def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
         super().__init__()
-        self.gate = block.gate            # mlx-lm's Gate: its own selection rule, reused as is
+        self.gate = block.gate  # mlx-lm's Gate: its own selection rule, reused as is
         self.shared_experts = block.shared_experts
         self._init_streaming(switch, top_k)
-        self.gate.top_k = top_k           # instance attribute: serves K != native top-k
+        self.gate.top_k = top_k  # instance attribute: serves K != native top-k
 
     @property
     def router(self) -> nn.Module:
@@ -132,10 +138,13 @@ class BailingStreamingMoE(StreamingMoE):
     def rule(self) -> routing.RoutingRule:
         gate = self.gate
         return routing.RoutingRule(
-            score=gate.score_function, norm_topk_prob=bool(gate.norm_topk_prob),
-            expert_bias=gate.expert_bias, n_group=int(gate.n_group),
+            score=gate.score_function,
+            norm_topk_prob=bool(gate.norm_topk_prob),
+            expert_bias=gate.expert_bias,
+            n_group=int(gate.n_group),
             topk_group=int(gate.topk_group),
-            routed_scaling_factor=float(gate.routed_scaling_factor))
+            routed_scaling_factor=float(gate.routed_scaling_factor),
+        )
 
     def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return self.gate(x)
@@ -143,10 +152,13 @@ class BailingStreamingMoE(StreamingMoE):
     def weights(self, x: mx.array, inds: mx.array) -> mx.array:
         # mlx-lm's Gate: normalised only for k > 1, then scaled.
         probs = mx.sigmoid(self.gate.gate_proj(x).astype(mx.float32))
-        return routing.combine(probs, inds,
-                               normalize=inds.shape[-1] > 1 and self.gate.norm_topk_prob,
-                               eps=routing.NORM_EPS,
-                               scaling=self.gate.routed_scaling_factor).astype(x.dtype)
+        return routing.combine(
+            probs,
+            inds,
+            normalize=inds.shape[-1] > 1 and self.gate.norm_topk_prob,
+            eps=routing.NORM_EPS,
+            scaling=self.gate.routed_scaling_factor,
+        ).astype(x.dtype)
 
     def shared(self, x: mx.array) -> mx.array | None:
         return None if self.shared_experts is None else self.shared_experts(x)

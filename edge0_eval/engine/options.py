@@ -26,11 +26,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.families import Family, family_for
-from edge0_eval.formats.layout import ExpertIndex
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.engine.pool import slots_for_budget
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.layout import ExpertIndex
 
 MODES = ("resident", "reactive", "prerouted")
 LORA_FILE = "lora.safetensors"
@@ -48,16 +48,16 @@ class EngineOptions:
     """Every engine option, as one typed object from CLI/config to where it is used."""
 
     mode: str = "reactive"
-    top_k: int | None = None                 # routing width; None = the model's native top-k
+    top_k: int | None = None  # routing width; None = the model's native top-k
     # Expert slot buffers across all MoE layers, for one row: a batch (generate_batch) holds
     # min(experts, rows x top_k) slots per layer while it runs when this holds fewer.
     expert_budget_mib: float | None = None
-    slots_per_layer: int | None = None       # alternative to the budget
-    lora_path: str | None = None             # None: LORA_FILE beside the model, if present
+    slots_per_layer: int | None = None  # alternative to the budget
+    lora_path: str | None = None  # None: LORA_FILE beside the model, if present
     # The adapter's alpha (scale alpha/r) when neither its metadata nor an adapter_config.json
     # beside it gives one; it overrides both when given.
     lora_alpha: float | None = None
-    prerouter_path: str | None = None        # None: PREROUTER_FILE beside the model
+    prerouter_path: str | None = None  # None: PREROUTER_FILE beside the model
     no_lora: bool = False
     no_prerouter: bool = False
     # Hedged staging (next-token heads): a draft vocabulary (the heads at a drafted token),
@@ -65,16 +65,20 @@ class EngineOptions:
     # (engine/prerouted.py). None: HEDGE_FILE beside the model if present.
     hedge_path: str | None = None
     no_hedge: bool = False
-    hedge_layers: int | None = None          # the hedge's first N layers in step order; None: all
+    hedge_layers: int | None = (
+        None  # the hedge's first N layers in step order; None: all
+    )
     io_workers: int = 4
-    io_throttle_mbps: float | None = None    # storage emulation; figures it produces are emulated
-    verify_crc: bool = True                  # crc32 of each bundle on its first read
-    measure_recall: bool = False             # prerouted: compare plans with the true router
+    io_throttle_mbps: float | None = (
+        None  # storage emulation; figures it produces are emulated
+    )
+    verify_crc: bool = True  # crc32 of each bundle on its first read
+    measure_recall: bool = False  # prerouted: compare plans with the true router
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
     # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
     clip_hidden: float | str | None = "auto"
     prefill_chunk: int = 512
-    compute_dtype: str = "auto"              # auto: float32 on CPU (half is emulated there)
+    compute_dtype: str = "auto"  # auto: float32 on CPU (half is emulated there)
     seed: int = 0
 
     def validate(self) -> None:
@@ -86,34 +90,53 @@ class EngineOptions:
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}")
         if not _is_int(self.io_workers) or self.io_workers < 1:
-            raise ConfigError(f"io_workers must be a whole number >= 1, not {self.io_workers!r}")
+            raise ConfigError(
+                f"io_workers must be a whole number >= 1, not {self.io_workers!r}"
+            )
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be a whole number >= 0, not {self.seed!r}")
         if not _is_int(self.prefill_chunk) or self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be a whole number >= 1, "
-                              f"not {self.prefill_chunk!r}")
+            raise ConfigError(
+                f"prefill_chunk must be a whole number >= 1, not {self.prefill_chunk!r}"
+            )
         if self.expert_budget_mib is not None and self.slots_per_layer is not None:
             raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
         for name in ("expert_budget_mib", "io_throttle_mbps", "lora_alpha"):
             value = getattr(self, name)
-            if value is not None and not (_is_number(value) and math.isfinite(value)
-                                          and value > 0):
+            if value is not None and not (
+                _is_number(value) and math.isfinite(value) and value > 0
+            ):
                 raise ConfigError(f"{name} must be a finite number > 0, not {value!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"compute_dtype {self.compute_dtype!r} is not one of "
-                              f"{', '.join(COMPUTE_DTYPES)}")
-        if self.clip_hidden != "auto" and self.clip_hidden is not None and \
-                not (_is_number(self.clip_hidden) and math.isfinite(self.clip_hidden)
-                     and self.clip_hidden > 0):
-            raise ConfigError(f"clip_hidden must be 'auto', None or a finite number > 0, "
-                              f"not {self.clip_hidden!r}")
+            raise ConfigError(
+                f"compute_dtype {self.compute_dtype!r} is not one of "
+                f"{', '.join(COMPUTE_DTYPES)}"
+            )
+        if (
+            self.clip_hidden != "auto"
+            and self.clip_hidden is not None
+            and not (
+                _is_number(self.clip_hidden)
+                and math.isfinite(self.clip_hidden)
+                and self.clip_hidden > 0
+            )
+        ):
+            raise ConfigError(
+                f"clip_hidden must be 'auto', None or a finite number > 0, "
+                f"not {self.clip_hidden!r}"
+            )
 
     def resolved_clip(self, family: Family) -> float | None:
         return family.clip_hidden if self.clip_hidden == "auto" else self.clip_hidden
 
-    def resolve(self, directory: str | Path, config: dict | None = None,
-                index: ExpertIndex | None = None, *, require_lora: bool = False
-                ) -> "ResolvedOptions":
+    def resolve(
+        self,
+        directory: str | Path,
+        config: dict | None = None,
+        index: ExpertIndex | None = None,
+        *,
+        require_lora: bool = False,
+    ) -> "ResolvedOptions":
         """Validate, then decide everything that depends on the model in `directory`.
 
         `config` / `index` (config.json and the expert index, read from `directory` when not
@@ -125,35 +148,52 @@ class EngineOptions:
         if config is None:
             config_path = directory / "config.json"
             if not config_path.is_file():
-                raise CheckpointError(f"{config_path} not found; is {directory} a converted "
-                                      f"model?")
+                raise CheckpointError(
+                    f"{config_path} not found; is {directory} a converted model?"
+                )
             config = json.loads(config_path.read_text())
         family = family_for(config, str(directory / "config.json"))
         index = index if index is not None else ExpertIndex.load(directory)
         num_experts = family.num_experts(config)
         top_k = self.top_k or family.native_top_k(config)
         if top_k > num_experts:
-            raise ConfigError(f"top_k {top_k} exceeds the model's {num_experts} experts")
-        lora_path = self._lora_path(directory, require_lora)     # reported first when missing
+            raise ConfigError(
+                f"top_k {top_k} exceeds the model's {num_experts} experts"
+            )
+        lora_path = self._lora_path(
+            directory, require_lora
+        )  # reported first when missing
         prerouter_path = self._prerouter_path(directory)
         hedge_path = self._hedge_path(directory, prerouter_path)
-        if self.hedge_layers is not None and prerouter_path is not None and hedge_path is None:
-            raise ConfigError(f"hedge_layers {self.hedge_layers} without a hedge: give "
-                              f"--hedge FILE (hedge_path), or drop --hedge-layers")
+        if (
+            self.hedge_layers is not None
+            and prerouter_path is not None
+            and hedge_path is None
+        ):
+            raise ConfigError(
+                f"hedge_layers {self.hedge_layers} without a hedge: give "
+                f"--hedge FILE (hedge_path), or drop --hedge-layers"
+            )
         return ResolvedOptions(
-            family=family, top_k=top_k, num_experts=num_experts,
+            family=family,
+            top_k=top_k,
+            num_experts=num_experts,
             slots_per_layer=self._slots_per_layer(index, top_k),
             lora_path=lora_path,
             prerouter_path=prerouter_path,
             hedge_path=hedge_path,
-            clip_hidden=self.resolved_clip(family))
+            clip_hidden=self.resolved_clip(family),
+        )
 
     def _slots_per_layer(self, index: ExpertIndex, top_k: int) -> int:
         n_layers, bundle = len(index.moe_layers), index.bundle_stride
         if self.mode == "resident":
             return index.num_experts
         if self.slots_per_layer is not None:
-            slots, source = self.slots_per_layer, f"slots_per_layer={self.slots_per_layer}"
+            slots, source = (
+                self.slots_per_layer,
+                f"slots_per_layer={self.slots_per_layer}",
+            )
         elif self.expert_budget_mib is not None:
             slots = slots_for_budget(self.expert_budget_mib, bundle, n_layers)
             source = f"expert_budget_mib={self.expert_budget_mib:g}"
@@ -178,19 +218,25 @@ class EngineOptions:
             raise MissingAdapterError(
                 f"LoRA adapter {path} is missing; train it (`edge0-eval train-lora`), pass an "
                 f"existing file (--lora / lora_path), or serve without it (--no-lora / "
-                f"no_lora=True, e.g. for an ablation arm)")
+                f"no_lora=True, e.g. for an ablation arm)"
+            )
         return None
 
     def _prerouter_path(self, directory: Path) -> Path | None:
         if self.mode != "prerouted" or self.no_prerouter:
             return None
-        path = Path(self.prerouter_path) if self.prerouter_path else directory / PREROUTER_FILE
+        path = (
+            Path(self.prerouter_path)
+            if self.prerouter_path
+            else directory / PREROUTER_FILE
+        )
         if not path.is_file():
             raise MissingAdapterError(
                 f"prerouter heads {path} is missing (prerouted mode needs prerouter heads); "
                 f"train them with `edge0-eval train-prerouter`, pass --prerouter FILE "
                 f"(prerouter_path), route truly with --no-prerouter (no_prerouter=True), or use "
-                f"--mode reactive (mode='reactive')")
+                f"--mode reactive (mode='reactive')"
+            )
         return path
 
     def _hedge_path(self, directory: Path, prerouter_path: Path | None) -> Path | None:
@@ -204,7 +250,8 @@ class EngineOptions:
             raise MissingAdapterError(
                 f"prerouter hedge {path} is missing; write a draft vocabulary with "
                 f"`edge0-eval draft-vocab`, or stage without a hedge (--no-hedge / "
-                f"no_hedge=True)")
+                f"no_hedge=True)"
+            )
         return None
 
 
@@ -212,8 +259,10 @@ def _refuse_non_file(path: Path, what: str, opt_out: str) -> None:
     """A default adapter name held by a directory (or another non-file) is a mistake to report,
     not an absent adapter to skip: the base model would be served silently."""
     if path.exists():
-        raise MissingAdapterError(f"{what} {path} exists but is not a file; put the adapter "
-                                  f"file there, or serve without it ({opt_out})")
+        raise MissingAdapterError(
+            f"{what} {path} exists but is not a file; put the adapter "
+            f"file there, or serve without it ({opt_out})"
+        )
 
 
 @dataclass(frozen=True)
@@ -221,14 +270,14 @@ class ResolvedOptions:
     """What `EngineOptions.resolve` decided for one model."""
 
     family: Family
-    top_k: int                      # the serving K (option, else the model's native top-k)
+    top_k: int  # the serving K (option, else the model's native top-k)
     num_experts: int
     slots_per_layer: int
-    lora_path: Path | None          # the adapter to apply; None: none
-    prerouter_path: Path | None     # the heads to load; None: every layer routes truly
-    hedge_path: Path | None         # staged early for next-token heads (a draft vocabulary);
+    lora_path: Path | None  # the adapter to apply; None: none
+    prerouter_path: Path | None  # the heads to load; None: every layer routes truly
+    hedge_path: Path | None  # staged early for next-token heads (a draft vocabulary);
     #                                 None: none
-    clip_hidden: float | None       # per-layer hidden clipping limit; None: off
+    clip_hidden: float | None  # per-layer hidden clipping limit; None: off
 
 
 def _is_int(value) -> bool:

@@ -29,7 +29,9 @@ class LayerSlots:
         if n_slots < 1:
             raise ValueError("a layer needs at least one slot")
         self.n_slots = n_slots
-        self._slot_of: OrderedDict[int, int] = OrderedDict()   # expert -> slot, LRU first
+        self._slot_of: OrderedDict[int, int] = (
+            OrderedDict()
+        )  # expert -> slot, LRU first
         self._free = list(range(n_slots - 1, -1, -1))
         self.stats = PoolStats()
 
@@ -40,15 +42,19 @@ class LayerSlots:
     def resident_experts(self) -> list[int]:
         return list(self._slot_of)
 
-    def assign(self, experts: list[int]) -> tuple[dict[int, int], list[tuple[int, int]]]:
+    def assign(
+        self, experts: list[int]
+    ) -> tuple[dict[int, int], list[tuple[int, int]]]:
         """Make every expert in `experts` (distinct, at most n_slots) resident.
 
         Returns (expert -> slot for all of them, [(expert, slot) that must be loaded]). Experts
         already resident keep their slot (sticky), so only changed slots are written.
         """
         if len(experts) > self.n_slots:
-            raise ValueError(f"{len(experts)} experts requested but the layer has "
-                             f"{self.n_slots} slots")
+            raise ValueError(
+                f"{len(experts)} experts requested but the layer has "
+                f"{self.n_slots} slots"
+            )
         wanted = set(experts)
         mapping, loads = {}, []
         for e in experts:

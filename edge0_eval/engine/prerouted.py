@@ -28,28 +28,40 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from edge0_eval.errors import CheckpointError
 from edge0_eval.engine.draft import DraftHead
-from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
-from edge0_eval.engine.prerouter import load_heads
-from edge0_eval.formats.heads_file import KIND, read_metadata
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.moe import Counters, StagedSet
-from edge0_eval.engine.prerouter import (PrerouterHeads, append_next_embedding, build_features,
-                                         onehot)
+from edge0_eval.engine.prerouter import (
+    PrerouterHeads,
+    append_next_embedding,
+    build_features,
+    load_heads,
+    onehot,
+)
 from edge0_eval.engine.routing import stack_rules
+from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
+from edge0_eval.formats.heads_file import KIND, read_metadata
 
 
 @dataclass
 class Plans:
     """The prerouter's state between two steps of B rows, in the batch's row order."""
 
-    feats: mx.array | None = None    # [O, B, in]: the heads' features at each row's last token
-    onehot: mx.array | None = None   # [O, B, E]: that token's executed experts (the next t-1)
+    feats: mx.array | None = (
+        None  # [O, B, in]: the heads' features at each row's last token
+    )
+    onehot: mx.array | None = (
+        None  # [O, B, E]: that token's executed experts (the next t-1)
+    )
     # consuming layer -> (ids [B, 1, K], its StagedSet; None: not staged, loaded on demand)
     layers: dict[int, tuple[mx.array, StagedSet | None]] = field(default_factory=dict)
-    hedges: dict[int, StagedSet] = field(default_factory=dict)   # the draft hedge's reads
-    drafted: tuple | None = None     # (draft tokens [B], the heads' (ids, weights) at them)
+    hedges: dict[int, StagedSet] = field(
+        default_factory=dict
+    )  # the draft hedge's reads
+    drafted: tuple | None = (
+        None  # (draft tokens [B], the heads' (ids, weights) at them)
+    )
 
     def take(self, rows: list[int]) -> "Plans":
         """The row state of `rows`, in that order; whatever was planned is dropped."""
@@ -64,17 +76,31 @@ class Plans:
         parts = [p for p in parts if p.feats is not None]
         if not parts:
             return Plans()
-        return Plans(mx.concatenate([p.feats for p in parts], axis=1),
-                     mx.concatenate([p.onehot for p in parts], axis=1))
+        return Plans(
+            mx.concatenate([p.feats for p in parts], axis=1),
+            mx.concatenate([p.onehot for p in parts], axis=1),
+        )
 
 
 class Prerouter:
     """The heads and their staging: a step's features in, the next step's `Plans` out."""
 
-    def __init__(self, heads: PrerouterHeads, blocks: dict, top_k: int, counters: Counters,
-                 embedding, measure_recall: bool = False):
+    def __init__(
+        self,
+        heads: PrerouterHeads,
+        blocks: dict,
+        top_k: int,
+        counters: Counters,
+        embedding,
+        measure_recall: bool = False,
+    ):
         cfg = heads.config
-        self.heads, self.blocks, self.top_k, self.counters = heads, blocks, top_k, counters
+        self.heads, self.blocks, self.top_k, self.counters = (
+            heads,
+            blocks,
+            top_k,
+            counters,
+        )
         self.owners, self.consumers = list(cfg.owners), list(cfg.consumers)
         self.consumer_of = dict(zip(self.owners, self.consumers))
         # The heads in the order their consumers run: a wrap head's first MoE layer is needed
@@ -87,15 +113,16 @@ class Prerouter:
         # the wrap-around head's consumer runs first.
         self.ahead = {o for o, c in self.consumer_of.items() if c == o + 1}
         self.wrap = next(((o, c) for o, c in self.consumer_of.items() if c <= o), None)
-        self.draft: DraftHead | None = None     # a draft-token hedge of `draft_layers`
+        self.draft: DraftHead | None = None  # a draft-token hedge of `draft_layers`
         self.draft_layers: list[int] = []
         for owner in self.owners:
             blocks[owner].capture = True
         for layer in self.consumers if measure_recall else ():
             blocks[layer].recall = []
 
-    def after_step(self, plans: Plans | None, h: mx.array, samplers: list | None, *,
-                   stage: bool) -> Plans:
+    def after_step(
+        self, plans: Plans | None, h: mx.array, samplers: list | None, *, stage: bool
+    ) -> Plans:
         """The next step's plans from this step's features: each row's last position (its
         t-1 one-hot from the position before it, else the carried one, else zeros). Context
         heads plan and stage now; next-token heads wait for the tokens, a draft hedge staging
@@ -107,8 +134,11 @@ class Prerouter:
         if xs[0].shape[1] >= 2:
             prev = onehot(mx.stack([i[:, -2] for i in ids]), num_experts, x.dtype)
         else:
-            prev = plans.onehot if plans is not None and plans.onehot is not None else \
-                mx.zeros_like(now)
+            prev = (
+                plans.onehot
+                if plans is not None and plans.onehot is not None
+                else mx.zeros_like(now)
+            )
         following = Plans(build_features(x, now, prev), now)
         if not stage:
             return following
@@ -116,8 +146,9 @@ class Prerouter:
             return self.plan(following)
         return following if self.draft is None else self.hedge(following, h, samplers)
 
-    def plan(self, plans: Plans, tokens: mx.array | None = None, *, stage: bool = True
-             ) -> Plans:
+    def plan(
+        self, plans: Plans, tokens: mx.array | None = None, *, stage: bool = True
+    ) -> Plans:
         """Every consuming layer's experts for the step about to run, per row, from
         `plans.feats` (next-token heads: with the embeddings of `tokens` [B], or the hedge's
         selection when every row's token is its draft); with `stage`, each layer's union of
@@ -131,17 +162,22 @@ class Prerouter:
             if matches == len(plans.drafted[0]):
                 selected = plans.drafted[1]
         if selected is None:
-            feats = plans.feats if not self.next_token else \
-                append_next_embedding(plans.feats, self.embedding(tokens))
+            feats = (
+                plans.feats
+                if not self.next_token
+                else append_next_embedding(plans.feats, self.embedding(tokens))
+            )
             selected = self.rule.select(self.heads(feats), self.top_k)
-        inds = selected[0]                                                       # [O, B, K]
+        inds = selected[0]  # [O, B, K]
         staged = {}
         if stage:
             mx.eval(inds, plans.onehot)
             self.counters.head_seconds += time.perf_counter() - started
             staged = self._stage(np.array(inds), self.consumers, plans.hedges)
-        layers = {self.consumers[o]: (inds[o][:, None], staged.get(self.consumers[o]))
-                  for o in self.order}
+        layers = {
+            self.consumers[o]: (inds[o][:, None], staged.get(self.consumers[o]))
+            for o in self.order
+        }
         return Plans(plans.feats, plans.onehot, layers)
 
     def hedge(self, plans: Plans, h: mx.array, samplers: list | None) -> Plans:
@@ -149,16 +185,23 @@ class Prerouter:
         the next-token heads' sets at the drafts and start reading the hedged layers'."""
         started = time.perf_counter()
         tokens = self.draft(h, samplers)
-        selected = self.rule.select(self.heads(append_next_embedding(
-            plans.feats, self.embedding(tokens))), self.top_k)
+        selected = self.rule.select(
+            self.heads(append_next_embedding(plans.feats, self.embedding(tokens))),
+            self.top_k,
+        )
         mx.eval(tokens, selected)
         self.counters.hedge_seconds += time.perf_counter() - started
         hedges = self._stage(np.array(selected[0]), self.draft_layers)
-        return Plans(plans.feats, plans.onehot, hedges=hedges,
-                     drafted=(np.array(tokens), selected))
+        return Plans(
+            plans.feats,
+            plans.onehot,
+            hedges=hedges,
+            drafted=(np.array(tokens), selected),
+        )
 
-    def _stage(self, ids: np.ndarray, layers: list[int], hedges: dict | None = None
-               ) -> dict[int, StagedSet]:
+    def _stage(
+        self, ids: np.ndarray, layers: list[int], hedges: dict | None = None
+    ) -> dict[int, StagedSet]:
         """Start reading each of `layers`' union of the rows' ids [O, B, K] (rows parallel to
         the consumers), earliest layer first (the store also serves prefetches by layer).
         With `hedges` (routed sets: {} when there are none), each hedged layer takes over its
@@ -168,9 +211,11 @@ class Prerouter:
             layer = self.consumers[o]
             if layer not in layers:
                 continue
-            union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))     # first-seen order
+            union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))  # first-seen order
             hedge = None if hedges is None else hedges.get(layer)
-            staged[layer] = s = self.blocks[layer].switch_mlp.stage_begin(union, hedge=hedge)
+            staged[layer] = s = self.blocks[layer].switch_mlp.stage_begin(
+                union, hedge=hedge
+            )
             if hedges is None:
                 continue
             if s.hedge is not None:
@@ -194,12 +239,16 @@ class Prerouter:
         the next plan finds most of them), uncounted as staged sets since they never run."""
         c = self.counters
         for layer, (_, staged) in sorted(plans.layers.items()):
-            c.stage_wait_seconds += self.blocks[layer].switch_mlp.stage_finish(staged)[0]
+            c.stage_wait_seconds += self.blocks[layer].switch_mlp.stage_finish(staged)[
+                0
+            ]
             c.staged_experts -= len(staged.experts)
             c.staged_layers -= 1
             c.abandoned_plans += 1
         for layer, staged in sorted(plans.hedges.items()):
-            c.stage_wait_seconds += self.blocks[layer].switch_mlp.stage_finish(staged)[0]
+            c.stage_wait_seconds += self.blocks[layer].switch_mlp.stage_finish(staged)[
+                0
+            ]
 
     def predict(self, owner: int, tokens: mx.array, plans: Plans) -> mx.array:
         """In a pass over L > 1 positions: the ids [B, L, K] `owner`'s head predicts for its
@@ -209,13 +258,21 @@ class Prerouter:
         x, ids = self.blocks[owner].last
         now = onehot(ids, self.heads.config.num_experts, x.dtype)
         o = self.owners.index(owner)
-        first = mx.zeros_like(now[:, :1]) if plans.onehot is None else plans.onehot[o][:, None]
+        first = (
+            mx.zeros_like(now[:, :1])
+            if plans.onehot is None
+            else plans.onehot[o][:, None]
+        )
         following = None
         if self.next_token:
             emb = self.embedding(tokens)
             following = mx.concatenate([emb[:, 1:], mx.zeros_like(emb[:, :1])], axis=1)
-        feats = build_features(x[None], now[None],
-                               mx.concatenate([first, now[:, :-1]], axis=1)[None], following)
+        feats = build_features(
+            x[None],
+            now[None],
+            mx.concatenate([first, now[:, :-1]], axis=1)[None],
+            following,
+        )
         logits = self.heads.select_owners([owner])(feats)[0]
         return self.blocks[self.consumer_of[owner]].rule.select(logits, self.top_k)[0]
 
@@ -228,28 +285,42 @@ class Prerouter:
             "staged_loads_per_step": c.staged_loads / steps,
             "dropped_experts": c.dropped_experts,
             "abandoned_plans": c.abandoned_plans,
-            "mean_staged_union": c.staged_experts / c.staged_layers if c.staged_layers else 0.0,
+            "mean_staged_union": c.staged_experts / c.staged_layers
+            if c.staged_layers
+            else 0.0,
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
             "head_ms_per_step": 1000 * c.head_seconds / steps,
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": self.wrap is not None,
             # Chunks (teacher forcing, prefill pieces with plans) under a wrap-around head.
-            "wrap_passes_per_chunk": c.wrap_passes / c.wrap_chunks if c.wrap_chunks else None,
+            "wrap_passes_per_chunk": c.wrap_passes / c.wrap_chunks
+            if c.wrap_chunks
+            else None,
             "prerouter_features": "next_token" if self.next_token else "context",
         }
         if self.draft is not None:
-            out.update({
-                "hedge_layers": list(self.draft_layers),
-                "hedge_kind": f"draft token ({self.draft.ids.size} ids)",
-                "hedge_precision": c.hedge_hits / c.hedge_staged if c.hedge_staged else None,
-                "hedge_cancelled_per_step": c.hedge_cancelled / steps,
-                "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
-                "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
-                "draft_match_rate": c.draft_matches / c.draft_rows if c.draft_rows else None,
-            })
-        recalls = [r for layer in self.consumers for r in self.blocks[layer].recall or ()]
+            out.update(
+                {
+                    "hedge_layers": list(self.draft_layers),
+                    "hedge_kind": f"draft token ({self.draft.ids.size} ids)",
+                    "hedge_precision": c.hedge_hits / c.hedge_staged
+                    if c.hedge_staged
+                    else None,
+                    "hedge_cancelled_per_step": c.hedge_cancelled / steps,
+                    "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
+                    "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
+                    "draft_match_rate": c.draft_matches / c.draft_rows
+                    if c.draft_rows
+                    else None,
+                }
+            )
+        recalls = [
+            r for layer in self.consumers for r in self.blocks[layer].recall or ()
+        ]
         if self.blocks[self.consumers[0]].recall is not None:
-            out["online_recall"] = float(mx.mean(mx.stack(recalls)).item()) if recalls else None
+            out["online_recall"] = (
+                float(mx.mean(mx.stack(recalls)).item()) if recalls else None
+            )
         return out
 
 
@@ -257,30 +328,47 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     """The heads in `path` (and the draft hedge of `engine.resolved.hedge_path`, if any) for
     `engine`, checked against it (EngineOptions.resolve found the files)."""
     options, family, model = engine.options, engine.family, engine.model
-    heads = load_heads(path, hidden=family.hidden_size(engine.config),
-                       num_experts=engine.index.num_experts, top_k=engine.top_k,
-                       model_type=engine.config.get("model_type"), moe_layers=engine.moe_layers,
-                       dtype=resolve_compute_dtype(options.compute_dtype))
-    prerouter = Prerouter(heads, engine.blocks, engine.top_k, engine.counters,
-                          family.embedding(model), measure_recall=options.measure_recall)
+    heads = load_heads(
+        path,
+        hidden=family.hidden_size(engine.config),
+        num_experts=engine.index.num_experts,
+        top_k=engine.top_k,
+        model_type=engine.config.get("model_type"),
+        moe_layers=engine.moe_layers,
+        dtype=resolve_compute_dtype(options.compute_dtype),
+    )
+    prerouter = Prerouter(
+        heads,
+        engine.blocks,
+        engine.top_k,
+        engine.counters,
+        family.embedding(model),
+        measure_recall=options.measure_recall,
+    )
     hedge_path = engine.resolved.hedge_path
     if hedge_path is None:
         return prerouter
     fix = f"(prerouter heads: {path}); pass a draft vocabulary (--hedge) or none (--no-hedge)"
     if not is_draft_file(hedge_path) and _holds_heads(hedge_path):
-        raise CheckpointError(f"{hedge_path} holds prerouter heads: hedges of context heads "
-                              f"are no longer served (issue 26), write a draft vocabulary "
-                              f"with `edge0-eval draft-vocab` {fix}")
+        raise CheckpointError(
+            f"{hedge_path} holds prerouter heads: hedges of context heads "
+            f"are no longer served (issue 26), write a draft vocabulary "
+            f"with `edge0-eval draft-vocab` {fix}"
+        )
     if not prerouter.next_token:
-        raise CheckpointError(f"{hedge_path}: a hedge serves next-token prerouter heads, whose "
-                              f"plans wait for the token; these heads plan before the LM head "
-                              f"already {fix}")
+        raise CheckpointError(
+            f"{hedge_path}: a hedge serves next-token prerouter heads, whose "
+            f"plans wait for the token; these heads plan before the LM head "
+            f"already {fix}"
+        )
     ids = load_draft_vocab(hedge_path, family.embedding(model).weight.shape[0])
     layers = sorted(prerouter.consumers)
     n = options.hedge_layers or len(layers)
     if not 1 <= n <= len(layers):
-        raise CheckpointError(f"{hedge_path}: hedge_layers {n}: the next-token heads plan "
-                              f"{len(layers)} layers; choose 1 to {len(layers)} {fix}")
+        raise CheckpointError(
+            f"{hedge_path}: hedge_layers {n}: the next-token heads plan "
+            f"{len(layers)} layers; choose 1 to {len(layers)} {fix}"
+        )
     prerouter.draft = DraftHead(*family.output_head(model), ids)
     prerouter.draft_layers = layers[:n]
     return prerouter
@@ -290,4 +378,4 @@ def _holds_heads(path: Path) -> bool:
     try:
         return read_metadata(path).get("kind") == KIND
     except CheckpointError:
-        return False            # the draft loader reports what is wrong with it
+        return False  # the draft loader reports what is wrong with it

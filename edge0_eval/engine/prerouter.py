@@ -24,10 +24,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.engine.routing import RoutingRule  # noqa: F401 (training imports it here)
-from edge0_eval.formats.heads_file import HeadsFile, PrerouterConfig, read_heads, write_heads
-
+from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.heads_file import (
+    HeadsFile,
+    PrerouterConfig,
+    read_heads,
+    write_heads,
+)
 
 # Reference tiers (shared/README.md): serving K, first consuming layer, fc1 width.
 # The tiers start at 0: every MoE layer prerouted, the last one's wrap-around head predicting the
@@ -39,12 +43,13 @@ from edge0_eval.formats.heads_file import HeadsFile, PrerouterConfig, read_heads
 _TIERS = {
     # (model_type, layers, hidden, experts): (K, start_layer, width)
     ("qwen3_5_moe", 40, 2048, 256): (4, 0, 512),
-    ("bailing_hybrid", 24, 1536, 128): (8, 0, 512),     # layer 0 is dense: heads own 1..23
+    ("bailing_hybrid", 24, 1536, 128): (8, 0, 512),  # layer 0 is dense: heads own 1..23
 }
 
 
-def tier_defaults(model_type: str, n_layers: int, hidden: int, num_experts: int,
-                  moe_layers: list[int]) -> dict:
+def tier_defaults(
+    model_type: str, n_layers: int, hidden: int, num_experts: int, moe_layers: list[int]
+) -> dict:
     """Defaults for top_k (None = the model's native), start_layer and width.
 
     Known reference tiers get the reference K and width and start at 0 (every MoE layer, with
@@ -66,8 +71,11 @@ def default_owners(start_layer: int, n_layers: int, moe_layers: list[int]) -> li
     wrap-around owner, the last MoE layer, whose head predicts the first MoE layer.
     """
     moe = set(moe_layers)
-    owners = [n for n in range(max(0, start_layer - 1), n_layers - 1)
-              if n in moe and n + 1 in moe]
+    owners = [
+        n
+        for n in range(max(0, start_layer - 1), n_layers - 1)
+        if n in moe and n + 1 in moe
+    ]
     if moe_layers and start_layer <= min(moe_layers) and max(moe_layers) not in owners:
         owners.append(max(moe_layers))
     return owners
@@ -80,7 +88,9 @@ def default_consumers(owners: list[int], moe_layers: list[int]) -> list[int]:
     return [moe[0] if moe and n == moe[-1] else n + 1 for n in owners]
 
 
-def pair_problems(owners: list[int], consumers: list[int], moe_layers: list[int]) -> list[str]:
+def pair_problems(
+    owners: list[int], consumers: list[int], moe_layers: list[int]
+) -> list[str]:
     """Why (owner, consumer) pairs cannot serve this model; [] when they all can."""
     moe = sorted(moe_layers)
     problems = []
@@ -88,44 +98,59 @@ def pair_problems(owners: list[int], consumers: list[int], moe_layers: list[int]
         if n not in moe or c not in moe:
             problems.append(f"owner {n} -> layer {c}: they must both be MoE layers")
         elif c != n + 1 and not (n == moe[-1] and c == moe[0]):
-            problems.append(f"owner {n} -> layer {c}: a head predicts layer owner + 1, or (the "
-                            f"wrap-around head, owner {moe[-1]}) the first MoE layer {moe[0]}")
+            problems.append(
+                f"owner {n} -> layer {c}: a head predicts layer owner + 1, or (the "
+                f"wrap-around head, owner {moe[-1]}) the first MoE layer {moe[0]}"
+            )
     if len(set(consumers)) != len(consumers):
         problems.append(f"consumers {consumers} repeat a layer")
     return problems
 
 
-def check_owners(owners: list[int], moe_layers: list[int],
-                 consumers: list[int] | None = None) -> list[int]:
+def check_owners(
+    owners: list[int], moe_layers: list[int], consumers: list[int] | None = None
+) -> list[int]:
     """Owners must be distinct and pair validly with their consumers (parallel to `owners`;
     default `default_consumers`). A sorted copy of the owners."""
     raw = [int(n) for n in owners]
     if not raw:
-        raise ConfigError("no prerouter owners: the model has no MoE layer followed by another "
-                          "(check --owners / --start-layer)")
+        raise ConfigError(
+            "no prerouter owners: the model has no MoE layer followed by another "
+            "(check --owners / --start-layer)"
+        )
     if len(set(raw)) != len(raw):
         raise ConfigError(f"owners {sorted(raw)} has duplicates")
     consumers = default_consumers(raw, moe_layers) if consumers is None else consumers
     problems = pair_problems(raw, [int(c) for c in consumers], moe_layers)
     if problems:
-        raise ConfigError(f"prerouter heads cannot serve this model: {'; '.join(problems)} "
-                          f"(MoE layers: {moe_layers})")
+        raise ConfigError(
+            f"prerouter heads cannot serve this model: {'; '.join(problems)} "
+            f"(MoE layers: {moe_layers})"
+        )
     return sorted(raw)
 
 
 # -- heads --------------------------------------------------------------------------------------
 
+
 class PrerouterHeads(nn.Module):
     """All owners' heads as stacked weights; one batched computation per step."""
 
-    def __init__(self, config: PrerouterConfig, fc1: mx.array, fc2: mx.array, linear: mx.array):
+    def __init__(
+        self, config: PrerouterConfig, fc1: mx.array, fc2: mx.array, linear: mx.array
+    ):
         super().__init__()
         o, e, w, d = len(config.owners), config.num_experts, config.width, config.in_dim
-        for name, arr, shape in (("fc1", fc1, (o, w, d)), ("fc2", fc2, (o, e, w)),
-                                 ("linear", linear, (o, e, d))):
+        for name, arr, shape in (
+            ("fc1", fc1, (o, w, d)),
+            ("fc2", fc2, (o, e, w)),
+            ("linear", linear, (o, e, d)),
+        ):
             if tuple(arr.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(arr.shape)}, expected {shape}")
-        self.config = config          # plain object attribute: not a parameter
+                raise ValueError(
+                    f"{name} has shape {tuple(arr.shape)}, expected {shape}"
+                )
+        self.config = config  # plain object attribute: not a parameter
         self.fc1, self.fc2, self.linear = fc1, fc2, linear
 
     @property
@@ -141,8 +166,10 @@ class PrerouterHeads(nn.Module):
         o = feats.shape[0]
         lead = feats.shape[1:-1]
         x = feats.reshape(o, -1, feats.shape[-1]).astype(self.fc1.dtype)
-        hid = nn.gelu(mx.matmul(x, self.fc1.swapaxes(1, 2)))          # exact erf GELU
-        out = mx.matmul(hid, self.fc2.swapaxes(1, 2)) + mx.matmul(x, self.linear.swapaxes(1, 2))
+        hid = nn.gelu(mx.matmul(x, self.fc1.swapaxes(1, 2)))  # exact erf GELU
+        out = mx.matmul(hid, self.fc2.swapaxes(1, 2)) + mx.matmul(
+            x, self.linear.swapaxes(1, 2)
+        )
         return out.reshape(o, *lead, out.shape[-1])
 
     def select_owners(self, owners: list[int]) -> "PrerouterHeads":
@@ -150,8 +177,10 @@ class PrerouterHeads(nn.Module):
         have = {n: i for i, n in enumerate(self.config.owners)}
         missing = [n for n in owners if n not in have]
         if missing:
-            raise ConfigError(f"no head for owner layer(s) {missing}; heads cover "
-                              f"{self.config.owners}")
+            raise ConfigError(
+                f"no head for owner layer(s) {missing}; heads cover "
+                f"{self.config.owners}"
+            )
         owners = sorted(owners)
         idx = mx.array([have[n] for n in owners])
         consumers = [self.config.consumer_of[n] for n in owners]
@@ -159,33 +188,62 @@ class PrerouterHeads(nn.Module):
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
 
     def astype(self, dtype) -> "PrerouterHeads":
-        return PrerouterHeads(self.config, self.fc1.astype(dtype), self.fc2.astype(dtype),
-                              self.linear.astype(dtype))
+        return PrerouterHeads(
+            self.config,
+            self.fc1.astype(dtype),
+            self.fc2.astype(dtype),
+            self.linear.astype(dtype),
+        )
 
 
-def load_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
-               owners: list[int] | None = None, dtype=None, model_type: str | None = None,
-               moe_layers: list[int] | None = None) -> PrerouterHeads:
+def load_heads(
+    path: str | Path,
+    *,
+    hidden: int,
+    num_experts: int,
+    top_k: int,
+    owners: list[int] | None = None,
+    dtype=None,
+    model_type: str | None = None,
+    moe_layers: list[int] | None = None,
+) -> PrerouterHeads:
     """Heads from the file at `path`, checked by formats/heads_file.py's `read_heads` against a
     model with `hidden`, `num_experts`, served at `top_k` (see there for `owners`, `dtype`,
     `model_type`); `moe_layers` (the serving model's) checks every (owner, consumer) pair."""
-    heads = read_heads(path, hidden=hidden, num_experts=num_experts, top_k=top_k, owners=owners,
-                       dtype=dtype, model_type=model_type)
+    heads = read_heads(
+        path,
+        hidden=hidden,
+        num_experts=num_experts,
+        top_k=top_k,
+        owners=owners,
+        dtype=dtype,
+        model_type=model_type,
+    )
     config = heads.config
     if moe_layers is not None:
         problems = pair_problems(config.owners, config.consumers, list(moe_layers))
         if problems:
-            raise CheckpointError(f"prerouter file {Path(path)} does not fit this model: "
-                                  f"{'; '.join(problems)} (MoE layers: {list(moe_layers)}); "
-                                  f"train heads for this model")
+            raise CheckpointError(
+                f"prerouter file {Path(path)} does not fit this model: "
+                f"{'; '.join(problems)} (MoE layers: {list(moe_layers)}); "
+                f"train heads for this model"
+            )
     return PrerouterHeads(config, heads.fc1, heads.fc2, heads.linear)
 
 
-def save_heads(path: str | Path, heads: PrerouterHeads, metadata: dict | None = None,
-               dtype=mx.float16) -> Path:
+def save_heads(
+    path: str | Path,
+    heads: PrerouterHeads,
+    metadata: dict | None = None,
+    dtype=mx.float16,
+) -> Path:
     """Write heads in the published layout (formats/heads_file.py's `write_heads`)."""
-    return write_heads(path, HeadsFile(heads.config, heads.fc1, heads.fc2, heads.linear),
-                       metadata, dtype)
+    return write_heads(
+        path,
+        HeadsFile(heads.config, heads.fc1, heads.fc2, heads.linear),
+        metadata,
+        dtype,
+    )
 
 
 def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
@@ -194,49 +252,73 @@ def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
     return hits.any(axis=-2).astype(dtype)
 
 
-def build_features(h: mx.array, onehot_t: mx.array, onehot_prev: mx.array,
-                   next_embedding: mx.array | None = None) -> mx.array:
+def build_features(
+    h: mx.array,
+    onehot_t: mx.array,
+    onehot_prev: mx.array,
+    next_embedding: mx.array | None = None,
+) -> mx.array:
     """concat[h [O,B,H], onehot_t [O,B,E], onehot_prev [O,B,E]] -> [O, B, H + 2E]; with
     `next_embedding` [B, H] (next-token heads) every owner also gets it: [O, B, 2H + 2E].
     (Any lead shape: h [O, ..., H] with next_embedding [..., H].)"""
     if h.shape[:-1] != onehot_t.shape[:-1] or onehot_t.shape != onehot_prev.shape:
-        raise ValueError(f"feature shapes disagree: h {h.shape}, onehot_t {onehot_t.shape}, "
-                         f"onehot_prev {onehot_prev.shape}")
+        raise ValueError(
+            f"feature shapes disagree: h {h.shape}, onehot_t {onehot_t.shape}, "
+            f"onehot_prev {onehot_prev.shape}"
+        )
     dtype = h.dtype if mx.issubdtype(h.dtype, mx.floating) else mx.float32
-    feats = mx.concatenate([h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)],
-                           axis=-1)
-    return feats if next_embedding is None else append_next_embedding(feats, next_embedding)
+    feats = mx.concatenate(
+        [h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)], axis=-1
+    )
+    return (
+        feats
+        if next_embedding is None
+        else append_next_embedding(feats, next_embedding)
+    )
 
 
 def append_next_embedding(feats: mx.array, next_embedding: mx.array) -> mx.array:
     """Context features [O, ..., H + 2E] + the next token's embedding [..., H], the same for
     every owner -> next-token heads' features [O, ..., 2H + 2E]."""
     if tuple(next_embedding.shape[:-1]) != tuple(feats.shape[1:-1]):
-        raise ValueError(f"next-token embedding has shape {next_embedding.shape}, expected "
-                         f"{tuple(feats.shape[1:-1])} + (hidden,)")
-    emb = mx.broadcast_to(next_embedding.astype(feats.dtype)[None],
-                          feats.shape[:1] + next_embedding.shape)
+        raise ValueError(
+            f"next-token embedding has shape {next_embedding.shape}, expected "
+            f"{tuple(feats.shape[1:-1])} + (hidden,)"
+        )
+    emb = mx.broadcast_to(
+        next_embedding.astype(feats.dtype)[None], feats.shape[:1] + next_embedding.shape
+    )
     return mx.concatenate([feats, emb], axis=-1)
 
 
 # -- warm start from the routers ----------------------------------------------------------------
 
+
 def router_weight(block) -> tuple[mx.array, mx.array | None]:
     """The router's weight [E, H] as float32 (8-bit routers dequantized) and bias [E] or None."""
     linear = block.router
     if isinstance(linear, nn.QuantizedLinear):
-        weight = mx.dequantize(linear.weight, linear.scales, linear.get("biases"),
-                               group_size=linear.group_size, bits=linear.bits,
-                               mode=getattr(linear, "mode", "affine"))
+        weight = mx.dequantize(
+            linear.weight,
+            linear.scales,
+            linear.get("biases"),
+            group_size=linear.group_size,
+            bits=linear.bits,
+            mode=getattr(linear, "mode", "affine"),
+        )
     else:
         weight = linear.weight
     bias = linear.get("bias") if "bias" in linear else None
     return weight.astype(mx.float32), None if bias is None else bias.astype(mx.float32)
 
 
-def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
-                              biases: list[mx.array | None], seed: int,
-                              embedding_scale: float = 0.0) -> PrerouterHeads:
+def heads_from_router_weights(
+    config: PrerouterConfig,
+    weights: list[mx.array],
+    biases: list[mx.array | None],
+    seed: int,
+    embedding_scale: float = 0.0,
+) -> PrerouterHeads:
     """Warm start: linear = [W_next | b/K over the one-hot(t) columns | 0 (| 0 over the
     next-token embedding)], fc2 = 0.
 
@@ -252,34 +334,48 @@ def heads_from_router_weights(config: PrerouterConfig, weights: list[mx.array],
     linear = []
     for weight, bias in zip(weights, biases):
         if tuple(weight.shape) != (e, h):
-            raise ConfigError(f"router weight has shape {tuple(weight.shape)}, expected {(e, h)}")
+            raise ConfigError(
+                f"router weight has shape {tuple(weight.shape)}, expected {(e, h)}"
+            )
         cols = [weight.astype(mx.float32)]
         if bias is None:
             cols.append(mx.zeros((e, 2 * e)))
         else:
-            cols += [mx.broadcast_to(bias[:, None] / config.top_k, (e, e)), mx.zeros((e, e))]
+            cols += [
+                mx.broadcast_to(bias[:, None] / config.top_k, (e, e)),
+                mx.zeros((e, e)),
+            ]
         if config.next_token:
             cols.append(mx.zeros((e, h)))
         linear.append(mx.concatenate(cols, axis=1))
     key = mx.random.key(seed)
     if embedding_scale:
         if not config.next_token:
-            raise ConfigError("--embedding-scale sets next-token heads' embedding columns: add "
-                              "--next-token")
+            raise ConfigError(
+                "--embedding-scale sets next-token heads' embedding columns: add "
+                "--next-token"
+            )
         rng = np.random.default_rng(seed)
         for i, weight in enumerate(weights):
             shuffled = weight.astype(mx.float32)[mx.array(rng.permutation(e))]
-            linear[i] = mx.concatenate([linear[i][:, :config.context_dim],
-                                        embedding_scale * shuffled], axis=1)
-    fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim ** -0.5)
+            linear[i] = mx.concatenate(
+                [linear[i][:, : config.context_dim], embedding_scale * shuffled], axis=1
+            )
+    fc1 = mx.random.normal((o, w, config.in_dim), key=key) * (config.in_dim**-0.5)
     heads = PrerouterHeads(config, fc1, mx.zeros((o, e, w)), mx.stack(linear))
     mx.eval(heads.parameters())
     return heads
 
 
-def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0,
-                            top_k: int | None = None, next_token: bool = False,
-                            embedding_scale: float = 0.0) -> PrerouterHeads:
+def init_heads_from_routers(
+    engine,
+    owners: list[int],
+    width: int,
+    seed: int = 0,
+    top_k: int | None = None,
+    next_token: bool = False,
+    embedding_scale: float = 0.0,
+) -> PrerouterHeads:
     """Heads warm-started from each consumer's router (owner + 1; the wrap-around head, owner =
     the last MoE layer: the first MoE layer's); untrained = that router. `embedding_scale` s:
     the embedding columns are s / RMS(embedding) x the consumer's router with its rows shuffled
@@ -287,14 +383,20 @@ def init_heads_from_routers(engine, owners: list[int], width: int, seed: int = 0
     hidden state."""
     owners = check_owners(owners, engine.moe_layers)
     consumers = default_consumers(owners, engine.moe_layers)
-    config = PrerouterConfig(owners=owners, width=int(width), top_k=int(top_k or engine.top_k),
-                             hidden=int(engine.family.hidden_size(engine.config)),
-                             num_experts=int(engine.index.num_experts), consumers=consumers,
-                             next_token=bool(next_token))
+    config = PrerouterConfig(
+        owners=owners,
+        width=int(width),
+        top_k=int(top_k or engine.top_k),
+        hidden=int(engine.family.hidden_size(engine.config)),
+        num_experts=int(engine.index.num_experts),
+        consumers=consumers,
+        next_token=bool(next_token),
+    )
     pairs = [router_weight(engine.blocks[c]) for c in consumers]
     if embedding_scale:
         embed = engine.family.embedding(engine.model)
         rows = embed(mx.arange(min(4096, embed.weight.shape[0]))).astype(mx.float32)
         embedding_scale /= mx.sqrt(mx.mean(rows * rows)).item()
-    return heads_from_router_weights(config, [p[0] for p in pairs], [p[1] for p in pairs], seed,
-                                     embedding_scale)
+    return heads_from_router_weights(
+        config, [p[0] for p in pairs], [p[1] for p in pairs], seed, embedding_scale
+    )

@@ -27,8 +27,14 @@ def top_k(sel: mx.array, k: int, order: str = "first") -> mx.array:
     return mx.stop_gradient(mx.argpartition(-sel, kth=k - 1, axis=-1)[..., :k])
 
 
-def combine(scores: mx.array, inds: mx.array, *, normalize: bool, eps: float = 0.0,
-            scaling: float | None = None) -> mx.array:
+def combine(
+    scores: mx.array,
+    inds: mx.array,
+    *,
+    normalize: bool,
+    eps: float = 0.0,
+    scaling: float | None = None,
+) -> mx.array:
     """Combination weights [..., k] of `inds` from `scores` [..., E]: optionally normalised over
     the k (with `eps` added to the sum), optionally times `scaling`."""
     weights = mx.take_along_axis(scores, inds, axis=-1)
@@ -47,7 +53,9 @@ def limit_groups(sel: mx.array, n_group: int, topk_group: int) -> mx.array:
     sel = mx.unflatten(sel, axis=-1, shape=(n_group, -1))
     group_scores = mx.topk(sel, 2, axis=-1).sum(axis=-1, keepdims=True)
     drop = mx.argpartition(group_scores, kth=n_drop - 1, axis=-2)[..., :n_drop, :]
-    sel = mx.put_along_axis(sel, mx.stop_gradient(drop), mx.array(-mx.inf, sel.dtype), axis=-2)
+    sel = mx.put_along_axis(
+        sel, mx.stop_gradient(drop), mx.array(-mx.inf, sel.dtype), axis=-2
+    )
     return mx.flatten(sel, -2, -1)
 
 
@@ -55,18 +63,24 @@ def limit_groups(sel: mx.array, n_group: int, topk_group: int) -> mx.array:
 class RoutingRule:
     """A family's selection rule, detached from the module (stackable over consumer layers)."""
 
-    score: str = "softmax"              # "softmax" | "sigmoid"
+    score: str = "softmax"  # "softmax" | "sigmoid"
     norm_topk_prob: bool = True
-    expert_bias: mx.array | None = None  # [E], or stacked [O, 1, E]; steers selection only
+    expert_bias: mx.array | None = (
+        None  # [E], or stacked [O, 1, E]; steers selection only
+    )
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
 
     def to_json(self) -> dict:
-        return {"score": self.score, "norm_topk_prob": self.norm_topk_prob,
-                "n_group": self.n_group, "topk_group": self.topk_group,
-                "routed_scaling_factor": self.routed_scaling_factor,
-                "has_expert_bias": self.expert_bias is not None}
+        return {
+            "score": self.score,
+            "norm_topk_prob": self.norm_topk_prob,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "has_expert_bias": self.expert_bias is not None,
+        }
 
     def scores(self, logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32)
@@ -75,13 +89,22 @@ class RoutingRule:
         return mx.softmax(logits, axis=-1, precise=True)
 
     def weights(self, scores: mx.array, inds: mx.array) -> mx.array:
-        return combine(scores, inds, normalize=inds.shape[-1] > 1 and self.norm_topk_prob,
-                       eps=NORM_EPS, scaling=self.routed_scaling_factor)
+        return combine(
+            scores,
+            inds,
+            normalize=inds.shape[-1] > 1 and self.norm_topk_prob,
+            eps=NORM_EPS,
+            scaling=self.routed_scaling_factor,
+        )
 
     def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
         """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
         scores = self.scores(logits)
-        sel = scores if self.expert_bias is None else scores + self.expert_bias.astype(mx.float32)
+        sel = (
+            scores
+            if self.expert_bias is None
+            else scores + self.expert_bias.astype(mx.float32)
+        )
         inds = top_k(limit_groups(sel, self.n_group, self.topk_group), k)
         return inds, self.weights(scores, inds)
 
@@ -90,12 +113,30 @@ def stack_rules(rules: list[RoutingRule]) -> RoutingRule:
     """One rule for logits [O, B, E] whose row o follows rules[o] (only expert_bias may differ)."""
     first = rules[0]
     for r in rules[1:]:
-        if (r.score, r.norm_topk_prob, r.n_group, r.topk_group, r.routed_scaling_factor) != (
-                first.score, first.norm_topk_prob, first.n_group, first.topk_group,
-                first.routed_scaling_factor):
-            raise ValueError("consumer layers follow different routing rules; select per layer")
+        if (
+            r.score,
+            r.norm_topk_prob,
+            r.n_group,
+            r.topk_group,
+            r.routed_scaling_factor,
+        ) != (
+            first.score,
+            first.norm_topk_prob,
+            first.n_group,
+            first.topk_group,
+            first.routed_scaling_factor,
+        ):
+            raise ValueError(
+                "consumer layers follow different routing rules; select per layer"
+            )
     bias = None
     if first.expert_bias is not None:
         bias = mx.stack([r.expert_bias for r in rules])[:, None, :]
-    return RoutingRule(first.score, first.norm_topk_prob, bias, first.n_group, first.topk_group,
-                       first.routed_scaling_factor)
+    return RoutingRule(
+        first.score,
+        first.norm_topk_prob,
+        bias,
+        first.n_group,
+        first.topk_group,
+        first.routed_scaling_factor,
+    )

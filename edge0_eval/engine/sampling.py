@@ -14,18 +14,32 @@ import inspect
 from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (apply_min_p, apply_top_k, apply_top_p, greedy_sampler,
-                                 make_logits_processors)
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
 
 from edge0_eval.engine.sampling_options import PENALTIES, check_filters, check_penalties
 
 # mlx-lm's own default window of a penalty whose *_context_size is not given.
-_MLX_CONTEXT = {p: inspect.signature(make_logits_processors).parameters[
-    p.replace('penalty', 'context_size')].default for p in PENALTIES}
+_MLX_CONTEXT = {
+    p: inspect.signature(make_logits_processors)
+    .parameters[p.replace("penalty", "context_size")]
+    .default
+    for p in PENALTIES
+}
 
 
-def row_sampler(seed: int, temperature: float, top_p: float = 1.0, min_p: float = 0.0,
-                top_k: int = 0) -> Callable[[mx.array], mx.array]:
+def row_sampler(
+    seed: int,
+    temperature: float,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+) -> Callable[[mx.array], mx.array]:
     """mlx-lm's sampler chain (make_sampler's filters, same order) drawing from its own key:
     logprobs -> token ids. Greedy needs no key: mlx-lm's argmax."""
     if temperature == 0:
@@ -58,7 +72,9 @@ class _KeyedSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if logprobs.size != logprobs.shape[-1]:
-            raise ValueError(f"a row sampler draws one row, not logprobs {logprobs.shape}")
+            raise ValueError(
+                f"a row sampler draws one row, not logprobs {logprobs.shape}"
+            )
         self._key, key = mx.random.split(self._key)
         row = logprobs.reshape(-1)
         for f in self._filters:
@@ -79,20 +95,42 @@ class RowSampler:
     penalties: `sampling_options.PENALTY_KEYS` options (None or {}: none).
     """
 
-    def __init__(self, temperature: float, top_p: float, seed: int, top_k: int = 0,
-                 min_p: float = 0.0, *, prompt: Sequence[int] = (),
-                 penalties: Mapping | None = None):
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        *,
+        prompt: Sequence[int] = (),
+        penalties: Mapping | None = None,
+    ):
         check_filters(top_k, min_p)
         penalties = check_penalties(penalties or {})
         self.temperature = float(temperature)
-        self._sample = row_sampler(seed, self.temperature, top_p=float(top_p),
-                                   min_p=float(min_p), top_k=int(top_k))
+        self._sample = row_sampler(
+            seed,
+            self.temperature,
+            top_p=float(top_p),
+            min_p=float(min_p),
+            top_k=int(top_k),
+        )
         self._processors = make_logits_processors(**penalties)
-        self._window = max((penalties.get(p.replace('penalty', 'context_size'), _MLX_CONTEXT[p])
-                            for p in PENALTIES if p in penalties), default=0)
+        self._window = max(
+            (
+                penalties.get(p.replace("penalty", "context_size"), _MLX_CONTEXT[p])
+                for p in PENALTIES
+                if p in penalties
+            ),
+            default=0,
+        )
         prompt = list(prompt)
-        self._recent = (mx.array(prompt[max(len(prompt) - self._window, 0):], dtype=mx.int32)
-                        if self._processors else None)
+        self._recent = (
+            mx.array(prompt[max(len(prompt) - self._window, 0) :], dtype=mx.int32)
+            if self._processors
+            else None
+        )
 
     def draft_noise(self, vocab: int) -> mx.array | None:
         """The Gumbel noise [vocab] the next sample adds to logits / temperature (the filters
@@ -104,12 +142,12 @@ class RowSampler:
     def __call__(self, logits: mx.array) -> mx.array:
         """logits [V] (one row) -> the token id, a lazy scalar."""
         if self._processors:
-            rows = logits[None]         # a new array: the processors write into it, not logits
+            rows = logits[None]  # a new array: the processors write into it, not logits
             for processor in self._processors:
                 rows = processor(self._recent, rows)
             logits = rows[0]
         token = self._sample(logits - mx.logsumexp(logits, keepdims=True))
         if self._processors:
             recent = mx.concatenate([self._recent, token.reshape(1).astype(mx.int32)])
-            self._recent = recent[max(recent.shape[0] - self._window, 0):]
+            self._recent = recent[max(recent.shape[0] - self._window, 0) :]
         return token

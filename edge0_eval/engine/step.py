@@ -55,8 +55,16 @@ class NonFiniteError(Edge0Error):
 class DecodeStep:
     """The served model, one step at a time: `step(tokens, cache, plans) -> (logits, plans)`."""
 
-    def __init__(self, model, family, blocks: dict, prerouter: Prerouter | None,
-                 clip: float | None, counters: Counters, name: str):
+    def __init__(
+        self,
+        model,
+        family,
+        blocks: dict,
+        prerouter: Prerouter | None,
+        clip: float | None,
+        counters: Counters,
+        name: str,
+    ):
         self.family, self.blocks, self.prerouter = family, blocks, prerouter
         self.clip, self.counters, self.name = clip, counters, name
         self.text = family.text(model)
@@ -64,11 +72,20 @@ class DecodeStep:
         self.layers = family.layers(model)
         self.norm, self.head, self.tied = family.output_head(model)
 
-    def __call__(self, tokens: mx.array, cache: list, plans: Plans | None = None, *,
-                 stage: bool = True, plan_next: bool = True, planned: mx.array | None = None,
-                 samplers: list | None = None, all_logits: bool = False,
-                 where: str = "at a step", rows: list[int] | None = None
-                 ) -> tuple[mx.array, Plans | None]:
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: list,
+        plans: Plans | None = None,
+        *,
+        stage: bool = True,
+        plan_next: bool = True,
+        planned: mx.array | None = None,
+        samplers: list | None = None,
+        all_logits: bool = False,
+        where: str = "at a step",
+        rows: list[int] | None = None,
+    ) -> tuple[mx.array, Plans | None]:
         """Logits of `tokens` [B, L] continuing `cache` (updated in place): [B, vocab] of the
         last position (all_logits: [B, L, vocab]), evaluated and finite; and the next step's
         plans (None without heads or `plan_next`).
@@ -89,8 +106,11 @@ class DecodeStep:
             h, events = self._fixed_point(tokens, cache, plans, planned)
         else:
             h, events = self.forward(tokens, cache, plans, planned=planned)
-        following = pr.after_step(plans, h, samplers, stage=stage) \
-            if pr is not None and plan_next else None
+        following = (
+            pr.after_step(plans, h, samplers, stage=stage)
+            if pr is not None and plan_next
+            else None
+        )
         logits = self.logits(h if all_logits else h[:, -1:])
         built = time.perf_counter()
         last = logits[:, -1]
@@ -101,21 +121,32 @@ class DecodeStep:
             self.counters.guard_events += events.item()
         if not finite.all().item():
             self.counters.nonfinite_events += 1
-            bad = "" if rows is None else \
-                f" (prompt(s) {[r for r, ok in zip(rows, finite.tolist()) if not ok]})"
+            bad = (
+                ""
+                if rows is None
+                else f" (prompt(s) {[r for r, ok in zip(rows, finite.tolist()) if not ok]})"
+            )
             raise NonFiniteError(
                 f"{self.name}: non-finite logits {where}{bad}; a resident weight, expert or "
                 f"adapter holds NaN/Inf, or an activation overflowed (try --verify-crc, "
-                f"--compute-dtype float32, or re-run convert)")
+                f"--compute-dtype float32, or re-run convert)"
+            )
         self.counters.steps += 1
         self.counters.build_seconds += built - started
         self.counters.eval_seconds += time.perf_counter() - built
         return (logits if all_logits else last), following
 
-    def forward(self, tokens: mx.array, cache: list, plans: Plans | None = None, *,
-                planned: mx.array | None = None, replay: dict[int, mx.array] | None = None,
-                call: LayerCall | None = None, wrap_ahead: mx.array | str | None = None
-                ) -> tuple[mx.array, mx.array | None]:
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list,
+        plans: Plans | None = None,
+        *,
+        planned: mx.array | None = None,
+        replay: dict[int, mx.array] | None = None,
+        call: LayerCall | None = None,
+        wrap_ahead: mx.array | str | None = None,
+    ) -> tuple[mx.array, mx.array | None]:
         """The layer loop, lazily: the last layer's output [B, L, H], and how many values the
         clipping changed (None: off). `replay` (layer -> ids [B, L, K], in the slots) fixes
         every MoE layer's experts: training's gradient pass, with `call` checkpointing.
@@ -126,20 +157,30 @@ class DecodeStep:
         length = tokens.shape[1]
         wrap = pr.wrap if pr is not None and length > 1 else None
         if wrap is not None and wrap_ahead is None:
-            raise ConfigError("a wrap-around prerouter head's consumer runs before its owner: "
-                              "a chunk of several positions runs to a fixed point (call the "
-                              "step), or step the tokens one by one")
+            raise ConfigError(
+                "a wrap-around prerouter head's consumer runs before its owner: "
+                "a chunk of several positions runs to a fixed point (call the "
+                "step), or step the tokens one by one"
+            )
         h = self.embed(tokens)
         layer_args = self.family.layer_args(self.text, h, cache)
         events, ahead = None, ({} if wrap is None else {wrap[1]: wrap_ahead})
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             block = self.blocks.get(i)
             if block is not None:
-                block.route = Route(replay[i], pinned=True) if replay is not None else \
-                    None if pr is None else \
-                    self._planned_route(i, h, plans, ahead.pop(i, None), planned)
+                block.route = (
+                    Route(replay[i], pinned=True)
+                    if replay is not None
+                    else None
+                    if pr is None
+                    else self._planned_route(i, h, plans, ahead.pop(i, None), planned)
+                )
             args, kwargs = layer_args(layer, h, c)
-            h = layer(*args, **kwargs) if call is None else call(i, layer, *args, **kwargs)
+            h = (
+                layer(*args, **kwargs)
+                if call is None
+                else call(i, layer, *args, **kwargs)
+            )
             if block is not None:
                 block.route = None
             if self.clip:
@@ -150,8 +191,9 @@ class DecodeStep:
                 ahead[i + 1] = pr.predict(i, tokens, plans)
         return h, events
 
-    def _fixed_point(self, tokens: mx.array, cache: list, plans: Plans,
-                     planned: mx.array | None) -> tuple[mx.array, mx.array | None]:
+    def _fixed_point(
+        self, tokens: mx.array, cache: list, plans: Plans, planned: mx.array | None
+    ) -> tuple[mx.array, mx.array | None]:
         """A chunk under a wrap-around head (see the module's docstring): passes of `forward`
         until the owner's predictions reproduce the routes the consumer ran on, the caches
         rewound to the chunk's start between passes. Passes and chunks are counted."""
@@ -159,11 +201,15 @@ class DecodeStep:
         marks = [_mark(c) for c in cache]
         guess: mx.array | str = WRAP_ROUTER
         while True:
-            h, events = self.forward(tokens, cache, plans, planned=planned, wrap_ahead=guess)
+            h, events = self.forward(
+                tokens, cache, plans, planned=planned, wrap_ahead=guess
+            )
             self.counters.wrap_passes += 1
             predicted = self.prerouter.predict(owner, tokens, plans)
-            same = (predicted[:, :-1] == self.blocks[consumer].last[1][:, 1:]).all(axis=-1)
-            if planned is not None:       # where the router runs, no plan to reproduce
+            same = (predicted[:, :-1] == self.blocks[consumer].last[1][:, 1:]).all(
+                axis=-1
+            )
+            if planned is not None:  # where the router runs, no plan to reproduce
                 same = mx.logical_or(same, mx.logical_not(planned[:, 1:]))
             if same.all().item():
                 self.counters.wrap_chunks += 1
@@ -172,11 +218,20 @@ class DecodeStep:
                 _rewind(c, mark)
             guess = predicted
             # The carried plans' staged sets are in the slots now: their ids only.
-            plans = Plans(plans.feats, plans.onehot,
-                          {n: (ids, None) for n, (ids, _) in plans.layers.items()})
+            plans = Plans(
+                plans.feats,
+                plans.onehot,
+                {n: (ids, None) for n, (ids, _) in plans.layers.items()},
+            )
 
-    def _planned_route(self, layer: int, h: mx.array, plans: Plans,
-                       ahead: mx.array | str | None, planned: mx.array | None) -> Route | None:
+    def _planned_route(
+        self,
+        layer: int,
+        h: mx.array,
+        plans: Plans,
+        ahead: mx.array | str | None,
+        planned: mx.array | None,
+    ) -> Route | None:
         """Layer `layer`'s route: its plan at position 0 (waiting for its staged reads first),
         `ahead` (predicted in this pass, or a fixed-point guess) at positions 1.., the router
         where neither is (WRAP_ROUTER: the router after position 0)."""
@@ -188,21 +243,27 @@ class DecodeStep:
             if plan[1] is not None:
                 self.prerouter.finish(layer, plan[1])
             first = mx.arange(h.shape[1])[None] == 0
-            return Route(mx.broadcast_to(inds, (inds.shape[0], h.shape[1], inds.shape[-1])),
-                         mask=first if planned is None else mx.logical_and(planned, first))
+            return Route(
+                mx.broadcast_to(inds, (inds.shape[0], h.shape[1], inds.shape[-1])),
+                mask=first if planned is None else mx.logical_and(planned, first),
+            )
         if plan is None and ahead is None:
             return None
         if plan is not None:
             inds, staged = plan
             if staged is not None:
                 if layer > 0:
-                    mx.async_eval(h)   # earlier layers compute while its reads finish
+                    mx.async_eval(h)  # earlier layers compute while its reads finish
                 self.prerouter.finish(layer, staged)
-            if ahead is None:     # pinned: the staged set is the whole route, nothing to read
-                return Route(inds, mask=planned, pinned=staged is not None and planned is None)
+            if (
+                ahead is None
+            ):  # pinned: the staged set is the whole route, nothing to read
+                return Route(
+                    inds, mask=planned, pinned=staged is not None and planned is None
+                )
         first = ahead[:, :1] if plan is None else inds
         inds = mx.concatenate([first, ahead[:, :-1]], axis=1)
-        if plan is None:     # position 0 has no prediction: its router
+        if plan is None:  # position 0 has no prediction: its router
             later = mx.arange(inds.shape[1])[None] > 0
             planned = later if planned is None else mx.logical_and(planned, later)
         return Route(inds, mask=planned)
@@ -220,8 +281,10 @@ def _mark(c):
         return list(c.cache), c.left_padding, c.lengths
     if c is not None and c.is_trimmable():
         return c.offset
-    raise ConfigError(f"a fixed-point pass cannot rewind a {type(c).__name__}: step the "
-                      f"tokens one by one")
+    raise ConfigError(
+        f"a fixed-point pass cannot rewind a {type(c).__name__}: step the "
+        f"tokens one by one"
+    )
 
 
 def _rewind(c, mark) -> None:

@@ -23,7 +23,6 @@ import numpy as np
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 
-
 # Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position
 # of their layer in the forward (PREFETCH + position): the earliest-needed read goes first even
 # when it is queued last (a draft hedge's sets, then the routed sets' misses; a wrap head's first
@@ -46,8 +45,10 @@ class _PriorityPool:
     def __init__(self, workers: int):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
-        self._threads = [threading.Thread(target=self._work, name=f"edge0-io-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"edge0-io-{i}", daemon=True)
+            for i in range(workers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -79,10 +80,10 @@ class _PriorityPool:
 class StoreStats:
     reads: int = 0
     bytes_read: int = 0
-    read_seconds: float = 0.0      # time spent inside read calls (summed over I/O threads)
+    read_seconds: float = 0.0  # time spent inside read calls (summed over I/O threads)
     throttle_seconds: float = 0.0  # time added by the storage emulation
-    crc_bundles: int = 0           # bundles checksummed (each once per store)
-    crc_seconds: float = 0.0       # time spent in those checksums (summed over I/O threads)
+    crc_bundles: int = 0  # bundles checksummed (each once per store)
+    crc_seconds: float = 0.0  # time spent in those checksums (summed over I/O threads)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,8 +94,10 @@ class _Throttle:
 
     def __init__(self, mbps: float):
         if not (isinstance(mbps, (int, float)) and math.isfinite(mbps) and mbps > 0):
-            raise ConfigError(f"io_throttle_mbps {mbps!r}: the storage emulation needs a "
-                              f"positive, finite MB/s (--io-throttle-mbps)")
+            raise ConfigError(
+                f"io_throttle_mbps {mbps!r}: the storage emulation needs a "
+                f"positive, finite MB/s (--io-throttle-mbps)"
+            )
         self.bytes_per_s = mbps * 1e6
         self._lock = threading.Lock()
         self._free_at = 0.0
@@ -114,12 +117,20 @@ class _Throttle:
 class ExpertStore:
     """Reads (layer, expert) bundles. Thread-safe; returns numpy uint8 buffers of `bundle_stride`."""
 
-    def __init__(self, directory: str | Path, index: ExpertIndex | None = None, *,
-                 io_workers: int = 4, io_throttle_mbps: float | None = None,
-                 verify_crc: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        index: ExpertIndex | None = None,
+        *,
+        io_workers: int = 4,
+        io_throttle_mbps: float | None = None,
+        verify_crc: bool = True,
+    ):
         if not (isinstance(io_workers, int) and io_workers >= 1):
-            raise ConfigError(f"io_workers {io_workers!r}: at least one I/O thread is needed "
-                              f"(--io-workers)")
+            raise ConfigError(
+                f"io_workers {io_workers!r}: at least one I/O thread is needed "
+                f"(--io-workers)"
+            )
         throttle = _Throttle(io_throttle_mbps) if io_throttle_mbps is not None else None
         self._fd = -1
         self.directory = Path(directory)
@@ -129,7 +140,8 @@ class ExpertStore:
             raise CheckpointError(
                 f"{self.directory / INDEX_NAME} records no crc32 checksums, so corrupt expert "
                 f"data could not be detected; re-run `edge0-eval convert`, or opt out with "
-                f"--no-verify-crc (EngineOptions(verify_crc=False))")
+                f"--no-verify-crc (EngineOptions(verify_crc=False))"
+            )
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
@@ -138,7 +150,9 @@ class ExpertStore:
         # Each bundle is checked the first time this store reads it, then trusted while the file
         # is settled (SETTLE_NS); a change of the file under us (in-place rewrite) forgets every
         # verdict.
-        self._verified = np.zeros((len(self.index.moe_layers), self.index.num_experts), bool)
+        self._verified = np.zeros(
+            (len(self.index.moe_layers), self.index.num_experts), bool
+        )
         self._stamp = self._file_stamp()
         self.throttle_mbps = io_throttle_mbps
         self._throttle = throttle
@@ -203,15 +217,17 @@ class ExpertStore:
             raise CheckpointError(
                 f"{self.path}: checksum mismatch for layer {layer} expert {expert}; the file is "
                 f"corrupt, was overwritten, or does not belong to {INDEX_NAME}; re-run "
-                f"`edge0-eval convert`")
+                f"`edge0-eval convert`"
+            )
         with self._lock:
             # Only under the stamp this check saw: a rewrite noticed meanwhile by another
             # thread has forgotten every verdict, and this one is no newer.
             if stamp == self._stamp and self._settled(stamp):
                 self._verified[pos, expert] = True
 
-    def submit(self, layer: int, expert: int, priority: int | None = None, prepare=None
-               ) -> Future:
+    def submit(
+        self, layer: int, expert: int, priority: int | None = None, prepare=None
+    ) -> Future:
         """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches,
         and prefetches (priority None) are served in the order their layers run.
 
@@ -251,7 +267,10 @@ class ExpertStore:
 
     def __del__(self):
         try:
-            if getattr(self, "_fd", -1) >= 0 or getattr(self, "_queue", None) is not None:
+            if (
+                getattr(self, "_fd", -1) >= 0
+                or getattr(self, "_queue", None) is not None
+            ):
                 self.close()
         except Exception:
             pass

@@ -20,9 +20,9 @@ from pathlib import Path
 from edge0_eval.errors import ConfigError
 
 DATASET_ABBR = "edge0_agreement"
-SET_PATH = "data/agreement/agreement.jsonl"      # under the data root
-LINE_CHARS = (20, 80)                            # prompt lines kept: short, so prefill is cheap
-POPULATION = 400                                 # lines kept: the teacher answers each once
+SET_PATH = "data/agreement/agreement.jsonl"  # under the data root
+LINE_CHARS = (20, 80)  # prompt lines kept: short, so prefill is cheap
+POPULATION = 400  # lines kept: the teacher answers each once
 
 
 def prompts() -> list[str]:
@@ -31,6 +31,7 @@ def prompts() -> list[str]:
     # The fidelity module loads MLX and the engine: imported only when prompts are read, so
     # the planner and the OpenCompass loader do not pay for it.
     from edge0_eval.evaluation.fidelity import gather_prompts
+
     got, _ = gather_prompts(["humaneval", "ifbench"], [], None)
     lines: dict[str, None] = {}
     for prompt in got:
@@ -49,8 +50,13 @@ def write_set(path: Path, rows: list[dict], teacher: dict) -> Path:
     with tmp.open("w", encoding="utf-8") as f:
         f.write(json.dumps({"teacher": teacher}) + "\n")
         for i, row in enumerate(rows):
-            f.write(json.dumps({"id": i, "prompt": row["prompt"],
-                                "reference": row["reference"]}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {"id": i, "prompt": row["prompt"], "reference": row["reference"]},
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
     tmp.replace(path)
     return path
 
@@ -59,17 +65,28 @@ def read_set(path: Path) -> tuple[dict, list[dict]]:
     """(teacher header, rows); a missing or malformed file is one error naming it."""
     fix = "make it with `edge0-eval demo --gate` (the tiny gate's preparation)"
     try:
-        lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-                 if line.strip()]
+        lines = [
+            json.loads(line)
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read the agreement set ({exc}); {fix}") from None
+        raise ConfigError(
+            f"{path}: cannot read the agreement set ({exc}); {fix}"
+        ) from None
     if not lines or not isinstance(lines[0], dict) or "teacher" not in lines[0]:
         raise ConfigError(f"{path}: no teacher header on the first line; {fix}")
     rows = lines[1:]
     for i, row in enumerate(rows):
-        if not (isinstance(row, dict) and row.get("id") == i
-                and isinstance(row.get("prompt"), str) and isinstance(row.get("reference"), str)):
-            raise ConfigError(f"{path}: line {i + 2} is not {{id: {i}, prompt, reference}}; {fix}")
+        if not (
+            isinstance(row, dict)
+            and row.get("id") == i
+            and isinstance(row.get("prompt"), str)
+            and isinstance(row.get("reference"), str)
+        ):
+            raise ConfigError(
+                f"{path}: line {i + 2} is not {{id: {i}, prompt, reference}}; {fix}"
+            )
     if not rows:
         raise ConfigError(f"{path}: no items; {fix}")
     return lines[0]["teacher"], rows

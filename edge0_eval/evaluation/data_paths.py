@@ -20,7 +20,7 @@ PATHS = {key: bench.data_path for key, bench in BY_KEY.items()}
 
 def data_root(root: str | os.PathLike | None = None) -> Path:
     """The directory OpenCompass resolves `./data/...` against."""
-    return Path(root or os.environ.get('COMPASS_DATA_CACHE') or os.getcwd())
+    return Path(root or os.environ.get("COMPASS_DATA_CACHE") or os.getcwd())
 
 
 def dist_file(dist_name: str, suffix: str) -> Path:
@@ -28,8 +28,10 @@ def dist_file(dist_name: str, suffix: str) -> Path:
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:
-        raise Edge0Error(f'{dist_name} is not installed; pip install "edge0-eval[eval]"') from None
+        raise Edge0Error(
+            f'{dist_name} is not installed; pip install "edge0-eval[eval]"'
+        ) from None
     for f in dist.files or ():
-        if str(f).replace('\\', '/').endswith(suffix):
+        if str(f).replace("\\", "/").endswith(suffix):
             return Path(dist.locate_file(f))
-    raise Edge0Error(f'{dist_name} {dist.version} does not contain {suffix}')
+    raise Edge0Error(f"{dist_name} {dist.version} does not contain {suffix}")

@@ -40,18 +40,26 @@ def load_reference(path: str) -> dict:
         raise Edge0Error(f"--reference {path}: cannot read ({exc})") from exc
     arms = ref.get("arms") if isinstance(ref, dict) else None
     if not isinstance(arms, dict) or not all(
-            isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                        for x in v.values())
-            for v in arms.values()):
-        raise Edge0Error(f"--reference {path}: expected {{\"arms\": {{\"teacher\": "
-                         f"{{BENCHMARK: score}}, \"student\": {{...}}}}}}")
+        isinstance(v, dict)
+        and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()
+        )
+        for v in arms.values()
+    ):
+        raise Edge0Error(
+            f'--reference {path}: expected {{"arms": {{"teacher": '
+            f'{{BENCHMARK: score}}, "student": {{...}}}}}}'
+        )
     defs = ref.get("definitions", {})
     if not isinstance(defs, dict) or not all(
-            isinstance(d, dict) and set(d) <= {"metric", "samples", "basis"}
-            for d in defs.values()):
-        raise Edge0Error(f"--reference {path}: 'definitions' must map each benchmark to "
-                         f"{{\"metric\", \"samples\", \"basis\"}} (see "
-                         f"edge0_eval/evaluation/definitions.py)")
+        isinstance(d, dict) and set(d) <= {"metric", "samples", "basis"}
+        for d in defs.values()
+    ):
+        raise Edge0Error(
+            f"--reference {path}: 'definitions' must map each benchmark to "
+            f'{{"metric", "samples", "basis"}} (see '
+            f"edge0_eval/evaluation/definitions.py)"
+        )
     ref.setdefault("file", str(path))
     return ref
 
@@ -62,9 +70,13 @@ def _delta(ref: dict) -> float | None:
     return None if t is None or s is None else round(s - t, 10)
 
 
-def reference_for(reference: dict, name: str, definition: dict) -> tuple[dict | None, str | None]:
+def reference_for(
+    reference: dict, name: str, definition: dict
+) -> tuple[dict | None, str | None]:
     """(the reference's {teacher, student, delta} for this row, or None; why it is left out)."""
-    ref = {arm: reference["arms"].get(arm, {}).get(name) for arm in ("teacher", "student")}
+    ref = {
+        arm: reference["arms"].get(arm, {}).get(name) for arm in ("teacher", "student")
+    }
     if all(v is None for v in ref.values()):
         return None, None
     theirs = reference.get("definitions", {}).get(name)
@@ -74,19 +86,32 @@ def reference_for(reference: dict, name: str, definition: dict) -> tuple[dict | 
     if theirs.get("metric") is None:
         return None, f"the reference's metric is not known{basis}"
     if theirs["metric"] != definition["metric"]:
-        return None, (f"the reference measures {theirs['metric']}, this headline "
-                      f"{definition['metric']}{basis}")
+        return None, (
+            f"the reference measures {theirs['metric']}, this headline "
+            f"{definition['metric']}{basis}"
+        )
     samples, n = theirs.get("samples"), definition["samples"]
     same = samples == n or (samples == "several" and isinstance(n, int) and n > 1)
     if not same:
-        said = "an unknown number of samples" if samples is None else (
-            "several samples per item" if samples == "several" else f"{samples} per item")
-        return None, (f"the reference averages {said}, this run {n or 'unequal'} per item"
-                      f"{basis}: run with the same samples per item (dataset n)")
+        said = (
+            "an unknown number of samples"
+            if samples is None
+            else (
+                "several samples per item"
+                if samples == "several"
+                else f"{samples} per item"
+            )
+        )
+        return None, (
+            f"the reference averages {said}, this run {n or 'unequal'} per item"
+            f"{basis}: run with the same samples per item (dataset n)"
+        )
     return {**ref, "delta": _delta(ref)}, None
 
 
-def average_reference(reference: dict, rows: list[dict]) -> tuple[dict | None, str | None]:
+def average_reference(
+    reference: dict, rows: list[dict]
+) -> tuple[dict | None, str | None]:
     """The reference's average, only when every benchmark it averages is shown beside a row
     of the same definition."""
     if not reference.get("average"):
@@ -95,7 +120,9 @@ def average_reference(reference: dict, rows: list[dict]) -> tuple[dict | None, s
     shown = {r["benchmark"] for r in rows if r.get("reference")}
     left = [n for n in names if n not in shown]
     if left:
-        return None, (f"the reference's average includes {', '.join(left)}, whose reference "
-                      f"is not of this report's definition (or not in it)")
+        return None, (
+            f"the reference's average includes {', '.join(left)}, whose reference "
+            f"is not of this report's definition (or not in it)"
+        )
     ref = {arm: reference["average"].get(arm) for arm in ("teacher", "student")}
     return {**ref, "delta": _delta(ref)}, None

@@ -40,8 +40,10 @@ def replica_scores(detail: dict, key: str | None = None) -> list[float] | None:
         if k in detail:
             return _verdicts(_replicas(detail[k]))
     if "rule_evaluation" in detail:
-        return _verdicts(r.get("correct", False) if isinstance(r, dict) else None
-                         for r in _replicas(detail["rule_evaluation"]))
+        return _verdicts(
+            r.get("correct", False) if isinstance(r, dict) else None
+            for r in _replicas(detail["rule_evaluation"])
+        )
     # AccEvaluator gives no details; OpenCompass's format_details then stores the processed
     # prediction and reference as strings, and AccEvaluator's verdict is their equality.
     if "predictions" in detail and "references" in detail:
@@ -60,13 +62,17 @@ def detail_items(details, n: int) -> list[tuple[str, list[dict]]]:
     the dataset. A regrouped entry (list form) holds its n replicas itself; format_details
     (dict form) has one entry per prediction, so with n > 1 entry r * N + k is replica r of
     item k."""
-    if isinstance(details, dict):   # format_details: {"type": "GEN", "0": {...}, ...}
-        pairs = [(k, v) for k, v in details.items() if k != "type" and isinstance(v, dict)]
+    if isinstance(details, dict):  # format_details: {"type": "GEN", "0": {...}, ...}
+        pairs = [
+            (k, v) for k, v in details.items() if k != "type" and isinstance(v, dict)
+        ]
         pairs.sort(key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0])
         if n > 1 and len(pairs) % n == 0:
             size = len(pairs) // n
-            return [(pairs[k][0], [pairs[r * size + k][1] for r in range(n)])
-                    for k in range(size)]
+            return [
+                (pairs[k][0], [pairs[r * size + k][1] for r in range(n)])
+                for k in range(size)
+            ]
         return [(k, [v]) for k, v in pairs]
     out = []
     for pos, detail in enumerate(details):

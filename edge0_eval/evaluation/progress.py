@@ -29,8 +29,14 @@ import time
 from pathlib import Path
 
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
-from edge0_eval.plan import (arm_abbr, count_items, dataset_abbr, fidelity_tokens,
-                             test_range_slice, tokens_per_sample)
+from edge0_eval.plan import (
+    arm_abbr,
+    count_items,
+    dataset_abbr,
+    fidelity_tokens,
+    test_range_slice,
+    tokens_per_sample,
+)
 
 LOG_EVERY_S = 30.0
 
@@ -61,8 +67,12 @@ def shard_specs(groups: list[list[dict]]) -> None:
     for k, specs in enumerate(groups):
         for spec in specs:
             path = Path(spec["file"])
-            spec.update(file=str(path.with_suffix("") / f"{k}.json"),
-                        arm_items=items, arm_cost=cost, arm_tasks=len(groups))
+            spec.update(
+                file=str(path.with_suffix("") / f"{k}.json"),
+                arm_items=items,
+                arm_cost=cost,
+                arm_tasks=len(groups),
+            )
 
 
 def arm_state(folder: Path) -> dict | None:
@@ -72,18 +82,23 @@ def arm_state(folder: Path) -> dict | None:
         try:
             states.append(json.loads(path.read_text()))
         except (OSError, ValueError):
-            continue    # being replaced: the next read sees it
+            continue  # being replaced: the next read sees it
     if not states:
         return None
     first = states[0]
     done_cost = sum(st["cost"] for st in states)
     elapsed = max(st["updated"] for st in states) - min(st["started"] for st in states)
     left = max(first["arm_cost"] - done_cost, 0.0)
-    return dict(arm=first["arm"], items=sum(st["items"] for st in states),
-                total=first["arm_items"], dataset="chunks done",
-                dataset_items=sum(st["items"] >= st["total"] for st in states),
-                dataset_total=first["arm_tasks"], elapsed_s=elapsed,
-                eta_s=elapsed * left / done_cost if done_cost else None)
+    return dict(
+        arm=first["arm"],
+        items=sum(st["items"] for st in states),
+        total=first["arm_items"],
+        dataset="chunks done",
+        dataset_items=sum(st["items"] >= st["total"] for st in states),
+        dataset_total=first["arm_tasks"],
+        elapsed_s=elapsed,
+        eta_s=elapsed * left / done_cost if done_cost else None,
+    )
 
 
 class Progress:
@@ -107,7 +122,7 @@ class Progress:
             try:
                 return float(json.loads(Path(self.spec["file"]).read_text())["started"])
             except (OSError, ValueError, KeyError, TypeError):
-                pass    # no earlier dataset wrote one (e.g. resumed): from now
+                pass  # no earlier dataset wrote one (e.g. resumed): from now
         return time.time()
 
     def add(self, items: int) -> dict:
@@ -117,11 +132,24 @@ class Progress:
         done_cost = self.cost_before + self.done * self.row["weight"]
         elapsed = now - self.started
         left = max(self.total_cost - done_cost, 0.0)
-        state = dict(arm=self.spec["arm"], started=self.started, updated=now,
-                     items=done_items, total=self.total_items, dataset=self.row["dataset"],
-                     dataset_items=self.done, dataset_total=self.row["items"], cost=done_cost,
-                     elapsed_s=elapsed, eta_s=elapsed * left / done_cost if done_cost else None)
-        for key in ("arm_items", "arm_cost", "arm_tasks"):     # one of an arm's chunk tasks
+        state = dict(
+            arm=self.spec["arm"],
+            started=self.started,
+            updated=now,
+            items=done_items,
+            total=self.total_items,
+            dataset=self.row["dataset"],
+            dataset_items=self.done,
+            dataset_total=self.row["items"],
+            cost=done_cost,
+            elapsed_s=elapsed,
+            eta_s=elapsed * left / done_cost if done_cost else None,
+        )
+        for key in (
+            "arm_items",
+            "arm_cost",
+            "arm_tasks",
+        ):  # one of an arm's chunk tasks
             if key in self.spec:
                 state[key] = self.spec[key]
         path = Path(self.spec["file"])
@@ -129,7 +157,9 @@ class Progress:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(state))
         tmp.replace(path)
-        if self.log and (now - self.logged >= LOG_EVERY_S or self.done >= self.row["items"]):
+        if self.log and (
+            now - self.logged >= LOG_EVERY_S or self.done >= self.row["items"]
+        ):
             self.logged = now
             self.log(line(arm_state(path.parent) if "arm_tasks" in state else state))
         return state
@@ -138,16 +168,23 @@ class Progress:
 def _hours(seconds: float | None) -> str:
     if seconds is None:
         return "?"
-    return f"{seconds:.0f} s" if seconds < 120 else (
-        f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h")
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 120
+        else (
+            f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+        )
+    )
 
 
 def line(state: dict) -> str:
     share = 100.0 * state["items"] / state["total"] if state["total"] else 100.0
-    return (f"progress {state['arm']}: {state['items']:,}/{state['total']:,} items "
-            f"({share:.1f}%), {state['dataset']} {state['dataset_items']}/"
-            f"{state['dataset_total']}, {_hours(state['elapsed_s'])}, "
-            f"ETA {_hours(state['eta_s'])}")
+    return (
+        f"progress {state['arm']}: {state['items']:,}/{state['total']:,} items "
+        f"({share:.1f}%), {state['dataset']} {state['dataset_items']}/"
+        f"{state['dataset_total']}, {_hours(state['elapsed_s'])}, "
+        f"ETA {_hours(state['eta_s'])}"
+    )
 
 
 def read_lines(run_dir: Path) -> list[str]:
@@ -156,14 +193,14 @@ def read_lines(run_dir: Path) -> list[str]:
     out = []
     for path in sorted((run_dir / "progress").glob("*")):
         try:
-            if path.is_dir():              # an arm's chunk files (shard_specs)
+            if path.is_dir():  # an arm's chunk files (shard_specs)
                 state = arm_state(path)
-            elif path.suffix == ".json":     # not a file being written (.<name>.<pid>)
+            elif path.suffix == ".json":  # not a file being written (.<name>.<pid>)
                 state = json.loads(path.read_text())
             else:
                 continue
             if state is not None:
                 out.append(line(state))
         except (OSError, ValueError, KeyError, TypeError):
-            continue    # being replaced: the next poll reads it
+            continue  # being replaced: the next poll reads it
     return out

@@ -22,19 +22,31 @@ import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
-from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval import cli_types as ct
-from edge0_eval.evaluation import fidelity_report, samples as sampling
-from edge0_eval.evaluation.arms import (ArmBench, check_versions, collect_arm,
-                                        fingerprint_parts, model_index, parse_arms, shown,
-                                        version_text)
+from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.evaluation import fidelity_report
+from edge0_eval.evaluation import samples as sampling
+from edge0_eval.evaluation.arms import (
+    ArmBench,
+    check_versions,
+    collect_arm,
+    fingerprint_parts,
+    model_index,
+    parse_arms,
+    shown,
+    version_text,
+)
 from edge0_eval.evaluation.benchmarks import Benchmark
-from edge0_eval.evaluation.definitions import (average_reference, headline, load_reference,
-                                               reference_for)
+from edge0_eval.evaluation.definitions import (
+    average_reference,
+    headline,
+    load_reference,
+    reference_for,
+)
 from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, Run, expand_outputs, load_run
 from edge0_eval.evaluation.predictions import engine_summary
-from edge0_eval.evaluation.settings import arm_settings, settings_differences
 from edge0_eval.evaluation.report_writers import write_report
+from edge0_eval.evaluation.settings import arm_settings, settings_differences
 from edge0_eval.evaluation.thinking import rule_of
 
 # v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
@@ -45,39 +57,64 @@ Z95 = sampling.Z95
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("outputs", nargs="+", metavar="OUTPUTS",
-                        help="OpenCompass output folders: a run (<work_dir>/<timestamp>) or a "
-                             "work_dir (its latest run); teacher and student may be in "
-                             "different ones")
-    parser.add_argument("--out", required=True, metavar="DIR", type=ct.directory,
-                        help="folder for report.md, report.csv, report.json, report.png")
-    parser.add_argument("--arms", metavar="NAME=ABBR,...",
-                        help="model abbr per arm: teacher, student (prerouted + LoRA), and "
-                             "optionally int4_exact, prerouted_nolora. Default: the two models "
-                             "found, the one whose abbr contains 'teacher' as teacher")
-    parser.add_argument("--reference", metavar="FILE",
-                        help="published numbers to show as extra columns "
-                             "(e.g. reports/reference/edge0_35b.json)")
+    parser.add_argument(
+        "outputs",
+        nargs="+",
+        metavar="OUTPUTS",
+        help="OpenCompass output folders: a run (<work_dir>/<timestamp>) or a "
+        "work_dir (its latest run); teacher and student may be in "
+        "different ones",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        type=ct.directory,
+        help="folder for report.md, report.csv, report.json, report.png",
+    )
+    parser.add_argument(
+        "--arms",
+        metavar="NAME=ABBR,...",
+        help="model abbr per arm: teacher, student (prerouted + LoRA), and "
+        "optionally int4_exact, prerouted_nolora. Default: the two models "
+        "found, the one whose abbr contains 'teacher' as teacher",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="FILE",
+        help="published numbers to show as extra columns "
+        "(e.g. reports/reference/edge0_35b.json)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; --out names a folder for report.md, "
-                          f"report.csv, report.json and report.png")
+        raise ConfigError(
+            f"--out {out} is a file; --out names a folder for report.md, "
+            f"report.csv, report.json and report.png"
+        )
     runs = [load_run(p) for p in expand_outputs(args.outputs)]
     reference = load_reference(args.reference) if args.reference else None
     command = command_line(args)
-    report = build_report(runs, parse_arms(args.arms, model_index(runs)), reference, command)
+    report = build_report(
+        runs, parse_arms(args.arms, model_index(runs)), reference, command
+    )
     write_report(report, out)
-    bad = [f"{b['benchmark']}: {b['status']}" for b in report["benchmarks"] if b["status"] != "ok"]
+    bad = [
+        f"{b['benchmark']}: {b['status']}"
+        for b in report["benchmarks"]
+        if b["status"] != "ok"
+    ]
     fidelity = report.get("fidelity")
     if fidelity is not None and fidelity.get("status") != "ok":
         bad.append(f"fidelity: {fidelity.get('status')}")
     if not report["benchmarks"] and fidelity is None:
         bad = ["no benchmark or fidelity results found"]
-    print(f"wrote {out}/report.{{md,csv,json,png}}"
-          + (f"; not ok: {', '.join(bad)}" if bad else ""))
+    print(
+        f"wrote {out}/report.{{md,csv,json,png}}"
+        + (f"; not ok: {', '.join(bad)}" if bad else "")
+    )
     if bad:
         # Missing or failed results must not look like a finished report to a script.
         print("edge0-eval report: incomplete (see the notes in report.md); exit 1")
@@ -96,6 +133,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 # --------------------------------------------------------------------------- statistics
 
+
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
@@ -113,89 +151,139 @@ def paired_mean_se(diffs: list[float]) -> tuple[float, float | None]:
 
 # --------------------------------------------------------------------------- the report
 
+
 def _sub(a, b):
     return None if a is None or b is None else a - b
 
 
 def _status(rows: list[dict], fidelity: dict | None) -> str:
     """ok: something was measured (benchmarks or fidelity) and every part of it is ok."""
-    parts = [r["status"] for r in rows] + ([fidelity["status"]] if fidelity is not None else [])
+    parts = [r["status"] for r in rows] + (
+        [fidelity["status"]] if fidelity is not None else []
+    )
     return "ok" if parts and all(s == "ok" for s in parts) else "incomplete"
 
 
-def build_report(runs: list[Run], arms: dict[str, tuple[str, Run]], reference: dict | None,
-                 command: str) -> dict:
+def build_report(
+    runs: list[Run],
+    arms: dict[str, tuple[str, Run]],
+    reference: dict | None,
+    command: str,
+) -> dict:
     abbrs = {arm: abbr for arm, (abbr, _) in arms.items()}
     collected = {arm: collect_arm(abbr, r) for arm, (abbr, r) in arms.items()}
     names = {n for per in collected.values() for n in per}
-    names = sorted(names, key=lambda n: (BENCHMARK_ORDER.index(n) if n in BENCHMARK_ORDER
-                                         else len(BENCHMARK_ORDER), n))
+    names = sorted(
+        names,
+        key=lambda n: (
+            BENCHMARK_ORDER.index(n) if n in BENCHMARK_ORDER else len(BENCHMARK_ORDER),
+            n,
+        ),
+    )
 
     rows, problems, notes = [], [], [n for r in runs for n in r.notes]
     for name in names:
-        per_arm = {arm: collected[arm][name][1] if name in collected[arm] else ArmBench(abbrs[arm])
-                   for arm in arms}
+        per_arm = {
+            arm: collected[arm][name][1]
+            if name in collected[arm]
+            else ArmBench(abbrs[arm])
+            for arm in arms
+        }
         problems += check_versions(name, per_arm, abbrs)
         bench = next(collected[a][name][0] for a in arms if name in collected[a])
         rows.append(_benchmark_row(name, bench, per_arm, abbrs, reference))
         notes += [n for ab in per_arm.values() for n in ab.notes]
         notes += [f"{name}: {n}" for n in rows[-1]["notes"]]
-        notes += [f"{name}: prompt version of {arm} {ab.abbr} unknown (no summary csv or "
-                  f"config); versions not compared" for arm, ab in per_arm.items()
-                  if ab.status != "missing" and not version_text(ab)]
+        notes += [
+            f"{name}: prompt version of {arm} {ab.abbr} unknown (no summary csv or "
+            f"config); versions not compared"
+            for arm, ab in per_arm.items()
+            if ab.status != "missing" and not version_text(ab)
+        ]
     if problems:
-        raise Edge0Error("refusing to compare different prompts: " + "; ".join(problems))
-    settings = {arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
-                for arm, (abbr, r) in arms.items()}
+        raise Edge0Error(
+            "refusing to compare different prompts: " + "; ".join(problems)
+        )
+    settings = {
+        arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
+        for arm, (abbr, r) in arms.items()
+    }
     problems = settings_differences(settings, "teacher")
     if problems:
-        raise Edge0Error("refusing to pair arms run with different settings: "
-                         + "; ".join(problems) + "; rerun one arm with the other's settings")
-    notes += [f"{arm} {abbrs[arm]}: no config dump, so its generation and scoring settings are "
-              f"not compared" for arm, st in settings.items() if st["generation"] is None]
+        raise Edge0Error(
+            "refusing to pair arms run with different settings: "
+            + "; ".join(problems)
+            + "; rerun one arm with the other's settings"
+        )
+    notes += [
+        f"{arm} {abbrs[arm]}: no config dump, so its generation and scoring settings are "
+        f"not compared"
+        for arm, st in settings.items()
+        if st["generation"] is None
+    ]
 
-    engine = {arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
-              for arm in arms}
+    engine = {
+        arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
+        for arm in arms
+    }
     fidelity = fidelity_report.build(arms)
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
         "outputs": [shown(r.path) for r in runs],
-        "arms": {arm: {"abbr": abbr, "run": shown(r.path), "settings": settings[arm]}
-                 for arm, (abbr, r) in arms.items()},
-        "interval": {"method": "normal approximation on paired per-item differences "
-                               "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1; "
-                               "an item with several samples is one observation (its mean): "
-                               "clustered by item",
-                     "level": 0.95, "z": Z95},
+        "arms": {
+            arm: {"abbr": abbr, "run": shown(r.path), "settings": settings[arm]}
+            for arm, (abbr, r) in arms.items()
+        },
+        "interval": {
+            "method": "normal approximation on paired per-item differences "
+            "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1; "
+            "an item with several samples is one observation (its mean): "
+            "clustered by item",
+            "level": 0.95,
+            "z": Z95,
+        },
         "open_thinking": _open_thinking(settings),
         "status": _status(rows, fidelity),
         "benchmarks": rows,
         "average": _average_row(rows, reference),
         "engine": engine,
         "fidelity": fidelity,
-        "reference": None if reference is None else
-        {k: reference.get(k) for k in ("name", "source", "file")},
+        "reference": None
+        if reference is None
+        else {k: reference.get(k) for k in ("name", "source", "file")},
         "notes": notes,
     }
 
 
 def _open_thinking(settings: dict) -> dict:
     """Which rule scored outputs whose thinking never closed (thinking.py), per dataset."""
-    rules = {d: rule_of(fields.get("eval_cfg")) for st in settings.values()
-             for d, fields in (st["scoring"] or {}).items() if "eval_cfg" in fields}
+    rules = {
+        d: rule_of(fields.get("eval_cfg"))
+        for st in settings.values()
+        for d, fields in (st["scoring"] or {}).items()
+        if "eval_cfg" in fields
+    }
     kinds = sorted(set(rules.values()))
-    return {"rule": kinds[0] if len(kinds) == 1 else ("mixed" if kinds else None),
-            "datasets": dict(sorted(rules.items())),
-            "meaning": {"empty": "an output cut inside its <think> block scores as an empty "
-                                 "answer",
-                        "pass": "OpenCompass's pass-through: the open block's text is scored "
-                                "as the answer"}}
+    return {
+        "rule": kinds[0] if len(kinds) == 1 else ("mixed" if kinds else None),
+        "datasets": dict(sorted(rules.items())),
+        "meaning": {
+            "empty": "an output cut inside its <think> block scores as an empty answer",
+            "pass": "OpenCompass's pass-through: the open block's text is scored "
+            "as the answer",
+        },
+    }
 
 
-def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
-                   abbrs: dict[str, str], reference: dict | None) -> dict:
+def _benchmark_row(
+    name: str,
+    bench: Benchmark,
+    per_arm: dict[str, ArmBench],
+    abbrs: dict[str, str],
+    reference: dict | None,
+) -> dict:
     teacher, student = per_arm["teacher"], per_arm["student"]
     status = _row_status(teacher, student)
     n = sampling.samples_per_item(teacher.samples or student.samples)
@@ -203,7 +291,9 @@ def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
         "benchmark": name,
         "datasets": sorted({d for ab in per_arm.values() for d in ab.datasets}),
         "metric": bench.metric or teacher.metric or student.metric,
-        "definition": headline(bench, bench.metric or teacher.metric or student.metric, n),
+        "definition": headline(
+            bench, bench.metric or teacher.metric or student.metric, n
+        ),
         "status": status,
         "items": len(teacher.scores) if status == "ok" else None,
         "version": version_text(teacher) or version_text(student),
@@ -232,21 +322,28 @@ def _benchmark_row(name: str, bench: Benchmark, per_arm: dict[str, ArmBench],
             row["delta_ci95"] = [mean - half, mean + half]
         row["decomposition"] = _decomposition(per_arm, row["notes"])
         for arm, ab in per_arm.items():
-            diff = sampling.truncation_difference(ab.samples, teacher.samples) \
-                if arm != "teacher" else None
+            diff = (
+                sampling.truncation_difference(ab.samples, teacher.samples)
+                if arm != "teacher"
+                else None
+            )
             row["arms"][arm]["truncation_vs_teacher"] = diff
             if diff and diff["flag"]:
                 row["truncation_flags"].append(
                     f"{arm} cut at the length limit {diff['arm']:.1f}% vs teacher "
                     f"{diff['teacher']:.1f}% ({diff['difference']:+.1f} points, paired "
                     f"two-sided p {diff['p_value']:.3f}): its comparison with the teacher "
-                    f"mixes quality with cut-off outputs")
+                    f"mixes quality with cut-off outputs"
+                )
     elif status == "items_mismatch":
-        row["notes"].append(f"item ids differ (teacher {len(teacher.scores)} items, student "
-                            f"{len(student.scores)}); not paired")
+        row["notes"].append(
+            f"item ids differ (teacher {len(teacher.scores)} items, student "
+            f"{len(student.scores)}); not paired"
+        )
     if reference:
-        row["reference"], row["reference_omitted"] = reference_for(reference, name,
-                                                                   row["definition"])
+        row["reference"], row["reference_omitted"] = reference_for(
+            reference, name, row["definition"]
+        )
     return row
 
 
@@ -263,28 +360,41 @@ def _row_status(teacher: ArmBench, student: ArmBench) -> str:
 
 def _arm_json(ab: ArmBench, bench: Benchmark) -> dict:
     ok = ab.status == "ok"
-    half = sampling.mean_half_width([100.0 * v for v in ab.scores.values()])[1] \
-        if ok and ab.scores else None
-    out = {"abbr": ab.abbr, "status": ab.status, "score": ab.score,
-           "score_half_width": half,   # 95%, clustered by item
-           "items": len(ab.scores) if ab.scores else None, "datasets": ab.datasets,
-           "samples_per_item": sampling.samples_per_item(ab.samples),
-           "version": version_text(ab),
-           "extra": {m: _mean(v.values()) * 100.0 for m, v in ab.extra.items() if v},
-           "pass_at_k": (sampling.pass_at_k(ab.samples) or None)
-           if ok and bench.pass_at_k and (sampling.samples_per_item(ab.samples) or 0) > 1
-           else None,
-           "engine": engine_summary(ab.engine),
-           # Outputs cut at the length limit, and of those still inside their thinking block.
-           "truncation": sampling.truncation(ab.samples) if ab.samples else None,
-           # Per-item outcomes (the mean over an item's samples) and every sample's record,
-           # so another run (a baseline) or arm pairs with this one item by item.
-           "per_item": dict(sorted(ab.scores.items())) if ok else None,
-           "samples": dict(sorted(ab.samples.items())) if ok else None}
-    if len(ab.datasets) > 1:   # pooled benchmark: also the summarizer's mean of categories
+    half = (
+        sampling.mean_half_width([100.0 * v for v in ab.scores.values()])[1]
+        if ok and ab.scores
+        else None
+    )
+    out = {
+        "abbr": ab.abbr,
+        "status": ab.status,
+        "score": ab.score,
+        "score_half_width": half,  # 95%, clustered by item
+        "items": len(ab.scores) if ab.scores else None,
+        "datasets": ab.datasets,
+        "samples_per_item": sampling.samples_per_item(ab.samples),
+        "version": version_text(ab),
+        "extra": {m: _mean(v.values()) * 100.0 for m, v in ab.extra.items() if v},
+        "pass_at_k": (sampling.pass_at_k(ab.samples) or None)
+        if ok and bench.pass_at_k and (sampling.samples_per_item(ab.samples) or 0) > 1
+        else None,
+        "engine": engine_summary(ab.engine),
+        # Outputs cut at the length limit, and of those still inside their thinking block.
+        "truncation": sampling.truncation(ab.samples) if ab.samples else None,
+        # Per-item outcomes (the mean over an item's samples) and every sample's record,
+        # so another run (a baseline) or arm pairs with this one item by item.
+        "per_item": dict(sorted(ab.scores.items())) if ok else None,
+        "samples": dict(sorted(ab.samples.items())) if ok else None,
+    }
+    if (
+        len(ab.datasets) > 1
+    ):  # pooled benchmark: also the summarizer's mean of categories
         out["categories"] = ab.category_scores
-        out["category_mean"] = (_mean(ab.category_scores.values())
-                                if len(ab.category_scores) == len(ab.datasets) else None)
+        out["category_mean"] = (
+            _mean(ab.category_scores.values())
+            if len(ab.category_scores) == len(ab.datasets)
+            else None
+        )
     return out
 
 
@@ -294,30 +404,53 @@ def _decomposition(per_arm: dict[str, ArmBench], notes: list[str]) -> dict | Non
         return None
     teacher = per_arm["teacher"]
 
-    def score(arm):  # an ablation counts only when scored on exactly the teacher's items
+    def score(
+        arm,
+    ):  # an ablation counts only when scored on exactly the teacher's items
         ab = per_arm.get(arm)
         if ab is None:
             return None
         if ab.status != "ok" or set(ab.scores) != set(teacher.scores):
-            notes.append(f"{arm} {ab.abbr} left out of the decomposition ({ab.status}, "
-                         f"{len(ab.scores)} of the teacher's {len(teacher.scores)} items)")
+            notes.append(
+                f"{arm} {ab.abbr} left out of the decomposition ({ab.status}, "
+                f"{len(ab.scores)} of the teacher's {len(teacher.scores)} items)"
+            )
             return None
         return ab.score
 
-    t, q, p, s = score("teacher"), score("int4_exact"), score("prerouted_nolora"), score("student")
-    return {"teacher": t, "int4_exact": q, "prerouted_nolora": p, "student": s,
-            "quantization_loss": _sub(t, q), "routing_loss": _sub(q, p),
-            "lora_recovery": _sub(s, p), "total_gap": _sub(t, s)}
+    t, q, p, s = (
+        score("teacher"),
+        score("int4_exact"),
+        score("prerouted_nolora"),
+        score("student"),
+    )
+    return {
+        "teacher": t,
+        "int4_exact": q,
+        "prerouted_nolora": p,
+        "student": s,
+        "quantization_loss": _sub(t, q),
+        "routing_loss": _sub(q, p),
+        "lora_recovery": _sub(s, p),
+        "total_gap": _sub(t, s),
+    }
 
 
 def _average_row(rows: list[dict], reference: dict | None) -> dict:
     """Unweighted mean over benchmarks (as the paper's avg), only over benchmarks that are ok."""
     ok = [r for r in rows if r["status"] == "ok"]
-    avg = {"benchmarks": [r["benchmark"] for r in ok],
-           "complete": bool(rows) and len(ok) == len(rows),
-           "teacher": None, "student": None, "delta": None, "gap": None,
-           "delta_ci95": None, "delta_half_width": None, "decomposition": None,
-           "reference": None}
+    avg = {
+        "benchmarks": [r["benchmark"] for r in ok],
+        "complete": bool(rows) and len(ok) == len(rows),
+        "teacher": None,
+        "student": None,
+        "delta": None,
+        "gap": None,
+        "delta_ci95": None,
+        "delta_half_width": None,
+        "decomposition": None,
+        "reference": None,
+    }
     if ok:
         for key in ("teacher", "student", "delta", "gap"):
             avg[key] = _mean(r[key] for r in ok)
@@ -328,9 +461,14 @@ def _average_row(rows: list[dict], reference: dict | None) -> dict:
             avg["delta_ci95"] = [avg["delta"] - half, avg["delta"] + half]
         decs = [r["decomposition"] for r in ok]
         if all(decs):
-            avg["decomposition"] = {k: (_mean(d[k] for d in decs)
-                                        if all(d[k] is not None for d in decs) else None)
-                                    for k in decs[0]}
+            avg["decomposition"] = {
+                k: (
+                    _mean(d[k] for d in decs)
+                    if all(d[k] is not None for d in decs)
+                    else None
+                )
+                for k in decs[0]
+            }
     avg["reference_omitted"] = None
     if reference:
         avg["reference"], avg["reference_omitted"] = average_reference(reference, rows)

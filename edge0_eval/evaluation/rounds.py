@@ -36,21 +36,29 @@ def sample_size(dataset: dict) -> int | None:
 
 def check_rounds(rounds) -> list[float]:
     shares = list(rounds or [])
-    if not shares or any(isinstance(f, bool) or not isinstance(f, (int, float)) for f in shares) \
-            or any(not 0 < f <= 1 for f in shares) or shares != sorted(set(shares)) \
-            or shares[-1] != 1:
-        raise ConfigError(f"gate rounds {rounds!r}: give increasing cumulative shares in (0, 1] "
-                          f"ending at 1.0, e.g. [0.125, 0.25, 0.5, 1.0]")
+    if (
+        not shares
+        or any(isinstance(f, bool) or not isinstance(f, (int, float)) for f in shares)
+        or any(not 0 < f <= 1 for f in shares)
+        or shares != sorted(set(shares))
+        or shares[-1] != 1
+    ):
+        raise ConfigError(
+            f"gate rounds {rounds!r}: give increasing cumulative shares in (0, 1] "
+            f"ending at 1.0, e.g. [0.125, 0.25, 0.5, 1.0]"
+        )
     return [float(f) for f in shares]
 
 
-def bounds(size: int, rounds: list[float], round_no: int) -> tuple[int, int, int | None]:
+def bounds(
+    size: int, rounds: list[float], round_no: int
+) -> tuple[int, int, int | None]:
     """(first, end, chunk) of round `round_no` (1-based) on a sample of `size`: the positions
     of the draw it infers are [first, end); chunk is its file number (None: adds no items)."""
     ends = [math.ceil(f * size) for f in rounds]
     first = ends[round_no - 2] if round_no > 1 else 0
     end = ends[round_no - 1]
-    earlier = [0] + ends[:round_no - 1]
+    earlier = [0] + ends[: round_no - 1]
     chunk = sum(1 for a, b in zip(earlier, ends[:round_no]) if b > a) - 1
     return first, end, chunk if end > first else None
 
@@ -67,25 +75,37 @@ def draw(dataset: dict) -> list[int]:
     from opencompass.utils import build_dataset_from_cfg
 
     if int(dataset.get("n", 1)) != 1:
-        raise ConfigError(f"dataset {dataset.get('abbr')}: an int test_range with n > 1 draws "
-                          f"copies, not items; sample items with n = 1")
+        raise ConfigError(
+            f"dataset {dataset.get('abbr')}: an int test_range with n > 1 draws "
+            f"copies, not items; sample items with n = 1"
+        )
     whole = copy.deepcopy(dataset)
     for key in ("abbr", "infer_cfg", "eval_cfg"):
         whole.pop(key, None)
     whole["reader_cfg"].pop("test_range", None)
     rows = len(build_dataset_from_cfg(whole).test)
     positions = Dataset.from_dict({"position": list(range(rows))})
-    return list(load_partial_dataset(positions, size=dataset["reader_cfg"]["test_range"])
-                ["position"])
+    return list(
+        load_partial_dataset(positions, size=dataset["reader_cfg"]["test_range"])[
+            "position"
+        ]
+    )
 
 
-def round_datasets(datasets: list[dict], rounds: list[float], round_no: int, stage: str,
-                   predictions: Path | None = None) -> list[dict]:
+def round_datasets(
+    datasets: list[dict],
+    rounds: list[float],
+    round_no: int,
+    stage: str,
+    predictions: Path | None = None,
+) -> list[dict]:
     """The datasets of round `round_no` for OpenCompass's infer or eval stage. Datasets that
     are not sampled (fidelity) pass unchanged: the first round scores them whole and later
     rounds find their outputs done."""
     if not 1 <= round_no <= len(rounds):
-        raise ConfigError(f"gate round {round_no}: the config has rounds 1..{len(rounds)}")
+        raise ConfigError(
+            f"gate round {round_no}: the config has rounds 1..{len(rounds)}"
+        )
     out = []
     for dataset in datasets:
         size = sample_size(dataset)
@@ -102,8 +122,11 @@ def round_datasets(datasets: list[dict], rounds: list[float], round_no: int, sta
             cfg["reader_cfg"]["test_range"] = index_expression(order[first:end])
         else:
             # Round 1 always adds items (ceil), so every round has read chunk 0 at least.
-            chunks = 1 + max(c for r in range(1, round_no + 1)
-                             if (c := bounds(len(order), rounds, r)[2]) is not None)
+            chunks = 1 + max(
+                c
+                for r in range(1, round_no + 1)
+                if (c := bounds(len(order), rounds, r)[2]) is not None
+            )
             if predictions is not None:
                 stale_chunks(predictions, dataset["abbr"], chunks)
             cfg["reader_cfg"]["test_range"] = index_expression(order[:end])
@@ -114,10 +137,15 @@ def round_datasets(datasets: list[dict], rounds: list[float], round_no: int, sta
 def stale_chunks(predictions: Path, abbr: str, chunks: int) -> None:
     """Refuse prediction files the eval task would read beyond this round's chunks (or a whole
     file it would read instead of them): they come from another run in the same folder."""
-    for model in sorted(p for p in predictions.iterdir() if p.is_dir()) \
-            if predictions.is_dir() else []:
+    for model in (
+        sorted(p for p in predictions.iterdir() if p.is_dir())
+        if predictions.is_dir()
+        else []
+    ):
         extra = [model / f"{abbr}.json", model / f"{abbr}_{chunks}.json"]
         found = [p for p in extra if p.exists()]
         if found:
-            raise ConfigError(f"{found[0]}: not a chunk of this gate run's {chunks} round(s); "
-                              f"start the gate run in a fresh work folder")
+            raise ConfigError(
+                f"{found[0]}: not a chunk of this gate run's {chunks} round(s); "
+                f"start the gate run in a fresh work folder"
+            )

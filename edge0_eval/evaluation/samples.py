@@ -24,18 +24,22 @@ import math
 from edge0_eval.evaluation.paired import graded_change
 
 Z95 = 1.96
-FLAG_ALPHA = 0.05       # two-sided, for the truncation flag
+FLAG_ALPHA = 0.05  # two-sided, for the truncation flag
 RECORD_KEYS = ("score", "finish_reason", "thinking_closed", "output_tokens")
 
 
-def record(score: float | None, pred: dict | None, stats: dict | None,
-           thinking_closed) -> dict:
+def record(
+    score: float | None, pred: dict | None, stats: dict | None, thinking_closed
+) -> dict:
     tokens = (stats or {}).get("tokens")
-    return {"score": score,
-            "finish_reason": (stats or {}).get("finish_reason"),
-            "thinking_closed": thinking_closed(pred.get("prediction")) if pred else None,
-            "output_tokens": int(tokens) if isinstance(tokens, (int, float))
-            and not isinstance(tokens, bool) else None}
+    return {
+        "score": score,
+        "finish_reason": (stats or {}).get("finish_reason"),
+        "thinking_closed": thinking_closed(pred.get("prediction")) if pred else None,
+        "output_tokens": int(tokens)
+        if isinstance(tokens, (int, float)) and not isinstance(tokens, bool)
+        else None,
+    }
 
 
 def item_means(samples: dict[str, list[dict]]) -> dict[str, float]:
@@ -58,18 +62,24 @@ def mean_half_width(values: list[float]) -> tuple[float, float | None]:
     return mean, Z95 * math.sqrt(var / n)
 
 
-def pass_at_k(samples: dict[str, list[dict]], ks: tuple[int, ...] | None = None) -> dict:
+def pass_at_k(
+    samples: dict[str, list[dict]], ks: tuple[int, ...] | None = None
+) -> dict:
     """{"pass@k": {"score", "half_width"}} in points, per k <= n (1, powers of 2, and n), for
     items whose samples are 0/1; {} when any is graded or the counts differ."""
     n = samples_per_item(samples)
     scores = [s["score"] for rs in samples.values() for s in rs]
     if n is None or any(s not in (0.0, 1.0) for s in scores):
         return {}
-    ks = ks or tuple(sorted({1, n, *(2 ** i for i in range(1, n.bit_length()) if 2 ** i <= n)}))
+    ks = ks or tuple(
+        sorted({1, n, *(2**i for i in range(1, n.bit_length()) if 2**i <= n)})
+    )
     out = {}
     for k in ks:
-        per_item = [1.0 - math.comb(n - int(sum(s["score"] for s in rs)), k) / math.comb(n, k)
-                    for rs in samples.values()]
+        per_item = [
+            1.0 - math.comb(n - int(sum(s["score"] for s in rs)), k) / math.comb(n, k)
+            for rs in samples.values()
+        ]
         mean, half = mean_half_width([100.0 * v for v in per_item])
         out[f"pass@{k}"] = {"score": mean, "half_width": half}
     return out
@@ -83,20 +93,26 @@ def truncation(samples: dict[str, list[dict]]) -> dict | None:
     if not flat or any(s["finish_reason"] is None for s in flat):
         return None
     cut = [s for s in flat if s["finish_reason"] == "length"]
-    return {"outputs": len(flat), "length": len(cut),
-            "open_thinking": sum(s["thinking_closed"] is False for s in cut)}
+    return {
+        "outputs": len(flat),
+        "length": len(cut),
+        "open_thinking": sum(s["thinking_closed"] is False for s in cut),
+    }
 
 
 def truncation_shares(samples: dict[str, list[dict]]) -> dict[str, float] | None:
     """Per item, the share of its samples cut at the length limit (None without reasons)."""
     if truncation(samples) is None:
         return None
-    return {i: sum(s["finish_reason"] == "length" for s in rs) / len(rs)
-            for i, rs in samples.items()}
+    return {
+        i: sum(s["finish_reason"] == "length" for s in rs) / len(rs)
+        for i, rs in samples.items()
+    }
 
 
-def truncation_difference(arm: dict[str, list[dict]], teacher: dict[str, list[dict]]
-                          ) -> dict | None:
+def truncation_difference(
+    arm: dict[str, list[dict]], teacher: dict[str, list[dict]]
+) -> dict | None:
     """An arm's truncation rate minus the teacher's, paired on shared items (clustered by item),
     in points with its 95% half-width, and `flag` when a two-sided paired sign-flip test of the
     per-item differences rejects equal rates at 5% (`p_value`): the rates differ beyond their
@@ -109,6 +125,14 @@ def truncation_difference(arm: dict[str, list[dict]], teacher: dict[str, list[di
     diffs = [100.0 * (a[i] - t[i]) for i in sorted(a)]
     mean, half = mean_half_width(diffs)
     p = min(1.0, 2 * min(graded_change(t, a).p_value, graded_change(a, t).p_value))
-    rates = {"arm": 100.0 * sum(a.values()) / len(a), "teacher": 100.0 * sum(t.values()) / len(t)}
-    return {"difference": mean, "half_width": half, "p_value": p, "flag": p < FLAG_ALPHA,
-            **rates}
+    rates = {
+        "arm": 100.0 * sum(a.values()) / len(a),
+        "teacher": 100.0 * sum(t.values()) / len(t),
+    }
+    return {
+        "difference": mean,
+        "half_width": half,
+        "p_value": p,
+        "flag": p < FLAG_ALPHA,
+        **rates,
+    }

@@ -32,27 +32,32 @@ import numpy as np
 
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
 
-CAP = 0.75                 # a bet risks at most this share of the wealth on one item
-_SIMULATED_RUNS = 2000     # runs behind `detectable_drop` (seeded: the same answer every call)
+CAP = 0.75  # a bet risks at most this share of the wealth on one item
+_SIMULATED_RUNS = (
+    2000  # runs behind `detectable_drop` (seeded: the same answer every call)
+)
 REGRESSED, WITHIN, UNDECIDED = "regressed", "within", "undecided"
 
 
 @dataclass(frozen=True)
 class Sequential:
     """One benchmark's sequential verdict; drops and bounds in points."""
-    items: int                      # items observed
-    decided_at: int | None          # items seen when a rule fired (None: undecided)
-    rule: str                       # REGRESSED | WITHIN | UNDECIDED
-    drop: float                     # mean drop over the items up to the decision (or all)
+
+    items: int  # items observed
+    decided_at: int | None  # items seen when a rule fired (None: undecided)
+    rule: str  # REGRESSED | WITHIN | UNDECIDED
+    drop: float  # mean drop over the items up to the decision (or all)
     threshold: float
-    e_regressed: float              # wealth of each test at the decision (or the last item)
+    e_regressed: float  # wealth of each test at the decision (or the last item)
     e_within: float
 
 
 def order(item_ids, seed: str = "") -> list[str]:
     """A fixed pseudo-random order of item ids, independent of their outcomes."""
+
     def key(item: str) -> bytes:
         return hashlib.sha256(f"{seed}\0{item}".encode()).digest()
+
     return sorted(item_ids, key=key)
 
 
@@ -64,8 +69,10 @@ def _log_wealth(x: np.ndarray, high: float) -> np.ndarray:
     mean = np.cumsum(x, axis=-1) / (t + 1)
     var = (0.25 + np.cumsum((x - mean) ** 2, axis=-1)) / (t + 1)
     prev_mean = np.concatenate([np.zeros(x.shape[:-1] + (1,)), mean[..., :-1]], axis=-1)
-    prev_var = np.concatenate([np.full(x.shape[:-1] + (1,), 0.25), var[..., :-1]], axis=-1)
-    lam = np.clip(prev_mean / (prev_var + prev_mean ** 2), 0.0, CAP / high)
+    prev_var = np.concatenate(
+        [np.full(x.shape[:-1] + (1,), 0.25), var[..., :-1]], axis=-1
+    )
+    lam = np.clip(prev_mean / (prev_var + prev_mean**2), 0.0, CAP / high)
     return np.cumsum(np.log1p(lam * x), axis=-1)
 
 
@@ -75,22 +82,24 @@ def _first(crossed: np.ndarray) -> np.ndarray:
     return np.where(crossed.any(axis=-1), crossed.argmax(axis=-1), n)
 
 
-def run_tests(d: np.ndarray, threshold: float, alpha: float = DEFAULT_ALPHA
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def run_tests(
+    d: np.ndarray, threshold: float, alpha: float = DEFAULT_ALPHA
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Both tests on changes d (..., items) in [-1, 1], threshold in (0, 1]: per sequence the
     first index where `regressed` and `within` cross (items if never), and both log wealths."""
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold {threshold} must be in (0, 1]")
     bar = math.log(1 / alpha)
-    down = _log_wealth(d, 1.0)                           # d >= -1
+    down = _log_wealth(d, 1.0)  # d >= -1
     up = _log_wealth(threshold - d, 1.0 - threshold) if threshold < 1 else None
-    if up is None:   # H0 "mean >= 1": only a change of +1 on every item could keep it
+    if up is None:  # H0 "mean >= 1": only a change of +1 on every item could keep it
         up = np.where(np.cumsum(d < 1, axis=-1) > 0, np.inf, 0.0)
     return _first(down >= bar), _first(up >= bar), down, up
 
 
-def sequential_change(changes: list[float], threshold_points: float,
-                      alpha: float = DEFAULT_ALPHA) -> Sequential:
+def sequential_change(
+    changes: list[float], threshold_points: float, alpha: float = DEFAULT_ALPHA
+) -> Sequential:
     """The verdict on per-item changes (baseline - current, each in [-1, 1]) in their order."""
     n = len(changes)
     threshold = threshold_points / 100.0
@@ -99,20 +108,32 @@ def sequential_change(changes: list[float], threshold_points: float,
     d = np.asarray(changes, dtype=np.float64)
     fail, ok, down, up = run_tests(d, threshold, alpha)
     fail, ok = int(fail), int(ok)
-    if fail < n and fail <= ok:     # both at once: the failure stands
+    if fail < n and fail <= ok:  # both at once: the failure stands
         rule, at = REGRESSED, fail
     elif ok < n:
         rule, at = WITHIN, ok
     else:
         rule, at = UNDECIDED, n - 1
-    return Sequential(n, at + 1 if rule != UNDECIDED else None, rule,
-                      100.0 * float(d[:at + 1].mean()), threshold_points,
-                      float(np.exp(min(down[at], 700.0))), float(np.exp(min(up[at], 700.0))))
+    return Sequential(
+        n,
+        at + 1 if rule != UNDECIDED else None,
+        rule,
+        100.0 * float(d[: at + 1].mean()),
+        threshold_points,
+        float(np.exp(min(down[at], 700.0))),
+        float(np.exp(min(up[at], 700.0))),
+    )
 
 
-def simulate(items: int, churn: float, drop: float, threshold: float,
-             alpha: float = DEFAULT_ALPHA, runs: int = _SIMULATED_RUNS, seed: int = 0
-             ) -> tuple[np.ndarray, np.ndarray]:
+def simulate(
+    items: int,
+    churn: float,
+    drop: float,
+    threshold: float,
+    alpha: float = DEFAULT_ALPHA,
+    runs: int = _SIMULATED_RUNS,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """(first `regressed` crossing, first `within` crossing) per run of `items` 0/1 items of
     which a share churn/2 improves and churn/2 + drop worsens (the paired module's model of
     a change; drop, churn and threshold as shares)."""
@@ -124,8 +145,12 @@ def simulate(items: int, churn: float, drop: float, threshold: float,
     return fail, ok
 
 
-def detectable_drop(items: int, churn: float, threshold_points: float | None,
-                    alpha: float = DEFAULT_ALPHA) -> float | None:
+def detectable_drop(
+    items: int,
+    churn: float,
+    threshold_points: float | None,
+    alpha: float = DEFAULT_ALPHA,
+) -> float | None:
     """The drop (points) the `regressed` rule catches within `items` 0/1 items with
     probability >= POWER at this churn, by seeded simulation, with the `within` rule running
     beside it at `threshold_points` (it can stop a run first); None when no drop is.

@@ -29,27 +29,40 @@ def data_digest(preds: list[dict] | None) -> dict | None:
         return None
     rows = [[p.get("origin_prompt"), p.get("gold")] for p in preds]
     text = json.dumps(rows, sort_keys=True, ensure_ascii=True, default=str)
-    return {"predictions": len(preds), "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    return {
+        "predictions": len(preds),
+        "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+    }
 
 
 def _same_data_size(a, b) -> bool:
     """Data digests are compared on equal prediction counts only: arms that scored different
     item sets are reported as such (items_mismatch), not as a different data file."""
-    return isinstance(a, dict) and isinstance(b, dict) and a.get("predictions") == b.get(
-        "predictions")
+    return (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and a.get("predictions") == b.get("predictions")
+    )
 
 
 def arm_settings(abbr: str, run, datasets: dict[str, dict | None], identity) -> dict:
     """{generation, scoring, model} of one arm: `datasets` maps its dataset abbrs to their
     data digests; generation is None (not compared) without a config dump."""
     dumped = (run.settings or {}).get(abbr)
-    scoring = {d: {**((run.scoring or {}).get(d) or {}), "data": digest}
-               for d, digest in datasets.items()}
-    return {"generation": dumped["generation"] if dumped else None, "scoring": scoring,
-            "model": {**(dumped["model"] if dumped else {}), "identity": identity}}
+    scoring = {
+        d: {**((run.scoring or {}).get(d) or {}), "data": digest}
+        for d, digest in datasets.items()
+    }
+    return {
+        "generation": dumped["generation"] if dumped else None,
+        "scoring": scoring,
+        "model": {**(dumped["model"] if dumped else {}), "identity": identity},
+    }
 
 
-def settings_differences(settings: dict, reference: str, other: dict | None = None) -> list[str]:
+def settings_differences(
+    settings: dict, reference: str, other: dict | None = None
+) -> list[str]:
     """Each generation or scoring field whose value differs between an arm and `reference` (in
     `other`, e.g. the baseline's arms, when given; else among `settings` themselves), named
     with both values. A field one side does not record (an older report, no config dump) is
@@ -67,10 +80,15 @@ def settings_differences(settings: dict, reference: str, other: dict | None = No
         for dataset, fields in (st.get("scoring") or {}).items():
             other_fields = (ref.get("scoring") or {}).get(dataset) or {}
             for key, value in fields.items():
-                if key in other_fields and other_fields[key] != value and (
-                        key != "data" or _same_data_size(value, other_fields[key])):
-                    problems.append(f"{arm} {dataset} {key} {value!r}, {against} "
-                                    f"{other_fields[key]!r}")
+                if (
+                    key in other_fields
+                    and other_fields[key] != value
+                    and (key != "data" or _same_data_size(value, other_fields[key]))
+                ):
+                    problems.append(
+                        f"{arm} {dataset} {key} {value!r}, {against} "
+                        f"{other_fields[key]!r}"
+                    )
     return problems
 
 

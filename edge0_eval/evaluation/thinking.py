@@ -41,15 +41,21 @@ def prompt_opener(chat_text: str) -> str:
     """The thinking block a chat-templated prompt leaves open at its end ("<think>\\n"), which
     the model's turn continues; "" when the prompt ends outside one."""
     at = chat_text.rfind(THINK_OPEN)
-    if at < 0 or THINK_CLOSE in chat_text[at:] or chat_text[at + len(THINK_OPEN):].strip():
+    if (
+        at < 0
+        or THINK_CLOSE in chat_text[at:]
+        or chat_text[at + len(THINK_OPEN) :].strip()
+    ):
         return ""
     return chat_text[at:]
 
 
 def check_rule(rule: str) -> str:
     if rule not in OPEN_THINKING_RULES:
-        raise ValueError(f"open_thinking {rule!r} is not one of {', '.join(OPEN_THINKING_RULES)}"
-                         f" (EDGE0_OPEN_THINKING in configs/datasets/)")
+        raise ValueError(
+            f"open_thinking {rule!r} is not one of {', '.join(OPEN_THINKING_RULES)}"
+            f" (EDGE0_OPEN_THINKING in configs/datasets/)"
+        )
     return rule
 
 

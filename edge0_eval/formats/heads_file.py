@@ -29,7 +29,7 @@ from edge0_eval.formats.safetensors import read_safetensors_header, write_safete
 
 KIND = "prerouter"
 FORMAT_VERSION = 1
-NEXT_TOKEN = "next_token"     # metadata features= of next-token heads (absent: context)
+NEXT_TOKEN = "next_token"  # metadata features= of next-token heads (absent: context)
 _KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
 
 
@@ -37,20 +37,26 @@ _KEY = re.compile(r"^layers\.(\d+)\.(fc1|fc2|linear_init)\.weight$")
 class PrerouterConfig:
     """The heads' shapes and pairing, as a heads file's metadata records them."""
 
-    owners: list[int]          # owner layers N, ascending
-    width: int                 # fc1 width
-    top_k: int                 # the serving K the heads were trained for
+    owners: list[int]  # owner layers N, ascending
+    width: int  # fc1 width
+    top_k: int  # the serving K the heads were trained for
     hidden: int
     num_experts: int
-    consumers: list[int] | None = None   # layer each owner predicts (None: owner + 1 each)
-    next_token: bool = False   # features end with the sampled next token's input embedding
+    consumers: list[int] | None = (
+        None  # layer each owner predicts (None: owner + 1 each)
+    )
+    next_token: bool = (
+        False  # features end with the sampled next token's input embedding
+    )
 
     def __post_init__(self):
         if self.consumers is None:
             self.consumers = [n + 1 for n in self.owners]
         self.consumers = [int(c) for c in self.consumers]
         if len(self.consumers) != len(self.owners):
-            raise ValueError(f"consumers {self.consumers} do not pair with owners {self.owners}")
+            raise ValueError(
+                f"consumers {self.consumers} do not pair with owners {self.owners}"
+            )
 
     @property
     def start_layer(self) -> int:
@@ -82,8 +88,9 @@ class HeadsFile:
     linear: mx.array
 
 
-def write_heads(path: str | Path, heads: HeadsFile, metadata: dict | None = None,
-                dtype=mx.float16) -> Path:
+def write_heads(
+    path: str | Path, heads: HeadsFile, metadata: dict | None = None, dtype=mx.float16
+) -> Path:
     """Write heads in the published layout; `metadata` adds/overrides e.g. source and model.
 
     Weights are stored as `dtype` (float16 like the published adapters; None keeps the heads').
@@ -92,18 +99,42 @@ def write_heads(path: str | Path, heads: HeadsFile, metadata: dict | None = None
     cfg = heads.config
     arrays = {}
     for i, n in enumerate(cfg.owners):
-        for name, value in (("fc1", heads.fc1[i]), ("fc2", heads.fc2[i]),
-                            ("linear_init", heads.linear[i])):
-            arrays[f"layers.{n}.{name}.weight"] = value if dtype is None else value.astype(dtype)
-    meta = {"kind": KIND, "K": str(cfg.top_k), "owners": json.dumps(cfg.owners),
-            "consumers": json.dumps(cfg.consumers), "start_layer": str(cfg.start_layer),
-            "width": str(cfg.width), "hidden": str(cfg.hidden), "num_experts": str(cfg.num_experts),
-            "format_version": str(FORMAT_VERSION), "source": "", "model": ""}
+        for name, value in (
+            ("fc1", heads.fc1[i]),
+            ("fc2", heads.fc2[i]),
+            ("linear_init", heads.linear[i]),
+        ):
+            arrays[f"layers.{n}.{name}.weight"] = (
+                value if dtype is None else value.astype(dtype)
+            )
+    meta = {
+        "kind": KIND,
+        "K": str(cfg.top_k),
+        "owners": json.dumps(cfg.owners),
+        "consumers": json.dumps(cfg.consumers),
+        "start_layer": str(cfg.start_layer),
+        "width": str(cfg.width),
+        "hidden": str(cfg.hidden),
+        "num_experts": str(cfg.num_experts),
+        "format_version": str(FORMAT_VERSION),
+        "source": "",
+        "model": "",
+    }
     if cfg.next_token:
         meta["features"] = NEXT_TOKEN
     for key, value in (metadata or {}).items():
-        if key in ("kind", "K", "owners", "consumers", "width", "hidden", "num_experts",
-                   "format_version", "features", "context_consumers"):
+        if key in (
+            "kind",
+            "K",
+            "owners",
+            "consumers",
+            "width",
+            "hidden",
+            "num_experts",
+            "format_version",
+            "features",
+            "context_consumers",
+        ):
             continue  # these describe the tensors; they come from the heads
         meta[key] = value if isinstance(value, str) else json.dumps(value)
     return write_safetensors(path, arrays, meta)
@@ -113,10 +144,17 @@ def read_metadata(path: str | Path) -> dict:
     """The safetensors metadata of a heads file (header checked, no tensor data read), with
     kind="prerouter" filled in when it is absent and every tensor is a head's, as a LoRA
     file's kind is inferred from its keys."""
-    tensors, meta = read_safetensors_header(path, "prerouter heads",
-                                            "train them again with `edge0-eval "
-                                            "train-prerouter`, or run with --no-prerouter")
-    if meta.get("kind") in (None, "") and tensors and all(_KEY.match(n) for n in tensors):
+    tensors, meta = read_safetensors_header(
+        path,
+        "prerouter heads",
+        "train them again with `edge0-eval "
+        "train-prerouter`, or run with --no-prerouter",
+    )
+    if (
+        meta.get("kind") in (None, "")
+        and tensors
+        and all(_KEY.match(n) for n in tensors)
+    ):
         meta = {**meta, "kind": KIND}
     return meta
 
@@ -127,13 +165,21 @@ def _int_meta(meta: dict, key: str, path: Path) -> int | None:
     try:
         return int(meta[key])
     except (TypeError, ValueError):
-        raise CheckpointError(f"prerouter file {path}: metadata {key}={meta[key]!r} is not an "
-                              f"integer") from None
+        raise CheckpointError(
+            f"prerouter file {path}: metadata {key}={meta[key]!r} is not an integer"
+        ) from None
 
 
-def read_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
-               owners: list[int] | None = None, dtype=None,
-               model_type: str | None = None) -> HeadsFile:
+def read_heads(
+    path: str | Path,
+    *,
+    hidden: int,
+    num_experts: int,
+    top_k: int,
+    owners: list[int] | None = None,
+    dtype=None,
+    model_type: str | None = None,
+) -> HeadsFile:
     """Read and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
 
     `owners` (None: every head in the file) selects heads; each must be present. Any problem
@@ -146,27 +192,40 @@ def read_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     meta = read_metadata(path)
     kind = meta.get("kind")
     if kind != KIND:
-        raise CheckpointError(f"{where} has kind={kind!r}, expected {KIND!r}: not prerouter heads "
-                              f"(a LoRA adapter or another file?)")
+        raise CheckpointError(
+            f"{where} has kind={kind!r}, expected {KIND!r}: not prerouter heads "
+            f"(a LoRA adapter or another file?)"
+        )
     if "context_consumers" in meta:
-        raise CheckpointError(f"{where} holds mixed heads (metadata context_consumers); that "
-                              f"kind of head is no longer served: retrain context heads with "
-                              f"`edge0-eval train-prerouter`")
+        raise CheckpointError(
+            f"{where} holds mixed heads (metadata context_consumers); that "
+            f"kind of head is no longer served: retrain context heads with "
+            f"`edge0-eval train-prerouter`"
+        )
     version = _int_meta(meta, "format_version", path)
     if version is not None and version > FORMAT_VERSION:
-        raise CheckpointError(f"{where} has format_version {version}; this build reads up to "
-                              f"{FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{where} has format_version {version}; this build reads up to "
+            f"{FORMAT_VERSION}"
+        )
     k = _int_meta(meta, "K", path)
     if k is None:
         # The heads score every expert; K is only the width they were trained to rank for.
-        warnings.warn(f"{where} records no K (metadata key 'K'); served at the engine's "
-                      f"K={top_k}", stacklevel=2)
+        warnings.warn(
+            f"{where} records no K (metadata key 'K'); served at the engine's "
+            f"K={top_k}",
+            stacklevel=2,
+        )
     elif k != top_k:
-        raise CheckpointError(f"{where} was trained for K={k} but the engine serves K={top_k}; "
-                              f"train heads for K={top_k} or serve with --top-k {k}")
+        raise CheckpointError(
+            f"{where} was trained for K={k} but the engine serves K={top_k}; "
+            f"train heads for K={top_k} or serve with --top-k {k}"
+        )
     if model_type is not None and meta.get("model_type") not in (None, "", model_type):
-        raise CheckpointError(f"{where} holds heads for a {meta['model_type']} model, but this "
-                              f"model is {model_type}; train heads for this model")
+        raise CheckpointError(
+            f"{where} holds heads for a {meta['model_type']} model, but this "
+            f"model is {model_type}; train heads for this model"
+        )
     for key, want in (("hidden", hidden), ("num_experts", num_experts)):
         got = _int_meta(meta, key, path)
         if got is not None and got != want:
@@ -174,77 +233,115 @@ def read_heads(path: str | Path, *, hidden: int, num_experts: int, top_k: int,
     try:
         weights = mx.load(str(path))
     except Exception as exc:
-        raise CheckpointError(f"{where} is unreadable ({exc}); the file is truncated or "
-                              f"corrupt") from None
+        raise CheckpointError(
+            f"{where} is unreadable ({exc}); the file is truncated or corrupt"
+        ) from None
 
     dtypes = {str(v.dtype).split(".")[-1] for v in weights.values()}
     if len(dtypes) > 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
-        raise CheckpointError(f"{where}: tensors are {sorted(dtypes)}; heads are saved in one "
-                              f"floating dtype, so the header is corrupt")
+        raise CheckpointError(
+            f"{where}: tensors are {sorted(dtypes)}; heads are saved in one "
+            f"floating dtype, so the header is corrupt"
+        )
     layers: dict[int, dict[str, mx.array]] = {}
     for name, value in weights.items():
         m = _KEY.match(name)
         if m is None:
-            raise CheckpointError(f"{where}: unexpected tensor {name!r}; expected only "
-                                  f"layers.<N>.(fc1|fc2|linear_init).weight")
+            raise CheckpointError(
+                f"{where}: unexpected tensor {name!r}; expected only "
+                f"layers.<N>.(fc1|fc2|linear_init).weight"
+            )
         layers.setdefault(int(m.group(1)), {})[m.group(2)] = value
     if "owners" in meta:
         try:
             listed = json.loads(meta["owners"])
             listed = [int(n) for n in listed]
         except (ValueError, TypeError):
-            raise CheckpointError(f"{where}: metadata owners={meta['owners']!r} is not a JSON "
-                                  f"list of layer numbers") from None
+            raise CheckpointError(
+                f"{where}: metadata owners={meta['owners']!r} is not a JSON "
+                f"list of layer numbers"
+            ) from None
         if sorted(listed) != sorted(layers):
-            raise CheckpointError(f"{where}: metadata owners {sorted(listed)} do not match the "
-                                  f"heads stored {sorted(layers)}")
+            raise CheckpointError(
+                f"{where}: metadata owners {sorted(listed)} do not match the "
+                f"heads stored {sorted(layers)}"
+            )
     if not layers:
         raise CheckpointError(f"{where} holds no heads")
     consumer_of = _consumers_meta(meta, sorted(layers), where)
-    incomplete = {n: sorted({"fc1", "fc2", "linear_init"} - set(p)) for n, p in layers.items()}
+    incomplete = {
+        n: sorted({"fc1", "fc2", "linear_init"} - set(p)) for n, p in layers.items()
+    }
     incomplete = {n: miss for n, miss in incomplete.items() if miss}
     if incomplete:
-        raise CheckpointError(f"{where}: heads incomplete, missing tensors {incomplete}")
+        raise CheckpointError(
+            f"{where}: heads incomplete, missing tensors {incomplete}"
+        )
     if owners is None:
         owners = sorted(layers)
     else:
         owners = sorted(int(n) for n in owners)
         missing = [n for n in owners if n not in layers]
         if missing:
-            raise CheckpointError(f"{where} has no head for owner layer(s) {missing} (it holds "
-                                  f"{sorted(layers)})")
+            raise CheckpointError(
+                f"{where} has no head for owner layer(s) {missing} (it holds "
+                f"{sorted(layers)})"
+            )
     features = meta.get("features", "context")
     if features not in ("context", NEXT_TOKEN):
-        raise CheckpointError(f"{where}: metadata features={features!r} is unknown; this build "
-                              f"reads 'context' (absent) and {NEXT_TOKEN!r}")
+        raise CheckpointError(
+            f"{where}: metadata features={features!r} is unknown; this build "
+            f"reads 'context' (absent) and {NEXT_TOKEN!r}"
+        )
     next_token = features == NEXT_TOKEN
     width = int(layers[owners[0]]["fc1"].shape[0])
-    config = PrerouterConfig(owners=owners, width=width, top_k=top_k, hidden=hidden,
-                             num_experts=num_experts, consumers=[consumer_of[n] for n in owners],
-                             next_token=next_token)
+    config = PrerouterConfig(
+        owners=owners,
+        width=width,
+        top_k=top_k,
+        hidden=hidden,
+        num_experts=num_experts,
+        consumers=[consumer_of[n] for n in owners],
+        next_token=next_token,
+    )
     for n in owners:
-        for name, want in (("fc1", (width, config.in_dim)), ("fc2", (num_experts, width)),
-                           ("linear_init", (num_experts, config.in_dim))):
+        for name, want in (
+            ("fc1", (width, config.in_dim)),
+            ("fc2", (num_experts, width)),
+            ("linear_init", (num_experts, config.in_dim)),
+        ):
             got = tuple(layers[n][name].shape)
             if got != want:
                 raise CheckpointError(
                     f"{where}: layers.{n}.{name}.weight has shape {list(got)}, expected "
                     f"{list(want)} ({'2 x ' if next_token else ''}hidden {hidden} + 2 x "
-                    f"{num_experts} experts, width {width})")
+                    f"{num_experts} experts, width {width})"
+                )
     meta_width = _int_meta(meta, "width", path)
     if meta_width is not None and meta_width != width:
-        raise CheckpointError(f"{where}: metadata width={meta_width} but fc1 has width {width}")
-    _int_meta(meta, "start_layer", path)  # checked for form; the heads define the first consumer
+        raise CheckpointError(
+            f"{where}: metadata width={meta_width} but fc1 has width {width}"
+        )
+    _int_meta(
+        meta, "start_layer", path
+    )  # checked for form; the heads define the first consumer
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
     fc1, fc2, linear = stack("fc1"), stack("fc2"), stack("linear_init")
     if dtype is not None:
         fc1, fc2, linear = fc1.astype(dtype), fc2.astype(dtype), linear.astype(dtype)
-    finite = mx.stack([mx.all(mx.isfinite(fc1)), mx.all(mx.isfinite(fc2)),
-                       mx.all(mx.isfinite(linear))]).tolist()
+    finite = mx.stack(
+        [
+            mx.all(mx.isfinite(fc1)),
+            mx.all(mx.isfinite(fc2)),
+            mx.all(mx.isfinite(linear)),
+        ]
+    ).tolist()
     bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
     if bad:
-        raise CheckpointError(f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
-                              f"the heads are corrupt, train them again")
+        raise CheckpointError(
+            f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
+            f"the heads are corrupt, train them again"
+        )
     return HeadsFile(config, fc1, fc2, linear)
 
 
@@ -255,18 +352,28 @@ def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]
     try:
         listed = [int(n) for n in json.loads(meta["owners"])]
         consumers = json.loads(meta["consumers"])
-        if not isinstance(consumers, list) or len(consumers) != len(listed) or \
-                any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in consumers):
+        if (
+            not isinstance(consumers, list)
+            or len(consumers) != len(listed)
+            or any(
+                isinstance(c, bool) or not isinstance(c, int) or c < 0
+                for c in consumers
+            )
+        ):
             raise ValueError
     except (KeyError, ValueError, TypeError):
-        raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} is not a JSON "
-                              f"list of layer numbers, one per owner in metadata owners="
-                              f"{meta.get('owners')!r}; write the file again with save_heads "
-                              f"(init-prerouter / train-prerouter)") from None
+        raise CheckpointError(
+            f"{where}: metadata consumers={meta['consumers']!r} is not a JSON "
+            f"list of layer numbers, one per owner in metadata owners="
+            f"{meta.get('owners')!r}; write the file again with save_heads "
+            f"(init-prerouter / train-prerouter)"
+        ) from None
     odd = [f"{n} -> {c}" for n, c in zip(listed, consumers) if c != n + 1 and c > n]
     if odd or len(set(consumers)) != len(consumers):
         what = ", ".join(odd) or "a layer twice"
-        raise CheckpointError(f"{where}: metadata consumers={meta['consumers']!r} pairs owners "
-                              f"with layers no head can predict ({what}); a head predicts owner "
-                              f"+ 1, or wraps around to the first MoE layer")
+        raise CheckpointError(
+            f"{where}: metadata consumers={meta['consumers']!r} pairs owners "
+            f"with layers no head can predict ({what}); a head predicts owner "
+            f"+ 1, or wraps around to the first MoE layer"
+        )
     return dict(zip(listed, consumers))

@@ -19,19 +19,28 @@ def read_json_file(path: str | Path, what: str, fix: str, kind: type = dict):
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found; {fix}") from None
     except IsADirectoryError:
-        raise CheckpointError(f"{path}: {what} is a directory, not a file; {fix}") from None
+        raise CheckpointError(
+            f"{path}: {what} is a directory, not a file; {fix}"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: {what} is not UTF-8 text (byte {exc.start}); {fix}") \
-            from None
+        raise CheckpointError(
+            f"{path}: {what} is not UTF-8 text (byte {exc.start}); {fix}"
+        ) from None
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror}); {fix}") from None
+        raise CheckpointError(
+            f"{path}: cannot read {what} ({exc.strerror}); {fix}"
+        ) from None
     try:
         data = json.loads(text, parse_constant=no_constant)
     except (json.JSONDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc}); {fix}") from None
+        raise CheckpointError(
+            f"{path}: {what} is not valid JSON ({exc}); {fix}"
+        ) from None
     if not isinstance(data, kind):
-        raise CheckpointError(f"{path}: {what} must be a JSON {json_name(kind)}, not "
-                              f"{json_name(type(data))}; {fix}")
+        raise CheckpointError(
+            f"{path}: {what} must be a JSON {json_name(kind)}, not "
+            f"{json_name(type(data))}; {fix}"
+        )
     return data
 
 
@@ -40,8 +49,15 @@ def no_constant(name: str):
 
 
 def json_name(kind) -> str:
-    return {dict: "object", list: "array", str: "string", int: "integer", float: "number",
-            bool: "boolean", type(None): "null"}.get(kind, kind.__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        int: "integer",
+        float: "number",
+        bool: "boolean",
+        type(None): "null",
+    }.get(kind, kind.__name__)
 
 
 def type_ok(value, hint) -> bool:
@@ -59,8 +75,11 @@ def type_ok(value, hint) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        return (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
             and math.isfinite(value)
+        )
     if hint is str:
         return isinstance(value, str)
     if hint is dict or origin is dict:

@@ -21,23 +21,29 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval.formats.json_files import read_json_file, type_ok
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.json_files import read_json_file, type_ok
 
 FORMAT = "edge0-experts"
 FORMAT_VERSION = 1
 INDEX_NAME = "experts.index.json"
 EXPERTS_NAME = "experts.bin"
 RESIDENT_NAME = "resident.safetensors"
-RECONVERT = "re-run `edge0-eval convert`"     # the fix for any damaged converted-model file
+RECONVERT = (
+    "re-run `edge0-eval convert`"  # the fix for any damaged converted-model file
+)
 ALIGNMENT = 4096
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PARTS = ("weight", "scales", "biases")
 TENSOR_ORDER = tuple(f"{p}.{q}" for p in PROJECTIONS for q in PARTS)
 
 # numpy has no bfloat16: such tensors travel as raw uint16 and are reinterpreted in MLX.
-_NP_DTYPES = {"uint32": np.uint32, "float16": np.float16, "bfloat16": np.uint16,
-              "float32": np.float32}
+_NP_DTYPES = {
+    "uint32": np.uint32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float32": np.float32,
+}
 
 
 def align(n: int, alignment: int = ALIGNMENT) -> int:
@@ -59,18 +65,22 @@ class TensorSpec:
 class ExpertIndex:
     model_type: str
     num_experts: int
-    moe_layers: list[int]          # decoder layer indices that have routed experts, in file order
-    module_path: str               # e.g. "language_model.model.layers.{layer}.mlp.switch_mlp"
+    moe_layers: list[
+        int
+    ]  # decoder layer indices that have routed experts, in file order
+    module_path: str  # e.g. "language_model.model.layers.{layer}.mlp.switch_mlp"
     bits: int
     group_size: int
     mode: str
     tensors: list[TensorSpec]
-    bundle_bytes: int              # payload of one bundle
-    bundle_stride: int             # bytes between bundle starts (payload padded to alignment)
+    bundle_bytes: int  # payload of one bundle
+    bundle_stride: int  # bytes between bundle starts (payload padded to alignment)
     file: str = EXPERTS_NAME
     file_size: int = 0
     alignment: int = ALIGNMENT
-    source: dict = field(default_factory=dict)   # source file name -> {"sha256", "bytes"}
+    source: dict = field(
+        default_factory=dict
+    )  # source file name -> {"sha256", "bytes"}
     crc32: list[list[int]] = field(default_factory=list)  # [moe layer position][expert]
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -83,12 +93,16 @@ class ExpertIndex:
             self._positions = {l: i for i, l in enumerate(self.moe_layers)}
             return self.layer_position(layer)
         except KeyError:
-            raise KeyError(f"layer {layer} has no routed experts in this index") from None
+            raise KeyError(
+                f"layer {layer} has no routed experts in this index"
+            ) from None
 
     def bundle_offset(self, layer: int, expert: int) -> int:
         if not 0 <= expert < self.num_experts:
             raise IndexError(f"expert {expert} out of range 0..{self.num_experts - 1}")
-        return (self.layer_position(layer) * self.num_experts + expert) * self.bundle_stride
+        return (
+            self.layer_position(layer) * self.num_experts + expert
+        ) * self.bundle_stride
 
     def expected_file_size(self) -> int:
         return len(self.moe_layers) * self.num_experts * self.bundle_stride
@@ -123,7 +137,9 @@ class ExpertIndex:
             )
         data = read_json_file(path, "expert index", RECONVERT)
         if data.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: format {data.get('format')!r} is not {FORMAT!r}")
+            raise CheckpointError(
+                f"{path}: format {data.get('format')!r} is not {FORMAT!r}"
+            )
         if data.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{path}: format_version {data.get('format_version')!r} is not supported "
@@ -145,39 +161,60 @@ class ExpertIndex:
         where = f"{Path(directory) / INDEX_NAME}" if directory else INDEX_NAME
         names = [t.name for t in self.tensors]
         if names != list(TENSOR_ORDER):
-            raise CheckpointError(f"{where}: bundle tensors {names} are not {list(TENSOR_ORDER)} "
-                                  f"in that order; {RECONVERT}")
+            raise CheckpointError(
+                f"{where}: bundle tensors {names} are not {list(TENSOR_ORDER)} "
+                f"in that order; {RECONVERT}"
+            )
         _check_quant(self, where)
-        want, nbytes = make_tensor_specs({t.name: (t.shape, t.dtype) for t in self.tensors})
+        want, nbytes = make_tensor_specs(
+            {t.name: (t.shape, t.dtype) for t in self.tensors}
+        )
         for spec, good in zip(self.tensors, want):
             if (spec.offset, spec.nbytes) != (good.offset, good.nbytes):
                 raise CheckpointError(
                     f"{where}: tensor {spec.name} is at offset {spec.offset} ({spec.nbytes} "
                     f"bytes) but the bundle layout puts it at {good.offset} ({good.nbytes} "
-                    f"bytes): offsets swapped, overlapping or sized wrong; {RECONVERT}")
-        if self.bundle_bytes != nbytes or self.alignment != ALIGNMENT \
-                or self.bundle_stride != align(nbytes, ALIGNMENT):
-            raise CheckpointError(f"{where}: bundle_bytes {self.bundle_bytes} / bundle_stride "
-                                  f"{self.bundle_stride} / alignment {self.alignment} do not "
-                                  f"match the tensors ({nbytes} bytes, stride "
-                                  f"{align(nbytes, ALIGNMENT)}); {RECONVERT}")
-        if len(set(self.moe_layers)) != len(self.moe_layers) or \
-                self.moe_layers != sorted(self.moe_layers):
-            raise CheckpointError(f"{where}: moe_layers {self.moe_layers} must be distinct and "
-                                  f"ascending; {RECONVERT}")
+                    f"bytes): offsets swapped, overlapping or sized wrong; {RECONVERT}"
+                )
+        if (
+            self.bundle_bytes != nbytes
+            or self.alignment != ALIGNMENT
+            or self.bundle_stride != align(nbytes, ALIGNMENT)
+        ):
+            raise CheckpointError(
+                f"{where}: bundle_bytes {self.bundle_bytes} / bundle_stride "
+                f"{self.bundle_stride} / alignment {self.alignment} do not "
+                f"match the tensors ({nbytes} bytes, stride "
+                f"{align(nbytes, ALIGNMENT)}); {RECONVERT}"
+            )
+        if len(set(self.moe_layers)) != len(
+            self.moe_layers
+        ) or self.moe_layers != sorted(self.moe_layers):
+            raise CheckpointError(
+                f"{where}: moe_layers {self.moe_layers} must be distinct and "
+                f"ascending; {RECONVERT}"
+            )
         if self.file_size != self.expected_file_size():
-            raise CheckpointError(f"{where}: file_size {self.file_size} does not match "
-                                  f"{len(self.moe_layers)} layers x {self.num_experts} experts")
-        if self.crc32 and (len(self.crc32) != len(self.moe_layers) or
-                           any(len(row) != self.num_experts for row in self.crc32)):
-            raise CheckpointError(f"{where}: crc32 must hold one row of {self.num_experts} "
-                                  f"checksums per MoE layer ({len(self.moe_layers)}); "
-                                  f"{RECONVERT}")
+            raise CheckpointError(
+                f"{where}: file_size {self.file_size} does not match "
+                f"{len(self.moe_layers)} layers x {self.num_experts} experts"
+            )
+        if self.crc32 and (
+            len(self.crc32) != len(self.moe_layers)
+            or any(len(row) != self.num_experts for row in self.crc32)
+        ):
+            raise CheckpointError(
+                f"{where}: crc32 must hold one row of {self.num_experts} "
+                f"checksums per MoE layer ({len(self.moe_layers)}); "
+                f"{RECONVERT}"
+            )
         if directory is not None:
             path = Path(directory) / self.file
             if not path.is_file():
-                raise CheckpointError(f"{path} is missing (the expert file {INDEX_NAME} names "
-                                      f"in 'file'); re-run `edge0-eval convert`")
+                raise CheckpointError(
+                    f"{path} is missing (the expert file {INDEX_NAME} names "
+                    f"in 'file'); re-run `edge0-eval convert`"
+                )
             actual = path.stat().st_size
             if actual != self.file_size:
                 raise CheckpointError(
@@ -194,28 +231,53 @@ _HALF = ("float16", "bfloat16", "float32")
 _FIELDS = {
     "model_type": (str, bool, "a model type string"),
     "num_experts": (int, lambda v: v > 0, "a positive integer"),
-    "moe_layers": (list, lambda v: len(v) > 0 and all(type_ok(x, int) and x >= 0 for x in v),
-                   "a non-empty list of layer numbers"),
-    "module_path": (str, lambda v: "{layer}" in v, "a path template containing {layer}"),
+    "moe_layers": (
+        list,
+        lambda v: len(v) > 0 and all(type_ok(x, int) and x >= 0 for x in v),
+        "a non-empty list of layer numbers",
+    ),
+    "module_path": (
+        str,
+        lambda v: "{layer}" in v,
+        "a path template containing {layer}",
+    ),
     "bits": (int, lambda v: v > 0, "a positive integer"),
     "group_size": (int, lambda v: v > 0, "a positive integer"),
     "mode": (str, bool, "a quantization mode such as 'affine'"),
     "tensors": (list, bool, "a list of tensor entries"),
     "bundle_bytes": (int, lambda v: v > 0, "a positive integer"),
     "bundle_stride": (int, lambda v: v > 0, "a positive integer"),
-    "file": (str, lambda v: bool(v) and "/" not in v and v not in (".", ".."),
-             "a file name beside the index"),
+    "file": (
+        str,
+        lambda v: bool(v) and "/" not in v and v not in (".", ".."),
+        "a file name beside the index",
+    ),
     "file_size": (int, lambda v: v >= 0, "a byte count"),
     "alignment": (int, lambda v: v > 0, "a positive integer"),
     "source": (dict, lambda v: True, "an object"),
-    "crc32": (list, lambda v: all(isinstance(r, list) and
-                                  all(type_ok(c, int) and 0 <= c < 2**32 for c in r) for r in v),
-              "a list of rows of 32-bit checksums"),
+    "crc32": (
+        list,
+        lambda v: all(
+            isinstance(r, list) and all(type_ok(c, int) and 0 <= c < 2**32 for c in r)
+            for r in v
+        ),
+        "a list of rows of 32-bit checksums",
+    ),
     "format": (str, bool, "'edge0-experts'"),
     "format_version": (int, bool, "an integer"),
 }
-_REQUIRED = ("model_type", "num_experts", "moe_layers", "module_path", "bits", "group_size",
-             "mode", "tensors", "bundle_bytes", "bundle_stride")
+_REQUIRED = (
+    "model_type",
+    "num_experts",
+    "moe_layers",
+    "module_path",
+    "bits",
+    "group_size",
+    "mode",
+    "tensors",
+    "bundle_bytes",
+    "bundle_stride",
+)
 
 
 def check_index_fields(data: dict, path) -> None:
@@ -225,26 +287,48 @@ def check_index_fields(data: dict, path) -> None:
         raise CheckpointError(f"{path}: unknown field(s) {unknown}; {RECONVERT}")
     for key in _REQUIRED:
         if key not in data:
-            raise CheckpointError(f"{path}: required field {key!r} is missing; {RECONVERT}")
+            raise CheckpointError(
+                f"{path}: required field {key!r} is missing; {RECONVERT}"
+            )
     for key, value in data.items():
         kind, ok, want = _FIELDS[key]
         good = type_ok(value, int) if kind is int else isinstance(value, kind)
         if not good or not ok(value):
-            raise CheckpointError(f"{path}: field {key!r} is {_short(value)}; it must be {want}; "
-                                  f"{RECONVERT}")
+            raise CheckpointError(
+                f"{path}: field {key!r} is {_short(value)}; it must be {want}; "
+                f"{RECONVERT}"
+            )
     for i, t in enumerate(data["tensors"]):
-        if not isinstance(t, dict) or set(t) != {"name", "shape", "dtype", "offset", "nbytes"}:
-            raise CheckpointError(f"{path}: tensors[{i}] must be an object with name, shape, "
-                                  f"dtype, offset, nbytes; {RECONVERT}")
+        if not isinstance(t, dict) or set(t) != {
+            "name",
+            "shape",
+            "dtype",
+            "offset",
+            "nbytes",
+        }:
+            raise CheckpointError(
+                f"{path}: tensors[{i}] must be an object with name, shape, "
+                f"dtype, offset, nbytes; {RECONVERT}"
+            )
         if not isinstance(t["dtype"], str) or t["dtype"] not in _NP_DTYPES:
-            raise CheckpointError(f"{path}: tensors[{i}] ({t['name']!r}) has dtype "
-                                  f"{_short(t['dtype'])}; known: {', '.join(_NP_DTYPES)}")
-        if not (isinstance(t["name"], str) and isinstance(t["shape"], list) and t["shape"]
-                and all(type_ok(d, int) and d > 0 for d in t["shape"])
-                and type_ok(t["offset"], int) and t["offset"] >= 0
-                and type_ok(t["nbytes"], int) and t["nbytes"] > 0):
-            raise CheckpointError(f"{path}: tensors[{i}] has a bad name, shape, offset or nbytes "
-                                  f"({_short(t)}); {RECONVERT}")
+            raise CheckpointError(
+                f"{path}: tensors[{i}] ({t['name']!r}) has dtype "
+                f"{_short(t['dtype'])}; known: {', '.join(_NP_DTYPES)}"
+            )
+        if not (
+            isinstance(t["name"], str)
+            and isinstance(t["shape"], list)
+            and t["shape"]
+            and all(type_ok(d, int) and d > 0 for d in t["shape"])
+            and type_ok(t["offset"], int)
+            and t["offset"] >= 0
+            and type_ok(t["nbytes"], int)
+            and t["nbytes"] > 0
+        ):
+            raise CheckpointError(
+                f"{path}: tensors[{i}] has a bad name, shape, offset or nbytes "
+                f"({_short(t)}); {RECONVERT}"
+            )
 
 
 def _short(value) -> str:
@@ -255,52 +339,76 @@ def _short(value) -> str:
 def _check_quant(index: "ExpertIndex", where) -> None:
     """Bits/group/mode MLX can serve, and tensor shapes/dtypes that follow from them."""
     if index.mode not in QUANT_MODES:
-        raise CheckpointError(f"{where}: mode {index.mode!r} is not supported (supported: "
-                              f"{', '.join(QUANT_MODES)}); {RECONVERT}")
+        raise CheckpointError(
+            f"{where}: mode {index.mode!r} is not supported (supported: "
+            f"{', '.join(QUANT_MODES)}); {RECONVERT}"
+        )
     bits, groups = QUANT_MODES[index.mode]
     if index.bits not in bits or index.group_size not in groups:
-        raise CheckpointError(f"{where}: bits {index.bits} / group_size {index.group_size} are "
-                              f"not supported by {index.mode} (bits {bits}, groups {groups}); "
-                              f"{RECONVERT}")
+        raise CheckpointError(
+            f"{where}: bits {index.bits} / group_size {index.group_size} are "
+            f"not supported by {index.mode} (bits {bits}, groups {groups}); "
+            f"{RECONVERT}"
+        )
     specs = {t.name: t for t in index.tensors}
     halves = set()
     for proj in PROJECTIONS:
         w, s, b = (specs[f"{proj}.{p}"] for p in PARTS)
         if w.dtype != "uint32":
-            raise CheckpointError(f"{where}: {w.name} is {w.dtype}; packed weights are uint32")
-        if len(w.shape) != 2 or s.shape != b.shape or len(s.shape) != 2 or \
-                s.shape[0] != w.shape[0] or \
-                w.shape[1] * 32 != s.shape[1] * index.group_size * index.bits:
+            raise CheckpointError(
+                f"{where}: {w.name} is {w.dtype}; packed weights are uint32"
+            )
+        if (
+            len(w.shape) != 2
+            or s.shape != b.shape
+            or len(s.shape) != 2
+            or s.shape[0] != w.shape[0]
+            or w.shape[1] * 32 != s.shape[1] * index.group_size * index.bits
+        ):
             raise CheckpointError(
                 f"{where}: {proj} shapes weight {w.shape} / scales {s.shape} / biases {b.shape} "
-                f"do not fit {index.bits}-bit groups of {index.group_size}; {RECONVERT}")
+                f"do not fit {index.bits}-bit groups of {index.group_size}; {RECONVERT}"
+            )
         for spec in (s, b):
             if spec.dtype not in _HALF:
-                raise CheckpointError(f"{where}: {spec.name} is {spec.dtype}; scales and biases "
-                                      f"are one of {', '.join(_HALF)}")
+                raise CheckpointError(
+                    f"{where}: {spec.name} is {spec.dtype}; scales and biases "
+                    f"are one of {', '.join(_HALF)}"
+                )
             halves.add(spec.dtype)
     if len(halves) > 1:
-        raise CheckpointError(f"{where}: scales/biases mix dtypes {sorted(halves)}; a conversion "
-                              f"writes one; {RECONVERT}")
+        raise CheckpointError(
+            f"{where}: scales/biases mix dtypes {sorted(halves)}; a conversion "
+            f"writes one; {RECONVERT}"
+        )
     gate, up, down = (specs[f"{p}.weight"] for p in PROJECTIONS)
     if gate.shape != up.shape:
-        raise CheckpointError(f"{where}: gate_proj {gate.shape} and up_proj {up.shape} differ")
+        raise CheckpointError(
+            f"{where}: gate_proj {gate.shape} and up_proj {up.shape} differ"
+        )
     inter = gate.shape[0]
     hidden = gate.shape[1] * 32 // index.bits
     if down.shape[0] != hidden or down.shape[1] * 32 // index.bits != inter:
-        raise CheckpointError(f"{where}: down_proj {down.shape} does not map the experts' "
-                              f"{inter} features back to {hidden}; {RECONVERT}")
+        raise CheckpointError(
+            f"{where}: down_proj {down.shape} does not map the experts' "
+            f"{inter} features back to {hidden}; {RECONVERT}"
+        )
 
 
-def make_tensor_specs(shapes: dict[str, tuple[list[int], str]]) -> tuple[list[TensorSpec], int]:
+def make_tensor_specs(
+    shapes: dict[str, tuple[list[int], str]],
+) -> tuple[list[TensorSpec], int]:
     """Lay out the bundle tensors in TENSOR_ORDER, each 64-byte aligned. Returns specs, bytes."""
     specs, offset = [], 0
     for name in TENSOR_ORDER:
         shape, dtype = shapes[name]
         nbytes = int(np.prod(shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
         offset = align(offset, 64)
-        specs.append(TensorSpec(name=name, shape=list(shape), dtype=dtype, offset=offset,
-                                nbytes=nbytes))
+        specs.append(
+            TensorSpec(
+                name=name, shape=list(shape), dtype=dtype, offset=offset, nbytes=nbytes
+            )
+        )
         offset += nbytes
     return specs, offset
 
@@ -316,7 +424,7 @@ def pack_bundle(index: ExpertIndex, arrays: dict[str, np.ndarray]) -> bytes:
                 f"tensor {spec.name}: shape {list(arr.shape)} / {raw.size} bytes does not match "
                 f"the index ({spec.shape} / {spec.nbytes})"
             )
-        buf[spec.offset: spec.offset + spec.nbytes] = raw.tobytes()
+        buf[spec.offset : spec.offset + spec.nbytes] = raw.tobytes()
     return bytes(buf)
 
 
@@ -325,7 +433,8 @@ def unpack_bundle(index: ExpertIndex, buf) -> dict[str, np.ndarray]:
     mem = memoryview(buf)
     out = {}
     for spec in index.tensors:
-        view = np.frombuffer(mem[spec.offset: spec.offset + spec.nbytes],
-                             dtype=_NP_DTYPES[spec.dtype])
+        view = np.frombuffer(
+            mem[spec.offset : spec.offset + spec.nbytes], dtype=_NP_DTYPES[spec.dtype]
+        )
         out[spec.name] = view.reshape(spec.shape)
     return out

@@ -22,8 +22,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 # -- the directory -----------------------------------------------------------------------------
 
-def open_model_dir(directory: str | Path, family_for: FamilyLookup
-                   ) -> tuple[dict, ModelFamily, ExpertIndex]:
+
+def open_model_dir(
+    directory: str | Path, family_for: FamilyLookup
+) -> tuple[dict, ModelFamily, ExpertIndex]:
     """config.json, its family and the expert index of a converted model, checked against each
     other (model type, expert count, bundle shapes, MoE block path): (config, family, index)."""
     directory = Path(directory)
@@ -31,18 +33,23 @@ def open_model_dir(directory: str | Path, family_for: FamilyLookup
     family = family_for(config, str(directory / "config.json"))
     index = ExpertIndex.load(directory)
     if index.model_type != config["model_type"]:
-        raise CheckpointError(f"{directory / INDEX_NAME}: index is for {index.model_type!r} but "
-                              f"config.json says {config['model_type']!r}; {RECONVERT}")
+        raise CheckpointError(
+            f"{directory / INDEX_NAME}: index is for {index.model_type!r} but "
+            f"config.json says {config['model_type']!r}; {RECONVERT}"
+        )
     num_experts = family.num_experts(config)
     if index.num_experts != num_experts:
-        raise CheckpointError(f"{directory / INDEX_NAME}: index has {index.num_experts} experts, "
-                              f"config.json {num_experts}; {RECONVERT}")
+        raise CheckpointError(
+            f"{directory / INDEX_NAME}: index has {index.num_experts} experts, "
+            f"config.json {num_experts}; {RECONVERT}"
+        )
     check_index_model(index, config, family, directory)
     return config, family, index
 
 
-def check_model_dir(directory: str | Path, family_for: FamilyLookup,
-                    verify_crc: bool = True) -> None:
+def check_model_dir(
+    directory: str | Path, family_for: FamilyLookup, verify_crc: bool = True
+) -> None:
     """What Engine.load checks before reading weights, without loading any (a preflight).
 
     config.json, the expert index against the expert file's size and the config, CRCs present
@@ -51,14 +58,17 @@ def check_model_dir(directory: str | Path, family_for: FamilyLookup,
     directory = Path(directory)
     config, family, index = open_model_dir(directory, family_for)
     if verify_crc and not index.crc32:
-        raise CheckpointError(f"{directory / INDEX_NAME} records no crc32 checksums; "
-                              f"{RECONVERT}, or opt out with verify_crc=False")
+        raise CheckpointError(
+            f"{directory / INDEX_NAME} records no crc32 checksums; "
+            f"{RECONVERT}, or opt out with verify_crc=False"
+        )
     check_resident(directory / RESIDENT_NAME, index)
     _check_tokenizer_files(directory)
 
 
-def check_index_model(index: ExpertIndex, config: dict, family: ModelFamily,
-                      directory: str | Path) -> None:
+def check_index_model(
+    index: ExpertIndex, config: dict, family: ModelFamily, directory: str | Path
+) -> None:
     """The expert index's bundle shapes against the model config.json describes."""
     text = family.text_config(config)
     where = Path(directory) / INDEX_NAME
@@ -68,19 +78,26 @@ def check_index_model(index: ExpertIndex, config: dict, family: ModelFamily,
     for key, got in want.items():
         value = text.get(key)
         if isinstance(value, int) and value != got:
-            raise CheckpointError(f"{where}: expert bundles imply {key}={got} but config.json says "
-                                  f"{value}; the index belongs to another model, {RECONVERT}")
+            raise CheckpointError(
+                f"{where}: expert bundles imply {key}={got} but config.json says "
+                f"{value}; the index belongs to another model, {RECONVERT}"
+            )
     n_layers = text.get("num_hidden_layers")
     if isinstance(n_layers, int) and max(index.moe_layers) >= n_layers:
-        raise CheckpointError(f"{where}: moe_layers {index.moe_layers} go past the model's "
-                              f"{n_layers} layers; {RECONVERT}")
+        raise CheckpointError(
+            f"{where}: moe_layers {index.moe_layers} go past the model's "
+            f"{n_layers} layers; {RECONVERT}"
+        )
     if index.module_path != f"{family.module_path}.switch_mlp":
-        raise CheckpointError(f"{where}: module_path {index.module_path!r} is not "
-                              f"{family.module_path + '.switch_mlp'!r} of a {family.name} model; "
-                              f"{RECONVERT}")
+        raise CheckpointError(
+            f"{where}: module_path {index.module_path!r} is not "
+            f"{family.module_path + '.switch_mlp'!r} of a {family.name} model; "
+            f"{RECONVERT}"
+        )
 
 
 # -- resident weights --------------------------------------------------------------------------
+
 
 def check_resident(path: str | Path, index=None) -> dict:
     """The resident safetensors header, checked before MLX reads any of it.
@@ -97,36 +114,49 @@ def check_resident(path: str | Path, index=None) -> dict:
     scale_codes, halves = {}, {}
     for name, (code, _, _, _) in tensors.items():
         if code not in ST_FLOAT and code != "U32":
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {code}; resident weights "
-                                  f"are F16/BF16/F32 or packed U32; {RECONVERT}")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {code}; resident weights "
+                f"are F16/BF16/F32 or packed U32; {RECONVERT}"
+            )
         if code in ("F16", "BF16"):
             halves.setdefault(code, name)
         if name.endswith(".scales"):
             base = name[: -len(".scales")]
             for part in ("weight", "biases"):
                 if f"{base}.{part}" not in tensors:
-                    raise CheckpointError(f"{path}: quantized module {base!r} has scales but no "
-                                          f"{part!r}; the file is incomplete, {RECONVERT}")
+                    raise CheckpointError(
+                        f"{path}: quantized module {base!r} has scales but no "
+                        f"{part!r}; the file is incomplete, {RECONVERT}"
+                    )
             if tensors[f"{base}.weight"][0] != "U32":
-                raise CheckpointError(f"{path}: {base}.weight is {tensors[f'{base}.weight'][0]}"
-                                      f", but a quantized weight is packed U32; {RECONVERT}")
+                raise CheckpointError(
+                    f"{path}: {base}.weight is {tensors[f'{base}.weight'][0]}"
+                    f", but a quantized weight is packed U32; {RECONVERT}"
+                )
             scale_codes.setdefault(code, name)
         elif code == "U32":
-            if not name.endswith(".weight") or \
-                    f"{name[:-len('.weight')]}.scales" not in tensors:
-                raise CheckpointError(f"{path}: {name} is packed U32 but has no "
-                                      f"quantization scales beside it; {RECONVERT}")
+            if (
+                not name.endswith(".weight")
+                or f"{name[: -len('.weight')]}.scales" not in tensors
+            ):
+                raise CheckpointError(
+                    f"{path}: {name} is packed U32 but has no "
+                    f"quantization scales beside it; {RECONVERT}"
+                )
     if len(halves) > 1:
-        raise CheckpointError(f"{path}: mixes half dtypes ({halves.get('F16')!r} is F16, "
-                              f"{halves.get('BF16')!r} is BF16); a converted model uses one, so "
-                              f"the header is corrupt; {RECONVERT}")
+        raise CheckpointError(
+            f"{path}: mixes half dtypes ({halves.get('F16')!r} is F16, "
+            f"{halves.get('BF16')!r} is BF16); a converted model uses one, so "
+            f"the header is corrupt; {RECONVERT}"
+        )
     if index is not None and scale_codes:
         half = ST_FLOAT[next(iter(scale_codes))]
         for spec in index.tensors:
             if spec.name.endswith((".scales", ".biases")) and spec.dtype != half:
                 raise CheckpointError(
                     f"{path}: resident scales are {half} but experts.index.json says "
-                    f"{spec.name} is {spec.dtype}; one of the two files is wrong, {RECONVERT}")
+                    f"{spec.name} is {spec.dtype}; one of the two files is wrong, {RECONVERT}"
+                )
     return tensors
 
 
@@ -136,15 +166,24 @@ def load_resident(path: Path) -> dict:
         raise CheckpointError(f"{path} not found; re-run `edge0-eval convert`")
     try:
         return mx.load(str(path))
-    except Exception as exc:  # MLX raises RuntimeError/ValueError for truncated headers or data
-        raise CheckpointError(f"{path} is unreadable ({exc}); the file is truncated or corrupt, "
-                              f"re-run `edge0-eval convert`") from None
+    except (
+        Exception
+    ) as exc:  # MLX raises RuntimeError/ValueError for truncated headers or data
+        raise CheckpointError(
+            f"{path} is unreadable ({exc}); the file is truncated or corrupt, "
+            f"re-run `edge0-eval convert`"
+        ) from None
 
 
 def check_resident_names(model, weights: dict, path: Path) -> None:
     """The resident weights are exactly the model's non-expert parameters, with their shapes."""
-    expected = {k for k, _ in tree_flatten(model.parameters()) if ".switch_mlp.glu." not in k}
-    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    expected = {
+        k for k, _ in tree_flatten(model.parameters()) if ".switch_mlp.glu." not in k
+    }
+    missing, unexpected = (
+        sorted(expected - set(weights)),
+        sorted(set(weights) - expected),
+    )
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match the model built from config.json: "
@@ -154,11 +193,14 @@ def check_resident_names(model, weights: dict, path: Path) -> None:
     params = dict(tree_flatten(model.parameters()))
     for name, value in weights.items():
         if params[name].shape != value.shape:
-            raise CheckpointError(f"{path}: {name} has shape {value.shape}, the model expects "
-                                  f"{params[name].shape}; re-run convert")
+            raise CheckpointError(
+                f"{path}: {name} has shape {value.shape}, the model expects "
+                f"{params[name].shape}; re-run convert"
+            )
 
 
 # -- tokenizer ---------------------------------------------------------------------------------
+
 
 def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size=None):
     """mlx-lm's tokenizer for `directory`, refusing the silent fallbacks.
@@ -171,34 +213,51 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
     _check_tokenizer_files(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (directory / name).is_file():
-            read_json_file(directory / name, name, "copy it again from the source checkpoint")
+            read_json_file(
+                directory / name, name, "copy it again from the source checkpoint"
+            )
     try:
         tokenizer = load_tokenizer(directory, eos_token_ids=eos_token_ids)
-    except Exception as exc:  # transformers/tokenizers raise many types for corrupt files
-        raise CheckpointError(f"{directory}: the tokenizer files do not load ({type(exc).__name__}"
-                              f": {str(exc)[:200]}); copy them again from the source "
-                              f"checkpoint") from None
+    except (
+        Exception
+    ) as exc:  # transformers/tokenizers raise many types for corrupt files
+        raise CheckpointError(
+            f"{directory}: the tokenizer files do not load ({type(exc).__name__}"
+            f": {str(exc)[:200]}); copy them again from the source "
+            f"checkpoint"
+        ) from None
     n = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else None
     if n is not None and n < 8:
-        raise CheckpointError(f"{directory}: the tokenizer has only {n} tokens; its files are "
-                              f"incomplete, copy them again from the source checkpoint")
+        raise CheckpointError(
+            f"{directory}: the tokenizer has only {n} tokens; its files are "
+            f"incomplete, copy them again from the source checkpoint"
+        )
     if n is not None and vocab_size is not None and n > vocab_size + 1024:
-        raise CheckpointError(f"{directory}: the tokenizer has {n} tokens but the model's "
-                              f"vocab_size is {vocab_size}; the tokenizer belongs to another model")
+        raise CheckpointError(
+            f"{directory}: the tokenizer has {n} tokens but the model's "
+            f"vocab_size is {vocab_size}; the tokenizer belongs to another model"
+        )
     if getattr(tokenizer, "chat_template", None):
         try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-                                          add_generation_prompt=True, tokenize=False)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
         except Exception as exc:
-            raise CheckpointError(f"{directory}: the chat template does not render "
-                                  f"({type(exc).__name__}: {str(exc)[:200]}); fix "
-                                  f"tokenizer_config.json / chat_template.jinja or copy them "
-                                  f"again from the source checkpoint") from None
+            raise CheckpointError(
+                f"{directory}: the chat template does not render "
+                f"({type(exc).__name__}: {str(exc)[:200]}); fix "
+                f"tokenizer_config.json / chat_template.jinja or copy them "
+                f"again from the source checkpoint"
+            ) from None
     return tokenizer
 
 
 def _check_tokenizer_files(directory: Path) -> None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise CheckpointError(f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
-                              f"the source checkpoint's tokenizer files into it or "
-                              f"{RECONVERT}")
+        raise CheckpointError(
+            f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
+            f"the source checkpoint's tokenizer files into it or "
+            f"{RECONVERT}"
+        )

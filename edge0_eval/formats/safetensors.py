@@ -14,8 +14,23 @@ from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.json_files import json_name, no_constant, type_ok
 
 # safetensors dtype codes -> bytes per element (the format's full list).
-ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+ST_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
 ST_FLOAT = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 # A header larger than this is not a weights header (safetensors itself caps it at 100 MB).
 _MAX_HEADER = 100 * 2**20
@@ -35,8 +50,9 @@ def write_safetensors(path: str | Path, arrays: dict, metadata: dict) -> Path:
     return path
 
 
-def read_safetensors_header(path: str | Path, what: str, fix: str
-                            ) -> tuple[dict[str, tuple[str, list[int], int, int]], dict[str, str]]:
+def read_safetensors_header(
+    path: str | Path, what: str, fix: str
+) -> tuple[dict[str, tuple[str, list[int], int, int]], dict[str, str]]:
     """({name: (dtype code, shape, begin, end)}, metadata) of a safetensors file.
 
     Checks what the format defines: the 8-byte little-endian header length within the file, a
@@ -45,9 +61,13 @@ def read_safetensors_header(path: str | Path, what: str, fix: str
     contiguous without overlap and ending exactly at the file's end.
     """
     path = Path(path)
+
     def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path}: {what} is truncated or corrupt, not a valid "
-                               f"safetensors file ({why}); {fix}")
+        return CheckpointError(
+            f"{path}: {what} is truncated or corrupt, not a valid "
+            f"safetensors file ({why}); {fix}"
+        )
+
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -56,14 +76,20 @@ def read_safetensors_header(path: str | Path, what: str, fix: str
                 raise bad("shorter than the 8-byte header length")
             n = int.from_bytes(head, "little")
             if n < 2 or n > size - 8 or n > _MAX_HEADER:
-                raise bad(f"header length {n} does not fit the file's {size} bytes (truncated?)")
+                raise bad(
+                    f"header length {n} does not fit the file's {size} bytes (truncated?)"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found; {fix}") from None
     except IsADirectoryError:
-        raise CheckpointError(f"{path}: {what} is a directory, not a file; {fix}") from None
+        raise CheckpointError(
+            f"{path}: {what} is a directory, not a file; {fix}"
+        ) from None
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read {what} ({exc.strerror}); {fix}") from None
+        raise CheckpointError(
+            f"{path}: cannot read {what} ({exc.strerror}); {fix}"
+        ) from None
     try:
         header = json.loads(raw.decode("utf-8").rstrip(" "), parse_constant=no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -73,32 +99,48 @@ def read_safetensors_header(path: str | Path, what: str, fix: str
     meta = header.pop("__metadata__", None)
     if meta is None:
         meta = {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in meta.items()):
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
         raise bad("__metadata__ must be an object of string values")
     tensors, spans = {}, []
     for name, info in header.items():
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"tensor {name!r} entry must hold exactly dtype, shape, data_offsets")
+        if not isinstance(info, dict) or set(info) != {
+            "dtype",
+            "shape",
+            "data_offsets",
+        }:
+            raise bad(
+                f"tensor {name!r} entry must hold exactly dtype, shape, data_offsets"
+            )
         code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if code not in ST_ITEMSIZE:
             raise bad(f"tensor {name!r} has dtype {code!r}, not a safetensors dtype")
-        if not isinstance(shape, list) or not all(type_ok(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            type_ok(d, int) and d >= 0 for d in shape
+        ):
             raise bad(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
-        if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(type_ok(o, int) and o >= 0 for o in offsets)):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type_ok(o, int) and o >= 0 for o in offsets)
+        ):
             raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
         begin, end = offsets
         numel = math.prod(shape)
         if end - begin != numel * ST_ITEMSIZE[code]:
-            raise bad(f"tensor {name!r}: data_offsets {begin}..{end} do not hold {code} {shape}")
+            raise bad(
+                f"tensor {name!r}: data_offsets {begin}..{end} do not hold {code} {shape}"
+            )
         tensors[name] = (code, list(shape), begin, end)
         spans.append((begin, end, name))
     pos = 0
     for begin, end, name in sorted(spans):
         if begin != pos:
-            raise bad(f"tensor {name!r} starts at {begin}, expected {pos} "
-                      f"({'overlap' if begin < pos else 'gap'})")
+            raise bad(
+                f"tensor {name!r} starts at {begin}, expected {pos} "
+                f"({'overlap' if begin < pos else 'gap'})"
+            )
         pos = end
     if 8 + n + pos != size:
         raise bad(f"tensors end at byte {8 + n + pos} but the file has {size} bytes")

@@ -37,54 +37,95 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge0_eval.engine.sampling_options import PENALTIES, PENALTY_KEYS, check_filters, \
-    check_penalties
+from edge0_eval.engine.sampling_options import (
+    PENALTIES,
+    PENALTY_KEYS,
+    check_filters,
+    check_penalties,
+)
 from edge0_eval.errors import ConfigError
 
-ROLES = ('system', 'user', 'assistant')
-MAX_CONTEXT_SIZE = 2**31 - 1           # MLX reads a *_context_size as int32 (std::bad_cast above)
+ROLES = ("system", "user", "assistant")
+MAX_CONTEXT_SIZE = (
+    2**31 - 1
+)  # MLX reads a *_context_size as int32 (std::bad_cast above)
 # A row's most tokens (prompt and answer) when neither --max-model-len nor the model's config
 # (max_position_embeddings) gives one.
 DEFAULT_MAX_MODEL_LEN = 32768
-MAX_TOP_LOGPROBS = {'chat': 20, 'completion': 5}
-COMMON = ('model', 'max_tokens', 'max_completion_tokens', 'temperature', 'top_p', 'top_k',
-          'min_p', *PENALTY_KEYS, 'stop', 'seed', 'edge0_sample', 'edge0_max_seq_len',
-          'logprobs', 'stream', 'stream_options', 'n', 'user')
-FIELDS = {'chat': COMMON + ('messages', 'top_logprobs', 'chat_template_kwargs'),
-          'completion': COMMON + ('prompt', 'best_of', 'echo')}
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}
+COMMON = (
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    *PENALTY_KEYS,
+    "stop",
+    "seed",
+    "edge0_sample",
+    "edge0_max_seq_len",
+    "logprobs",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+)
+FIELDS = {
+    "chat": COMMON + ("messages", "top_logprobs", "chat_template_kwargs"),
+    "completion": COMMON + ("prompt", "best_of", "echo"),
+}
 
 
 # OpenAI's error code for a request beyond the context, which clients test for.
-CONTEXT_EXCEEDED = 'context_length_exceeded'
+CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
 class RequestError(Exception):
     """A request the server refuses: an OpenAI error object with this status."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = 'invalid_request_error', code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind, self.code = (message, param, status,
-                                                                       kind, code)
+        self.message, self.param, self.status, self.kind, self.code = (
+            message,
+            param,
+            status,
+            kind,
+            code,
+        )
 
     def body(self) -> dict:
-        return {'error': {'message': self.message, 'type': self.kind, 'param': self.param,
-                          'code': self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 @dataclass
 class RequestSpec:
-    kind: str                          # 'chat' | 'completion'
+    kind: str  # 'chat' | 'completion'
     model: str
-    prompt: Any                        # chat: the messages; completion: str | list[int]
+    prompt: Any  # chat: the messages; completion: str | list[int]
     max_tokens: int
-    sampling: dict                     # RowSampler's keyword arguments
+    sampling: dict  # RowSampler's keyword arguments
     seed: int
     sample: int
     stop: list[str] = field(default_factory=list)
     max_seq_len: int | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
-    logprobs: int | None = None        # None: none; k >= 0: the token's and the top k
+    logprobs: int | None = None  # None: none; k >= 0: the token's and the top k
     stream: bool = False
     include_usage: bool = False
 
@@ -93,10 +134,14 @@ def _whole(body: dict, key: str, low: int, high: int | None = None) -> int | Non
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value > high):
-        span = f'>= {low}' if high is None else f'in {low}..{high}'
-        raise RequestError(f'{key} must be a whole number {span}, not {value!r}', key)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise RequestError(f"{key} must be a whole number {span}, not {value!r}", key)
     return value
 
 
@@ -104,15 +149,19 @@ def _number(body: dict, key: str) -> float | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f'{key} must be a finite number, not {value!r}', key)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+    ):
+        raise RequestError(f"{key} must be a finite number, not {value!r}", key)
     return value
 
 
 def _flag(body: dict, key: str) -> bool | None:
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
-        raise RequestError(f'{key} must be true or false, not {value!r}', key)
+        raise RequestError(f"{key} must be true or false, not {value!r}", key)
     return value
 
 
@@ -124,160 +173,248 @@ def _checked(check, key: str, *args):
 
 
 def _messages(body: dict) -> list[dict]:
-    messages = body.get('messages')
+    messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError('messages must be a non-empty list of {role, content} objects',
-                           'messages')
+        raise RequestError(
+            "messages must be a non-empty list of {role, content} objects", "messages"
+        )
     out = []
     for i, msg in enumerate(messages):
-        where = f'messages[{i}]'
+        where = f"messages[{i}]"
         if not isinstance(msg, dict):
-            raise RequestError(f'{where} must be an object with role and content', where)
-        role, content = msg.get('role'), msg.get('content')
+            raise RequestError(
+                f"{where} must be an object with role and content", where
+            )
+        role, content = msg.get("role"), msg.get("content")
         if role not in ROLES:
-            raise RequestError(f'{where}.role must be one of {", ".join(ROLES)}, not {role!r}',
-                               f'{where}.role')
+            raise RequestError(
+                f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}",
+                f"{where}.role",
+            )
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get('type') == 'text'
-                        and isinstance(part.get('text'), str)):
-                    raise RequestError(f'{where}.content[{j}] must be a text part '
-                                       f'{{"type": "text", "text": ...}} (this server reads '
-                                       f'text only)', f'{where}.content[{j}]')
-                parts.append(part['text'])
-            content = ''.join(parts)
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise RequestError(
+                        f"{where}.content[{j}] must be a text part "
+                        f'{{"type": "text", "text": ...}} (this server reads '
+                        f"text only)",
+                        f"{where}.content[{j}]",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
         if not isinstance(content, str):
-            raise RequestError(f'{where}.content must be a string or a list of text parts, '
-                               f'not {type(content).__name__}', f'{where}.content')
-        out.append({'role': role, 'content': content})
+            raise RequestError(
+                f"{where}.content must be a string or a list of text parts, "
+                f"not {type(content).__name__}",
+                f"{where}.content",
+            )
+        out.append({"role": role, "content": content})
     return out
 
 
 def _prompt(body: dict, vocab: int) -> str | list[int]:
-    prompt = body.get('prompt')
+    prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+            for t in prompt
+        )
+    ):
         return list(prompt)
-    raise RequestError(f'prompt must be a non-empty string or a non-empty list of token ids '
-                       f'in 0..{vocab - 1} (one prompt per request)', 'prompt')
+    raise RequestError(
+        f"prompt must be a non-empty string or a non-empty list of token ids "
+        f"in 0..{vocab - 1} (one prompt per request)",
+        "prompt",
+    )
 
 
 def _stop(body: dict) -> list[str]:
-    stop = body.get('stop')
+    stop = body.get("stop")
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError('stop must be a non-empty string or a list of them', 'stop')
+        raise RequestError("stop must be a non-empty string or a list of them", "stop")
     for s in stops:
         try:
-            s.encode('utf-8')           # the tokenizer takes UTF-8 text only
+            s.encode("utf-8")  # the tokenizer takes UTF-8 text only
         except UnicodeEncodeError as exc:
-            raise RequestError(f'stop {s!r} is not UTF-8 text ({exc.reason} at character '
-                               f'{exc.start}: a lone surrogate escape); send whole characters',
-                               'stop') from None
+            raise RequestError(
+                f"stop {s!r} is not UTF-8 text ({exc.reason} at character "
+                f"{exc.start}: a lone surrogate escape); send whole characters",
+                "stop",
+            ) from None
     return list(dict.fromkeys(stops))
 
 
 def _sampling(body: dict, vocab: int) -> dict:
-    temperature = _number(body, 'temperature')
+    temperature = _number(body, "temperature")
     if temperature is not None and temperature < 0:
-        raise RequestError(f'temperature must be >= 0 (0: greedy), not {temperature!r}',
-                           'temperature')
-    top_p = _number(body, 'top_p')
+        raise RequestError(
+            f"temperature must be >= 0 (0: greedy), not {temperature!r}", "temperature"
+        )
+    top_p = _number(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
-        raise RequestError(f'top_p must be a number in (0, 1] (1: off), not {top_p!r}', 'top_p')
-    top_k = body.get('top_k')
+        raise RequestError(
+            f"top_p must be a number in (0, 1] (1: off), not {top_p!r}", "top_p"
+        )
+    top_k = body.get("top_k")
     if top_k is not None:
-        _checked(check_filters, 'top_k', top_k, 0.0)
-        if top_k >= vocab and temperature:  # mlx-lm's apply_top_k takes 0 < k < vocab only
-            raise RequestError(f'top_k must be below the vocabulary size {vocab} (0: off), not '
-                               f'{top_k}', 'top_k')
-    min_p = body.get('min_p')
+        _checked(check_filters, "top_k", top_k, 0.0)
+        if (
+            top_k >= vocab and temperature
+        ):  # mlx-lm's apply_top_k takes 0 < k < vocab only
+            raise RequestError(
+                f"top_k must be below the vocabulary size {vocab} (0: off), not "
+                f"{top_k}",
+                "top_k",
+            )
+    min_p = body.get("min_p")
     if min_p is not None:
-        _checked(check_filters, 'min_p', 0, min_p)
+        _checked(check_filters, "min_p", 0, min_p)
     penalties = {k: body[k] for k in PENALTY_KEYS if body.get(k) is not None}
     for key, value in penalties.items():
         if key in PENALTIES:
             _checked(check_penalties, key, {key: value})
     for key, value in penalties.items():
-        if key not in PENALTIES:           # a context size: its penalty must be set too
-            penalty = key.replace('context_size', 'penalty')
-            _checked(check_penalties, key, {key: value, penalty: penalties.get(penalty)})
+        if key not in PENALTIES:  # a context size: its penalty must be set too
+            penalty = key.replace("context_size", "penalty")
+            _checked(
+                check_penalties, key, {key: value, penalty: penalties.get(penalty)}
+            )
             if value > MAX_CONTEXT_SIZE:
-                raise RequestError(f'{key} must be at most {MAX_CONTEXT_SIZE} (the recent '
-                                   f'tokens the penalty looks at), not {value}', key)
-    return dict(temperature=float(temperature or 0.0),
-                top_p=float(1.0 if top_p is None else top_p), top_k=int(top_k or 0),
-                min_p=float(min_p or 0.0), penalties=penalties)
+                raise RequestError(
+                    f"{key} must be at most {MAX_CONTEXT_SIZE} (the recent "
+                    f"tokens the penalty looks at), not {value}",
+                    key,
+                )
+    return dict(
+        temperature=float(temperature or 0.0),
+        top_p=float(1.0 if top_p is None else top_p),
+        top_k=int(top_k or 0),
+        min_p=float(min_p or 0.0),
+        penalties=penalties,
+    )
 
 
-def parse_request(body: Any, kind: str, *, served: str, vocab: int, default_max_tokens: int,
-                  default_seed: int, max_model_len: int | None = None) -> RequestSpec:
+def parse_request(
+    body: Any,
+    kind: str,
+    *,
+    served: str,
+    vocab: int,
+    default_max_tokens: int,
+    default_seed: int,
+    max_model_len: int | None = None,
+) -> RequestSpec:
     """A request body of `kind` ('chat' or 'completion') -> its RequestSpec. max_model_len:
     the most tokens a row may hold, prompt and answer (None: no bound)."""
     if not isinstance(body, dict):
-        raise RequestError('the request body must be a JSON object')
+        raise RequestError("the request body must be a JSON object")
     unknown = sorted(k for k in body if k not in FIELDS[kind])
     if unknown:
-        raise RequestError(f'unsupported field(s) {", ".join(unknown)}; this server takes '
-                           f'{", ".join(FIELDS[kind])}', unknown[0])
-    model = body.get('model')
+        raise RequestError(
+            f"unsupported field(s) {', '.join(unknown)}; this server takes "
+            f"{', '.join(FIELDS[kind])}",
+            unknown[0],
+        )
+    model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise RequestError(f'model is required: the served model is {served!r}', 'model')
+        raise RequestError(
+            f"model is required: the served model is {served!r}", "model"
+        )
     if model != served:
-        raise RequestError(f'model {model!r} is not served here; this server serves {served!r}',
-                           'model', status=404, code='model_not_found')
-    for key in ('n', 'best_of'):
-        if body.get(key) is not None and (isinstance(body[key], bool) or body[key] != 1):
-            raise RequestError(f'{key} must be 1 (one choice per request), not {body[key]!r}',
-                               key)
-    if kind == 'completion':
-        if body.get('echo'):
-            raise RequestError('echo must be false (the prompt is not returned)', 'echo')
-    if body.get('user') is not None and not isinstance(body['user'], str):
-        raise RequestError('user must be a string', 'user')
-    key = 'max_completion_tokens' if body.get('max_completion_tokens') is not None else \
-        'max_tokens'
+        raise RequestError(
+            f"model {model!r} is not served here; this server serves {served!r}",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+    for key in ("n", "best_of"):
+        if body.get(key) is not None and (
+            isinstance(body[key], bool) or body[key] != 1
+        ):
+            raise RequestError(
+                f"{key} must be 1 (one choice per request), not {body[key]!r}", key
+            )
+    if kind == "completion":
+        if body.get("echo"):
+            raise RequestError(
+                "echo must be false (the prompt is not returned)", "echo"
+            )
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user must be a string", "user")
+    key = (
+        "max_completion_tokens"
+        if body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
     max_tokens = _whole(body, key, 1)
-    if max_tokens is not None and max_model_len is not None and max_tokens >= max_model_len:
+    if (
+        max_tokens is not None
+        and max_model_len is not None
+        and max_tokens >= max_model_len
+    ):
         # Equal leaves no room for a prompt (one token at least).
-        raise RequestError(f'{key} is {max_tokens}, leaving no room for a prompt in the '
-                           f'{max_model_len} tokens a row may hold on this server, prompt '
-                           f'included (--max-model-len); ask for fewer', key,
-                           code=CONTEXT_EXCEEDED)
-    seed = _whole(body, 'seed', 0)
-    stream = bool(_flag(body, 'stream'))
-    options = body.get('stream_options')
-    if options is not None and not (isinstance(options, dict) and set(options) <= {
-            'include_usage'} and isinstance(options.get('include_usage', False), bool)):
-        raise RequestError('stream_options must be {"include_usage": true|false}',
-                           'stream_options')
+        raise RequestError(
+            f"{key} is {max_tokens}, leaving no room for a prompt in the "
+            f"{max_model_len} tokens a row may hold on this server, prompt "
+            f"included (--max-model-len); ask for fewer",
+            key,
+            code=CONTEXT_EXCEEDED,
+        )
+    seed = _whole(body, "seed", 0)
+    stream = bool(_flag(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None and not (
+        isinstance(options, dict)
+        and set(options) <= {"include_usage"}
+        and isinstance(options.get("include_usage", False), bool)
+    ):
+        raise RequestError(
+            'stream_options must be {"include_usage": true|false}', "stream_options"
+        )
     if options is not None and not stream:
-        raise RequestError('stream_options is only for stream: true', 'stream_options')
-    if kind == 'chat':
+        raise RequestError("stream_options is only for stream: true", "stream_options")
+    if kind == "chat":
         prompt = _messages(body)
-        want = _flag(body, 'logprobs')
-        top = _whole(body, 'top_logprobs', 0, MAX_TOP_LOGPROBS['chat'])
+        want = _flag(body, "logprobs")
+        top = _whole(body, "top_logprobs", 0, MAX_TOP_LOGPROBS["chat"])
         if top is not None and not want:
-            raise RequestError('top_logprobs needs logprobs: true', 'top_logprobs')
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (top or 0) if want else None
-        template = body.get('chat_template_kwargs')
+        template = body.get("chat_template_kwargs")
         if template is not None and not isinstance(template, dict):
-            raise RequestError('chat_template_kwargs must be an object, e.g. '
-                               '{"enable_thinking": false}', 'chat_template_kwargs')
+            raise RequestError(
+                "chat_template_kwargs must be an object, e.g. "
+                '{"enable_thinking": false}',
+                "chat_template_kwargs",
+            )
     else:
         prompt = _prompt(body, vocab)
-        logprobs = _whole(body, 'logprobs', 0, MAX_TOP_LOGPROBS['completion'])
+        logprobs = _whole(body, "logprobs", 0, MAX_TOP_LOGPROBS["completion"])
         template = None
     return RequestSpec(
-        kind=kind, model=model, prompt=prompt,
+        kind=kind,
+        model=model,
+        prompt=prompt,
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        sampling=_sampling(body, vocab), seed=default_seed if seed is None else seed,
-        sample=_whole(body, 'edge0_sample', 0) or 0, stop=_stop(body),
-        max_seq_len=_whole(body, 'edge0_max_seq_len', 1),
-        chat_template_kwargs=dict(template or {}), logprobs=logprobs, stream=stream,
-        include_usage=bool(options and options.get('include_usage')))
+        sampling=_sampling(body, vocab),
+        seed=default_seed if seed is None else seed,
+        sample=_whole(body, "edge0_sample", 0) or 0,
+        stop=_stop(body),
+        max_seq_len=_whole(body, "edge0_max_seq_len", 1),
+        chat_template_kwargs=dict(template or {}),
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=bool(options and options.get("include_usage")),
+    )

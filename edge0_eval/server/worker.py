@@ -27,13 +27,25 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from edge0_eval.chat_rows import (IncrementalText, RowStop, chat_ids, fit_prompt, row_seed,
-                                  sample_stats, stop_token_ids, trim_at_stop)
+from edge0_eval.chat_rows import (
+    IncrementalText,
+    RowStop,
+    chat_ids,
+    fit_prompt,
+    row_seed,
+    sample_stats,
+    stop_token_ids,
+    trim_at_stop,
+)
 from edge0_eval.engine.batch import BatchDecoder
 from edge0_eval.engine.engine import decode_figures
 from edge0_eval.engine.mlx_compat import wired_limit
-from edge0_eval.server.requests import (CONTEXT_EXCEEDED, DEFAULT_MAX_MODEL_LEN, RequestError,
-                                        RequestSpec)
+from edge0_eval.server.requests import (
+    CONTEXT_EXCEEDED,
+    DEFAULT_MAX_MODEL_LEN,
+    RequestError,
+    RequestSpec,
+)
 
 log = logging.getLogger("edge0_eval.server")
 
@@ -41,11 +53,11 @@ log = logging.getLogger("edge0_eval.server")
 @dataclass
 class Finished:
     text: str
-    finish_reason: str                # 'stop' | 'length' (OpenAI's)
+    finish_reason: str  # 'stop' | 'length' (OpenAI's)
     prompt_tokens: int
     tokens: list[int]
-    logprobs: list                    # per output token: its chat API logprobs entry
-    stats: dict                       # the sample's stats (chat_rows.sample_stats and more)
+    logprobs: list  # per output token: its chat API logprobs entry
+    stats: dict  # the sample's stats (chat_rows.sample_stats and more)
 
 
 @dataclass(eq=False)
@@ -58,7 +70,7 @@ class Job:
     stop: RowStop | None = None
     stream: "TextStream | None" = None
     seed: int = 0
-    seen: int = 0                     # row tokens taken so far
+    seen: int = 0  # row tokens taken so far
     logprobs: list = field(default_factory=list)
 
 
@@ -70,14 +82,16 @@ class TextStream:
     holds, and what follows it. The hold applies after a first stop word too: a longer one
     completing in a later token can start before it, and the answer is cut at the earliest."""
 
-    def __init__(self, tokenizer, stop_words: list[str], reader: IncrementalText | None = None):
+    def __init__(
+        self, tokenizer, stop_words: list[str], reader: IncrementalText | None = None
+    ):
         """reader: the row's stop rule's (RowStop.reader), fed by the rule; None: its own."""
         self.stop_words = list(stop_words)
         self.hold = max((len(w) for w in stop_words), default=1) - 1
         self.own = reader is None
         self.reader = IncrementalText(tokenizer) if reader is None else reader
-        self.searched = 0                    # characters of the text seen by the last add
-        self.cut: int | None = None          # where the earliest stop word in it starts
+        self.searched = 0  # characters of the text seen by the last add
+        self.cut: int | None = None  # where the earliest stop word in it starts
         self.sent = 0
 
     @property
@@ -94,30 +108,39 @@ class TextStream:
             # it; one wholly in the older text was found already.
             start = max(0, seen - self.hold)
             hits = [i for w in self.stop_words if (i := self.text.find(w, start)) >= 0]
-            self.cut = min(hits + ([] if self.cut is None else [self.cut]), default=None)
+            self.cut = min(
+                hits + ([] if self.cut is None else [self.cut]), default=None
+            )
         end = len(self.text) - self.hold
         end = max(self.sent, end if self.cut is None else min(end, self.cut))
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out
 
     def finish(self, final: str) -> str:
         """The rest of `final` (the whole answer, trimmed at its stop word)."""
-        if not final.startswith(self.text[:self.sent]):
+        if not final.startswith(self.text[: self.sent]):
             log.warning("streamed text is not a prefix of the decoded answer")
-        return final[self.sent:]
+        return final[self.sent :]
 
 
 def model_context(engine) -> int | None:
     """The model's context length from its config (max_position_embeddings), if it gives one."""
     limit = engine.family.text_config(engine.config).get("max_position_embeddings")
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 \
+    return (
+        limit
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
         else None
+    )
 
 
 def stopped_error() -> RequestError:
-    return RequestError("the engine thread has stopped (its error is in the server's log); "
-                        "this server answers no more requests: restart it", status=503,
-                        kind="server_error", code="engine_stopped")
+    return RequestError(
+        "the engine thread has stopped (its error is in the server's log); "
+        "this server answers no more requests: restart it",
+        status=503,
+        kind="server_error",
+        code="engine_stopped",
+    )
 
 
 def finish_reason(stop: RowStop) -> str:
@@ -131,16 +154,23 @@ class Worker(threading.Thread):
     prompt and answer (None: the model's context, max_position_embeddings, once loaded;
     DEFAULT_MAX_MODEL_LEN if its config gives none)."""
 
-    def __init__(self, load: Callable[[], object], *, rows_at_once: int, identity: dict,
-                 name: str, max_model_len: int | None = None):
+    def __init__(
+        self,
+        load: Callable[[], object],
+        *,
+        rows_at_once: int,
+        identity: dict,
+        name: str,
+        max_model_len: int | None = None,
+    ):
         super().__init__(name="edge0-engine", daemon=True)
         self._load, self.rows_at_once = load, rows_at_once
         self.max_model_len = max_model_len
         self.identity, self.served_name = identity, name
         self.engine = self.tokenizer = self.decoder = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.jobs: dict = {}                  # row -> job
-        self.counts = Counter()               # served, failed, cancelled, refused
+        self.jobs: dict = {}  # row -> job
+        self.counts = Counter()  # served, failed, cancelled, refused
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         # Once the thread is leaving nothing reads the inbox: `stopped`, set under the lock
@@ -172,10 +202,12 @@ class Worker(threading.Thread):
     def load(self) -> dict:
         """Rows decoding and waiting, and the counts (read without a lock: a snapshot)."""
         decoder = self.decoder
-        return {"rows": len(decoder.active) if decoder else 0,
-                "waiting": len(decoder.waiting) if decoder else 0,
-                "rows_at_once": self.rows_at_once,
-                **{k: self.counts[k] for k in ("served", "failed", "cancelled", "refused")}}
+        return {
+            "rows": len(decoder.active) if decoder else 0,
+            "waiting": len(decoder.waiting) if decoder else 0,
+            "rows_at_once": self.rows_at_once,
+            **{k: self.counts[k] for k in ("served", "failed", "cancelled", "refused")},
+        }
 
     # -- the thread ------------------------------------------------------------------------
     def run(self) -> None:
@@ -187,15 +219,17 @@ class Worker(threading.Thread):
             if self.max_model_len is None:
                 self.max_model_len = model_context(self.engine) or DEFAULT_MAX_MODEL_LEN
             self._serve()
-        except BaseException as exc:         # noqa: BLE001 - raised by start_engine, or told
-            error = exc                      # to every request still waiting (_leave)
+        except BaseException as exc:  # noqa: BLE001 - raised by start_engine, or told
+            error = exc  # to every request still waiting (_leave)
             if self.ready.is_set():
-                log.exception("the engine thread failed; every request is refused from now on")
-            else:                            # the load, or entering the batch pool
+                log.exception(
+                    "the engine thread failed; every request is refused from now on"
+                )
+            else:  # the load, or entering the batch pool
                 self.load_error = exc
         finally:
             self._leave(error)
-            self.ready.set()                 # after load_error: start_engine reads it
+            self.ready.set()  # after load_error: start_engine reads it
             if self.engine is not None:
                 self.engine.close()
 
@@ -204,7 +238,9 @@ class Worker(threading.Thread):
         decoding or waiting for a row and those still queued (later ones: `submit`)."""
         with self._lock:
             self.stopped = True
-        reason = error or RuntimeError("the server stopped before this answer was complete")
+        reason = error or RuntimeError(
+            "the server stopped before this answer was complete"
+        )
         for job in list(self.jobs.values()):
             self._fail(job, reason)
         while True:
@@ -223,7 +259,7 @@ class Worker(threading.Thread):
                     continue
                 try:
                     touched = self.decoder.step()
-                except Exception as exc:     # noqa: BLE001 - a fault outside a step: start over
+                except Exception as exc:  # noqa: BLE001 - a fault outside a step: start over
                     log.exception("batch decoder failed")
                     self._restart(exc)
                     continue
@@ -236,7 +272,7 @@ class Worker(threading.Thread):
         """A fault in one job's handling fails that job (500), never the thread."""
         try:
             call(job, *args)
-        except Exception as exc:             # noqa: BLE001 - answered, and logged
+        except Exception as exc:  # noqa: BLE001 - answered, and logged
             log.exception("request handling failed")
             if job.row is not None and not job.row.done:
                 self.decoder.cancel(job.row)
@@ -274,17 +310,23 @@ class Worker(threading.Thread):
             if spec.kind == "chat":
                 ids = chat_ids(tok, spec.prompt, spec.chat_template_kwargs)
             elif isinstance(spec.prompt, str):
-                ids = list(tok.encode(spec.prompt))   # as mlx-lm's server encodes a prompt
+                ids = list(
+                    tok.encode(spec.prompt)
+                )  # as mlx-lm's server encodes a prompt
             else:
                 ids = list(spec.prompt)
-        except Exception as exc:             # noqa: BLE001 - the template refused the messages
+        except Exception as exc:  # noqa: BLE001 - the template refused the messages
             self.counts["refused"] += 1
             if spec.kind == "chat":
-                param = "chat_template_kwargs" if spec.chat_template_kwargs else "messages"
+                param = (
+                    "chat_template_kwargs" if spec.chat_template_kwargs else "messages"
+                )
                 what = "the chat template refused the request"
             else:
                 param, what = "prompt", "the tokenizer refused the prompt"
-            job.post(("error", RequestError(f"{what}: {type(exc).__name__}: {exc}", param)))
+            job.post(
+                ("error", RequestError(f"{what}: {type(exc).__name__}: {exc}", param))
+            )
             return
         if spec.max_seq_len is not None:
             ids = fit_prompt(ids, spec.max_seq_len, spec.max_tokens)
@@ -295,20 +337,35 @@ class Worker(threading.Thread):
         if len(ids) + spec.max_tokens > self.max_model_len:
             self.counts["refused"] += 1
             param = "messages" if spec.kind == "chat" else "prompt"
-            job.post(("error", RequestError(
-                f"the prompt ({param}) is {len(ids)} tokens and max_tokens {spec.max_tokens}: "
-                f"{len(ids) + spec.max_tokens} in all, more than the {self.max_model_len} a row "
-                f"may hold on this server (--max-model-len); shorten the prompt, ask for fewer "
-                f"tokens, or give edge0_max_seq_len to cut the prompt", param,
-                code=CONTEXT_EXCEEDED)))
+            job.post(
+                (
+                    "error",
+                    RequestError(
+                        f"the prompt ({param}) is {len(ids)} tokens and max_tokens {spec.max_tokens}: "
+                        f"{len(ids) + spec.max_tokens} in all, more than the {self.max_model_len} a row "
+                        f"may hold on this server (--max-model-len); shorten the prompt, ask for fewer "
+                        f"tokens, or give edge0_max_seq_len to cut the prompt",
+                        param,
+                        code=CONTEXT_EXCEEDED,
+                    ),
+                )
+            )
             return
         stop_ids = stop_token_ids(tok, spec.stop)
         job.seed = row_seed(spec.seed, ids, spec.sample)
         job.stop = RowStop(tok, spec.max_tokens, stop_ids, spec.stop)
-        job.stream = TextStream(tok, spec.stop, job.stop.reader) if spec.stream else None
-        job.row = self.decoder.add(id(job), ids, max_tokens=spec.max_tokens, stop=stop_ids,
-                                   seed=job.seed, sampling=spec.sampling,
-                                   top_logprobs=spec.logprobs)
+        job.stream = (
+            TextStream(tok, spec.stop, job.stop.reader) if spec.stream else None
+        )
+        job.row = self.decoder.add(
+            id(job),
+            ids,
+            max_tokens=spec.max_tokens,
+            stop=stop_ids,
+            seed=job.seed,
+            sampling=spec.sampling,
+            top_logprobs=spec.logprobs,
+        )
         self.jobs[job.row] = job
 
     def _advance(self, job: Job, row) -> None:
@@ -318,8 +375,12 @@ class Worker(threading.Thread):
             return
         if job.seen == 0:
             job.post(("started", len(row.prompt)))
-        new = row.tokens[job.seen:]
-        entries = row.logprobs[job.seen:] if job.spec.logprobs is not None else [None] * len(new)
+        new = row.tokens[job.seen :]
+        entries = (
+            row.logprobs[job.seen :]
+            if job.spec.logprobs is not None
+            else [None] * len(new)
+        )
         job.seen = len(row.tokens)
         text, logprobs, ended = "", [], False
         for token, entry in zip(new, entries):
@@ -334,7 +395,7 @@ class Worker(threading.Thread):
         job.logprobs += logprobs
         if ended or row.done:
             if not row.done:
-                self.decoder.cancel(row)     # a stop word: leave before the next step
+                self.decoder.cancel(row)  # a stop word: leave before the next step
             self._finish(job, row, logprobs)
         elif job.stream is not None and (text or logprobs):
             job.post(("delta", text, logprobs))
@@ -350,41 +411,73 @@ class Worker(threading.Thread):
             if rest or logprobs:
                 job.post(("delta", rest, logprobs))
         self.counts["served"] += 1
-        job.post(("done", Finished(text, finish_reason(stop), len(row.prompt), stop.tokens,
-                                   job.logprobs, self._stats(job, row, hit))))
+        job.post(
+            (
+                "done",
+                Finished(
+                    text,
+                    finish_reason(stop),
+                    len(row.prompt),
+                    stop.tokens,
+                    job.logprobs,
+                    self._stats(job, row, hit),
+                ),
+            )
+        )
 
     def _logprob_entry(self, token: int, logprob: float, top: list) -> dict:
         """One output token's logprobs, as the chat API writes them (plus mlx-lm's `id`)."""
+
         def one(t: int, lp: float) -> dict:
             text = self.tokenizer.decode([t])
             return {"id": t, "token": text, "logprob": lp, "bytes": list(text.encode())}
+
         return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 
     def _fail(self, job: Job, exc: Exception) -> None:
         self.jobs.pop(job.row, None)
         self.counts["failed"] += 1
         log.error("request failed in the engine: %s: %s", type(exc).__name__, exc)
-        job.post(("error", RequestError(
-            f"the engine failed while generating this answer ({type(exc).__name__}: {exc}); "
-            f"no partial answer is returned", status=500, kind="server_error",
-            code="engine_error")))
+        job.post(
+            (
+                "error",
+                RequestError(
+                    f"the engine failed while generating this answer ({type(exc).__name__}: {exc}); "
+                    f"no partial answer is returned",
+                    status=500,
+                    kind="server_error",
+                    code="engine_error",
+                ),
+            )
+        )
 
     def _stats(self, job: Job, row, stop_word: str | None) -> dict:
         """The sample's stats, as an in-process student sample's (chat_rows.sample_stats): the
         engine's figures, with the row's own prefill and the decode steps it took part in
         (shared with its batch mates: bytes_read, blocked_load_s and the pool figures)."""
         pre, dec = row.prefill, row.decode
-        stats = {**self.engine.stats(), **BatchDecoder.row_stats(row),
-                 **decode_figures(dec, row.steps, row.step_tokens),
-                 "bytes_read": pre.get("bytes", 0) + dec["bytes"],
-                 "reads": pre.get("reads", 0) + dec["reads"],
-                 "blocked_load_s": pre.get("blocked", 0.0) + dec["blocked"],
-                 "batch_mean_rows_per_step": row.step_tokens / row.steps if row.steps else 1.0}
+        stats = {
+            **self.engine.stats(),
+            **BatchDecoder.row_stats(row),
+            **decode_figures(dec, row.steps, row.step_tokens),
+            "bytes_read": pre.get("bytes", 0) + dec["bytes"],
+            "reads": pre.get("reads", 0) + dec["reads"],
+            "blocked_load_s": pre.get("blocked", 0.0) + dec["blocked"],
+            "batch_mean_rows_per_step": row.step_tokens / row.steps
+            if row.steps
+            else 1.0,
+        }
         wall = time.perf_counter() - job.submitted
-        return {"prompt_tokens": len(row.prompt), "tokens": len(job.stop.tokens),
-                "wall_s": round(wall, 4),
-                "queue_s": round(max(0.0, wall - row.prefill_s - row.decode_wall_s), 4),
-                "stop_word": stop_word, "seed": job.seed, "sample": job.spec.sample,
-                "batch_size": self.decoder.rows_at_once,
-                **sample_stats(stats, job.stop.finish, "not evicted"),
-                "model_identity": self.identity, "served_model": self.served_name}
+        return {
+            "prompt_tokens": len(row.prompt),
+            "tokens": len(job.stop.tokens),
+            "wall_s": round(wall, 4),
+            "queue_s": round(max(0.0, wall - row.prefill_s - row.decode_wall_s), 4),
+            "stop_word": stop_word,
+            "seed": job.seed,
+            "sample": job.spec.sample,
+            "batch_size": self.decoder.rows_at_once,
+            **sample_stats(stats, job.stop.finish, "not evicted"),
+            "model_identity": self.identity,
+            "served_model": self.served_name,
+        }

@@ -18,11 +18,11 @@ class Example:
 
 @dataclass
 class Batch:
-    tokens: np.ndarray        # [B, L] model input (sequence without its last token)
-    targets: np.ndarray       # [B, L] next token
-    valid: np.ndarray         # [B, L] real positions
-    loss_mask: np.ndarray     # [B, L] positions that predict a completion token
-    n_true: np.ndarray        # [B] positions routed with the true router (the prompt)
+    tokens: np.ndarray  # [B, L] model input (sequence without its last token)
+    targets: np.ndarray  # [B, L] next token
+    valid: np.ndarray  # [B, L] real positions
+    loss_mask: np.ndarray  # [B, L] positions that predict a completion token
+    n_true: np.ndarray  # [B] positions routed with the true router (the prompt)
 
     @property
     def n_loss(self) -> int:
@@ -50,7 +50,7 @@ def collate(examples: list[Example], pad_id: int = 0) -> Batch:
         tokens[i, :n] = s[:-1]
         targets[i, :n] = s[1:]
         valid[i, :n] = True
-        loss_mask[i, len(e.prompt) - 1: n] = True
+        loss_mask[i, len(e.prompt) - 1 : n] = True
     n_true = np.array([len(e.prompt) for e in examples])
     return Batch(tokens, targets, valid, loss_mask, n_true)
 

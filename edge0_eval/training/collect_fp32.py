@@ -34,9 +34,14 @@ CHECK_TOKENS = 384
 
 
 def _dequantized(module) -> mx.array:
-    return mx.dequantize(module.weight, module.scales, module.get("biases"),
-                         group_size=module.group_size, bits=module.bits,
-                         mode=getattr(module, "mode", "affine")).astype(mx.float32)
+    return mx.dequantize(
+        module.weight,
+        module.scales,
+        module.get("biases"),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=getattr(module, "mode", "affine"),
+    ).astype(mx.float32)
 
 
 def dequantize_model(model: nn.Module) -> int:
@@ -58,9 +63,10 @@ def dequantize_model(model: nn.Module) -> int:
             embedding.weight = weight
             replaced.append((path, embedding))
         elif isinstance(module, QuantizedSwitchLinear):
-            weight = _dequantized(module)                      # [experts, out, in]
-            switch = SwitchLinear(weight.shape[2], weight.shape[1], weight.shape[0],
-                                  bias="bias" in module)
+            weight = _dequantized(module)  # [experts, out, in]
+            switch = SwitchLinear(
+                weight.shape[2], weight.shape[1], weight.shape[0], bias="bias" in module
+            )
             switch.weight = weight
             if "bias" in module:
                 switch.bias = module.bias.astype(mx.float32)
@@ -80,8 +86,9 @@ def load_float32(model_dir, served: EngineOptions) -> Engine:
     return engine
 
 
-def run_documents(engine: Engine, docs: list[list[int]]
-                  ) -> tuple[list[np.ndarray], list[np.ndarray], float]:
+def run_documents(
+    engine: Engine, docs: list[list[int]]
+) -> tuple[list[np.ndarray], list[np.ndarray], float]:
     """Every MoE layer's input [T, M, H] and executed top-K [T, M, K] over `docs`, and the
     tokens per second of the forward passes."""
     moe = list(engine.moe_layers)
@@ -95,9 +102,13 @@ def run_documents(engine: Engine, docs: list[list[int]]
         for d, doc in enumerate(docs):
             cache = engine.new_cache()
             for s in range(0, len(doc), chunk):
-                piece = doc[s: s + chunk]
-                engine.step(mx.array(piece)[None], cache, plan_next=False,
-                            where=f"collecting document {d}")
+                piece = doc[s : s + chunk]
+                engine.step(
+                    mx.array(piece)[None],
+                    cache,
+                    plan_next=False,
+                    where=f"collecting document {d}",
+                )
                 h = mx.stack([b.last[0][0] for b in blocks], 1)
                 ind = mx.stack([b.last[1][0] for b in blocks], 1)
                 mx.eval(h, ind)
@@ -113,12 +124,16 @@ def run_documents(engine: Engine, docs: list[list[int]]
 
 def set_agreement(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per layer, mean |a & b| / K over tokens; a, b [T, M, K] expert ids."""
-    hit = (a[..., :, None] == b[..., None, :]).any(axis=-1)     # [T, M, K]
+    hit = (a[..., :, None] == b[..., None, :]).any(axis=-1)  # [T, M, K]
     return hit.mean(axis=(0, 2))
 
 
-def compare(served: tuple, fast: tuple, moe_layers: list[int],
-            min_agreement: float = MIN_AGREEMENT) -> dict:
+def compare(
+    served: tuple,
+    fast: tuple,
+    moe_layers: list[int],
+    min_agreement: float = MIN_AGREEMENT,
+) -> dict:
     """The check's figures from `run_documents` of both paths; `ok` when every layer agrees."""
     h_s, i_s = np.concatenate(served[0]), np.concatenate(served[1])
     h_f, i_f = np.concatenate(fast[0]), np.concatenate(fast[1])
@@ -126,28 +141,42 @@ def compare(served: tuple, fast: tuple, moe_layers: list[int],
     diff = np.abs(h_f - h_s).max(axis=(0, 2))
     scale = np.abs(h_s).max(axis=(0, 2))
     worst = int(np.argmin(agree))
-    return {"tokens": int(len(i_s)), "min_agreement": min_agreement,
-            "agreement": [float(v) for v in agree], "mean_agreement": float(agree.mean()),
-            "worst_layer": moe_layers[worst], "worst_agreement": float(agree[worst]),
-            "feature_max_abs_diff": [float(v) for v in diff],
-            "feature_max_rel_diff": float((diff / np.maximum(scale, 1e-12)).max()),
-            "served_tok_s": served[2], "float32_tok_s": fast[2],
-            "ok": bool(agree.min() >= min_agreement)}
+    return {
+        "tokens": int(len(i_s)),
+        "min_agreement": min_agreement,
+        "agreement": [float(v) for v in agree],
+        "mean_agreement": float(agree.mean()),
+        "worst_layer": moe_layers[worst],
+        "worst_agreement": float(agree[worst]),
+        "feature_max_abs_diff": [float(v) for v in diff],
+        "feature_max_rel_diff": float((diff / np.maximum(scale, 1e-12)).max()),
+        "served_tok_s": served[2],
+        "float32_tok_s": fast[2],
+        "ok": bool(agree.min() >= min_agreement),
+    }
 
 
-def check_float32(model_dir, served_options: EngineOptions, fast: Engine,
-                  docs: list[list[int]], min_agreement: float = MIN_AGREEMENT) -> dict:
+def check_float32(
+    model_dir,
+    served_options: EngineOptions,
+    fast: Engine,
+    docs: list[list[int]],
+    min_agreement: float = MIN_AGREEMENT,
+) -> dict:
     """Run the served path and `fast` on `docs`; raise CheckpointError when they disagree."""
     served = Engine.load(model_dir, served_options)
     try:
         ref = run_documents(served, docs)
     finally:
         served.close()
-    result = compare(ref, run_documents(fast, docs), list(fast.moe_layers), min_agreement)
+    result = compare(
+        ref, run_documents(fast, docs), list(fast.moe_layers), min_agreement
+    )
     if not result["ok"]:
         raise CheckpointError(
             f"{model_dir}: the float32 collector routes layer {result['worst_layer']} like the "
             f"served int4 path on only {result['worst_agreement']:.3f} of top-K slots over "
             f"{result['tokens']} tokens (required {min_agreement}); collect with --collect "
-            f"served")
+            f"served"
+        )
     return result

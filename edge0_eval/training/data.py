@@ -33,6 +33,7 @@ def _read(p: str | Path, what: str) -> tuple[Path, str]:
 
 # -- stages 2 and 3: prompts -----------------------------------------------------------------------
 
+
 def read_prompts(paths: list[str], what: str = "--prompts") -> list[str]:
     """Prompts from text files (one per non-empty line) and .jsonl files (field "prompt")."""
     prompts = []
@@ -41,15 +42,19 @@ def read_prompts(paths: list[str], what: str = "--prompts") -> list[str]:
         if path.suffix.lower() == ".jsonl":
             for lineno, record in iter_jsonl(path, raw):
                 if not isinstance(record.get("prompt"), str):
-                    raise ConfigError(f"{path}:{lineno}: needs a string field \"prompt\" "
-                                      f"(got {sorted(record)})")
+                    raise ConfigError(
+                        f'{path}:{lineno}: needs a string field "prompt" '
+                        f"(got {sorted(record)})"
+                    )
                 if record["prompt"].strip():
                     prompts.append(record["prompt"])
         else:
             prompts.extend(line for line in raw.splitlines() if line.strip())
     if not prompts:
-        raise ConfigError(f"{what} {' '.join(paths)}: the prompt set is empty (text files: one "
-                          f"prompt per non-empty line; .jsonl: a \"prompt\" field per line)")
+        raise ConfigError(
+            f"{what} {' '.join(paths)}: the prompt set is empty (text files: one "
+            f'prompt per non-empty line; .jsonl: a "prompt" field per line)'
+        )
     return prompts
 
 
@@ -57,7 +62,9 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """The prompt as one user turn in the chat template, encoded like the OpenCompass wrappers."""
     messages = [{"role": "user", "content": prompt}]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(prompt))
 
@@ -65,14 +72,17 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
 def split_prompts(n: int, heldout: float, seed: int) -> tuple[list[int], list[int]]:
     """(train ids, held-out ids): a seeded shuffle, at least one each."""
     if n < 2:
-        raise ConfigError(f"need at least 2 prompts to hold some out (got {n}); add prompts or "
-                          f"give --eval-prompts")
+        raise ConfigError(
+            f"need at least 2 prompts to hold some out (got {n}); add prompts or "
+            f"give --eval-prompts"
+        )
     order = np.random.default_rng([seed, 7]).permutation(n).tolist()
     n_hold = min(n - 1, max(1, round(heldout * n)))
     return sorted(order[n_hold:]), sorted(order[:n_hold])
 
 
 # -- stage 1: documents ----------------------------------------------------------------------------
+
 
 @dataclass
 class Document:
@@ -92,18 +102,25 @@ def read_documents(paths: list[str]) -> list[Document]:
         for lineno, record in iter_jsonl(path, raw):
             if isinstance(record.get("text"), str):
                 text = record["text"]
-            elif isinstance(record.get("prompt"), str) or isinstance(record.get("completion"), str):
-                text = str(record.get("prompt") or "") + str(record.get("completion") or "")
+            elif isinstance(record.get("prompt"), str) or isinstance(
+                record.get("completion"), str
+            ):
+                text = str(record.get("prompt") or "") + str(
+                    record.get("completion") or ""
+                )
             else:
-                raise ConfigError(f"{path}:{lineno}: no string field \"text\" (or \"prompt\"/"
-                                  f"\"completion\"); keys are {sorted(record)}")
+                raise ConfigError(
+                    f'{path}:{lineno}: no string field "text" (or "prompt"/'
+                    f'"completion"); keys are {sorted(record)}'
+                )
             if text.strip():
                 docs.append(Document(f"{path}:{lineno}", text))
     return docs
 
 
-def tokenize_documents(tokenizer, docs: list[Document], max_tokens: int, max_doc_tokens: int
-                       ) -> list[tuple[str, list[int]]]:
+def tokenize_documents(
+    tokenizer, docs: list[Document], max_tokens: int, max_doc_tokens: int
+) -> list[tuple[str, list[int]]]:
     """(name, ids) of each document of 2+ tokens: at most max_doc_tokens each, max_tokens in all."""
     out, budget = [], max_tokens
     for doc in docs:
@@ -124,12 +141,14 @@ def encode_prefix(tokenizer, text: str, n: int) -> list[int]:
         if chars >= len(text):
             return list(tokenizer.encode(text))[:n]
         toks = list(tokenizer.encode(text[:chars]))
-        if len(toks) > n + 32:   # tokens near the cut may differ from a full encoding
+        if len(toks) > n + 32:  # tokens near the cut may differ from a full encoding
             return toks[:n]
         chars *= 2
 
 
-def split_documents(n_docs: int, holdout: float, seed: int) -> tuple[list[int], list[int]]:
+def split_documents(
+    n_docs: int, holdout: float, seed: int
+) -> tuple[list[int], list[int]]:
     """(train doc ids, held-out doc ids): a seeded shuffle, at least one document each."""
     order = list(range(n_docs))
     random.Random(seed).shuffle(order)
@@ -137,7 +156,9 @@ def split_documents(n_docs: int, holdout: float, seed: int) -> tuple[list[int], 
     return sorted(order[n_hold:]), sorted(order[:n_hold])
 
 
-def subset_documents(ids: list[int], lengths: list[int], max_tokens: int, seed: int) -> list[int]:
+def subset_documents(
+    ids: list[int], lengths: list[int], max_tokens: int, seed: int
+) -> list[int]:
     """A seeded random subset of documents `ids` holding about `max_tokens` tokens (whole
     documents, the last one that crosses the limit included), sorted; for learning curves."""
     order = list(ids)

@@ -26,7 +26,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.training.batches import Example, batch_indices, collate, fit, stable_seed
+from edge0_eval.training.batches import (
+    Example,
+    batch_indices,
+    collate,
+    fit,
+    stable_seed,
+)
 from edge0_eval.training.losses import bucket_kl, teacher_topk
 from edge0_eval.training.options import StageOptions
 from edge0_eval.training.stage import StageImpl, command, run_stage
@@ -44,8 +50,10 @@ class Distill(StageImpl):
     def prepare(self, setup, data) -> None:
         self.prompts = [p for p in setup.train_prompts if len(p) < self.opts.seq_len]
         if not self.prompts:
-            raise ConfigError(f"every training prompt is at least --seq-len {self.opts.seq_len} "
-                              f"tokens long; raise --seq-len")
+            raise ConfigError(
+                f"every training prompt is at least --seq-len {self.opts.seq_len} "
+                f"tokens long; raise --seq-len"
+            )
         self.pad = int(getattr(setup.tokenizer, "pad_token_id", None) or 0)
 
     def batch(self, setup, step: int):
@@ -59,8 +67,13 @@ class Distill(StageImpl):
                 prompt = self.prompts[i]
                 engine.options.seed = stable_seed(o.seed, "sample", step, row)
                 budget = max(1, min(o.max_new_tokens, o.seq_len - len(prompt)))
-                result = engine.generate(prompt, budget, temperature=o.temperature,
-                                         top_p=o.top_p, stop_token_ids=setup.stop_ids)
+                result = engine.generate(
+                    prompt,
+                    budget,
+                    temperature=o.temperature,
+                    top_p=o.top_p,
+                    stop_token_ids=setup.stop_ids,
+                )
                 examples.append(fit(Example(prompt, list(result.tokens)), o.seq_len))
         finally:
             engine.options.seed = seed
@@ -71,16 +84,23 @@ class Distill(StageImpl):
 
     def loss_fn(self, logits, rows, batch, aux):
         r = mx.array(rows)
-        per = bucket_kl(logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], "reverse")
+        per = bucket_kl(
+            logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], "reverse"
+        )
         return (per * mx.array(batch.loss_mask[rows])).sum()
 
     def report_extra(self, opts: StageOptions) -> dict:
-        return {"kl_topk": opts.kl_topk, "temperature": opts.temperature, "top_p": opts.top_p,
-                "samples": "student, served path, seeded per (seed, step, row)"}
+        return {
+            "kl_topk": opts.kl_topk,
+            "temperature": opts.temperature,
+            "top_p": opts.top_p,
+            "samples": "student, served path, seeded per (seed, step, row)",
+        }
 
 
-def distill(opts: StageOptions, stop_after: int | None = None,
-            kill_after: int | None = None) -> dict:
+def distill(
+    opts: StageOptions, stop_after: int | None = None, kill_after: int | None = None
+) -> dict:
     return run_stage(opts, Distill, stop_after, kill_after)
 
 

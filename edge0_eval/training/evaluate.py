@@ -23,8 +23,8 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from edge0_eval.formats.adapters import read_adapter_file
 from edge0_eval.engine.lora import lora_modules
+from edge0_eval.formats.adapters import read_adapter_file
 from edge0_eval.training.batches import Example, collate
 from edge0_eval.training.state import report_paths, write_json
 from edge0_eval.training.teacher import teacher_log_probs
@@ -35,15 +35,20 @@ def _set_variant(model, arrays: dict | None, saved_scales: dict) -> None:
     modules = lora_modules(model)
     if arrays is None:
         for m in modules.values():
-            m.scale = 0.0                    # the LoRA path adds exactly zero: the base model
+            m.scale = 0.0  # the LoRA path adds exactly zero: the base model
         return
     for p, m in modules.items():
         m.scale = saved_scales[p]
     set_lora_state(model, arrays)
 
 
-def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
-             batch_size: int = 4, progress: bool = False) -> dict:
+def evaluate(
+    setup,
+    examples: list[Example],
+    variants: dict[str, dict | None],
+    batch_size: int = 4,
+    progress: bool = False,
+) -> dict:
     """{variant: {kl, top1, nll, tokens, prompts}} over `examples` (see module docstring)."""
     model = setup.engine.model
     path = setup.path
@@ -53,8 +58,12 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
     sums = {name: np.zeros(3) for name in variants}
     n_tokens = 0
     try:
-        chunks = [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
-        for chunk in tqdm(chunks, desc="held-out eval", unit="batch", disable=not progress):
+        chunks = [
+            examples[i : i + batch_size] for i in range(0, len(examples), batch_size)
+        ]
+        for chunk in tqdm(
+            chunks, desc="held-out eval", unit="batch", disable=not progress
+        ):
             batch = collate(chunk)
             mask = mx.array(batch.loss_mask)
             lt = teacher_log_probs(setup.teacher, batch.tokens)
@@ -63,13 +72,19 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
             n_tokens += batch.n_loss
             for name, arrays in variants.items():
                 _set_variant(model, arrays, saved_scales)
-                disc = path.discover(batch.tokens, batch.valid, batch.n_true, keep_logits=True)
+                disc = path.discover(
+                    batch.tokens, batch.valid, batch.n_true, keep_logits=True
+                )
                 logits = disc.logits.astype(mx.float32)
                 ls = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 kl = (mx.exp(ls) * (ls - lt)).sum(axis=-1)
                 top1 = (mx.argmax(ls, axis=-1) == t_top).astype(mx.float32)
-                nll = -mx.take_along_axis(ls, mx.array(batch.targets)[..., None], axis=-1)[..., 0]
-                vals = mx.stack([(kl * mask).sum(), (top1 * mask).sum(), (nll * mask).sum()])
+                nll = -mx.take_along_axis(
+                    ls, mx.array(batch.targets)[..., None], axis=-1
+                )[..., 0]
+                vals = mx.stack(
+                    [(kl * mask).sum(), (top1 * mask).sum(), (nll * mask).sum()]
+                )
                 sums[name] += np.array(vals.astype(mx.float32))
     finally:
         for p, m in modules.items():
@@ -78,9 +93,13 @@ def evaluate(setup, examples: list[Example], variants: dict[str, dict | None],
     out = {}
     for name, s in sums.items():
         denom = max(1, n_tokens)
-        out[name] = {"kl": float(s[0] / denom), "top1": float(s[1] / denom),
-                     "nll": float(s[2] / denom), "tokens": int(n_tokens),
-                     "prompts": len(examples)}
+        out[name] = {
+            "kl": float(s[0] / denom),
+            "top1": float(s[1] / denom),
+            "nll": float(s[2] / denom),
+            "tokens": int(n_tokens),
+            "prompts": len(examples),
+        }
     return out
 
 
@@ -91,6 +110,7 @@ def adapter_arrays(path: str | Path) -> dict:
 
 
 # -- report ----------------------------------------------------------------------------------------
+
 
 def write_report(out: Path, report: dict) -> tuple[Path, Path]:
     json_path, md_path = report_paths(out)
@@ -105,18 +125,24 @@ def verdict(report: dict) -> str:
     final = m["trained"]["kl"]
     lines = []
     if report["stage"] == "sft":
-        lines.append(f"Stage 2 {'lowered' if final < base else 'did NOT lower'} held-out "
-                     f"KL(student||teacher): {base:.6f} without LoRA -> {final:.6f} with the "
-                     f"trained adapter ({_pct(final, base)}).")
+        lines.append(
+            f"Stage 2 {'lowered' if final < base else 'did NOT lower'} held-out "
+            f"KL(student||teacher): {base:.6f} without LoRA -> {final:.6f} with the "
+            f"trained adapter ({_pct(final, base)})."
+        )
     else:
         init = m.get("init", {}).get("kl")
         if init is None:
-            lines.append(f"Stage 3 from a zero LoRA: {base:.6f} -> {final:.6f} "
-                         f"({_pct(final, base)}).")
+            lines.append(
+                f"Stage 3 from a zero LoRA: {base:.6f} -> {final:.6f} "
+                f"({_pct(final, base)})."
+            )
         elif final < init:
-            lines.append(f"Stage 3 lowered held-out KL again: {base:.6f} (no LoRA) -> "
-                         f"{init:.6f} (stage-2 adapter) -> {final:.6f} ({_pct(final, init)} vs "
-                         f"stage 2).")
+            lines.append(
+                f"Stage 3 lowered held-out KL again: {base:.6f} (no LoRA) -> "
+                f"{init:.6f} (stage-2 adapter) -> {final:.6f} ({_pct(final, init)} vs "
+                f"stage 2)."
+            )
         else:
             lines.append(
                 f"Stage 3 did NOT lower held-out KL below the stage-2 adapter: {base:.6f} (no "
@@ -127,7 +153,8 @@ def verdict(report: dict) -> str:
                 f" KL on the teacher's greedy continuations; with few steps/prompts the two can "
                 f"disagree, and a stage-2 adapter already close to the int4 floor leaves little to "
                 f"gain. Training loss went {report['training'].get('first_loss')} -> "
-                f"{report['training'].get('last_loss')}.")
+                f"{report['training'].get('last_loss')}."
+            )
     if report.get("random_weights_note"):
         lines.append(report["random_weights_note"])
     return " ".join(lines)
@@ -142,28 +169,42 @@ def _pct(new: float, old: float) -> str:
 def markdown(r: dict) -> str:
     m = r["heldout"]["metrics"]
     t = r["training"]
-    lines = [f"# {('Stage 2: LoRA SFT' if r['stage'] == 'sft' else 'Stage 3: on-policy distillation')}"
-             f" - {Path(r['adapter']).name}", "",
-             f"Student `{Path(r['student']).name}` ({r['model_type']}, K={r['top_k']}, mode "
-             f"{r['mode']}), teacher `{Path(r['teacher']).name}`. LoRA r={r['lora']['r']}, "
-             f"alpha={r['lora']['alpha']} on {len(r['lora']['targets'])} resident layers.", "",
-             f"Held-out: {r['heldout']['prompts']} prompts, {r['heldout']['tokens']} positions "
-             f"(teacher greedy continuations, teacher-forced).", "",
-             "| variant | KL(student‖teacher) | top-1 agreement | NLL of teacher tokens |",
-             "|---|---:|---:|---:|"]
+    lines = [
+        f"# {('Stage 2: LoRA SFT' if r['stage'] == 'sft' else 'Stage 3: on-policy distillation')}"
+        f" - {Path(r['adapter']).name}",
+        "",
+        f"Student `{Path(r['student']).name}` ({r['model_type']}, K={r['top_k']}, mode "
+        f"{r['mode']}), teacher `{Path(r['teacher']).name}`. LoRA r={r['lora']['r']}, "
+        f"alpha={r['lora']['alpha']} on {len(r['lora']['targets'])} resident layers.",
+        "",
+        f"Held-out: {r['heldout']['prompts']} prompts, {r['heldout']['tokens']} positions "
+        f"(teacher greedy continuations, teacher-forced).",
+        "",
+        "| variant | KL(student‖teacher) | top-1 agreement | NLL of teacher tokens |",
+        "|---|---:|---:|---:|",
+    ]
     for name in ("no_lora", "init", "trained"):
         if name in m:
-            label = {"no_lora": "no LoRA", "init": "starting adapter",
-                     "trained": "trained adapter (as written)"}[name]
-            lines.append(f"| {label} | {m[name]['kl']:.6f} | {m[name]['top1']:.4f} | "
-                         f"{m[name]['nll']:.4f} |")
-    lines += ["", verdict(r), "",
-              f"Training: {t['steps']} steps x {t['batch']} sequences, lr {t['lr']}, loss "
-              f"{t['loss_name']}: {t['first_loss']} (step 1) -> {t['last_loss']} (last).",
-              f"Memory bound: {t['slots_per_layer']} expert slots per MoE layer "
-              f"({t['expert_buffer_mib']:.2f} MiB of int4 expert buffers); the most experts one "
-              f"layer needed for a batch: {t['max_union']}; micro-batches per step: "
-              f"max {t['max_micro_batches']}."]
+            label = {
+                "no_lora": "no LoRA",
+                "init": "starting adapter",
+                "trained": "trained adapter (as written)",
+            }[name]
+            lines.append(
+                f"| {label} | {m[name]['kl']:.6f} | {m[name]['top1']:.4f} | "
+                f"{m[name]['nll']:.4f} |"
+            )
+    lines += [
+        "",
+        verdict(r),
+        "",
+        f"Training: {t['steps']} steps x {t['batch']} sequences, lr {t['lr']}, loss "
+        f"{t['loss_name']}: {t['first_loss']} (step 1) -> {t['last_loss']} (last).",
+        f"Memory bound: {t['slots_per_layer']} expert slots per MoE layer "
+        f"({t['expert_buffer_mib']:.2f} MiB of int4 expert buffers); the most experts one "
+        f"layer needed for a batch: {t['max_union']}; micro-batches per step: "
+        f"max {t['max_micro_batches']}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

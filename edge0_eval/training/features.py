@@ -13,8 +13,12 @@ import numpy as np
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.prerouter import (build_features, default_consumers, onehot,
-                                         router_weight)
+from edge0_eval.engine.prerouter import (
+    build_features,
+    default_consumers,
+    onehot,
+    router_weight,
+)
 from edge0_eval.engine.routing import RoutingRule, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import check_float32, load_float32
@@ -114,15 +118,27 @@ class FeatureStore:
     def rule(self, consumers: list[int]) -> RoutingRule:
         r = self.meta["rule"]
         arrays = self.routers()
-        rules = [RoutingRule(r["score"], r["norm_topk_prob"],
-                             arrays.get(f"expert_bias.{c}") if r["has_expert_bias"] else None,
-                             r["n_group"], r["topk_group"], r["routed_scaling_factor"])
-                 for c in consumers]
+        rules = [
+            RoutingRule(
+                r["score"],
+                r["norm_topk_prob"],
+                arrays.get(f"expert_bias.{c}") if r["has_expert_bias"] else None,
+                r["n_group"],
+                r["topk_group"],
+                r["routed_scaling_factor"],
+            )
+            for c in consumers
+        ]
         return stack_rules(rules)
 
 
-def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: dict, top_k: int,
-                     owners: list[int] | None = None) -> None:
+def collect_features(
+    opts: PrerouterOptions,
+    store: FeatureStore,
+    fingerprint: dict,
+    top_k: int,
+    owners: list[int] | None = None,
+) -> None:
     """Run the model over the documents and fill the store (resuming per document); a store
     that lacks one of `owners` (collected before wrap-around heads) is collected again.
     `opts.collect` "float32": the dequantized float32 build, checked against the served path on
@@ -144,16 +160,23 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
         stale = store.matches(fingerprint) and not store.covers(owners or [])
         if not store.matches(fingerprint) or stale:
             if store.dir.exists():
-                why = ("predate wrap-around heads" if stale else "were collected for another "
-                       "model, texts, K or token limits")
-                print(f"train-prerouter: features in {store.dir} {why}; collecting again",
-                      flush=True)
+                why = (
+                    "predate wrap-around heads"
+                    if stale
+                    else "were collected for another model, texts, K or token limits"
+                )
+                print(
+                    f"train-prerouter: features in {store.dir} {why}; collecting again",
+                    flush=True,
+                )
                 shutil.rmtree(store.dir)
             store.dir.mkdir(parents=True)
             docs = _documents(engine, opts)
             if len(docs) < 2:
-                raise ConfigError(f"need at least 2 documents of 2+ tokens for a held-out split "
-                                  f"by document; got {len(docs)} from {opts.texts}")
+                raise ConfigError(
+                    f"need at least 2 documents of 2+ tokens for a held-out split "
+                    f"by document; got {len(docs)} from {opts.texts}"
+                )
             table, start = [], 0
             for name, toks in docs:
                 table.append([name, start, len(toks)])
@@ -171,20 +194,31 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
                 if bias is not None:
                     routers[f"expert_bias.{n}"] = bias.astype(mx.float32)
             mx.save_safetensors(str(store.dir / "routers.safetensors"), routers)
-            np.lib.format.open_memmap(store.dir / "h.npy", "w+", np.float16,
-                                      (total, len(pairs), hidden)).flush()
-            np.lib.format.open_memmap(store.dir / "inds.npy", "w+", np.int16,
-                                      (total, len(moe), top_k)).flush()
-            np.lib.format.open_memmap(store.dir / "nr.npy", "w+", np.int16,
-                                      (total, len(pairs), top_k)).flush()
-            meta = {"fingerprint": fingerprint, "model_type": engine.config["model_type"],
-                    "moe_layers": moe, "pairs": pairs, "consumers": consumers,
-                    "hidden": hidden,
-                    "num_experts": num_experts, "top_k": top_k, "rule": rule.to_json(),
-                    "docs": table, "tokens": total,
-                    "n_layers": len(engine.family.layers(engine.model))}
+            np.lib.format.open_memmap(
+                store.dir / "h.npy", "w+", np.float16, (total, len(pairs), hidden)
+            ).flush()
+            np.lib.format.open_memmap(
+                store.dir / "inds.npy", "w+", np.int16, (total, len(moe), top_k)
+            ).flush()
+            np.lib.format.open_memmap(
+                store.dir / "nr.npy", "w+", np.int16, (total, len(pairs), top_k)
+            ).flush()
+            meta = {
+                "fingerprint": fingerprint,
+                "model_type": engine.config["model_type"],
+                "moe_layers": moe,
+                "pairs": pairs,
+                "consumers": consumers,
+                "hidden": hidden,
+                "num_experts": num_experts,
+                "top_k": top_k,
+                "rule": rule.to_json(),
+                "docs": table,
+                "tokens": total,
+                "n_layers": len(engine.family.layers(engine.model)),
+            }
             write_json(store.dir / "progress.json", {"docs_done": 0})
-            write_json(store.dir / "data.json", meta)    # last: marks the store as set up
+            write_json(store.dir / "data.json", meta)  # last: marks the store as set up
             tokens_of = dict(enumerate(t for _, t in docs))
         else:
             meta = json.loads((store.dir / "data.json").read_text())
@@ -194,8 +228,10 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
         if tokens_of is None:  # resuming collection: re-tokenize (deterministic)
             toks = _documents(engine, opts)
             if [[n, len(t)] for n, t in toks] != [[d[0], d[2]] for d in table]:
-                raise CheckpointError(f"{store.dir}: tokenization no longer matches the "
-                                      f"collected documents; rerun with --fresh")
+                raise CheckpointError(
+                    f"{store.dir}: tokenization no longer matches the "
+                    f"collected documents; rerun with --fresh"
+                )
             tokens_of = dict(enumerate(t for _, t in toks))
         store_consumers = meta.get("consumers") or [n + 1 for n in meta["pairs"]]
         h = np.load(store.dir / "h.npy", mmap_mode="r+")
@@ -203,31 +239,47 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
         nr = np.load(store.dir / "nr.npy", mmap_mode="r+")
         record = store.collection() | {"path": opts.collect}
         if opts.collect == "float32" and done < len(table):
-            record["check"] = check_float32(opts.model, served_options, engine,
-                                            _check_sample(tokens_of, opts.check_tokens))
+            record["check"] = check_float32(
+                opts.model,
+                served_options,
+                engine,
+                _check_sample(tokens_of, opts.check_tokens),
+            )
             c = record["check"]
-            print(f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "
-                  f"tokens: top-K agreement mean {c['mean_agreement']:.4f}, worst "
-                  f"{c['worst_agreement']:.4f} (layer {c['worst_layer']}; required "
-                  f"{c['min_agreement']}), feature max relative diff "
-                  f"{c['feature_max_rel_diff']:.2e}; {c['served_tok_s']:.1f} -> "
-                  f"{c['float32_tok_s']:.1f} tok/s", flush=True)
+            print(
+                f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "
+                f"tokens: top-K agreement mean {c['mean_agreement']:.4f}, worst "
+                f"{c['worst_agreement']:.4f} (layer {c['worst_layer']}; required "
+                f"{c['min_agreement']}), feature max relative diff "
+                f"{c['feature_max_rel_diff']:.2e}; {c['served_tok_s']:.1f} -> "
+                f"{c['float32_tok_s']:.1f} tok/s",
+                flush=True,
+            )
         blocks = [engine.blocks[n] for n in moe]
         for b in blocks:
             b.capture = True
         collected, started = 0, time.perf_counter()
         chunk = max(1, engine.options.prefill_chunk)
-        bar = tqdm(total=meta["tokens"], initial=sum(d[2] for d in table[:done]),
-                   desc="collect routing", unit="tok", disable=not opts.progress)
+        bar = tqdm(
+            total=meta["tokens"],
+            initial=sum(d[2] for d in table[:done]),
+            desc="collect routing",
+            unit="tok",
+            disable=not opts.progress,
+        )
         try:
             for d in range(done, len(table)):
                 _, start, length = table[d]
                 tokens = tokens_of[d]
                 cache = engine.new_cache()
                 for s in range(0, length, chunk):
-                    piece = tokens[s: s + chunk]
-                    engine.step(mx.array(piece)[None], cache, plan_next=False,
-                                where=f"collecting document {d}")
+                    piece = tokens[s : s + chunk]
+                    engine.step(
+                        mx.array(piece)[None],
+                        cache,
+                        plan_next=False,
+                        where=f"collecting document {d}",
+                    )
                     hs, nrs = [], []
                     for n, c in zip(meta["pairs"], store_consumers):
                         x = engine.blocks[n].last[0][0]
@@ -249,7 +301,12 @@ def collect_features(opts: PrerouterOptions, store: FeatureStore, fingerprint: d
             if collected:
                 seconds = time.perf_counter() - started
                 record["runs"] = record.get("runs", []) + [
-                    {"tokens": collected, "seconds": seconds, "tok_s": collected / seconds}]
+                    {
+                        "tokens": collected,
+                        "seconds": seconds,
+                        "tok_s": collected / seconds,
+                    }
+                ]
             write_json(store.dir / COLLECTION_FILE, record)
             bar.close()
             for b in blocks:
@@ -270,8 +327,9 @@ def _check_sample(tokens_of: dict, want: int) -> list[list[int]]:
     return sample
 
 
-def ensure_embeddings(opts: PrerouterOptions, store: FeatureStore, top_k: int,
-                      chunk: int = 4096) -> None:
+def ensure_embeddings(
+    opts: PrerouterOptions, store: FeatureStore, top_k: int, chunk: int = 4096
+) -> None:
     """Write `emb.npy` (each position's input embedding, for next-token heads) into a complete
     store that lacks it: the documents are tokenized again (checked against the store's) and
     looked up in the model's own embedding, so the features collected stay as they are."""
@@ -283,15 +341,19 @@ def ensure_embeddings(opts: PrerouterOptions, store: FeatureStore, top_k: int,
     try:
         docs = _documents(engine, opts)
         if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:
-            raise CheckpointError(f"{store.dir}: tokenization no longer matches the collected "
-                                  f"documents; rerun with --fresh")
+            raise CheckpointError(
+                f"{store.dir}: tokenization no longer matches the collected "
+                f"documents; rerun with --fresh"
+            )
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in docs])
         embed = engine.family.embedding(engine.model)
         tmp = store.dir / f".{EMBEDDINGS_FILE}.tmp.npy"
-        out = np.lib.format.open_memmap(tmp, "w+", np.float16, (len(ids), meta["hidden"]))
+        out = np.lib.format.open_memmap(
+            tmp, "w+", np.float16, (len(ids), meta["hidden"])
+        )
         for a in range(0, len(ids), chunk):
-            rows = embed(mx.array(ids[a: a + chunk])).astype(mx.float32)
-            out[a: a + chunk] = np.array(rows).astype(np.float16)
+            rows = embed(mx.array(ids[a : a + chunk])).astype(mx.float32)
+            out[a : a + chunk] = np.array(rows).astype(np.float16)
         out.flush()
         del out
         tmp.replace(path)
@@ -300,8 +362,12 @@ def ensure_embeddings(opts: PrerouterOptions, store: FeatureStore, top_k: int,
 
 
 def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:
-    return tokenize_documents(engine.tokenizer, read_documents(opts.texts), opts.max_tokens,
-                              opts.max_doc_tokens)
+    return tokenize_documents(
+        engine.tokenizer,
+        read_documents(opts.texts),
+        opts.max_tokens,
+        opts.max_doc_tokens,
+    )
 
 
 def positions(docs: list, ids: list[int]) -> np.ndarray:
@@ -313,13 +379,17 @@ def positions(docs: list, ids: list[int]) -> np.ndarray:
 class Batches:
     """Gathers [O, B, ...] arrays for token positions from the store (numpy, then MLX)."""
 
-    def __init__(self, store: FeatureStore, owners: list[int], next_token: bool = False):
+    def __init__(
+        self, store: FeatureStore, owners: list[int], next_token: bool = False
+    ):
         meta = store.meta
         self.store = store
         self.next_token = next_token
         if next_token and store.emb is None:
-            raise CheckpointError(f"{store.dir}: no {EMBEDDINGS_FILE} for next-token heads "
-                                  f"(ensure_embeddings writes it)")
+            raise CheckpointError(
+                f"{store.dir}: no {EMBEDDINGS_FILE} for next-token heads "
+                f"(ensure_embeddings writes it)"
+            )
         self.num_experts = meta["num_experts"]
         self.k = meta["top_k"]
         pair_pos = {n: i for i, n in enumerate(meta["pairs"])}
@@ -327,16 +397,19 @@ class Batches:
         consumer_of = dict(zip(meta["pairs"], store.consumers()))
         missing = [n for n in owners if n not in pair_pos]
         if missing:
-            raise CheckpointError(f"{store.dir}: no features for owner layer(s) {missing}; "
-                                  f"collected pairs {meta['pairs']}")
+            raise CheckpointError(
+                f"{store.dir}: no features for owner layer(s) {missing}; "
+                f"collected pairs {meta['pairs']}"
+            )
         self.owner_p = np.array([pair_pos[n] for n in owners])
         self.owner_m = np.array([moe_pos[n] for n in owners])
         self.consumers = [consumer_of[n] for n in owners]
         self.consumer_m = np.array([moe_pos[c] for c in self.consumers])
         if next_token:
             routers = store.routers()
-            self.token_router = mx.stack([routers[f"router.{c}"] for c in self.consumers]
-                                         ).astype(mx.float32)             # [O, E, H]
+            self.token_router = mx.stack(
+                [routers[f"router.{c}"] for c in self.consumers]
+            ).astype(mx.float32)  # [O, E, H]
         first = np.zeros(meta["tokens"], dtype=bool)
         for _, start, _ in meta["docs"]:
             first[start] = True
@@ -344,25 +417,35 @@ class Batches:
 
     def get(self, t: np.ndarray) -> dict:
         s = self.store
-        h = np.asarray(s.h[t])[:, self.owner_p]                      # [B, O, H]
-        rows = np.asarray(s.inds[t])                                # [B, M, K]
+        h = np.asarray(s.h[t])[:, self.owner_p]  # [B, O, H]
+        rows = np.asarray(s.inds[t])  # [B, M, K]
         prev_rows = np.asarray(s.inds[np.maximum(t - 1, 0)])
-        nxt = np.asarray(s.inds[t + 1])[:, self.consumer_m]           # target
+        nxt = np.asarray(s.inds[t + 1])[:, self.consumer_m]  # target
         cur = rows[:, self.owner_m]
         prev = prev_rows[:, self.owner_m].astype(np.int32)
-        prev[self.first[t]] = -1                                    # first token: zeros
+        prev[self.first[t]] = -1  # first token: zeros
         tr = lambda a: mx.array(np.ascontiguousarray(np.swapaxes(a, 0, 1)))  # noqa: E731
-        return {"h": tr(h).astype(mx.float32), "cur": tr(cur.astype(np.int32)),
-                "prev": tr(prev), "target": tr(nxt.astype(np.int32)),
-                "prev_token": tr(rows[:, self.consumer_m].astype(np.int32)),
-                "next_router": tr(np.asarray(s.nr[t])[:, self.owner_p].astype(np.int32))} | (
+        return {
+            "h": tr(h).astype(mx.float32),
+            "cur": tr(cur.astype(np.int32)),
+            "prev": tr(prev),
+            "target": tr(nxt.astype(np.int32)),
+            "prev_token": tr(rows[:, self.consumer_m].astype(np.int32)),
+            "next_router": tr(np.asarray(s.nr[t])[:, self.owner_p].astype(np.int32)),
+        } | (
             {"next_emb": mx.array(np.asarray(s.emb[t + 1], dtype=np.float32))}
-            if self.next_token else {})
+            if self.next_token
+            else {}
+        )
 
     def features(self, batch: dict) -> mx.array:
         e = self.num_experts
-        return build_features(batch["h"], onehot(batch["cur"], e), onehot(batch["prev"], e),
-                              batch.get("next_emb"))
+        return build_features(
+            batch["h"],
+            onehot(batch["cur"], e),
+            onehot(batch["prev"], e),
+            batch.get("next_emb"),
+        )
 
     def token_router_logits(self, batch: dict) -> mx.array:
         """Baseline of next-token heads: each consumer's router on token t+1's embedding."""

@@ -25,13 +25,20 @@ def teacher_topk(lt: mx.array, k: int) -> dict:
     k = max(1, min(k, lt.shape[-1] - 1))
     ids = mx.argpartition(-lt, kth=k - 1, axis=-1)[..., :k]
     lt_top = mx.take_along_axis(lt, ids, axis=-1)
-    in_top = mx.put_along_axis(mx.zeros(lt.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1)
+    in_top = mx.put_along_axis(
+        mx.zeros(lt.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1
+    )
     lt_tail = mx.logsumexp(mx.where(in_top, -mx.inf, lt), axis=-1)
     return {"ids": ids, "lt_top": lt_top, "lt_tail": lt_tail}
 
 
-def bucket_kl(logits: mx.array, ids: mx.array, lt_top: mx.array, lt_tail: mx.array,
-              direction: str = "reverse") -> mx.array:
+def bucket_kl(
+    logits: mx.array,
+    ids: mx.array,
+    lt_top: mx.array,
+    lt_tail: mx.array,
+    direction: str = "reverse",
+) -> mx.array:
     """Tail-aware top-k KL per position, from student logits [.., V] and the teacher's buckets.
 
     Buckets: the teacher's top-k tokens `ids` plus one tail bucket holding the remaining mass
@@ -41,18 +48,24 @@ def bucket_kl(logits: mx.array, ids: mx.array, lt_top: mx.array, lt_tail: mx.arr
     """
     ls = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     ls_top = mx.take_along_axis(ls, ids, axis=-1)
-    in_top = mx.put_along_axis(mx.zeros(ls.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1)
+    in_top = mx.put_along_axis(
+        mx.zeros(ls.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1
+    )
     ls_tail = mx.logsumexp(mx.where(in_top, -mx.inf, ls), axis=-1)
     if direction == "reverse":
-        return (mx.exp(ls_top) * (ls_top - lt_top)).sum(axis=-1) + \
-            mx.exp(ls_tail) * (ls_tail - lt_tail)
+        return (mx.exp(ls_top) * (ls_top - lt_top)).sum(axis=-1) + mx.exp(ls_tail) * (
+            ls_tail - lt_tail
+        )
     if direction == "forward":
-        return (mx.exp(lt_top) * (lt_top - ls_top)).sum(axis=-1) + \
-            mx.exp(lt_tail) * (lt_tail - ls_tail)
+        return (mx.exp(lt_top) * (lt_top - ls_top)).sum(axis=-1) + mx.exp(lt_tail) * (
+            lt_tail - ls_tail
+        )
     raise ValueError(f"direction must be reverse or forward, not {direction!r}")
 
 
-def khot_cross_entropy(heads: PrerouterHeads, feats: mx.array, target: mx.array) -> mx.array:
+def khot_cross_entropy(
+    heads: PrerouterHeads, feats: mx.array, target: mx.array
+) -> mx.array:
     """Softmax cross-entropy against the K-hot target normalised to sum 1.
 
     Why not BCE: the deliverable is the top-K *set*, a ranking; softmax CE is the listwise

@@ -24,26 +24,49 @@ import mlx.core as mx
 from mlx_lm import load
 
 from edge0_eval.engine import lora
-from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.families import FAMILIES, family_for
-from edge0_eval.formats.layout import ExpertIndex
-from edge0_eval.engine.mlx_compat import (cast_floating, resolve_compute_dtype,
-                                          upcast_unquantized_experts_for_cpu)
-from edge0_eval.engine.prerouter import (check_owners, default_consumers, default_owners,
-                                         tier_defaults)
+from edge0_eval.engine.lora import load_adapter
+from edge0_eval.engine.mlx_compat import (
+    cast_floating,
+    resolve_compute_dtype,
+    upcast_unquantized_experts_for_cpu,
+)
+from edge0_eval.engine.prerouter import (
+    check_owners,
+    default_consumers,
+    default_owners,
+    tier_defaults,
+)
 from edge0_eval.errors import CheckpointError, ConfigError
+from edge0_eval.formats.layout import ExpertIndex
 from edge0_eval.training.options import PrerouterOptions, StageOptions
 
 # Architecture keys that teacher and student config.json must agree on (those present).
-ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
-             "num_experts_per_tok", "moe_intermediate_size", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "full_attention_interval", "intermediate_size",
-             "shared_expert_intermediate_size", "first_k_dense_replace", "layer_group_size",
-             "num_shared_experts", "linear_num_value_heads", "linear_num_key_heads")
+ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "full_attention_interval",
+    "intermediate_size",
+    "shared_expert_intermediate_size",
+    "first_k_dense_replace",
+    "layer_group_size",
+    "num_shared_experts",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+)
 
 
 # -- teacher and student checks --------------------------------------------------------------------
+
 
 def _text_config(config: dict) -> dict:
     family = FAMILIES.get(config.get("model_type"))
@@ -63,12 +86,18 @@ def architecture(model_dir: str | Path) -> dict:
 def check_pair(teacher: str | Path, student: str | Path) -> dict:
     """Teacher and student must be the same architecture; one ConfigError listing what differs."""
     t, s = architecture(teacher), architecture(student)
-    diff = [f"{k}: teacher {t.get(k)!r} vs student {s.get(k)!r}"
-            for k in ARCH_KEYS if k in t or k in s if t.get(k) != s.get(k)]
+    diff = [
+        f"{k}: teacher {t.get(k)!r} vs student {s.get(k)!r}"
+        for k in ARCH_KEYS
+        if k in t or k in s
+        if t.get(k) != s.get(k)
+    ]
     if diff:
-        raise ConfigError(f"teacher {teacher} and student {student} are different models ("
-                          f"{'; '.join(diff)}); the student must be `edge0-eval convert` of "
-                          f"this teacher")
+        raise ConfigError(
+            f"teacher {teacher} and student {student} are different models ("
+            f"{'; '.join(diff)}); the student must be `edge0-eval convert` of "
+            f"this teacher"
+        )
     return s
 
 
@@ -78,9 +107,11 @@ def check_tokenizers(teacher_tok, student_tok) -> None:
         only_t = sorted(set(tv) - set(sv))[:3]
         only_s = sorted(set(sv) - set(tv))[:3]
         moved = [k for k in tv if k in sv and tv[k] != sv[k]][:3]
-        raise ConfigError(f"teacher and student tokenizers differ ({len(tv)} vs {len(sv)} "
-                          f"tokens; only teacher {only_t}, only student {only_s}, different ids "
-                          f"{moved}); token-level training needs one vocabulary")
+        raise ConfigError(
+            f"teacher and student tokenizers differ ({len(tv)} vs {len(sv)} "
+            f"tokens; only teacher {only_t}, only student {only_s}, different ids "
+            f"{moved}); token-level training needs one vocabulary"
+        )
 
 
 def load_teacher(path: str | Path):
@@ -98,14 +129,20 @@ def load_teacher(path: str | Path):
 
 # -- defaults derived from the model ---------------------------------------------------------------
 
+
 def training_slots(opts: StageOptions, student: str | Path) -> int:
     """Expert slots per MoE layer while training: the memory bound of stages 2 and 3.
 
     K comes from the engine's resolver; the default differs from serving's on purpose: a pass
     over batch x seq_len tokens routes up to that many x K distinct experts per layer.
     """
-    resolved = replace(opts.engine, slots_per_layer=None, expert_budget_mib=None,
-                       no_lora=True, no_prerouter=True).resolve(student)
+    resolved = replace(
+        opts.engine,
+        slots_per_layer=None,
+        expert_budget_mib=None,
+        no_lora=True,
+        no_prerouter=True,
+    ).resolve(student)
     k, experts = resolved.top_k, resolved.num_experts
     given = opts.engine.slots_per_layer
     if given is not None:
@@ -128,35 +165,59 @@ class ModelFacts:
 def model_facts(model: Path) -> ModelFacts:
     config_path = model / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{config_path} not found; is {model} a converted model "
-                              f"(`edge0-eval convert`)?")
+        raise CheckpointError(
+            f"{config_path} not found; is {model} a converted model "
+            f"(`edge0-eval convert`)?"
+        )
     config = json.loads(config_path.read_text())
     family = family_for(config, str(config_path))
     text = family.text_config(config)
     index = ExpertIndex.load(model, check_file=False)
-    return ModelFacts(config["model_type"], int(text["num_hidden_layers"]),
-                      family.hidden_size(config), family.num_experts(config),
-                      family.native_top_k(config), list(index.moe_layers))
+    return ModelFacts(
+        config["model_type"],
+        int(text["num_hidden_layers"]),
+        family.hidden_size(config),
+        family.num_experts(config),
+        family.native_top_k(config),
+        list(index.moe_layers),
+    )
 
 
-def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[int] | None = None,
-                  start_layer: int | None = None, width: int | None = None
-                  ) -> tuple[int, list[int], int]:
+def resolve_heads(
+    facts: ModelFacts,
+    *,
+    top_k: int | None = None,
+    owners: list[int] | None = None,
+    start_layer: int | None = None,
+    width: int | None = None,
+) -> tuple[int, list[int], int]:
     """(K, owners, width) of a heads file: the given values, else the tier defaults. Owners
     that include the last MoE layer hold the wrap-around head (`default_consumers`)."""
-    d = tier_defaults(facts.model_type, facts.n_layers, facts.hidden, facts.num_experts,
-                      facts.moe_layers)
+    d = tier_defaults(
+        facts.model_type,
+        facts.n_layers,
+        facts.hidden,
+        facts.num_experts,
+        facts.moe_layers,
+    )
     k = top_k or d["top_k"] or facts.native_top_k
     if k > facts.num_experts:
-        raise ConfigError(f"--top-k {k} exceeds the model's {facts.num_experts} experts")
+        raise ConfigError(
+            f"--top-k {k} exceeds the model's {facts.num_experts} experts"
+        )
     moe = facts.moe_layers
     if owners:
         owners = check_owners(owners, moe)
         first = min(default_consumers(owners, moe))
-        if start_layer is not None and start_layer != first and \
-                not (first == moe[0] and start_layer <= first):
-            raise ConfigError(f"--start-layer {start_layer} disagrees with --owners (owners "
-                              f"{owners} -> first consuming layer {first})")
+        if (
+            start_layer is not None
+            and start_layer != first
+            and not (first == moe[0] and start_layer <= first)
+        ):
+            raise ConfigError(
+                f"--start-layer {start_layer} disagrees with --owners (owners "
+                f"{owners} -> first consuming layer {first})"
+            )
     else:
         start = start_layer if start_layer is not None else d["start_layer"]
         owners = check_owners(default_owners(start, facts.n_layers, moe), moe)
@@ -164,6 +225,7 @@ def resolve_heads(facts: ModelFacts, *, top_k: int | None = None, owners: list[i
 
 
 # -- the engines a stage runs ----------------------------------------------------------------------
+
 
 def student_options(opts: StageOptions, slots: int) -> EngineOptions:
     """The stage's student options with the training slot count (and never an adapter)."""
@@ -174,8 +236,12 @@ def collector_options(opts: PrerouterOptions, top_k: int) -> EngineOptions:
     """Stage 1's teacher: the model itself, reactive at the serving K (the exact executed top-K).
     Never an adapter: stage 2 trains one on top of the heads, so an adapter beside the model
     must not change stage 1's data (the features' fingerprint does not cover adapters)."""
-    return EngineOptions(mode="reactive", top_k=top_k, expert_budget_mib=opts.expert_budget_mib,
-                         no_lora=True)
+    return EngineOptions(
+        mode="reactive",
+        top_k=top_k,
+        expert_budget_mib=opts.expert_budget_mib,
+        no_lora=True,
+    )
 
 
 def load_student(opts: StageOptions, slots: int):
@@ -188,28 +254,43 @@ def attach_lora(engine, opts: StageOptions) -> dict:
     model = engine.model
     if opts.init_adapter:
         meta = load_adapter(model, opts.init_adapter, top_k=engine.top_k)
-        for name, given, have in (("rank", opts.rank, meta["r"]), ("alpha", opts.alpha,
-                                                                   meta["alpha"])):
+        for name, given, have in (
+            ("rank", opts.rank, meta["r"]),
+            ("alpha", opts.alpha, meta["alpha"]),
+        ):
             if given is not None and float(given) != float(have):
-                raise ConfigError(f"--{name} {given} contradicts --init-adapter "
-                                  f"{opts.init_adapter} ({name} {have}); leave --{name} out")
+                raise ConfigError(
+                    f"--{name} {given} contradicts --init-adapter "
+                    f"{opts.init_adapter} ({name} {have}); leave --{name} out"
+                )
         if opts.targets:
             wanted = set(_resolve_targets(model, opts.targets))
             if wanted != set(meta["targets"]):
-                raise ConfigError(f"--targets select {len(wanted)} layers but --init-adapter "
-                                  f"{opts.init_adapter} covers {len(meta['targets'])}; leave "
-                                  f"--targets out to continue that adapter")
+                raise ConfigError(
+                    f"--targets select {len(wanted)} layers but --init-adapter "
+                    f"{opts.init_adapter} covers {len(meta['targets'])}; leave "
+                    f"--targets out to continue that adapter"
+                )
         paths = meta["targets"]
         r, alpha = meta["r"], meta["alpha"]
     else:
         patterns = opts.targets or lora.default_targets(engine.family.name)
         if opts.targets:
-            _resolve_targets(model, patterns)      # one clear error for a pattern that misses
+            _resolve_targets(
+                model, patterns
+            )  # one clear error for a pattern that misses
         # (The family defaults may list layers a given config does not build, e.g. MLA's
         # q_a_proj without q_lora_rank: those simply match nothing.)
         r, alpha = opts.rank or 16, opts.alpha or 32.0
-        paths = lora.apply_lora(model, r=r, alpha=alpha, targets=patterns, init="zeros",
-                                seed=opts.seed, family=engine.family.name)
+        paths = lora.apply_lora(
+            model,
+            r=r,
+            alpha=alpha,
+            targets=patterns,
+            init="zeros",
+            seed=opts.seed,
+            family=engine.family.name,
+        )
     lora.mark_trainable(model)
     return {"targets": paths, "r": int(r), "alpha": float(alpha)}
 
@@ -217,10 +298,14 @@ def attach_lora(engine, opts: StageOptions) -> dict:
 def _resolve_targets(model, patterns: list[str]) -> list[str]:
     found = []
     for pattern in patterns:
-        paths = lora.find_targets(model, [pattern])     # routers / routed experts raise here
+        paths = lora.find_targets(
+            model, [pattern]
+        )  # routers / routed experts raise here
         if not paths:
-            raise ConfigError(f"LoRA target {pattern!r} matches no module of the student; "
-                              f"targets are module path suffixes such as self_attn.q_proj or "
-                              f"mlp.shared_expert.up_proj")
+            raise ConfigError(
+                f"LoRA target {pattern!r} matches no module of the student; "
+                f"targets are module path suffixes such as self_attn.q_proj or "
+                f"mlp.shared_expert.up_proj"
+            )
         found += paths
     return sorted(set(found))

@@ -42,36 +42,63 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from edge0_eval.engine.prerouter import (default_consumers, heads_from_router_weights,
-                                         load_heads, save_heads)
+from edge0_eval.engine.prerouter import (
+    default_consumers,
+    heads_from_router_weights,
+    load_heads,
+    save_heads,
+)
 from edge0_eval.engine.routing import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
 from edge0_eval.training.data import split_documents, subset_documents
-from edge0_eval.training.features import (Batches, FeatureStore, collect_features,
-                                          data_fingerprint, ensure_embeddings, positions)
+from edge0_eval.training.features import (
+    Batches,
+    FeatureStore,
+    collect_features,
+    data_fingerprint,
+    ensure_embeddings,
+    positions,
+)
 from edge0_eval.training.losses import khot_cross_entropy, recall
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.options import (PrerouterOptions, add_prerouter_arguments,
-                                         prerouter_options_from_args)
-from edge0_eval.training.state import (after_step, announce_resume, begin, check_fingerprint,
-                                       digest, load_training_state, report_paths,
-                                       save_training_state, write_json)
+from edge0_eval.training.options import (
+    PrerouterOptions,
+    add_prerouter_arguments,
+    prerouter_options_from_args,
+)
+from edge0_eval.training.state import (
+    after_step,
+    announce_resume,
+    begin,
+    check_fingerprint,
+    digest,
+    load_training_state,
+    report_paths,
+    save_training_state,
+    write_json,
+)
 from edge0_eval.training.trainer import warmup_cosine
 
 STATE_NAME = "train_state.safetensors"
 
 
-def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
-                    kill_after: int | None = None) -> dict:
+def train_prerouter(
+    opts: PrerouterOptions, stop_after: int | None = None, kill_after: int | None = None
+) -> dict:
     """The whole stage; returns the report dict. Test hooks (state.after_step): `stop_after`
     raises Interrupted after that step, `kill_after` SIGKILLs the process."""
     opts.validate()
     model = Path(opts.model)
     out = Path(opts.out)
     facts = model_facts(model)
-    top_k, owners, width = resolve_heads(facts, top_k=opts.top_k, owners=opts.owners,
-                                         start_layer=opts.start_layer, width=opts.width)
+    top_k, owners, width = resolve_heads(
+        facts,
+        top_k=opts.top_k,
+        owners=opts.owners,
+        start_layer=opts.start_layer,
+        width=opts.width,
+    )
     consumers = default_consumers(owners, facts.moe_layers)
     ckpt = Path(f"{out}.ckpt")
     store = FeatureStore(ckpt / "features")
@@ -82,7 +109,8 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     if state_path.is_file() and not store.matches(data_fp):
         raise CheckpointError(
             f"{ckpt} holds a training checkpoint for another model, texts, K or token "
-            f"limits; rerun with --fresh to start over (or choose another --out)")
+            f"limits; rerun with --fresh to start over (or choose another --out)"
+        )
     if not (store.matches(data_fp) and store.complete and store.covers(owners)):
         collect_features(opts, store, data_fp, top_k, owners)
     if opts.next_token:
@@ -90,25 +118,42 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     store.open()
     meta = store.meta
 
-    train_fp = {"data": digest(data_fp), "owners": owners, "width": width, "top_k": top_k,
-                "steps": opts.steps, "lr": opts.lr, "batch": opts.batch,
-                "holdout": opts.holdout, "seed": opts.seed}
-    if opts.train_tokens is not None:      # absent otherwise: earlier states stay valid
+    train_fp = {
+        "data": digest(data_fp),
+        "owners": owners,
+        "width": width,
+        "top_k": top_k,
+        "steps": opts.steps,
+        "lr": opts.lr,
+        "batch": opts.batch,
+        "holdout": opts.holdout,
+        "seed": opts.seed,
+    }
+    if opts.train_tokens is not None:  # absent otherwise: earlier states stay valid
         train_fp["train_tokens"] = opts.train_tokens
     if opts.next_token:
         train_fp["next_token"] = True
-    config = PrerouterConfig(owners=owners, width=width, top_k=top_k,
-                             hidden=meta["hidden"], num_experts=meta["num_experts"],
-                             consumers=consumers, next_token=opts.next_token)
+    config = PrerouterConfig(
+        owners=owners,
+        width=width,
+        top_k=top_k,
+        hidden=meta["hidden"],
+        num_experts=meta["num_experts"],
+        consumers=consumers,
+        next_token=opts.next_token,
+    )
     routers = store.routers()
-    heads = heads_from_router_weights(config, [routers[f"router.{c}"] for c in consumers],
-                                      [routers.get(f"router_bias.{c}") for c in consumers],
-                                      opts.seed)
+    heads = heads_from_router_weights(
+        config,
+        [routers[f"router.{c}"] for c in consumers],
+        [routers.get(f"router_bias.{c}") for c in consumers],
+        opts.seed,
+    )
     init = heads.astype(mx.float32)
     optimizer = optim.Adam(learning_rate=warmup_cosine(0, opts.steps, opts.lr))
     optimizer.init(heads.trainable_parameters())
     step, losses = 0, []
-    if state_path.is_file():   # --fresh removed it above
+    if state_path.is_file():  # --fresh removed it above
         params, opt_state, state_meta = load_training_state(state_path)
         check_fingerprint(state_path, state_meta.get("fingerprint", {}), train_fp)
         step, losses = int(state_meta["step"]), state_meta.get("losses", [])
@@ -119,8 +164,9 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
 
     train_docs, held_docs = split_documents(len(meta["docs"]), opts.holdout, opts.seed)
     if opts.train_tokens is not None:
-        train_docs = subset_documents(train_docs, [d[2] for d in meta["docs"]],
-                                      opts.train_tokens, opts.seed)
+        train_docs = subset_documents(
+            train_docs, [d[2] for d in meta["docs"]], opts.train_tokens, opts.seed
+        )
     train_pos = positions(meta["docs"], train_docs)
     held_pos = positions(meta["docs"], held_docs)
     if len(train_pos) == 0 or len(held_pos) == 0:
@@ -129,13 +175,20 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     rule = store.rule(consumers)
     value_and_grad = nn.value_and_grad(heads, khot_cross_entropy)
 
-    bar = tqdm(total=opts.steps, initial=step, desc="train prerouter", unit="step",
-               disable=not opts.progress)
+    bar = tqdm(
+        total=opts.steps,
+        initial=step,
+        desc="train prerouter",
+        unit="step",
+        disable=not opts.progress,
+    )
     ema = None
     started = time.perf_counter()
     try:
         while step < opts.steps:
-            rows = np.random.default_rng([opts.seed, step]).integers(0, len(train_pos), opts.batch)
+            rows = np.random.default_rng([opts.seed, step]).integers(
+                0, len(train_pos), opts.batch
+            )
             b = batches.get(np.sort(train_pos[rows]))
             optimizer.learning_rate = warmup_cosine(step, opts.steps, opts.lr)
             loss, grads = value_and_grad(heads, batches.features(b), b["target"])
@@ -148,29 +201,65 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.4f}")
             if step % opts.ckpt_every == 0 or step == opts.steps:
-                save_training_state(state_path, dict(tree_flatten(heads.parameters())), optimizer,
-                                    {"step": step, "fingerprint": train_fp,
-                                     "losses": losses[-10000:]})
+                save_training_state(
+                    state_path,
+                    dict(tree_flatten(heads.parameters())),
+                    optimizer,
+                    {"step": step, "fingerprint": train_fp, "losses": losses[-10000:]},
+                )
             after_step(step, stop_after, kill_after)
     finally:
         bar.close()
     train_seconds = time.perf_counter() - started
 
     save_dtype = getattr(mx, opts.save_dtype)
-    source = {"stage": "train-prerouter", "texts": [Path(t).name for t in opts.texts],
-              "docs_train": len(train_docs), "docs_heldout": len(held_docs), "steps": opts.steps,
-              "lr": opts.lr, "batch": opts.batch, "seed": opts.seed, "loss": "softmax-ce-khot"}
-    save_heads(out, heads, {"source": source, "model": model.resolve().name,
-                            "model_type": meta["model_type"]},
-               dtype=save_dtype)
-    saved = load_heads(out, hidden=meta["hidden"], num_experts=meta["num_experts"], top_k=top_k,
-                       owners=owners, dtype=mx.float32)      # evaluate what was written
+    source = {
+        "stage": "train-prerouter",
+        "texts": [Path(t).name for t in opts.texts],
+        "docs_train": len(train_docs),
+        "docs_heldout": len(held_docs),
+        "steps": opts.steps,
+        "lr": opts.lr,
+        "batch": opts.batch,
+        "seed": opts.seed,
+        "loss": "softmax-ce-khot",
+    }
+    save_heads(
+        out,
+        heads,
+        {
+            "source": source,
+            "model": model.resolve().name,
+            "model_type": meta["model_type"],
+        },
+        dtype=save_dtype,
+    )
+    saved = load_heads(
+        out,
+        hidden=meta["hidden"],
+        num_experts=meta["num_experts"],
+        top_k=top_k,
+        owners=owners,
+        dtype=mx.float32,
+    )  # evaluate what was written
 
     held = evaluate({"heads": saved, "init": init}, batches, rule, held_pos)
     cap = np.random.default_rng([opts.seed, 1 << 40]).permutation(train_pos)[:20000]
     train_eval = evaluate({"heads": saved}, batches, rule, np.sort(cap))
-    report = _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs,
-                     train_pos, held_pos, train_seconds, out)
+    report = _report(
+        opts,
+        meta,
+        config,
+        held,
+        train_eval,
+        losses,
+        train_docs,
+        held_docs,
+        train_pos,
+        held_pos,
+        train_seconds,
+        out,
+    )
     report["collection"] = store.collection()
     json_path, md_path = report_paths(out)
     write_json(json_path, report)
@@ -180,19 +269,28 @@ def train_prerouter(opts: PrerouterOptions, stop_after: int | None = None,
     return report
 
 
-def evaluate(heads_list: dict, batches: Batches, rule: RoutingRule, pos: np.ndarray,
-             chunk: int = 4096) -> dict:
+def evaluate(
+    heads_list: dict,
+    batches: Batches,
+    rule: RoutingRule,
+    pos: np.ndarray,
+    chunk: int = 4096,
+) -> dict:
     """Mean recall per owner for each heads in `heads_list` and for the baselines (next-token
     heads: also the consumer's router on the next token's embedding)."""
     e, k = batches.num_experts, batches.k
-    baselines = ["prev_token", "next_router"] + (["token_router"] if batches.next_token else [])
+    baselines = ["prev_token", "next_router"] + (
+        ["token_router"] if batches.next_token else []
+    )
     sums = {name: 0.0 for name in list(heads_list) + baselines}
     n = 0
     for a in range(0, len(pos), chunk):
-        b = batches.get(pos[a: a + chunk])
+        b = batches.get(pos[a : a + chunk])
         feats = batches.features(b)
-        got = {"prev_token": recall(b["prev_token"], b["target"], e).sum(axis=1),
-               "next_router": recall(b["next_router"], b["target"], e).sum(axis=1)}
+        got = {
+            "prev_token": recall(b["prev_token"], b["target"], e).sum(axis=1),
+            "next_router": recall(b["next_router"], b["target"], e).sum(axis=1),
+        }
         if batches.next_token:
             pred, _ = rule.select(batches.token_router_logits(b), k)
             got["token_router"] = recall(pred, b["target"], e).sum(axis=1)
@@ -202,113 +300,192 @@ def evaluate(heads_list: dict, batches: Batches, rule: RoutingRule, pos: np.ndar
         mx.eval(got)
         for name, value in got.items():
             sums[name] = sums[name] + np.array(value, dtype=np.float64)
-        n += len(pos[a: a + chunk])
-    return {name: (value / max(1, n)).tolist() for name, value in sums.items()} | {"samples": n}
+        n += len(pos[a : a + chunk])
+    return {name: (value / max(1, n)).tolist() for name, value in sums.items()} | {
+        "samples": n
+    }
 
 
-def _report(opts, meta, config, held, train_eval, losses, train_docs, held_docs, train_pos,
-            held_pos, seconds, out) -> dict:
+def _report(
+    opts,
+    meta,
+    config,
+    held,
+    train_eval,
+    losses,
+    train_docs,
+    held_docs,
+    train_pos,
+    held_pos,
+    seconds,
+    out,
+) -> dict:
     layers = []
     for i, (n, c) in enumerate(zip(config.owners, config.consumers)):
-        row = {"owner": n, "consumer": c, "wrap_around": c != n + 1,
-               "recall_heads": held["heads"][i],
-               "recall_prev_token": held["prev_token"][i],
-               "recall_next_router": held["next_router"][i],
-               "recall_untrained_heads": held["init"][i],
-               "recall_heads_train": train_eval["heads"][i]}
+        row = {
+            "owner": n,
+            "consumer": c,
+            "wrap_around": c != n + 1,
+            "recall_heads": held["heads"][i],
+            "recall_prev_token": held["prev_token"][i],
+            "recall_next_router": held["next_router"][i],
+            "recall_untrained_heads": held["init"][i],
+            "recall_heads_train": train_eval["heads"][i],
+        }
         if "token_router" in held:
             row["recall_token_router"] = held["token_router"][i]
         row["beats_baselines"] = row["recall_heads"] > max(
-            row[key] for key in ("recall_prev_token", "recall_next_router",
-                                 "recall_token_router") if key in row)
+            row[key]
+            for key in (
+                "recall_prev_token",
+                "recall_next_router",
+                "recall_token_router",
+            )
+            if key in row
+        )
         layers.append(row)
     mean = lambda key: float(np.mean([r[key] for r in layers if key in r]))  # noqa: E731
-    tail = losses[-max(1, min(50, len(losses) // 10)):]
+    tail = losses[-max(1, min(50, len(losses) // 10)) :]
     return {
-        "heads": str(out), "model": str(Path(opts.model).resolve()),
-        "model_type": meta["model_type"], "top_k": config.top_k, "owners": config.owners,
-        "start_layer": config.start_layer, "width": config.width, "hidden": config.hidden,
-        "num_experts": config.num_experts, "selection_rule": meta["rule"],
+        "heads": str(out),
+        "model": str(Path(opts.model).resolve()),
+        "model_type": meta["model_type"],
+        "top_k": config.top_k,
+        "owners": config.owners,
+        "start_layer": config.start_layer,
+        "width": config.width,
+        "hidden": config.hidden,
+        "num_experts": config.num_experts,
+        "selection_rule": meta["rule"],
         "consumers": config.consumers,
         "recall_definition": "|predicted top-K & true executed top-K| / K, the consumer (layer "
-                             "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
-                             "from owner N's features at token t; held-out documents",
+        "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
+        "from owner N's features at token t; held-out documents",
         "features": "next_token" if config.next_token else "context",
-        "baselines": {"prev_token": "the consumer's executed set at token t",
-                      "next_router": "the consumer's router on the owner's MoE input at token "
-                                     "t, family selection rule"} | (
-            {"token_router": "the consumer's router on the input embedding of token t+1 "
-                             "(next-token heads only), family selection rule"}
-            if config.next_token else {}),
-        "data": {"texts": opts.texts, "documents": len(meta["docs"]),
-                 "docs_train": len(train_docs), "docs_heldout": len(held_docs),
-                 "samples_train": int(len(train_pos)), "samples_heldout": int(len(held_pos)),
-                 "tokens": meta["tokens"], "split": "by document, seeded shuffle",
-                 "train_tokens_cap": opts.train_tokens,
-                 "jsonl_fields": "text, else prompt + completion"},
-        "training": {"steps": opts.steps, "lr": opts.lr, "batch": opts.batch, "seed": opts.seed,
-                     "loss": "softmax cross-entropy vs normalised K-hot target",
-                     "final_loss": float(np.mean(tail)) if tail else None,
-                     "first_loss": losses[0] if losses else None,
-                     "seconds_this_run": seconds},
+        "baselines": {
+            "prev_token": "the consumer's executed set at token t",
+            "next_router": "the consumer's router on the owner's MoE input at token "
+            "t, family selection rule",
+        }
+        | (
+            {
+                "token_router": "the consumer's router on the input embedding of token t+1 "
+                "(next-token heads only), family selection rule"
+            }
+            if config.next_token
+            else {}
+        ),
+        "data": {
+            "texts": opts.texts,
+            "documents": len(meta["docs"]),
+            "docs_train": len(train_docs),
+            "docs_heldout": len(held_docs),
+            "samples_train": int(len(train_pos)),
+            "samples_heldout": int(len(held_pos)),
+            "tokens": meta["tokens"],
+            "split": "by document, seeded shuffle",
+            "train_tokens_cap": opts.train_tokens,
+            "jsonl_fields": "text, else prompt + completion",
+        },
+        "training": {
+            "steps": opts.steps,
+            "lr": opts.lr,
+            "batch": opts.batch,
+            "seed": opts.seed,
+            "loss": "softmax cross-entropy vs normalised K-hot target",
+            "final_loss": float(np.mean(tail)) if tail else None,
+            "first_loss": losses[0] if losses else None,
+            "seconds_this_run": seconds,
+        },
         "layers": layers,
-        "mean": {key: mean(key) for key in ("recall_heads", "recall_prev_token",
-                                            "recall_next_router", "recall_untrained_heads",
-                                            "recall_heads_train", "recall_token_router")
-                 if any(key in r for r in layers)},
+        "mean": {
+            key: mean(key)
+            for key in (
+                "recall_heads",
+                "recall_prev_token",
+                "recall_next_router",
+                "recall_untrained_heads",
+                "recall_heads_train",
+                "recall_token_router",
+            )
+            if any(key in r for r in layers)
+        },
         "all_layers_beat_baselines": all(r["beats_baselines"] for r in layers),
     }
 
 
 def _markdown(r: dict) -> str:
     token = "recall_token_router" in r["mean"]
-    lines = [f"# Prerouter heads: {Path(r['heads']).name}", "",
-             f"Model `{r['model_type']}` ({Path(r['model']).name}), K={r['top_k']}, owners "
-             f"{r['owners'][0]}..{r['owners'][-1]} ({len(r['owners'])} heads), width "
-             f"{r['width']}, {r.get('features', 'context')} features, "
-             f"{r['training']['steps']} steps. Held-out: "
-             f"{r['data']['docs_heldout']} documents / {r['data']['samples_heldout']} tokens "
-             f"(train {r['data']['docs_train']} / {r['data']['samples_train']}).", "",
-             "Top-K recall of the consumer's executed experts at token t+1 (held out; consumer "
-             "N+1, or the first MoE layer for the wrap-around head, marked (wrap)):", "",
-             "| owner N | consumer | heads | prev-token baseline | next-router baseline | "
-             + ("next-token router baseline | " if token else "")
-             + f"untrained heads | heads (train) | beats {'all' if token else 'both'} |",
-             "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if token else "") + ":---:|"]
-    keys = ["recall_heads", "recall_prev_token", "recall_next_router"] + (
-        ["recall_token_router"] if token else []) + ["recall_untrained_heads",
-                                                     "recall_heads_train"]
+    lines = [
+        f"# Prerouter heads: {Path(r['heads']).name}",
+        "",
+        f"Model `{r['model_type']}` ({Path(r['model']).name}), K={r['top_k']}, owners "
+        f"{r['owners'][0]}..{r['owners'][-1]} ({len(r['owners'])} heads), width "
+        f"{r['width']}, {r.get('features', 'context')} features, "
+        f"{r['training']['steps']} steps. Held-out: "
+        f"{r['data']['docs_heldout']} documents / {r['data']['samples_heldout']} tokens "
+        f"(train {r['data']['docs_train']} / {r['data']['samples_train']}).",
+        "",
+        "Top-K recall of the consumer's executed experts at token t+1 (held out; consumer "
+        "N+1, or the first MoE layer for the wrap-around head, marked (wrap)):",
+        "",
+        "| owner N | consumer | heads | prev-token baseline | next-router baseline | "
+        + ("next-token router baseline | " if token else "")
+        + f"untrained heads | heads (train) | beats {'all' if token else 'both'} |",
+        "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if token else "") + ":---:|",
+    ]
+    keys = (
+        ["recall_heads", "recall_prev_token", "recall_next_router"]
+        + (["recall_token_router"] if token else [])
+        + ["recall_untrained_heads", "recall_heads_train"]
+    )
     for row in r["layers"]:
         wrap = " (wrap)" if row.get("wrap_around") else ""
         cells = " | ".join(f"{row[key]:.3f}" if key in row else "-" for key in keys)
-        lines.append(f"| {row['owner']} | {row['consumer']}{wrap} | {cells} | "
-                     f"{'yes' if row['beats_baselines'] else 'no'} |")
+        lines.append(
+            f"| {row['owner']} | {row['consumer']}{wrap} | {cells} | "
+            f"{'yes' if row['beats_baselines'] else 'no'} |"
+        )
     m = r["mean"]
     cells = " | ".join(f"{m[key]:.3f}" for key in keys)
-    lines.append(f"| mean | | {cells} | "
-                 f"{'all' if r['all_layers_beat_baselines'] else 'not all'} |")
+    lines.append(
+        f"| mean | | {cells} | "
+        f"{'all' if r['all_layers_beat_baselines'] else 'not all'} |"
+    )
     c = r.get("collection") or {}
     runs = c.get("runs") or []
     if runs:
-        tokens, seconds = sum(x["tokens"] for x in runs), sum(x["seconds"] for x in runs)
-        lines += ["", f"Collected with the {c.get('path', 'served')} path: {tokens} tokens in "
-                      f"{seconds:.0f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)."]
+        tokens, seconds = (
+            sum(x["tokens"] for x in runs),
+            sum(x["seconds"] for x in runs),
+        )
+        lines += [
+            "",
+            f"Collected with the {c.get('path', 'served')} path: {tokens} tokens in "
+            f"{seconds:.0f} s ({tokens / max(seconds, 1e-9):.1f} tok/s).",
+        ]
     if c.get("check"):
         k = c["check"]
-        lines.append(f"Float32 check against the served path on {k['tokens']} tokens: top-K "
-                     f"agreement mean {k['mean_agreement']:.4f}, worst "
-                     f"{k['worst_agreement']:.4f} (layer {k['worst_layer']}, required "
-                     f"{k['min_agreement']}); feature max relative difference "
-                     f"{k['feature_max_rel_diff']:.2e}; {k['served_tok_s']:.1f} (served) vs "
-                     f"{k['float32_tok_s']:.1f} (float32) tok/s.")
+        lines.append(
+            f"Float32 check against the served path on {k['tokens']} tokens: top-K "
+            f"agreement mean {k['mean_agreement']:.4f}, worst "
+            f"{k['worst_agreement']:.4f} (layer {k['worst_layer']}, required "
+            f"{k['min_agreement']}); feature max relative difference "
+            f"{k['feature_max_rel_diff']:.2e}; {k['served_tok_s']:.1f} (served) vs "
+            f"{k['float32_tok_s']:.1f} (float32) tok/s."
+        )
     t = r["training"]
     if t["first_loss"] is not None:
-        lines += ["", f"Loss (softmax CE vs normalised K-hot): {t['first_loss']:.4f} at step 1 "
-                      f"-> {t['final_loss']:.4f} at the end."]
+        lines += [
+            "",
+            f"Loss (softmax CE vs normalised K-hot): {t['first_loss']:.4f} at step 1 "
+            f"-> {t['final_loss']:.4f} at the end.",
+        ]
     return "\n".join(lines) + "\n"
 
 
 # -- CLI -------------------------------------------------------------------------------------------
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prerouter_arguments(parser)

@@ -36,10 +36,10 @@ from edge0_eval.training.options import MODES
 class Discovery:
     """What the no-gradient pass routed: executed ids per MoE layer, as host arrays."""
 
-    inds: dict[int, np.ndarray]           # layer -> [B, L, K] int32
-    mask: np.ndarray                      # [B, L] bool: prerouted positions
-    valid: np.ndarray                     # [B, L] bool: real (non-padding) positions
-    logits: mx.array | None = None        # student logits of the pass (when asked for)
+    inds: dict[int, np.ndarray]  # layer -> [B, L, K] int32
+    mask: np.ndarray  # [B, L] bool: prerouted positions
+    valid: np.ndarray  # [B, L] bool: real (non-padding) positions
+    logits: mx.array | None = None  # student logits of the pass (when asked for)
     planned_layers: list[int] = field(default_factory=list)
 
     def unions(self, rows: np.ndarray | None = None) -> dict[int, list[int]]:
@@ -56,21 +56,26 @@ class ServedPath:
     """Trainable full-sequence forward of an engine's student, routed exactly as served."""
 
     def __init__(self, engine, grad_checkpoint: bool = False):
-        mode = engine.options.mode                # trained as served: the engine's own mode
+        mode = engine.options.mode  # trained as served: the engine's own mode
         if mode not in MODES:
-            raise ConfigError(f"training runs the student in mode {' or '.join(MODES)}, not "
-                              f"{mode!r}")
+            raise ConfigError(
+                f"training runs the student in mode {' or '.join(MODES)}, not {mode!r}"
+            )
         pr = engine.prerouter
         if mode == "prerouted" and pr is None:
-            raise ConfigError("prerouted training needs prerouter heads, and the engine has "
-                              "none loaded")
+            raise ConfigError(
+                "prerouted training needs prerouter heads, and the engine has "
+                "none loaded"
+            )
         self.engine, self.mode, self.grad_checkpoint = engine, mode, grad_checkpoint
         self.blocks, self.moe = engine.blocks, list(engine.moe_layers)
         self.planned = sorted(pr.consumers) if mode == "prerouted" else []
-        self.wrap = pr.wrap if mode == "prerouted" else None   # (owner, consumer) or None
+        self.wrap = (
+            pr.wrap if mode == "prerouted" else None
+        )  # (owner, consumer) or None
         self._saved_capture = {layer: self.blocks[layer].capture for layer in self.moe}
         for layer in self.moe:
-            self.blocks[layer].capture = True     # every layer's executed ids are recorded
+            self.blocks[layer].capture = True  # every layer's executed ids are recorded
         self.closed = False
 
     def close(self) -> None:
@@ -80,8 +85,13 @@ class ServedPath:
                 self.blocks[layer].capture = self._saved_capture[layer]
             self.closed = True
 
-    def discover(self, tokens: np.ndarray, valid: np.ndarray, n_true: np.ndarray,
-                 keep_logits: bool = False) -> Discovery:
+    def discover(
+        self,
+        tokens: np.ndarray,
+        valid: np.ndarray,
+        n_true: np.ndarray,
+        keep_logits: bool = False,
+    ) -> Discovery:
         """No-gradient pass in serving mode; records every MoE layer's executed ids.
 
         tokens [B, L] int, valid [B, L] bool (False = padding, at the end of a row), n_true [B]:
@@ -94,26 +104,45 @@ class ServedPath:
         planned = None if mask is None else mx.array(mask)
         plans = None if mask is None else Plans()
         if self.wrap is None:
-            logits, _ = step(mx.array(tokens), [None] * len(step.layers), plans, stage=False,
-                             plan_next=False, planned=planned, all_logits=True,
-                             where="in a training pass")
+            logits, _ = step(
+                mx.array(tokens),
+                [None] * len(step.layers),
+                plans,
+                stage=False,
+                plan_next=False,
+                planned=planned,
+                all_logits=True,
+                where="in a training pass",
+            )
             inds = {layer: self.blocks[layer].last[1] for layer in self.moe}
         else:
-            cache, outs, inds = self.engine.new_cache(), [], {layer: [] for layer in self.moe}
+            cache, outs, inds = (
+                self.engine.new_cache(),
+                [],
+                {layer: [] for layer in self.moe},
+            )
             for p in range(length):
-                last, plans = step(mx.array(tokens[:, p: p + 1]), cache, plans, stage=False,
-                                   planned=planned[:, p: p + 1],
-                                   where=f"at position {p} of a training pass")
+                last, plans = step(
+                    mx.array(tokens[:, p : p + 1]),
+                    cache,
+                    plans,
+                    stage=False,
+                    planned=planned[:, p : p + 1],
+                    where=f"at position {p} of a training pass",
+                )
                 outs.append(last)
                 for layer in self.moe:
                     inds[layer].append(self.blocks[layer].last[1])
             logits = mx.stack(outs, axis=1)
             inds = {layer: mx.concatenate(ids, axis=1) for layer, ids in inds.items()}
         mx.eval(list(inds.values()))
-        return Discovery(inds={k: np.array(v).astype(np.int32) for k, v in inds.items()},
-                         mask=np.zeros(tokens.shape, bool) if mask is None else mask,
-                         valid=np.asarray(valid, bool),
-                         logits=logits if keep_logits else None, planned_layers=self.planned)
+        return Discovery(
+            inds={k: np.array(v).astype(np.int32) for k, v in inds.items()},
+            mask=np.zeros(tokens.shape, bool) if mask is None else mask,
+            valid=np.asarray(valid, bool),
+            logits=logits if keep_logits else None,
+            planned_layers=self.planned,
+        )
 
     def load_routed(self, unions: dict[int, list[int]]) -> int:
         """Make each layer's union resident (the memory bound: only these experts). #read."""
@@ -121,14 +150,17 @@ class ServedPath:
         for layer, experts in unions.items():
             switch = self.blocks[layer].switch_mlp
             if len(experts) > switch.slots.n_slots:
-                raise ConfigError(f"layer {layer}: {len(experts)} routed experts do not fit "
-                                  f"{switch.slots.n_slots} slots")
+                raise ConfigError(
+                    f"layer {layer}: {len(experts)} routed experts do not fit "
+                    f"{switch.slots.n_slots} slots"
+                )
             if experts:
                 loaded += switch.load_in_expert_order(experts)
         return loaded
 
-    def replay_plan(self, disc: Discovery, rows: np.ndarray, unions: dict[int, list[int]]
-                    ) -> "Replay":
+    def replay_plan(
+        self, disc: Discovery, rows: np.ndarray, unions: dict[int, list[int]]
+    ) -> "Replay":
         """Fixed ids for the gradient pass; padding positions point at a resident expert."""
         plan = Replay()
         valid = disc.valid[rows]
@@ -175,13 +207,17 @@ def pack_rows(disc: Discovery, n_slots: int) -> list[np.ndarray]:
     rows = np.arange(disc.valid.shape[0])
     groups, current, current_sets = [], [], None
     for r in rows:
-        sets = {layer: set(np.unique(ids[r][disc.valid[r]]).tolist())
-                for layer, ids in disc.inds.items()}
+        sets = {
+            layer: set(np.unique(ids[r][disc.valid[r]]).tolist())
+            for layer, ids in disc.inds.items()
+        }
         worst = max((len(s) for s in sets.values()), default=0)
         if worst > n_slots:
-            raise ConfigError(f"one sequence routes to {worst} distinct experts in a layer but "
-                              f"there are {n_slots} slots per layer; lower --seq-len or raise "
-                              f"--slots-per-layer")
+            raise ConfigError(
+                f"one sequence routes to {worst} distinct experts in a layer but "
+                f"there are {n_slots} slots per layer; lower --seq-len or raise "
+                f"--slots-per-layer"
+            )
         if current_sets is None:
             current, current_sets = [r], sets
             continue

@@ -49,18 +49,24 @@ class SFT(StageImpl):
     def __init__(self, opts: StageOptions):
         self.opts = opts
         self.examples = []
-        self.loss_name = ("next-token cross-entropy on the teacher's completion tokens"
-                          if opts.loss == "ce" else
-                          f"forward KL(teacher || student), tail-aware top-{opts.kl_topk}, on "
-                          f"the teacher's completions")
+        self.loss_name = (
+            "next-token cross-entropy on the teacher's completion tokens"
+            if opts.loss == "ce"
+            else f"forward KL(teacher || student), tail-aware top-{opts.kl_topk}, on "
+            f"the teacher's completions"
+        )
 
     def prepare(self, setup, data) -> None:
         n = len(setup.train_prompts)
-        examples = [fit(data.example(f"train:{i}"), self.opts.seq_len) for i in range(n)]
+        examples = [
+            fit(data.example(f"train:{i}"), self.opts.seq_len) for i in range(n)
+        ]
         self.examples = [e for e in examples if e is not None]
         if not self.examples:
-            raise ConfigError(f"no training prompt leaves room for a completion within "
-                              f"--seq-len {self.opts.seq_len}; raise --seq-len")
+            raise ConfigError(
+                f"no training prompt leaves room for a completion within "
+                f"--seq-len {self.opts.seq_len}; raise --seq-len"
+            )
         self.pad = int(getattr(setup.tokenizer, "pad_token_id", None) or 0)
 
     def batch(self, setup, step: int):
@@ -68,7 +74,9 @@ class SFT(StageImpl):
         batch = collate([self.examples[i] for i in ids], self.pad)
         if self.opts.loss == "ce":
             return batch, None
-        aux = teacher_topk(teacher_log_probs(setup.teacher, batch.tokens), self.opts.kl_topk)
+        aux = teacher_topk(
+            teacher_log_probs(setup.teacher, batch.tokens), self.opts.kl_topk
+        )
         mx.eval(aux)
         return batch, aux
 
@@ -76,17 +84,23 @@ class SFT(StageImpl):
         if self.opts.loss == "ce":
             return cross_entropy_loss(logits, rows, batch, aux)
         r = mx.array(rows)
-        per = bucket_kl(logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], "forward")
+        per = bucket_kl(
+            logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], "forward"
+        )
         return (per * mx.array(batch.loss_mask[rows])).sum()
 
     def report_extra(self, opts: StageOptions) -> dict:
-        return {"train_examples": len(self.examples), "loss": opts.loss,
-                "kl_topk": opts.kl_topk if opts.loss == "kl" else None,
-                "teacher_temperature": opts.teacher_temperature}
+        return {
+            "train_examples": len(self.examples),
+            "loss": opts.loss,
+            "kl_topk": opts.kl_topk if opts.loss == "kl" else None,
+            "teacher_temperature": opts.teacher_temperature,
+        }
 
 
-def train_lora(opts: StageOptions, stop_after: int | None = None,
-               kill_after: int | None = None) -> dict:
+def train_lora(
+    opts: StageOptions, stop_after: int | None = None, kill_after: int | None = None
+) -> dict:
     return run_stage(opts, SFT, stop_after, kill_after)
 
 

@@ -26,14 +26,36 @@ from edge0_eval.engine.lora import save_adapter
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import fit, stable_seed
 from edge0_eval.training.data import encode_prompt, read_prompts, split_prompts
-from edge0_eval.training.evaluate import adapter_arrays, evaluate, markdown, write_report
-from edge0_eval.training.models import (attach_lora, check_pair, check_tokenizers, load_student,
-                                        load_teacher, training_slots)
-from edge0_eval.training.options import StageOptions, add_stage_arguments, options_from_args
+from edge0_eval.training.evaluate import (
+    adapter_arrays,
+    evaluate,
+    markdown,
+    write_report,
+)
+from edge0_eval.training.models import (
+    attach_lora,
+    check_pair,
+    check_tokenizers,
+    load_student,
+    load_teacher,
+    training_slots,
+)
+from edge0_eval.training.options import (
+    StageOptions,
+    add_stage_arguments,
+    options_from_args,
+)
 from edge0_eval.training.served import ServedPath
-from edge0_eval.training.state import (after_step, announce_resume, begin, check_fingerprint,
-                                       load_training_state, model_fingerprint, save_training_state,
-                                       sha256_file)
+from edge0_eval.training.state import (
+    after_step,
+    announce_resume,
+    begin,
+    check_fingerprint,
+    load_training_state,
+    model_fingerprint,
+    save_training_state,
+    sha256_file,
+)
 from edge0_eval.training.teacher import TeacherData, teacher_generate
 from edge0_eval.training.trainer import Trainer, lora_state, set_lora_state
 
@@ -41,14 +63,16 @@ STATE_NAME = "state.safetensors"
 LATEST_NAME = "latest.safetensors"
 VERBS = {"sft": "train-lora", "distill": "distill"}
 
-RANDOM_NOTE = ("If teacher and student are random-weight checkpoints (e.g. `edge0-eval "
-               "make-tiny`), these figures only check the mechanics: the student differs from "
-               "the teacher by int4 quantization (and prerouted routing) of random weights, so "
-               "there is little structure for a LoRA to recover.")
-
+RANDOM_NOTE = (
+    "If teacher and student are random-weight checkpoints (e.g. `edge0-eval "
+    "make-tiny`), these figures only check the mechanics: the student differs from "
+    "the teacher by int4 quantization (and prerouted routing) of random weights, so "
+    "there is little structure for a LoRA to recover."
+)
 
 
 # -- setup -----------------------------------------------------------------------------------------
+
 
 @dataclass
 class Setup:
@@ -96,14 +120,34 @@ def prepare(opts: StageOptions) -> Setup:
         engine.close()
         raise
     stop = set(getattr(tok, "eos_token_ids", None) or [])
-    return Setup(opts, engine, teacher, tok, path, lora_info, train_prompts, eval_prompts,
-                 {"train": len(train_texts), "heldout": len(eval_texts)}, stop, slots)
+    return Setup(
+        opts,
+        engine,
+        teacher,
+        tok,
+        path,
+        lora_info,
+        train_prompts,
+        eval_prompts,
+        {"train": len(train_texts), "heldout": len(eval_texts)},
+        stop,
+        slots,
+    )
 
 
 def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     """Settings and inputs that determine the trained adapter (a change blocks resuming)."""
-    keys = ("stage", "heldout", "lr", "batch", "seq_len", "max_new_tokens", "seed",
-            "teacher_temperature", "max_prompts")
+    keys = (
+        "stage",
+        "heldout",
+        "lr",
+        "batch",
+        "seq_len",
+        "max_new_tokens",
+        "seed",
+        "teacher_temperature",
+        "max_prompts",
+    )
     fp = {k: getattr(opts, k) for k in keys}
     fp.update({k: getattr(opts.engine, k) for k in ("mode", "top_k")})
     if opts.stage == "distill":
@@ -115,14 +159,17 @@ def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     fp["teacher"] = model_fingerprint(opts.teacher)
     fp["prompts"] = [sha256_file(Path(p)) for p in opts.prompts]
     fp["eval_prompts"] = [sha256_file(Path(p)) for p in opts.eval_prompts or []]
-    fp["init_adapter"] = sha256_file(Path(opts.init_adapter)) if opts.init_adapter else None
+    fp["init_adapter"] = (
+        sha256_file(Path(opts.init_adapter)) if opts.init_adapter else None
+    )
     if opts.engine.mode == "prerouted":
         fp["prerouter"] = sha256_file(setup.engine.resolved.prerouter_path)
     return fp
 
 
-def restore_or_start(opts: StageOptions, setup: Setup, fingerprint: dict, optimizer
-                     ) -> tuple[int, dict]:
+def restore_or_start(
+    opts: StageOptions, setup: Setup, fingerprint: dict, optimizer
+) -> tuple[int, dict]:
     """Apply the resume rule; returns (step, history)."""
     state_path = Path(f"{opts.out}.ckpt") / STATE_NAME
     begin(state_path, opts.resume, opts.fresh)
@@ -139,27 +186,51 @@ def restore_or_start(opts: StageOptions, setup: Setup, fingerprint: dict, optimi
     return step, meta.get("history", {})
 
 
-def checkpoint(opts: StageOptions, setup: Setup, optimizer, step: int, fingerprint: dict,
-               history: dict, metadata: dict) -> None:
+def checkpoint(
+    opts: StageOptions,
+    setup: Setup,
+    optimizer,
+    step: int,
+    fingerprint: dict,
+    history: dict,
+    metadata: dict,
+) -> None:
     ckpt = Path(f"{opts.out}.ckpt")
     model = setup.engine.model
     save_adapter(model, ckpt / LATEST_NAME, {**metadata, "step": step}, dtype="float32")
-    save_training_state(ckpt / STATE_NAME, lora_state(model), optimizer, {
-        "step": step, "fingerprint": fingerprint, "history": history,
-        "data_position": {"next_step": step,
-                          "rule": "batch ids are a pure function of (seed, step)"},
-        "rng": {"scheme": "stateless: every random draw is seeded from (seed, step, index)"}})
+    save_training_state(
+        ckpt / STATE_NAME,
+        lora_state(model),
+        optimizer,
+        {
+            "step": step,
+            "fingerprint": fingerprint,
+            "history": history,
+            "data_position": {
+                "next_step": step,
+                "rule": "batch ids are a pure function of (seed, step)",
+            },
+            "rng": {
+                "scheme": "stateless: every random draw is seeded from (seed, step, index)"
+            },
+        },
+    )
 
 
 def adapter_metadata(opts: StageOptions, setup: Setup) -> dict:
     engine = setup.engine
     return {
-        "source": {"teacher": Path(opts.teacher).resolve().name,
-                   "student": Path(opts.student).resolve().name,
-                   "prompts": [Path(p).name for p in opts.prompts],
-                   "mode": opts.engine.mode, "lr": opts.lr, "batch": opts.batch,
-                   "seq_len": opts.seq_len, "seed": opts.seed,
-                   "init_adapter": Path(opts.init_adapter).name if opts.init_adapter else None},
+        "source": {
+            "teacher": Path(opts.teacher).resolve().name,
+            "student": Path(opts.student).resolve().name,
+            "prompts": [Path(p).name for p in opts.prompts],
+            "mode": opts.engine.mode,
+            "lr": opts.lr,
+            "batch": opts.batch,
+            "seq_len": opts.seq_len,
+            "seed": opts.seed,
+            "init_adapter": Path(opts.init_adapter).name if opts.init_adapter else None,
+        },
         "stage": opts.stage,
         "model": engine.config.get("model_type"),
         "K": engine.top_k,
@@ -167,6 +238,7 @@ def adapter_metadata(opts: StageOptions, setup: Setup) -> dict:
 
 
 # -- the loop --------------------------------------------------------------------------------------
+
 
 class StageImpl:
     """What differs between the stages."""
@@ -188,8 +260,12 @@ class StageImpl:
         return {}
 
 
-def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int | None = None,
-              kill_after: int | None = None) -> dict:
+def run_stage(
+    opts: StageOptions,
+    impl_class: type[StageImpl],
+    stop_after: int | None = None,
+    kill_after: int | None = None,
+) -> dict:
     """Run a stage end to end; returns the report. Test hooks (state.after_step): `stop_after`
     raises Interrupted after that step, `kill_after` SIGKILLs the process."""
     opts.stage = impl_class.name
@@ -202,9 +278,20 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
         optimizer = optim.Adam(learning_rate=opts.lr)
         step, history = restore_or_start(opts, setup, fingerprint, optimizer)
 
-        data_fp = {k: fingerprint[k] for k in ("teacher", "prompts", "eval_prompts", "heldout",
-                                               "seed", "max_new_tokens", "teacher_temperature",
-                                               "max_prompts", "seq_len")}
+        data_fp = {
+            k: fingerprint[k]
+            for k in (
+                "teacher",
+                "prompts",
+                "eval_prompts",
+                "heldout",
+                "seed",
+                "max_new_tokens",
+                "teacher_temperature",
+                "max_prompts",
+                "seq_len",
+            )
+        }
         data = TeacherData(ckpt, data_fp)
         jobs = [(f"heldout:{i}", p) for i, p in enumerate(setup.eval_prompts)]
         if impl.needs_teacher_train:
@@ -214,23 +301,39 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
             # Held-out continuations are always greedy, so every stage scores the same targets.
             temp = 0.0 if key.startswith("heldout:") else opts.teacher_temperature
             budget = max(1, min(opts.max_new_tokens, opts.seq_len - len(prompt)))
-            return teacher_generate(setup.teacher, prompt, budget, temp,
-                                    stable_seed(opts.seed, key), setup.stop_ids)
+            return teacher_generate(
+                setup.teacher,
+                prompt,
+                budget,
+                temp,
+                stable_seed(opts.seed, key),
+                setup.stop_ids,
+            )
 
         data.fill(jobs, generate, opts.progress, "teacher completions")
-        heldout = [fit(data.example(k), opts.seq_len) for k, _ in jobs if k.startswith("heldout:")]
+        heldout = [
+            fit(data.example(k), opts.seq_len)
+            for k, _ in jobs
+            if k.startswith("heldout:")
+        ]
         heldout = [e for e in heldout if e is not None]
         if not heldout:
-            raise ConfigError(f"no held-out prompt leaves room for a completion within --seq-len "
-                              f"{opts.seq_len}; raise --seq-len")
+            raise ConfigError(
+                f"no held-out prompt leaves room for a completion within --seq-len "
+                f"{opts.seq_len}; raise --seq-len"
+            )
         impl.prepare(setup, data)
 
         trainer = Trainer(engine, setup.path, optimizer)
         meta = adapter_metadata(opts, setup)
         started = time.perf_counter()
-        bar = tqdm(total=opts.steps, initial=min(step, opts.steps), unit="step",
-                   desc=VERBS[opts.stage],
-                   disable=not opts.progress)
+        bar = tqdm(
+            total=opts.steps,
+            initial=min(step, opts.steps),
+            unit="step",
+            desc=VERBS[opts.stage],
+            disable=not opts.progress,
+        )
         ema = None
         try:
             while step < opts.steps:
@@ -242,8 +345,9 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
                 history["micro_batches"].append(stats.micro_batches)
                 ema = stats.loss if ema is None else 0.9 * ema + 0.1 * stats.loss
                 bar.update(1)
-                bar.set_postfix(loss=f"{stats.loss:.4f}", ema=f"{ema:.4f}",
-                                experts=stats.max_union)
+                bar.set_postfix(
+                    loss=f"{stats.loss:.4f}", ema=f"{ema:.4f}", experts=stats.max_union
+                )
                 if step % opts.ckpt_every == 0 or step == opts.steps:
                     checkpoint(opts, setup, optimizer, step, fingerprint, history, meta)
                 after_step(step, stop_after, kill_after)
@@ -256,35 +360,51 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
         variants = {"no_lora": None}
         if opts.init_adapter:
             variants["init"] = adapter_arrays(opts.init_adapter)
-        variants["trained"] = adapter_arrays(out)        # evaluate what was written
+        variants["trained"] = adapter_arrays(out)  # evaluate what was written
         metrics = evaluate(setup, heldout, variants, opts.eval_batch, opts.progress)
 
         losses = history["loss"]
         index = engine.index
         report = {
-            "stage": opts.stage, "adapter": str(out), "student": str(Path(opts.student).resolve()),
+            "stage": opts.stage,
+            "adapter": str(out),
+            "student": str(Path(opts.student).resolve()),
             "teacher": str(Path(opts.teacher).resolve()),
-            "model_type": engine.config.get("model_type"), "top_k": engine.top_k,
+            "model_type": engine.config.get("model_type"),
+            "top_k": engine.top_k,
             "mode": opts.engine.mode,
-            "lora": setup.lora, "init_adapter": opts.init_adapter,
-            "heldout": {"prompts": len(heldout), "tokens": metrics["trained"]["tokens"],
-                        "source": "--eval-prompts" if opts.eval_prompts else
-                        f"seeded {opts.heldout:g} of --prompts",
-                        "continuations": "teacher greedy, chat template applied",
-                        "metrics": metrics},
+            "lora": setup.lora,
+            "init_adapter": opts.init_adapter,
+            "heldout": {
+                "prompts": len(heldout),
+                "tokens": metrics["trained"]["tokens"],
+                "source": "--eval-prompts"
+                if opts.eval_prompts
+                else f"seeded {opts.heldout:g} of --prompts",
+                "continuations": "teacher greedy, chat template applied",
+                "metrics": metrics,
+            },
             "training": {
-                "steps": step, "batch": opts.batch, "lr": opts.lr, "seq_len": opts.seq_len,
-                "max_new_tokens": opts.max_new_tokens, "seed": opts.seed,
-                "train_prompts": setup.prompt_texts["train"], "loss_name": impl.loss_name,
+                "steps": step,
+                "batch": opts.batch,
+                "lr": opts.lr,
+                "seq_len": opts.seq_len,
+                "max_new_tokens": opts.max_new_tokens,
+                "seed": opts.seed,
+                "train_prompts": setup.prompt_texts["train"],
+                "loss_name": impl.loss_name,
                 "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None,
                 "loss_history": losses,
                 "slots_per_layer": setup.slots,
-                "expert_buffer_mib": setup.slots * len(engine.moe_layers)
-                                     * index.bundle_stride / 2**20,
+                "expert_buffer_mib": setup.slots
+                * len(engine.moe_layers)
+                * index.bundle_stride
+                / 2**20,
                 "max_union": max(history["max_union"]) if history["max_union"] else 0,
                 "max_micro_batches": max(history["micro_batches"])
-                                     if history["micro_batches"] else 0,
+                if history["micro_batches"]
+                else 0,
                 "grad_checkpoint": opts.grad_checkpoint,
                 "seconds_this_run": seconds,
                 "peak_memory_gib": mx.get_peak_memory() / 2**30,
@@ -304,12 +424,16 @@ def run_stage(opts: StageOptions, impl_class: type[StageImpl], stop_after: int |
 
 def command(impl_class: type[StageImpl]):
     """The CLI verb of a stage: (add_arguments(parser), run(args) -> exit status)."""
+
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_stage_arguments(parser, impl_class.name)
 
     def run(args: argparse.Namespace) -> int:
-        run_stage(options_from_args(args, impl_class.name), impl_class,
-                  kill_after=args.kill_after_step)
+        run_stage(
+            options_from_args(args, impl_class.name),
+            impl_class,
+            kill_after=args.kill_after_step,
+        )
         return 0
 
     return add_arguments, run

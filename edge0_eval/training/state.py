@@ -15,17 +15,20 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from edge0_eval.errors import CheckpointError
 
-
 # -- checkpoint files ------------------------------------------------------------------------------
 
-def save_training_state(path: Path, params: dict[str, mx.array], optimizer,
-                        meta: dict[str, object]) -> None:
+
+def save_training_state(
+    path: Path, params: dict[str, mx.array], optimizer, meta: dict[str, object]
+) -> None:
     """`params` under "params.", the optimizer state under "opt."; `meta` values JSON-encoded."""
     arrays = {f"params.{k}": v for k, v in params.items()}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(optimizer.state)})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata={k: json.dumps(v) for k, v in meta.items()})
+    mx.save_safetensors(
+        str(tmp), arrays, metadata={k: json.dumps(v) for k, v in meta.items()}
+    )
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -38,14 +41,20 @@ def load_training_state(path: Path) -> tuple[dict[str, mx.array], dict, dict]:
         meta = {k: json.loads(v) for k, v in raw.items()}
         int(meta["step"])
     except Exception as exc:
-        raise CheckpointError(f"training checkpoint {path} is unreadable ({exc}); rerun with "
-                              f"--fresh") from None
-    params = {k[len("params."):]: v for k, v in arrays.items() if k.startswith("params.")}
-    opt = tree_unflatten([(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")])
+        raise CheckpointError(
+            f"training checkpoint {path} is unreadable ({exc}); rerun with --fresh"
+        ) from None
+    params = {
+        k[len("params.") :]: v for k, v in arrays.items() if k.startswith("params.")
+    }
+    opt = tree_unflatten(
+        [(k[4:], v) for k, v in arrays.items() if k.startswith("opt.")]
+    )
     return params, opt, meta
 
 
 # -- the resume rule -------------------------------------------------------------------------------
+
 
 def begin(state_path: Path, resume: bool, fresh: bool) -> None:
     """--resume insists that a checkpoint exists; --fresh drops it."""
@@ -58,10 +67,14 @@ def begin(state_path: Path, resume: bool, fresh: bool) -> None:
 def check_fingerprint(state_path: Path, saved: dict, current: dict) -> None:
     """A checkpoint written with other settings or inputs never resumes silently."""
     if saved != current:
-        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-        raise CheckpointError(f"{state_path} was written with other settings or inputs "
-                              f"({', '.join(diff)} differ); rerun the original command to "
-                              f"resume, or add --fresh to start over")
+        diff = sorted(
+            k for k in set(saved) | set(current) if saved.get(k) != current.get(k)
+        )
+        raise CheckpointError(
+            f"{state_path} was written with other settings or inputs "
+            f"({', '.join(diff)} differ); rerun the original command to "
+            f"resume, or add --fresh to start over"
+        )
 
 
 def announce_resume(verb: str, state_path: Path, step: int, steps: int) -> None:
@@ -83,6 +96,7 @@ def after_step(step: int, stop_after: int | None, kill_after: int | None) -> Non
 
 # -- fingerprints ----------------------------------------------------------------------------------
 
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -91,8 +105,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-_MODEL_JSON = ("config.json", "experts.index.json", "tokenizer.json", "tokenizer_config.json",
-               "model.safetensors.index.json")
+_MODEL_JSON = (
+    "config.json",
+    "experts.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors.index.json",
+)
 
 
 def model_fingerprint(model: str | Path) -> dict:
@@ -105,7 +124,8 @@ def model_fingerprint(model: str | Path) -> dict:
         if p.name in _MODEL_JSON:
             out[p.name] = sha256_file(p)
         elif p.name in ("resident.safetensors", "experts.bin") or (
-                p.name.startswith("model") and p.suffix == ".safetensors"):
+            p.name.startswith("model") and p.suffix == ".safetensors"
+        ):
             out[p.name] = [p.stat().st_size, p.stat().st_mtime_ns]
     return out
 
@@ -116,6 +136,7 @@ def digest(obj) -> str:
 
 # -- reports ---------------------------------------------------------------------------------------
 
+
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -124,5 +145,9 @@ def write_json(path: Path, obj) -> None:
 
 
 def report_paths(out: Path) -> tuple[Path, Path]:
-    stem = out.name[: -len(".safetensors")] if out.name.endswith(".safetensors") else out.name
+    stem = (
+        out.name[: -len(".safetensors")]
+        if out.name.endswith(".safetensors")
+        else out.name
+    )
     return out.with_name(f"{stem}.report.json"), out.with_name(f"{stem}.report.md")

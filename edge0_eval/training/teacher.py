@@ -37,7 +37,9 @@ class TeacherData:
         same = False
         if self.meta.is_file():
             try:
-                same = json.loads(self.meta.read_text()).get("fingerprint") == fingerprint
+                same = (
+                    json.loads(self.meta.read_text()).get("fingerprint") == fingerprint
+                )
             except ValueError:
                 same = False
         if not same:
@@ -51,21 +53,33 @@ class TeacherData:
                     self.records[rec["key"]] = rec
                     good.append(line)
                 except (ValueError, KeyError, TypeError):
-                    break                          # a torn last line
+                    break  # a torn last line
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             tmp.write_text("".join(g + "\n" for g in good))
             os.replace(tmp, self.path)
 
-    def fill(self, jobs: list[tuple[str, list[int]]], generate, progress: bool, desc: str) -> None:
+    def fill(
+        self, jobs: list[tuple[str, list[int]]], generate, progress: bool, desc: str
+    ) -> None:
         # A record made for another encoding of the prompt (e.g. a changed chat template) is
         # made again.
-        todo = [(k, p) for k, p in jobs
-                if k not in self.records or self.records[k]["prompt"] != list(p)]
+        todo = [
+            (k, p)
+            for k, p in jobs
+            if k not in self.records or self.records[k]["prompt"] != list(p)
+        ]
         if not todo:
             return
-        with open(self.path, "a") as f, tqdm(total=len(jobs), initial=len(jobs) - len(todo),
-                                              desc=desc, unit="prompt",
-                                              disable=not progress) as bar:
+        with (
+            open(self.path, "a") as f,
+            tqdm(
+                total=len(jobs),
+                initial=len(jobs) - len(todo),
+                desc=desc,
+                unit="prompt",
+                disable=not progress,
+            ) as bar,
+        ):
             for key, prompt in todo:
                 completion = generate(key, prompt)
                 rec = {"key": key, "prompt": prompt, "completion": completion}
@@ -80,14 +94,21 @@ class TeacherData:
         return Example(list(rec["prompt"]), list(rec["completion"]))
 
 
-def teacher_generate(teacher, prompt: list[int], max_new: int, temperature: float,
-                     seed: int, stop: set[int]) -> list[int]:
+def teacher_generate(
+    teacher,
+    prompt: list[int],
+    max_new: int,
+    temperature: float,
+    seed: int,
+    stop: set[int],
+) -> list[int]:
     """The teacher's completion (mlx-lm generate_step; seeded, greedy at temperature 0)."""
     mx.random.seed(seed)
     sampler = make_sampler(temp=temperature)
     out = []
-    for token, _ in generate_step(mx.array(prompt), teacher, max_tokens=max_new,
-                                  sampler=sampler):
+    for token, _ in generate_step(
+        mx.array(prompt), teacher, max_tokens=max_new, sampler=sampler
+    ):
         token = int(token)
         out.append(token)
         if token in stop:

@@ -30,7 +30,7 @@ class StepStats:
     loss: float
     tokens: int
     micro_batches: int
-    max_union: int                  # most experts one layer held for the batch
+    max_union: int  # most experts one layer held for the batch
     bundles_read: int
 
 
@@ -63,8 +63,11 @@ class Trainer:
             loss, grads = nn.value_and_grad(self.model, objective)(self.model)
             mx.eval(loss, grads)
             loss_sum += float(loss.item())
-            grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b,
-                                                                 grads_sum, grads)
+            grads_sum = (
+                grads
+                if grads_sum is None
+                else tree_map(lambda a, b: a + b, grads_sum, grads)
+            )
         self.optimizer.update(self.model, grads_sum)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
         return StepStats(loss_sum, total, len(groups), max_union, read)
@@ -81,8 +84,9 @@ def set_lora_state(model, arrays: dict[str, mx.array]) -> None:
     modules = lora_modules(model)
     names = {f"{p}.lora_{x}" for p in modules for x in "AB"}
     if names != set(arrays):
-        raise CheckpointError("the checkpoint's LoRA layers do not match the model's; rerun with "
-                              "--fresh")
+        raise CheckpointError(
+            "the checkpoint's LoRA layers do not match the model's; rerun with --fresh"
+        )
     for p, m in modules.items():
         m.lora_A = arrays[f"{p}.lora_A"].astype(mx.float32)
         m.lora_B = arrays[f"{p}.lora_B"].astype(mx.float32)
