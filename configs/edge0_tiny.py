@@ -127,6 +127,5 @@ summarizer = dict(
 )
 work_dir = "outputs/edge0_tiny"
 
-del (
-    os
-)  # a module in the config namespace would break the config dump OpenCompass re-reads
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del os

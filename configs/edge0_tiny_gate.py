@@ -125,6 +125,5 @@ eval = dict(
 summarizer = dict(type=Edge0Summarizer, dataset_abbrs=["edge0_agreement"])
 work_dir = "outputs/edge0_tiny_gate"
 
-del (
-    os
-)  # a module in the config namespace would break the config dump OpenCompass re-reads
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del os

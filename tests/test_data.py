@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -208,9 +209,15 @@ def test_mmlu_pro_parquet_columns_and_splits_are_checked(tmp_path):
 
 
 def test_fixture_categories_match_the_tiny_config():
-    text = (REPO / "configs" / "edge0_tiny.py").read_text()
+    tree = ast.parse((REPO / "configs" / "edge0_tiny.py").read_text())
+    (value,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and ast.unparse(node.targets[0]) == "tiny_mmlu_pro"
+    ]
     listed = [f"mmlu_pro_{c.replace(' ', '_')}" for c in MMLU_PRO_FIXTURE_CATEGORIES]
-    assert f"tiny_mmlu_pro = {listed!r}" in text
+    assert ast.literal_eval(value) == listed
 
 
 # --- scorers on staged real data ---------------------------------------------------------------

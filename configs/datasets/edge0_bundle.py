@@ -101,6 +101,5 @@ edge0_dataset_abbrs = [
     "IFBench",
 ]
 
-del (
-    os
-)  # a module in the config namespace would break the config dump OpenCompass re-reads
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del os

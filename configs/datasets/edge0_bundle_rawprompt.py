@@ -69,6 +69,5 @@ for d in edge0_raw_datasets:
         **edge0_open_thinking,
     )
 
-del (
-    os
-)  # a module in the config namespace would break the config dump OpenCompass re-reads
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del os
