@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "20 tokens",
     )
     parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a string that ends a row as soon as its text holds one; the text is cut "
+        "there (repeat for several)",
+    )
+    parser.add_argument(
         "--json",
         dest="json_path",
         default=None,
@@ -207,14 +215,27 @@ def _penalties(args) -> dict:
 
 
 def _sampling(args) -> dict:
-    """The engine's sampling arguments from the command line."""
+    """The engine's sampling and stop arguments from the command line."""
     return dict(
         temperature=args.temp,
         top_p=args.top_p,
         top_k=args.sample_top_k,
         min_p=args.min_p,
         penalties=_penalties(args),
+        stop_words=args.stop,
     )
+
+
+def _entry(result) -> dict:
+    """A row as --json writes it: every token decoded, the answer and how it ended."""
+    return {
+        "tokens": result.tokens,
+        "output": result.output,
+        "text": result.text,
+        "finish": result.finish,
+        "stop_word": result.stop_word,
+        "stats": result.stats,
+    }
 
 
 def _run_one(engine: Engine, args) -> None:
@@ -222,22 +243,12 @@ def _run_one(engine: Engine, args) -> None:
     prompt = _encode(tok, args.prompt, args.raw, args.chat_template_config)
     _check_context(engine, prompt, "--prompt")
     result = engine.generate(prompt, max_tokens=args.max_tokens, **_sampling(args))
-    text = tok.decode(result.tokens)
-    print(text)
+    print(result.text)
     s = result.stats
-    print(f"-- {s['generated_tokens']} tokens, {_summary(s)}")
+    print(f"-- {s['generated_tokens']} tokens ({result.finish}), {_summary(s)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump(
-                {
-                    "prompt_tokens": prompt,
-                    "tokens": result.tokens,
-                    "text": text,
-                    "stats": s,
-                },
-                f,
-                indent=1,
-            )
+            json.dump({"prompt_tokens": prompt, **_entry(result)}, f, indent=1)
 
 
 def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None:
@@ -257,17 +268,8 @@ def _run_batch(engine: Engine, args, rows: list[tuple[str, int | None]]) -> None
     )
     entries = []
     for i, ((text, _), prompt, result) in enumerate(zip(rows, prompts, results)):
-        out = tok.decode(result.tokens)
-        print(f"[{i}] {out}")
-        entries.append(
-            {
-                "prompt": text,
-                "prompt_tokens": prompt,
-                "tokens": result.tokens,
-                "text": out,
-                "stats": result.stats,
-            }
-        )
+        print(f"[{i}] {result.text}")
+        entries.append({"prompt": text, "prompt_tokens": prompt, **_entry(result)})
     s = results[0].stats
     label = " (emulated storage)" if s["emulated"] else ""
     union = s["mean_union_per_layer"]

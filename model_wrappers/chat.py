@@ -17,16 +17,8 @@ from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
-from edge0_eval.chat_rows import (  # noqa: F401
-    RowStop,
-    chat_ids,
-    chat_text,
-    fit_prompt,
-    row_seed,
-    stop_token_ids,
-    to_messages,
-    trim_at_stop,
-)
+from edge0_eval.engine.prompts import chat_ids, chat_text, fit_prompt, row_seed
+from edge0_eval.engine.rows import Answer, stop_token_ids
 from edge0_eval.engine.sampling_options import (
     FILTER_KEYS,
     PENALTY_KEYS,
@@ -127,11 +119,12 @@ class ChatModelBase(SampleStatsLog, BaseModel):
     """An OpenCompass chat model: chat template, stop words, sampling and per-sample stats.
 
     Subclasses implement `_load()` (returns the tokenizer) and either
-    `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words, seed) -> (tokens, stats)`
-    (one prompt) or `_generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)` (the
-    batch OpenCompass hands `generate`: `batch_size` prompts per call). Every row's output and
-    sample must equal the same prompt's alone: its seed is `row_seed(seed, its prompt, its sample
-    index)`.
+    `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words, seed) -> Answer` (one
+    prompt) or `_generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)` (the batch
+    OpenCompass hands `generate`: `batch_size` prompts per call). Each row stops by the one
+    rule (engine.rows.StopRule) while it decodes, and its Answer holds its text (cut at its
+    stop string), finish reason and figures. Every row's output and sample must equal the same
+    prompt's alone: its seed is `row_seed(seed, its prompt, its sample index)`.
 
     Args (beyond BaseModel's):
         generation_kwargs: sampling options (see SAMPLING_KEYS); identical keys for both arms.
@@ -185,7 +178,7 @@ class ChatModelBase(SampleStatsLog, BaseModel):
         stop_ids: set,
         stop_words: List[str],
         seed: int,
-    ) -> tuple[List[int], Dict[str, Any]]:
+    ) -> Answer:
         raise NotImplementedError
 
     def _generate_batch(
@@ -195,16 +188,15 @@ class ChatModelBase(SampleStatsLog, BaseModel):
         stop_ids: set,
         stop_words: List[str],
         seeds: List[int],
-    ) -> List[tuple[List[int], Dict[str, Any]]]:
-        """(tokens, stats) per prompt, in prompt order; by default one prompt at a time."""
-        rows = []
+    ) -> List[Answer]:
+        """One Answer per prompt, in prompt order; by default one prompt at a time."""
+        answers = []
         for ids, seed in zip(prompts, seeds):
             start = time.perf_counter()
-            tokens, stats = self._generate_tokens(
-                ids, max_tokens, stop_ids, stop_words, seed
-            )
-            rows.append((tokens, {"wall_s": time.perf_counter() - start, **stats}))
-        return rows
+            answer = self._generate_tokens(ids, max_tokens, stop_ids, stop_words, seed)
+            answer.stats = {"wall_s": time.perf_counter() - start, **answer.stats}
+            answers.append(answer)
+        return answers
 
     # -- prompt handling ---------------------------------------------------------------------
     def chat_text(self, prompt: Any) -> str:
@@ -265,20 +257,21 @@ class ChatModelBase(SampleStatsLog, BaseModel):
                 f"{self.arm}: {len(rows)} outputs for {len(prompts)} prompts"
             )
         outputs = []
-        for ids, seed, sample, (tokens, stats) in zip(prompts, seeds, samples, rows):
-            text, hit = trim_at_stop(self.tokenizer.decode(tokens), stop_words)
+        for ids, seed, sample, answer in zip(prompts, seeds, samples, rows):
             # wall_s: this row's own time (from the call's start in a batch); batch_* keys
             # hold the figures of the whole batch it ran in.
+            stats = dict(answer.stats)
             stats = {
                 "prompt_tokens": len(ids),
-                "tokens": len(tokens),
+                "tokens": len(answer.output),
                 "wall_s": round(float(stats.pop("wall_s", wall)), 4),
-                "stop_word": hit,
+                "stop_word": answer.stop_word,
                 "seed": seed,
                 "sample": sample,
                 "batch_size": len(prompts),
                 **stats,
+                "finish_reason": answer.finish,
             }
             self._record(stats)
-            outputs.append(text)
+            outputs.append(answer.text)
         return outputs

@@ -46,14 +46,8 @@ from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
 from opencompass.models import OpenAISDK
 from opencompass.registry import MODELS
 
-from edge0_eval.chat_rows import (
-    RowStop,
-    chat_ids,
-    chat_text,
-    stop_token_ids,
-    to_messages,
-    trim_at_stop,
-)
+from edge0_eval.engine.prompts import chat_ids, chat_text, to_messages
+from edge0_eval.engine.rows import StopRule, stop_token_ids, trim_at_stop
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 
@@ -340,7 +334,7 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
         usage = response.usage
         tokens = getattr(usage, "completion_tokens", None)
         if entries and all(isinstance(i, int) for i in ids):
-            row = RowStop(
+            row = StopRule(
                 self.tokenizer,
                 max_out_len,
                 stop_token_ids(self.tokenizer, stop_words),

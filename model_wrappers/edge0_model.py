@@ -12,10 +12,10 @@ import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
-from edge0_eval.chat_rows import RowStop, sample_stats
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions, MissingAdapterError
+from edge0_eval.engine.rows import Answer, sample_stats
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
@@ -103,27 +103,6 @@ class Edge0Model(ChatModelBase):
         self.engine = Engine.load(self.path, self.engine_options)
         return self.engine.tokenizer
 
-    def _generate_tokens(
-        self,
-        prompt_ids: List[int],
-        max_tokens: int,
-        stop_ids: set,
-        stop_words: List[str],
-        seed: int,
-    ) -> tuple[List[int], Dict[str, Any]]:
-        """One prompt: Engine.generate, the batch_size 1 path."""
-        mx.reset_peak_memory()  # the engine reports the peak since this point: per sample
-        evicted = self.cold_cache and self.engine.store.evict_page_cache()
-        with wired_limit(self.engine.model):
-            result = self.engine.generate(
-                prompt_ids,
-                max_tokens,
-                stop_token_ids=set(stop_ids),
-                seed=seed,
-                **self._sampling(),
-            )
-        return self._row(result, max_tokens, stop_ids, stop_words, evicted)
-
     def _generate_batch(
         self,
         prompts: List[List[int]],
@@ -131,54 +110,44 @@ class Edge0Model(ChatModelBase):
         stop_ids: set,
         stop_words: List[str],
         seeds: List[int],
-    ) -> List[tuple[List[int], Dict[str, Any]]]:
-        """Several prompts at once: Engine.generate_batch, each row on its own seed."""
-        if len(prompts) == 1:
-            return super()._generate_batch(
-                prompts, max_tokens, stop_ids, stop_words, seeds
-            )
-        mx.reset_peak_memory()
+    ) -> List[Answer]:
+        """The prompts as rows of Engine.generate_batch, each on its own seed, each ended by
+        its stop rule while it decodes (a stop string included: nothing after it is
+        decoded)."""
+        mx.reset_peak_memory()  # the engine reports the peak since this point
         evicted = self.cold_cache and self.engine.store.evict_page_cache()
+        cache = "cold" if evicted else "not evicted"
         start = time.perf_counter()
         with wired_limit(self.engine.model):
             results = self.engine.generate_batch(
                 prompts,
                 max_tokens,
                 stop_token_ids=set(stop_ids),
+                stop_words=stop_words,
                 seeds=list(seeds),
                 **self._sampling(),
             )
         batch_wall = round(time.perf_counter() - start, 4)
-        rows = []
+        answers = []
         for result in results:
-            tokens, stats = self._row(result, max_tokens, stop_ids, stop_words, evicted)
             e = result.stats
-            prefill = e.get("batch_prefill_s") or 0.0
+            prefill = e["batch_prefill_s"]
+            stats = sample_stats(e, result.finish, cache)
             stats.update(
                 # The row's own time: its prefill and the wall time of its decode steps.
-                wall_s=(e.get("prefill_s") or 0.0) + (e.get("decode_wall_s") or 0.0),
+                wall_s=e["prefill_s"] + e["decode_wall_s"],
                 batch_wall_s=batch_wall,
-                batch_prefill_tok_s=round(sum(map(len, prompts)) / prefill, 2)
-                if prefill
-                else 0.0,
-                batch_decode_tok_s=round(float(e.get("batch_decode_tok_s") or 0.0), 2),
+                batch_prefill_tok_s=(
+                    round(sum(map(len, prompts)) / prefill, 2) if prefill else 0.0
+                ),
+                batch_decode_tok_s=round(float(e["batch_decode_tok_s"]), 2),
             )
-            rows.append((tokens, stats))
-        return rows
-
-    def _row(
-        self, result, max_tokens, stop_ids, stop_words, evicted
-    ) -> tuple[List[int], Dict[str, Any]]:
-        """The engine's tokens through the teacher's stop rules (RowStop), and its stats."""
-        # The engine ends on a stop id and includes it; a multi-token stop word it cannot see
-        # ends the row here, as it does the teacher's.
-        row = RowStop(self.tokenizer, max_tokens, stop_ids, stop_words)
-        for token in result.tokens:
-            if row.add(token):
-                break
-        return row.tokens, sample_stats(
-            result.stats, row.finish, "cold" if evicted else "not evicted"
-        )
+            answers.append(
+                Answer(
+                    result.output, result.text, result.finish, result.stop_word, stats
+                )
+            )
+        return answers
 
     def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
         """Teacher-forced log-probs on the served decode path (datasets/edge0_fidelity.py)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import List
 
 import mlx.core as mx
 from mlx_lm import load
@@ -20,12 +20,13 @@ from edge0_eval.engine.mlx_compat import (
     resolve_compute_dtype,
     upcast_unquantized_experts_for_cpu,
 )
+from edge0_eval.engine.rows import Answer, StopRule
 from edge0_eval.engine.sampling import row_sampler
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.evaluation.fidelity import model_logprobs
 
-from .chat import ChatModelBase, RowStop
+from .chat import ChatModelBase
 
 
 @MODELS.register_module()
@@ -88,9 +89,9 @@ class MLXLMModel(ChatModelBase):
         stop_ids: set,
         stop_words: List[str],
         seed: int,
-    ) -> tuple[List[int], Dict[str, Any]]:
+    ) -> Answer:
         """One prompt: mlx-lm's stream_generate (the batch_size 1 path)."""
-        row = RowStop(self.tokenizer, max_tokens, stop_ids, stop_words)
+        row = StopRule(self.tokenizer, max_tokens, stop_ids, stop_words)
         mx.reset_peak_memory()
         prompt_tps = gen_tps = 0.0
         tic = time.perf_counter()
@@ -106,14 +107,16 @@ class MLXLMModel(ChatModelBase):
             prompt_tps, gen_tps = resp.prompt_tps, resp.generation_tps
             if row.add(resp.token):
                 break
-        return row.tokens, {
-            "prefill_tok_s": round(float(prompt_tps), 2),
-            "decode_tok_s": round(float(gen_tps), 2),
-            "peak_memory_gib": round(mx.get_peak_memory() / 2**30, 4),
-            "finish_reason": row.finish or "length",
-            "gen_wall_s": round(time.perf_counter() - tic, 4),
-            "cache": "resident",
-        }
+        return Answer.of(
+            row,
+            {
+                "prefill_tok_s": round(float(prompt_tps), 2),
+                "decode_tok_s": round(float(gen_tps), 2),
+                "peak_memory_gib": round(mx.get_peak_memory() / 2**30, 4),
+                "gen_wall_s": round(time.perf_counter() - tic, 4),
+                "cache": "resident",
+            },
+        )
 
     def _batch_generator(
         self, rows: int, max_tokens: int, stop_ids: set
@@ -134,7 +137,7 @@ class MLXLMModel(ChatModelBase):
         stop_ids: set,
         stop_words: List[str],
         seeds: List[int],
-    ) -> List[tuple[List[int], Dict[str, Any]]]:
+    ) -> List[Answer]:
         """Several prompts at once: mlx-lm's BatchGenerator, one sampler (own key) per row.
 
         prefill_batch_size=1: each row's prompt is prefilled alone, then joins the batch's
@@ -147,7 +150,7 @@ class MLXLMModel(ChatModelBase):
                 prompts, max_tokens, stop_ids, stop_words, seeds
             )
         rows = [
-            RowStop(self.tokenizer, max_tokens, stop_ids, stop_words) for _ in prompts
+            StopRule(self.tokenizer, max_tokens, stop_ids, stop_words) for _ in prompts
         ]
         figures = [
             dict(prefill_s=0.0, decode_s=0.0, steps=0, wall_s=None, peak=None)
@@ -220,26 +223,18 @@ class MLXLMModel(ChatModelBase):
         }
         out = []
         for ids, row, f in zip(prompts, rows, figures):
-            out.append(
-                (
-                    row.tokens,
-                    {
-                        "wall_s": f["wall_s"],
-                        "prefill_tok_s": round(len(ids) / f["prefill_s"], 2)
-                        if f["prefill_s"]
-                        else 0.0,
-                        # The row's own rate: its tokens over the decode steps it took part in.
-                        "decode_tok_s": round(f["steps"] / f["decode_s"], 2)
-                        if f["decode_s"]
-                        else 0.0,
-                        "peak_memory_gib": round(f["peak"] / 2**30, 4),
-                        "finish_reason": row.finish,
-                        "gen_wall_s": round(f["wall_s"], 4),
-                        "cache": "resident",
-                        **batch,
-                    },
-                )
-            )
+            prefill, decode = f["prefill_s"], f["decode_s"]
+            stats = {
+                "wall_s": f["wall_s"],
+                "prefill_tok_s": round(len(ids) / prefill, 2) if prefill else 0.0,
+                # The row's own rate: its tokens over the decode steps it took part in.
+                "decode_tok_s": round(f["steps"] / decode, 2) if decode else 0.0,
+                "peak_memory_gib": round(f["peak"] / 2**30, 4),
+                "gen_wall_s": round(f["wall_s"], 4),
+                "cache": "resident",
+                **batch,
+            }
+            out.append(Answer.of(row, stats))
         return out
 
     def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:

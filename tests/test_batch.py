@@ -23,6 +23,7 @@ from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.pool import LayerSlots
+from edge0_eval.engine.rows import StopRule
 from edge0_eval.errors import ConfigError
 
 TOL = 0.0 if mx.default_device() == mx.cpu else 2e-2
@@ -382,8 +383,7 @@ def _decoder_rows(engine, decoder, prompts, keys, stop):
         k: decoder.add(
             k,
             prompts[k],
-            max_tokens=MAX_TOKENS,
-            stop=stop,
+            stop=StopRule(engine.tokenizer, MAX_TOKENS, stop),
             seed=0,
             sampling=dict(temperature=0.0, top_p=1.0),
         )

@@ -23,9 +23,10 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from edge0_eval.cli import main
 from edge0_eval.demo import offline_env
 from edge0_eval.engine import batch as batch_module
+from edge0_eval.engine.prompts import row_seed
+from edge0_eval.engine.rows import stop_token_ids
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.engine.sampling_options import penalties_of
-from model_wrappers.chat import row_seed, stop_token_ids
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
 
@@ -186,23 +187,24 @@ def test_teacher_draws_mlx_lm_tokens_solo_and_batched(tiny_qwen, monkeypatch, ge
                 for p, s in zip(prompts, seeds)
             ]
         assert len(rec.rows) == len(prompts)
-        for prompt, seed, (tokens, _), logits in zip(prompts, seeds, rows, rec.rows):
+        for prompt, seed, answer, logits in zip(prompts, seeds, rows, rec.rows):
+            tokens = answer.output
             # mlx-lm may compute a step past a row's end; a drawn EOS ends it, not output.
             want = mlx_lm_tokens(prompt, logits, seed, gen)
             assert tokens == want[: len(tokens)]
             assert len(tokens) == N or want[len(tokens)] in stops
         if batch:
-            batched = [t for t, _ in rows]
+            batched = [a.output for a in rows]
         else:
-            assert [t for t, _ in rows] == batched
+            assert [a.output for a in rows] == batched
     monkeypatch.setattr(MLXLMModel, "_processors", real)
     plain = MLXLMModel(
         path=str(tiny_qwen),
         generation_kwargs={k: v for k, v in gen.items() if k not in penalties_of(gen)},
     )
-    assert [
-        t for t, _ in plain._generate_batch(prompts, N, stops, [], seeds)
-    ] != batched
+    assert [a.output for a in plain._generate_batch(prompts, N, stops, [], seeds)] != (
+        batched
+    )
 
 
 def _tier_sampling(tmp_path, sampling: str | None) -> dict:

@@ -18,16 +18,16 @@ import pytest
 from bad_inputs import copy_model
 from live_server import LiveServer, free_port
 
-from edge0_eval.chat_rows import (
-    RowStop,
-    chat_ids,
-    row_seed,
-    stop_token_ids,
-    trim_at_stop,
-)
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.prompts import chat_ids, row_seed
+from edge0_eval.engine.rows import (
+    IncrementalText,
+    StopRule,
+    stop_token_ids,
+    trim_at_stop,
+)
 from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.server import worker as worker_module
 from edge0_eval.server.worker import TextStream, finish_reason
@@ -245,15 +245,16 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(serve
 def _stream_and_answer(tok, ids, stop):
     """(streamed text, whole answer) of a row that takes `ids`, as the worker's _advance and
     _finish make them: the stop rule first, then the streamed text, then the rest."""
-    rule, streamed = RowStop(tok, 10**6, stop_token_ids(tok, stop), stop), ""
-    stream = TextStream(
-        tok, stop, rule.reader
-    )  # the rule's reader, as the worker shares it
+    rule = StopRule(tok, 10**6, stop_token_ids(tok, stop), stop, read_text=True)
+    stream, streamed = (
+        TextStream(stop, rule.reader),
+        "",
+    )  # the rule's reader, as the worker's
     for token in ids:
         if rule.add(token):
             break
-        streamed += stream.add(token)
-    final, _ = trim_at_stop(tok.decode(rule.tokens), stop)
+        streamed += stream.update()
+    final, _ = rule.text()
     return streamed, final
 
 
@@ -274,8 +275,11 @@ def test_streamed_text_never_runs_past_a_stop_word(served):
     # whole text's answer is 'The '; the rule now ends a row at the first, but the stream
     # must not rely on it).
     stop = ["is ", "answer is 4"]
-    stream = TextStream(tok, stop)
-    streamed = "".join(stream.add(t) for t in ids)
+    reader = IncrementalText(tok)
+    stream, streamed = TextStream(stop, reader), ""
+    for token in ids:
+        reader.add(token)
+        streamed += stream.update()
     assert trim_at_stop(tok.decode(ids), stop)[0] == "The " and "The ".startswith(
         streamed
     )
@@ -311,7 +315,7 @@ def test_a_stop_word_opening_the_answer_with_a_space_ends_the_row(served):
         " is 4. And that is all there was to say about it.", add_special_tokens=False
     )
     for stop in ([" is 4"], ["is 4"]):
-        rule = RowStop(tok, len(ids) + 1, stop_token_ids(tok, stop), stop)
+        rule = StopRule(tok, len(ids) + 1, stop_token_ids(tok, stop), stop)
         ended = [rule.add(t) for t in ids]
         assert rule.finish == "stop_word" and ended.index(True) < 5, (stop, rule.finish)
         assert finish_reason(rule) == "stop"

@@ -29,7 +29,7 @@ splits a decode step into waves (it still would for a longer prefill, as at B = 
 Faults. A joiner whose prefill raises fails alone (its cache never joined). A decode step that
 raises (an expert read's I/O or checksum error, non-finite logits) fails every row in it: their
 caches were being written; the batch is emptied and the next rows start a fresh one. A failed
-row carries the exception (`_Row.error`); `run` raises it.
+row carries the exception (`Row.error`); `run` raises it.
 
 Numerics. Each row's decode is its own arithmetic: matmuls, gather_qmm and the recurrent
 states are per row, and the padded keys a batch row attends over are masked to exact zeros. On
@@ -51,41 +51,51 @@ from typing import Hashable
 import mlx.core as mx
 
 from edge0_eval.engine.prerouted import Plans
+from edge0_eval.engine.rows import RowFigures, StopRule
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.errors import ConfigError
 
 
 @dataclass(eq=False)  # rows are compared by identity
-class _Row:
+class Row:
+    """One row of the batch decoder: its prompt, sampler, stop rule and figures.
+
+    tokens: every token sampled for it (a final stop id included: the tokens it decoded);
+    `stop.tokens` is its output. logprobs (the server's): None, none; k >= 0, per sampled
+    token (its logprob, the top k (id, logprob)), of the model's distribution (log-softmax of
+    the logits, before penalties and filters).
+    """
+
     key: Hashable  # the caller's name for it (generate_batch: prompt index)
     prompt: list[int]
     sampler: RowSampler
-    max_tokens: int
-    stop: set[int]
+    stop: StopRule
+    figures: RowFigures
     tokens: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    steps: int = 0  # decode steps this row took part in
-    decode_share_s: float = (
-        0.0  # its share of those steps' wall time (step time / rows)
-    )
-    decode_wall_s: float = 0.0  # wall time of those steps
-    # Those steps' snapshot differences (Engine.snapshot), and the tokens they decoded (every
-    # row's): reads are shared by the rows of a step.
-    decode: Counter = field(default_factory=Counter)
-    step_tokens: int = 0
-    prefill: dict = field(default_factory=dict)  # the prefill's snapshot difference
-    # The server's logprobs: None, none; k >= 0, per token (its logprob, the top k (id, logprob)),
-    # of the model's distribution (log-softmax of the logits, before penalties and filters).
     top_logprobs: int | None = None
     logprobs: list = field(default_factory=list)
     done: bool = False
     cancelled: bool = False
-    error: Exception | None = None  # the exception that ended it (see Faults)
+    error: Exception | None = None  # the exception that ended it (batch.py: Faults)
 
+    def take(self, token: int, logits: mx.array) -> None:
+        """The token sampled for it from `logits`; the stop rule says whether it ended."""
+        self.tokens.append(token)
+        if self.top_logprobs is not None:
+            self.logprobs.append(token_logprobs(logits, token, self.top_logprobs))
+        self.done = self.stop.add(token)
 
-def merge_caches(caches: list[list]) -> list:
-    """One B = 1 prompt cache per row (a list per layer) -> the batch's cache per layer."""
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    @property
+    def output(self) -> list[int]:
+        return self.stop.tokens
+
+    @property
+    def finish(self) -> str | None:
+        return self.stop.finish
+
+    def stats(self, engine_stats: dict) -> dict:
+        """The engine's figures with the row's own over them."""
+        return {**engine_stats, **self.figures.as_dict(len(self.tokens))}
 
 
 def token_logprobs(logits: mx.array, token: int, k: int) -> tuple[float, list]:
@@ -98,6 +108,11 @@ def token_logprobs(logits: mx.array, token: int, k: int) -> tuple[float, list]:
         values = logprobs[ids]
         top = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
     return float(logprobs[token].item()), top
+
+
+def merge_caches(caches: list[list]) -> list:
+    """One B = 1 prompt cache per row (a list per layer) -> the batch's cache per layer."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
 
 
 def check_batch_args(prompts, max_tokens, batch_size, seeds) -> int:
@@ -162,8 +177,8 @@ class BatchDecoder:
             rows_at_once,
             logits_trace,
         )
-        self.waiting: deque[_Row] = deque()
-        self.active: list[_Row] = []
+        self.waiting: deque[Row] = deque()
+        self.active: list[Row] = []
         self.cache: list | None = None
         self.plans: Plans | None = None if engine.prerouter is None else Plans()
         # The decode figures: snapshot differences (Engine.snapshot) summed over the steps.
@@ -175,25 +190,25 @@ class BatchDecoder:
         key: Hashable,
         prompt: list[int],
         *,
-        max_tokens: int,
-        stop: set[int],
+        stop: StopRule,
         seed: int,
         sampling: dict,
         top_logprobs: int | None = None,
-    ) -> _Row:
-        """Queue a row; it joins at the next step with room. sampling: RowSampler's keyword
-        arguments (temperature, top_p, top_k, min_p, penalties); its penalties see its prompt.
+    ) -> Row:
+        """Queue a row; it joins at the next step with room. stop: the row's stop rule (its
+        max_tokens, stop ids and strings). sampling: RowSampler's keyword arguments
+        (temperature, top_p, top_k, min_p, penalties); its penalties see its prompt.
         top_logprobs: keep each token's logprob and the top k (None: none)."""
         if len(prompt) == 0:
             raise ConfigError(f"row {key!r}: the prompt is empty (no tokens)")
-        check_max_tokens(max_tokens)
+        check_max_tokens(stop.max_tokens)
         check_seed(seed)
-        row = _Row(
+        row = Row(
             key,
             list(prompt),
             RowSampler(seed=int(seed), prompt=prompt, **sampling),
-            max_tokens,
-            set(stop),
+            stop,
+            RowFigures(len(prompt)),
             top_logprobs=top_logprobs,
         )
         if self.logits_trace is not None:
@@ -201,7 +216,7 @@ class BatchDecoder:
         self.waiting.append(row)
         return row
 
-    def cancel(self, row: _Row) -> None:
+    def cancel(self, row: Row) -> None:
         """End `row` now: a waiting row never joins; an active one leaves before the next step."""
         if row.done:
             return
@@ -214,34 +229,36 @@ class BatchDecoder:
         """Rows are waiting or decoding."""
         return bool(self.waiting or self.active)
 
-    def _join(self, row: _Row):
-        """Prefill `row` alone (the B = 1 path) into its own cache; sample its first token. Its
-        plans are its features only: the batch plans its rows together."""
+    def _join(self, row: Row, stage: bool):
+        """Prefill `row` alone (the B = 1 path) into its own cache; sample its first token.
+        stage: the row joins an empty batch alone, and its prefill plans its first step (with
+        its sampler, for a draft hedge); else its plans are its features only: the batch
+        plans its rows together."""
         e = self.engine
         cache = e.new_cache()
         before, t0 = e.snapshot(), time.perf_counter()
-        logits, plans = e.prefill(row.prompt, cache, stage=False)
+        logits, plans = e.prefill(
+            row.prompt, cache, stage=stage, samplers=[row.sampler] if stage else None
+        )
         if plans is not None:
             mx.eval(plans.feats, plans.onehot)
-        row.prefill_s = time.perf_counter() - t0
-        row.prefill = {k: v - before[k] for k, v in e.snapshot().items()}
-        if row.max_tokens >= 1:
+        row.figures.prefill_s = time.perf_counter() - t0
+        row.figures.prefill = Counter(
+            {k: v - before[k] for k, v in e.snapshot().items()}
+        )
+        if row.stop.finish is None:
             self._take(row, row.sampler(logits), logits)
-        else:
+        else:  # max_tokens 0
             row.done = True
         return cache, plans
 
-    def _take(self, row: _Row, token: mx.array, logits: mx.array) -> None:
+    def _take(self, row: Row, token: mx.array, logits: mx.array) -> None:
         if self.logits_trace is not None:
             self.logits_trace[row.key].append(logits)
-        t = int(token.item())
-        row.tokens.append(t)
-        if row.top_logprobs is not None:
-            row.logprobs.append(token_logprobs(logits, t, row.top_logprobs))
-        row.done = t in row.stop or len(row.tokens) >= row.max_tokens
+        row.take(int(token.item()), logits)
 
     # -- the loop ---------------------------------------------------------------------------
-    def run(self) -> list[_Row]:
+    def run(self) -> list[Row]:
         """Step until every row has finished; the rows in the order they were added. The first
         failed row's exception is raised."""
         rows = list(self.waiting)
@@ -251,11 +268,11 @@ class BatchDecoder:
                     raise row.error
         return rows
 
-    def step(self) -> list[_Row]:
+    def step(self) -> list[Row]:
         """One iteration: rows that finished leave, waiting rows join (prefilled alone), then
         one decode step of the active rows. Returns the rows that took a token or failed."""
         e, pr = self.engine, self.engine.prerouter
-        touched: list[_Row] = []
+        touched: list[Row] = []
         # Between steps: finished rows leave, waiting rows take their places.
         t0, before = time.perf_counter(), e.snapshot()
         keep = [j for j, r in enumerate(self.active) if not r.done]
@@ -278,10 +295,13 @@ class BatchDecoder:
                 self.cache = None
         self._account(t0, before)
         joined = []
+        # One row joining an empty batch plans its first step in its prefill, as a solo
+        # sequence does (a batch of one is a solo run: Engine.generate).
+        alone = not self.active and (len(self.waiting) == 1 or self.rows_at_once == 1)
         while self.waiting and len(self.active) + len(joined) < self.rows_at_once:
             row = self.waiting.popleft()
             try:
-                row_cache, row_plans = self._join(row)
+                row_cache, row_plans = self._join(row, stage=alone)
             except Exception as exc:  # noqa: BLE001 - the row fails alone (see Faults)
                 row.error, row.done = exc, True
                 touched.append(row)
@@ -289,6 +309,8 @@ class BatchDecoder:
             touched.append(row)
             if not row.done:  # stopped on its first token: never joins
                 joined.append((row, row_cache, row_plans))
+            elif alone and pr is not None:
+                pr.abandon(row_plans)
         if joined:
             if self.active:
                 self.decode["batch_joined"] += len(joined)
@@ -300,7 +322,8 @@ class BatchDecoder:
                     mine.extend(theirs)
             self.active += [r for r, _, _ in joined]
             if pr is not None:
-                self.plans = Plans.join([self.plans] + [p for *_, p in joined])
+                parts = [self.plans] + [p for *_, p in joined]
+                self.plans = parts[1] if alone else Plans.join(parts)
         if self.active:
             try:
                 self._step()
@@ -334,11 +357,7 @@ class BatchDecoder:
         self.decode["batch_tokens"] += len(active)
         diff = self._account(t0, before)
         for j, (r, t) in enumerate(zip(active, tokens)):
-            r.steps += 1
-            r.decode_share_s += dt / len(active)
-            r.decode_wall_s += dt
-            r.decode.update(diff)
-            r.step_tokens += len(active)
+            r.figures.add_step(diff, dt, len(active))
             self._take(r, t, last[j])
 
     def _account(self, t0: float, before: dict) -> dict:
@@ -350,7 +369,7 @@ class BatchDecoder:
         return diff
 
     # -- figures ----------------------------------------------------------------------------
-    def batch_stats(self, rows: list[_Row]) -> dict:
+    def batch_stats(self, rows: list[Row]) -> dict:
         """The batch's own figures (the same in every row's stats; with its decode figures)."""
         d = self.decode
         tokens, steps, seconds = d["batch_tokens"], d["batch_steps"], d["batch_seconds"]
@@ -364,26 +383,6 @@ class BatchDecoder:
             "batch_decode_tokens": tokens,
             "batch_decode_s": seconds,
             "batch_decode_tok_s": tokens / seconds if seconds > 0 else 0.0,
-            "batch_prefill_s": sum(r.prefill_s for r in rows),
-            "batch_prefill_bytes_read": sum(r.prefill.get("bytes", 0) for r in rows),
-        }
-
-    @staticmethod
-    def row_stats(row: _Row) -> dict:
-        """A row's own figures: its prefill, its tokens, its share of the decode steps."""
-        return {
-            "prompt_tokens": len(row.prompt),
-            "generated_tokens": len(row.tokens),
-            "prefill_s": row.prefill_s,
-            "prefill_tok_s": len(row.prompt) / row.prefill_s
-            if row.prefill_s > 0
-            else 0.0,
-            "prefill_bytes_read": row.prefill.get("bytes", 0),
-            "decode_steps": row.steps,
-            "decode_s": row.decode_share_s,
-            "decode_wall_s": row.decode_wall_s,
-            # The row's own stream rate: its tokens over the wall time of its steps.
-            "decode_tok_s": row.steps / row.decode_wall_s
-            if row.decode_wall_s > 0
-            else 0.0,
+            "batch_prefill_s": sum(r.figures.prefill_s for r in rows),
+            "batch_prefill_bytes_read": sum(r.figures.prefill["bytes"] for r in rows),
         }

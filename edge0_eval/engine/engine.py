@@ -14,9 +14,8 @@ returned: `Sequence` carries them for one sequence, the batch decoder for its ro
 from __future__ import annotations
 
 import resource
-import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
+from edge0_eval.engine.batch import BatchDecoder, Row, check_batch_args, check_seed
 from edge0_eval.engine.families import open_model_dir
 from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.mlx_compat import (
@@ -36,6 +35,7 @@ from edge0_eval.engine.mlx_compat import (
 from edge0_eval.engine.moe import Counters, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
 from edge0_eval.engine.prerouted import Plans, attach_prerouter
+from edge0_eval.engine.rows import Answer, StopRule, decode_figures
 from edge0_eval.engine.sampling import RowSampler
 from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (NonFiniteError: API)
 from edge0_eval.engine.store import ExpertStore
@@ -51,10 +51,18 @@ from edge0_eval.formats.model_dir import (
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(Answer):
+    """A finished row, as `generate` and `generate_batch` return it: its answer (rows.Answer:
+    output, text, finish, stop_word, stats: the engine's figures with the row's own), and
+    every token it decoded (`tokens`: a final stop id included)."""
+
     tokens: list[int]
     prompt_tokens: int
-    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def of_row(cls, row: Row, stats: dict) -> "GenerationResult":
+        answer = Answer.of(row.stop, stats)
+        return cls(**vars(answer), tokens=row.tokens, prompt_tokens=len(row.prompt))
 
 
 def _rss_gib() -> float:
@@ -253,49 +261,28 @@ class Engine:
         top_k: int = 0,
         min_p: float = 0.0,
         penalties: dict | None = None,
+        stop_words: list[str] = (),
     ) -> GenerationResult:
-        """One sequence. Sampling draws from the row's own key (`seed`, default options.seed;
-        see sampling.py), so `generate(p, seed=s)` equals row p of a `generate_batch` with
-        seed s, sampled or greedy. penalties: mlx-lm's (sampling_options.PENALTY_KEYS), on the
-        prompt and the tokens generated."""
-        stop = self._stop_ids(stop_token_ids)
+        """One sequence: a batch of one row (`generate_batch`), so a solo run and a batched
+        row are one code path. Sampling draws from the row's own key (`seed`, default
+        options.seed; see sampling.py). penalties: mlx-lm's (sampling_options.PENALTY_KEYS),
+        on the prompt and the tokens generated; stop_words: strings that end the row as soon
+        as its text holds one."""
         if seed is not None:
             check_seed(seed)
-        sampler = RowSampler(
-            temperature,
-            top_p,
-            int(self.options.seed if seed is None else seed),
+        return self.generate_batch(
+            [prompt_tokens],
+            max_tokens,
+            batch_size=1,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=stop_token_ids,
+            seeds=None if seed is None else [seed],
             top_k=top_k,
             min_p=min_p,
-            prompt=prompt_tokens,
             penalties=penalties,
-        )
-        sequence = self.sequence()
-        before = self.snapshot()
-        t0 = time.perf_counter()
-        logits = sequence.prefill(list(prompt_tokens), sampler)
-        t1 = time.perf_counter()
-        mid = self.snapshot()
-        tokens: list[int] = []
-        while len(tokens) < max_tokens:
-            token = int(sampler(logits).item())
-            tokens.append(token)
-            if token in stop or len(tokens) >= max_tokens:
-                break
-            logits = sequence.step(token, sampler)
-        t2 = time.perf_counter()
-        self._last = self._phase_stats(
-            before,
-            mid,
-            self.snapshot(),
-            len(prompt_tokens),
-            len(tokens),
-            t1 - t0,
-            t2 - t1,
-        )
-        return GenerationResult(
-            tokens=tokens, prompt_tokens=len(prompt_tokens), stats=self.stats()
-        )
+            stop_words=stop_words,
+        )[0]
 
     def generate_batch(
         self,
@@ -310,6 +297,7 @@ class Engine:
         top_k: int = 0,
         min_p: float = 0.0,
         penalties: dict | None = None,
+        stop_words: list[str] = (),
         logits_trace: list | None = None,
     ) -> list[GenerationResult]:
         """Decode many prompts, `batch_size` rows at a time (None: all at once); continuous
@@ -347,8 +335,7 @@ class Engine:
             decoder.add(
                 i,
                 prompt,
-                max_tokens=max_tokens,
-                stop=stop,
+                stop=StopRule(self.tokenizer, max_tokens, stop, stop_words),
                 sampling=sampling,
                 seed=self.options.seed if seeds is None else seeds[i],
             )
@@ -362,14 +349,7 @@ class Engine:
             common = self.stats()  # with the batch's expert buffer
         if logits_trace is not None:
             logits_trace[:] = [trace[i] for i in range(len(prompts))]
-        return [
-            GenerationResult(
-                tokens=r.tokens,
-                prompt_tokens=len(r.prompt),
-                stats={**common, **decoder.row_stats(r)},
-            )
-            for r in rows
-        ]
+        return [GenerationResult.of_row(r, r.stats(common)) for r in rows]
 
     @contextmanager
     def batch_pool(self, rows_at_once: int):
@@ -405,7 +385,9 @@ class Engine:
         """The counters now, with the store's reads and the pools' lookups."""
         pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
         c = self.counters
-        return asdict(c) | {
+        # Counters holds scalars only: a shallow copy (asdict deep-copies, ~0.15 ms a call,
+        # and a decode step takes four snapshots).
+        return vars(c).copy() | {
             "bytes": self.store.stats.bytes_read,
             "reads": self.store.stats.reads,
             "hits": sum(p.hits for p in pool),
@@ -415,21 +397,6 @@ class Engine:
             # Distinct experts per layer call, and such calls (reactive unions + staged sets).
             "union": c.union_experts + c.staged_experts,
             "union_layers": c.union_calls + c.staged_layers,
-        }
-
-    def _phase_stats(
-        self, before, mid, after, n_prompt, n_gen, t_prefill, t_decode
-    ) -> dict:
-        steps = max(0, n_gen - 1)  # the first token comes from the prefill logits
-        return {
-            "prompt_tokens": n_prompt,
-            "generated_tokens": n_gen,
-            "prefill_s": t_prefill,
-            "decode_s": t_decode,
-            "prefill_tok_s": n_prompt / t_prefill if t_prefill > 0 else 0.0,
-            "decode_tok_s": steps / t_decode if steps and t_decode > 0 else 0.0,
-            "prefill_bytes_read": mid["bytes"] - before["bytes"],
-            **decode_figures({k: after[k] - mid[k] for k in after}, steps, steps),
         }
 
     def stats(self) -> dict:
@@ -467,41 +434,6 @@ class Engine:
 
     def close(self) -> None:
         self.store.close()
-
-
-def decode_figures(d: dict, steps: int, tokens: int) -> dict:
-    """A decode phase's figures from the difference `d` of two snapshots: per decoded token
-    (every row's) and per step."""
-
-    def per(x, n):
-        return x / n if n else 0.0
-
-    lookups = d["hits"] + d["misses"]
-    return {
-        "decode_bytes_read": d["bytes"],
-        "bytes_per_token": per(d["bytes"], tokens),
-        "reads_per_token": per(d["reads"], tokens),
-        "blocked_load_ms_per_step": per(1000 * d["blocked"], steps),
-        "blocked_loads_per_step": per(d["blocked_loads"], steps),
-        # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
-        "demand_read_gbps": (
-            d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
-            if d["demand_read_seconds"] > 0
-            else None
-        ),
-        "decode_hit_rate": per(d["hits"], lookups),
-        # Distinct experts a MoE layer needed per step (reactive: the rows' routed union;
-        # prerouted: the staged union); None when resident (nothing is looked up).
-        "mean_union_per_layer": d["union"] / d["union_layers"]
-        if d["union_layers"]
-        else None,
-        # build: Python building the graph, including blocking reads/stage waits and any
-        # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
-        "profile_ms_per_step": {
-            f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
-            for name in ("build", "eval")
-        },
-    }
 
 
 class Sequence:

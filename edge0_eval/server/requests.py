@@ -18,7 +18,7 @@ Fields (null is the same as absent):
                              the text is cut at the first
   seed                       whole number >= 0 (default the server's `--seed`): the run's seed,
                              as in a model config's generation_kwargs; the row draws from
-                             `row_seed(seed, prompt ids, edge0_sample)` (edge0_eval/chat_rows.py),
+                             `row_seed(seed, prompt ids, edge0_sample)` (edge0_eval/engine/prompts.py),
                              as the in-process arms do
   edge0_sample               whole number >= 0 (default 0): which of a question's repeats this
                              is (OpenCompass's dataset `n`); an extension

@@ -3,11 +3,11 @@
 MLX and the engine are single-threaded, so every request is handed to `Worker` as a `Job`
 (`submit`, `cancel`: thread-safe) and everything that touches the model or the tokenizer runs
 here: the chat template and tokenization when the job is admitted, then the batch decoder
-(engine/batch.py), between whose steps rows join and leave. After each step every row that took
-a token advances its job: the shared stop rule (`RowStop`: EOS and single-token stop words end
-the row in the engine, a longer stop word here, and the row is cancelled before the next
-step), streamed text, and at the end the text trimmed at the stop word and the row's engine
-stats. A job hears back through its `post` callback (thread-safe), with one of
+(engine/batch.py), between whose steps rows join and leave. Each row carries its stop rule
+(engine/rows.py: stop ids, stop words and max_tokens end it inside the decoder, and a row that
+ended leaves before the next step); after each step every row that took a token advances its
+job: logprobs, streamed text read from the row's one text reader, and at the end the row's
+answer (its text cut at the stop word) and figures. A job hears back through its `post` callback (thread-safe), with one of
   ('started', prompt_tokens) | ('delta', text, logprobs) | ('done', Finished)
   | ('error', RequestError)
 An exception in a decode step (an expert read's I/O or checksum error, non-finite logits) fails
@@ -27,19 +27,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from edge0_eval.chat_rows import (
+from edge0_eval.engine.batch import BatchDecoder, Row
+from edge0_eval.engine.mlx_compat import wired_limit
+from edge0_eval.engine.prompts import chat_ids, fit_prompt, row_seed
+from edge0_eval.engine.rows import (
     IncrementalText,
-    RowStop,
-    chat_ids,
-    fit_prompt,
-    row_seed,
+    StopRule,
     sample_stats,
     stop_token_ids,
-    trim_at_stop,
 )
-from edge0_eval.engine.batch import BatchDecoder
-from edge0_eval.engine.engine import decode_figures
-from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.server.requests import (
     CONTEXT_EXCEEDED,
     DEFAULT_MAX_MODEL_LEN,
@@ -57,7 +53,7 @@ class Finished:
     prompt_tokens: int
     tokens: list[int]
     logprobs: list  # per output token: its chat API logprobs entry
-    stats: dict  # the sample's stats (chat_rows.sample_stats and more)
+    stats: dict  # the sample's stats (rows.sample_stats and more)
 
 
 @dataclass(eq=False)
@@ -66,31 +62,26 @@ class Job:
     post: Callable[[tuple], None]
     submitted: float = field(default_factory=time.perf_counter)
     # The worker's, once admitted:
-    row: object = None
-    stop: RowStop | None = None
+    row: Row | None = None
     stream: "TextStream | None" = None
     seed: int = 0
-    seen: int = 0  # row tokens taken so far
+    seen: int = 0  # the row's tokens taken so far
     logprobs: list = field(default_factory=list)
 
 
 class TextStream:
-    """Streamed text: the row's text as its stop rule reads it (IncrementalText, which follows
-    `tokenizer.decode` of the whole answer; the rule's own reader when it has one, so a token is
-    decoded once). Held back: what could still become a stop word (the longest one's length - 1
-    characters; an incomplete character is never read). Never sent: a stop word this text
-    holds, and what follows it. The hold applies after a first stop word too: a longer one
-    completing in a later token can start before it, and the answer is cut at the earliest."""
+    """Streamed text: the row's text as its stop rule reads it (its IncrementalText, which
+    follows `tokenizer.decode` of the whole answer: one reader per row, fed once per token).
+    Held back: what could still become a stop word (the longest one's length - 1 characters;
+    an incomplete character is never read). Never sent: a stop word this text holds, and what
+    follows it. The hold applies after a first stop word too: a longer one completing in a
+    later token can start before it, and the answer is cut at the earliest."""
 
-    def __init__(
-        self, tokenizer, stop_words: list[str], reader: IncrementalText | None = None
-    ):
-        """reader: the row's stop rule's (RowStop.reader), fed by the rule; None: its own."""
+    def __init__(self, stop_words: list[str], reader: IncrementalText):
         self.stop_words = list(stop_words)
         self.hold = max((len(w) for w in stop_words), default=1) - 1
-        self.own = reader is None
-        self.reader = IncrementalText(tokenizer) if reader is None else reader
-        self.searched = 0  # characters of the text seen by the last add
+        self.reader = reader
+        self.searched = 0  # characters of the text seen by the last update
         self.cut: int | None = None  # where the earliest stop word in it starts
         self.sent = 0
 
@@ -98,10 +89,8 @@ class TextStream:
     def text(self) -> str:
         return self.reader.text
 
-    def add(self, token: int) -> str:
-        """The text to send after `token` (already taken by a shared reader)."""
-        if self.own:
-            self.reader.add(token)
+    def update(self) -> str:
+        """The text to send of what the reader has read since the last update."""
         seen, self.searched = self.searched, len(self.text)
         if self.searched > seen:
             # A stop word that ends in the new text starts at most `hold` characters before
@@ -143,7 +132,7 @@ def stopped_error() -> RequestError:
     )
 
 
-def finish_reason(stop: RowStop) -> str:
+def finish_reason(stop: StopRule) -> str:
     return "length" if stop.finish in (None, "length") else "stop"
 
 
@@ -351,61 +340,52 @@ class Worker(threading.Thread):
                 )
             )
             return
-        stop_ids = stop_token_ids(tok, spec.stop)
         job.seed = row_seed(spec.seed, ids, spec.sample)
-        job.stop = RowStop(tok, spec.max_tokens, stop_ids, spec.stop)
-        job.stream = (
-            TextStream(tok, spec.stop, job.stop.reader) if spec.stream else None
+        stop = StopRule(
+            tok,
+            spec.max_tokens,
+            stop_token_ids(tok, spec.stop),
+            spec.stop,
+            read_text=spec.stream,
         )
         job.row = self.decoder.add(
             id(job),
             ids,
-            max_tokens=spec.max_tokens,
-            stop=stop_ids,
+            stop=stop,
             seed=job.seed,
             sampling=spec.sampling,
             top_logprobs=spec.logprobs,
         )
+        job.stream = TextStream(spec.stop, stop.reader) if spec.stream else None
         self.jobs[job.row] = job
 
-    def _advance(self, job: Job, row) -> None:
-        """The row's new tokens through its job: stop rule, streamed text, the end."""
+    def _advance(self, job: Job, row: Row) -> None:
+        """The row's new tokens (its stop rule has taken them) through its job: logprobs,
+        streamed text, the end."""
         if row.error is not None:
             self._fail(job, row.error)
             return
         if job.seen == 0:
             job.post(("started", len(row.prompt)))
-        new = row.tokens[job.seen :]
-        entries = (
-            row.logprobs[job.seen :]
-            if job.spec.logprobs is not None
-            else [None] * len(new)
-        )
+        logprobs = []
+        if job.spec.logprobs is not None:
+            # Output tokens only: a final stop id is sampled but not part of the answer.
+            for i in range(job.seen, len(row.output)):
+                logprobs.append(self._logprob_entry(row.tokens[i], *row.logprobs[i]))
         job.seen = len(row.tokens)
-        text, logprobs, ended = "", [], False
-        for token, entry in zip(new, entries):
-            before = len(job.stop.tokens)
-            ended = job.stop.add(token)
-            if len(job.stop.tokens) > before and entry is not None:
-                logprobs.append(self._logprob_entry(token, *entry))
-            if ended:
-                break
-            if job.stream is not None:
-                text += job.stream.add(token)
         job.logprobs += logprobs
-        if ended or row.done:
-            if not row.done:
-                self.decoder.cancel(row)  # a stop word: leave before the next step
+        if row.done:
             self._finish(job, row, logprobs)
-        elif job.stream is not None and (text or logprobs):
-            job.post(("delta", text, logprobs))
+        elif job.stream is not None:
+            text = job.stream.update()
+            if text or logprobs:
+                job.post(("delta", text, logprobs))
 
-    def _finish(self, job: Job, row, logprobs: list) -> None:
+    def _finish(self, job: Job, row: Row, logprobs: list) -> None:
         """The answer: the text trimmed at its stop word (streamed: the rest of it, with the
         last tokens' logprobs), then `done`."""
         del self.jobs[row]
-        spec, stop = job.spec, job.stop
-        text, hit = trim_at_stop(self.tokenizer.decode(stop.tokens), spec.stop)
+        text, hit = row.stop.text()
         if job.stream is not None:
             rest = job.stream.finish(text)
             if rest or logprobs:
@@ -416,9 +396,9 @@ class Worker(threading.Thread):
                 "done",
                 Finished(
                     text,
-                    finish_reason(stop),
+                    finish_reason(row.stop),
                     len(row.prompt),
-                    stop.tokens,
+                    row.output,
                     job.logprobs,
                     self._stats(job, row, hit),
                 ),
@@ -451,33 +431,23 @@ class Worker(threading.Thread):
             )
         )
 
-    def _stats(self, job: Job, row, stop_word: str | None) -> dict:
-        """The sample's stats, as an in-process student sample's (chat_rows.sample_stats): the
-        engine's figures, with the row's own prefill and the decode steps it took part in
-        (shared with its batch mates: bytes_read, blocked_load_s and the pool figures)."""
-        pre, dec = row.prefill, row.decode
-        stats = {
-            **self.engine.stats(),
-            **BatchDecoder.row_stats(row),
-            **decode_figures(dec, row.steps, row.step_tokens),
-            "bytes_read": pre.get("bytes", 0) + dec["bytes"],
-            "reads": pre.get("reads", 0) + dec["reads"],
-            "blocked_load_s": pre.get("blocked", 0.0) + dec["blocked"],
-            "batch_mean_rows_per_step": row.step_tokens / row.steps
-            if row.steps
-            else 1.0,
-        }
+    def _stats(self, job: Job, row: Row, stop_word: str | None) -> dict:
+        """The sample's stats, as an in-process student sample's (rows.sample_stats): the
+        engine's figures with the row's own (Row.stats: its prefill and the decode steps it
+        took part in, shared with its batch mates)."""
+        stats = row.stats(self.engine.stats())
         wall = time.perf_counter() - job.submitted
+        busy = stats["prefill_s"] + stats["decode_wall_s"]
         return {
             "prompt_tokens": len(row.prompt),
-            "tokens": len(job.stop.tokens),
+            "tokens": len(row.output),
             "wall_s": round(wall, 4),
-            "queue_s": round(max(0.0, wall - row.prefill_s - row.decode_wall_s), 4),
+            "queue_s": round(max(0.0, wall - busy), 4),
             "stop_word": stop_word,
             "seed": job.seed,
             "sample": job.spec.sample,
             "batch_size": self.decoder.rows_at_once,
-            **sample_stats(stats, job.stop.finish, "not evicted"),
+            **sample_stats(stats, row.finish, "not evicted"),
             "model_identity": self.identity,
             "served_model": self.served_name,
         }

@@ -1,0 +1,252 @@
+"""A row's stop rule, figures and answer: what `generate`, the OpenCompass arms and the
+server read of a row (the batch decoder's `Row`, batch.py). No MLX here.
+
+A row owns its stop rule (`StopRule`: stop ids, stop strings and max_tokens, with the one text
+reader the rule, a stream and the final text share) and its figures (`RowFigures`, serialised
+once by `RowFigures.as_dict`). The batch decoder (batch.py) feeds a row each token it samples;
+the row decides when it ends, so a stop string ends decoding at the token that completes it:
+nothing after it is decoded, and no caller replays or re-trims a row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# Per-sample engine figures gathered under "pool" in each student sample's stats (in a batch,
+# the reads of a step are shared by its rows: a row's bytes are those of its own prefill and
+# of the steps it took part in).
+POOL_KEYS = (
+    "decode_hit_rate",
+    "cache_hit_rate",
+    "decode_bytes_read",
+    "prefill_bytes_read",
+    "bytes_per_token",
+    "reads_per_token",
+    "blocked_load_ms_per_step",
+    "bytes_read",
+    "evictions",
+    "rss_gib",
+    "mean_union_per_layer",
+    "expert_buffer_mib",
+)
+
+
+def trim_at_stop(text: str, stop_words: list[str]) -> tuple[str, str | None]:
+    """Cut `text` at the earliest occurrence of any stop word; returns (text, stop hit)."""
+    best, hit = len(text), None
+    for stop in stop_words:
+        if not stop:
+            continue
+        pos = text.find(stop)
+        if 0 <= pos < best:
+            best, hit = pos, stop
+    return text[:best], hit
+
+
+def stop_token_ids(tokenizer, stop_words: list[str]) -> set:
+    """EOS ids plus every stop word that is exactly one token."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    for word in stop_words:
+        enc = tokenizer.encode(word, add_special_tokens=False)
+        if len(enc) == 1:
+            ids.add(int(enc[0]))
+    return ids
+
+
+class IncrementalText:
+    """A row's text as its tokens arrive, decoded incrementally as vLLM does (the text of a few
+    tokens before the last read one, decoded with the new ones, less what those few tokens
+    read), so it follows `tokenizer.decode` of the whole row. mlx-lm's streaming detokenizer
+    does not always: it drops the leading space of a row's first text (a stop word ' x'
+    opening the answer was never seen) and shows a trailing space a token late."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0  # token offsets: decoded context, already read
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        """Take the next token; the text it completes ('' while a character is incomplete)."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.prefix : self.read])
+        after = self.decode(self.tokens[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self.text += new
+        self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
+        return new
+
+
+class StopRule:
+    """When one row ends, token by token; every arm and path applies this one rule.
+
+    A stop id ends the row without being output ('eos' for the tokenizer's EOS ids, else
+    'stop_token'); `max_tokens` output tokens end it ('length'); a stop string ends it as soon
+    as the row's text holds one ('stop_word'). `text()` is the answer: the output decoded and
+    cut at its earliest stop string. read_text: keep the incremental text (a stream reads it)
+    even without stop strings.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        max_tokens: int,
+        stop_ids: set,
+        stop_words: list[str] = (),
+        *,
+        read_text: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.stop_ids = set(stop_ids)
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.stop_words = [w for w in stop_words if w]
+        self.reader = (
+            IncrementalText(tokenizer) if self.stop_words or read_text else None
+        )
+        self.tail = ""  # the last characters of the text: enough to hold any stop word
+        self.keep = max((len(w) for w in self.stop_words), default=0)
+        self.tokens: list[int] = []  # the output: every token taken but a stop id
+        self.finish: str | None = None if max_tokens > 0 else "length"
+
+    def add(self, token: int) -> bool:
+        """Take the next sampled token; True when the row has ended."""
+        if self.finish is not None:
+            return True
+        token = int(token)
+        if token in self.stop_ids:
+            self.finish = "eos" if token in self.eos_ids else "stop_token"
+            return True
+        self.tokens.append(token)
+        new = "" if self.reader is None else self.reader.add(token)
+        if self.stop_words:
+            text = self.tail + new
+            if any(w in text for w in self.stop_words):
+                self.finish = "stop_word"
+                return True
+            self.tail = text[-self.keep :]
+        if len(self.tokens) >= self.max_tokens:
+            self.finish = "length"
+            return True
+        return False
+
+    def text(self) -> tuple[str, str | None]:
+        """(the answer: the output decoded and cut at its earliest stop string, that string)."""
+        return trim_at_stop(self.tokenizer.decode(self.tokens), self.stop_words)
+
+
+def decode_figures(d: dict, steps: int, tokens: int) -> dict:
+    """A decode phase's figures from the difference `d` of two engine snapshots: per decoded
+    token (every row's) and per step."""
+
+    def per(x, n):
+        return x / n if n else 0.0
+
+    lookups = d["hits"] + d["misses"]
+    return {
+        "decode_bytes_read": d["bytes"],
+        "bytes_per_token": per(d["bytes"], tokens),
+        "reads_per_token": per(d["reads"], tokens),
+        "blocked_load_ms_per_step": per(1000 * d["blocked"], steps),
+        "blocked_loads_per_step": per(d["blocked_loads"], steps),
+        # Bandwidth of the blocking (demand) reads while they ran: bytes / their wall time.
+        "demand_read_gbps": (
+            d["demand_read_bytes"] / d["demand_read_seconds"] / 1e9
+            if d["demand_read_seconds"] > 0
+            else None
+        ),
+        "decode_hit_rate": per(d["hits"], lookups),
+        # Distinct experts a MoE layer needed per step (reactive: the rows' routed union;
+        # prerouted: the staged union); None when resident (nothing is looked up).
+        "mean_union_per_layer": (
+            d["union"] / d["union_layers"] if d["union_layers"] else None
+        ),
+        # build: Python building the graph, including blocking reads/stage waits and any
+        # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
+        "profile_ms_per_step": {
+            f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
+            for name in ("build", "eval")
+        },
+    }
+
+
+@dataclass
+class RowFigures:
+    """What one row cost: its own prefill, and the decode steps it took part in (a step's
+    reads and time are shared by its rows: `decode_share_s` is the row's share of the time,
+    `decode` and `step_tokens` the whole steps')."""
+
+    prompt_tokens: int
+    prefill_s: float = 0.0
+    prefill: Counter = field(default_factory=Counter)  # engine snapshot difference
+    steps: int = 0
+    decode_share_s: float = 0.0
+    decode_wall_s: float = 0.0
+    decode: Counter = field(default_factory=Counter)  # summed over its steps
+    step_tokens: int = 0  # tokens those steps decoded, every row's
+
+    def add_step(self, diff: dict, seconds: float, rows: int) -> None:
+        self.steps += 1
+        self.decode_share_s += seconds / rows
+        self.decode_wall_s += seconds
+        self.decode.update(diff)
+        self.step_tokens += rows
+
+    def as_dict(self, generated: int) -> dict:
+        """The row's figures, serialised (generated: the tokens it decoded)."""
+        pre, dec, steps = self.prefill, self.decode, self.steps
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": generated,
+            "prefill_s": self.prefill_s,
+            "prefill_tok_s": (
+                self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+            ),
+            "prefill_bytes_read": pre["bytes"],
+            "decode_steps": steps,
+            "decode_s": self.decode_share_s,
+            "decode_wall_s": self.decode_wall_s,
+            # The row's own stream rate: its tokens over the wall time of its steps.
+            "decode_tok_s": (
+                steps / self.decode_wall_s if self.decode_wall_s > 0 else 0.0
+            ),
+            **decode_figures(dec, steps, self.step_tokens),
+            "bytes_read": pre["bytes"] + dec["bytes"],
+            "reads": pre["reads"] + dec["reads"],
+            "blocked_load_s": pre["blocked"] + dec["blocked"],
+            "batch_mean_rows_per_step": self.step_tokens / steps if steps else 1.0,
+        }
+
+
+@dataclass
+class Answer:
+    """A finished row's answer, as every arm gives it (the engine, mlx-lm, the server)."""
+
+    output: list[int]  # the answer's tokens: no stop id
+    text: str  # its tokens decoded, cut at its stop string
+    finish: str  # eos | stop_token | stop_word | length
+    stop_word: str | None  # the stop string that ended it
+    stats: dict  # its figures
+
+    @classmethod
+    def of(cls, stop: StopRule, stats: dict) -> "Answer":
+        text, hit = stop.text()
+        return cls(stop.tokens, text, stop.finish or "length", hit, stats)
+
+
+def sample_stats(stats: dict[str, Any], finish: str | None, cache: str) -> dict:
+    """A student sample's stats from its row's stats (`Row.stats`): its speeds, how it ended,
+    the page-cache label, the pool's figures and the engine's scalar figures."""
+    return {
+        "prefill_tok_s": stats.get("prefill_tok_s"),
+        "decode_tok_s": stats.get("decode_tok_s"),
+        "peak_memory_gib": stats.get("peak_memory_gib"),
+        "finish_reason": finish or "length",
+        "cache": cache,
+        "pool": {k: stats[k] for k in POOL_KEYS if k in stats} or None,
+        "engine": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+    }
