@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
+from edge0_eval.checkpoints.tiny_configs import TINY_CONFIGS
+from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import ConfigError
 
 
@@ -60,10 +62,14 @@ def test_same_seed_byte_identical(tmp_path):
     assert _digest(a)["model.safetensors"] != _digest(c)["model.safetensors"]
 
 
-def test_realistic_shape_options_reach_config(tmp_path):
-    from edge0_eval.engine.families import FAMILIES
+def test_every_family_has_a_tiny_shape():
+    # The registry and the tiny shapes are keyed by the same names, in the same order (make-tiny's
+    # --family help lists the tiny shapes'), so a new family cannot miss its tiny checkpoint.
+    assert list(TINY_CONFIGS) == list(FAMILIES)
 
-    cfg = FAMILIES["qwen3_5_moe"].tiny_config(
+
+def test_realistic_shape_options_reach_config(tmp_path):
+    cfg = TINY_CONFIGS["qwen3_5_moe"](
         TinyShape(
             family="qwen3_5_moe", experts=256, top_k=8, hidden=2048, heads=16, layers=40
         )

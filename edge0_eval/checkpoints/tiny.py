@@ -16,9 +16,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
+from edge0_eval.checkpoints.tiny_configs import TINY_CONFIGS
 from edge0_eval.checkpoints.tokenizer import build_tokenizer
 from edge0_eval.checkpoints.writer import output_dir
-from edge0_eval.engine.families import FAMILIES
 from edge0_eval.errors import ConfigError
 
 
@@ -36,9 +36,9 @@ class TinyShape:
     vocab_size: int = 512
 
     def validate(self) -> None:
-        if self.family not in FAMILIES:
+        if self.family not in TINY_CONFIGS:
             raise ConfigError(
-                f"unknown family {self.family!r}; choose one of {', '.join(FAMILIES)}"
+                f"unknown family {self.family!r}; choose one of {', '.join(TINY_CONFIGS)}"
             )
         for name in (
             "layers",
@@ -67,7 +67,7 @@ class TinyShape:
             raise ConfigError(
                 f"--dtype must be float16, bfloat16 or float32, not {self.dtype!r}"
             )
-        FAMILIES[self.family].tiny_config(self)  # the family's own refusals
+        TINY_CONFIGS[self.family](self)  # the family's own refusals
 
 
 def build_model(config: dict, seed: int, dtype: str):
@@ -97,7 +97,7 @@ def write_tiny(
     shape.validate()
     with output_dir(out) as tmp:
         shape.vocab_size = build_tokenizer(tmp, vocab_size=shape.vocab_size)
-        config = FAMILIES[shape.family].tiny_config(shape)
+        config = TINY_CONFIGS[shape.family](shape)
         model = build_model(config, shape.seed, shape.dtype)
         if quantize_bits:
             model, config = quantize_model(
@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TinyShape()
     parser.add_argument("out", help="output directory (must not exist or be empty)")
     parser.add_argument(
-        "--family", default=d.family, help=f"one of {', '.join(FAMILIES)}"
+        "--family", default=d.family, help=f"one of {', '.join(TINY_CONFIGS)}"
     )
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--experts", type=int, default=d.experts)

@@ -1,6 +1,7 @@
-"""config.json of each family at a tiny shape: the registry's `tiny_config` (engine/families.py),
-written by `edge0-eval make-tiny` (checkpoints/tiny.py). Each refuses a shape its family cannot
-build. A leaf module: it imports nothing from the engine.
+"""config.json of each family at a tiny shape, keyed by the family's name in the registry
+(engine/families.py), written by `edge0-eval make-tiny` (checkpoints/tiny.py). Each refuses a
+shape its family cannot build. Kept here, not in the registry, so that the engine never imports
+checkpoint making.
 """
 
 from __future__ import annotations
@@ -123,3 +124,11 @@ def bailing_tiny(shape) -> dict:
         "tie_word_embeddings": False,
         "use_qk_norm": True,
     }
+
+
+# family name (engine/families.py's FAMILIES, same order) -> TinyShape -> config.json
+TINY_CONFIGS = {
+    "qwen3_5_moe": qwen3_5_tiny,
+    "bailing_hybrid": bailing_tiny,
+    "qwen2_moe": qwen2_tiny,
+}

@@ -1,12 +1,13 @@
 """The model-family registry: one `Family` per supported mlx-lm `model_type`, read by every
 consumer (the engine's step, convert's checks, LoRA, training, make-tiny) instead of branching on
-the name. Adding a family is one entry here plus its streaming MoE block (moe_blocks.py).
+the name. Adding a family is one entry here plus its streaming MoE block (moe_blocks.py) and
+its tiny shape (checkpoints/tiny_configs.py, keyed by the family's name).
 
 An entry holds the forward's pieces around mlx-lm's own decoder layers (where the text model,
 embedding, layers and output head are; each layer's call arguments), the streaming block that
-replaces its MoE blocks (whose `rule` is the family's routing rule), the LoRA targets, the
-tiny-checkpoint config (checkpoints/tiny.py) and the numerical defaults. `open_model_dir` and
-`check_model_dir` open a converted model with this registry (the files' checks: formats/).
+replaces its MoE blocks (whose `rule` is the family's routing rule), the LoRA targets and the
+numerical defaults. `open_model_dir` and `check_model_dir` open a converted model with this
+registry (the files' checks: formats/).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-from edge0_eval.checkpoints.tiny_configs import bailing_tiny, qwen2_tiny, qwen3_5_tiny
 from edge0_eval.engine.moe_blocks import (
     BailingStreamingMoE,
     Qwen2StreamingMoE,
@@ -48,7 +48,6 @@ class Family:
     lora_targets: tuple[
         str, ...
     ]  # suffix patterns of the resident linears that get LoRA
-    tiny_config: Callable  # TinyShape -> config.json (checkpoints/tiny.py)
     text_config_key: str | None = (
         None  # the config.json section of the text model's keys
     )
@@ -147,7 +146,6 @@ FAMILIES = {
         embed_name="embed_tokens",
         layer_args=_qwen3_5_args,
         text_config_key="text_config",
-        tiny_config=qwen3_5_tiny,
         lora_targets=_ATTENTION
         + (  # full attention every 4th layer, GatedDeltaNet the rest
             "linear_attn.in_proj_qkv",
@@ -169,7 +167,6 @@ FAMILIES = {
         text=lambda model: model,
         embed_name="word_embeddings",
         layer_args=_bailing_args,
-        tiny_config=bailing_tiny,
         gate_selects=True,
         clip_hidden=1000.0,
         split_prefill=False,
@@ -199,7 +196,6 @@ FAMILIES = {
         embed_name="embed_tokens",
         layer_args=_qwen2_args,
         own_lm_head=True,
-        tiny_config=qwen2_tiny,
         lora_targets=_ATTENTION + _SHARED,
     ),  # q/k/v keep their bias
 }
