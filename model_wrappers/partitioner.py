@@ -23,8 +23,8 @@ from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_checks import verify
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.progress import shard_specs, task_specs
+from edge0_eval.evaluation.run_config import test_range_slice
 from edge0_eval.formats.safetensors import read_safetensors_header
-from edge0_eval.plan import test_range_slice
 
 from .edge0_api_model import api_problems
 from .edge0_model import engine_fields, resolve_engine_options

@@ -17,9 +17,9 @@ from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import rounds
+from edge0_eval.evaluation.planner import PlanOptions, make_plan, size_gate
 from edge0_eval.evaluation.progress import Progress, line, task_specs
-from edge0_eval.plan import PlanOptions, load_config, make_plan
-from edge0_eval.plan_gate import size_gate
+from edge0_eval.evaluation.run_config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

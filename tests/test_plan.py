@@ -13,13 +13,8 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity_set import SET_PATH
 from edge0_eval.evaluation.fixtures import write_fixtures
 from edge0_eval.evaluation.paired import detectable_drop
-from edge0_eval.plan import (
-    PRIOR_TOKENS,
-    PUBLISHED_ITEMS,
-    PlanOptions,
-    make_plan,
-    render,
-)
+from edge0_eval.evaluation.planner import PlanOptions, make_plan, render
+from edge0_eval.evaluation.run_config import PRIOR_TOKENS, PUBLISHED_ITEMS
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER = ROOT / "configs" / "edge0_35b.py"
@@ -156,8 +151,8 @@ def test_fidelity_counts_prompts_at_the_rate_measured_with_them(
     (root / SET_PATH).parent.mkdir(parents=True)
     (root / SET_PATH).write_text("{}")
     short = {"items": [dict(prompt_ids=[1] * 150, tokens=[2] * 50) for _ in range(4)]}
-    monkeypatch.setattr("edge0_eval.plan.data_root", lambda: root)
-    monkeypatch.setattr("edge0_eval.plan.read_set", lambda path: short)
+    monkeypatch.setattr("edge0_eval.evaluation.run_config.data_root", lambda: root)
+    monkeypatch.setattr("edge0_eval.evaluation.run_config.read_set", lambda path: short)
     plan = make_plan(PlanOptions(config=TINY, tok_s=1000.0, previous=run))
     line = {(l.arm, l.dataset): l for l in plan.lines}[
         ("edge0-tiny-student", "edge0_fidelity")

@@ -12,7 +12,7 @@
 #             same data), MMLU-Pro stratified by category (K per category, in proportion).
 #
 # Thinking off, answers of at most 1,024 tokens, for the sample (decided for the hour's budget):
-# with thinking on a benchmark item costs 2,500 (MMLU-Pro) to 20,000 (AIME) tokens (plan.py's
+# with thinking on a benchmark item costs 2,500 (MMLU-Pro) to 20,000 (AIME) tokens (run_config.py's
 # PRIOR_TOKENS), so the hour's 57,000 benchmark tokens at 20 tok/s buy 14 items in all (1 to 5
 # per benchmark: no drop is detectable at all on 1 to 3 items, 75 points on 4). Thinking off,
 # the same time buys 56 items at the 1,024-token bound (more once lengths are measured), 14

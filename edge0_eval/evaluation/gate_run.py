@@ -30,7 +30,7 @@ from edge0_eval.evaluation.arms import ARM_NAMES
 from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
 from edge0_eval.evaluation.progress import read_lines
 from edge0_eval.evaluation.rounds import check_rounds, sample_size
-from edge0_eval.plan import load_config
+from edge0_eval.evaluation.run_config import load_config
 
 PROGRESS_EVERY_S = (
     30.0  # how often the arms' progress lines are printed while a run goes

@@ -3,7 +3,7 @@
 OpenCompass runs each arm as one task (all its datasets, one after another in one process) and
 logs per task. The project's partitioners give every Edge0GenInferencer of a task a spec
 (`task_specs`): the arm, the task's datasets with their items and the planner's expected
-tokens per item (plan.tokens_per_sample: the thinking-on prior, max_out_len, or a fidelity
+tokens per item (run_config.tokens_per_sample: the thinking-on prior, max_out_len, or a fidelity
 set's positions), and where the arm's progress file goes. After every batch the inferencer
 adds its items (`Progress.add`), rewrites `<run>/progress/<arm>.json` and, at most every
 LOG_EVERY_S seconds, logs a line:
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
-from edge0_eval.plan import (
+from edge0_eval.evaluation.run_config import (
     arm_abbr,
     count_items,
     dataset_abbr,
