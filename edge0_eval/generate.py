@@ -17,7 +17,7 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.sampling_options import check_filters, check_penalties
 from edge0_eval.errors import ConfigError
-from edge0_eval.jsonl import iter_jsonl
+from edge0_eval.formats.jsonl import iter_jsonl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,4 +12,5 @@ from what these modules return.
                     tuner's (read into this project's layout)
     heads_file      prerouter heads files and their `PrerouterConfig`
     draft_file      draft vocabulary files (the draft-token hedge's token ids)
+    jsonl           JSON-lines input files (prompts, training text): one object per line
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.jsonl import iter_jsonl
+from edge0_eval.formats.jsonl import iter_jsonl
 
 
 def _read(p: str | Path, what: str) -> tuple[Path, str]:
