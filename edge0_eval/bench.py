@@ -31,9 +31,9 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.checkpoints.reference import load_reference
-from edge0_eval.cli_options import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.store import ExpertStore

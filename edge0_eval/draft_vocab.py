@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError

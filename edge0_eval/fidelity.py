@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from edge0_eval import cli_types as ct
 from edge0_eval import fidelity_bench
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import (

@@ -23,8 +23,8 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from edge0_eval import cli_types as ct
-from edge0_eval.cli_options import add_engine_arguments, options_from_args
+from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.evaluation.fidelity import (

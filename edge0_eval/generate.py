@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
-from edge0_eval.cli_options import add_engine_arguments, options_from_args
+from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.sampling_options import check_filters, check_penalties

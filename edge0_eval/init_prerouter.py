@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA
 from edge0_eval.evaluation.planner import (
     DEFAULT_CHURN,

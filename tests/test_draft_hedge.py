@@ -393,7 +393,10 @@ def test_hedge_file_found_beside_the_model_and_turned_off(edge0_qwen, tmp_path):
 def test_cli_flags_reach_the_options():
     import argparse
 
-    from edge0_eval.cli_options import add_engine_arguments, options_from_args
+    from edge0_eval.arguments.engine_flags import (
+        add_engine_arguments,
+        options_from_args,
+    )
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

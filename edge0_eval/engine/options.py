@@ -3,9 +3,9 @@
     options = EngineOptions(mode="prerouted", top_k=4)
     resolved = options.resolve("model-edge0")   # K, slots per layer, adapter files, clipping
 
-The CLI (cli_options), the OpenCompass student (model_wrappers/edge0_model) and the training
-stages build an `EngineOptions` and hand it to `Engine.load` unchanged; `resolve` is where
-every default that depends on the model is decided.
+The CLI (arguments/engine_flags), the OpenCompass student (model_wrappers/edge0_model) and the
+training stages build an `EngineOptions` and hand it to `Engine.load` unchanged; `resolve` is
+where every default that depends on the model is decided.
 
 Adapter files. The LoRA adapter is `lora_path`, else `lora.safetensors` beside the model; the
 prerouter heads (prerouted mode only) are `prerouter_path`, else `prerouter.safetensors` beside

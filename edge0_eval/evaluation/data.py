@@ -23,7 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.data_checks import Check, verify
 from edge0_eval.evaluation.data_paths import BENCHMARKS, PATHS, data_root, dist_file

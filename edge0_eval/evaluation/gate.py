@@ -33,7 +33,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
 from edge0_eval.evaluation.gate_input import load_report

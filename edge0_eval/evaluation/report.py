@@ -22,7 +22,7 @@ import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation import samples as sampling

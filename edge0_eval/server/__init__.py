@@ -21,8 +21,8 @@ import signal
 import sys
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
-from edge0_eval.cli_options import add_engine_arguments, options_from_args
+from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN
 

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AGREEMENT

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from edge0_eval import cli_types as ct
+from edge0_eval.arguments import value_types as ct
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.engine.options import (
     HEDGE_FILE,
