@@ -16,15 +16,15 @@ from edge0_eval.errors import Edge0Error
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": (
-        "edge0_eval.checkpoints.tiny",
+        "edge0_eval.make_tiny",
         "write a tiny random-weight mlx-lm MoE checkpoint",
     ),
     "make-synthetic": (
-        "edge0_eval.checkpoints.synthetic",
+        "edge0_eval.make_synthetic",
         "write a full-shape random checkpoint in streaming layout",
     ),
     "convert": (
-        "edge0_eval.checkpoints.convert",
+        "edge0_eval.convert",
         "convert an mlx-lm checkpoint to the int4 streaming layout",
     ),
     "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
@@ -70,7 +70,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": ("edge0_eval.demo", "run the embedded default end to end"),
     "testbed": (
-        "edge0_eval.checkpoints.testbed",
+        "edge0_eval.testbed",
         "real-weight MoE testbed from SmolLM2",
     ),
 }

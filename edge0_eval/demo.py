@@ -22,7 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from edge0_eval.checkpoints.convert import convert
+from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error

@@ -69,7 +69,7 @@ def tiny_qwen2_q4(tmp_path_factory):
 
 
 def _convert(src, tmp_path_factory, name):
-    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.checkpoints.conversion import convert
 
     return convert(src, tmp_path_factory.mktemp("conv") / name, progress=False)
 

@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from edge0_eval.checkpoints.convert import convert
+from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.demo import TINY_DATASETS, make_tiny_fidelity_set, offline_env
 from edge0_eval.engine.prompts import row_seed

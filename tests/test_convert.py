@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from edge0_eval.checkpoints.convert import convert
+from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import (

@@ -119,7 +119,7 @@ ARM_OPTIONS = {
 @pytest.fixture(scope="module")
 def student_dir(tiny_qwen, tmp_path_factory):
     """The fp16 tiny teacher converted to int4, with heads and a small trained-looking LoRA."""
-    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.checkpoints.conversion import convert
     from edge0_eval.engine.lora import lora_modules
 
     out = convert(tiny_qwen, tmp_path_factory.mktemp("student") / "s", progress=False)

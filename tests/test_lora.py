@@ -544,7 +544,7 @@ def test_failed_load_keeps_previous_adapter(tiny_qwen_q4, tmp_path):
 
 @pytest.fixture
 def converted(family, ckpt, tmp_path_factory):
-    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.checkpoints.conversion import convert
 
     return convert(ckpt, tmp_path_factory.mktemp("edge0") / family, progress=False)
 

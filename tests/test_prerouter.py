@@ -37,7 +37,7 @@ def converted_model(tmp_path_factory, family: str):
     float32: MLX's fp16 matmuls are ~50x slower than fp32 on this CPU, and the prerouter logic
     does not depend on the dtype.
     """
-    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.checkpoints.conversion import convert
     from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 
     base = tmp_path_factory.getbasetemp() / "prerouter_models"

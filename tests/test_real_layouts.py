@@ -21,7 +21,7 @@ from test_convert import (
     nothing_written,
 )
 
-from edge0_eval.checkpoints.convert import convert
+from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype

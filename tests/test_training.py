@@ -71,7 +71,7 @@ DISTILL_ARGS = [
 
 def _student(teacher, root: Path) -> Path:
     """int4 `convert` of the teacher with untrained prerouter heads."""
-    from edge0_eval.checkpoints.convert import convert
+    from edge0_eval.checkpoints.conversion import convert
     from edge0_eval.engine.engine import Engine, EngineOptions
     from edge0_eval.engine.prerouter import (
         default_owners,

@@ -1,4 +1,4 @@
-"""`edge0-eval make-synthetic OUT --shape 35b|8b`: random weights at a real tier's shape.
+"""Random weights at a real tier's shape (`edge0-eval make-synthetic OUT --shape 35b|8b`).
 
 The checkpoint is written directly in the converted streaming layout (resident.safetensors,
 experts.bin + experts.index.json, config.json, tokenizer), int4 group 64 with the 8-bit router
@@ -16,7 +16,6 @@ N layers as the full model.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import zlib
@@ -45,7 +44,7 @@ from edge0_eval.checkpoints.writer import (
     output_dir,
 )
 from edge0_eval.errors import ConfigError
-from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME
 
 BITS = 4
 GROUP_SIZE = 64
@@ -376,46 +375,3 @@ def write_synthetic(
         _write_tokenizer(tmp, qconfig)
         save_config(qconfig, tmp / "config.json")
     return Path(out)
-
-
-# -- CLI ---------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out", help="output directory (must not exist or be empty)")
-    parser.add_argument(
-        "--shape",
-        required=True,
-        choices=SHAPES,
-        help="35b: Qwen3.5/3.6-35B-A3B (qwen3_5_moe); 8b: Ling (bailing_hybrid)",
-    )
-    parser.add_argument(
-        "--layers",
-        type=int,
-        default=None,
-        help="decoder layers (default: the tier's full depth); same per-layer "
-        "shape, for quick runs",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    # Test-only scale-downs; not part of the public interface.
-    parser.add_argument("--experts", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
-
-
-def run(args: argparse.Namespace) -> int:
-    overrides = {}
-    if args.experts is not None:
-        overrides["num_experts"] = args.experts
-    if args.vocab is not None:
-        overrides["vocab_size"] = args.vocab
-    out = write_synthetic(
-        args.out, args.shape, layers=args.layers, seed=args.seed, overrides=overrides
-    )
-    index = ExpertIndex.load(out)
-    resident = (out / RESIDENT_NAME).stat().st_size
-    print(
-        f"wrote {args.shape} synthetic checkpoint to {out}: {len(index.moe_layers)} MoE layers "
-        f"x {index.num_experts} experts, experts {index.file_size / 1e9:.2f} GB + resident "
-        f"{resident / 1e9:.2f} GB"
-    )
-    return 0
