@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from edge0_eval.checkpoints.conversion import convert
-from edge0_eval.checkpoints.plan import (
+from edge0_eval.checkpoints.conversion_plan import (
     DEFAULT_BITS,
     DEFAULT_GROUP_SIZE,
     SUPPORTED_MODEL_TYPES,

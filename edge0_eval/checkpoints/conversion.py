@@ -14,8 +14,9 @@ The whole model is never held in memory: source tensors are read one at a time, 
 built lazily (its random init is never evaluated) only to learn names, shapes and the
 quantization plan, and experts are converted and written one decoder layer at a time.
 
-Reading SRC is `source.py`, deciding names, shapes and quantization `plan.py`, writing the
-streaming layout `writer.py`; this module runs them in order and quantizes what needs it.
+Reading SRC is `source.py`, deciding names, shapes and quantization `conversion_plan.py`,
+writing the streaming layout `writer.py`; this module runs them in order and quantizes what
+needs it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.utils import save_config
 from tqdm import tqdm
 
-from edge0_eval.checkpoints.plan import (
+from edge0_eval.checkpoints.conversion_plan import (
     Plan,
     make_plan,
     new_index,

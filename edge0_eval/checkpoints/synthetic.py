@@ -28,7 +28,7 @@ from mlx_lm.utils import save_config
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from edge0_eval.checkpoints.plan import (
+from edge0_eval.checkpoints.conversion_plan import (
     Plan,
     build_lazy_model,
     lazy_quantize,
