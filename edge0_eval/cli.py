@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
     "serve": (
-        "edge0_eval.server",
+        "edge0_eval.serve",
         "serve the engine over an OpenAI-compatible HTTP API",
     ),
     "bench": (

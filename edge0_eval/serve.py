@@ -1,0 +1,175 @@
+"""`edge0-eval serve MODEL [engine options]`: an OpenAI-compatible server on the engine's
+continuous batching.
+
+    edge0-eval serve student --mode prerouted --port 8001          # loopback only by default
+    curl localhost:8001/v1/chat/completions -d '{"model": "student", "messages": [...]}'
+
+The engine loads once and runs on one thread that owns the batch (worker.py); the HTTP side
+(app.py, aiohttp) parses and validates requests (requests.py) and relays answers. A request's
+seed is the run's seed: its row draws from `row_seed(seed, prompt ids, edge0_sample)`, so an
+answer equals the in-process `Edge0Model` arm's for the same prompt, settings and seed, alone
+or batched with any other requests (model_wrappers/edge0_api_model.py is the OpenCompass side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import signal
+import sys
+from pathlib import Path
+
+from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
+from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN
+
+LOOPBACK = ("localhost",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="converted model directory (edge0-eval convert)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback only; anything else "
+        "should come with --api-key)",
+    )
+    parser.add_argument("--port", type=ct.positive_int, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests give as `model` (default: MODEL's folder name)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=ct.positive_int,
+        default=8,
+        help="requests decoded together; more wait their turn (default 8; the "
+        "expert buffer holds min(experts, B x top-k) slots per layer)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=ct.positive_int,
+        default=512,
+        help="new tokens for a request that gives no max_tokens (default 512)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=ct.positive_int,
+        default=None,
+        help="the most tokens one request may hold, prompt and max_tokens "
+        "together; more is refused with a 400 (default: the model's "
+        f"context, config.json's max_position_embeddings; "
+        f"{DEFAULT_MAX_MODEL_LEN} if it gives none)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("EDGE0_API_KEY"),
+        help="require `Authorization: Bearer KEY` (default: $EDGE0_API_KEY, else none)",
+    )
+    add_engine_arguments(parser)
+
+
+def _loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    # The server's imports (MLX, aiohttp) only when it runs: `edge0-eval --help` stays fast.
+    from edge0_eval.engine.engine import Engine
+    from edge0_eval.evaluation.identity import model_identity
+    from edge0_eval.server.app import make_app
+    from edge0_eval.server.worker import Worker, model_context
+
+    if args.port > 65535:
+        raise ConfigError(f"--port must be in 1..65535, not {args.port}")
+    options = options_from_args(args)
+    name = args.served_model_name or Path(args.model).resolve().name
+    worker = Worker(
+        lambda: Engine.load(args.model, options),
+        rows_at_once=args.max_batch,
+        identity=model_identity(args.model, options),
+        name=name,
+        max_model_len=args.max_model_len,
+    )
+    try:
+        worker.start_engine()
+    except Edge0Error:
+        raise
+    except Exception as exc:  # e.g. no memory for the batch's expert slots: one line
+        raise ConfigError(
+            f"the engine could not start serving {args.model} "
+            f"({type(exc).__name__}: {exc}); if memory ran out, try a smaller "
+            f"--max-batch (now {args.max_batch})"
+        ) from None
+    context = model_context(worker.engine)
+    if context is not None and worker.max_model_len > context:
+        # As vLLM: positions past the trained context are out of distribution for the model.
+        worker.close()
+        worker.join(timeout=30)
+        raise ConfigError(
+            f"--max-model-len {worker.max_model_len} is beyond {args.model}'s "
+            f"context of {context} tokens (max_position_embeddings in its "
+            f"config.json); give at most {context}"
+        )
+    if args.max_tokens >= worker.max_model_len:  # no room left for a prompt
+        worker.close()
+        worker.join(timeout=30)
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+            f"{worker.max_model_len} tokens (--max-model-len, default the model's "
+            f"context); give a smaller --max-tokens"
+        )
+    engine = worker.engine
+    vocab = int(engine.family.text_config(engine.config)["vocab_size"])
+    app = make_app(
+        worker,
+        served=name,
+        vocab=vocab,
+        max_tokens=args.max_tokens,
+        seed=options.seed,
+        api_key=args.api_key,
+    )
+    if not _loopback(args.host) and not args.api_key:
+        print(
+            f"edge0-eval serve: warning: listening on {args.host} without --api-key: anyone "
+            f"who can reach this port can use the model",
+            file=sys.stderr,
+        )
+    try:
+        asyncio.run(_serve(app, args.host, args.port, name, args.max_batch))
+    finally:
+        worker.close()
+        worker.join(timeout=30)
+    return 0
+
+
+async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
+    from edge0_eval.server.app import start
+
+    try:
+        runner, port = await start(app, host, port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another "
+            f"server on that port? choose another with --port"
+        ) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        f"edge0-eval serve: {name} at http://{host}:{port}/v1 (up to {max_batch} requests "
+        f"decoded together)",
+        flush=True,
+    )
+    await stop.wait()
+    await runner.cleanup()
