@@ -45,11 +45,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write a draft vocabulary (a draft-token hedge)",
     ),
     "train-prerouter": (
-        "edge0_eval.training.prerouter",
+        "edge0_eval.train_prerouter",
         "stage 1: distil prerouter heads",
     ),
-    "train-lora": ("edge0_eval.training.sft", "stage 2: student-path LoRA SFT"),
-    "distill": ("edge0_eval.training.distill", "stage 3: on-policy distillation"),
+    "train-lora": ("edge0_eval.train_lora", "stage 2: student-path LoRA SFT"),
+    "distill": ("edge0_eval.distill", "stage 3: on-policy distillation"),
     "data": (
         "edge0_eval.evaluation.data",
         "stage and verify OpenCompass benchmark data offline",

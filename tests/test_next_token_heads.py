@@ -31,7 +31,7 @@ from edge0_eval.engine.prerouter import (
 from edge0_eval.engine.routing import stack_rules
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.heads_file import read_metadata
-from edge0_eval.training.prerouter import train_prerouter
+from edge0_eval.training.prerouter_fit import train_prerouter
 from edge0_eval.training.state import report_paths
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"

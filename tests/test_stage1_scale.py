@@ -27,7 +27,7 @@ from edge0_eval.training.collect_fp32 import (
 from edge0_eval.training.data import encode_prefix, subset_documents
 from edge0_eval.training.features import FeatureStore
 from edge0_eval.training.models import collector_options
-from edge0_eval.training.prerouter import train_prerouter
+from edge0_eval.training.prerouter_fit import train_prerouter
 from edge0_eval.training.state import report_paths
 
 SERVED = EngineOptions(mode="reactive", no_lora=True)

@@ -404,7 +404,8 @@ def test_distill_interrupted_resumes_to_the_same_adapter(
 ):
     import argparse
 
-    from edge0_eval.training.distill import add_arguments, distill
+    from edge0_eval.distill import add_arguments
+    from edge0_eval.training.on_policy import distill
     from edge0_eval.training.options import options_from_args
     from edge0_eval.training.state import Interrupted
 
@@ -440,8 +441,8 @@ def test_models_as_teacher_student_or_with_teacher_option():
     import argparse
 
     from edge0_eval.errors import ConfigError
+    from edge0_eval.train_lora import add_arguments
     from edge0_eval.training.options import options_from_args
-    from edge0_eval.training.sft import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -110,7 +110,9 @@ class PrerouterOptions:
     train_tokens: int | None = (
         None  # train on a random subset of the training documents
     )
-    next_token: bool = False  # heads also see the next token's embedding (prerouter.py)
+    next_token: bool = (
+        False  # heads also see the next token's embedding (engine/prerouter.py)
+    )
 
     def validate(self) -> None:
         validate_run(self)

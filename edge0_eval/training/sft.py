@@ -1,4 +1,4 @@
-"""`edge0-eval train-lora`: stage 2, LoRA SFT of the student on the teacher's completions.
+"""Stage 2 (`edge0-eval train-lora`): LoRA SFT of the student on the teacher's completions.
 
     edge0-eval train-lora TEACHER STUDENT --prompts prompts.jsonl \\
         --out STUDENT/lora.safetensors [--steps 200 --batch 4 --lr 1e-4 --rank 16 --alpha 32]
@@ -38,7 +38,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import batch_indices, collate, fit
 from edge0_eval.training.losses import bucket_kl, cross_entropy_loss, teacher_topk
 from edge0_eval.training.options import StageOptions
-from edge0_eval.training.stage import StageImpl, command, run_stage
+from edge0_eval.training.stage import StageImpl, run_stage
 from edge0_eval.training.teacher import teacher_log_probs
 
 
@@ -102,6 +102,3 @@ def train_lora(
     opts: StageOptions, stop_after: int | None = None, kill_after: int | None = None
 ) -> dict:
     return run_stage(opts, SFT, stop_after, kill_after)
-
-
-add_arguments, run = command(SFT)

@@ -13,7 +13,6 @@ with the same adapter as an uninterrupted run (bit-identical on one machine).
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +41,6 @@ from edge0_eval.training.models import (
 )
 from edge0_eval.training.options import (
     StageOptions,
-    add_stage_arguments,
-    options_from_args,
 )
 from edge0_eval.training.served import ServedPath
 from edge0_eval.training.state import (
@@ -420,20 +417,3 @@ def run_stage(
     finally:
         setup.path.close()
         setup.engine.close()
-
-
-def command(impl_class: type[StageImpl]):
-    """The CLI verb of a stage: (add_arguments(parser), run(args) -> exit status)."""
-
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_stage_arguments(parser, impl_class.name)
-
-    def run(args: argparse.Namespace) -> int:
-        run_stage(
-            options_from_args(args, impl_class.name),
-            impl_class,
-            kill_after=args.kill_after_step,
-        )
-        return 0
-
-    return add_arguments, run

@@ -1,4 +1,4 @@
-"""`edge0-eval distill`: stage 3, on-policy distillation of the student towards the teacher.
+"""Stage 3 (`edge0-eval distill`): on-policy distillation of the student towards the teacher.
 
     edge0-eval distill TEACHER STUDENT --prompts prompts.jsonl \\
         --init-adapter STUDENT/lora.safetensors --out STUDENT/lora-distill.safetensors
@@ -35,7 +35,7 @@ from edge0_eval.training.batches import (
 )
 from edge0_eval.training.losses import bucket_kl, teacher_topk
 from edge0_eval.training.options import StageOptions
-from edge0_eval.training.stage import StageImpl, command, run_stage
+from edge0_eval.training.stage import StageImpl, run_stage
 from edge0_eval.training.teacher import teacher_log_probs
 
 
@@ -102,6 +102,3 @@ def distill(
     opts: StageOptions, stop_after: int | None = None, kill_after: int | None = None
 ) -> dict:
     return run_stage(opts, Distill, stop_after, kill_after)
-
-
-add_arguments, run = command(Distill)

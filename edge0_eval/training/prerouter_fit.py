@@ -1,4 +1,4 @@
-"""`edge0-eval train-prerouter`: stage 1, distil prerouter heads from the model's true routing.
+"""Stage 1 (`edge0-eval train-prerouter`): distil prerouter heads from the model's true routing.
 
     edge0-eval train-prerouter MODEL --text a.txt b.jsonl ... --out heads.safetensors
 
@@ -31,7 +31,6 @@ features collected for the same model/texts/K/limits). --resume demands that a s
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -64,8 +63,6 @@ from edge0_eval.training.losses import khot_cross_entropy, recall
 from edge0_eval.training.models import model_facts, resolve_heads
 from edge0_eval.training.options import (
     PrerouterOptions,
-    add_prerouter_arguments,
-    prerouter_options_from_args,
 )
 from edge0_eval.training.state import (
     after_step,
@@ -482,15 +479,3 @@ def _markdown(r: dict) -> str:
             f"-> {t['final_loss']:.4f} at the end.",
         ]
     return "\n".join(lines) + "\n"
-
-
-# -- CLI -------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_prerouter_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    train_prerouter(prerouter_options_from_args(args), kill_after=args.kill_after_step)
-    return 0
