@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from edge0_eval.training.on_policy import Distill, distill
-from edge0_eval.training.options import add_stage_arguments, options_from_args
+from edge0_eval.training.stage_options import add_stage_arguments, options_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

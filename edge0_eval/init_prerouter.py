@@ -18,7 +18,7 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.options import add_head_layout_arguments
+from edge0_eval.training.stage_options import add_head_layout_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from edge0_eval.training.options import (
+from edge0_eval.training.prerouter_fit import train_prerouter
+from edge0_eval.training.stage_options import (
     add_prerouter_arguments,
     prerouter_options_from_args,
 )
-from edge0_eval.training.prerouter_fit import train_prerouter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,8 +20,8 @@ from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import read_metadata
 from edge0_eval.training.data import read_documents, split_documents
 from edge0_eval.training.features import FeatureStore, positions
-from edge0_eval.training.options import PrerouterOptions, parse_owners
 from edge0_eval.training.prerouter_fit import train_prerouter
+from edge0_eval.training.stage_options import PrerouterOptions, parse_owners
 from edge0_eval.training.state import Interrupted, report_paths
 
 STDLIB = Path(os.__file__).parent

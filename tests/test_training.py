@@ -406,7 +406,7 @@ def test_distill_interrupted_resumes_to_the_same_adapter(
 
     from edge0_eval.distill import add_arguments
     from edge0_eval.training.on_policy import distill
-    from edge0_eval.training.options import options_from_args
+    from edge0_eval.training.stage_options import options_from_args
     from edge0_eval.training.state import Interrupted
 
     out = tmp_path / "d.safetensors"
@@ -442,7 +442,7 @@ def test_models_as_teacher_student_or_with_teacher_option():
 
     from edge0_eval.errors import ConfigError
     from edge0_eval.train_lora import add_arguments
-    from edge0_eval.training.options import options_from_args
+    from edge0_eval.training.stage_options import options_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -7,7 +7,7 @@ train_prerouter.py, train_lora.py and distill.py at the package's top).
     on_policy.py      `edge0-eval distill`: stage 3, on-policy distillation (top-k reverse KL)
 
 Shared by them:
-    options.py        options and command lines (the run/checkpoint arguments defined once)
+    stage_options.py  options and command lines (the run/checkpoint arguments defined once)
     data.py           documents and prompts, held-out splits, encoding
     models.py         teacher and student loading and checks; the defaults derived from a model
     state.py          checkpoint files, fingerprints, the resume rule, report paths, test hooks

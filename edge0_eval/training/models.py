@@ -40,7 +40,7 @@ from edge0_eval.engine.prerouter import (
 )
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import ExpertIndex
-from edge0_eval.training.options import PrerouterOptions, StageOptions
+from edge0_eval.training.stage_options import PrerouterOptions, StageOptions
 
 # Architecture keys that teacher and student config.json must agree on (those present).
 ARCH_KEYS = (

@@ -34,8 +34,8 @@ from edge0_eval.training.batches import (
     stable_seed,
 )
 from edge0_eval.training.losses import bucket_kl, teacher_topk
-from edge0_eval.training.options import StageOptions
 from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.stage_options import StageOptions
 from edge0_eval.training.teacher import teacher_log_probs
 
 

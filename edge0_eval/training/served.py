@@ -29,7 +29,7 @@ import numpy as np
 
 from edge0_eval.engine.prerouted import Plans
 from edge0_eval.errors import ConfigError
-from edge0_eval.training.options import MODES
+from edge0_eval.training.stage_options import MODES
 
 
 @dataclass

@@ -37,8 +37,8 @@ import mlx.core as mx
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import batch_indices, collate, fit
 from edge0_eval.training.losses import bucket_kl, cross_entropy_loss, teacher_topk
-from edge0_eval.training.options import StageOptions
 from edge0_eval.training.stage import StageImpl, run_stage
+from edge0_eval.training.stage_options import StageOptions
 from edge0_eval.training.teacher import teacher_log_probs
 
 
