@@ -20,7 +20,7 @@ from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.draft_file import save_draft_vocab
-from edge0_eval.training.data import read_documents, tokenize_documents
+from edge0_eval.training.corpus import read_documents, tokenize_documents
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -237,7 +237,7 @@ def test_stage1_trains_next_token_heads(tmp_path_factory, tmp_path):
     for row in report["layers"]:
         assert 0.0 <= row["recall_token_router"] <= 1.0
     # emb.npy row t is the input embedding of token t; a batch at t gets token t+1's.
-    from edge0_eval.training.data import read_documents, tokenize_documents
+    from edge0_eval.training.corpus import read_documents, tokenize_documents
     from edge0_eval.training.features import Batches, FeatureStore
 
     store = FeatureStore(Path(f"{out}.ckpt") / "features").open()

@@ -24,7 +24,7 @@ from edge0_eval.training.collect_fp32 import (
     run_documents,
     set_agreement,
 )
-from edge0_eval.training.data import encode_prefix, subset_documents
+from edge0_eval.training.corpus import encode_prefix, subset_documents
 from edge0_eval.training.features import FeatureStore
 from edge0_eval.training.models import collector_options
 from edge0_eval.training.prerouter_fit import train_prerouter

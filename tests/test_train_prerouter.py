@@ -18,7 +18,7 @@ from test_prerouter import (  # one tiny model per family and session
 from edge0_eval.engine.prerouter import load_heads
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import read_metadata
-from edge0_eval.training.data import read_documents, split_documents
+from edge0_eval.training.corpus import read_documents, split_documents
 from edge0_eval.training.features import FeatureStore, positions
 from edge0_eval.training.prerouter_fit import train_prerouter
 from edge0_eval.training.stage_options import PrerouterOptions, parse_owners
@@ -166,7 +166,7 @@ def test_teacher_records_are_the_executed_routing(trained):
     store = FeatureStore(Path(f"{opts.out}.ckpt") / "features").open()
     meta = store.meta
     name, start, length = meta["docs"][1]
-    from edge0_eval.training.data import encode_prefix
+    from edge0_eval.training.corpus import encode_prefix
 
     engine = Engine.load(model, EngineOptions(mode="reactive"))
     try:

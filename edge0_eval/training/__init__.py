@@ -8,7 +8,7 @@ train_prerouter.py, train_lora.py and distill.py at the package's top).
 
 Shared by them:
     stage_options.py  options and command lines (the run/checkpoint arguments defined once)
-    data.py           documents and prompts, held-out splits, encoding
+    corpus.py         documents and prompts, held-out splits, encoding
     models.py         teacher and student loading and checks; the defaults derived from a model
     state.py          checkpoint files, fingerprints, the resume rule, report paths, test hooks
     batches.py        examples and padded batches, seeded per (seed, step)

@@ -22,7 +22,7 @@ from edge0_eval.engine.prerouter import (
 from edge0_eval.engine.routing import RoutingRule, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import check_float32, load_float32
-from edge0_eval.training.data import read_documents, tokenize_documents
+from edge0_eval.training.corpus import read_documents, tokenize_documents
 from edge0_eval.training.models import collector_options
 from edge0_eval.training.stage_options import PrerouterOptions
 from edge0_eval.training.state import model_fingerprint, sha256_file, write_json

@@ -50,7 +50,7 @@ from edge0_eval.engine.prerouter import (
 from edge0_eval.engine.routing import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
-from edge0_eval.training.data import split_documents, subset_documents
+from edge0_eval.training.corpus import split_documents, subset_documents
 from edge0_eval.training.features import (
     Batches,
     FeatureStore,

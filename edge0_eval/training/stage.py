@@ -24,7 +24,7 @@ from tqdm import tqdm
 from edge0_eval.engine.lora import save_adapter
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import fit, stable_seed
-from edge0_eval.training.data import encode_prompt, read_prompts, split_prompts
+from edge0_eval.training.corpus import encode_prompt, read_prompts, split_prompts
 from edge0_eval.training.evaluate import (
     adapter_arrays,
     evaluate,
