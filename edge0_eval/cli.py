@@ -51,15 +51,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-lora": ("edge0_eval.train_lora", "stage 2: student-path LoRA SFT"),
     "distill": ("edge0_eval.distill", "stage 3: on-policy distillation"),
     "data": (
-        "edge0_eval.evaluation.data",
+        "edge0_eval.data",
         "stage and verify OpenCompass benchmark data offline",
     ),
     "report": (
-        "edge0_eval.evaluation.report",
+        "edge0_eval.report",
         "teacher-vs-student gap report from OpenCompass outputs",
     ),
-    "gate": ("edge0_eval.evaluation.gate", "CI regression gate on a report"),
-    "gate-run": ("edge0_eval.evaluation.gate_run", "run a gate config and gate it"),
+    "gate": ("edge0_eval.gate", "CI regression gate on a report"),
+    "gate-run": ("edge0_eval.gate_run", "run a gate config and gate it"),
     "fidelity": (
         "edge0_eval.fidelity",
         "make a teacher-forced fidelity set from a teacher",

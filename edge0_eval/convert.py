@@ -11,9 +11,7 @@ from edge0_eval.checkpoints.conversion_plan import (
     DEFAULT_GROUP_SIZE,
     SUPPORTED_MODEL_TYPES,
 )
-from edge0_eval.formats.layout import (
-    ExpertIndex,
-)
+from edge0_eval.formats.layout import ExpertIndex
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,15 +22,16 @@ import textwrap
 import time
 from pathlib import Path
 
+from edge0_eval import gate_run
 from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import agreement, gate_run
+from edge0_eval.evaluation import agreement, opencompass_run
 from edge0_eval.evaluation.fidelity import fingerprint, gather_prompts, make_set
 from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set, write_set
 from edge0_eval.evaluation.fixtures import write_fixtures
-from edge0_eval.evaluation.gate_run import offline_env, opencompass_command
+from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
 from model_wrappers.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
@@ -150,7 +151,7 @@ def make_tiny_fidelity_set(teacher: Path, path: Path) -> Path:
 def make_agreement_set(config: Path, env: dict[str, str]) -> Path:
     """The agreement set (evaluation/agreement.py) of the gate config's teacher arm, answered
     with its exact settings through its own model class; remade when either changed."""
-    cfg = gate_run.load_config_with(config, {**env, "EDGE0_ARMS": "teacher"})
+    cfg = opencompass_run.load_config_with(config, {**env, "EDGE0_ARMS": "teacher"})
     (model,) = cfg["models"]
     settings = {
         k: model.get(k)
@@ -288,8 +289,9 @@ def train_student_adapters(work: Path, teacher: Path, student: Path) -> None:
 def check_run(
     run_dir: Path, models=TINY_MODELS, datasets=TINY_DATASETS + (TINY_FIDELITY,)
 ) -> list[str]:
-    """Everything wrong with a tiny run folder (gate_run.check_run on the tiny config's lists)."""
-    return gate_run.check_run(run_dir, models, datasets)
+    """Everything wrong with a tiny run folder (opencompass_run.check_run on the tiny config's
+    lists)."""
+    return opencompass_run.check_run(run_dir, models, datasets)
 
 
 def run_tiny(work: Path, config: Path, env: dict[str, str]) -> Path:

@@ -44,7 +44,7 @@ from edge0_eval.engine.prerouter import (
 )
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.gate import load_report
+from edge0_eval.evaluation.gate_input import load_report
 from edge0_eval.formats.config import read_config
 from edge0_eval.formats.layout import (
     EXPERTS_NAME,
@@ -623,7 +623,7 @@ def _row(**kw):
 
 
 def _report(path: Path, rows, raw: str | None = None) -> Path:
-    from edge0_eval.evaluation.report import SCHEMA
+    from edge0_eval.evaluation.gap_report import SCHEMA
 
     text = (
         raw if raw is not None else json.dumps({"schema": SCHEMA, "benchmarks": rows})

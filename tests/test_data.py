@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import data, data_checks, nltk_data
+from edge0_eval.evaluation import data_checks, data_paths, data_staging, nltk_data
 from edge0_eval.evaluation.fixtures import MMLU_PRO_FIXTURE_CATEGORIES, write_fixtures
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def _script(name: str) -> str:
 def staged(tmp_path_factory):
     """HumanEval and IFBench (with NLTK data) staged from the installed PyPI packages."""
     root = tmp_path_factory.mktemp("staged")
-    actions, checks = data.stage(root, ("humaneval", "ifbench"))
+    actions, checks = data_staging.stage(root, ("humaneval", "ifbench"))
     return root, {c.benchmark: c for c in checks}
 
 
@@ -62,7 +62,7 @@ def test_stage_writes_humaneval_and_ifbench_from_pypi_packages(staged):
 def test_staging_ifbench_never_imports_its_code(tmp_path):
     proc = _in_fresh_python(f"""
         import sys
-        from edge0_eval.evaluation.data import stage_ifbench
+        from edge0_eval.evaluation.data_staging import stage_ifbench
         stage_ifbench(__import__("pathlib").Path({str(tmp_path)!r}))
         assert "ifbench" not in sys.modules and "spacy" not in sys.modules, "imported"
     """)
@@ -105,8 +105,8 @@ def test_stage_cli_says_what_is_missing_and_where_it_goes(tmp_path):
 
 def test_fixtures_pass_subset_checks_but_not_full_ones(tmp_path):
     write_fixtures(tmp_path)
-    assert all(c.ok for c in data.verify(tmp_path, full=False))
-    full = {c.benchmark: c for c in data.verify(tmp_path, full=True)}
+    assert all(c.ok for c in data_checks.verify(tmp_path, full=False))
+    full = {c.benchmark: c for c in data_checks.verify(tmp_path, full=True)}
     assert not any(c.ok for c in full.values())
     assert "has 2 items, the full benchmark has 30" in full["aime2026"].message
     assert "has 3 items, the full benchmark has 12032" in full["mmlu_pro"].message
@@ -162,7 +162,7 @@ def test_user_supplied_files_are_checked_and_placed(tmp_path):
     _write_parquet(src / "mmlu" / "test-00000-of-00001.parquet", _mmlu_rows(1))
     _write_parquet(src / "mmlu" / "validation-00000-of-00001.parquet", _mmlu_rows(5))
     root = tmp_path / "root"
-    _, checks = data.stage(
+    _, checks = data_staging.stage(
         root,
         ("aime2026", "gpqa", "mmlu_pro"),
         aime2026=str(aime),
@@ -176,7 +176,8 @@ def test_user_supplied_files_are_checked_and_placed(tmp_path):
     assert not checks["mmlu_pro"].ok and "has 14 items" in checks["mmlu_pro"].message
     assert checks["mmlu_pro"].count == 14
     assert all(
-        c.ok for c in data.verify(root, ("aime2026", "gpqa", "mmlu_pro"), full=False)
+        c.ok
+        for c in data_checks.verify(root, ("aime2026", "gpqa", "mmlu_pro"), full=False)
     )
 
 
@@ -189,22 +190,22 @@ def test_user_supplied_files_are_checked_and_placed(tmp_path):
     ],
 )
 def test_malformed_user_files_are_refused(tmp_path, benchmark, content, message):
-    path = tmp_path / data.PATHS[benchmark]
+    path = tmp_path / data_paths.PATHS[benchmark]
     path.parent.mkdir(parents=True)
     path.write_text(content)
-    (check,) = data.verify(tmp_path, (benchmark,), full=False)
+    (check,) = data_checks.verify(tmp_path, (benchmark,), full=False)
     assert not check.ok and message in check.message
 
 
 def test_mmlu_pro_parquet_columns_and_splits_are_checked(tmp_path):
-    base = tmp_path / data.PATHS["mmlu_pro"] / "data"
+    base = tmp_path / data_paths.PATHS["mmlu_pro"] / "data"
     _write_parquet(
         base / "test-00000-of-00001.parquet", _mmlu_rows(1), drop=("cot_content",)
     )
-    (check,) = data.verify(tmp_path, ("mmlu_pro",), full=False)
+    (check,) = data_checks.verify(tmp_path, ("mmlu_pro",), full=False)
     assert not check.ok and "no validation parquet" in check.message
     _write_parquet(base / "validation-00000-of-00001.parquet", _mmlu_rows(1))
-    (check,) = data.verify(tmp_path, ("mmlu_pro",), full=False)
+    (check,) = data_checks.verify(tmp_path, ("mmlu_pro",), full=False)
     assert not check.ok and "missing columns ['cot_content']" in check.message
 
 
@@ -281,7 +282,10 @@ IFBENCH_GOOD = {
 
 def test_ifbench_known_good_scores_full_and_known_bad_zero(staged):
     root, _ = staged
-    rows = {r["key"]: r for r in map(json.loads, (root / data.PATHS["ifbench"]).open())}
+    rows = {
+        r["key"]: r
+        for r in map(json.loads, (root / data_paths.PATHS["ifbench"]).open())
+    }
     refs = [rows[k] for k in IFBENCH_GOOD]
     prompts = [r["prompt"] for r in refs]
     evaluator, _ = _build_scorer(_bundle_dataset("IFBench"))
@@ -310,7 +314,7 @@ def test_ifbench_scorer_refuses_when_nltk_data_is_missing(staged, tmp_path):
         nltk.data.path[:] = []
         from model_wrappers.evaluators import CheckedIFBenchEvaluator, ScorerUnavailable
         rows = {{}}
-        for line in open({str(root / data.PATHS["ifbench"])!r}):
+        for line in open({str(root / data_paths.PATHS["ifbench"])!r}):
             r = json.loads(line); rows[r['key']] = r
         refs = [rows['172'], rows['14']]
         try:

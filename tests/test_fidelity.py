@@ -22,7 +22,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity as fid
 from edge0_eval.evaluation import fidelity_report as fr
 from edge0_eval.evaluation import fidelity_set as fs
-from edge0_eval.evaluation.report import build_report
+from edge0_eval.evaluation.gap_report import build_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -252,7 +252,7 @@ def test_silent_fault_fails_the_fidelity_gate(
     assert {f"fidelity {a}" for a in failing} <= set(failed), checks
     assert not {f"fidelity {a}" for a in passing | {"teacher"}} & set(failed), failed
     # The real gate's table and verdict name fidelity and the arm.
-    from edge0_eval.evaluation.gate import Check, format_table
+    from edge0_eval.evaluation.gate_checks import Check, format_table
 
     table = format_table([Check(c["name"], c["result"], c["reasons"]) for c in checks])
     for arm in failing:
@@ -262,7 +262,7 @@ def test_silent_fault_fails_the_fidelity_gate(
 
 def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     from edge0_eval.cli import main
-    from edge0_eval.evaluation.report import SCHEMA
+    from edge0_eval.evaluation.gap_report import SCHEMA
 
     def report(fidelity):
         return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity}
@@ -390,7 +390,7 @@ def test_teacher_runner_equals_mlx_lm_generation(teacher_set):
 
 def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
     from edge0_eval.cli import main
-    from edge0_eval.evaluation.data import stage
+    from edge0_eval.evaluation.data_staging import stage
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS[:2]))

@@ -135,8 +135,8 @@ def test_gate_run_undecided_after_its_last_round_is_an_error(tmp_path, monkeypat
     """`gate` answering 'run the next round' after the last one (a baseline holding items the
     sample never reaches) must not end `gate-run` as a pass. OpenCompass and the report are
     stood in for: the loop's decision is what is tested."""
+    from edge0_eval import gate_run as gr
     from edge0_eval.errors import Edge0Error
-    from edge0_eval.evaluation import gate_run as gr
 
     cfg = {
         "edge0_gate": {"rounds": [0.5, 1.0]},

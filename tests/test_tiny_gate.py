@@ -21,8 +21,9 @@ from test_fidelity import fault_expert_scales, fault_lora_b, fault_swap_experts
 
 from edge0_eval.cli import main
 from edge0_eval.demo import make_agreement_set
-from edge0_eval.evaluation.gate_run import gate_run, load_config_with, offline_env
+from edge0_eval.evaluation.opencompass_run import load_config_with, offline_env
 from edge0_eval.evaluation.planner import PlanOptions, make_plan
+from edge0_eval.gate_run import gate_run
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "edge0_tiny_gate.py"

@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.gap_report import OLD_SCHEMAS, SCHEMA
 from edge0_eval.evaluation.predictions import strict_loads
-from edge0_eval.evaluation.report import OLD_SCHEMAS, SCHEMA
 
 
 def _check_settings(path: str, arms) -> None:

@@ -1,6 +1,6 @@
 """`edge0-eval gate --sequential`: the gate's paired checks as anytime-valid sequential tests.
 
-A sequential gate run (evaluation/gate_run.py) scores a benchmark's seeded sample in rounds of
+A sequential gate run (`gate-run --sequential`) scores a benchmark's seeded sample in rounds of
 growing prefixes; each round's report covers every item so far. Items enter the tests in a
 fixed order that no outcome can change: the round an item first appeared in, then a hash of
 its id (sequential.order). Per benchmark, as in the fixed gate, two changes are tested on the

@@ -487,7 +487,7 @@ def _markdown(report: dict) -> str:
 
 
 def _write_plot(report: dict, path: Path) -> None:
-    # slow import (-X importtime); `gate` imports report.py for SCHEMA and never plots
+    # slow import (-X importtime); `gate` imports gap_report.py for SCHEMA and never plots
     import matplotlib
 
     matplotlib.use("Agg")

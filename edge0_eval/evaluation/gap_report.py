@@ -1,4 +1,4 @@
-"""`edge0-eval report`: teacher-vs-student gap report from OpenCompass output folders.
+"""The teacher-vs-student gap report from OpenCompass output folders (`edge0-eval report`).
 
 Scores come from the per-item `details` of each results file (full precision), never from the
 rounded summary. Per benchmark: items, teacher, student, delta = student - teacher, and a 95%
@@ -16,14 +16,10 @@ column: definitions.py; settings fingerprints: settings.py.
 
 from __future__ import annotations
 
-import argparse
 import math
-import shlex
 from datetime import datetime, timezone
-from pathlib import Path
 
-from edge0_eval.arguments import value_types as ct
-from edge0_eval.errors import ConfigError, Edge0Error
+from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation import samples as sampling
 from edge0_eval.evaluation.arms import (
@@ -31,8 +27,6 @@ from edge0_eval.evaluation.arms import (
     check_versions,
     collect_arm,
     fingerprint_parts,
-    model_index,
-    parse_arms,
     shown,
     version_text,
 )
@@ -40,12 +34,10 @@ from edge0_eval.evaluation.benchmarks import Benchmark
 from edge0_eval.evaluation.definitions import (
     average_reference,
     headline,
-    load_reference,
     reference_for,
 )
-from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, Run, expand_outputs, load_run
+from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, Run
 from edge0_eval.evaluation.predictions import engine_summary
-from edge0_eval.evaluation.report_writers import write_report
 from edge0_eval.evaluation.settings import arm_settings, settings_differences
 from edge0_eval.evaluation.thinking import rule_of
 
@@ -54,81 +46,6 @@ from edge0_eval.evaluation.thinking import rule_of
 SCHEMA = "edge0-eval/report/v2"
 OLD_SCHEMAS = ("edge0-eval/report/v1",)
 Z95 = sampling.Z95
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "outputs",
-        nargs="+",
-        metavar="OUTPUTS",
-        help="OpenCompass output folders: a run (<work_dir>/<timestamp>) or a "
-        "work_dir (its latest run); teacher and student may be in "
-        "different ones",
-    )
-    parser.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR",
-        type=ct.directory,
-        help="folder for report.md, report.csv, report.json, report.png",
-    )
-    parser.add_argument(
-        "--arms",
-        metavar="NAME=ABBR,...",
-        help="model abbr per arm: teacher, student (prerouted + LoRA), and "
-        "optionally int4_exact, prerouted_nolora. Default: the two models "
-        "found, the one whose abbr contains 'teacher' as teacher",
-    )
-    parser.add_argument(
-        "--reference",
-        metavar="FILE",
-        help="published numbers to show as extra columns "
-        "(e.g. reports/reference/edge0_35b.json)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(
-            f"--out {out} is a file; --out names a folder for report.md, "
-            f"report.csv, report.json and report.png"
-        )
-    runs = [load_run(p) for p in expand_outputs(args.outputs)]
-    reference = load_reference(args.reference) if args.reference else None
-    command = command_line(args)
-    report = build_report(
-        runs, parse_arms(args.arms, model_index(runs)), reference, command
-    )
-    write_report(report, out)
-    bad = [
-        f"{b['benchmark']}: {b['status']}"
-        for b in report["benchmarks"]
-        if b["status"] != "ok"
-    ]
-    fidelity = report.get("fidelity")
-    if fidelity is not None and fidelity.get("status") != "ok":
-        bad.append(f"fidelity: {fidelity.get('status')}")
-    if not report["benchmarks"] and fidelity is None:
-        bad = ["no benchmark or fidelity results found"]
-    print(
-        f"wrote {out}/report.{{md,csv,json,png}}"
-        + (f"; not ok: {', '.join(bad)}" if bad else "")
-    )
-    if bad:
-        # Missing or failed results must not look like a finished report to a script.
-        print("edge0-eval report: incomplete (see the notes in report.md); exit 1")
-        return 1
-    return 0
-
-
-def command_line(args: argparse.Namespace) -> str:
-    parts = ["edge0-eval", "report", *args.outputs, "--out", args.out]
-    if args.arms:
-        parts += ["--arms", args.arms]
-    if args.reference:
-        parts += ["--reference", args.reference]
-    return shlex.join(parts)
 
 
 # --------------------------------------------------------------------------- statistics

@@ -1,0 +1,229 @@
+"""`edge0-eval gate REPORT.json --baseline BASELINE.json`: CI regression gate, comparing a
+report.json with a baseline report.json (the checks: evaluation/gate_checks.py).
+
+Exit status: 0 all pass, 1 regression or failure, 2 bad input, 3 sequential and undecided with
+items left (run the next round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from edge0_eval.arguments import value_types as ct
+from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
+from edge0_eval.evaluation.gap_report import SCHEMA
+from edge0_eval.evaluation.gate_checks import (
+    DEFAULT_MAX_DROP,
+    DEFAULT_MAX_GAP_INCREASE,
+    evaluate,
+    format_table,
+)
+from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.settings import model_changes, settings_differences
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "report",
+        metavar="REPORT.json",
+        nargs="+",
+        help="report.json from edge0-eval report; with --sequential, the "
+        "reports of the rounds so far in round order (the last is judged)",
+    )
+    parser.add_argument(
+        "--baseline",
+        required=True,
+        metavar="BASELINE.json",
+        help="the report.json to compare against",
+    )
+    parser.add_argument(
+        "--max-gap-increase",
+        type=ct.nonneg_float,
+        default=DEFAULT_MAX_GAP_INCREASE,
+        metavar="P",
+        help="the widening of teacher - student, in points, the "
+        "gate must be able to detect (paired: a power statement; unpaired "
+        "baseline: allowed beyond the half-width) (default "
+        f"{DEFAULT_MAX_GAP_INCREASE})",
+    )
+    parser.add_argument(
+        "--max-drop",
+        type=ct.nonneg_float,
+        default=DEFAULT_MAX_DROP,
+        metavar="P",
+        help="the drop of the student's score, in points, the gate must be able "
+        "to detect (paired: a power statement; unpaired baseline: allowed "
+        f"beyond the half-width) (default {DEFAULT_MAX_DROP})",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=ct.float_range(0.0, 0.5, low_open=True),
+        default=paired.DEFAULT_ALPHA,
+        metavar="A",
+        help="false-fail rate of the benchmark checks together on a run of "
+        "unchanged quality; each of the 2 tests per benchmark runs at A / "
+        f"(2 x benchmarks) (default {paired.DEFAULT_ALPHA})",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="sequential tests that may stop after any round: each benchmark "
+        "regressed, within its max drop, or undecided (exit 3: run the next "
+        "round)",
+    )
+    parser.add_argument(
+        "--benchmark-drop",
+        action="append",
+        default=[],
+        metavar="NAME=P",
+        type=ct.named(ct.float_range(0.0, 100.0, low_open=True)),
+        help="the max drop and max gap increase of one benchmark, in points "
+        "(e.g. 'MMLU-Pro=8'); repeatable; others take --max-drop and "
+        "--max-gap-increase",
+    )
+    parser.add_argument(
+        "--max-kl-rise",
+        type=ct.nonneg_float,
+        default=fidelity_report.DEFAULT_MAX_KL_RISE,
+        metavar="NATS",
+        help="fidelity: allowed KL rise per arm beyond the baseline's 95%% "
+        f"half-width (default {fidelity_report.DEFAULT_MAX_KL_RISE})",
+    )
+    parser.add_argument(
+        "--max-agreement-drop",
+        type=ct.nonneg_float,
+        default=fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
+        metavar="P",
+        help="fidelity: allowed top-1 agreement drop per arm, in points, beyond "
+        "the baseline's 95%% half-width (default "
+        f"{fidelity_report.DEFAULT_MAX_AGREEMENT_DROP})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--max-gap-increase", args.max_gap_increase),
+        ("--max-drop", args.max_drop),
+        ("--max-kl-rise", args.max_kl_rise),
+        ("--max-agreement-drop", args.max_agreement_drop),
+    ):
+        if not (math.isfinite(value) and value >= 0):
+            raise Edge0Error(f"{flag} {value}: must be a finite number >= 0")
+    if args.sequential and not (
+        0 < args.max_drop <= 100 and 0 < args.max_gap_increase <= 100
+    ):
+        raise Edge0Error(
+            "--sequential decides 'within' a max drop: --max-drop and "
+            "--max-gap-increase must be in (0, 100] points"
+        )
+    if len(args.report) > 1 and not args.sequential:
+        raise Edge0Error(
+            "several reports are the rounds of a sequential gate run: pass "
+            "--sequential (or one report)"
+        )
+    rounds = [load_report(path) for path in args.report]
+    current, baseline = rounds[-1], load_report(args.baseline)
+    paths, args.report = args.report, args.report[-1]
+    first_round = (
+        gate_sequential.check_rounds(paths, rounds) if args.sequential else None
+    )
+    if current["benchmarks"] and not baseline["benchmarks"]:
+        # Every benchmark would show as "new" and pass ungated.
+        raise Edge0Error(
+            f"{args.baseline}: no benchmarks, but {args.report} has "
+            f"{len(current['benchmarks'])}; regenerate the baseline with "
+            f"`edge0-eval report` on runs that include them"
+        )
+    problems = settings_differences(_settings(current), "teacher", _settings(baseline))
+    if problems:
+        raise Edge0Error(
+            f"{args.baseline}: made with other settings than {args.report}: "
+            + "; ".join(problems)
+            + "; gate against a baseline run with the same "
+            "settings (or regenerate it)"
+        )
+    for path, report in ((args.baseline, baseline), (args.report, current)):
+        if report["schema"] != SCHEMA:
+            print(
+                f"gate: note: {path} is a {report['schema']} report: it has no per-sample "
+                f"records, open-thinking rule, data digests or model identity, so those are "
+                f"not compared; regenerate it with `edge0-eval report` ({SCHEMA})"
+            )
+    for change in model_changes(_settings(current), _settings(baseline)):
+        print(
+            f"gate: note: model changed since the baseline (the change being judged): {change}"
+        )
+    checks = evaluate(
+        current,
+        baseline,
+        args.max_gap_increase,
+        args.max_drop,
+        args.max_kl_rise,
+        args.max_agreement_drop,
+        alpha=args.alpha,
+        first_round=first_round,
+        drops=dict(args.benchmark_drop),
+    )
+    print(format_table(checks))
+    failed = [c.benchmark for c in checks if c.result == "FAIL"]
+    if failed:
+        print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
+        return 1
+    pending = [c.benchmark for c in checks if c.pending]
+    if pending:
+        print(
+            f"gate: undecided ({', '.join(pending)}): no benchmark regressed so far; run the "
+            f"next round"
+        )
+        return gate_sequential.UNDECIDED_EXIT
+    arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
+    blind = [c.benchmark for c in checks if c.blind]
+    if blind:
+        print(
+            f"gate: {len(blind)} check(s) cannot see the drop asked about ({', '.join(blind)}): "
+            f"a pass there is not evidence of no regression; see 'cannot see' above"
+        )
+    paired_n = sum(c.p_values[0] is not None for c in checks)
+    sequential_n = sum(c.rule is not None for c in checks)
+    unpaired_n = len(checks) - arms - paired_n - sequential_n
+    tests = 2 * len(baseline["benchmarks"])
+    level = (
+        f"each test at {paired.per_test_alpha(args.alpha, len(baseline['benchmarks'])):.3g}"
+        f" = alpha {args.alpha:g} / {tests} tests"
+    )
+    parts = [f"{paired_n} paired with the baseline, {level}"] if paired_n else []
+    parts += (
+        [
+            f"{sequential_n} sequential, {level} ("
+            f"{sum(c.rule == 'within' for c in checks)} decided within their max drop)"
+        ]
+        if sequential_n
+        else []
+    )
+    parts += (
+        [
+            f"{unpaired_n} unpaired (max gap increase {args.max_gap_increase:g}, max drop "
+            f"{args.max_drop:g}, each plus the 95% half-width)"
+        ]
+        if unpaired_n
+        else []
+    )
+    if arms:
+        parts.append(
+            f"fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the "
+            f"baseline, max agreement drop {args.max_agreement_drop:g}, each plus the "
+            f"paired change's half-width"
+        )
+    print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
+    if paired_n or sequential_n:
+        print(
+            f"gate: a run of unchanged quality fails the benchmark checks with probability at "
+            f"most {args.alpha:g} in all (Bonferroni over the {tests} tests)"
+        )
+    return 0
+
+
+def _settings(report: dict) -> dict:
+    return {arm: entry.get("settings") for arm, entry in report.get("arms", {}).items()}
