@@ -18,7 +18,7 @@ from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.engine.rows import Answer, sample_stats
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.fidelity import model_logprobs
+from edge0_eval.evaluation.fidelity_scoring import model_logprobs
 
 from .chat import ChatModelBase
 

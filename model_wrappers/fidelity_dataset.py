@@ -1,4 +1,5 @@
-"""OpenCompass loader for a fidelity set (edge0_eval/evaluation/fidelity.py): one row per prompt.
+"""OpenCompass loader for a fidelity set (edge0_eval/evaluation/fidelity_scoring.py): one row
+per prompt.
 
 Each row holds the prompt text (`prompt`, for the predictions file) and the whole teacher item as
 JSON (`item`): the inferencer forces its tokens through the arm and the evaluator compares the

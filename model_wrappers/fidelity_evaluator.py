@@ -1,9 +1,9 @@
 """Evaluator for the fidelity dataset: an arm's log-probs against the teacher's, per item.
 
-Metrics (edge0_eval/evaluation/fidelity.py): kl (nats, KL(teacher || arm) over the top-k plus a
-tail bucket), agreement (share of positions whose argmax is the teacher's token), nll (of the
-teacher's tokens), greedy_match (positions before the first disagreement); each per item in
-`details` (with the item's id and source) and averaged over items.
+Metrics (edge0_eval/evaluation/fidelity_scoring.py): kl (nats, KL(teacher || arm) over the
+top-k plus a tail bucket), agreement (share of positions whose argmax is the teacher's token),
+nll (of the teacher's tokens), greedy_match (positions before the first disagreement); each per
+item in `details` (with the item's id and source) and averaged over items.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from edge0_eval.engine.rows import Answer, StopRule
 from edge0_eval.engine.sampling import row_sampler
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.evaluation.fidelity import model_logprobs
+from edge0_eval.evaluation.fidelity_scoring import model_logprobs
 
 from .chat import ChatModelBase
 

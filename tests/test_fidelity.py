@@ -19,8 +19,8 @@ from edge0_eval.engine.prerouter import (
     save_heads,
 )
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import fidelity as fid
 from edge0_eval.evaluation import fidelity_report as fr
+from edge0_eval.evaluation import fidelity_scoring as fid
 from edge0_eval.evaluation import fidelity_set as fs
 from edge0_eval.evaluation.gap_report import build_report
 

@@ -23,7 +23,7 @@ from edge0_eval.engine.prerouter import (
     init_heads_from_routers,
     save_heads,
 )
-from edge0_eval.evaluation import fidelity as fid
+from edge0_eval.evaluation import fidelity_scoring as fid
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 BAILING_TOL = 1e-3
@@ -190,3 +190,23 @@ def test_a_piece_reads_and_computes_each_expert_pair_once(served, monkeypatch):
         assert pairs == {layer: 32 * engine.top_k for layer in engine.blocks}
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_fidelity_bench_scores_both_arms_alike(
+    teacher, edge0_qwen, tiny_qwen_q4, tmp_path
+):
+    """`fidelity bench` (the fidelity verb's second action) runs both arms on the student and
+    on an mlx-lm teacher and finds their log-prob rows bit-identical (qwen3_5_moe)."""
+    import json
+
+    from edge0_eval.cli import main
+
+    out = tmp_path / "bench.json"
+    model = tiny_qwen_q4 if teacher else edge0_qwen
+    argv = ["fidelity", "bench", str(model), "--positions", "6", "--rounds", "2"]
+    assert main(argv + ["--json", str(out)] + (["--teacher"] if teacher else [])) == 0
+    got = json.loads(out.read_text())
+    assert got["bit_identical"] and len(got["rounds"]) == 2
+    assert set(got["positions_per_s"]) == {"steps", "pieces"}
+    assert ("engine" in got) is not teacher

@@ -1,6 +1,6 @@
 # Teacher-forced fidelity: every arm's next-token log-probs on the teacher's own continuations,
-# against the teacher's top-k (see edge0_eval/evaluation/fidelity.py). The set is made once with
-# `edge0-eval fidelity make TEACHER --out FILE` and laid under the data root by
+# against the teacher's top-k (see edge0_eval/evaluation/fidelity_scoring.py). The set is made
+# once with `edge0-eval fidelity make TEACHER --out FILE` and laid under the data root by
 # `edge0-eval data stage --root $COMPASS_DATA_CACHE --fidelity FILE` (data/fidelity/...).
 # Arms must be MLXLMModel or Edge0Model (they implement fidelity_logprobs); the model config's
 # max_out_len does not apply: the set fixes every item's length.

@@ -1,5 +1,6 @@
 """The fidelity set file and the metrics on it (numpy only: configs and the report import this
-without MLX). The set is made by edge0_eval/evaluation/fidelity.py (`edge0-eval fidelity make`).
+without MLX). The set is made by edge0_eval/evaluation/fidelity_scoring.py (`edge0-eval
+fidelity make`).
 
 File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
 "edge0-eval/fidelity/v2":
