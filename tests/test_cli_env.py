@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from edge0_eval import cli
 from edge0_eval.cli import COMMANDS
 
 
@@ -36,3 +39,24 @@ def test_opencompass_command_starts():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: opencompass" in proc.stdout
+
+
+# The top level of edge0_eval holds the verbs, one module each, and the command line itself;
+# libraries live in packages.
+NOT_VERBS = {"__init__", "__main__", "cli", "errors"}
+
+
+def test_every_verb_is_a_top_level_module_named_for_it():
+    package = Path(cli.__file__).parent
+    top = {p.stem for p in package.glob("*.py")} - NOT_VERBS
+    modules = {verb: module for verb, (module, _) in COMMANDS.items()}
+    assert modules == {v: f"edge0_eval.{v.replace('-', '_')}" for v in COMMANDS}
+    assert top == {m.rsplit(".", 1)[1] for m in modules.values()}
+
+
+@pytest.mark.parametrize("verb", sorted(COMMANDS))
+def test_every_verb_answers_help(verb, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([verb, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: edge0-eval {verb}")

@@ -1,0 +1,93 @@
+"""No import runs back up: each package of edge0_eval (and model_wrappers) imports only the
+layers below it, read from the source (lazy imports inside functions too). The verbs at the top
+level may import any package; no package imports a verb or the command line.
+
+    errors  <  formats/  <  engine/  <  arguments/, evaluation/  <  training/
+            <  checkpoints/, server/  <  model_wrappers  <  the verbs, cli.py
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BELOW = {
+    "errors": set(),
+    "formats/": {"errors"},
+    "engine/": {"errors", "formats/"},
+    "arguments/": {"errors", "formats/", "engine/"},
+    "evaluation/": {"errors", "formats/", "engine/"},
+    "training/": {"errors", "formats/", "engine/", "arguments/"},
+    "checkpoints/": {"errors", "formats/", "engine/", "training/"},
+    "server/": {"errors", "formats/", "engine/", "evaluation/"},
+    "model_wrappers": {"errors", "formats/", "engine/", "evaluation/"},
+}
+
+
+def _unit(module: str) -> str:
+    """The layer a module belongs to: its package folder, or a top-level module's name."""
+    parts = module.split(".")
+    if parts[0] == "model_wrappers":
+        return "model_wrappers"
+    if len(parts) == 1:
+        return "edge0_eval"
+    return f"{parts[1]}/" if (REPO / "edge0_eval" / parts[1]).is_dir() else parts[1]
+
+
+def _exists(module: str) -> bool:
+    path = REPO / module.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> set[str]:
+    """The project modules `path` imports, anywhere in the file."""
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in ("edge0_eval", "model_wrappers") and _exists(name):
+                found.add(name)
+    return found
+
+
+def _files(layer: str) -> list[Path]:
+    if layer == "model_wrappers":
+        return sorted((REPO / "model_wrappers").glob("*.py"))
+    if layer.endswith("/"):
+        return sorted((REPO / "edge0_eval" / layer).glob("*.py"))
+    return [REPO / "edge0_eval" / f"{layer}.py"]
+
+
+@pytest.mark.parametrize("layer", sorted(BELOW))
+def test_layer_imports_only_layers_below(layer):
+    up = {
+        f"{path.relative_to(REPO)} -> {name}"
+        for path in _files(layer)
+        for name in _imports(path)
+        if _unit(name) not in BELOW[layer] | {layer}
+        and name not in ("edge0_eval", "model_wrappers")
+    }
+    assert not up, sorted(up)
+
+
+def test_every_package_has_a_layer():
+    packages = {
+        f"{p.parent.name}/"
+        for p in (REPO / "edge0_eval").glob("*/__init__.py")
+        if p.parent.name != "__pycache__"
+    }
+    assert packages <= set(BELOW), packages - set(BELOW)
