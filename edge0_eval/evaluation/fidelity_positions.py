@@ -24,11 +24,12 @@ import math
 
 import numpy as np
 
+from edge0_eval.evaluation.samples import Z95
+
 # First position of each bucket; the last bucket is open-ended.
 POSITION_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
 KL_QUANTILES = (0.5, 0.99, 0.999)
 KL_THRESHOLDS = (0.1, 1.0)  # nats
-Z95 = 1.96
 
 
 def bucket_label(i: int) -> str:

@@ -34,8 +34,8 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_positions
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, METRICS
 from edge0_eval.evaluation.outputs import Run
+from edge0_eval.evaluation.samples import mean_half_width
 
-Z95 = 1.96
 ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
 # (step, arm a, arm b): the step's figure is KL(a) - KL(b) and agreement(b) - agreement(a), so
 # quantization and routing are losses and lora_recovery a gain, each positive when as named.
@@ -128,16 +128,6 @@ def _check_item(path, item, row: dict) -> None:
         )
 
 
-def _paired(diffs: list[float]) -> tuple[float, float | None]:
-    """(mean, 95% half-width) of paired per-item differences; no width below two items."""
-    n = len(diffs)
-    mean = sum(diffs) / n
-    if n < 2:
-        return mean, None
-    var = sum((d - mean) ** 2 for d in diffs) / (n - 1)
-    return mean, Z95 * math.sqrt(var / n)
-
-
 def _scale(metric: str) -> float:
     return 100.0 if metric == "agreement" else 1.0  # agreement in points
 
@@ -148,7 +138,7 @@ def _summary(items: dict, ids: list[str], teacher: dict | None) -> dict:
         values = [items[i][m] * _scale(m) for i in ids]
         out[m] = sum(values) / len(values)
         if teacher is not None:
-            _, hw = _paired(
+            _, hw = mean_half_width(
                 [v - teacher[i][m] * _scale(m) for i, v in zip(ids, values)]
             )
             out[f"{m}_half_width"] = hw
@@ -238,7 +228,7 @@ def summarize(loaded: dict) -> dict:
                 m: dict(
                     zip(
                         ("delta", "half_width"),
-                        _paired(
+                        mean_half_width(
                             [
                                 sign
                                 * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m])
@@ -552,6 +542,6 @@ def _change_widths(base: dict | None, cur: dict | None) -> tuple[float, float]:
     if not base or not cur or set(base) != set(cur):
         return 0.0, 0.0
     ids = sorted(base)
-    kl = _paired([cur[i][0] - base[i][0] for i in ids])[1]
-    agree = _paired([100.0 * (cur[i][1] - base[i][1]) for i in ids])[1]
+    kl = mean_half_width([cur[i][0] - base[i][0] for i in ids])[1]
+    agree = mean_half_width([100.0 * (cur[i][1] - base[i][1]) for i in ids])[1]
     return kl or 0.0, agree or 0.0
