@@ -188,26 +188,20 @@ def add_repeat_layouts(tasks: List[dict]) -> List[dict]:
     return tasks
 
 
-@PARTITIONERS.register_module()
-class Edge0Partitioner(NaivePartitioner):
-    """NaivePartitioner + `preflight` + `add_repeat_layouts`.
+class _Checked:
+    """What this project's partitioners add to OpenCompass's, whichever they extend:
+    `preflight` before any task starts, each task's `add_repeat_layouts`, and at the infer
+    stage `add_progress`.
 
     Args:
         full_data: require the full benchmarks' item counts (False for fixtures/smoke runs).
         check_models: also check model paths and student adapters (off for eval-only runs).
-        n: model-dataset pairs per task; the default puts all of an arm's datasets in one task,
-            so each model loads once.
     """
 
     def __init__(
-        self,
-        out_dir: str,
-        n: int = 10000,
-        full_data: bool = True,
-        check_models: bool = True,
-        keep_keys=None,
+        self, out_dir: str, full_data: bool = True, check_models: bool = True, **kwargs
     ):
-        super().__init__(out_dir=out_dir, n=n, keep_keys=keep_keys)
+        super().__init__(out_dir=out_dir, **kwargs)
         self.full_data = full_data
         self.check_models = check_models
 
@@ -223,23 +217,24 @@ def _infers(out_dir: str) -> bool:
 
 
 @PARTITIONERS.register_module()
-class Edge0NumWorkerPartitioner(NumWorkerPartitioner):
-    """NumWorkerPartitioner + `preflight` + `add_repeat_layouts` (a chunk's inferencer learns
-    where its rows sit among the copies): splits each dataset into item chunks across
-    `num_worker` tasks per arm (several student workers on one node share the page cache).
+class Edge0Partitioner(_Checked, NaivePartitioner):
+    """NaivePartitioner, checked (`_Checked`: full_data, check_models).
+
+    Args:
+        n: model-dataset pairs per task; the default puts all of an arm's datasets in one task,
+            so each model loads once.
+    """
+
+    def __init__(self, out_dir: str, n: int = 10000, **kwargs):
+        super().__init__(out_dir=out_dir, n=n, **kwargs)
+
+
+@PARTITIONERS.register_module()
+class Edge0NumWorkerPartitioner(_Checked, NumWorkerPartitioner):
+    """NumWorkerPartitioner, checked (`_Checked`; a chunk's inferencer learns where its rows sit
+    among the copies): splits each dataset into item chunks across `num_worker` tasks per arm
+    (several student workers on one node share the page cache).
 
     It sizes datasets by loading them once and caches the sizes in `dataset_size_path`
     (default `.cache/dataset_size.json` under the working directory), as OpenCompass does.
     """
-
-    def __init__(
-        self, out_dir: str, full_data: bool = True, check_models: bool = True, **kwargs
-    ):
-        super().__init__(out_dir=out_dir, **kwargs)
-        self.full_data = full_data
-        self.check_models = check_models
-
-    def __call__(self, cfg):
-        preflight(cfg["models"], cfg["datasets"], self.full_data, self.check_models)
-        tasks = add_repeat_layouts(super().__call__(cfg))
-        return add_progress(tasks) if _infers(self.out_dir) else tasks
