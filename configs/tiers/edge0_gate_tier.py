@@ -65,66 +65,39 @@ edge0_gate_inputs = dict(
     alpha=0.05,
     rounds=edge0_gate_rounds,
 )
-edge0_gate_tiers = {
-    "35b": dict(
-        edge0_gate_inputs,
-        # edge0-eval plan configs/edge0_35b_gate.py --size-gate: paste into edge0_gate
-        samples={
-            "openai_humaneval": 14,
-            "GPQA_diamond": 14,
-            "mmlu_pro_math": 2,
-            "mmlu_pro_physics": 2,
-            "mmlu_pro_chemistry": 1,
-            "mmlu_pro_law": 1,
-            "mmlu_pro_engineering": 1,
-            "mmlu_pro_other": 1,
-            "mmlu_pro_economics": 1,
-            "mmlu_pro_health": 1,
-            "mmlu_pro_psychology": 1,
-            "mmlu_pro_business": 1,
-            "mmlu_pro_biology": 1,
-            "mmlu_pro_philosophy": 1,
-            "mmlu_pro_computer_science": 0,
-            "mmlu_pro_history": 0,
-            "IFBench": 14,
-        },
-        drops={
-            "HumanEval": 90.2,
-            "GPQA-Diamond": 90.2,
-            "MMLU-Pro": 90.2,
-            "IFBench": 90.2,
-        },
-    ),
-    "8b": dict(
-        edge0_gate_inputs,
-        # edge0-eval plan configs/edge0_8b_gate.py --size-gate: paste into edge0_gate
-        samples={
-            "openai_humaneval": 14,
-            "GPQA_diamond": 14,
-            "mmlu_pro_math": 2,
-            "mmlu_pro_physics": 2,
-            "mmlu_pro_chemistry": 1,
-            "mmlu_pro_law": 1,
-            "mmlu_pro_engineering": 1,
-            "mmlu_pro_other": 1,
-            "mmlu_pro_economics": 1,
-            "mmlu_pro_health": 1,
-            "mmlu_pro_psychology": 1,
-            "mmlu_pro_business": 1,
-            "mmlu_pro_biology": 1,
-            "mmlu_pro_philosophy": 1,
-            "mmlu_pro_computer_science": 0,
-            "mmlu_pro_history": 0,
-            "IFBench": 14,
-        },
-        drops={
-            "HumanEval": 90.2,
-            "GPQA-Diamond": 90.2,
-            "MMLU-Pro": 90.2,
-            "IFBench": 90.2,
-        },
-    ),
-}
+# The tiers declare the same inputs (no 8B rate is published: the 35B figure is assumed) and
+# sample the same benchmarks at the same max_out_len, so the sizing gives both the same sample;
+# a tier given inputs of its own gets its own entry.
+edge0_gate_sized = dict(
+    edge0_gate_inputs,
+    # `edge0-eval plan configs/edge0_35b_gate.py --size-gate` (the 8B config's alike): paste here
+    samples={
+        "openai_humaneval": 14,
+        "GPQA_diamond": 14,
+        "mmlu_pro_math": 2,
+        "mmlu_pro_physics": 2,
+        "mmlu_pro_chemistry": 1,
+        "mmlu_pro_law": 1,
+        "mmlu_pro_engineering": 1,
+        "mmlu_pro_other": 1,
+        "mmlu_pro_economics": 1,
+        "mmlu_pro_health": 1,
+        "mmlu_pro_psychology": 1,
+        "mmlu_pro_business": 1,
+        "mmlu_pro_biology": 1,
+        "mmlu_pro_philosophy": 1,
+        "mmlu_pro_computer_science": 0,
+        "mmlu_pro_history": 0,
+        "IFBench": 14,
+    },
+    drops={
+        "HumanEval": 90.2,
+        "GPQA-Diamond": 90.2,
+        "MMLU-Pro": 90.2,
+        "IFBench": 90.2,
+    },
+)
+edge0_gate_tiers = {"35b": edge0_gate_sized, "8b": edge0_gate_sized}
 
 # EDGE0_GATE_ROUND (set by `gate-run --sequential`): 0 runs the whole sample, r its round r.
 edge0_gate_round = os.environ.get("EDGE0_GATE_ROUND") or "0"
