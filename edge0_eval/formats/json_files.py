@@ -1,5 +1,6 @@
-"""JSON model files read one way: UTF-8, strict JSON (no NaN), the expected top-level type; and
-the one test of a JSON value against a Python type hint (`type_ok`)."""
+"""JSON model files read one way: UTF-8, strict JSON (no NaN), the expected top-level type; the
+one test of a JSON value against a Python type hint (`type_ok`); and the one error for a model
+file that cannot be read (`unreadable`, also the safetensors reader's)."""
 
 from __future__ import annotations
 
@@ -11,25 +12,27 @@ from pathlib import Path
 from edge0_eval.errors import CheckpointError
 
 
+def unreadable(path: Path, what: str, fix: str, exc: OSError) -> CheckpointError:
+    """The error for a file that cannot be opened or read: missing, a folder, or the OS's
+    reason."""
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointError(f"{path}: {what} not found; {fix}")
+    if isinstance(exc, IsADirectoryError):
+        return CheckpointError(f"{path}: {what} is a directory, not a file; {fix}")
+    return CheckpointError(f"{path}: cannot read {what} ({exc.strerror}); {fix}")
+
+
 def read_json_file(path: str | Path, what: str, fix: str, kind: type = dict):
     """Parse a UTF-8 JSON file whose top level must be `kind`; one error naming the file."""
     path = Path(path)
     try:
         text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found; {fix}") from None
-    except IsADirectoryError:
-        raise CheckpointError(
-            f"{path}: {what} is a directory, not a file; {fix}"
-        ) from None
     except UnicodeDecodeError as exc:
         raise CheckpointError(
             f"{path}: {what} is not UTF-8 text (byte {exc.start}); {fix}"
         ) from None
     except OSError as exc:
-        raise CheckpointError(
-            f"{path}: cannot read {what} ({exc.strerror}); {fix}"
-        ) from None
+        raise unreadable(path, what, fix, exc) from None
     try:
         data = json.loads(text, parse_constant=no_constant)
     except (json.JSONDecodeError, ValueError, RecursionError) as exc:

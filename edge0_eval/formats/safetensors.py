@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from edge0_eval.errors import CheckpointError
-from edge0_eval.formats.json_files import json_name, no_constant, type_ok
+from edge0_eval.formats.json_files import json_name, no_constant, type_ok, unreadable
 
 # safetensors dtype codes -> bytes per element (the format's full list).
 ST_ITEMSIZE = {
@@ -80,16 +80,8 @@ def read_safetensors_header(
                     f"header length {n} does not fit the file's {size} bytes (truncated?)"
                 )
             raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found; {fix}") from None
-    except IsADirectoryError:
-        raise CheckpointError(
-            f"{path}: {what} is a directory, not a file; {fix}"
-        ) from None
     except OSError as exc:
-        raise CheckpointError(
-            f"{path}: cannot read {what} ({exc.strerror}); {fix}"
-        ) from None
+        raise unreadable(path, what, fix, exc) from None
     try:
         header = json.loads(raw.decode("utf-8").rstrip(" "), parse_constant=no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
