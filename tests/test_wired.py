@@ -108,13 +108,13 @@ def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
         top_k=2,
         generation_kwargs=dict(temperature=0.0),
     )
-    generate = student.engine.generate
+    generate = student.engine.generate_batch
 
     def spy(*args, **kwargs):  # on this instance only: what limit is set while it runs
         metal.seen.append(metal.limit)
         return generate(*args, **kwargs)
 
-    student.engine.generate = spy
+    student.engine.generate_batch = spy
     metal.calls.clear()
     student.generate([[{"role": "user", "content": "2 + 2?"}]], max_out_len=3)
     assert metal.seen == [RECOMMENDED] and metal.calls == [RECOMMENDED, 7]
