@@ -115,10 +115,10 @@ def measure_raw_reads(
         with ThreadPoolExecutor(queue_depth) as pool:
             list(pool.map(lambda p: store.read(*p), pairs))
         elapsed = time.perf_counter() - started
-        nbytes = n_reads * store.index.bundle_stride
+        nbytes = sum(store.index.layout(layer).bundle_stride for layer, _ in pairs)
         return {
             "reads": n_reads,
-            "bundle_bytes": store.index.bundle_stride,
+            "bundle_bytes": nbytes / n_reads,  # the mean, where layers' bundles differ
             "queue_depth": queue_depth,
             "cache": "cold" if cold else "warm",
             "seconds": elapsed,
@@ -140,23 +140,22 @@ def measure_mmap_reads(
         if cold:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         rng = random.Random(seed)
-        offsets = [
-            index.bundle_offset(
-                rng.choice(index.moe_layers), rng.randrange(index.num_experts)
-            )
-            for _ in range(n_reads)
-        ]
-        copy = lambda o: bytes(mapped[o : o + index.bundle_stride])  # noqa: E731
+        spans = []
+        for _ in range(n_reads):
+            layer = rng.choice(index.moe_layers)
+            offset = index.bundle_offset(layer, rng.randrange(index.num_experts))
+            spans.append((offset, offset + index.layout(layer).bundle_stride))
+        copy = lambda span: bytes(mapped[span[0] : span[1]])  # noqa: E731
         started = time.perf_counter()
         with ThreadPoolExecutor(queue_depth) as pool:
-            list(pool.map(copy, offsets))
+            list(pool.map(copy, spans))
         elapsed = time.perf_counter() - started
         mapped.close()
         return {
             "reads": n_reads,
             "queue_depth": queue_depth,
             "cache": "cold" if cold else "warm",
-            "gbps": n_reads * index.bundle_stride / elapsed / 1e9,
+            "gbps": sum(end - start for start, end in spans) / elapsed / 1e9,
         }
     finally:
         os.close(fd)

@@ -1,5 +1,6 @@
-"""`edge0-eval convert SRC OUT`: a MoE checkpoint mlx-lm loads -> the int4 streaming layout
-(checkpoints/conversion.py)."""
+"""`edge0-eval convert SRC OUT`: a MoE checkpoint mlx-lm loads -> the streaming layout
+(checkpoints/conversion.py): a quantized SRC repacked as it is, a float one quantized as mlx-lm
+does."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"bits for a float SRC (default {DEFAULT_BITS}); a quantized SRC "
-        f"is repacked as it is",
+        f"is repacked as it is (any bits per layer and projection, any mode)",
     )
     parser.add_argument(
         "--group-size",
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size)
     index = ExpertIndex.load(out)
     print(
-        f"wrote {out}: {len(index.moe_layers)} MoE layers x {index.num_experts} experts, "
-        f"{index.bits}-bit group {index.group_size}, {index.file_size / 1e9:.2f} GB of experts"
+        f"wrote {out}: {len(index.moe_layers)} MoE layers x {index.num_experts} experts "
+        f"({index.describe_quant()}), {index.file_size / 1e9:.2f} GB of experts"
     )
     return 0

@@ -448,11 +448,12 @@ def test_corrupt_experts_fail_at_default(case, edge0_qwen, tmp_path):
             len(index.moe_layers)
         ):  # one bit in every expert of every layer
             for e in range(index.num_experts):
-                data[(pos * index.num_experts + e) * index.bundle_stride + 100] ^= 0x10
+                layer = index.moe_layers[pos]
+                data[index.bundle_offset(layer, e) + 100] ^= 0x10
     elif case == "zeroed":
         data = bytearray(len(data))
     else:  # another conversion's bundles, same size: this file's bundles in another order
-        stride = index.bundle_stride
+        (stride,) = {layout.bundle_stride for layout in index.layouts}
         bundles = [data[i : i + stride] for i in range(0, len(data), stride)]
         data = bytearray(b"".join(bundles[1:] + bundles[:1]))
     path.write_bytes(bytes(data))

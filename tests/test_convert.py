@@ -21,6 +21,7 @@ from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import (
     EXPERTS_NAME,
+    INDEX_NAME,
     RESIDENT_NAME,
     ExpertIndex,
     unpack_bundle,
@@ -38,13 +39,13 @@ def restack_experts(out_dir: Path) -> dict[str, mx.array]:
     data = np.fromfile(out_dir / index.file, dtype=np.uint8)
     weights = {}
     for layer in index.moe_layers:
-        bundles = []
+        layout, bundles = index.layout(layer), []
         for e in range(index.num_experts):
             start = index.bundle_offset(layer, e)
             bundles.append(
-                unpack_bundle(index, data[start : start + index.bundle_bytes])
+                unpack_bundle(layout, data[start : start + layout.bundle_bytes])
             )
-        for spec in index.tensors:
+        for spec in layout.tensors:
             arr = mx.array(np.stack([b[spec.name] for b in bundles]))
             if spec.dtype == "bfloat16":
                 arr = arr.view(mx.bfloat16)
@@ -114,7 +115,8 @@ def test_float_source_bit_exact_with_mlx_lm_quantize_model(fixture, request, tmp
     out = convert(src, tmp_path / "out", progress=False)
     _assert_matches_quantize_model(src, out)
     index = ExpertIndex.load(out)
-    assert (index.bits, index.group_size, index.mode) == (4, 64, "affine")
+    assert index.describe_quant() == "4-bit group 64 affine"
+    assert index.format_version == 1  # what builds before version 2 read
 
 
 def test_bfloat16_source_bit_exact(tmp_path):
@@ -125,7 +127,7 @@ def test_bfloat16_source_bit_exact(tmp_path):
     out = convert(src, tmp_path / "out", progress=False)
     _assert_matches_quantize_model(src, out)
     index = ExpertIndex.load(out)
-    assert {t.dtype for t in index.tensors} == {"uint32", "bfloat16"}
+    assert {t.dtype for t in index.layouts[0].tensors} == {"uint32", "bfloat16"}
 
 
 def test_sharded_source_gives_the_same_output(tiny_qwen, tmp_path):
@@ -194,15 +196,17 @@ def test_index_bundles_and_side_files(tiny_bailing_q4, tmp_path):
     assert index.moe_layers == [1, 2, 3]  # layer 0 is dense
     assert index.module_path == "model.layers.{layer}.mlp.switch_mlp"
     assert index.num_experts == config["num_experts"]
-    assert index.bundle_stride % 4096 == 0 and index.bundle_stride >= index.bundle_bytes
+    (layout,) = index.layouts
+    assert layout.bundle_stride % 4096 == 0
+    assert layout.bundle_stride >= layout.bundle_bytes
     data = (out / EXPERTS_NAME).read_bytes()
-    assert len(data) == index.file_size == 3 * 16 * index.bundle_stride
+    assert len(data) == index.file_size == 3 * 16 * layout.bundle_stride
     for pos, layer in enumerate(index.moe_layers):
         for e in range(index.num_experts):
             start = index.bundle_offset(layer, e)
             assert start % 4096 == 0
             assert (
-                zlib.crc32(data[start : start + index.bundle_stride])
+                zlib.crc32(data[start : start + layout.bundle_stride])
                 == index.crc32[pos][e]
             )
     for name, info in index.source.items():
@@ -222,6 +226,28 @@ def test_index_bundles_and_side_files(tiny_bailing_q4, tmp_path):
     }
     assert not any("switch_mlp" in k for k in mx.load(str(out / RESIDENT_NAME)))
     assert nothing_written(tmp_path, {"out"})  # temp dir renamed, nothing left over
+    # One affine quantization for every expert: format_version 1, field for field as builds
+    # before version 2 wrote and read it.
+    assert list(json.loads((out / INDEX_NAME).read_text())) == [
+        "model_type",
+        "num_experts",
+        "moe_layers",
+        "module_path",
+        "bits",
+        "group_size",
+        "mode",
+        "tensors",
+        "bundle_bytes",
+        "bundle_stride",
+        "file",
+        "file_size",
+        "alignment",
+        "source",
+        "crc32",
+        "format",
+        "format_version",
+    ]
+    assert json.loads((out / INDEX_NAME).read_text())["format_version"] == 1
 
 
 # -- bad input: one clear error, nothing written -----------------------------------------------

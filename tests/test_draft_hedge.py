@@ -420,7 +420,7 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
     from edge0_eval.formats.layout import unpack_bundle
 
     index_stride = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
-    stride = index_stride.index.bundle_stride
+    stride = index_stride.index.layout(index_stride.moe_layers[1]).bundle_stride
     index_stride.close()
     engine = Engine.load(
         edge0_qwen,
@@ -452,7 +452,7 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
         glu = switch.glu
         for e in switch.slots.resident_experts:
             want = unpack_bundle(
-                switch._io.index, engine.store.read(switch._io.layer, e)
+                switch._io.layout, engine.store.read(switch._io.layer, e)
             )
             slot = switch.slots.slot_of(e)
             assert mx.array_equal(

@@ -166,10 +166,13 @@ def _rewrite_bundles(directory, edit):
     data = np.memmap(directory / EXPERTS_NAME, dtype=np.uint8, mode="r+")
     edit(index, data)
     data.flush()
-    stride = index.bundle_stride
     index.crc32 = [
         [
-            zlib.crc32(data[index.bundle_offset(layer, e) :][:stride].tobytes())
+            zlib.crc32(
+                data[index.bundle_offset(layer, e) :][
+                    : index.layout(layer).bundle_stride
+                ].tobytes()
+            )
             for e in range(index.num_experts)
         ]
         for layer in index.moe_layers
@@ -180,8 +183,8 @@ def _rewrite_bundles(directory, edit):
 
 def fault_expert_scales(directory):
     def edit(index, data):
-        spec = index.tensor("down_proj.scales")
         layer = index.moe_layers[1]
+        spec = index.layout(layer).tensor("down_proj.scales")
         for e in range(index.num_experts):
             start = index.bundle_offset(layer, e) + spec.offset
             scales = data[start : start + spec.nbytes].view(np.float16)
@@ -192,8 +195,8 @@ def fault_expert_scales(directory):
 
 def fault_swap_experts(directory):
     def edit(index, data):
-        stride = index.bundle_stride
         for layer in index.moe_layers:
+            stride = index.layout(layer).bundle_stride
             a, b = index.bundle_offset(layer, 0), index.bundle_offset(layer, 1)
             first = data[a : a + stride].copy()
             data[a : a + stride] = data[b : b + stride]

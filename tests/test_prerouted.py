@@ -222,7 +222,7 @@ def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(
         assert sorted(switch.slots.resident_experts) == [2, 3]
         for e in (2, 3):
             want = unpack_bundle(
-                switch._io.index, engine.store.read(switch._io.layer, e)
+                switch._io.layout, engine.store.read(switch._io.layer, e)
             )
             slot = switch.slots.slot_of(e)
             assert mx.array_equal(

@@ -12,7 +12,13 @@ import pytest
 from mlx.utils import tree_map
 from test_convert import load_converted
 
-from edge0_eval.checkpoints.synthetic import estimate_bytes, write_synthetic
+from edge0_eval.checkpoints.synthetic import (
+    Quantization,
+    estimate_bytes,
+    write_synthetic,
+)
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME, ExpertIndex
 
@@ -26,17 +32,18 @@ SMALL_8B = {"num_experts": 16, "vocab_size": 1024}  # 16 = 8 groups x 2 (group r
 def _check_index(out, layers, experts, bundle_bytes):
     index = ExpertIndex.load(out)  # validates geometry and file size
     assert index.moe_layers == layers and index.num_experts == experts
-    assert (index.bits, index.group_size, index.mode) == (4, 64, "affine")
-    assert index.bundle_bytes == bundle_bytes and index.bundle_stride % 4096 == 0
+    assert index.describe_quant() == "4-bit group 64 affine"
+    (layout,) = index.layouts
+    assert layout.bundle_bytes == bundle_bytes and layout.bundle_stride % 4096 == 0
     assert (out / EXPERTS_NAME).stat().st_size == len(
         layers
-    ) * experts * index.bundle_stride
+    ) * experts * layout.bundle_stride
     data = (out / EXPERTS_NAME).read_bytes()
     for pos, layer in enumerate(layers):
         for e in (0, experts - 1):
             start = index.bundle_offset(layer, e)
             assert (
-                zlib.crc32(data[start : start + index.bundle_stride])
+                zlib.crc32(data[start : start + layout.bundle_stride])
                 == index.crc32[pos][e]
             )
     return index
@@ -64,8 +71,8 @@ def test_35b_shape_two_layers(tmp_path):
     index = _check_index(out, [0, 1], 8, bundle_bytes=1769472)  # 1.77 MB per expert
     assert index.model_type == "qwen3_5_moe"
     assert index.module_path == "language_model.model.layers.{layer}.mlp.switch_mlp"
-    assert index.tensor("gate_proj.weight").shape == [512, 256]
-    assert index.tensor("down_proj.scales").shape == [2048, 8]
+    assert index.layouts[0].tensor("gate_proj.weight").shape == [512, 256]
+    assert index.layouts[0].tensor("down_proj.scales").shape == [2048, 8]
     config = json.loads((out / "config.json").read_text())
     text = config["text_config"]
     assert (
@@ -137,6 +144,78 @@ def test_8b_shape_two_layers(tmp_path):
         resident["model.layers.1.attention.embed_q.weight"].dtype == mx.float16
     )  # unquantized
     _forward_is_sane(load_converted(out))
+
+
+# Quantization -> the experts' quantization in words and each layer's bundle bytes, at the
+# real 35B expert shape (gate/up 512 x 2048, down 2048 x 512), 4 layers.
+_2_3_BITS = (
+    "gate_proj 2-bit group 64 affine, up_proj 2-bit group 64 affine, "
+    "down_proj 3-bit group 64 affine"
+)
+MIXES = {
+    "experts_2_3": (Quantization(recipe="experts_2_3"), _2_3_BITS, [1114112] * 4),
+    "config_i": (
+        Quantization(recipe="config_i"),
+        f"layer(s) 0, 3: 8-bit group 64 affine; layer(s) 1, 2: {_2_3_BITS}",
+        [3342336, 1114112, 1114112, 3342336],
+    ),
+    "mixed_4_6": (
+        Quantization(recipe="mixed_4_6"),
+        "layer(s) 0, 1: 4-bit group 64 affine; layer(s) 2, 3: gate_proj 4-bit group 64 "
+        "affine, up_proj 4-bit group 64 affine, down_proj 6-bit group 64 affine",
+        [1769472, 1769472, 2031616, 2031616],
+    ),
+    "mxfp4": (Quantization(mode="mxfp4"), "4-bit group 32 mxfp4", [1671168] * 4),
+    "mxfp8": (Quantization(mode="mxfp8"), "8-bit group 32 mxfp8", [3244032] * 4),
+    "nvfp4": (Quantization(mode="nvfp4"), "4-bit group 16 nvfp4", [1769472] * 4),
+}
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_35b_shape_in_a_mixed_quantization(mix, tmp_path):
+    """make-synthetic --recipe / --mode: the experts in the mix (bytes per bundle as the bits
+    say), a config mlx-lm loads strictly, O(1) logits, and the engine decodes it."""
+    quantization, words, strides = MIXES[mix]
+    out = write_synthetic(
+        tmp_path / "o",
+        "35b",
+        layers=4,
+        overrides=SMALL_35B,
+        progress=False,
+        quantization=quantization,
+    )
+    index = ExpertIndex.load(out)
+    assert index.describe_quant() == words
+    assert [index.layout(layer).bundle_bytes for layer in index.moe_layers] == strides
+    sizes = estimate_bytes("35b", 4, SMALL_35B, quantization)
+    assert (
+        sizes["experts"]
+        == index.file_size
+        == 8 * sum(index.layout(layer).bundle_stride for layer in index.moe_layers)
+    )
+    assert sizes["resident"] == sum(
+        v.nbytes for v in mx.load(str(out / RESIDENT_NAME)).values()
+    )
+    _forward_is_sane(load_converted(out))
+    engine = Engine.load(out, EngineOptions(mode="reactive", top_k=4))
+    try:
+        result = engine.generate([1, 2, 3, 4], max_tokens=3, stop_token_ids=set())
+        assert len(result.tokens) == 3 and result.stats["bytes_read"] > 0
+    finally:
+        engine.close()
+
+
+def test_recipe_with_a_float_mode_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--recipe experts_2_3 is affine"):
+        write_synthetic(
+            tmp_path / "o",
+            "35b",
+            layers=1,
+            overrides=SMALL_35B,
+            progress=False,
+            quantization=Quantization(mode="mxfp4", recipe="experts_2_3"),
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_seeded_and_layer_count_independent(tmp_path):

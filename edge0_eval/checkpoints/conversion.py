@@ -1,4 +1,4 @@
-"""A MoE checkpoint mlx-lm loads -> the int4 streaming layout (`edge0-eval convert SRC OUT`).
+"""A MoE checkpoint mlx-lm loads -> the streaming layout (`edge0-eval convert SRC OUT`).
 
 OUT holds `resident.safetensors` (every non-expert weight, mlx-lm names), `experts.bin` +
 `experts.index.json` (one page-aligned bundle per (MoE layer, expert), see `layout.py`), the
@@ -6,7 +6,9 @@ config and the tokenizer files.
 
 - SRC is read through the model's own mlx-lm `sanitize`, so mlx-community conversions (vision
   and MTP weights dropped) and original Hugging Face layouts convert alike.
-- A quantized SRC (config has "quantization") is repacked bit for bit: nothing is requantized.
+- A quantized SRC (config has "quantization") is repacked bit for bit: nothing is requantized;
+  each expert projection keeps its bits, group size and mode (affine, mxfp4, mxfp8, nvfp4), so
+  mixed recipes (mlx-lm's mixed_4_6, per-layer and per-projection bits) stay as they are.
 - An fp16/bf16/fp32 SRC is quantized exactly as `mlx_lm.utils.quantize_model` would (same
   predicate, so routers stay 8-bit; same config), but one tensor / one layer's experts at a time.
 
@@ -44,12 +46,7 @@ from edge0_eval.checkpoints.writer import (
     file_digests,
     output_dir,
 )
-from edge0_eval.formats.layout import (
-    EXPERTS_NAME,
-    PARTS,
-    PROJECTIONS,
-    RESIDENT_NAME,
-)
+from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME
 
 
 def _write_resident(ckpt: Checkpoint, plan: Plan, path: Path) -> None:
@@ -73,25 +70,18 @@ def _write_resident(ckpt: Checkpoint, plan: Plan, path: Path) -> None:
 
 def _expert_source(ckpt: Checkpoint, plan: Plan, layer: int):
     """expert e -> its bundle arrays, for one layer (quantizing the layer first if SRC is fp)."""
-    path = plan.switches[layer].path
+    path, layout = plan.switches[layer].path, plan.layouts[layer]
     if ckpt.quantization is not None:
-        stacked = {
-            f"{p}.{q}": to_numpy(ckpt.take(f"{path}.{p}.{q}"))
-            for p in PROJECTIONS
-            for q in PARTS
-        }
+        stacked = {name: to_numpy(ckpt.take(f"{path}.{name}")) for name in layout.names}
     else:
         stacked = {}
-        for proj in PROJECTIONS:
+        for proj, q in layout.quant.items():
             # Exactly what QuantizedSwitchLinear._quantize does with the stacked [E, out, in].
             parts = mx.quantize(
-                ckpt.take(f"{path}.{proj}.weight"),
-                plan.group_size,
-                plan.bits,
-                mode=plan.mode,
+                ckpt.take(f"{path}.{proj}.weight"), q.group_size, q.bits, mode=q.mode
             )
             mx.eval(*parts)
-            for part, value in zip(PARTS, parts):
+            for part, value in zip(q.parts, parts):
                 stacked[f"{proj}.{part}"] = to_numpy(value)
     return lambda e: {name: value[e] for name, value in stacked.items()}
 
@@ -106,7 +96,8 @@ def convert(
     """Convert checkpoint `src` into the streaming layout at `out`. Returns `out`.
 
     `bits`/`group_size` default to 4/64 for a float SRC; for a quantized SRC they must be
-    omitted or match it (it is repacked, never requantized).
+    omitted or match it (it is repacked, never requantized, whatever mix of bits, group sizes
+    and modes mlx-lm loads it with).
     """
     check_out_empty(out)  # the cheapest check first
     ckpt = Checkpoint(src)

@@ -15,21 +15,20 @@ import io
 import re
 from dataclasses import dataclass
 
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU
-from mlx_lm.utils import _get_classes, infer_quant_config, quantize_model
+from mlx_lm.utils import _get_classes, quantize_model
 
 from edge0_eval.checkpoints.source import Checkpoint
 from edge0_eval.engine.families import FAMILIES
+from edge0_eval.engine.mlx_compat import quantize_like_mlx_lm
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import (
-    ALIGNMENT,
-    PARTS,
     PROJECTIONS,
+    BundleLayout,
     ExpertIndex,
-    align,
-    make_tensor_specs,
+    Quant,
+    describe_layers,
 )
 
 # The families the engine serves are the ones convert accepts.
@@ -56,16 +55,11 @@ class Plan:
     config: dict  # config.json for OUT
     copy_config: bool  # True: copy SRC's config.json verbatim
     switches: dict[int, Switch]  # decoder layer -> routed experts, in file order
-    bits: int
-    group_size: int
-    specs: dict[
-        str, tuple[list[int], str]
-    ]  # bundle tensor name -> per-expert shape, dtype
+    layouts: dict[int, BundleLayout]  # decoder layer -> its experts' bundle layout
     resident_names: list[str]  # source tensors that are not routed experts
     quantize_resident: dict[
         str, tuple[int, int, str]
     ]  # module path -> (group, bits, mode)
-    mode: str = "affine"
 
     @property
     def moe_layers(self) -> list[int]:
@@ -104,17 +98,36 @@ def switch_layers(model) -> dict[int, Switch]:
 def quantized_modules(model) -> dict[str, tuple[int, int, str]]:
     """module path -> (group_size, bits, mode) for every quantized module of `model`."""
     return {
-        path: (m.group_size, m.bits, m.mode)
+        path: (module_group_size(m), m.bits, m.mode)
         for path, m in model.named_modules()
         if hasattr(m, "bits") and hasattr(m, "group_size") and "scales" in m
     }
 
 
-def lazy_quantize(model, config: dict, group_size: int, bits: int):
+def module_group_size(module) -> int:
+    """A quantized module's group size. mlx-lm keeps a config entry's null (its mixed_*
+    recipes without --q-group-size) and MLX then takes the mode's default: the scales' shape
+    tells which."""
+    if module.group_size:
+        return module.group_size
+    in_dim = module.weight.shape[-1] * 32 // module.bits
+    return in_dim // module.scales.shape[-1]
+
+
+def lazy_quantize(
+    model,
+    config: dict,
+    group_size: int | None,
+    bits: int | None,
+    mode: str = "affine",
+    quant_predicate=None,
+):
     """`mlx_lm.utils.quantize_model` on a lazy model: the exact config and per-module plan."""
     # quantize_model prints a bits-per-weight line; for a lazy model it means nothing.
     with contextlib.redirect_stdout(io.StringIO()):
-        return quantize_model(model, config, group_size, bits)
+        return quantize_model(
+            model, config, group_size, bits, mode=mode, quant_predicate=quant_predicate
+        )
 
 
 def check_model_type(model_type: str, where) -> None:
@@ -142,24 +155,15 @@ def make_plan(ckpt: Checkpoint, bits: int | None, group_size: int | None) -> Pla
     check_tensors(ckpt, model, expert_prefixes)
     resident = [n for n in ckpt.names() if not n.startswith(expert_prefixes)]
     if ckpt.quantization is not None:
-        qbits, qgroup, specs = _plan_quantized(ckpt, model, bits, group_size, switches)
-        return Plan(ckpt.config, True, switches, qbits, qgroup, specs, resident, {})
-    config, qmodel, specs = _plan_float(ckpt, model, bits, group_size, switches)
+        layouts = _plan_quantized(ckpt, model, bits, group_size, switches)
+        return Plan(ckpt.config, True, switches, layouts, resident, {})
+    config, qmodel, layouts = _plan_float(ckpt, model, bits, group_size, switches)
     qmods = {
         p: q
         for p, q in quantized_modules(qmodel).items()
         if not p.startswith(expert_prefixes)
     }
-    return Plan(
-        config,
-        False,
-        switches,
-        config["quantization"]["bits"],
-        config["quantization"]["group_size"],
-        specs,
-        resident,
-        qmods,
-    )
+    return Plan(config, False, switches, layouts, resident, qmods)
 
 
 def _refuse_load_time_quantization(ckpt: Checkpoint) -> None:
@@ -177,28 +181,12 @@ def _refuse_load_time_quantization(ckpt: Checkpoint) -> None:
 
 
 def quantize_as_loaded(model, ckpt: Checkpoint) -> None:
-    """Quantize the lazy model module by module as `mlx_lm.load` does for a quantized source:
-    the config's per-module entry if there is one, else the bits, group and mode the stored
-    tensors were packed with, and modules without stored scales left as they are."""
-    quant = ckpt.quantization
-
-    def predicate(path, module):
-        if path in quant:
-            return quant[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in ckpt:
-            return False
-        try:
-            return infer_quant_config(path, module, ckpt.weights)
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{ckpt.path}: {exc}") from None
-
-    nn.quantize(
-        model,
-        group_size=quant.get("group_size", DEFAULT_GROUP_SIZE),
-        bits=quant.get("bits", DEFAULT_BITS),
-        mode=quant.get("mode", "affine"),
-        class_predicate=predicate,
-    )
+    """Quantize the lazy model module by module as `mlx_lm.load` does for a quantized source
+    (mlx_compat.quantize_like_mlx_lm); a tensor packed in no way MLX defines is one error."""
+    try:
+        quantize_like_mlx_lm(model, ckpt.config, ckpt.weights)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{ckpt.path}: {exc}") from None
 
 
 def _examples(names: list[str]) -> str:
@@ -239,93 +227,74 @@ def check_tensors(ckpt: Checkpoint, model, expert_prefixes: tuple[str, ...]) -> 
         )
 
 
-def _describe_layers(by_layer: dict[int, tuple]) -> str:
-    groups: dict[tuple, list[int]] = {}
-    for layer, q in by_layer.items():
-        groups.setdefault(q, []).append(layer)
-    return "; ".join(
-        f"layer(s) {', '.join(map(str, layers))}: {b}-bit group {g} {m}"
-        for (b, g, m), layers in groups.items()
-    )
-
-
 def _plan_quantized(ckpt, model, bits, group_size, switches):
-    """SRC already quantized: bits/group as mlx-lm's load inferred them; nothing is requantized."""
+    """SRC already quantized: each expert projection keeps the bits, group size and mode
+    mlx-lm's load gives it (mixed recipes differ by layer and by projection); nothing is
+    requantized. Returns decoder layer -> bundle layout."""
     modules = dict(model.named_modules())
-    by_layer = {}
+    layouts = {}
     for layer, sw in switches.items():
-        found = set()
+        quant, shapes = {}, {}
         for proj in sw.dims:
-            m = modules[f"{sw.path}.{proj}"]
+            path = f"{sw.path}.{proj}"
+            m = modules[path]
             if not hasattr(m, "bits"):
                 raise CheckpointError(
-                    f"{ckpt.path}: {sw.path}.{proj} is not quantized while "
+                    f"{ckpt.path}: {path} is not quantized while "
                     f"config.json has a 'quantization' entry; every routed "
                     f"expert must be quantized (or the whole source float)"
                 )
-            found.add((m.bits, m.group_size, m.mode))
-            if (
-                m.mode == "affine"
-                and ckpt.dtype(f"{sw.path}.{proj}.weight") != "uint32"
-            ):
+            if ckpt.dtype(f"{path}.weight") != "uint32":
                 raise CheckpointError(
-                    f"{ckpt.path}: {sw.path}.{proj}.weight is "
-                    f"{ckpt.dtype(f'{sw.path}.{proj}.weight')}, not the packed "
-                    f"uint32 an affine quantized tensor is"
+                    f"{ckpt.path}: {path}.weight is "
+                    f"{ckpt.dtype(f'{path}.weight')}, not the packed "
+                    f"uint32 a quantized tensor is"
                 )
-        if len(found) != 1:
-            raise CheckpointError(
-                f"{ckpt.path}: layer {layer}'s experts mix quantizations "
-                f"{sorted(found)}; one bits/group size per layer is needed"
+            q = Quant(
+                m.bits, module_group_size(m), m.mode, m.get("global_scale") is not None
             )
-        by_layer[layer] = found.pop()
-    if len(set(by_layer.values())) != 1:
-        raise CheckpointError(
-            f"{ckpt.path}: routed experts are quantized differently by layer "
-            f"({_describe_layers(by_layer)}), as mixed recipes such as mixed_4_6 do; the "
-            f"streaming layout serves one bits/group size for every expert: convert the bf16 "
-            f"checkpoint (edge0-eval convert SRC OUT --bits 4) or one quantized uniformly"
-        )
-    qbits, qgroup, mode = next(iter(by_layer.values()))
-    if mode != "affine":
-        raise CheckpointError(
-            f"{ckpt.path}: routed experts are quantized in mode {mode!r}; the streaming layout "
-            f"serves 'affine' (scales + biases) experts only: convert the bf16 checkpoint "
-            f"(edge0-eval convert SRC OUT) or an affine quantization of it"
-        )
+            problem = q.problem()
+            if problem is not None:
+                raise CheckpointError(
+                    f"{ckpt.path}: {path} is quantized {q.describe()}, which MLX does "
+                    f"not define ({problem})"
+                )
+            quant[proj] = q
+            for part in q.parts:
+                name = f"{path}.{part}"
+                shapes[f"{proj}.{part}"] = (ckpt.shape(name)[1:], ckpt.dtype(name))
+        layouts[layer] = BundleLayout.of(quant, shapes)
+    _one_scale_dtype(ckpt, switches, layouts)
+    kinds = {q for layout in layouts.values() for q in layout.quant.values()}
     for flag, given, have in (
-        ("--bits", bits, qbits),
-        ("--group-size", group_size, qgroup),
+        ("--bits", bits, {q.bits for q in kinds}),
+        ("--group-size", group_size, {q.group_size for q in kinds}),
     ):
-        if given is not None and given != have:
+        if given is not None and have != {given}:
             raise ConfigError(
-                f"{ckpt.path} is already quantized ({qbits} bits, group {qgroup}); "
-                f"{flag} {given} would need requantization, which convert does not "
-                f"do: drop {flag} or start from an fp16/bf16 checkpoint"
+                f"{ckpt.path} is already quantized "
+                f"({describe_layers(layouts.items())}); {flag} {given} would need "
+                f"requantization, which convert does not do: drop {flag} or start "
+                f"from an fp16/bf16 checkpoint"
             )
-    specs = {}
-    for sw in switches.values():
-        for proj in sw.dims:
-            for part in PARTS:
-                name = f"{sw.path}.{proj}.{part}"
-                _same_spec(
-                    ckpt,
-                    specs,
-                    f"{proj}.{part}",
-                    name,
-                    (ckpt.shape(name)[1:], ckpt.dtype(name)),
-                )
-    return qbits, qgroup, specs
+    return layouts
 
 
-def _same_spec(ckpt, specs: dict, part: str, source: str, spec: tuple) -> None:
-    """One bundle layout serves every layer: a part's shape and dtype must not change."""
-    if specs.setdefault(part, spec) != spec:
-        raise CheckpointError(
-            f"{ckpt.path}: {source} is {spec[1]} {spec[0]} per expert, earlier "
-            f"layers' {part} {specs[part][1]} {specs[part][0]}; one bundle "
-            f"layout is needed for all layers"
-        )
+def _one_scale_dtype(ckpt, switches, layouts) -> None:
+    """Affine expert scales and biases keep one float dtype (mlx-lm writes one; the resident
+    weights' scales are checked against it when the model loads)."""
+    first = None
+    for layer, layout in layouts.items():
+        for spec in layout.tensors:
+            if spec.name.endswith((".scales", ".biases")) and spec.dtype != "uint8":
+                if first is None:
+                    first = (spec.dtype, f"{switches[layer].path}.{spec.name}")
+                elif spec.dtype != first[0]:
+                    raise CheckpointError(
+                        f"{ckpt.path}: {switches[layer].path}.{spec.name} is "
+                        f"{spec.dtype} but {first[1]} is {first[0]}; expert scales and "
+                        f"biases must share one float dtype: re-save SRC with one"
+                    )
 
 
 def _plan_float(ckpt, model, bits, group_size, switches):
@@ -343,8 +312,9 @@ def _plan_float(ckpt, model, bits, group_size, switches):
         )
     qmodel, qconfig = lazy_quantize(model, ckpt.config, group_size, bits)
     qmods = quantized_modules(qmodel)
-    specs = {}
-    for sw in switches.values():
+    layouts = {}
+    for layer, sw in switches.items():
+        quant, shapes = {}, {}
         for proj, (out_dim, in_dim) in sw.dims.items():
             q = qmods.get(f"{sw.path}.{proj}")
             if q is None:
@@ -358,31 +328,20 @@ def _plan_float(ckpt, model, bits, group_size, switches):
                     f"{ckpt.path}: {sw.path}.{proj}.weight is {dtype}, expected "
                     f"a float tensor (or a 'quantization' entry in config.json)"
                 )
-            g, b, _ = q
-            layer_specs = {
-                f"{proj}.weight": ([out_dim, in_dim * b // 32], "uint32"),
-                f"{proj}.scales": ([out_dim, in_dim // g], dtype),
-                f"{proj}.biases": ([out_dim, in_dim // g], dtype),
-            }
-            for name, spec in layer_specs.items():
-                _same_spec(ckpt, specs, name, f"{sw.path}.{proj}", spec)
-    return qconfig, qmodel, specs
+            g, b, mode = q
+            quant[proj] = Quant(b, g, mode)
+            for part, spec in quant[proj].part_specs(out_dim, in_dim, dtype).items():
+                shapes[f"{proj}.{part}"] = spec
+        layouts[layer] = BundleLayout.of(quant, shapes)
+    _one_scale_dtype(ckpt, switches, layouts)
+    return qconfig, qmodel, layouts
 
 
 def new_index(plan: Plan, model_type: str) -> ExpertIndex:
-    """An ExpertIndex for the plan's bundle geometry (crc32 and source filled in later)."""
-    tensors, nbytes = make_tensor_specs(plan.specs)
-    index = ExpertIndex(
-        model_type=model_type,
-        num_experts=plan.num_experts,
-        moe_layers=plan.moe_layers,
-        module_path=plan.module_path,
-        bits=plan.bits,
-        group_size=plan.group_size,
-        mode=plan.mode,
-        tensors=tensors,
-        bundle_bytes=nbytes,
-        bundle_stride=align(nbytes, ALIGNMENT),
+    """An ExpertIndex for the plan's bundle layouts (crc32 and source filled in later),
+    checked before anything is written."""
+    index = ExpertIndex.for_layers(
+        model_type, plan.num_experts, plan.module_path, plan.layouts
     )
-    index.file_size = index.expected_file_size()
+    index.validate()
     return index

@@ -1,6 +1,6 @@
 """mlx-lm's own model over a converted directory, with every expert resident.
 
-The numerical and speed reference for the engine: the same int4 weights, loaded into mlx-lm's
+The numerical and speed reference for the engine: the same quantized weights, loaded into mlx-lm's
 model class with the experts re-stacked from `experts.bin` (so it needs memory for all of them).
 """
 
@@ -15,15 +15,17 @@ from mlx_lm.utils import _get_classes, load_tokenizer
 
 from edge0_eval.engine.families import FAMILIES
 from edge0_eval.engine.mlx_compat import (
+    activation_dtype,
     cast_floating,
     quantize_like_mlx_lm,
+    refuse_unserved_experts,
     resolve_compute_dtype,
 )
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.formats.config import eos_token_ids
 from edge0_eval.formats.layout import (
+    INDEX_NAME,
     RESIDENT_NAME,
-    TENSOR_ORDER,
     ExpertIndex,
     unpack_bundle,
 )
@@ -39,22 +41,26 @@ def load_reference(
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     index = ExpertIndex.load(directory)
+    refuse_unserved_experts(
+        index, directory / INDEX_NAME, activation_dtype(compute_dtype, directory)
+    )
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = dict(mx.load(str(directory / RESIDENT_NAME)))
     store = ExpertStore(directory, index)
     try:
         for layer in index.moe_layers:
+            layout = index.layout(layer)
             bundles = [
-                unpack_bundle(index, store.read(layer, e))
+                unpack_bundle(layout, store.read(layer, e))
                 for e in range(index.num_experts)
             ]
             prefix = index.module_path.format(layer=layer)
-            for name in TENSOR_ORDER:
-                stacked = mx.array(np.stack([b[name] for b in bundles]))
-                if index.tensor(name).dtype == "bfloat16":
+            for spec in layout.tensors:
+                stacked = mx.array(np.stack([b[spec.name] for b in bundles]))
+                if spec.dtype == "bfloat16":
                     stacked = stacked.view(mx.bfloat16)
-                weights[f"{prefix}.{name}"] = stacked
+                weights[f"{prefix}.{spec.name}"] = stacked
     finally:
         store.close()
     quantize_like_mlx_lm(model, config, weights)

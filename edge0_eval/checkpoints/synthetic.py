@@ -1,15 +1,19 @@
 """Random weights at a real tier's shape (`edge0-eval make-synthetic OUT --shape 35b|8b`).
 
 The checkpoint is written directly in the converted streaming layout (resident.safetensors,
-experts.bin + experts.index.json, config.json, tokenizer), int4 group 64 with the 8-bit router
-overrides that mlx-lm's `quant_predicate` produces, so engine speed and memory can be measured at
-full size without the real weights.
+experts.bin + experts.index.json, config.json, tokenizer), by default int4 group 64 with the
+8-bit router overrides that mlx-lm's `quant_predicate` produces, so engine speed and memory can
+be measured at full size without the real weights. `--bits/--group-size/--mode` quantize it
+otherwise (any mode mlx-lm has: affine, mxfp4, mxfp8, nvfp4) and `--recipe` by a mixed recipe
+(recipes.py: mlx-lm's mixed_* and the 2/3-bit expert recipes), as `mlx_lm.convert` would.
 
-Weights are generated already quantized with numpy (random packed codes, fp16 scales around
-1/(8*sqrt(in)), biases = -2**(bits-1) * scales so dequantized weights are centred with a std of
-about 0.58/sqrt(in), which keeps activations O(1)). Names, shapes and the quantization config come
-from mlx-lm's own model class, built lazily and quantized with `quantize_model`, so mlx-lm loads
-the result strictly. Experts are generated and written one layer at a time; every tensor has its
+Weights are generated already quantized. Affine ones with numpy (random packed codes, fp16
+scales around 1/(2**(bits-1)*sqrt(in)), biases = -(2**bits-1)/2 * scales so dequantized weights
+are centred with a std of about 0.58/sqrt(in), which keeps activations O(1)). The float modes'
+codes cannot be drawn uniformly (random fp8 codes span 2**16 in magnitude and include NaN), so
+their rows are drawn from a quantized random normal matrix of the same std. Names, shapes and
+the quantization config come from mlx-lm's own model class, built lazily and quantized with
+`quantize_model`, so mlx-lm loads the result strictly. Experts are generated and written one layer at a time; every tensor has its
 own seeded generator, so a seed always gives the same bytes and `--layers N` gives the same first
 N layers as the full model.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,6 +41,7 @@ from edge0_eval.checkpoints.conversion_plan import (
     quantized_modules,
     switch_layers,
 )
+from edge0_eval.checkpoints.recipes import RECIPES, recipe_predicate
 from edge0_eval.checkpoints.tokenizer import build_tokenizer
 from edge0_eval.checkpoints.writer import (
     BundleWriter,
@@ -44,7 +50,13 @@ from edge0_eval.checkpoints.writer import (
     output_dir,
 )
 from edge0_eval.errors import ConfigError
-from edge0_eval.formats.layout import EXPERTS_NAME, RESIDENT_NAME
+from edge0_eval.formats.layout import (
+    EXPERTS_NAME,
+    QUANT_MODES,
+    RESIDENT_NAME,
+    BundleLayout,
+    Quant,
+)
 
 BITS = 4
 GROUP_SIZE = 64
@@ -207,6 +219,32 @@ def random_quantized(
     return weight, scales, biases
 
 
+# Rows of the quantized random matrix a float-mode weight's rows are drawn from.
+_TEMPLATE_ROWS = 256
+
+
+def random_quantized_parts(
+    rng, rows: tuple[int, ...], in_dim: int, quant: Quant
+) -> dict[str, np.ndarray]:
+    """part -> array of a random `rows x in_dim` weight quantized as `quant`."""
+    if quant.mode == "affine":
+        parts = random_quantized(rng, rows, in_dim, quant.bits, quant.group_size)
+        return dict(zip(("weight", "scales", "biases"), parts))
+    if quant.global_scale:
+        raise ConfigError("synthetic weights have no nvfp4 global scales")
+    n = int(np.prod(rows))
+    template = rng.standard_normal((min(n, _TEMPLATE_ROWS), in_dim)).astype(np.float32)
+    template *= 0.58 / np.sqrt(in_dim)  # the std the affine weights have
+    weight, scales = mx.quantize(
+        mx.array(template), quant.group_size, quant.bits, mode=quant.mode
+    )
+    pick = rng.integers(0, template.shape[0], size=n)
+    return {
+        "weight": np.array(weight)[pick].reshape(*rows, -1),
+        "scales": np.array(scales)[pick].reshape(*rows, -1),
+    }
+
+
 # Parameters the families' cast_predicate keeps in float32; everything else is float16.
 _FLOAT32_PARAMS = ("A_log", "expert_bias")
 
@@ -233,8 +271,12 @@ def _resident_nbytes(qmodel, expert_prefixes: tuple[str, ...]) -> int:
         if name.startswith(expert_prefixes):
             continue
         module, _, leaf = name.rpartition(".")
-        wide = leaf == "weight" if module in qmods else name.endswith(_FLOAT32_PARAMS)
-        total += value.size * (4 if wide else 2)
+        if module in qmods:
+            # packed uint32 codes; fp16 affine scales/biases; uint8 scales otherwise
+            size = 4 if leaf == "weight" else 2 if qmods[module][2] == "affine" else 1
+        else:
+            size = 4 if name.endswith(_FLOAT32_PARAMS) else 2
+        total += value.size * size
     return total
 
 
@@ -248,41 +290,46 @@ def _resident(qmodel, expert_prefixes: tuple[str, ...], seed: int) -> dict:
         module, _, leaf = name.rpartition(".")
         if module in qmods:
             if leaf == "weight":
-                group, bits, _ = qmods[module]
+                group, bits, mode = qmods[module]
                 in_dim = value.shape[-1] * 32 // bits
-                parts = random_quantized(
-                    _rng(seed, name), tuple(value.shape[:-1]), in_dim, bits, group
+                parts = random_quantized_parts(
+                    _rng(seed, name),
+                    tuple(value.shape[:-1]),
+                    in_dim,
+                    Quant(bits, group, mode),
                 )
-                for part, arr in zip(("weight", "scales", "biases"), parts):
+                for part, arr in parts.items():
                     out[f"{module}.{part}"] = mx.array(arr)
             continue
         out[name] = mx.array(_random_dense(_rng(seed, name), name, tuple(value.shape)))
     return out
 
 
-def _expert_specs(switch) -> dict[str, tuple[list[int], str]]:
-    specs = {}
-    for proj, (out_dim, in_dim) in switch.dims.items():
-        specs[f"{proj}.weight"] = ([out_dim, in_dim * BITS // 32], "uint32")
-        specs[f"{proj}.scales"] = ([out_dim, in_dim // GROUP_SIZE], "float16")
-        specs[f"{proj}.biases"] = ([out_dim, in_dim // GROUP_SIZE], "float16")
-    return specs
+def _expert_layouts(qmodel, switches) -> dict[int, BundleLayout]:
+    """decoder layer -> the bundle layout of its experts as mlx-lm quantized them."""
+    qmods, layouts = quantized_modules(qmodel), {}
+    for layer, switch in switches.items():
+        quant, shapes = {}, {}
+        for proj, (out_dim, in_dim) in switch.dims.items():
+            group, bits, mode = qmods[f"{switch.path}.{proj}"]
+            quant[proj] = Quant(bits, group, mode)
+            for part, spec in (
+                quant[proj].part_specs(out_dim, in_dim, "float16").items()
+            ):
+                shapes[f"{proj}.{part}"] = spec
+        layouts[layer] = BundleLayout.of(quant, shapes)
+    return layouts
 
 
-def _layer_experts(switch, seed: int):
+def _layer_experts(switch, layout: BundleLayout, seed: int):
     """expert e -> its random bundle tensors; generated on demand, nothing kept."""
 
     def arrays(e: int) -> dict[str, np.ndarray]:
         rng = _rng(seed, f"{switch.path}.expert{e}")
         out = {}
         for proj, (out_dim, in_dim) in switch.dims.items():
-            parts = random_quantized(rng, (out_dim,), in_dim)
-            out.update(
-                {
-                    f"{proj}.{p}": a
-                    for p, a in zip(("weight", "scales", "biases"), parts)
-                }
-            )
+            parts = random_quantized_parts(rng, (out_dim,), in_dim, layout.quant[proj])
+            out.update({f"{proj}.{p}": a for p, a in parts.items()})
         return out
 
     return arrays
@@ -304,18 +351,63 @@ def _write_tokenizer(directory: Path, config: dict) -> None:
     )
 
 
-def _prepare(shape: str, layers: int | None, overrides: dict | None):
+@dataclass(frozen=True)
+class Quantization:
+    """How make-synthetic quantizes, as mlx_lm.convert's -q options do: bits, group size and
+    mode for every quantized module (None: the mode's default), or a named recipe."""
+
+    bits: int | None = None  # None: the mode's default (affine: BITS, GROUP_SIZE)
+    group_size: int | None = None
+    mode: str = "affine"
+    recipe: str | None = None
+
+    def validate(self) -> None:
+        if self.mode not in QUANT_MODES:
+            raise ConfigError(
+                f"--mode {self.mode!r} is not one of {', '.join(QUANT_MODES)}"
+            )
+        rule = QUANT_MODES[self.mode]
+        if self.bits is not None and self.bits not in rule.bits:
+            raise ConfigError(
+                f"--bits {self.bits} is not supported by --mode {self.mode}; choose "
+                f"one of {rule.bits}"
+            )
+        if self.group_size is not None and self.group_size not in rule.group_sizes:
+            raise ConfigError(
+                f"--group-size {self.group_size} is not supported by --mode "
+                f"{self.mode}; choose one of {rule.group_sizes}"
+            )
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ConfigError(
+                f"--recipe {self.recipe!r} is not one of {', '.join(RECIPES)}"
+            )
+        if self.recipe is not None and self.mode != "affine":
+            # as mlx_lm.convert: its recipes are affine
+            raise ConfigError(
+                f"--recipe {self.recipe} is affine; drop --mode {self.mode} or the recipe"
+            )
+
+
+def _prepare(
+    shape: str,
+    layers: int | None,
+    overrides: dict | None,
+    quantization: Quantization | None = None,
+):
     """Config, quantized lazy model and expert plan for a tier (nothing evaluated)."""
+    q = quantization or Quantization()
+    q.validate()
     config = shape_config(shape, layers, overrides)
     switches = switch_layers(model := build_lazy_model(config))
-    qmodel, qconfig = lazy_quantize(model, config, GROUP_SIZE, BITS)
+    predicate = None if q.recipe is None else recipe_predicate(q.recipe, model)
+    qmodel, qconfig = lazy_quantize(
+        model, config, q.group_size, q.bits, mode=q.mode, quant_predicate=predicate
+    )
     plan = Plan(
         config=qconfig,
         copy_config=False,
         switches=switches,
-        bits=BITS,
-        group_size=GROUP_SIZE,
-        specs=_expert_specs(next(iter(switches.values()))),
+        layouts=_expert_layouts(qmodel, switches),
         resident_names=[],
         quantize_resident={},
     )
@@ -323,10 +415,13 @@ def _prepare(shape: str, layers: int | None, overrides: dict | None):
 
 
 def estimate_bytes(
-    shape: str, layers: int | None = None, overrides: dict | None = None
+    shape: str,
+    layers: int | None = None,
+    overrides: dict | None = None,
+    quantization: Quantization | None = None,
 ) -> dict[str, int]:
     """{"experts": experts.bin size, "resident": resident tensor bytes} for a tier."""
-    qmodel, plan = _prepare(shape, layers, overrides)
+    qmodel, plan = _prepare(shape, layers, overrides, quantization)
     prefixes = tuple(s.path + "." for s in plan.switches.values())
     return {
         "experts": new_index(plan, "").file_size,
@@ -341,13 +436,15 @@ def write_synthetic(
     seed: int = 0,
     overrides: dict | None = None,
     progress: bool = True,
+    quantization: Quantization | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of tier `shape` in the streaming layout. Returns `out`.
 
-    `overrides` patch the text config (tests use e.g. {"num_experts": 8, "vocab_size": 1024}).
+    `overrides` patch the text config (tests use e.g. {"num_experts": 8, "vocab_size": 1024});
+    `quantization` replaces the default int4 group 64.
     """
     check_out_empty(out)  # the cheapest check first
-    qmodel, plan = _prepare(shape, layers, overrides)
+    qmodel, plan = _prepare(shape, layers, overrides, quantization)
     qconfig = plan.config
     index = new_index(plan, qconfig["model_type"])
     prefixes = tuple(s.path + "." for s in plan.switches.values())
@@ -367,7 +464,10 @@ def write_synthetic(
                 unit="layer",
                 disable=not progress,
             ):
-                writer.write_layer(layer, _layer_experts(plan.switches[layer], seed))
+                writer.write_layer(
+                    layer,
+                    _layer_experts(plan.switches[layer], plan.layouts[layer], seed),
+                )
         finally:
             writer.close()
         index.validate(tmp)

@@ -47,13 +47,13 @@ class BundleWriter:
 
     def write_layer(self, layer: int, expert_arrays) -> None:
         """`expert_arrays(e)` -> {bundle tensor name: numpy array} for expert e of `layer`."""
-        crcs = []
+        crcs, layout = [], self.index.layout(layer)
         for e in range(self.index.num_experts):
             if self.file.tell() != self.index.bundle_offset(layer, e):
                 raise RuntimeError(
                     f"bundle ({layer}, {e}) would land at the wrong offset"
                 )
-            bundle = pack_bundle(self.index, expert_arrays(e))
+            bundle = pack_bundle(layout, expert_arrays(e))
             crcs.append(zlib.crc32(bundle))
             self.file.write(bundle)
         self.index.crc32.append(crcs)

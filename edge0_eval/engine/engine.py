@@ -28,8 +28,10 @@ from edge0_eval.engine.batch import BatchDecoder, Row, check_batch_args, check_s
 from edge0_eval.engine.families import open_model_dir
 from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.mlx_compat import (
+    activation_dtype,
     cast_floating,
     quantize_like_mlx_lm,
+    refuse_unserved_experts,
     resolve_compute_dtype,
 )
 from edge0_eval.engine.moe import Counters, StreamingSwitchGLU
@@ -41,7 +43,7 @@ from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (Non
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.config import eos_token_ids
-from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex
+from edge0_eval.formats.layout import INDEX_NAME, RESIDENT_NAME, ExpertIndex
 from edge0_eval.formats.model_dir import (
     check_resident,
     check_resident_names,
@@ -141,6 +143,11 @@ class Engine:
                 f"{directory}: index lists MoE layers {index.moe_layers} but the "
                 f"config builds {moe_in_model}; re-run convert"
             )
+        refuse_unserved_experts(
+            index,
+            directory / INDEX_NAME,
+            activation_dtype(options.compute_dtype, directory),
+        )
         store = ExpertStore(
             directory,
             index,
@@ -407,10 +414,7 @@ class Engine:
             "mode": self.options.mode,
             "top_k": self.top_k,
             "slots_per_layer": self.slots_per_layer,
-            "expert_buffer_mib": self.slots_per_layer
-            * len(self.moe_layers)
-            * self.index.bundle_stride
-            / 2**20,
+            "expert_buffer_mib": self.slots_per_layer * self.index.slot_bytes / 2**20,
             "io_throttle_mbps": self.options.io_throttle_mbps,
             "emulated": self.options.io_throttle_mbps is not None,
             "peak_memory_gib": mx.get_peak_memory() / 2**30,

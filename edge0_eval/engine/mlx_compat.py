@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import mlx.core as mx
@@ -9,8 +10,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import wired_limit as _mlx_lm_wired_limit
 from mlx_lm.models.switch_layers import SwitchLinear
-from mlx_lm.utils import infer_quant_config
+from mlx_lm.utils import _takes_global_scale, infer_quant_config
 
+from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.layout import ExpertIndex, Quant
 from edge0_eval.formats.safetensors import checkpoint_float_dtype
 
 
@@ -46,6 +49,68 @@ def upcast_unquantized_experts_for_cpu(model: nn.Module) -> int:
                 module.bias = module.bias.astype(mx.float32)
             changed += 1
     return changed
+
+
+def backend_name() -> str:
+    """MLX's backend for the default device, in words: 'cpu', 'Metal' or 'CUDA'."""
+    if on_cpu():
+        return "cpu"
+    if mx.metal.is_available():
+        return "Metal"
+    return "CUDA" if mx.cuda.is_available() else "gpu"
+
+
+@functools.cache
+def _gather_qmm_problem(quant: Quant, dtype, device) -> str | None:
+    """MLX's own answer to running gather_qmm for `quant` on `device`: None when it runs,
+    else its error. Asked once per quantization (a 2-expert, 32x128 product)."""
+    del device  # part of the cache key: MLX runs on the default device
+    w = mx.zeros((2, 32, 128), dtype=mx.float32)
+    gs = mx.ones((2,), dtype=mx.float32) if quant.global_scale else None
+    try:
+        wq, scales, *biases = mx.quantize(
+            w, quant.group_size, quant.bits, mode=quant.mode
+        )
+        y = mx.gather_qmm(
+            mx.zeros((1, 1, 128), dtype=dtype),
+            wq,
+            scales.astype(dtype) if quant.mode == "affine" else scales,
+            biases[0].astype(dtype) if biases else None,
+            rhs_indices=mx.array([[1]], dtype=mx.uint32),
+            transpose=True,
+            group_size=quant.group_size,
+            bits=quant.bits,
+            mode=quant.mode,
+            global_scale=gs,
+        )
+        mx.eval(y)
+    except Exception as exc:  # MLX raises ValueError/RuntimeError with its reason
+        return str(exc)
+    return None
+
+
+def refuse_unserved_experts(index: ExpertIndex, where, dtype: str | None) -> None:
+    """Every expert quantization of `index` runs on this MLX backend (gather_qmm with
+    activations in `dtype`, a name; float32 when None), or one error naming the mode, the
+    backend and the layers."""
+    dtype = getattr(mx, dtype or "float32")
+    for layout in index.layouts:
+        for quant in set(layout.quant.values()):
+            problem = _gather_qmm_problem(quant, dtype, mx.default_device())
+            if problem is None:
+                continue
+            layers = [
+                layer
+                for layer, w in zip(index.moe_layers, index.layer_layouts)
+                if quant in index.layouts[w].quant.values()
+            ]
+            raise CheckpointError(
+                f"{where}: the routed experts of layer(s) {', '.join(map(str, layers))} "
+                f"are quantized {quant.describe()}, which MLX {mx.__version__} does not "
+                f"run on its {backend_name()} backend ({problem}); serve this model on a "
+                f"backend that runs mode {quant.mode!r}, or convert a checkpoint "
+                f"quantized in a mode this one runs"
+            )
 
 
 COMPUTE_DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -95,8 +160,10 @@ def cast_floating(model: nn.Module, dtype, skip: str | None = None) -> None:
         model.update(tree_unflatten(changed))
 
 
-def quantize_like_mlx_lm(model: nn.Module, config: dict, weights: dict) -> None:
-    """The same per-module quantization mlx_lm.utils.load_model applies, driven by the weights."""
+def quantize_like_mlx_lm(model: nn.Module, config: dict, weights) -> None:
+    """The same per-module quantization mlx_lm.utils.load_model applies, driven by the weights:
+    the config's entry for a module if it has one, else what the stored tensors were packed
+    with (and a per-expert nvfp4 global scale where one is stored)."""
     quantization = config.get("quantization")
     if quantization is None:
         return
@@ -106,12 +173,15 @@ def quantize_like_mlx_lm(model: nn.Module, config: dict, weights: dict) -> None:
             return quantization[path]
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
-        return infer_quant_config(path, module, weights)
+        params = infer_quant_config(path, module, weights)
+        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+            params["global_scale"] = True
+        return params
 
     nn.quantize(
         model,
-        group_size=quantization["group_size"],
-        bits=quantization["bits"],
+        group_size=quantization.get("group_size"),
+        bits=quantization.get("bits"),
         mode=quantization.get("mode", "affine"),
         class_predicate=predicate,
     )

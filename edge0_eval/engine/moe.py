@@ -21,13 +21,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.store import ExpertStore
-from edge0_eval.formats.layout import (
-    PARTS,
-    PROJECTIONS,
-    TENSOR_ORDER,
-    ExpertIndex,
-    unpack_bundle,
-)
+from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, unpack_bundle
 
 
 @dataclass
@@ -88,37 +82,35 @@ class StreamingSwitchGLU(nn.Module):
         scale_dtype=None,
     ):
         super().__init__()
-        spec = {t.name: t for t in index.tensors}
-        hidden_dims, packed_in = spec["gate_proj.weight"].shape
-        input_dims = packed_in * 32 // index.bits
+        layout = index.layout(layer)
+        hidden_dims, input_dims = layout.dims("gate_proj")
         self.glu = SwitchGLU(input_dims, hidden_dims, 1)
         for proj in PROJECTIONS:
+            quant = layout.quant[proj]
             q = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
             nn.Module.__init__(q)
+            # The layer's own geometry: mlx-lm's __call__ passes these to gather_qmm.
             q.group_size, q.bits, q.mode, q.global_scale = (
-                index.group_size,
-                index.bits,
-                index.mode,
+                quant.group_size,
+                quant.bits,
+                quant.mode,
                 None,
             )
-            for part in ("weight", "scales", "biases"):
-                t = spec[f"{proj}.{part}"]
-                dtype = {
-                    "uint32": mx.uint32,
-                    "float16": mx.float16,
-                    "bfloat16": mx.bfloat16,
-                    "float32": mx.float32,
-                }[t.dtype]
-                if part != "weight" and scale_dtype is not None:
-                    # The compute dtype: on the CPU gather_qmm with float16 scales runs
-                    # several times slower than with float32 ones.
-                    dtype = scale_dtype
+            for part in quant.parts:
+                t = layout.tensor(f"{proj}.{part}")
+                dtype = getattr(mx, t.dtype)  # the layout's dtype names are MLX's
+                if part in ("scales", "biases") and quant.mode == "affine":
+                    if scale_dtype is not None:
+                        # The compute dtype: on the CPU gather_qmm with float16 scales runs
+                        # several times slower than with float32 ones.
+                        dtype = scale_dtype
                 setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
             q.freeze()
             setattr(self.glu, proj, q)
         self._io = SimpleNamespace(
             layer=layer,
             index=index,
+            layout=layout,
             store=store,
             counters=counters,
             slots=LayerSlots(n_slots),
@@ -128,14 +120,14 @@ class StreamingSwitchGLU(nn.Module):
         )
         # Per bundle tensor, once: (name, projection, part, stored as bfloat16, slot dtype).
         self._io.tensors = []
-        for name in TENSOR_ORDER:
+        for name in layout.names:
             proj, part = name.split(".")
             self._io.tensors.append(
                 (
                     name,
                     proj,
                     part,
-                    spec[name].dtype == "bfloat16",
+                    layout.tensor(name).dtype == "bfloat16",
                     getattr(self.glu, proj)[part].dtype,
                 )
             )
@@ -164,24 +156,21 @@ class StreamingSwitchGLU(nn.Module):
             return
         self._drop_pending()
         io.slots.resize(n_slots)
-        for proj in PROJECTIONS:
+        for _, proj, part, _, _ in io.tensors:
             linear = getattr(self.glu, proj)
-            for part in PARTS:
-                old = linear[part]
-                if n_slots > old_n:
-                    new = mx.concatenate(
-                        [
-                            old,
-                            mx.zeros(
-                                (n_slots - old_n, *old.shape[1:]), dtype=old.dtype
-                            ),
-                        ]
-                    )
-                else:
-                    new = mx.contiguous(
-                        old[:n_slots]
-                    )  # a copy: the slice would keep it all
-                setattr(linear, part, new)
+            old = linear[part]
+            if n_slots > old_n:
+                new = mx.concatenate(
+                    [
+                        old,
+                        mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype),
+                    ]
+                )
+            else:
+                new = mx.contiguous(
+                    old[:n_slots]
+                )  # a copy: the slice would keep it all
+            setattr(linear, part, new)
         mx.eval(self.glu.parameters())
 
     # -- loading ----------------------------------------------------------------------------
@@ -201,7 +190,7 @@ class StreamingSwitchGLU(nn.Module):
             raise
         # Wall time of the reads (and their unpacking on the I/O threads).
         io.counters.demand_read_seconds += time.perf_counter() - started
-        io.counters.demand_read_bytes += len(loads) * io.index.bundle_stride
+        io.counters.demand_read_bytes += len(loads) * io.layout.bundle_stride
         self._write_slots(loads, parts)
         if blocking:
             io.counters.blocked_seconds += time.perf_counter() - started
@@ -225,11 +214,9 @@ class StreamingSwitchGLU(nn.Module):
                 mx.array(current, dtype=mx.int32),
                 mx.array(target, dtype=mx.int32),
             )
-            for proj in PROJECTIONS:
-                linear = getattr(self.glu, proj)
-                for part in PARTS:
-                    buffer = linear[part]
-                    buffer[dst] = buffer[src]
+            for _, proj, part, _, _ in io.tensors:
+                buffer = getattr(self.glu, proj)[part]
+                buffer[dst] = buffer[src]
             io.slots.move(dict(zip(order, target)))
             io.lut[mx.array(order, dtype=mx.int32)] = dst
         return loaded
@@ -241,7 +228,7 @@ class StreamingSwitchGLU(nn.Module):
         graph; any cast numpy cannot do (bfloat16) is left to `_write_slots` as a lazy MLX op.
         Staged bundles stay host buffers until their layer is built, as the raw reads were.
         """
-        out = unpack_bundle(self._io.index, buf)
+        out = unpack_bundle(self._io.layout, buf)
         for name, _, _, _, slot_dtype in self._io.tensors:
             if out[name].dtype == np.float16 and slot_dtype == mx.float32:
                 out[name] = out[name].astype(np.float32)

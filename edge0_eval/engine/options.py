@@ -186,7 +186,7 @@ class EngineOptions:
         )
 
     def _slots_per_layer(self, index: ExpertIndex, top_k: int) -> int:
-        n_layers, bundle = len(index.moe_layers), index.bundle_stride
+        n_layers, slot_bytes = len(index.moe_layers), index.slot_bytes
         if self.mode == "resident":
             return index.num_experts
         if self.slots_per_layer is not None:
@@ -195,12 +195,12 @@ class EngineOptions:
                 f"slots_per_layer={self.slots_per_layer}",
             )
         elif self.expert_budget_mib is not None:
-            slots = slots_for_budget(self.expert_budget_mib, bundle, n_layers)
+            slots = slots_for_budget(self.expert_budget_mib, slot_bytes)
             source = f"expert_budget_mib={self.expert_budget_mib:g}"
         else:
             slots, source = 2 * top_k, "default"
         if slots < top_k:
-            need = top_k * bundle * n_layers / 2**20
+            need = top_k * slot_bytes / 2**20
             raise ConfigError(
                 f"{source} gives {slots} expert slots per layer, fewer than top_k={top_k}; one "
                 f"layer's top-k bundles across {n_layers} MoE layers need at least {need:.2f} MiB"

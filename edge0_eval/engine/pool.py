@@ -110,6 +110,7 @@ class LayerSlots:
             self._free.append(slot)
 
 
-def slots_for_budget(budget_mib: float, bundle_bytes: int, n_layers: int) -> int:
-    """Slots per layer that fit `budget_mib` of expert buffers across all MoE layers."""
-    return int(budget_mib * 2**20 // (bundle_bytes * n_layers))
+def slots_for_budget(budget_mib: float, slot_bytes: int) -> int:
+    """Slots per layer that fit `budget_mib` of expert buffers across all MoE layers, where a
+    slot in every layer costs `slot_bytes` (layers' bundles may differ in size)."""
+    return int(budget_mib * 2**20 // slot_bytes)

@@ -115,7 +115,8 @@ class _Throttle:
 
 
 class ExpertStore:
-    """Reads (layer, expert) bundles. Thread-safe; returns numpy uint8 buffers of `bundle_stride`."""
+    """Reads (layer, expert) bundles. Thread-safe; returns numpy uint8 buffers of the layer's
+    `bundle_stride`."""
 
     def __init__(
         self,
@@ -163,7 +164,7 @@ class ExpertStore:
     # -- reads ------------------------------------------------------------------------------
     def read(self, layer: int, expert: int) -> np.ndarray:
         """Blocking positioned read of one bundle."""
-        stride = self.index.bundle_stride
+        stride = self.index.layout(layer).bundle_stride
         offset = self.index.bundle_offset(layer, expert)
         buf = np.empty(stride, dtype=np.uint8)
         started = time.perf_counter()

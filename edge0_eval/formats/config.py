@@ -152,7 +152,12 @@ def _check_quantization(quant, path: Path) -> None:
     ]
     for where, q in items:
         for key in ("bits", "group_size"):
-            if key in q and not (type_ok(q[key], int) and q[key] > 0):
+            # null in a module's entry: the mode's default (mlx-lm's mixed_* recipes write
+            # it when no group size is given, and its loader takes it so)
+            if key in q and not (
+                (type_ok(q[key], int) and q[key] > 0)
+                or (q[key] is None and q is not quant)
+            ):
                 raise CheckpointError(
                     f"{path}: key '{where}.{key}' is {q[key]!r}; it must be a "
                     f"positive integer"

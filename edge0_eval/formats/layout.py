@@ -7,9 +7,15 @@ A converted model directory holds
   experts.bin                     one bundle per (MoE layer, expert), each page-aligned
   experts.index.json              this module's `ExpertIndex`
 
-A bundle holds, in a fixed order, gate/up/down `weight` (packed uint32), `scales` and `biases`
-of one expert, so one positioned read brings the whole expert. The order of tensors inside a
-bundle and their byte offsets are the same for every bundle and recorded once in the index.
+A bundle holds, in a fixed order, gate/up/down `weight` (packed uint32) and the parts their
+quantization has (`scales`; `biases` for affine; `global_scale` for nvfp4 with a per-expert
+scale), so one positioned read brings the whole expert. Each projection has its own
+quantization (`Quant`: bits, group size, mode), as mlx-lm's mixed recipes give them; a layer's
+bundles share one `BundleLayout` (tensor order, offsets, stride), and layers may differ.
+
+Index versions: 1 describes one affine layout for every layer (the original format); 2 a list
+of layouts and the layout of each layer. A conversion version 1 can describe is written as
+version 1, so builds that predate version 2 still read it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.json_files import read_json_file, type_ok
 
 FORMAT = "edge0-experts"
-FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, 2)  # the index versions this build reads and writes
 INDEX_NAME = "experts.index.json"
 EXPERTS_NAME = "experts.bin"
 RESIDENT_NAME = "resident.safetensors"
@@ -34,20 +40,99 @@ RECONVERT = (
 )
 ALIGNMENT = 4096
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-PARTS = ("weight", "scales", "biases")
-TENSOR_ORDER = tuple(f"{p}.{q}" for p in PROJECTIONS for q in PARTS)
 
 # numpy has no bfloat16: such tensors travel as raw uint16 and are reinterpreted in MLX.
 _NP_DTYPES = {
     "uint32": np.uint32,
+    "uint8": np.uint8,
     "float16": np.float16,
     "bfloat16": np.uint16,
     "float32": np.float32,
 }
+SCALE_DTYPES = ("float16", "bfloat16", "float32")  # affine scales and biases
 
 
 def align(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+# -- quantization of one projection ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    """What mx.quantize accepts in a mode (MLX 0.32's table of quantization modes)."""
+
+    bits: tuple[int, ...]
+    group_sizes: tuple[int, ...]
+    affine: (
+        bool  # scales + biases in the float dtype; otherwise uint8 scales, no biases
+    )
+    global_scale: bool = False  # may carry one float32 scale per expert
+
+
+QUANT_MODES = {
+    "affine": ModeRule((1, 2, 3, 4, 5, 6, 8), (32, 64, 128), affine=True),
+    "mxfp4": ModeRule((4,), (32,), affine=False),
+    "mxfp8": ModeRule((8,), (32,), affine=False),
+    "nvfp4": ModeRule((4,), (16,), affine=False, global_scale=True),
+}
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How one expert projection is quantized (mlx-lm's QuantizedSwitchLinear attributes)."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+    global_scale: bool = False  # nvfp4 with one float32 tensor scale per expert
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The bundle tensors of a projection quantized this way, in bundle order."""
+        parts = ("weight", "scales")
+        if self.mode == "affine":
+            parts += ("biases",)
+        if self.global_scale:
+            parts += ("global_scale",)
+        return parts
+
+    def part_specs(
+        self, out_dim: int, in_dim: int, float_dtype: str
+    ) -> dict[str, tuple[list[int], str]]:
+        """part -> (per-expert shape, dtype) of an `out_dim x in_dim` weight, as mx.quantize
+        returns them (affine scales in the weight's float dtype, the others' uint8)."""
+        scale_dtype = float_dtype if self.mode == "affine" else "uint8"
+        groups = [out_dim, in_dim // self.group_size]
+        specs = {
+            "weight": ([out_dim, in_dim * self.bits // 32], "uint32"),
+            "scales": (groups, scale_dtype),
+            "biases": (groups, scale_dtype),
+            "global_scale": ([], "float32"),
+        }
+        return {part: specs[part] for part in self.parts}
+
+    def problem(self) -> str | None:
+        """Why mx.quantize would not accept this, or None."""
+        rule = QUANT_MODES.get(self.mode)
+        if rule is None:
+            return f"mode {self.mode!r} is not one of {', '.join(QUANT_MODES)}"
+        if self.bits not in rule.bits or self.group_size not in rule.group_sizes:
+            return (
+                f"bits {self.bits} / group_size {self.group_size} are not supported by "
+                f"{self.mode} (bits {rule.bits}, groups {rule.group_sizes})"
+            )
+        if self.global_scale and not rule.global_scale:
+            return f"mode {self.mode} has no global scale"
+        return None
+
+    def describe(self) -> str:
+        text = f"{self.bits}-bit group {self.group_size} {self.mode}"
+        return text + " with a global scale" if self.global_scale else text
+
+
+# -- one layer's bundle ------------------------------------------------------------------------
 
 
 @dataclass
@@ -61,6 +146,84 @@ class TensorSpec:
     nbytes: int
 
 
+def layout_names(quant: dict[str, Quant]) -> list[str]:
+    """Bundle tensor names in bundle order: projection by projection, its parts in order."""
+    return [f"{proj}.{part}" for proj in PROJECTIONS for part in quant[proj].parts]
+
+
+@dataclass
+class BundleLayout:
+    """The bundles of one or more layers: each projection's quantization, and the tensors'
+    shapes, dtypes and offsets inside a bundle."""
+
+    quant: dict[str, Quant]  # projection -> its quantization
+    tensors: list[TensorSpec]
+    bundle_bytes: int  # payload of one bundle
+    bundle_stride: int  # bytes between bundle starts (payload padded to alignment)
+
+    @classmethod
+    def of(
+        cls, quant: dict[str, Quant], shapes: dict[str, tuple[list[int], str]]
+    ) -> "BundleLayout":
+        """The layout of bundles holding `shapes` (name -> per-expert shape, dtype)."""
+        tensors, nbytes = make_tensor_specs(layout_names(quant), shapes)
+        return cls(dict(quant), tensors, nbytes, align(nbytes))
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    def tensor(self, name: str) -> TensorSpec:
+        for spec in self.tensors:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def dims(self, proj: str) -> tuple[int, int]:
+        """(out, in) of a projection's unquantized weight."""
+        out_dim, packed = self.tensor(f"{proj}.weight").shape
+        return out_dim, packed * 32 // self.quant[proj].bits
+
+    @property
+    def scale_dtype(self) -> str | None:
+        """The float dtype of the affine scales and biases; None when no part is affine."""
+        for spec in self.tensors:
+            if spec.name.endswith((".scales", ".biases")) and spec.dtype != "uint8":
+                return spec.dtype
+        return None
+
+    def describe(self) -> str:
+        """'4-bit group 64 affine', or per projection when they differ."""
+        kinds = {q.describe() for q in self.quant.values()}
+        if len(kinds) == 1:
+            return kinds.pop()
+        return ", ".join(f"{p} {self.quant[p].describe()}" for p in PROJECTIONS)
+
+    def to_json(self) -> dict:
+        return {
+            "quant": {p: asdict(self.quant[p]) for p in PROJECTIONS},
+            "tensors": [asdict(t) for t in self.tensors],
+            "bundle_bytes": self.bundle_bytes,
+            "bundle_stride": self.bundle_stride,
+        }
+
+
+def describe_layers(layouts) -> str:
+    """(layer, BundleLayout) pairs in words: one description, or one per group of layers."""
+    groups: dict[str, list[int]] = {}
+    for layer, layout in layouts:
+        groups.setdefault(layout.describe(), []).append(layer)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(
+        f"layer(s) {', '.join(map(str, layers))}: {text}"
+        for text, layers in groups.items()
+    )
+
+
+# -- the index ---------------------------------------------------------------------------------
+
+
 @dataclass
 class ExpertIndex:
     model_type: str
@@ -69,12 +232,8 @@ class ExpertIndex:
         int
     ]  # decoder layer indices that have routed experts, in file order
     module_path: str  # e.g. "language_model.model.layers.{layer}.mlp.switch_mlp"
-    bits: int
-    group_size: int
-    mode: str
-    tensors: list[TensorSpec]
-    bundle_bytes: int  # payload of one bundle
-    bundle_stride: int  # bytes between bundle starts (payload padded to alignment)
+    layouts: list[BundleLayout]
+    layer_layouts: list[int]  # per MoE layer (file order): its entry in `layouts`
     file: str = EXPERTS_NAME
     file_size: int = 0
     alignment: int = ALIGNMENT
@@ -82,42 +241,132 @@ class ExpertIndex:
         default_factory=dict
     )  # source file name -> {"sha256", "bytes"}
     crc32: list[list[int]] = field(default_factory=list)  # [moe layer position][expert]
-    format: str = FORMAT
-    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def for_layers(
+        cls,
+        model_type: str,
+        num_experts: int,
+        module_path: str,
+        by_layer: dict[int, BundleLayout],
+    ) -> "ExpertIndex":
+        """An index for layers in file order, each with its layout (equal layouts shared);
+        crc32 and source are filled in by the writer."""
+        layouts, which = [], []
+        for layout in by_layer.values():
+            if layout not in layouts:
+                layouts.append(layout)
+            which.append(layouts.index(layout))
+        index = cls(
+            model_type=model_type,
+            num_experts=num_experts,
+            moe_layers=list(by_layer),
+            module_path=module_path,
+            layouts=layouts,
+            layer_layouts=which,
+        )
+        index.file_size = index.expected_file_size()
+        return index
 
     # -- geometry ---------------------------------------------------------------------------
     def layer_position(self, layer: int) -> int:
         try:
-            return self._positions[layer]
-        except AttributeError:
-            self._positions = {l: i for i, l in enumerate(self.moe_layers)}
-            return self.layer_position(layer)
+            return self._geometry()[0][layer]
         except KeyError:
             raise KeyError(
                 f"layer {layer} has no routed experts in this index"
             ) from None
 
+    def layout(self, layer: int) -> BundleLayout:
+        """The bundle layout of a MoE layer's experts."""
+        return self.layouts[self.layer_layouts[self.layer_position(layer)]]
+
     def bundle_offset(self, layer: int, expert: int) -> int:
         if not 0 <= expert < self.num_experts:
             raise IndexError(f"expert {expert} out of range 0..{self.num_experts - 1}")
-        return (
-            self.layer_position(layer) * self.num_experts + expert
-        ) * self.bundle_stride
+        pos = self.layer_position(layer)
+        stride = self.layouts[self.layer_layouts[pos]].bundle_stride
+        return self._geometry()[1][pos] + expert * stride
+
+    def _geometry(self) -> tuple[dict[int, int], list[int]]:
+        """(layer -> position, byte offset of each layer's first bundle), computed once."""
+        cached = getattr(self, "_cached_geometry", None)
+        key = (tuple(self.moe_layers), tuple(self.layer_layouts), self.num_experts)
+        if cached is None or cached[0] != key:
+            starts, offset = [], 0
+            for which in self.layer_layouts:
+                starts.append(offset)
+                offset += self.num_experts * self.layouts[which].bundle_stride
+            positions = {layer: i for i, layer in enumerate(self.moe_layers)}
+            cached = self._cached_geometry = (key, (positions, starts))
+        return cached[1]
 
     def expected_file_size(self) -> int:
-        return len(self.moe_layers) * self.num_experts * self.bundle_stride
+        return sum(
+            self.num_experts * self.layouts[w].bundle_stride for w in self.layer_layouts
+        )
 
-    def tensor(self, name: str) -> TensorSpec:
-        for spec in self.tensors:
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot in every MoE layer (what a slot per layer costs)."""
+        return sum(self.layouts[w].bundle_stride for w in self.layer_layouts)
+
+    def describe_quant(self) -> str:
+        """The experts' quantization in words, by layer when layers differ."""
+        return describe_layers(
+            (layer, self.layouts[w])
+            for layer, w in zip(self.moe_layers, self.layer_layouts)
+        )
 
     # -- (de)serialisation ------------------------------------------------------------------
+    @property
+    def format_version(self) -> int:
+        """The version `save` writes: 1 when version 1 describes these experts, else 2."""
+        return 1 if self._v1_quant() is not None else 2
+
+    def _v1_quant(self) -> Quant | None:
+        """The one quantization of every projection when version 1 can describe the index."""
+        if len(self.layouts) != 1:
+            return None
+        kinds = set(self.layouts[0].quant.values())
+        quant = kinds.pop() if len(kinds) == 1 else None
+        return quant if quant is not None and quant.parts == _V1_PARTS else None
+
     def to_json(self) -> dict:
-        data = asdict(self)
-        data.pop("_positions", None)
-        return data
+        quant = self._v1_quant()
+        head = {
+            "model_type": self.model_type,
+            "num_experts": self.num_experts,
+            "moe_layers": list(self.moe_layers),
+            "module_path": self.module_path,
+        }
+        if (
+            quant is not None
+        ):  # version 1, field for field as it has always been written
+            layout = self.layouts[0]
+            body = {
+                "bits": quant.bits,
+                "group_size": quant.group_size,
+                "mode": quant.mode,
+                "tensors": [asdict(t) for t in layout.tensors],
+                "bundle_bytes": layout.bundle_bytes,
+                "bundle_stride": layout.bundle_stride,
+            }
+        else:
+            body = {
+                "layouts": [layout.to_json() for layout in self.layouts],
+                "layer_layouts": list(self.layer_layouts),
+            }
+        tail = {
+            "file": self.file,
+            "file_size": self.file_size,
+            "alignment": self.alignment,
+            "source": self.source,
+            "crc32": self.crc32,
+            "format": FORMAT,
+            "format_version": 1 if quant is not None else 2,
+        }
+        return head | body | tail
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / INDEX_NAME
@@ -140,52 +389,108 @@ class ExpertIndex:
             raise CheckpointError(
                 f"{path}: format {data.get('format')!r} is not {FORMAT!r}"
             )
-        if data.get("format_version") != FORMAT_VERSION:
+        version = data.get("format_version")
+        if version == 1:
+            index = cls._from_v1(data, path)
+        elif version == 2:
+            index = cls._from_v2(data, path)
+        else:
             raise CheckpointError(
-                f"{path}: format_version {data.get('format_version')!r} is not supported "
-                f"(this build reads version {FORMAT_VERSION}); re-run `edge0-eval convert`"
+                f"{path}: format_version {version!r} is not supported (this build reads "
+                f"versions {', '.join(map(str, FORMAT_VERSIONS))}); re-run "
+                f"`edge0-eval convert` with this build, or use the edge0-eval that wrote it"
             )
-        check_index_fields(data, path)
-        data = dict(data)
-        data["tensors"] = [TensorSpec(**t) for t in data["tensors"]]
-        index = cls(**data)
         index.validate(directory if check_file else None)
         return index
+
+    @classmethod
+    def _from_v1(cls, data: dict, path) -> "ExpertIndex":
+        """Version 1: one affine quantization and one bundle layout for every layer."""
+        check_index_fields(data, path, _FIELDS_V1, _REQUIRED_V1)
+        if data["mode"] != "affine":
+            raise CheckpointError(
+                f"{path}: mode {data['mode']!r}: format_version 1 describes affine "
+                f"experts only; {RECONVERT}"
+            )
+        for i, t in enumerate(data["tensors"]):
+            _check_tensor_entry(t, f"{path}: tensors[{i}]", scalar_ok=False)
+        quant = Quant(data["bits"], data["group_size"], data["mode"])
+        layout = BundleLayout(
+            quant={p: quant for p in PROJECTIONS},
+            tensors=[TensorSpec(**t) for t in data["tensors"]],
+            bundle_bytes=data["bundle_bytes"],
+            bundle_stride=data["bundle_stride"],
+        )
+        return cls(
+            layouts=[layout],
+            layer_layouts=[0] * len(data["moe_layers"]),
+            **{k: data[k] for k in _COMMON_FIELDS if k in data and k not in _TAGS},
+        )
+
+    @classmethod
+    def _from_v2(cls, data: dict, path) -> "ExpertIndex":
+        """Version 2: layouts, and the layout of each MoE layer."""
+        check_index_fields(data, path, _FIELDS_V2, _REQUIRED_V2)
+        layouts = [
+            _layout_from_json(entry, f"{path}: layouts[{i}]")
+            for i, entry in enumerate(data["layouts"])
+        ]
+        return cls(
+            layouts=layouts,
+            layer_layouts=list(data["layer_layouts"]),
+            **{k: data[k] for k in _COMMON_FIELDS if k in data and k not in _TAGS},
+        )
 
     def validate(self, directory: str | Path | None = None) -> None:
         """Check internal consistency and, given the directory, the expert file's size.
 
-        The bundle layout is fully determined by the tensors' shapes and dtypes (TENSOR_ORDER,
-        64-byte aligned), so any other offset (swapped gate/up, overlaps) is a corrupt index.
+        Each bundle layout is fully determined by its quantization and the tensors' shapes and
+        dtypes (parts in order, 64-byte aligned), so any other offset (swapped gate/up,
+        overlaps) is a corrupt index.
         """
         where = f"{Path(directory) / INDEX_NAME}" if directory else INDEX_NAME
-        names = [t.name for t in self.tensors]
-        if names != list(TENSOR_ORDER):
-            raise CheckpointError(
-                f"{where}: bundle tensors {names} are not {list(TENSOR_ORDER)} "
-                f"in that order; {RECONVERT}"
-            )
-        _check_quant(self, where)
-        want, nbytes = make_tensor_specs(
-            {t.name: (t.shape, t.dtype) for t in self.tensors}
-        )
-        for spec, good in zip(self.tensors, want):
-            if (spec.offset, spec.nbytes) != (good.offset, good.nbytes):
-                raise CheckpointError(
-                    f"{where}: tensor {spec.name} is at offset {spec.offset} ({spec.nbytes} "
-                    f"bytes) but the bundle layout puts it at {good.offset} ({good.nbytes} "
-                    f"bytes): offsets swapped, overlapping or sized wrong; {RECONVERT}"
-                )
-        if (
-            self.bundle_bytes != nbytes
-            or self.alignment != ALIGNMENT
-            or self.bundle_stride != align(nbytes, ALIGNMENT)
+        if not self.layouts:
+            raise CheckpointError(f"{where}: no bundle layouts; {RECONVERT}")
+        if len(self.layer_layouts) != len(self.moe_layers) or not all(
+            type_ok(w, int) and 0 <= w < len(self.layouts) for w in self.layer_layouts
         ):
             raise CheckpointError(
-                f"{where}: bundle_bytes {self.bundle_bytes} / bundle_stride "
-                f"{self.bundle_stride} / alignment {self.alignment} do not "
-                f"match the tensors ({nbytes} bytes, stride "
-                f"{align(nbytes, ALIGNMENT)}); {RECONVERT}"
+                f"{where}: layer_layouts {_short(self.layer_layouts)} must name one of the "
+                f"{len(self.layouts)} layouts for each of the {len(self.moe_layers)} MoE "
+                f"layers; {RECONVERT}"
+            )
+        unused = sorted(set(range(len(self.layouts))) - set(self.layer_layouts))
+        if unused:
+            raise CheckpointError(
+                f"{where}: layouts {unused} are used by no layer; {RECONVERT}"
+            )
+        many = len(self.layouts) > 1
+        for i, layout in enumerate(self.layouts):
+            at = f"{where}: layouts[{i}]" if many else where
+            _check_layout(layout, at)
+            if self.alignment != ALIGNMENT or layout.bundle_stride != align(
+                layout.bundle_bytes, ALIGNMENT
+            ):
+                raise CheckpointError(
+                    f"{at}: bundle_bytes {layout.bundle_bytes} / bundle_stride "
+                    f"{layout.bundle_stride} / alignment {self.alignment} do not "
+                    f"match the tensors ({layout.bundle_bytes} bytes, stride "
+                    f"{align(layout.bundle_bytes, ALIGNMENT)}); {RECONVERT}"
+                )
+        first = self.layouts[0]
+        for i, layout in enumerate(self.layouts[1:], 1):
+            for proj in PROJECTIONS:
+                if layout.dims(proj) != first.dims(proj):
+                    raise CheckpointError(
+                        f"{where}: layouts[{i}] has {proj} {layout.dims(proj)} (out, in) "
+                        f"but layouts[0] {first.dims(proj)}: one model has one expert "
+                        f"shape; {RECONVERT}"
+                    )
+        scale_dtypes = {l.scale_dtype for l in self.layouts} - {None}
+        if len(scale_dtypes) > 1:
+            raise CheckpointError(
+                f"{where}: scales/biases mix dtypes {sorted(scale_dtypes)} across "
+                f"layers; a conversion writes one; {RECONVERT}"
             )
         if len(set(self.moe_layers)) != len(
             self.moe_layers
@@ -223,14 +528,15 @@ class ExpertIndex:
                 )
 
 
-# What mx.quantize accepts: mode -> (bits, group sizes); scales dtype per mode.
-QUANT_MODES = {"affine": ((2, 3, 4, 5, 6, 8), (32, 64, 128))}
-_HALF = ("float16", "bfloat16", "float32")
+# -- field checks ------------------------------------------------------------------------------
 
-# field -> (JSON type, check, what it must be)
-_FIELDS = {
+_V1_PARTS = ("weight", "scales", "biases")
+
+_POSITIVE = (int, lambda v: v > 0, "a positive integer")
+# field -> (JSON type, check, what it must be); the fields both versions have
+_COMMON_FIELDS = {
     "model_type": (str, bool, "a model type string"),
-    "num_experts": (int, lambda v: v > 0, "a positive integer"),
+    "num_experts": _POSITIVE,
     "moe_layers": (
         list,
         lambda v: len(v) > 0 and all(type_ok(x, int) and x >= 0 for x in v),
@@ -241,19 +547,13 @@ _FIELDS = {
         lambda v: "{layer}" in v,
         "a path template containing {layer}",
     ),
-    "bits": (int, lambda v: v > 0, "a positive integer"),
-    "group_size": (int, lambda v: v > 0, "a positive integer"),
-    "mode": (str, bool, "a quantization mode such as 'affine'"),
-    "tensors": (list, bool, "a list of tensor entries"),
-    "bundle_bytes": (int, lambda v: v > 0, "a positive integer"),
-    "bundle_stride": (int, lambda v: v > 0, "a positive integer"),
     "file": (
         str,
         lambda v: bool(v) and "/" not in v and v not in (".", ".."),
         "a file name beside the index",
     ),
     "file_size": (int, lambda v: v >= 0, "a byte count"),
-    "alignment": (int, lambda v: v > 0, "a positive integer"),
+    "alignment": _POSITIVE,
     "source": (dict, lambda v: True, "an object"),
     "crc32": (
         list,
@@ -266,11 +566,25 @@ _FIELDS = {
     "format": (str, bool, "'edge0-experts'"),
     "format_version": (int, bool, "an integer"),
 }
-_REQUIRED = (
-    "model_type",
-    "num_experts",
-    "moe_layers",
-    "module_path",
+_TAGS = ("format", "format_version")  # checked on load, not kept on the index
+_FIELDS_V1 = _COMMON_FIELDS | {
+    "bits": _POSITIVE,
+    "group_size": _POSITIVE,
+    "mode": (str, bool, "a quantization mode such as 'affine'"),
+    "tensors": (list, bool, "a list of tensor entries"),
+    "bundle_bytes": _POSITIVE,
+    "bundle_stride": _POSITIVE,
+}
+_FIELDS_V2 = _COMMON_FIELDS | {
+    "layouts": (list, bool, "a non-empty list of bundle layouts"),
+    "layer_layouts": (
+        list,
+        lambda v: all(type_ok(x, int) and x >= 0 for x in v),
+        "a list of layout numbers, one per MoE layer",
+    ),
+}
+_HEAD = ("model_type", "num_experts", "moe_layers", "module_path")
+_REQUIRED_V1 = _HEAD + (
     "bits",
     "group_size",
     "mode",
@@ -278,57 +592,107 @@ _REQUIRED = (
     "bundle_bytes",
     "bundle_stride",
 )
+_REQUIRED_V2 = _HEAD + ("layouts", "layer_layouts")
+_TENSOR_KEYS = {"name", "shape", "dtype", "offset", "nbytes"}
+_QUANT_KEYS = {"bits", "group_size", "mode", "global_scale"}
+_LAYOUT_KEYS = {"quant", "tensors", "bundle_bytes", "bundle_stride"}
 
 
-def check_index_fields(data: dict, path) -> None:
-    """Types and ranges of every index field, before any dataclass or numpy sees them."""
-    unknown = sorted(set(data) - set(_FIELDS))
+def check_index_fields(data: dict, path, fields=None, required=None) -> None:
+    """Types and ranges of every index field, before any dataclass or numpy sees them
+    (version 1's fields unless others are given)."""
+    fields = _FIELDS_V1 if fields is None else fields
+    required = _REQUIRED_V1 if required is None else required
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise CheckpointError(f"{path}: unknown field(s) {unknown}; {RECONVERT}")
-    for key in _REQUIRED:
+    for key in required:
         if key not in data:
             raise CheckpointError(
                 f"{path}: required field {key!r} is missing; {RECONVERT}"
             )
     for key, value in data.items():
-        kind, ok, want = _FIELDS[key]
+        kind, ok, want = fields[key]
         good = type_ok(value, int) if kind is int else isinstance(value, kind)
         if not good or not ok(value):
             raise CheckpointError(
                 f"{path}: field {key!r} is {_short(value)}; it must be {want}; "
                 f"{RECONVERT}"
             )
-    for i, t in enumerate(data["tensors"]):
-        if not isinstance(t, dict) or set(t) != {
-            "name",
-            "shape",
-            "dtype",
-            "offset",
-            "nbytes",
-        }:
-            raise CheckpointError(
-                f"{path}: tensors[{i}] must be an object with name, shape, "
-                f"dtype, offset, nbytes; {RECONVERT}"
-            )
-        if not isinstance(t["dtype"], str) or t["dtype"] not in _NP_DTYPES:
-            raise CheckpointError(
-                f"{path}: tensors[{i}] ({t['name']!r}) has dtype "
-                f"{_short(t['dtype'])}; known: {', '.join(_NP_DTYPES)}"
-            )
+
+
+def _check_tensor_entry(t, where: str, scalar_ok: bool) -> None:
+    """One tensor entry's keys and value types (a scalar shape only where a part is one)."""
+    if not isinstance(t, dict) or set(t) != _TENSOR_KEYS:
+        raise CheckpointError(
+            f"{where} must be an object with name, shape, dtype, offset, nbytes; "
+            f"{RECONVERT}"
+        )
+    if not isinstance(t["dtype"], str) or t["dtype"] not in _NP_DTYPES:
+        raise CheckpointError(
+            f"{where} ({t['name']!r}) has dtype {_short(t['dtype'])}; known: "
+            f"{', '.join(_NP_DTYPES)}"
+        )
+    if not (
+        isinstance(t["name"], str)
+        and isinstance(t["shape"], list)
+        and (t["shape"] or scalar_ok)
+        and all(type_ok(d, int) and d > 0 for d in t["shape"])
+        and type_ok(t["offset"], int)
+        and t["offset"] >= 0
+        and type_ok(t["nbytes"], int)
+        and t["nbytes"] > 0
+    ):
+        raise CheckpointError(
+            f"{where} has a bad name, shape, offset or nbytes ({_short(t)}); "
+            f"{RECONVERT}"
+        )
+
+
+def _layout_from_json(entry, where: str) -> BundleLayout:
+    """One version 2 layout entry, its value types checked."""
+    if not isinstance(entry, dict) or set(entry) != _LAYOUT_KEYS:
+        raise CheckpointError(
+            f"{where} must be an object with {', '.join(sorted(_LAYOUT_KEYS))}; "
+            f"{RECONVERT}"
+        )
+    quant = entry["quant"]
+    if not isinstance(quant, dict) or set(quant) != set(PROJECTIONS):
+        raise CheckpointError(
+            f"{where}.quant must give each of {', '.join(PROJECTIONS)} its "
+            f"quantization; {RECONVERT}"
+        )
+    for proj, q in quant.items():
         if not (
-            isinstance(t["name"], str)
-            and isinstance(t["shape"], list)
-            and t["shape"]
-            and all(type_ok(d, int) and d > 0 for d in t["shape"])
-            and type_ok(t["offset"], int)
-            and t["offset"] >= 0
-            and type_ok(t["nbytes"], int)
-            and t["nbytes"] > 0
+            isinstance(q, dict)
+            and set(q) == _QUANT_KEYS
+            and type_ok(q["bits"], int)
+            and type_ok(q["group_size"], int)
+            and isinstance(q["mode"], str)
+            and isinstance(q["global_scale"], bool)
         ):
             raise CheckpointError(
-                f"{path}: tensors[{i}] has a bad name, shape, offset or nbytes "
-                f"({_short(t)}); {RECONVERT}"
+                f"{where}.quant.{proj} is {_short(q)}; it must be an object with "
+                f"integer bits and group_size, a mode and a boolean global_scale; "
+                f"{RECONVERT}"
             )
+    tensors = entry["tensors"]
+    if not isinstance(tensors, list) or not tensors:
+        raise CheckpointError(f"{where}.tensors must be a list of tensor entries")
+    for i, t in enumerate(tensors):
+        _check_tensor_entry(t, f"{where}.tensors[{i}]", scalar_ok=True)
+    for key in ("bundle_bytes", "bundle_stride"):
+        if not (type_ok(entry[key], int) and entry[key] > 0):
+            raise CheckpointError(
+                f"{where}.{key} is {_short(entry[key])}; it must be a positive "
+                f"integer; {RECONVERT}"
+            )
+    return BundleLayout(
+        quant={p: Quant(**quant[p]) for p in PROJECTIONS},
+        tensors=[TensorSpec(**t) for t in tensors],
+        bundle_bytes=entry["bundle_bytes"],
+        bundle_stride=entry["bundle_stride"],
+    )
 
 
 def _short(value) -> str:
@@ -336,71 +700,104 @@ def _short(value) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def _check_quant(index: "ExpertIndex", where) -> None:
-    """Bits/group/mode MLX can serve, and tensor shapes/dtypes that follow from them."""
-    if index.mode not in QUANT_MODES:
+def _check_layout(layout: BundleLayout, where) -> None:
+    """Quantizations MLX accepts, the tensors that follow from them (names, shapes, dtypes,
+    offsets), and gate/up/down shapes that fit together."""
+    for proj in PROJECTIONS:
+        problem = layout.quant[proj].problem()
+        if problem is not None:
+            raise CheckpointError(f"{where}: {proj}: {problem}; {RECONVERT}")
+    names, want_names = layout.names, layout_names(layout.quant)
+    if names != want_names:
         raise CheckpointError(
-            f"{where}: mode {index.mode!r} is not supported (supported: "
-            f"{', '.join(QUANT_MODES)}); {RECONVERT}"
-        )
-    bits, groups = QUANT_MODES[index.mode]
-    if index.bits not in bits or index.group_size not in groups:
-        raise CheckpointError(
-            f"{where}: bits {index.bits} / group_size {index.group_size} are "
-            f"not supported by {index.mode} (bits {bits}, groups {groups}); "
+            f"{where}: bundle tensors {names} are not {want_names} in that order; "
             f"{RECONVERT}"
         )
-    specs = {t.name: t for t in index.tensors}
-    halves = set()
     for proj in PROJECTIONS:
-        w, s, b = (specs[f"{proj}.{p}"] for p in PARTS)
-        if w.dtype != "uint32":
-            raise CheckpointError(
-                f"{where}: {w.name} is {w.dtype}; packed weights are uint32"
-            )
-        if (
-            len(w.shape) != 2
-            or s.shape != b.shape
-            or len(s.shape) != 2
-            or s.shape[0] != w.shape[0]
-            or w.shape[1] * 32 != s.shape[1] * index.group_size * index.bits
-        ):
-            raise CheckpointError(
-                f"{where}: {proj} shapes weight {w.shape} / scales {s.shape} / biases {b.shape} "
-                f"do not fit {index.bits}-bit groups of {index.group_size}; {RECONVERT}"
-            )
-        for spec in (s, b):
-            if spec.dtype not in _HALF:
-                raise CheckpointError(
-                    f"{where}: {spec.name} is {spec.dtype}; scales and biases "
-                    f"are one of {', '.join(_HALF)}"
-                )
-            halves.add(spec.dtype)
-    if len(halves) > 1:
+        _check_projection(layout, proj, where)
+    gate, up, down = (layout.dims(p) for p in PROJECTIONS)
+    if gate != up:
         raise CheckpointError(
-            f"{where}: scales/biases mix dtypes {sorted(halves)}; a conversion "
+            f"{where}: gate_proj {list(gate)} and up_proj {list(up)} (out, in) differ"
+        )
+    inter, hidden = gate
+    if down != (hidden, inter):
+        raise CheckpointError(
+            f"{where}: down_proj {layout.tensor('down_proj.weight').shape} does not map "
+            f"the experts' {inter} features back to {hidden}; {RECONVERT}"
+        )
+    want, nbytes = make_tensor_specs(
+        names, {t.name: (t.shape, t.dtype) for t in layout.tensors}
+    )
+    for spec, good in zip(layout.tensors, want):
+        if (spec.offset, spec.nbytes) != (good.offset, good.nbytes):
+            raise CheckpointError(
+                f"{where}: tensor {spec.name} is at offset {spec.offset} ({spec.nbytes} "
+                f"bytes) but the bundle layout puts it at {good.offset} ({good.nbytes} "
+                f"bytes): offsets swapped, overlapping or sized wrong; {RECONVERT}"
+            )
+    if layout.bundle_bytes != nbytes:
+        raise CheckpointError(
+            f"{where}: bundle_bytes {layout.bundle_bytes} does not match the tensors "
+            f"({nbytes} bytes); {RECONVERT}"
+        )
+
+
+def _check_projection(layout: BundleLayout, proj: str, where) -> None:
+    """One projection's parts against its quantization."""
+    quant = layout.quant[proj]
+    w, s = layout.tensor(f"{proj}.weight"), layout.tensor(f"{proj}.scales")
+    if w.dtype != "uint32":
+        raise CheckpointError(
+            f"{where}: {w.name} is {w.dtype}; packed weights are uint32"
+        )
+    if (
+        len(w.shape) != 2
+        or len(s.shape) != 2
+        or s.shape[0] != w.shape[0]
+        or w.shape[1] * 32 != s.shape[1] * quant.group_size * quant.bits
+    ):
+        raise CheckpointError(
+            f"{where}: {proj} shapes weight {w.shape} / scales {s.shape} do not fit "
+            f"{quant.describe()} groups; {RECONVERT}"
+        )
+    if quant.mode == "affine":
+        b = layout.tensor(f"{proj}.biases")
+        if s.dtype not in SCALE_DTYPES or b.dtype != s.dtype or b.shape != s.shape:
+            raise CheckpointError(
+                f"{where}: {proj} scales {s.dtype} {s.shape} / biases {b.dtype} "
+                f"{b.shape}: affine scales and biases are one of "
+                f"{', '.join(SCALE_DTYPES)}, alike in shape and dtype; {RECONVERT}"
+            )
+    elif s.dtype != "uint8":
+        raise CheckpointError(
+            f"{where}: {s.name} is {s.dtype}; {quant.mode} scales are uint8; "
+            f"{RECONVERT}"
+        )
+    if quant.global_scale:
+        g = layout.tensor(f"{proj}.global_scale")
+        if g.shape != [] or g.dtype != "float32":
+            raise CheckpointError(
+                f"{where}: {g.name} is {g.dtype} {g.shape}; a per-expert global scale "
+                f"is one float32; {RECONVERT}"
+            )
+    scale_dtypes = {
+        t.dtype for t in layout.tensors if t.name.endswith((".scales", ".biases"))
+    } - {"uint8"}
+    if len(scale_dtypes) > 1:
+        raise CheckpointError(
+            f"{where}: scales/biases mix dtypes {sorted(scale_dtypes)}; a conversion "
             f"writes one; {RECONVERT}"
-        )
-    gate, up, down = (specs[f"{p}.weight"] for p in PROJECTIONS)
-    if gate.shape != up.shape:
-        raise CheckpointError(
-            f"{where}: gate_proj {gate.shape} and up_proj {up.shape} differ"
-        )
-    inter = gate.shape[0]
-    hidden = gate.shape[1] * 32 // index.bits
-    if down.shape[0] != hidden or down.shape[1] * 32 // index.bits != inter:
-        raise CheckpointError(
-            f"{where}: down_proj {down.shape} does not map the experts' "
-            f"{inter} features back to {hidden}; {RECONVERT}"
         )
 
 
 def make_tensor_specs(
-    shapes: dict[str, tuple[list[int], str]],
+    names: list[str], shapes: dict[str, tuple[list[int], str]]
 ) -> tuple[list[TensorSpec], int]:
-    """Lay out the bundle tensors in TENSOR_ORDER, each 64-byte aligned. Returns specs, bytes."""
+    """Lay out the bundle tensors `names` in that order, each 64-byte aligned. Returns specs,
+    bytes."""
     specs, offset = [], 0
-    for name in TENSOR_ORDER:
+    for name in names:
         shape, dtype = shapes[name]
         nbytes = int(np.prod(shape)) * np.dtype(_NP_DTYPES[dtype]).itemsize
         offset = align(offset, 64)
@@ -413,12 +810,12 @@ def make_tensor_specs(
     return specs, offset
 
 
-def pack_bundle(index: ExpertIndex, arrays: dict[str, np.ndarray]) -> bytes:
+def pack_bundle(layout: BundleLayout, arrays: dict[str, np.ndarray]) -> bytes:
     """Serialise one expert's tensors into a bundle of `bundle_stride` bytes."""
-    buf = bytearray(index.bundle_stride)
-    for spec in index.tensors:
-        arr = np.ascontiguousarray(arrays[spec.name])
-        raw = arr.view(np.uint8).reshape(-1)
+    buf = bytearray(layout.bundle_stride)
+    for spec in layout.tensors:
+        arr = np.asarray(arrays[spec.name])  # ascontiguousarray makes a scalar 1-d
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
         if raw.size != spec.nbytes or list(arr.shape) != spec.shape:
             raise CheckpointError(
                 f"tensor {spec.name}: shape {list(arr.shape)} / {raw.size} bytes does not match "
@@ -428,11 +825,11 @@ def pack_bundle(index: ExpertIndex, arrays: dict[str, np.ndarray]) -> bytes:
     return bytes(buf)
 
 
-def unpack_bundle(index: ExpertIndex, buf) -> dict[str, np.ndarray]:
+def unpack_bundle(layout: BundleLayout, buf) -> dict[str, np.ndarray]:
     """Zero-copy numpy views of one bundle's tensors (bfloat16 as raw uint16)."""
     mem = memoryview(buf)
     out = {}
-    for spec in index.tensors:
+    for spec in layout.tensors:
         view = np.frombuffer(
             mem[spec.offset : spec.offset + spec.nbytes], dtype=_NP_DTYPES[spec.dtype]
         )

@@ -72,9 +72,8 @@ def check_index_model(
     """The expert index's bundle shapes against the model config.json describes."""
     text = family.text_config(config)
     where = Path(directory) / INDEX_NAME
-    gate = index.tensor("gate_proj.weight")
-    hidden = gate.shape[1] * 32 // index.bits
-    want = {"hidden_size": hidden, "moe_intermediate_size": gate.shape[0]}
+    inter, hidden = index.layouts[0].dims("gate_proj")  # validate: one shape for all
+    want = {"hidden_size": hidden, "moe_intermediate_size": inter}
     for key, got in want.items():
         value = text.get(key)
         if isinstance(value, int) and value != got:
@@ -102,9 +101,10 @@ def check_index_model(
 def check_resident(path: str | Path, index=None) -> dict:
     """The resident safetensors header, checked before MLX reads any of it.
 
-    Quantized modules are complete (weight U32 + scales + biases), every floating tensor is
-    float32 or the one half dtype the quantized scales use, and that dtype is the one the expert
-    index records for its scales (a lie in either file shows as a disagreement).
+    Quantized modules are complete (weight U32 + scales, and biases beside float scales: an
+    affine module; U8 scales have none: mxfp4, mxfp8, nvfp4), every floating tensor is float32
+    or the one half dtype the quantized scales use, and that dtype is the one the expert index
+    records for its affine scales (a lie in either file shows as a disagreement).
     Returns the parsed tensors.
     """
     path = Path(path)
@@ -113,16 +113,18 @@ def check_resident(path: str | Path, index=None) -> dict:
         raise CheckpointError(f"{path}: holds no tensors; {RECONVERT}")
     scale_codes, halves = {}, {}
     for name, (code, _, _, _) in tensors.items():
-        if code not in ST_FLOAT and code != "U32":
+        scales = name.endswith(".scales")
+        if code not in ST_FLOAT and code != "U32" and not (scales and code == "U8"):
             raise CheckpointError(
                 f"{path}: tensor {name!r} has dtype {code}; resident weights "
-                f"are F16/BF16/F32 or packed U32; {RECONVERT}"
+                f"are F16/BF16/F32, packed U32 or U8 quantization scales; {RECONVERT}"
             )
         if code in ("F16", "BF16"):
             halves.setdefault(code, name)
-        if name.endswith(".scales"):
+        if scales:
             base = name[: -len(".scales")]
-            for part in ("weight", "biases"):
+            # Float scales are affine's and come with biases; U8 ones have none.
+            for part in ("weight", "biases") if code != "U8" else ("weight",):
                 if f"{base}.{part}" not in tensors:
                     raise CheckpointError(
                         f"{path}: quantized module {base!r} has scales but no "
@@ -133,7 +135,8 @@ def check_resident(path: str | Path, index=None) -> dict:
                     f"{path}: {base}.weight is {tensors[f'{base}.weight'][0]}"
                     f", but a quantized weight is packed U32; {RECONVERT}"
                 )
-            scale_codes.setdefault(code, name)
+            if code != "U8":
+                scale_codes.setdefault(code, name)
         elif code == "U32":
             if (
                 not name.endswith(".weight")
@@ -151,11 +154,12 @@ def check_resident(path: str | Path, index=None) -> dict:
         )
     if index is not None and scale_codes:
         half = ST_FLOAT[next(iter(scale_codes))]
-        for spec in index.tensors:
-            if spec.name.endswith((".scales", ".biases")) and spec.dtype != half:
+        for layout in index.layouts:
+            if layout.scale_dtype not in (None, half):
                 raise CheckpointError(
                     f"{path}: resident scales are {half} but experts.index.json says "
-                    f"{spec.name} is {spec.dtype}; one of the two files is wrong, {RECONVERT}"
+                    f"the experts' scales are {layout.scale_dtype}; one of the two files "
+                    f"is wrong, {RECONVERT}"
                 )
     return tensors
 

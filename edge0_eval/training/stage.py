@@ -394,10 +394,7 @@ def run_stage(
                 "last_loss": losses[-1] if losses else None,
                 "loss_history": losses,
                 "slots_per_layer": setup.slots,
-                "expert_buffer_mib": setup.slots
-                * len(engine.moe_layers)
-                * index.bundle_stride
-                / 2**20,
+                "expert_buffer_mib": setup.slots * index.slot_bytes / 2**20,
                 "max_union": max(history["max_union"]) if history["max_union"] else 0,
                 "max_micro_batches": max(history["micro_batches"])
                 if history["micro_batches"]
