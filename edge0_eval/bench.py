@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the split of a decode step per arm",
     )
+    parser.add_argument(
+        "--compare",
+        default=None,
+        help="comma list of other converted models (the same shape in another "
+        "quantization): each arm runs on every model in turn, cache evicted before each, "
+        "and bytes per token are set against the ratio of their bundle bytes",
+    )
     parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
     add_engine_arguments(parser)
 
@@ -291,8 +298,9 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
     }
 
 
-def _print_table(rows: list[dict]) -> None:
+def _print_table(rows: list[dict], by_model: bool = False) -> None:
     cols = [
+        *([("model", "model", "{}")] if by_model else []),
         ("arm", "mode", "{}"),
         ("cache", "cache", "{}"),
         ("decode tok/s", "decode_tok_s", "{:.2f}"),
@@ -320,8 +328,9 @@ def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
         print(" | ".join(cells))
 
 
-def _print_batch_table(rows: list[dict]) -> None:
+def _print_batch_table(rows: list[dict], by_model: bool = False) -> None:
     cols = [
+        *([("model", "model", "{}")] if by_model else []),
         ("arm", "mode", "{}"),
         ("B", "batch", "{}"),
         ("cache", "cache", "{}"),
@@ -335,6 +344,47 @@ def _print_batch_table(rows: list[dict]) -> None:
         ("storage", "storage", "{}"),
     ]
     _print_rows(cols, rows)
+
+
+def _models(args) -> dict[str, str]:
+    """label -> directory of the benched models: MODEL, then --compare's, in order."""
+    paths = [str(args.model)] + [
+        p for p in (args.compare or "").split(",") if p.strip()
+    ]
+    labels = {}
+    for i, path in enumerate(paths):
+        label = Path(path).name or path
+        labels[label if label not in labels else f"{label}#{i}"] = path
+    return labels
+
+
+def _storage_figures(path, args, cold: bool) -> dict:
+    """A model's checkpoint bytes, expert quantization and raw read bandwidth, printed."""
+    index = ExpertIndex.load(path)
+    out = {
+        "path": str(path),
+        "experts": index.describe_quant(),
+        "slot_bytes": index.slot_bytes,
+        "checkpoint_bytes": checkpoint_bytes(path),
+    }
+    if args.raw_reads:
+        r = out["raw_reads"] = measure_raw_reads(
+            path, args.raw_reads, args.io_workers, cold
+        )
+        print(
+            f"raw positioned reads of {Path(path).name} ({r['cache']}, qd "
+            f"{r['queue_depth']}, {r['bundle_bytes'] / 2**20:.2f} MiB bundles): "
+            f"{r['gbps']:.2f} GB/s, {r['ms_per_bundle']:.2f} ms/bundle"
+        )
+        if args.compare_mmap:
+            m = out["mmap_reads"] = measure_mmap_reads(
+                path, args.raw_reads, args.io_workers, cold, seed=1
+            )
+            print(
+                f"same reads through mmap ({m['cache']}, qd {m['queue_depth']}): "
+                f"{m['gbps']:.2f} GB/s"
+            )
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -354,6 +404,12 @@ def run(args: argparse.Namespace) -> int:
             "--cache cold needs posix_fadvise (Linux); on macOS use --cache warm "
             "or purge the page cache yourself"
         )
+    models = _models(args)
+    if len(models) > 1 and args.emulate_balanced:
+        raise ConfigError(
+            "--emulate-balanced sets one storage speed from one model's step; drop "
+            "--compare, or give --io-throttle-mbps for every model alike"
+        )
     emulated = args.io_throttle_mbps is not None
     report = {
         "command": "edge0-eval bench " + " ".join(_argv_echo(args)),
@@ -363,27 +419,15 @@ def run(args: argparse.Namespace) -> int:
         "cache": args.cache,
         "io_throttle_mbps": args.io_throttle_mbps,
         "emulated": emulated,
-        "checkpoint_bytes": checkpoint_bytes(args.model),
         "runs": [],
     }
-    if args.raw_reads:
-        report["raw_reads"] = measure_raw_reads(
-            args.model, args.raw_reads, args.io_workers, cold
-        )
-        r = report["raw_reads"]
-        print(
-            f"raw positioned reads ({r['cache']}, qd {r['queue_depth']}, "
-            f"{r['bundle_bytes'] / 2**20:.2f} MiB bundles): {r['gbps']:.2f} GB/s, "
-            f"{r['ms_per_bundle']:.2f} ms/bundle"
-        )
-        if args.compare_mmap:
-            m = report["mmap_reads"] = measure_mmap_reads(
-                args.model, args.raw_reads, args.io_workers, cold, seed=1
-            )
-            print(
-                f"same reads through mmap ({m['cache']}, qd {m['queue_depth']}): "
-                f"{m['gbps']:.2f} GB/s"
-            )
+    figures = {label: _storage_figures(p, args, cold) for label, p in models.items()}
+    if len(models) == 1:
+        (first,) = figures.values()
+        report["checkpoint_bytes"] = first["checkpoint_bytes"]
+        report.update({k: first[k] for k in ("raw_reads", "mmap_reads") if k in first})
+    else:
+        report["models"] = figures
     if args.emulate_balanced:
         args.io_throttle_mbps = _balanced_throttle(args, cold)
         emulated = report["emulated"] = True
@@ -396,37 +440,36 @@ def run(args: argparse.Namespace) -> int:
     for round_ in range(args.repeats):
         for batch in args.batch or [None]:
             for arm in arms:
-                if batch is not None:
-                    row = run_batch_arm(args.model, arm, args, cold, batch)
-                elif arm == "mlx-lm":
-                    row = run_mlx_lm_arm(args.model, args)
-                elif arm == "compute-only":
-                    row = run_compute_only_arm(args.model, args)
-                else:
-                    row = run_engine_arm(args.model, arm, args, cold)
-                # Free the arm's engine before the next one: its buffers must not count there.
-                gc.collect()
-                mx.clear_cache()
-                warm = arm in ("mlx-lm", "compute-only", "resident")
-                row.update(
-                    {
-                        "arm": arm,
-                        "round": round_,
-                        "cache": "warm (experts in memory)" if warm else args.cache,
-                        "emulated": emulated and not warm,
-                        "storage": "in memory" if warm else storage,
-                    }
-                )
-                report["runs"].append(row)
+                for label, model in models.items():
+                    row = _run_arm(model, arm, args, cold, batch)
+                    # Free the arm's engine before the next: its buffers must not count there.
+                    gc.collect()
+                    mx.clear_cache()
+                    warm = arm in ("mlx-lm", "compute-only", "resident")
+                    row.update(
+                        {
+                            "arm": arm,
+                            "round": round_,
+                            "cache": "warm (experts in memory)" if warm else args.cache,
+                            "emulated": emulated and not warm,
+                            "storage": "in memory" if warm else storage,
+                        }
+                    )
+                    if len(models) > 1:
+                        row["model"] = label
+                    report["runs"].append(row)
     print(f"cache: {args.cache}; storage: {storage}")
+    if len(models) > 1:
+        for label, f in figures.items():
+            print(f"model {label}: experts {f['experts']}")
     if args.batch:
         report["batch_prompts"] = (
             f"B prompts of {args.prompt_tokens} tokens, each starting "
             f"further into the same text; all B rows decode at once"
         )
-        _print_batch_table(report["runs"])
+        _print_batch_table(report["runs"], len(models) > 1)
     else:
-        _print_table(report["runs"])
+        _print_table(report["runs"], len(models) > 1)
     if args.profile:
         for row in report["runs"]:
             if "profile_ms_per_step" in row:
@@ -453,14 +496,25 @@ def run(args: argparse.Namespace) -> int:
                         )
                     if row.get("draft_match_rate") is not None:
                         extra += f", draft = token {row['draft_match_rate']:.3f}"
-                print(f"profile {row['arm']} (ms/step): {prof}{extra}")
-    report["targets"] = targets(report)
+                model = f" {row['model']}" if "model" in row else ""
+                print(f"profile {row['arm']}{model} (ms/step): {prof}{extra}")
+    report["targets"] = compare_targets(report) if len(models) > 1 else targets(report)
     for name, value in report["targets"].items():
         print(f"target {name}: {value}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
+
+
+def _run_arm(model, arm: str, args, cold: bool, batch: int | None) -> dict:
+    if batch is not None:
+        return run_batch_arm(model, arm, args, cold, batch)
+    if arm == "mlx-lm":
+        return run_mlx_lm_arm(model, args)
+    if arm == "compute-only":
+        return run_compute_only_arm(model, args)
+    return run_engine_arm(model, arm, args, cold)
 
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:
@@ -590,3 +644,47 @@ def targets(report: dict) -> dict:
     if report.get("emulated"):
         out["note"] = f"storage emulated at {report['io_throttle_mbps']:.1f} MB/s"
     return out
+
+
+def compare_targets(report: dict) -> dict:
+    """Several models in one bench: each model's own targets (prefixed with its label), and
+    per engine arm every other model's bytes read and decode rate against the first's, beside
+    the ratio of their bundle bytes (a slot in every layer): reads in proportion to the bits
+    give a bytes ratio equal to the bundle ratio."""
+    models, out = report["models"], {}
+    for label, figures in models.items():
+        sub = {
+            **{k: v for k, v in report.items() if k not in ("models", "runs")},
+            **{
+                k: figures[k] for k in ("checkpoint_bytes", "raw_reads") if k in figures
+            },
+            "runs": [r for r in report["runs"] if r.get("model") == label],
+        }
+        out.update({f"{label}: {k}": v for k, v in targets(sub).items()})
+    first, *others = models
+    for label in others:
+        bundles = models[label]["slot_bytes"] / models[first]["slot_bytes"]
+        out[f"bundle_bytes {label} over {first}"] = round(bundles, 4)
+        for arm in ("reactive", "prerouted", "resident"):
+            rows = [r for r in report["runs"] if r["arm"] == arm]
+            base = _mean_of(rows, first, "bytes_per_token")
+            value = _mean_of(rows, label, "bytes_per_token")
+            if base and value is not None:
+                out[f"{arm} bytes_per_token {label} over {first}"] = round(
+                    value / base, 4
+                )
+                out[f"{arm} bytes_per_token {label} over {first} / bundle ratio"] = (
+                    round(value / base / bundles, 4)
+                )
+            base = _mean_of(rows, first, "decode_tok_s")
+            value = _mean_of(rows, label, "decode_tok_s")
+            if base and value is not None:
+                out[f"{arm} decode_tok_s {label} over {first}"] = round(value / base, 3)
+    return out
+
+
+def _mean_of(rows: list[dict], model: str, key: str) -> float | None:
+    values = [
+        r[key] for r in rows if r.get("model") == model and r.get(key) is not None
+    ]
+    return sum(values) / len(values) if values else None

@@ -430,6 +430,38 @@ def test_version_2_index_round_trips(built):
     assert json.dumps(index.to_json(), indent=1) == text
 
 
+def test_bench_runs_two_quantizations_of_one_model_side_by_side(built, tmp_path):
+    """`bench A --compare B`: every arm on each model in turn (cache evicted before each),
+    rows labelled by model, bytes per token against the ratio of their bundle bytes."""
+    from edge0_eval.cli import main
+
+    a, b = built("mixed_4_6")[1], built("per_part")[1]
+    report_path = tmp_path / "bench.json"
+    argv = ["bench", a, "--compare", b, "--arms", "reactive,prerouted", "--no-lora"]
+    argv += ["--top-k", "4", "--slots-per-layer", "4", "--tokens", "6"]
+    argv += ["--prompt-tokens", "6", "--raw-reads", "16", "--json", report_path]
+    heads = [_heads(m, tmp_path / m.parent.name, 4) for m in (a, b)]
+    for model, path in zip((a, b), heads):
+        path.rename(model / "prerouter.safetensors")
+    assert main([str(x) for x in argv]) == 0
+    report = json.loads(report_path.read_text())
+    labels = list(report["models"])
+    assert labels == ["out", "out#1"]
+    runs = [(r["arm"], r["model"]) for r in report["runs"]]
+    assert runs == [(arm, m) for arm in ("reactive", "prerouted") for m in labels]
+    slot_bytes = [ExpertIndex.load(m).slot_bytes for m in (a, b)]
+    assert report["models"]["out#1"]["slot_bytes"] == slot_bytes[1]
+    targets = report["targets"]
+    assert targets["bundle_bytes out#1 over out"] == round(
+        slot_bytes[1] / slot_bytes[0], 4
+    )
+    for arm in ("reactive", "prerouted"):
+        rows = {r["model"]: r for r in report["runs"] if r["arm"] == arm}
+        ratio = rows["out#1"]["bytes_per_token"] / rows["out"]["bytes_per_token"]
+        assert targets[f"{arm} bytes_per_token out#1 over out"] == round(ratio, 4)
+        assert "out#1: decode_prerouted_over_reactive" in targets
+
+
 @pytest.mark.parametrize("case", ["config_i", "nvfp4"])
 def test_batched_rows_equal_solo_runs(case, built, tmp_path):
     """Batched prerouted decode resizes each layer's slot buffers, part by part, to the rows'
