@@ -289,3 +289,30 @@ def test_cli(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True)  # now OUT is not empty
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--recipe", "experts_2_3"], "down_proj 3-bit group 64 affine"),
+        (["--mode", "mxfp8"], "8-bit group 32 mxfp8"),
+        (["--bits", "3", "--group-size", "32"], "3-bit group 32 affine"),
+    ],
+)
+def test_cli_quantization_flags(tmp_path, flags, words):
+    from edge0_eval.cli import main
+
+    out = tmp_path / "o"
+    argv = ["make-synthetic", str(out), "--shape", "8b", "--layers", "2"]
+    assert main(argv + ["--experts", "16", "--vocab", "1024", *flags]) == 0
+    assert words in ExpertIndex.load(out).describe_quant()
+
+
+def test_cli_bits_the_mode_has_not_refused(tmp_path, capsys):
+    from edge0_eval.cli import main
+
+    argv = ["make-synthetic", str(tmp_path / "o"), "--shape", "8b", "--layers", "2"]
+    assert main(argv + ["--mode", "mxfp4", "--bits", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--bits 8 is not supported by --mode mxfp4" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
