@@ -11,6 +11,10 @@ prompts of --prompt-tokens each, all rows at once), interleaved in every round a
 aggregate and per-row decode tok/s, bytes read per generated token, the mean union of experts
 a layer needed per step, peak memory, with the cache state and any emulation labelled; the
 targets give each figure as a ratio to B = 1 of the same run.
+
+`--compare-file-guard` states the cost of the check after every expert read that the file is
+unchanged (engine/file_guard.py): each reactive or prerouted arm runs a second time per round
+with the check off, the two in alternating order, and the time of one check is measured apart.
 """
 
 from __future__ import annotations
@@ -99,6 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "quantization): each arm runs on every model in turn, cache evicted before each, "
         "and bytes per token are set against the ratio of their bundle bytes",
     )
+    parser.add_argument(
+        "--compare-file-guard",
+        action="store_true",
+        help="also run the reactive and prerouted arms without the check after each "
+        "expert read that the file is unchanged (interleaved), and time one check",
+    )
     parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
     add_engine_arguments(parser)
 
@@ -179,10 +189,13 @@ def _prompt(tokenizer, n: int, row: int = 0) -> list[int]:
     return (ids * ((start + n) // max(1, len(ids)) + 1))[start : start + n]
 
 
-def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
+def run_engine_arm(
+    model_dir, mode: str, args, cold: bool, file_guard: bool = True
+) -> dict:
     options = options_from_args(args, mode=mode)
     engine = Engine.load(model_dir, options)
     try:
+        engine.store.file_guard = file_guard
         if cold:
             engine.store.evict_page_cache()
         engine.store.reset_stats()
@@ -205,6 +218,24 @@ def run_engine_arm(model_dir, mode: str, args, cold: bool) -> dict:
         return stats
     finally:
         engine.close()
+
+
+GUARD_ARMS = ("reactive", "prerouted")
+NO_GUARD = " no-file-guard"  # the comparison arm's suffix
+
+
+def measure_file_guard(directory, checks: int = 100_000) -> dict:
+    """Seconds of one FileGuard check (an fstat of the open expert file), timed alone."""
+    store = ExpertStore(directory, verify_crc=False)
+    try:
+        guard = store._guard
+        started = time.perf_counter()
+        for _ in range(checks):
+            guard.check()
+        elapsed = time.perf_counter() - started
+    finally:
+        store.close()
+    return {"checks": checks, "us_per_check": 1e6 * elapsed / checks}
 
 
 def run_batch_arm(model_dir, mode: str, args, cold: bool, batch: int) -> dict:
@@ -301,7 +332,7 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
 def _print_table(rows: list[dict], by_model: bool = False) -> None:
     cols = [
         *([("model", "model", "{}")] if by_model else []),
-        ("arm", "mode", "{}"),
+        ("arm", "arm", "{}"),
         ("cache", "cache", "{}"),
         ("decode tok/s", "decode_tok_s", "{:.2f}"),
         ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
@@ -437,9 +468,15 @@ def run(args: argparse.Namespace) -> int:
             f"the compute-only step time"
         )
     storage = f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"
+    if args.compare_file_guard:
+        if args.batch:
+            raise ConfigError(
+                "--compare-file-guard compares single-row decodes; drop --batch"
+            )
+        report["file_guard"] = measure_file_guard(args.model)
     for round_ in range(args.repeats):
         for batch in args.batch or [None]:
-            for arm in arms:
+            for arm in _round_arms(arms, args.compare_file_guard, round_):
                 for label, model in models.items():
                     row = _run_arm(model, arm, args, cold, batch)
                     # Free the arm's engine before the next: its buffers must not count there.
@@ -514,7 +551,23 @@ def _run_arm(model, arm: str, args, cold: bool, batch: int | None) -> dict:
         return run_mlx_lm_arm(model, args)
     if arm == "compute-only":
         return run_compute_only_arm(model, args)
+    if arm.endswith(NO_GUARD):
+        return run_engine_arm(
+            model, arm[: -len(NO_GUARD)], args, cold, file_guard=False
+        )
     return run_engine_arm(model, arm, args, cold)
+
+
+def _round_arms(arms: list[str], compare_guard: bool, round_: int) -> list[str]:
+    """The arms of one round; with the file-guard comparison each reactive or prerouted arm
+    is followed (even rounds) or preceded (odd rounds) by its run without the check."""
+    if not compare_guard:
+        return arms
+    out = []
+    for arm in arms:
+        pair = [arm, arm + NO_GUARD] if arm in GUARD_ARMS else [arm]
+        out += pair if round_ % 2 == 0 else pair[::-1]
+    return out
 
 
 def _argv_echo(args: argparse.Namespace) -> list[str]:
@@ -641,6 +694,7 @@ def targets(report: dict) -> dict:
         peak = _mean(rows, arm, "peak_memory_gib")
         if peak and total:
             out[f"peak_{arm}_over_checkpoint"] = round(peak * 2**30 / total, 4)
+    out.update(file_guard_targets(report))
     if report.get("emulated"):
         out["note"] = f"storage emulated at {report['io_throttle_mbps']:.1f} MB/s"
     return out
@@ -688,3 +742,25 @@ def _mean_of(rows: list[dict], model: str, key: str) -> float | None:
         r[key] for r in rows if r.get("model") == model and r.get(key) is not None
     ]
     return sum(values) / len(values) if values else None
+
+
+def file_guard_targets(report: dict) -> dict:
+    """Per guarded arm: decode tok/s with the check over without it (same run, interleaved),
+    and the check's time per token from its measured cost x the arm's reads per token."""
+    guard, rows, out = report.get("file_guard"), report["runs"], {}
+    if guard is None:
+        return out
+    out["file_guard_us_per_check"] = round(guard["us_per_check"], 3)
+    for arm in GUARD_ARMS:
+        on, off = (
+            _mean(rows, arm, "decode_tok_s"),
+            _mean(rows, arm + NO_GUARD, "decode_tok_s"),
+        )
+        reads = _mean(rows, arm, "reads_per_token")
+        if on and off:
+            out[f"file_guard_{arm}_decode_over_unguarded"] = round(on / off, 3)
+        if on and reads is not None:
+            ms = reads * guard["us_per_check"] / 1000
+            out[f"file_guard_{arm}_ms_per_token"] = round(ms, 4)
+            out[f"file_guard_{arm}_share_of_step"] = round(ms * on / 1000, 5)
+    return out

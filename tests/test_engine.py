@@ -10,7 +10,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
+from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine, NonFiniteError
+from edge0_eval.engine.file_guard import FileGuard
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME
@@ -173,7 +175,7 @@ def test_read_error_during_decode_raises(edge0_qwen, tmp_path):
     engine = Engine.load(model, EngineOptions(slots_per_layer=4))
     with open(model / EXPERTS_NAME, "r+b") as f:
         f.truncate(0)  # the open file now ends early: every miss is a short read
-    with pytest.raises(CheckpointError, match="ended early"):
+    with pytest.raises(CheckpointError, match="changed while .*size"):
         engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=16)
     engine.close()
 
@@ -332,3 +334,33 @@ def test_non_finite_hidden_states_are_an_error(family, request):
         engine.generate(prompt, max_tokens=4)
     assert engine.stats()["nonfinite_events"] == 1
     engine.close()
+
+
+def test_bench_states_the_file_guards_cost(edge0_qwen, tmp_path, monkeypatch, capsys):
+    """--compare-file-guard: each guarded arm runs again without the check, the order
+    alternating by round; the check runs once per read in the guarded runs only."""
+    calls = [0]
+    check = FileGuard.check
+
+    def counted(guard):
+        calls[0] += 1
+        check(guard)
+
+    monkeypatch.setattr(FileGuard, "check", counted)
+    out = tmp_path / "bench.json"
+    argv = ["bench", str(edge0_qwen), "--arms", "reactive", "--repeats", "2"]
+    argv += ["--tokens", "4", "--cache", "warm", "--raw-reads", "0"]
+    assert main(argv + ["--compare-file-guard", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    arms = [r["arm"] for r in report["runs"]]
+    assert arms == ["reactive", "reactive no-file-guard"] + [
+        "reactive no-file-guard",
+        "reactive",
+    ]
+    guarded = sum(r["reads"] for r in report["runs"] if r["arm"] == "reactive")
+    assert guarded > 0
+    assert calls[0] == report["file_guard"]["checks"] + guarded
+    targets = report["targets"]
+    assert targets["file_guard_us_per_check"] > 0
+    assert "file_guard_reactive_decode_over_unguarded" in targets
+    assert "file_guard_reactive_ms_per_token" in capsys.readouterr().out

@@ -1,26 +1,36 @@
-"""Expert-file faults that happen while a decode runs, in every mode that reads experts.
+"""Expert-file faults that happen while the engine serves, in every path that reads experts.
 
 The fault is injected from inside the store's read path after a few reads, so it lands
 mid-decode deterministically (staged prefetches and batched unions included), never
-between two generate calls only.
+between two generate calls only. Every fault is a change of the open file, which the store's
+FileGuard (engine/file_guard.py) sees after the read that follows it, whatever --verify-crc
+says: one CheckpointError naming the file, and nothing recorded.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 
+import httpx
 import pytest
 from bad_inputs import copy_model
+from live_server import LiveServer
 from perturbed_heads import perturbed_heads
 
+from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.file_guard import FileGuard
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import SETTLE_NS, ExpertStore
 from edge0_eval.errors import CheckpointError
-from edge0_eval.formats.layout import EXPERTS_NAME
+from edge0_eval.evaluation import fidelity as fid
+from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.formats.layout import EXPERTS_NAME, ExpertIndex
 
+CHANGED = "changed while the engine was reading it"
 PROMPTS = [[5, 6, 7, 8, 9], [9, 10, 11], [3, 1, 4, 1, 5, 9]]
 
 
@@ -34,8 +44,23 @@ def _overwrite(path):
         f.write(b"\x5a" * size)
 
 
+def _zero(path):
+    """The issue's fault: zeros over the whole file in place (same inode), on disk."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.write(bytes(size))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _quiet(path):
+    """Long since written: a bundle's checksum verdict is kept (store.SETTLE_NS)."""
+    os.utime(path, ns=(time.time_ns() - 10 * SETTLE_NS,) * 2)
+
+
 def _inject_after(store, n_reads: int, fault, path) -> threading.Event:
-    """Run `fault(path)` once, just before the store's n-th read from now."""
+    """Run `fault(path)` once, just before the store's n-th read from now; the event is set
+    as it starts (reads already under way may see the change before it has finished)."""
     done, lock, count = threading.Event(), threading.Lock(), [0]
     original = store.read
 
@@ -43,8 +68,8 @@ def _inject_after(store, n_reads: int, fault, path) -> threading.Event:
         with lock:
             count[0] += 1
             if count[0] == n_reads and not done.is_set():
-                fault(path)
                 done.set()
+                fault(path)
         return original(layer, expert)
 
     store.read = read
@@ -71,10 +96,10 @@ def test_fault_mid_decode_stops_with_clear_error(
     options = dict(mode=mode, slots_per_layer=4)
     if mode == "prerouted":
         options["prerouter_path"] = str(heads)
+    _quiet(model / EXPERTS_NAME)
     engine = Engine.load(model, EngineOptions(**options))
     try:
         # A clean decode first: its bundles are verified (and, settled, trusted) before the fault.
-        os.utime(model / EXPERTS_NAME, ns=(time.time_ns() - 10 * SETTLE_NS,) * 2)
         engine.generate(PROMPTS[0], max_tokens=4, stop_token_ids=set())
         injected = _inject_after(engine.store, 6, fault, model / EXPERTS_NAME)
         with pytest.raises(CheckpointError) as err:
@@ -86,28 +111,260 @@ def test_fault_mid_decode_stops_with_clear_error(
                 )
         assert injected.is_set()
         assert str(model / EXPERTS_NAME) in str(err.value)
-        assert ("ended early" if fault is _truncate else "checksum mismatch") in str(
-            err.value
-        )
+        assert CHANGED in str(err.value)
+        assert ("size" if fault is _truncate else "written in place") in str(err.value)
     finally:
         engine.close()
 
 
 def test_verdicts_kept_only_once_the_file_is_settled(edge0_qwen, tmp_path):
-    """A file modified moments ago may still be mid-write: each read of it is checksummed."""
+    """A file modified moments before it was opened may still be mid-write: each read of it
+    is checksummed; one long quiet keeps a bundle's verdict after its first read."""
     model = copy_model(edge0_qwen, tmp_path / "m")
     path = model / EXPERTS_NAME
-    os.utime(path)  # just written
-    store = ExpertStore(model)
+    for touched, checksums in ((os.utime, 3), (_quiet, 1)):
+        touched(path)
+        store = ExpertStore(model)
+        try:
+            layer = store.index.moe_layers[0]
+            for _ in range(3):
+                store.read(layer, 0)
+            assert (store.stats.crc_bundles, store.stats.reads) == (checksums, 3)
+        finally:
+            store.close()
+
+
+# -- zeroed in place once every bundle has been read (and, with --verify-crc, trusted) ----------
+
+
+def _all_bundles(store) -> list[tuple[int, int]]:
+    return [
+        (l, e) for l in store.index.moe_layers for e in range(store.index.num_experts)
+    ]
+
+
+def _options(mode: str, heads, verify_crc: bool) -> EngineOptions:
+    extra = {"prerouter_path": str(heads)} if mode == "prerouted" else {}
+    return EngineOptions(
+        mode=mode, slots_per_layer=4, verify_crc=verify_crc, no_lora=True, **extra
+    )
+
+
+def _every_bundle_read(store) -> None:
+    """Every bundle read once: with --verify-crc each is checked and, settled, trusted."""
+    store.read_many(_all_bundles(store))
+    assert store.stats.crc_bundles == (
+        len(_all_bundles(store)) if store.verify_crc else 0
+    )
+
+
+def _names_the_change(message: str, path) -> None:
+    assert str(path) in message and CHANGED in message, message
+    assert "written in place" in message and "records nothing" in message
+
+
+CRC = pytest.mark.parametrize("verify_crc", [True, False], ids=["crc", "no-crc"])
+
+
+@CRC
+@pytest.mark.parametrize("mode", ["reactive", "prerouted"])
+def test_zeroed_in_place_after_every_bundle_was_read(
+    edge0_qwen, heads, tmp_path, mode, verify_crc
+):
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    path = model / EXPERTS_NAME
+    _quiet(path)
+    engine = Engine.load(model, _options(mode, heads, verify_crc))
     try:
-        layer = store.index.moe_layers[0]
-        for _ in range(3):
-            store.read(layer, 0)
-        assert store.stats.crc_bundles == 3
-        os.utime(path, ns=(time.time_ns() - 10 * SETTLE_NS,) * 2)  # long quiet
-        store.reset_stats()
-        for _ in range(3):
-            store.read(layer, 0)
-        assert store.stats.crc_bundles == 1 and store.stats.reads == 3
+        _every_bundle_read(engine.store)
+        injected = _inject_after(engine.store, 6, _zero, path)
+        with pytest.raises(CheckpointError) as err:
+            engine.generate(PROMPTS[1], max_tokens=200, stop_token_ids=set())
+        assert injected.is_set()
+        _names_the_change(str(err.value), path)
     finally:
-        store.close()
+        engine.close()
+
+
+@pytest.mark.parametrize("crc_flag", ["--verify-crc", "--no-verify-crc"])
+def test_generate_zeroed_in_place_stops_and_writes_nothing(
+    edge0_qwen, heads, tmp_path, monkeypatch, capsys, crc_flag
+):
+    """The issue's command: `generate --mode prerouted --slots-per-layer 4 --no-lora`, the
+    file zeroed in place (fsync) once every bundle has been read: exit 2, one line naming the
+    file, no --json."""
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    path = model / EXPERTS_NAME
+    _quiet(path)
+    seen, injected, lock = set(), threading.Event(), threading.Lock()
+    original = ExpertStore.read
+
+    def read(store, layer, expert):
+        with lock:
+            if len(seen) == len(_all_bundles(store)) and not injected.is_set():
+                injected.set()
+                _zero(path)
+            seen.add((layer, expert))
+        return original(store, layer, expert)
+
+    monkeypatch.setattr(ExpertStore, "read", read)
+    out = tmp_path / "gen.json"
+    code = main(
+        [
+            "generate",
+            str(model),
+            "--prompt",
+            "hello",
+            "--mode",
+            "prerouted",
+            "--prerouter",
+            str(heads),
+            "--slots-per-layer",
+            "4",
+            "--no-lora",
+            "--max-tokens",
+            "1500",
+            crc_flag,
+            "--json",
+            str(out),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert injected.is_set(), "the decode ended before it had read every bundle"
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    _names_the_change(err, path)
+    assert not out.exists()
+
+
+@CRC
+def test_served_request_zeroed_in_place_is_an_error_naming_the_file(
+    edge0_qwen, tmp_path, verify_crc
+):
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    path = model / EXPERTS_NAME
+    _quiet(path)
+    server = LiveServer(model, _options("reactive", None, verify_crc), name="tiny")
+    try:
+        store = server.worker.engine.store  # the worker is idle: no request yet
+        _every_bundle_read(store)
+        injected = _inject_after(store, 6, _zero, path)
+        r = httpx.post(
+            f"{server.base}/chat/completions",
+            timeout=60,
+            json=dict(
+                model="tiny",
+                messages=[{"role": "user", "content": "Write a haiku about disks."}],
+                max_tokens=64,
+            ),
+        )
+        assert injected.is_set()
+        assert r.status_code == 500, r.text
+        _names_the_change(r.json()["error"]["message"], path)
+    finally:
+        server.close()
+
+
+def _fidelity_set(tmp_path, vocab: int) -> dict:
+    """A valid two-item set (read back through read_set) over ids the model has."""
+    tokens = [(7 * i + 5) % vocab for i in range(24)]
+    items = [
+        {
+            "id": f"t/{n}",
+            "source": "text",
+            "prompt": "p",
+            "prompt_ids": [3 + n, 4, 5, 6],
+            "tokens": tokens,
+            "topk_ids": [[t, (t + 1) % vocab] for t in tokens],
+            "topk_logprobs": [[-0.1, -2.5]] * len(tokens),
+            "rest": [0.05] * len(tokens),
+            "end": "length",
+        }
+        for n in range(2)
+    ]
+    fset = {
+        "format": fs.FORMAT,
+        "teacher": {"name": "t", "fingerprint": "0" * 64, "dtype": "float32"},
+        "max_new": len(tokens),
+        "min_new": 1,
+        "top_k": 2,
+        "thinking": False,
+        "thinking_in_template": False,
+        "left_out": {"shorter_than_min_new": []},
+        "sources": {"text": {}},
+        "items": items,
+    }
+    return fs.read_set(fs.write_set(fset, tmp_path / "set.json"))
+
+
+@CRC
+def test_fidelity_scoring_zeroed_in_place_stops(
+    edge0_qwen, heads, tmp_path, verify_crc
+):
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    path = model / EXPERTS_NAME
+    _quiet(path)
+    engine = Engine.load(model, _options("prerouted", heads, verify_crc))
+    try:
+        fset = _fidelity_set(tmp_path, engine.tokenizer.vocab_size)
+        _every_bundle_read(engine.store)
+        injected = _inject_after(engine.store, 6, _zero, path)
+        with pytest.raises(CheckpointError) as err:
+            fid.score_model(engine, fset)
+        assert injected.is_set()
+        _names_the_change(str(err.value), path)
+    finally:
+        engine.close()
+
+
+# -- what the guard calls a change ------------------------------------------------------------
+
+
+def _same_times(path):
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_guard_sees_every_change_of_the_open_file(edge0_qwen, tmp_path):
+    """Beyond writes in place: the file replaced at its path (the folder now holds another
+    model), a writer setting mtime back (only ctime moves), truncation."""
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    path = model / EXPERTS_NAME
+    bundle = (ExpertIndex.load(model).moe_layers[0], 0)
+
+    def replace(p):
+        (model / "new.bin").write_bytes(p.read_bytes())  # the same bytes, another file
+        os.replace(model / "new.bin", p)
+
+    for change, what in (
+        (replace, "deleted or replaced"),
+        (_same_times, "ctime moved"),
+        (lambda p: os.chmod(p, stat.S_IRUSR | stat.S_IWUSR), "permissions"),
+        (lambda p: os.truncate(p, p.stat().st_size - 1), "size"),
+    ):
+        _quiet(path)
+        store = ExpertStore(model, verify_crc=False)
+        try:
+            store.read(*bundle)
+            time.sleep(0.01)  # past the coarse clock's tick
+            change(path)
+            with pytest.raises(CheckpointError, match=what):
+                store.read(*bundle)
+        finally:
+            store.close()
+
+
+def test_guard_names_the_file_and_the_fix(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        guard = FileGuard(fd, path, "do this")
+        guard.check()
+        with open(path, "ab") as f:
+            f.write(b"y")
+        with pytest.raises(CheckpointError) as err:
+            guard.check()
+        assert str(path) in str(err.value) and "size 8 -> 9" in str(err.value)
+        assert str(err.value).endswith("do this")
+    finally:
+        os.close(fd)

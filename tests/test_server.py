@@ -486,7 +486,7 @@ def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):
     server = LiveServer(model, EngineOptions(mode="reactive"), name=NAME)
     try:
         path = model / EXPERTS_NAME
-        with open(path, "r+b") as f:  # in place: every bundle's checksum fails
+        with open(path, "r+b") as f:  # in place, under the running engine
             f.write(b"\x5a" * path.stat().st_size)
         r = httpx.post(
             f"{server.base}/chat/completions",
@@ -494,7 +494,11 @@ def test_a_corrupt_expert_file_is_an_error_naming_it(edge0_qwen, tmp_path):
             json=dict(model=NAME, messages=MESSAGES[0], max_tokens=5),
         )
         assert r.status_code == 500
-        assert "checksum mismatch" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert (
+            str(path) in message
+            and "changed while the engine was reading it" in message
+        )
         assert server.health()["status"] == "ok"
     finally:
         server.close()

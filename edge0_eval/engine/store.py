@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge0_eval.engine.file_guard import FileGuard
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 
@@ -148,13 +149,20 @@ class ExpertStore:
         except OSError as exc:
             raise CheckpointError(f"cannot open {self.path}: {exc.strerror}") from None
         self.verify_crc = verify_crc
+        # Every read is followed by a check that the file is still the one opened (FileGuard);
+        # `bench --compare-file-guard` turns it off in its comparison arm, to state its cost.
+        self._guard = FileGuard(
+            self._fd,
+            self.path,
+            "stop whatever writes to it and start again (re-run `edge0-eval convert` "
+            "if the file was damaged)",
+        )
+        self.file_guard = True
         # Each bundle is checked the first time this store reads it, then trusted while the file
-        # is settled (SETTLE_NS); a change of the file under us (in-place rewrite) forgets every
-        # verdict.
+        # is settled (SETTLE_NS): the guard stops every read once it has changed.
         self._verified = np.zeros(
             (len(self.index.moe_layers), self.index.num_experts), bool
         )
-        self._stamp = self._file_stamp()
         self.throttle_mbps = io_throttle_mbps
         self._throttle = throttle
         self._queue = _PriorityPool(io_workers)
@@ -177,11 +185,15 @@ class ExpertStore:
                     f"read error in {self.path} at layer {layer} expert {expert}: {exc}"
                 ) from None
             if n == 0:
+                if self.file_guard:
+                    self._guard.check()  # truncated under us: say so
                 raise CheckpointError(
                     f"{self.path} ended early at layer {layer} expert {expert} "
                     f"(offset {offset + done}); the file is truncated, re-run convert"
                 )
             done += n
+        if self.file_guard:
+            self._guard.check()
         elapsed = time.perf_counter() - started
         delay = self._throttle.wait_for(stride, started) if self._throttle else 0.0
         if self.verify_crc:
@@ -193,20 +205,8 @@ class ExpertStore:
             self.stats.throttle_seconds += delay
         return buf
 
-    def _file_stamp(self) -> tuple:
-        st = os.fstat(self._fd)
-        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-    def _settled(self, stamp: tuple) -> bool:
-        return time.time_ns() - stamp[2] > SETTLE_NS
-
     def _verify(self, layer: int, expert: int, buf: np.ndarray) -> None:
         pos = self.index.layer_position(layer)
-        stamp = self._file_stamp()
-        if stamp != self._stamp:
-            with self._lock:
-                self._verified[:] = False
-                self._stamp = stamp
         if self._verified[pos, expert]:
             return
         started = time.perf_counter()
@@ -220,11 +220,8 @@ class ExpertStore:
                 f"corrupt, was overwritten, or does not belong to {INDEX_NAME}; re-run "
                 f"`edge0-eval convert`"
             )
-        with self._lock:
-            # Only under the stamp this check saw: a rewrite noticed meanwhile by another
-            # thread has forgotten every verdict, and this one is no newer.
-            if stamp == self._stamp and self._settled(stamp):
-                self._verified[pos, expert] = True
+        if self._guard.age_ns > SETTLE_NS:
+            self._verified[pos, expert] = True
 
     def submit(
         self, layer: int, expert: int, priority: int | None = None, prepare=None
