@@ -308,8 +308,11 @@ def mutate_header(rng: random.Random, header: dict, body: bytes) -> tuple:
             for c, s in {"F16": 2, "BF16": 2, "F32": 4, "U32": 4, "I32": 4}.items()
             if s == size and c != info["dtype"]
         ]
+        # Wrong JSON types too: an object or a list as the dtype.
         info["dtype"] = rng.choice(
-            same + ["Q4", "F64", "", None] if same else ["Q4", None]
+            same + ["Q4", "F64", "", None, {}, ["F16"]]
+            if same
+            else ["Q4", None, {}, ["F16"]]
         )
     elif op == "shape":
         i = rng.randrange(len(info["shape"])) if info["shape"] else None
@@ -324,6 +327,8 @@ def mutate_header(rng: random.Random, header: dict, body: bytes) -> tuple:
                     float(info["shape"][i]) + 0.5,
                     "4",
                     None,
+                    {},
+                    [2],
                 ]
             )
     else:
@@ -337,6 +342,8 @@ def mutate_header(rng: random.Random, header: dict, body: bytes) -> tuple:
                 [-1, end],
                 [begin],
                 "0-4",
+                [begin, {}],
+                {"begin": begin, "end": end},
             ]
         )
     return header, None, body, f"{op} {name}"

@@ -389,6 +389,45 @@ def test_heads_refused(case, engine, tmp_path):
     expect_clear_error(_load_heads(engine, path), path)
 
 
+@pytest.mark.parametrize("kind", ["heads", "lora", "resident"])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", {}),
+        ("dtype", ["F16"]),
+        ("dtype", 16),
+        ("dtype", True),
+        ("shape", {}),
+        ("shape", [{}]),
+        ("shape", [[4]]),
+        ("data_offsets", {}),
+        ("data_offsets", [0, {}]),
+        ("data_offsets", [[0], 4]),
+    ],
+)
+def test_header_field_of_the_wrong_json_type(
+    kind, field, value, engine, edge0_qwen, tmp_path
+):
+    """Issue 45: `"dtype": {}` in a heads file ended in `TypeError: unhashable type`."""
+    if kind == "resident":
+        model = copy_model(edge0_qwen, tmp_path / "m")
+        path, load = model / RESIDENT_NAME, lambda: Engine.load(model).close()
+    elif kind == "lora":
+        path = _lora_file(engine, tmp_path / "lora.safetensors")
+        load = _load_lora(engine, path)
+    else:
+        path = _heads_file(engine, tmp_path / "heads.safetensors")
+        load = _load_heads(engine, path)
+
+    def change(header):
+        name = sorted(k for k in header if k != "__metadata__")[0]
+        header[name][field] = value
+
+    edit_header(path, change)
+    message = expect_clear_error(load, path)
+    assert f"{value!r}" in message
+
+
 def test_heads_of_another_family_refused(edge0_qwen, edge0_bailing, tmp_path):
     bailing = Engine.load(edge0_bailing, EngineOptions(mode="reactive"))
     try:

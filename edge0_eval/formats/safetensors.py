@@ -106,7 +106,8 @@ def read_safetensors_header(
                 f"tensor {name!r} entry must hold exactly dtype, shape, data_offsets"
             )
         code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if code not in ST_ITEMSIZE:
+        # A JSON object or list is unhashable: test the type before looking it up.
+        if not isinstance(code, str) or code not in ST_ITEMSIZE:
             raise bad(f"tensor {name!r} has dtype {code!r}, not a safetensors dtype")
         if not isinstance(shape, list) or not all(
             type_ok(d, int) and d >= 0 for d in shape
