@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 from bad_inputs import expect_clear_error, outcome
@@ -174,8 +175,44 @@ def test_report_flags_a_deleted_predictions_file(tmp_path):
     outputs = _two_arm_run(tmp_path)
     (outputs / "predictions" / "edge0-tiny-student" / "GPQA_diamond.json").unlink()
     r, _ = _report(tmp_path, outputs)
-    assert r["GPQA-Diamond"]["status"] == "inconsistent"
+    assert r["GPQA-Diamond"]["status"] == "no_predictions"
+    assert list(r["GPQA-Diamond"]["not_computed"]) == ["student"]
     assert r["AIME 2026"]["status"] == "ok"  # the control
+
+
+def test_report_without_predictions_says_what_it_could_not_compute(tmp_path, capsys):
+    """Issue 45: with the run's whole predictions/ folder deleted, every benchmark was "ok"
+    and truncation, finish reasons and thinking closure were silently absent."""
+    outputs = _two_arm_run(tmp_path)
+    good = tmp_path / "good"
+    assert main(["report", str(outputs), "--out", str(good)]) == 0
+    shutil.rmtree(outputs / "predictions")
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert main(["report", str(outputs), "--out", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "GPQA-Diamond: no_predictions" in out and "AIME 2026: no_predictions" in out
+    report = json.loads((bad / "report.json").read_text())
+    assert report["status"] == "incomplete"
+    for row in report["benchmarks"]:
+        assert row["status"] == "no_predictions"
+        assert set(row["not_computed"]) == {"teacher", "student"}
+        assert "truncation" in row["not_computed"]["student"]
+        assert row["student"] is not None  # the scores, from results/, are still shown
+    assert "the run has no predictions folder" in "\n".join(report["notes"])
+    assert "no_predictions" in (bad / "report.md").read_text()
+    # The gate compares none of it, as the current run or as the baseline.
+    for current, baseline in ((bad, good), (good, bad)):
+        code = main(
+            [
+                "gate",
+                str(current / "report.json"),
+                "--baseline",
+                str(baseline / "report.json"),
+            ]
+        )
+        out = capsys.readouterr().out
+        assert code == 1 and out.count("no_predictions") >= 2, out
 
 
 def test_report_refuses_an_item_twice_in_the_details(tmp_path, capsys):
@@ -196,6 +233,9 @@ def test_a_repeated_key_in_a_results_file_is_not_scored(tmp_path):
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
+    preds = tmp_path / "predictions" / "m" / "gpqa_diamond.json"
+    preds.parent.mkdir(parents=True)
+    preds.write_text(json.dumps({"0": {"prediction": "ANSWER: A"}}))
     item = '{"predictions": "A", "references": "A"}'
     path.write_text(
         f'{{"accuracy": 100.0, "details": {{"type": "GEN", "0": {item}, "0": {item}}}}}'

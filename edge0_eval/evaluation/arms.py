@@ -15,7 +15,14 @@ from edge0_eval.evaluation.outputs import Run, load_dataset_result
 # Table and plot order. student = prerouted + LoRA; the other two are ablations.
 ARM_NAMES = ("teacher", "int4_exact", "prerouted_nolora", "student")
 # Worst first: an arm's status on a benchmark is the worst of its datasets'.
-_ARM_STATUS_ORDER = ("missing", "failed", "no_details", "inconsistent", "ok")
+_ARM_STATUS_ORDER = (
+    "missing",
+    "failed",
+    "no_details",
+    "inconsistent",
+    "no_predictions",
+    "ok",
+)
 
 
 def _mean(values) -> float:
@@ -109,7 +116,7 @@ class ArmBench:
 
     @property
     def score(self) -> float | None:
-        if self.status in ("ok", "inconsistent") and self.scores:
+        if self.status in ("ok", "inconsistent", "no_predictions") and self.scores:
             return _mean(self.scores.values()) * 100.0
         return self.reported  # no_details: the results file's metric, unpaired
 

@@ -36,7 +36,7 @@ from edge0_eval.evaluation.definitions import (
     headline,
     reference_for,
 )
-from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, Run
+from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, NEEDS_PREDICTIONS, Run
 from edge0_eval.evaluation.predictions import engine_summary
 from edge0_eval.evaluation.settings import arm_settings, settings_differences
 from edge0_eval.evaluation.thinking import rule_of
@@ -224,6 +224,12 @@ def _benchmark_row(
         "decomposition": None,
         "arms": {arm: _arm_json(ab, bench) for arm, ab in per_arm.items()},
         "truncation_flags": [],
+        # Per arm, what its missing predictions left uncomputed (outputs.NEEDS_PREDICTIONS).
+        "not_computed": {
+            arm: list(NEEDS_PREDICTIONS)
+            for arm, ab in per_arm.items()
+            if ab.status == "no_predictions"
+        },
         "reference": None,
         "reference_omitted": None,
         "notes": [],
@@ -267,7 +273,7 @@ def _benchmark_row(
 def _row_status(teacher: ArmBench, student: ArmBench) -> str:
     if "missing" in (teacher.status, student.status):
         return "missing_arm"
-    for status in ("failed", "no_details", "inconsistent"):
+    for status in ("failed", "no_details", "inconsistent", "no_predictions"):
         if status in (teacher.status, student.status):
             return status
     if set(teacher.scores) != set(student.scores):

@@ -37,6 +37,17 @@ from edge0_eval.evaluation.samples import record
 from edge0_eval.evaluation.settings import data_digest
 from edge0_eval.evaluation.thinking import thinking_closed
 
+# What the report reads from a dataset's predictions (and the engine stats beside them): without
+# them these are not computed, and the dataset's status says so (no_predictions).
+NEEDS_PREDICTIONS = (
+    "truncation",
+    "finish reasons",
+    "thinking closure",
+    "output tokens",
+    "engine figures",
+    "the check of the scores against what was generated",
+)
+
 # Per-item scores are in [0, 1]; reported metrics are percentages. Their mean must reproduce
 # the reported metric to this many points, else the details are not what the metric counted.
 METRIC_TOLERANCE = 1e-6
@@ -319,7 +330,7 @@ class DatasetResult:
 
     model: str
     dataset: str
-    status: str  # ok | failed | no_details | inconsistent
+    status: str  # ok | failed | no_details | inconsistent | no_predictions
     metric: str | None = None
     reported: float | None = None  # metric from the results file, full precision
     scores: dict[str, float] = field(
@@ -476,12 +487,17 @@ def load_dataset_result(
     if stats_problem:
         res.status = "inconsistent"
         res.notes.append(f"{pred_dir}: {stats_problem}")
-    if preds is None and (run.path / "predictions").is_dir():
-        res.status = "inconsistent"
+    if preds is None:
+        if res.status == "ok":
+            res.status = "no_predictions"
+        gone = (
+            "the run has no predictions folder"
+            if not (run.path / "predictions").is_dir()
+            else f"no predictions file for {dataset} in {pred_dir} (deleted?)"
+        )
         res.notes.append(
-            f"{pred_dir}: no predictions file for {dataset} beside its results "
-            f"(deleted?); the scores cannot be checked against what was generated: "
-            f"re-run the task"
+            f"{dataset}: {gone}, so its {', '.join(NEEDS_PREDICTIONS)} are not "
+            f"computed; restore the run's predictions or re-run the task"
         )
     if mixed_models:
         res.status = "inconsistent"
