@@ -69,16 +69,29 @@ def preflight_problems(datasets, arms=()) -> list[str]:
                     f"fidelity set {file}: {problem} (arm {name}, {path}); make the "
                     f"set from this run's teacher with `edge0-eval fidelity make`"
                 )
-            made_from = fset["teacher"]["fingerprint"]
-            if is_teacher and os.path.isdir(path) and fingerprint(path) != made_from:
-                problems.append(
-                    f"fidelity set {file} was made from teacher {fset['teacher'].get('name')!r}, "
-                    f"not this run's teacher {path} (their fingerprints differ); make it again "
-                    f"with `edge0-eval fidelity make {path} --out FILE` and stage it"
-                )
+            other = (
+                teacher_problem(fset["teacher"], path)
+                if is_teacher and os.path.isdir(path)
+                else None
+            )
+            if other:
+                problems.append(f"fidelity set {file} {other}")
             elif is_teacher and os.path.isdir(path):
                 problems += _dtype_problem(file, fset["teacher"], path, compute_dtype)
     return problems
+
+
+def teacher_problem(made_by: dict, path: str) -> str | None:
+    """Why a set whose `teacher` entry is `made_by` was not made from the teacher checkpoint at
+    `path` (None: it was): scored against another model than the one it records."""
+    if fingerprint(path) == made_by.get("fingerprint"):
+        return None
+    return (
+        f"was made from teacher {made_by.get('name')!r} (fingerprint "
+        f"{str(made_by.get('fingerprint'))[:12]}), not this run's teacher {path} (their "
+        f"fingerprints differ); make it again with `edge0-eval fidelity make {path} --out "
+        f"FILE` and stage it"
+    )
 
 
 def _dtype_problem(
@@ -117,6 +130,8 @@ class FidelityDataset(BaseDataset):
                     "source": it["source"],
                     "prompt": it.get("prompt", ""),
                     "item": json.dumps(it),
+                    # The inferencer compares it with a teacher arm's own (teacher_problem).
+                    "teacher": json.dumps(fset["teacher"]),
                 }
                 for it in items
             ]

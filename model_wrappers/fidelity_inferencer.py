@@ -21,6 +21,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity_set import item_digest
 from edge0_eval.evaluation.progress import Progress
 
+from .fidelity_dataset import teacher_problem
 from .inferencer import stats_path
 
 
@@ -56,6 +57,7 @@ class FidelityInferencer(BaseInferencer):
                 f"{type(self.model).__name__} has no fidelity_logprobs; the "
                 f"fidelity dataset runs on MLXLMModel and Edge0Model arms"
             )
+        _check_teacher(self.model, retriever.test_ds)
         preds, stats = {}, []
         progress = (
             Progress(self.progress, get_logger().info)
@@ -92,3 +94,18 @@ class FidelityInferencer(BaseInferencer):
             with open(stats_path(out_dir, out_file), "w", encoding="utf-8") as f:
                 json.dump(stats, f, indent=1)
         return [p["prediction"] for p in preds.values()]
+
+
+def _check_teacher(model, rows) -> None:
+    """A teacher arm (an mlx-lm checkpoint: no engine options) scores only a set made from it,
+    checked here as well as at the preflight: a set staged since, or a run partitioned without
+    Edge0Partitioner, is refused before its first item, not scored against another teacher."""
+    path = getattr(model, "path", None)
+    if getattr(model, "engine_options", None) is not None or not (
+        isinstance(path, str) and os.path.isdir(path)
+    ):
+        return
+    for made_by in {row["teacher"] for row in rows}:
+        problem = teacher_problem(json.loads(made_by), path)
+        if problem:
+            raise ConfigError(f"the fidelity set of this task {problem}")

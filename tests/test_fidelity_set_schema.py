@@ -9,7 +9,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from bad_inputs import outcome
+from bad_inputs import expect_clear_error, outcome
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation import fidelity_set as fs
@@ -318,3 +318,77 @@ def test_checkpoint_float_dtype_is_the_embeddings(tmp_path):
         {},
     )
     assert checkpoint_float_dtype(tmp_path) == "float16"
+
+
+def _v2_relabelled_v1(fset):
+    fset["format"] = "edge0-eval/fidelity/v1"  # min_new, left_out, items' end stay
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update(format_version=2), "unknown key(s) ['format_version']"),
+        (_v2_relabelled_v1, "v2 set relabelled"),
+        (lambda s: s.update(format="edge0-eval/fidelity/v3"), "expected one of"),
+        (lambda s: s["teacher"].update(version=2), "teacher has unknown key"),
+        (lambda s: s["items"][1].update(weight=2.0), "item 1: unknown key"),
+    ],
+)
+def test_unknown_versions_are_refused(tmp_path, edit, message):
+    """Issue 45: a set whose format version was 2 (a key the reader did not know, or v2 fields
+    under a v1 label) was scored as v1."""
+    fset = _valid_set()
+    edit(fset)
+    path = _write(fset, tmp_path / "set.json")
+    text = expect_clear_error(lambda: fs.read_set(path), path)
+    assert message in text
+
+
+class _Teacher:
+    """A teacher arm as the inferencer sees one (MLXLMModel: a checkpoint path, no engine
+    options) whose outputs reproduce the set exactly."""
+
+    is_api = False
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids):
+        item = next(it for it in self.items if it["tokens"] == tokens)
+        return {"logprobs": item["topk_logprobs"], "argmax": list(tokens)}
+
+
+def _infer(model, fset, out_dir):
+    from types import SimpleNamespace
+
+    from model_wrappers.fidelity_inferencer import FidelityInferencer
+
+    model.items = fset["items"]
+    rows = [
+        {
+            "prompt": it["prompt"],
+            "item": json.dumps(it),
+            "teacher": json.dumps(fset["teacher"]),
+        }
+        for it in fset["items"]
+    ]
+    inferencer = FidelityInferencer(model=model, output_json_filepath=str(out_dir))
+    return inferencer.inference(
+        SimpleNamespace(test_ds=rows), output_json_filename="edge0_fidelity.json"
+    )
+
+
+def test_a_teacher_arm_refuses_a_set_made_from_another_teacher(
+    tiny_qwen, tiny_bailing, tmp_path
+):
+    """Issue 45: a set whose fingerprint names another teacher was scored without a word when
+    the teacher's outputs matched (a run the preflight did not see: another partitioner, a
+    set staged since). Refused before its first item, nothing written."""
+    ours = _valid_set(fs.fingerprint(tiny_qwen))
+    assert len(_infer(_Teacher(tiny_qwen), ours, tmp_path / "ok")) == 3  # the control
+    theirs = _valid_set(fs.fingerprint(tiny_bailing))
+    text = expect_clear_error(
+        lambda: _infer(_Teacher(tiny_qwen), theirs, tmp_path / "bad"), tiny_qwen
+    )
+    assert "fingerprints differ" in text
+    assert not list((tmp_path / "bad").glob("*.json"))

@@ -43,6 +43,30 @@ DATASET_ABBR = "edge0_fidelity"
 # Tail masses below this are treated as this (log of zero); the same floor for both sides.
 TAIL_FLOOR = 1e-12
 METRICS = ("kl", "agreement", "nll", "greedy_match")
+# The keys each format writes (fidelity.make_set); v2 added V2_KEYS and the items' `end`. Any
+# other key is a newer or foreign writer's (a `format_version`, say): refused, not ignored.
+V1_KEYS = (
+    "format",
+    "created",
+    "teacher",
+    "max_new",
+    "top_k",
+    "thinking",
+    "sources",
+    "items",
+)
+V2_KEYS = ("min_new", "thinking_in_template", "left_out")
+ITEM_KEYS = (
+    "id",
+    "source",
+    "prompt",
+    "prompt_ids",
+    "tokens",
+    "topk_ids",
+    "topk_logprobs",
+    "rest",
+)
+TEACHER_KEYS = ("name", "fingerprint", "model_type", "compute_dtype", "dtype")
 
 
 def tail_mass(logprobs) -> np.ndarray:
@@ -160,12 +184,28 @@ def _problem(fset) -> str | None:
         got = fset.get("format") if isinstance(fset, dict) else type(fset).__name__
         return f"format {got!r}, expected one of {READABLE}"
     v2 = fset["format"] == FORMAT
+    known = V1_KEYS + (V2_KEYS if v2 else ())
+    unknown = sorted(set(fset) - set(known))
+    if unknown:
+        newer = sorted(set(unknown) & set(V2_KEYS))
+        return (
+            f"format {fset['format']!r} but it holds {newer}, which v2 sets hold (a v2 set "
+            f"relabelled? v1 rows were decoded step by step, not by v2's pass)"
+            if newer
+            else f"unknown key(s) {unknown} for format {fset['format']!r}: written by "
+            f"another version of edge0-eval or another tool"
+        )
     for key in ("teacher", "max_new", "top_k", "sources", "items"):
         if key not in fset:
             return f"no {key!r}"
     teacher = fset["teacher"]
     if not isinstance(teacher, dict) or not isinstance(teacher.get("fingerprint"), str):
         return "'teacher' must be an object with a string 'fingerprint'"
+    if set(teacher) - set(TEACHER_KEYS):
+        return (
+            f"teacher has unknown key(s) {sorted(set(teacher) - set(TEACHER_KEYS))}; "
+            f"it records {TEACHER_KEYS}"
+        )
     if teacher.get("dtype") not in (None, *DTYPES):
         return f"teacher dtype {teacher['dtype']!r} is not one of {DTYPES}"
     for key in ("max_new", "top_k") + (("min_new",) if v2 else ()):
@@ -188,6 +228,12 @@ def _problem(fset) -> str | None:
         )
         if not isinstance(item, dict) or any(key not in item for key in keys):
             return f"item {n} lacks one of {keys}"
+        extra = set(item) - set(ITEM_KEYS) - ({"end"} if v2 else set())
+        if extra:
+            return (
+                f"item {n}: unknown key(s) {sorted(extra)} for format {fset['format']!r}"
+                + (" ('end' is v2's: a v2 set relabelled?)" if "end" in extra else "")
+            )
         if not (isinstance(item["id"], str) or _is_int(item["id"])):
             return f"item {n}: id {item['id']!r} must be a string or a whole number"
         where = f"item {n} ({item['id']})"
