@@ -304,12 +304,8 @@ def _mutate(rng, section: dict) -> tuple[dict, str]:
     """One change that no report can hold: a wrong type anywhere, or an impossible value."""
     section = json.loads(json.dumps(section))
     path, value = rng.choice(
-        [
-            s
-            for s in _sites(section)
-            if s[0] != ("teacher_sanity", "kl")
-            and s[0] != ("teacher_sanity", "agreement")
-        ]
+        # teacher_sanity's numbers too: the gate recomputes `ok` from them.
+        list(_sites(section))
     )
     if _is_num(value):
         choices = ["a string", [1], {"a": 1}, True]
@@ -381,3 +377,64 @@ def test_gate_refuses_corrupt_per_item_outcomes(per_item, tmp_path):
     expect_clear_error(lambda: load_report(str(bad)), bad)
     row["arms"]["student"]["per_item"] = {"0": 1.0}  # the control
     assert load_report(str(_write(tmp_path / "ok.json", None, [row])))
+
+
+# -- the teacher's sanity, from its numbers (issue 45) -------------------------------------------
+
+
+def _with_teacher(kl=0.0, agreement=100.0, ok=True, sanity_kl=None, items=None):
+    section = _full_section()
+    section["arms"]["teacher"] = _arm(kl=kl, agreement=agreement)
+    section["teacher_sanity"] = {
+        "kl": kl if sanity_kl is None else sanity_kl,
+        "agreement": agreement,
+        "ok": ok,
+    }
+    section["per_item"]["teacher"] = items or {"0": [kl, agreement / 100.0]}
+    return section
+
+
+SANITY_LIES = {
+    "kl 0.5 flagged ok": _with_teacher(kl=0.5),
+    "agreement 90 flagged ok": _with_teacher(agreement=90.0),
+    "flag's kl not the teacher's": _with_teacher(kl=0.5, sanity_kl=0.0, ok=True),
+    "an item not sane": _with_teacher(items={"0": [0.0, 1.0], "1": [0.4, 0.5]}),
+    "kl 0 flagged not ok": _with_teacher(ok=False),
+}
+
+
+@pytest.mark.parametrize("case", SANITY_LIES)
+def test_gate_recomputes_the_teacher_sanity(case, tmp_path):
+    """A report whose teacher KL was 0.5 while its flag said ok passed the gate."""
+    bad = _write(tmp_path / "bad.json", SANITY_LIES[case])
+    message = expect_clear_error(lambda: load_report(str(bad)), bad)
+    assert "teacher_sanity" in message
+
+
+def test_gate_fails_an_insane_teacher_it_is_told_about(tmp_path, capsys):
+    """The control: the same numbers with the flag saying so load, and fail the teacher."""
+    baseline = _write(tmp_path / "base.json", _with_teacher())
+    load_report(str(baseline))
+    honest = _write(tmp_path / "now.json", _with_teacher(kl=0.5, ok=False))
+    assert main(["gate", str(honest), "--baseline", str(baseline)]) == 1
+    assert "not the set's teacher" in capsys.readouterr().out
+    lying = _write(tmp_path / "lie.json", _with_teacher(kl=0.5))
+    assert main(["gate", str(lying), "--baseline", str(baseline)]) == 2
+    err = capsys.readouterr().err
+    assert str(lying) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["abc", "0.5", None, True, {}, ["abc"]])
+def test_report_refuses_a_detail_that_is_not_a_number(value, tmp_path, capsys):
+    """A student detail KL of "abc" ended in `ValueError: could not convert string to float`
+    (inside gate-run, which builds the report it gates)."""
+    from edge0_eval.evaluation.fidelity_report import load_arm
+    from edge0_eval.evaluation.outputs import Run
+
+    path = tmp_path / "results" / "student" / "edge0_fidelity.json"
+    path.parent.mkdir(parents=True)
+    detail = {"id": "0", "kl": value, "agreement": 0.9, "nll": 1.0, "greedy_match": 3}
+    path.write_text(json.dumps({"details": [{**detail, "source": "s"}]}))
+    run = Run(tmp_path, ["student"], ["edge0_fidelity"], {}, set())
+    message = expect_clear_error(lambda: load_arm("student", run), path)
+    assert "kl" in message and "re-run that task" in message

@@ -92,7 +92,11 @@ def load_arm(abbr: str, run: Run) -> dict:
     for detail in details:
         if not isinstance(detail, dict) or "id" not in detail:
             continue
-        row = {m: float(_first(detail[m])) for m in METRICS if m in detail}
+        row = {
+            m: _detail_number(path, _first(detail["id"]), m, _first(detail[m]))
+            for m in METRICS
+            if m in detail
+        }
         _check_item(path, _first(detail["id"]), row)
         if len(row) != len(METRICS):
             out["status"] = "failed"
@@ -112,6 +116,21 @@ def load_arm(abbr: str, run: Run) -> dict:
 KL_ROUNDING = 1e-6  # a per-item mean KL this far below 0 is rounding, not corruption
 
 
+def _detail_number(path, item, metric: str, value) -> float:
+    """A metric of one item's details as the evaluator writes it: a JSON number (a string such
+    as "abc" or "0.5", a bool, null or NaN is a corrupt file, not something to convert)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+    ):
+        raise Edge0Error(
+            f"{path}: item {item}: {metric} is {value!r}, not a finite number; the "
+            f"fidelity results are corrupt, re-run that task (delete the file)"
+        )
+    return float(value)
+
+
 def _check_item(path, item, row: dict) -> None:
     """Details hold KL in nats (finite, >= 0 but for rounding: an arm within float32 rounding
     of the teacher can score -1e-8) and agreement as a share in [0, 1]."""
@@ -126,6 +145,11 @@ def _check_item(path, item, row: dict) -> None:
             f"{path}: item {item}: agreement {agreement} is not a share in [0, 1]; "
             f"the fidelity results are corrupt, re-run that task (delete the file)"
         )
+
+
+def teacher_sane(kl: float, agreement: float) -> bool:
+    """The teacher on its own set: KL 0 (float noise allowed), agreement 100 points."""
+    return abs(kl) <= SANITY_KL and agreement == 100.0
 
 
 def _scale(metric: str) -> float:
@@ -246,7 +270,7 @@ def summarize(loaded: dict) -> dict:
         sanity = {
             "kl": t["kl"],
             "agreement": t["agreement"],
-            "ok": abs(t["kl"]) <= SANITY_KL and t["agreement"] == 100.0,
+            "ok": teacher_sane(t["kl"], t["agreement"]),
         }
         if not sanity["ok"]:
             notes.append(

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.fidelity_report import teacher_sane
 from edge0_eval.evaluation.gap_report import OLD_SCHEMAS, SCHEMA
 from edge0_eval.evaluation.predictions import strict_loads
 
@@ -126,7 +127,8 @@ def _check_fidelity(path: str, fid) -> None:
     """The fidelity section as `report` writes it: every arm a dict with a status, its metrics
     in range (KL >= 0, agreement in [0, 100] points), half-widths >= 0, item counts whole;
     per_item [KL >= 0, agreement share in [0, 1]] per item; decomposition deltas finite with
-    half-widths >= 0; teacher_sanity an object with a boolean `ok`."""
+    half-widths >= 0; teacher_sanity an object with a boolean `ok` that its numbers bear out
+    (_check_teacher_sanity)."""
     if fid is None:
         return
     fix = "make it again with `edge0-eval report`"
@@ -203,6 +205,44 @@ def _check_fidelity(path: str, fid) -> None:
         isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)
     ):
         bad(" teacher_sanity", f"is {sanity!r}, not an object with a boolean 'ok'")
+    if sanity is not None:
+        number(" teacher_sanity kl", sanity.get("kl"), *_ARM_RANGES["kl"])
+        number(
+            " teacher_sanity agreement",
+            sanity.get("agreement"),
+            *_ARM_RANGES["agreement"],
+        )
+        _check_teacher_sanity(fid, sanity, bad)
+
+
+def _check_teacher_sanity(fid: dict, sanity: dict, bad) -> None:
+    """The gate passes a teacher only on the numbers, never on the flag alone: `ok` must be
+    what the sanity's KL and agreement say (fidelity_report.teacher_sane), those must be the
+    teacher arm's, and an ok teacher's every item must be sane too (per_item)."""
+    kl, agreement, ok = sanity["kl"], sanity["agreement"], sanity["ok"]
+    if ok != teacher_sane(kl, agreement):
+        bad(
+            " teacher_sanity",
+            f"says ok={ok} but its teacher scores KL {kl:.3g}, agreement "
+            f"{agreement:.2f} on its own set (ok means KL 0 and agreement 100)",
+        )
+    teacher = fid["arms"].get("teacher")
+    if teacher is not None and teacher.get("status") == "ok":
+        arm = (teacher.get("kl"), teacher.get("agreement"))
+        if arm != (kl, agreement):
+            bad(
+                " teacher_sanity",
+                f"gives KL {kl!r}, agreement {agreement!r}, but the teacher arm "
+                f"{arm[0]!r}, {arm[1]!r}",
+            )
+    items = (fid.get("per_item") or {}).get("teacher") or {}
+    insane = [i for i, (k, a) in items.items() if not teacher_sane(k, 100.0 * a)]
+    if ok and insane:
+        bad(
+            " teacher_sanity",
+            f"says ok but the teacher's item {insane[0]!r} scores "
+            f"{items[insane[0]]!r} ([KL, agreement] on its own set)",
+        )
 
 
 def _number(value) -> bool:
