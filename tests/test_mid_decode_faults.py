@@ -10,9 +10,11 @@ says: one CheckpointError naming the file, and nothing recorded.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from perturbed_heads import perturbed_heads
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.file_guard import FileGuard
+from edge0_eval.engine.lora import apply_lora, lora_modules, save_adapter
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import SETTLE_NS, ExpertStore
 from edge0_eval.errors import CheckpointError
@@ -368,3 +371,31 @@ def test_guard_names_the_file_and_the_fix(tmp_path):
         assert str(err.value).endswith("do this")
     finally:
         os.close(fd)
+
+
+def test_adapters_and_heads_are_read_whole_at_load(edge0_qwen, heads, tmp_path):
+    """Why only experts.bin is guarded: the LoRA adapter and the prerouter heads are read
+    and evaluated when the engine loads, so zeroing them in place afterwards changes nothing
+    a running engine computes (the LoRA does change the output: the control)."""
+    model = copy_model(edge0_qwen, tmp_path / "m")
+    engine = Engine.load(model, EngineOptions(mode="reactive", no_lora=True))
+    apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
+    for module in lora_modules(engine.model).values():
+        module.lora_B = module.lora_B * 0.5
+    save_adapter(engine.model, model / "lora.safetensors")
+    engine.close()
+    heads = Path(shutil.copy(heads, model / "prerouter.safetensors"))
+    options = dict(mode="prerouted", slots_per_layer=4, prerouter_path=str(heads))
+
+    def decode(no_lora=False, zero_after_load=()):
+        engine = Engine.load(model, EngineOptions(no_lora=no_lora, **options))
+        try:
+            for path in zero_after_load:
+                _zero(path)
+            return engine.generate(PROMPTS[2], max_tokens=24, stop_token_ids=set())
+        finally:
+            engine.close()
+
+    served = decode().tokens
+    assert decode(no_lora=True).tokens != served
+    assert decode(zero_after_load=[model / "lora.safetensors", heads]).tokens == served
