@@ -29,7 +29,7 @@ from edge0_eval.engine.lora import apply_lora, lora_modules, save_adapter
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import SETTLE_NS, ExpertStore
 from edge0_eval.errors import CheckpointError
-from edge0_eval.evaluation import fidelity as fid
+from edge0_eval.evaluation import fidelity_scoring as fid
 from edge0_eval.evaluation import fidelity_set as fs
 from edge0_eval.formats.layout import EXPERTS_NAME, ExpertIndex
 
