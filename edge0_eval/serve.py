@@ -8,7 +8,8 @@ The engine loads once and runs on one thread that owns the batch (worker.py); th
 (app.py, aiohttp) parses and validates requests (requests.py) and relays answers. A request's
 seed is the run's seed: its row draws from `row_seed(seed, prompt ids, edge0_sample)`, so an
 answer equals the in-process `Edge0Model` arm's for the same prompt, settings and seed, alone
-or batched with any other requests (model_wrappers/edge0_api_model.py is the OpenCompass side).
+or batched with any other requests (model_wrappers/edge0_api_model.py is the OpenCompass side);
+a request without one draws a fresh seed, so the server takes no `--seed`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import ipaddress
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -27,6 +29,7 @@ from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.server.requests import DEFAULT_MAX_MODEL_LEN
 
 LOOPBACK = ("localhost",)
+ORIGIN = re.compile(r"https?://[^/\s]+")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         type=ct.positive_int,
-        default=512,
-        help="new tokens for a request that gives no max_tokens (default 512)",
+        default=None,
+        help="the most new tokens of a request that gives no max_tokens (default: "
+        "the rest of the row, --max-model-len less the prompt, as vLLM)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -70,7 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("EDGE0_API_KEY"),
         help="require `Authorization: Bearer KEY` (default: $EDGE0_API_KEY, else none)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        type=ct.name_list,
+        default=None,
+        metavar="ORIGINS",
+        help="CORS: the origins (comma-separated, e.g. http://localhost:3000, or *) "
+        "whose web pages may call this server (default: none, CORS off)",
+    )
     add_engine_arguments(parser)
+    # A request gives its own seed or draws a fresh one: the engine's --seed means nothing
+    # here, and is refused rather than ignored (run).
+    parser.set_defaults(seed=None)
 
 
 def _loopback(host: str) -> bool:
@@ -82,16 +97,38 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _origins(text: str | None) -> list[str]:
+    """--allowed-origins as a list; each "*" or an origin as a browser sends it
+    (scheme://host[:port], no path): another spelling would never match."""
+    origins = [o.strip() for o in text.split(",")] if text else []
+    for origin in origins:
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise ConfigError(
+                f"--allowed-origins: {origin!r} is not an origin; give "
+                f"scheme://host[:port] (e.g. http://localhost:3000, no path or "
+                f"trailing /) or *"
+            )
+    return origins
+
+
 def run(args: argparse.Namespace) -> int:
     # The server's imports (MLX, aiohttp) only when it runs: `edge0-eval --help` stays fast.
     from edge0_eval.engine.engine import Engine
+    from edge0_eval.engine.options import EngineOptions
     from edge0_eval.evaluation.identity import model_identity
     from edge0_eval.server.app import make_app
     from edge0_eval.server.worker import Worker, model_context
 
     if args.port > 65535:
         raise ConfigError(f"--port must be in 1..65535, not {args.port}")
-    options = options_from_args(args)
+    if args.seed is not None:
+        raise ConfigError(
+            "serve takes no --seed: a request gives its own `seed` (the run's seed, as "
+            "in a model config), or the server draws a fresh one and returns it in the "
+            "answer's edge0.request_seed; drop --seed"
+        )
+    origins = _origins(args.allowed_origins)
+    options = options_from_args(args, seed=EngineOptions().seed)
     name = args.served_model_name or Path(args.model).resolve().name
     worker = Worker(
         lambda: Engine.load(args.model, options),
@@ -99,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         identity=model_identity(args.model, options),
         name=name,
         max_model_len=args.max_model_len,
+        max_tokens=args.max_tokens,
     )
     try:
         worker.start_engine()
@@ -120,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             f"context of {context} tokens (max_position_embeddings in its "
             f"config.json); give at most {context}"
         )
-    if args.max_tokens >= worker.max_model_len:  # no room left for a prompt
+    if args.max_tokens is not None and args.max_tokens >= worker.max_model_len:
         worker.close()
         worker.join(timeout=30)
         raise ConfigError(
@@ -134,9 +172,8 @@ def run(args: argparse.Namespace) -> int:
         worker,
         served=name,
         vocab=vocab,
-        max_tokens=args.max_tokens,
-        seed=options.seed,
         api_key=args.api_key,
+        allowed_origins=origins,
     )
     if not _loopback(args.host) and not args.api_key:
         print(
@@ -153,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
-    from edge0_eval.server.app import start
+    from edge0_eval.server.app import STOPPING, start
 
     try:
         runner, port = await start(app, host, port)
@@ -172,4 +209,7 @@ async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
         flush=True,
     )
     await stop.wait()
+    # From here /health says "stopping" and new requests are refused (503), while the
+    # cleanup lets the running ones finish.
+    app[STOPPING].set()
     await runner.cleanup()

@@ -17,13 +17,20 @@ from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
-from edge0_eval.engine.prompts import chat_ids, chat_text, fit_prompt, row_seed
+from edge0_eval.engine.prompts import (
+    chat_ids,
+    chat_text,
+    fit_prompt,
+    row_seed,
+    to_messages,
+)
 from edge0_eval.engine.rows import Answer, stop_token_ids
 from edge0_eval.engine.sampling_options import (
     FILTER_KEYS,
     PENALTY_KEYS,
     check_filters,
     check_penalties,
+    check_temperature,
     penalties_of,
 )
 from edge0_eval.errors import ConfigError
@@ -66,9 +73,10 @@ def sampling_options(generation_kwargs: Dict[str, Any], arm: str) -> Dict[str, A
             opts[key] = generation_kwargs[key]
     if generation_kwargs.get("do_sample") is False:
         opts["temperature"] = 0.0
-    if opts["temperature"] < 0 or not 0 < opts["top_p"] <= 1:
-        raise ConfigError(f"{arm}: temperature must be >= 0 and top_p in (0, 1]")
+    if not 0 < opts["top_p"] <= 1:
+        raise ConfigError(f"{arm}: top_p must be in (0, 1], not {opts['top_p']!r}")
     try:
+        check_temperature(opts["temperature"])
         check_filters(opts["top_k"], opts["min_p"])
         check_penalties(penalties_of(opts))
     except ConfigError as exc:
@@ -200,10 +208,10 @@ class ChatModelBase(SampleStatsLog, BaseModel):
 
     # -- prompt handling ---------------------------------------------------------------------
     def chat_text(self, prompt: Any) -> str:
-        return chat_text(self.tokenizer, prompt, self.chat_template_kwargs)
+        return chat_text(self.tokenizer, to_messages(prompt), self.chat_template_kwargs)
 
     def encode_prompt(self, prompt: Any) -> List[int]:
-        return chat_ids(self.tokenizer, prompt, self.chat_template_kwargs)
+        return chat_ids(self.tokenizer, to_messages(prompt), self.chat_template_kwargs)
 
     def get_token_len(self, prompt: Any) -> int:
         return len(self.encode_prompt(prompt))

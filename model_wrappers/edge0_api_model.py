@@ -217,10 +217,12 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
         self.tokenizer_type = "mlx-lm"
 
     def chat_text(self, prompt: Any) -> str:
-        return chat_text(self.tokenizer, prompt, self.chat_template_kwargs)
+        return chat_text(self.tokenizer, to_messages(prompt), self.chat_template_kwargs)
 
     def get_token_len(self, prompt: Any) -> int:
-        return len(chat_ids(self.tokenizer, prompt, self.chat_template_kwargs))
+        return len(
+            chat_ids(self.tokenizer, to_messages(prompt), self.chat_template_kwargs)
+        )
 
     # -- generation --------------------------------------------------------------------------
     def generate(

@@ -28,24 +28,27 @@ class LiveServer:
         *,
         rows_at_once: int = 4,
         name: str = "tiny",
-        max_tokens: int = 16,
+        max_tokens: int | None = 16,
         api_key: str | None = None,
+        allowed_origins: list[str] = (),
+        max_model_len: int | None = None,
     ):
         self.worker = Worker(
             lambda: Engine.load(model, options),
             rows_at_once=rows_at_once,
             identity={"weights": "test"},
             name=name,
+            max_model_len=max_model_len,
+            max_tokens=max_tokens,
         )
         self.worker.start_engine()
         config = self.worker.engine.family.text_config(self.worker.engine.config)
-        app = make_app(
+        self.app = make_app(
             self.worker,
             served=name,
             vocab=int(config["vocab_size"]),
-            max_tokens=max_tokens,
-            seed=options.seed,
             api_key=api_key,
+            allowed_origins=allowed_origins,
         )
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -53,7 +56,7 @@ class LiveServer:
         def serve():
             asyncio.set_event_loop(self.loop)
             self.runner, self.port = self.loop.run_until_complete(
-                start(app, "127.0.0.1", 0)
+                start(self.app, "127.0.0.1", 0)
             )
             started.set()
             self.loop.run_forever()

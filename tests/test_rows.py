@@ -13,7 +13,7 @@ from live_server import LiveServer
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prompts import chat_ids
+from edge0_eval.engine.prompts import chat_ids, to_messages
 from model_wrappers.edge0_model import Edge0Model
 
 PROMPT = "Tell me a long story about a dragon and a castle by the sea."
@@ -26,7 +26,7 @@ def row(edge0_qwen):
     well inside it (two tokens' text, so no single stop id can end the row instead)."""
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     tok = engine.tokenizer
-    ids = chat_ids(tok, PROMPT, {})
+    ids = chat_ids(tok, to_messages(PROMPT), {})
     free = engine.generate(ids, MAX, stop_token_ids=set()).tokens
     engine.close()
     for j in range(4, MAX - 4):

@@ -192,7 +192,7 @@ BAD = [  # (route, body, status, param)
     ("chat", {"max_tokens": 0}, 400, "max_tokens"),
     ("chat", {"max_completion_tokens": -3}, 400, "max_completion_tokens"),
     ("chat", {"stop": 5}, 400, "stop"),
-    ("chat", {"seed": -1}, 400, "seed"),
+    ("chat", {"seed": -2}, 400, "seed"),
     ("chat", {"n": 2}, 400, "n"),
     ("chat", {"stream": "yes"}, 400, "stream"),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -245,7 +245,7 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(serve
 def _stream_and_answer(tok, ids, stop):
     """(streamed text, whole answer) of a row that takes `ids`, as the worker's _advance and
     _finish make them: the stop rule first, then the streamed text, then the rest."""
-    rule = StopRule(tok, 10**6, stop_token_ids(tok, stop), stop, read_text=True)
+    rule = StopRule(tok, 10**6, stop_token_ids(tok, stop), stop)
     stream, streamed = (
         TextStream(stop, rule.reader),
         "",
@@ -669,6 +669,13 @@ def test_serve_cli_errors_are_one_line(edge0_qwen, tmp_path, capsys):
     )
     assert main(["serve", str(edge0_qwen), "--max-model-len", "100000000"]) == 2
     assert "--max-model-len 100000000 is beyond" in capsys.readouterr().err
+    # A request gives its seed or draws a fresh one: serve has none to take.
+    assert main(["serve", str(edge0_qwen), "--seed", "3"]) == 2
+    assert "serve takes no --seed" in capsys.readouterr().err
+    assert main(["serve", str(edge0_qwen), "--allowed-origins", "app.example/x"]) == 2
+    assert "--allowed-origins: 'app.example/x' is not an origin" in (
+        capsys.readouterr().err
+    )
     server = LiveServer(edge0_qwen, EngineOptions(mode="reactive"), name=NAME)
     try:
         assert main(["serve", str(edge0_qwen), "--port", str(server.port)]) == 2

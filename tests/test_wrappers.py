@@ -250,8 +250,11 @@ def test_student_missing_adapters_fail_before_loading(
 BAD_SAMPLING = [
     (dict(repetition_penalty=0), "repetition_penalty must be a number > 0"),
     (dict(repetition_penalty="1.1"), "repetition_penalty must be a number > 0"),
-    (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
-    (dict(frequency_penalty=True), "frequency_penalty must be a finite number"),
+    (dict(presence_penalty=float("nan")), "presence_penalty must be a number in"),
+    (dict(frequency_penalty=True), "frequency_penalty must be a number in"),
+    # vLLM's ranges, which a served arm's server checks too: refused in-process as well.
+    (dict(presence_penalty=2.5), "presence_penalty must be a number in \\[-2, 2\\]"),
+    (dict(temperature=2.5), "temperature must be a number in \\[0, 2\\]"),
     (
         dict(presence_penalty=1.5, presence_context_size=0),
         "presence_context_size must be a whole",
@@ -280,7 +283,7 @@ def test_both_arms_refuse_bad_sampling_values_before_loading(
 
     monkeypatch.setattr(Engine, "load", no_load)
     monkeypatch.setattr(mlx_lm_model, "load", no_load)
-    gen = dict(temperature=0.6, **gen)
+    gen = {"temperature": 0.6, **gen}
     with pytest.raises(ConfigError, match=f"student: generation_kwargs: {message}"):
         Edge0Model(
             path=str(edge0_qwen), mode="reactive", no_lora=True, generation_kwargs=gen

@@ -2,9 +2,11 @@
 (model_wrappers/chat.py) and the OpenAI-compatible server (edge0_eval/server/). No MLX,
 OpenCompass or torch here.
 
-A prompt is its messages (`to_messages`) through the tokenizer's chat template (`chat_ids`),
-cut to the context (`fit_prompt`), and its sampling seed (`row_seed`). When the row stops and
-what it reports are the row's own (rows.py).
+A prompt is its messages through the tokenizer's chat template (`chat_ids`), cut to the
+context (`fit_prompt`), and its sampling seed (`row_seed`). An OpenCompass prompt becomes
+messages by `to_messages` (every OpenCompass arm: in-process and served alike, since the API
+arm sends those messages); a served request's messages go to the template as sent. When the
+row stops and what it reports are the row's own (rows.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ ROLE_MAP = {
 
 
 def to_messages(prompt: Any) -> List[Dict[str, str]]:
-    """Normalise what OpenCompass hands a model (or a request's messages) into chat messages.
+    """What OpenCompass hands a model, as chat messages (its arms' convention, not a server's).
 
     Accepts a plain string, a PromptList of {'role': HUMAN|BOT|SYSTEM, 'prompt': ...} items (the
-    PromptTemplate configs) or a list of {'role', 'content'} dicts (the *_rawprompt_* configs,
-    an OpenAI request). Consecutive turns of one role are merged, as OpenCompass's HF chat
-    wrapper does; empty turns are dropped.
+    PromptTemplate configs) or a list of {'role', 'content'} dicts (the *_rawprompt_* configs).
+    Consecutive turns of one role are merged, as OpenCompass's HF chat wrapper does; empty
+    turns are dropped. The server never calls this: a request's messages are the client's.
     """
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -63,21 +65,25 @@ def to_messages(prompt: Any) -> List[Dict[str, str]]:
     return merged
 
 
-def chat_text(tokenizer, prompt: Any, chat_template_kwargs: Dict) -> str:
-    """The prompt as the chat template writes it, ready for the assistant's turn."""
+def chat_text(tokenizer, messages: List[Dict], chat_template_kwargs: Dict) -> str:
+    """The messages, as given, as the chat template writes them, ready for the assistant's
+    turn (the template decides what consecutive roles or a 'developer' turn mean)."""
+    if not isinstance(messages, list):
+        raise TypeError(
+            f"chat_text takes a list of messages, not {type(messages).__name__} "
+            f"(an OpenCompass prompt goes through to_messages first)"
+        )
     return tokenizer.apply_chat_template(
-        to_messages(prompt),
-        add_generation_prompt=True,
-        tokenize=False,
-        **chat_template_kwargs,
+        messages, add_generation_prompt=True, tokenize=False, **chat_template_kwargs
     )
 
 
-def chat_ids(tokenizer, prompt: Any, chat_template_kwargs: Dict) -> List[int]:
+def chat_ids(tokenizer, messages: List[Dict], chat_template_kwargs: Dict) -> List[int]:
     # The chat template already holds any BOS/special tokens the model wants.
     return list(
         tokenizer.encode(
-            chat_text(tokenizer, prompt, chat_template_kwargs), add_special_tokens=False
+            chat_text(tokenizer, messages, chat_template_kwargs),
+            add_special_tokens=False,
         )
     )
 

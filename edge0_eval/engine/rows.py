@@ -80,15 +80,24 @@ class IncrementalText:
         self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
         return new
 
+    def rest(self) -> str:
+        """The text of the tokens not read yet (an incomplete character, as `decode` writes
+        it): what ends the row's text when it stops there."""
+        if self.read == len(self.tokens):
+            return ""
+        before = self.decode(self.tokens[self.prefix : self.read])
+        return self.decode(self.tokens[self.prefix :])[len(before) :]
+
 
 class StopRule:
     """When one row ends, token by token; every arm and path applies this one rule.
 
     A stop id ends the row without being output ('eos' for the tokenizer's EOS ids, else
     'stop_token'); `max_tokens` output tokens end it ('length'); a stop string ends it as soon
-    as the row's text holds one ('stop_word'). `text()` is the answer: the output decoded and
-    cut at its earliest stop string. read_text: keep the incremental text (a stream reads it)
-    even without stop strings.
+    as the row's text holds one ('stop_word'), also when the string completes in the text of
+    the row's last token. The row's text is read once, by its `reader` (IncrementalText):
+    the rule, a server's stream and the answer (`text()`: that text cut at its earliest stop
+    string) all read the same characters, so a streamed answer is the whole one.
     """
 
     def __init__(
@@ -97,17 +106,13 @@ class StopRule:
         max_tokens: int,
         stop_ids: set,
         stop_words: list[str] = (),
-        *,
-        read_text: bool = False,
     ):
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.stop_ids = set(stop_ids)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.stop_words = [w for w in stop_words if w]
-        self.reader = (
-            IncrementalText(tokenizer) if self.stop_words or read_text else None
-        )
+        self.reader = IncrementalText(tokenizer)
         self.tail = ""  # the last characters of the text: enough to hold any stop word
         self.keep = max((len(w) for w in self.stop_words), default=0)
         self.tokens: list[int] = []  # the output: every token taken but a stop id
@@ -119,10 +124,9 @@ class StopRule:
             return True
         token = int(token)
         if token in self.stop_ids:
-            self.finish = "eos" if token in self.eos_ids else "stop_token"
-            return True
+            return self._end("eos" if token in self.eos_ids else "stop_token")
         self.tokens.append(token)
-        new = "" if self.reader is None else self.reader.add(token)
+        new = self.reader.add(token)
         if self.stop_words:
             text = self.tail + new
             if any(w in text for w in self.stop_words):
@@ -130,13 +134,22 @@ class StopRule:
                 return True
             self.tail = text[-self.keep :]
         if len(self.tokens) >= self.max_tokens:
-            self.finish = "length"
-            return True
+            return self._end("length")
         return False
 
+    def _end(self, finish: str) -> bool:
+        # The reader holds back an incomplete character; the row's text ends with it as
+        # `decode` writes it, and a stop string completed there ends the row as one.
+        if self.stop_words:
+            text = self.tail + self.reader.rest()
+            if any(w in text for w in self.stop_words):
+                finish = "stop_word"
+        self.finish = finish
+        return True
+
     def text(self) -> tuple[str, str | None]:
-        """(the answer: the output decoded and cut at its earliest stop string, that string)."""
-        return trim_at_stop(self.tokenizer.decode(self.tokens), self.stop_words)
+        """(the answer: the row's text cut at its earliest stop string, that string)."""
+        return trim_at_stop(self.reader.text + self.reader.rest(), self.stop_words)
 
 
 def decode_figures(d: dict, steps: int, tokens: int) -> dict:

@@ -4,7 +4,9 @@ wrappers check a model config before anything loads).
 Filters are mlx-lm's `make_sampler` options, applied in its order: top_p, min_p, top_k, then
 temperature. Penalties are mlx-lm's `make_logits_processors` options, with its semantics: each
 acts on the row's last `*_context_size` tokens (mlx-lm's default: 20), the prompt included —
-not, as in vLLM or the OpenAI API, on every generated token and none of the prompt.
+not, as in vLLM or the OpenAI API, on every generated token and none of the prompt. The ranges
+are vLLM's (and the OpenAI API's): temperature in [0, 2], presence and frequency penalties in
+[-2, 2], so a value a served arm would refuse is refused in-process too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any, Mapping
 from edge0_eval.errors import ConfigError
 
 FILTER_KEYS = ("temperature", "top_p", "top_k", "min_p")
+MAX_TEMPERATURE = 2.0  # vLLM's and the OpenAI API's bound
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in vLLM
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 PENALTY_KEYS = tuple(
     k for p in PENALTIES for k in (p, p.replace("penalty", "context_size"))
@@ -31,6 +35,15 @@ def check_filters(top_k, min_p) -> None:
         or not 0 <= min_p < 1
     ):
         raise ConfigError(f"min_p must be a number in [0, 1) (0: off), not {min_p!r}")
+
+
+def check_temperature(temperature) -> None:
+    """temperature a number in [0, 2] (0: greedy), as vLLM checks it."""
+    if not (_number(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise ConfigError(
+            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0: greedy), "
+            f"not {temperature!r}"
+        )
 
 
 def _number(value) -> bool:
@@ -57,10 +70,10 @@ def check_penalties(penalties: Mapping[str, Any]) -> dict:
             f"positive logits and multiplies negative ones), not {rep!r}"
         )
     for key in ("presence_penalty", "frequency_penalty"):
-        if key in out and not _number(out[key]):
+        if key in out and not (_number(out[key]) and abs(out[key]) <= MAX_PENALTY):
             raise ConfigError(
-                f"{key} must be a finite number (subtracted from the logits of "
-                f"recent tokens), not {out[key]!r}"
+                f"{key} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] "
+                f"(subtracted from the logits of recent tokens), not {out[key]!r}"
             )
     for penalty in PENALTIES:
         size = penalty.replace("penalty", "context_size")

@@ -2,16 +2,20 @@
 error objects. It only parses, queues (`Worker.submit`) and relays the worker's events; the
 engine never runs on the event loop.
 
-  POST /v1/chat/completions, /v1/completions   stream or not; the answer's engine stats in
-                                                the extension field `edge0` (the last chunk's
-                                                when streaming)
-  GET  /v1/models                               the one served model
-  GET  /health                                  {"status": "ok", rows, waiting, counts}
+  POST /v1/chat/completions, /v1/completions   stream or not, n choices; each answer's
+                                                engine stats in the extension field `edge0`
+                                                (the response's: its first choice's; with
+                                                n > 1 each choice's own too; streaming: the
+                                                chunk that finishes a choice)
+  GET  /v1/models                               the one served model, with max_model_len
+  GET  /health                                  {"status": "ok", rows, waiting, counts};
+                                                503 "stopping" once shutdown has begun
 
 Every failure is a JSON error object: a bad request 400 naming the field (`param`), an unknown
 model 404, a missing key 401, a too-large body 413, an engine fault 500 (when a stream has
-begun: an `error` event, and no `[DONE]`), a stopped engine thread 503. A client that
-disconnects cancels its row.
+begun: an `error` event, and no `[DONE]`), a stopped engine thread or a server shutting down
+503. A client that disconnects cancels its rows. CORS: off unless `allowed_origins` names the
+origins (or "*") whose browsers may call the API.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from edge0_eval.server.worker import Finished, Job, Worker, stopped_error
 log = logging.getLogger("edge0_eval.server")
 MAX_BODY = 64 * 2**20  # a long prompt as text is a few MB at most
 WORKER = web.AppKey("worker", Worker)
+# Set when shutdown begins (serve.py): /health says so and no new request is taken, while the
+# requests already running finish.
+STOPPING = web.AppKey("stopping", asyncio.Event)
 # A JSON string (escapes included) or a bracket: enough to follow nesting depth. An unterminated
 # string runs to the end: one pass (a scan restarted at each of its quotes was quadratic).
 JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]')
@@ -72,6 +79,47 @@ async def errors(request: web.Request, handler):
         )
 
 
+CORS_METHODS = "GET, POST, OPTIONS"
+
+
+def _cors_headers(request: web.Request) -> dict:
+    """The CORS headers of the response to `request`: none unless its Origin is allowed."""
+    allowed = request.app[SETTINGS]["allowed_origins"]
+    origin = request.headers.get("Origin")
+    if origin is None or not ("*" in allowed or origin in allowed):
+        return {}
+    if "*" in allowed:
+        return {"Access-Control-Allow-Origin": "*"}
+    return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+
+@web.middleware
+async def cors(request: web.Request, handler):
+    """CORS for the origins `allowed_origins` names ("*": any), errors included; a preflight
+    (OPTIONS) from one is answered here. Off when none is named: no CORS header, and OPTIONS
+    is a 405. (A stream sends its headers itself: _generate.)"""
+    headers = _cors_headers(request)
+    if not headers:
+        return await handler(request)
+    if (
+        request.method == "OPTIONS"
+        and "Access-Control-Request-Method" in request.headers
+    ):
+        asked = request.headers.get("Access-Control-Request-Headers")
+        headers.update(
+            {
+                "Access-Control-Allow-Methods": CORS_METHODS,
+                "Access-Control-Allow-Headers": asked or "Authorization, Content-Type",
+                "Access-Control-Max-Age": "600",
+            }
+        )
+        return web.Response(status=204, headers=headers)
+    response = await handler(request)
+    if not response.prepared:
+        response.headers.update(headers)
+    return response
+
+
 def _authorized(request: web.Request) -> None:
     key = request.app[SETTINGS]["api_key"]
     if key and request.headers.get("Authorization") != f"Bearer {key}":
@@ -84,7 +132,10 @@ def _authorized(request: web.Request) -> None:
 
 async def health(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
-    status = "ok" if worker.is_alive() else "stopped"
+    if request.app[STOPPING].is_set():
+        status = "stopping"
+    else:
+        status = "ok" if worker.is_alive() else "stopped"
     return web.json_response(
         {"status": status, "model": request.app[SETTINGS]["served"], **worker.load()},
         status=200 if status == "ok" else 503,
@@ -103,6 +154,7 @@ async def models(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": settings["created"],
                     "owned_by": "edge0-eval",
+                    "max_model_len": request.app[WORKER].max_model_len,
                 }
             ],
         }
@@ -122,6 +174,14 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     worker, settings = request.app[WORKER], request.app[SETTINGS]
     if not worker.is_alive():  # nothing would ever answer the request
         raise stopped_error()
+    if request.app[STOPPING].is_set():
+        raise RequestError(
+            "this server is shutting down; send the request to another host, or again "
+            "once it has restarted",
+            status=503,
+            kind="server_error",
+            code="shutting_down",
+        )
     raw = await request.read()
     try:
         try:
@@ -133,8 +193,6 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             kind,
             served=settings["served"],
             vocab=settings["vocab"],
-            default_max_tokens=settings["max_tokens"],
-            default_seed=settings["seed"],
             max_model_len=worker.max_model_len,
         )
     except RecursionError:  # reading it, or writing a value into an error message
@@ -162,15 +220,22 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             ended = True
             raise event[1]
         if not spec.stream:
-            while event[0] != "done":
+            done = []
+            while len(done) < spec.n:
                 event = await events.get()
                 if event[0] == "error":
                     ended = True
                     raise event[1]
+                if event[0] == "done":
+                    done.append(event[1])
             ended = True
-            return web.json_response(answer.whole(event[1]))
+            return web.json_response(answer.whole(done))
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **_cors_headers(request),
+            }
         )
         await response.prepare(request)
         try:
@@ -210,15 +275,21 @@ async def _stream(
     response: web.StreamResponse, answer: "Answer", events: asyncio.Queue
 ) -> bool:
     """Relay the worker's events as server-sent events; True once the answer has ended."""
-    await _send(response, answer.chunk("", [], first=True))
+    for index in range(answer.spec.n):
+        await _send(response, answer.chunk(index, "", [], first=True))
+    done = []
     while True:
         event = await events.get()
         if event[0] == "delta":
-            await _send(response, answer.chunk(event[1], event[2]))
+            await _send(response, answer.chunk(*event[1:]))
             continue
         if event[0] == "done":
-            for chunk in answer.last(event[1]):
-                await _send(response, chunk)
+            done.append(event[1])
+            await _send(response, answer.last(event[1]))
+            if len(done) < answer.spec.n:
+                continue
+            if answer.spec.include_usage:
+                await _send(response, answer.usage_chunk(done))
             await response.write(b"data: [DONE]\n\n")
         else:  # an error event, and no [DONE]: not complete
             await _send(response, event[1].body())
@@ -238,7 +309,7 @@ class Answer:
         self.chat = spec.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.offset = 0  # completions' text_offset
+        self.offsets = [0] * spec.n  # completions' text_offset, per choice
 
     def _base(self, obj: str) -> dict:
         return {
@@ -247,6 +318,10 @@ class Answer:
             "created": self.created,
             "model": self.model,
         }
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _logprobs(self, entries: list, text_start: int = 0):
         if self.spec.logprobs is None:
@@ -266,33 +341,48 @@ class Answer:
             "text_offset": offsets,
         }
 
-    def _usage(self, done: Finished) -> dict:
-        n, m = done.prompt_tokens, len(done.tokens)
+    def _usage(self, done: list[Finished]) -> dict:
+        """As vLLM counts: the prompt once, every token generated for every choice (a final
+        stop id included)."""
+        n, m = done[0].prompt_tokens, sum(d.generated for d in done)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-    def whole(self, done: Finished) -> dict:
-        choice = {
-            "index": 0,
-            "logprobs": self._logprobs(done.logprobs),
-            "finish_reason": done.finish_reason,
-        }
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
-        else:
-            choice["text"] = done.text
+    def whole(self, done: list[Finished]) -> dict:
+        done = sorted(done, key=lambda d: d.index)
+        choices = []
+        for d in done:
+            choice = {
+                "index": d.index,
+                "logprobs": self._logprobs(d.logprobs),
+                "finish_reason": d.finish_reason,
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": d.text}
+            else:
+                choice["text"] = d.text
+            if len(done) > 1:
+                choice["edge0"] = d.stats
+            choices.append(choice)
         return {
             **self._base("chat.completion" if self.chat else "text_completion"),
-            "choices": [choice],
+            "choices": choices,
             "usage": self._usage(done),
-            "edge0": done.stats,
+            "edge0": done[0].stats,
         }
 
     def chunk(
-        self, text: str, entries: list, first: bool = False, finish: str | None = None
+        self,
+        index: int,
+        text: str,
+        entries: list,
+        first: bool = False,
+        finish: str | None = None,
     ) -> dict:
         choice = {
-            "index": 0,
-            "logprobs": self._logprobs(entries, self.offset) if entries else None,
+            "index": index,
+            "logprobs": (
+                self._logprobs(entries, self.offsets[index]) if entries else None
+            ),
             "finish_reason": finish,
         }
         if self.chat:
@@ -303,28 +393,24 @@ class Answer:
                 if text or not finish
                 else {}
             )
-            obj = "chat.completion.chunk"
         else:
             choice["text"] = text
-            obj = "text_completion"
-        self.offset += len(text)
-        return {**self._base(obj), "choices": [choice]}
+        self.offsets[index] += len(text)
+        return {**self._base(self._chunk_object), "choices": [choice]}
 
-    def last(self, done: Finished) -> list[dict]:
-        chunks = [
-            {**self.chunk("", [], finish=done.finish_reason), "edge0": done.stats}
-        ]
-        if self.spec.include_usage:
-            chunks.append(
-                {
-                    **self._base(
-                        "chat.completion.chunk" if self.chat else "text_completion"
-                    ),
-                    "choices": [],
-                    "usage": self._usage(done),
-                }
-            )
-        return chunks
+    def last(self, done: Finished) -> dict:
+        """The chunk that finishes a choice, with its stats."""
+        return {
+            **self.chunk(done.index, "", [], finish=done.finish_reason),
+            "edge0": done.stats,
+        }
+
+    def usage_chunk(self, done: list[Finished]) -> dict:
+        return {
+            **self._base(self._chunk_object),
+            "choices": [],
+            "usage": self._usage(done),
+        }
 
 
 async def start(
@@ -348,18 +434,19 @@ def make_app(
     *,
     served: str,
     vocab: int,
-    max_tokens: int,
-    seed: int,
     api_key: str | None = None,
+    allowed_origins: list[str] = (),
 ) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+    """allowed_origins: the origins browsers may call from (CORS; "*": any; none: off)."""
+    # cors outside errors: an error object carries the CORS headers too (a browser reads it).
+    app = web.Application(middlewares=[cors, errors], client_max_size=MAX_BODY)
     app[WORKER] = worker
+    app[STOPPING] = asyncio.Event()
     app[SETTINGS] = dict(
         served=served,
         vocab=vocab,
-        max_tokens=max_tokens,
-        seed=seed,
         api_key=api_key,
+        allowed_origins=list(allowed_origins),
         created=int(time.time()),
     )
     app.router.add_post("/v1/chat/completions", chat_completions)

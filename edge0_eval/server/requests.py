@@ -2,24 +2,34 @@
 
 Fields (null is the same as absent):
   model                      required; the served name (`--served-model-name`)
-  messages (chat)            [{role: system|user|assistant, content: str | [{type: text, text}]}]
+  messages (chat)            [{role: system|developer|user|assistant, content: str | [{type:
+                             text, text}] (null: an assistant turn's only), name?}], given to
+                             the chat template as sent: the template decides what consecutive
+                             roles, empty turns or a developer turn mean
   prompt (completions)       a string, or a list of token ids
-  max_tokens / max_completion_tokens   whole number in 1..`--max-model-len` (default
-                             `--max-tokens`); with the prompt's tokens, at most `--max-model-len`
-                             (checked once the prompt is tokenized: worker.py)
+  max_tokens / max_completion_tokens   whole number in 1..`--max-model-len` (default: the
+                             rest of the row, `--max-model-len` less the prompt, at most
+                             `--max-tokens` when that is given, as vLLM); with the prompt's
+                             tokens, at most `--max-model-len` (checked once the prompt is
+                             tokenized: worker.py)
   temperature, top_p, top_k, min_p     mlx-lm's filters, checked as the in-process arms check
-                             them (edge0_eval/engine/sampling_options.py; top_k 0 and min_p 0: off;
-                             sampling, top_k below the vocabulary size, as mlx-lm's top-k needs)
+                             them (edge0_eval/engine/sampling_options.py: vLLM's ranges;
+                             top_k 0 or -1 and min_p 0: off; sampling, top_k below the
+                             vocabulary size, as mlx-lm's top-k needs)
   repetition_penalty, presence_penalty, frequency_penalty, and each *_context_size
                              mlx-lm's penalties, with mlx-lm's meaning (the last
                              `*_context_size` tokens, the prompt included; not OpenAI's); a
                              context size at most 2**31 - 1 (MLX takes no larger)
   stop                       a string or a list of strings (UTF-8 text: no lone surrogates);
                              the text is cut at the first
-  seed                       whole number >= 0 (default the server's `--seed`): the run's seed,
-                             as in a model config's generation_kwargs; the row draws from
-                             `row_seed(seed, prompt ids, edge0_sample)` (edge0_eval/engine/prompts.py),
-                             as the in-process arms do
+  seed                       whole number >= 0 (absent, null or -1: a fresh one, drawn for
+                             this request and returned in `edge0.request_seed`, so the answer
+                             can be replayed): the run's seed, as in a model config's
+                             generation_kwargs; choice i draws from `row_seed(seed, prompt
+                             ids, edge0_sample + i)` (edge0_eval/engine/prompts.py), as the
+                             in-process arms draw sample edge0_sample + i
+  n                          choices, 1..MAX_CHOICES: n rows of the running batch, choice i
+                             sample edge0_sample + i (n > 1 needs temperature > 0, as vLLM)
   edge0_sample               whole number >= 0 (default 0): which of a question's repeats this
                              is (OpenCompass's dataset `n`); an extension
   edge0_max_seq_len          whole number >= 1: cut the prompt as the in-process arms do for
@@ -27,13 +37,14 @@ Fields (null is the same as absent):
   chat_template_kwargs       an object for the chat template, e.g. {"enable_thinking": false}
   logprobs, top_logprobs     chat: a bool and 0..20; completions: logprobs 0..5 (legacy)
   stream, stream_options     a bool; {"include_usage": bool}
-  n, best_of, echo, user     n and best_of only 1, echo only false; user is accepted and unused
+  best_of, echo, user        best_of only n, echo only false; user is accepted and unused
 Any other field is refused (a misspelt option must not change a row silently).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +53,14 @@ from edge0_eval.engine.sampling_options import (
     PENALTY_KEYS,
     check_filters,
     check_penalties,
+    check_temperature,
 )
 from edge0_eval.errors import ConfigError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+MAX_CHOICES = 128  # n: choices per request (each a row of the batch)
+# A request without a seed draws one below this: every row seed is 31 bits (row_seed).
+SEED_RANGE = 2**31
 MAX_CONTEXT_SIZE = (
     2**31 - 1
 )  # MLX reads a *_context_size as int32 (std::bad_cast above)
@@ -118,10 +133,11 @@ class RequestSpec:
     kind: str  # 'chat' | 'completion'
     model: str
     prompt: Any  # chat: the messages; completion: str | list[int]
-    max_tokens: int
+    max_tokens: int | None  # None: the rest of the row (worker.py)
     sampling: dict  # RowSampler's keyword arguments
-    seed: int
-    sample: int
+    seed: int  # the request's (drawn when it gave none)
+    sample: int  # choice i is sample `sample + i`
+    n: int = 1
     stop: list[str] = field(default_factory=list)
     max_seq_len: int | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -191,6 +207,9 @@ def _messages(body: dict) -> list[dict]:
                 f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}",
                 f"{where}.role",
             )
+        # An assistant turn may come without content (OpenAI's spec, vLLM): empty text.
+        if content is None and role == "assistant":
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -213,7 +232,13 @@ def _messages(body: dict) -> list[dict]:
                 f"not {type(content).__name__}",
                 f"{where}.content",
             )
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        name = msg.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise RequestError(f"{where}.name must be a string", f"{where}.name")
+            message["name"] = name  # the template may use it
+        out.append(message)
     return out
 
 
@@ -258,16 +283,16 @@ def _stop(body: dict) -> list[str]:
 
 def _sampling(body: dict, vocab: int) -> dict:
     temperature = _number(body, "temperature")
-    if temperature is not None and temperature < 0:
-        raise RequestError(
-            f"temperature must be >= 0 (0: greedy), not {temperature!r}", "temperature"
-        )
+    if temperature is not None:
+        _checked(check_temperature, "temperature", temperature)
     top_p = _number(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise RequestError(
             f"top_p must be a number in (0, 1] (1: off), not {top_p!r}", "top_p"
         )
     top_k = body.get("top_k")
+    if top_k == -1:
+        top_k = 0  # vLLM's (and many clients') spelling of off
     if top_k is not None:
         _checked(check_filters, "top_k", top_k, 0.0)
         if (
@@ -306,14 +331,18 @@ def _sampling(body: dict, vocab: int) -> dict:
     )
 
 
+def fresh_seed() -> int:
+    """A seed for a request that gave none: each such request draws its own (so k requests
+    are k samples), from the system's entropy (two hosts never share a sequence)."""
+    return secrets.randbelow(SEED_RANGE)
+
+
 def parse_request(
     body: Any,
     kind: str,
     *,
     served: str,
     vocab: int,
-    default_max_tokens: int,
-    default_seed: int,
     max_model_len: int | None = None,
 ) -> RequestSpec:
     """A request body of `kind` ('chat' or 'completion') -> its RequestSpec. max_model_len:
@@ -339,13 +368,14 @@ def parse_request(
             status=404,
             code="model_not_found",
         )
-    for key in ("n", "best_of"):
-        if body.get(key) is not None and (
-            isinstance(body[key], bool) or body[key] != 1
-        ):
-            raise RequestError(
-                f"{key} must be 1 (one choice per request), not {body[key]!r}", key
-            )
+    n = _whole(body, "n", 1, MAX_CHOICES) or 1
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of != n):
+        raise RequestError(
+            f"best_of must equal n ({n}): every row drawn is returned, none is ranked "
+            f"out; not {best_of!r}",
+            "best_of",
+        )
     if kind == "completion":
         if body.get("echo"):
             raise RequestError(
@@ -372,7 +402,7 @@ def parse_request(
             key,
             code=CONTEXT_EXCEEDED,
         )
-    seed = _whole(body, "seed", 0)
+    seed = None if body.get("seed") == -1 else _whole(body, "seed", 0)
     stream = bool(_flag(body, "stream"))
     options = body.get("stream_options")
     if options is not None and not (
@@ -403,14 +433,22 @@ def parse_request(
         prompt = _prompt(body, vocab)
         logprobs = _whole(body, "logprobs", 0, MAX_TOP_LOGPROBS["completion"])
         template = None
+    sampling = _sampling(body, vocab)
+    if n > 1 and sampling["temperature"] == 0:
+        raise RequestError(
+            f"n is {n} at temperature 0: greedy choices are all the same; give a "
+            f"temperature > 0 for {n} samples (as vLLM)",
+            "n",
+        )
     return RequestSpec(
         kind=kind,
         model=model,
         prompt=prompt,
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        sampling=_sampling(body, vocab),
-        seed=default_seed if seed is None else seed,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=fresh_seed() if seed is None else seed,
         sample=_whole(body, "edge0_sample", 0) or 0,
+        n=n,
         stop=_stop(body),
         max_seq_len=_whole(body, "edge0_max_seq_len", 1),
         chat_template_kwargs=dict(template or {}),

@@ -3,18 +3,21 @@
 MLX and the engine are single-threaded, so every request is handed to `Worker` as a `Job`
 (`submit`, `cancel`: thread-safe) and everything that touches the model or the tokenizer runs
 here: the chat template and tokenization when the job is admitted, then the batch decoder
-(engine/batch.py), between whose steps rows join and leave. Each row carries its stop rule
-(engine/rows.py: stop ids, stop words and max_tokens end it inside the decoder, and a row that
-ended leaves before the next step); after each step every row that took a token advances its
-job: logprobs, streamed text read from the row's one text reader, and at the end the row's
-answer (its text cut at the stop word) and figures. A job hears back through its `post` callback (thread-safe), with one of
-  ('started', prompt_tokens) | ('delta', text, logprobs) | ('done', Finished)
+(engine/batch.py), between whose steps rows join and leave. A job is its request's `n`
+choices, each a row of the batch; each row carries its stop rule (engine/rows.py: stop ids,
+stop words and max_tokens end it inside the decoder, and a row that ended leaves before the
+next step) and its one text reader. After each step every row that took a token advances its
+choice: logprobs, streamed text read from the row's reader, and at the end the row's answer
+(its text cut at the stop word) and figures. A job hears back through its `post` callback
+(thread-safe), with
+  ('started', prompt_tokens) | ('delta', index, text, logprobs) | ('done', Finished)
   | ('error', RequestError)
-An exception in a decode step (an expert read's I/O or checksum error, non-finite logits) fails
-every row in that step with a 500 error, never a partial answer marked complete; the worker
-goes on with the next requests. If the thread itself ends (a fault outside those guards, or
-close), every request it still holds or has queued is failed the same way and later ones are
-refused (503): no caller waits forever.
+one 'done' per choice. An exception in a decode step (an expert read's I/O or checksum error,
+non-finite logits) fails every row in that step, and a failed row fails its whole request,
+with a 500 error, never a partial answer marked complete; the worker goes on with the next
+requests. If the thread itself ends (a fault outside those guards, or close), every request it
+still holds or has queued is failed the same way and later ones are refused (503): no caller
+waits forever.
 """
 
 from __future__ import annotations
@@ -48,12 +51,28 @@ log = logging.getLogger("edge0_eval.server")
 
 @dataclass
 class Finished:
+    index: int  # the choice's
     text: str
     finish_reason: str  # 'stop' | 'length' (OpenAI's)
     prompt_tokens: int
-    tokens: list[int]
+    tokens: list[int]  # the answer's: no stop id
+    generated: int  # every token sampled for it, a final stop id included (usage)
     logprobs: list  # per output token: its chat API logprobs entry
     stats: dict  # the sample's stats (rows.sample_stats and more)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One of a job's rows as its answer goes out: choice `index` is sample `sample`, drawn
+    from `seed` (row_seed of the request's seed, its prompt and the sample)."""
+
+    index: int
+    row: Row
+    sample: int
+    seed: int
+    stream: "TextStream | None"
+    seen: int = 0  # the row's tokens taken so far
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -62,20 +81,21 @@ class Job:
     post: Callable[[tuple], None]
     submitted: float = field(default_factory=time.perf_counter)
     # The worker's, once admitted:
-    row: Row | None = None
-    stream: "TextStream | None" = None
-    seed: int = 0
-    seen: int = 0  # the row's tokens taken so far
-    logprobs: list = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+    started: bool = False
+    left: int = 0  # choices still decoding
+    ended: bool = False  # answered, failed or cancelled: nothing more is posted
 
 
 class TextStream:
-    """Streamed text: the row's text as its stop rule reads it (its IncrementalText, which
-    follows `tokenizer.decode` of the whole answer: one reader per row, fed once per token).
-    Held back: what could still become a stop word (the longest one's length - 1 characters;
-    an incomplete character is never read). Never sent: a stop word this text holds, and what
-    follows it. The hold applies after a first stop word too: a longer one completing in a
-    later token can start before it, and the answer is cut at the earliest."""
+    """Streamed text: the row's text as its reader reads it (the reader the stop rule and the
+    answer read: StopRule.reader). Held back: what could still become a stop word (the
+    longest one's length - 1 characters; the reader holds an incomplete character itself).
+    Never sent: a stop word this text holds, and what follows it. The hold applies after a
+    first stop word too: a longer one completing in a later token can start before it, and
+    the answer is cut at the earliest. So what is sent is always a prefix of the answer
+    (StopRule.text: the same text, cut at its earliest stop word), and `finish` sends the
+    rest of it."""
 
     def __init__(self, stop_words: list[str], reader: IncrementalText):
         self.stop_words = list(stop_words)
@@ -106,9 +126,7 @@ class TextStream:
         return out
 
     def finish(self, final: str) -> str:
-        """The rest of `final` (the whole answer, trimmed at its stop word)."""
-        if not final.startswith(self.text[: self.sent]):
-            log.warning("streamed text is not a prefix of the decoded answer")
+        """The rest of `final` (the whole answer: StopRule.text)."""
         return final[self.sent :]
 
 
@@ -141,7 +159,8 @@ class Worker(threading.Thread):
     per thread: arrays made on one thread cannot be evaluated on another). rows_at_once: the
     most rows decoded together (more wait). max_model_len: the most tokens a row may hold,
     prompt and answer (None: the model's context, max_position_embeddings, once loaded;
-    DEFAULT_MAX_MODEL_LEN if its config gives none)."""
+    DEFAULT_MAX_MODEL_LEN if its config gives none). max_tokens: the most new tokens of a
+    request that gives no max_tokens (None: the rest of the row, as vLLM)."""
 
     def __init__(
         self,
@@ -151,14 +170,15 @@ class Worker(threading.Thread):
         identity: dict,
         name: str,
         max_model_len: int | None = None,
+        max_tokens: int | None = None,
     ):
         super().__init__(name="edge0-engine", daemon=True)
         self._load, self.rows_at_once = load, rows_at_once
-        self.max_model_len = max_model_len
+        self.max_model_len, self.max_tokens = max_model_len, max_tokens
         self.identity, self.served_name = identity, name
         self.engine = self.tokenizer = self.decoder = None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.jobs: dict = {}  # row -> job
+        self.jobs: dict = {}  # row -> (its job, its choice)
         self.counts = Counter()  # served, failed, cancelled, refused
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -230,7 +250,7 @@ class Worker(threading.Thread):
         reason = error or RuntimeError(
             "the server stopped before this answer was complete"
         )
-        for job in list(self.jobs.values()):
+        for job in self._held():
             self._fail(job, reason)
         while True:
             try:
@@ -253,9 +273,13 @@ class Worker(threading.Thread):
                     self._restart(exc)
                     continue
                 for row in touched:
-                    job = self.jobs.get(row)
-                    if job is not None:
-                        self._guarded(self._advance, job, row)
+                    held = self.jobs.get(row)
+                    if held is not None:
+                        self._guarded(self._advance, *held)
+
+    def _held(self) -> list[Job]:
+        """The jobs with rows in the decoder, each once."""
+        return list({id(job): job for job, _ in self.jobs.values()}.values())
 
     def _guarded(self, call, job: Job, *args) -> None:
         """A fault in one job's handling fails that job (500), never the thread."""
@@ -263,8 +287,6 @@ class Worker(threading.Thread):
             call(job, *args)
         except Exception as exc:  # noqa: BLE001 - answered, and logged
             log.exception("request handling failed")
-            if job.row is not None and not job.row.done:
-                self.decoder.cancel(job.row)
             self._fail(job, exc)
 
     def _drain(self, block: bool) -> bool:
@@ -279,8 +301,8 @@ class Worker(threading.Thread):
                 return False
             if kind == "add":
                 self._guarded(self._admit, job)
-            elif job.row is not None and self.jobs.pop(job.row, None) is not None:
-                self.decoder.cancel(job.row)
+            elif not job.ended and job.choices:
+                self._drop(job)
                 self.counts["cancelled"] += 1
             try:
                 item = self.inbox.get_nowait()
@@ -288,12 +310,19 @@ class Worker(threading.Thread):
                 return True
 
     def _restart(self, exc: Exception) -> None:
-        for job in list(self.jobs.values()):
+        for job in self._held():
             self._fail(job, exc)
         self.decoder = BatchDecoder(self.engine, self.rows_at_once)
 
+    def _drop(self, job: Job) -> None:
+        """End a job: its rows still decoding or waiting leave the batch."""
+        job.ended = True
+        for choice in job.choices:
+            if self.jobs.pop(choice.row, None) is not None:
+                self.decoder.cancel(choice.row)
+
     def _admit(self, job: Job) -> None:
-        """Tokenize the request and queue its row."""
+        """Tokenize the request and queue its rows, one per choice."""
         spec, tok = job.spec, self.tokenizer
         try:
             if spec.kind == "chat":
@@ -305,7 +334,6 @@ class Worker(threading.Thread):
             else:
                 ids = list(spec.prompt)
         except Exception as exc:  # noqa: BLE001 - the template refused the messages
-            self.counts["refused"] += 1
             if spec.kind == "chat":
                 param = (
                     "chat_template_kwargs" if spec.chat_template_kwargs else "messages"
@@ -313,94 +341,112 @@ class Worker(threading.Thread):
                 what = "the chat template refused the request"
             else:
                 param, what = "prompt", "the tokenizer refused the prompt"
-            job.post(
-                ("error", RequestError(f"{what}: {type(exc).__name__}: {exc}", param))
+            self._refuse(
+                job, RequestError(f"{what}: {type(exc).__name__}: {exc}", param)
             )
             return
         if spec.max_seq_len is not None:
-            ids = fit_prompt(ids, spec.max_seq_len, spec.max_tokens)
+            ids = fit_prompt(ids, spec.max_seq_len, spec.max_tokens or 0)
         if not ids:
-            self.counts["refused"] += 1
-            job.post(("error", RequestError("the prompt has no tokens", "prompt")))
+            self._refuse(job, RequestError("the prompt has no tokens", "prompt"))
             return
-        if len(ids) + spec.max_tokens > self.max_model_len:
-            self.counts["refused"] += 1
-            param = "messages" if spec.kind == "chat" else "prompt"
-            job.post(
-                (
-                    "error",
-                    RequestError(
-                        f"the prompt ({param}) is {len(ids)} tokens and max_tokens {spec.max_tokens}: "
-                        f"{len(ids) + spec.max_tokens} in all, more than the {self.max_model_len} a row "
-                        f"may hold on this server (--max-model-len); shorten the prompt, ask for fewer "
-                        f"tokens, or give edge0_max_seq_len to cut the prompt",
-                        param,
-                        code=CONTEXT_EXCEEDED,
-                    ),
-                )
+        param = "messages" if spec.kind == "chat" else "prompt"
+        room = self.max_model_len - len(ids)
+        max_tokens = spec.max_tokens
+        if max_tokens is None:  # as vLLM: the rest of the row
+            max_tokens = room if self.max_tokens is None else min(room, self.max_tokens)
+        if max_tokens < 1 or max_tokens > room:
+            asked = (
+                f"and max_tokens {max_tokens}: {len(ids) + max_tokens} in all"
+                if spec.max_tokens is not None
+                else "leaving no room for an answer"
+            )
+            self._refuse(
+                job,
+                RequestError(
+                    f"the prompt ({param}) is {len(ids)} tokens {asked}, more than the "
+                    f"{self.max_model_len} a row may hold on this server "
+                    f"(--max-model-len); shorten the prompt, ask for fewer tokens, or "
+                    f"give edge0_max_seq_len to cut the prompt",
+                    param,
+                    code=CONTEXT_EXCEEDED,
+                ),
             )
             return
-        job.seed = row_seed(spec.seed, ids, spec.sample)
-        stop = StopRule(
-            tok,
-            spec.max_tokens,
-            stop_token_ids(tok, spec.stop),
-            spec.stop,
-            read_text=spec.stream,
-        )
-        job.row = self.decoder.add(
-            id(job),
-            ids,
-            stop=stop,
-            seed=job.seed,
-            sampling=spec.sampling,
-            top_logprobs=spec.logprobs,
-        )
-        job.stream = TextStream(spec.stop, stop.reader) if spec.stream else None
-        self.jobs[job.row] = job
+        stop_ids = stop_token_ids(tok, spec.stop)
+        for index in range(spec.n):
+            sample = spec.sample + index
+            seed = row_seed(spec.seed, ids, sample)
+            stop = StopRule(tok, max_tokens, stop_ids, spec.stop)
+            row = self.decoder.add(
+                (id(job), index),
+                ids,
+                stop=stop,
+                seed=seed,
+                sampling=spec.sampling,
+                top_logprobs=spec.logprobs,
+            )
+            stream = TextStream(spec.stop, stop.reader) if spec.stream else None
+            choice = Choice(index, row, sample, seed, stream)
+            job.choices.append(choice)
+            self.jobs[row] = (job, choice)
+        job.left = spec.n
 
-    def _advance(self, job: Job, row: Row) -> None:
-        """The row's new tokens (its stop rule has taken them) through its job: logprobs,
+    def _refuse(self, job: Job, error: RequestError) -> None:
+        self.counts["refused"] += 1
+        job.ended = True
+        job.post(("error", error))
+
+    def _advance(self, job: Job, choice: Choice) -> None:
+        """The row's new tokens (its stop rule has taken them) through its choice: logprobs,
         streamed text, the end."""
+        row = choice.row
         if row.error is not None:
             self._fail(job, row.error)
             return
-        if job.seen == 0:
+        if not job.started:
+            job.started = True
             job.post(("started", len(row.prompt)))
         logprobs = []
         if job.spec.logprobs is not None:
             # Output tokens only: a final stop id is sampled but not part of the answer.
-            for i in range(job.seen, len(row.output)):
+            for i in range(choice.seen, len(row.output)):
                 logprobs.append(self._logprob_entry(row.tokens[i], *row.logprobs[i]))
-        job.seen = len(row.tokens)
-        job.logprobs += logprobs
+        choice.seen = len(row.tokens)
+        choice.logprobs += logprobs
         if row.done:
-            self._finish(job, row, logprobs)
-        elif job.stream is not None:
-            text = job.stream.update()
+            self._finish(job, choice, logprobs)
+        elif choice.stream is not None:
+            text = choice.stream.update()
             if text or logprobs:
-                job.post(("delta", text, logprobs))
+                job.post(("delta", choice.index, text, logprobs))
 
-    def _finish(self, job: Job, row: Row, logprobs: list) -> None:
-        """The answer: the text trimmed at its stop word (streamed: the rest of it, with the
-        last tokens' logprobs), then `done`."""
+    def _finish(self, job: Job, choice: Choice, logprobs: list) -> None:
+        """A choice's answer: its text trimmed at its stop word (streamed: the rest of it,
+        with the last tokens' logprobs), then its `done`; the job ends with its last."""
+        row = choice.row
         del self.jobs[row]
         text, hit = row.stop.text()
-        if job.stream is not None:
-            rest = job.stream.finish(text)
+        if choice.stream is not None:
+            rest = choice.stream.finish(text)
             if rest or logprobs:
-                job.post(("delta", rest, logprobs))
-        self.counts["served"] += 1
+                job.post(("delta", choice.index, rest, logprobs))
+        job.left -= 1
+        if job.left == 0:
+            job.ended = True
+            self.counts["served"] += 1
         job.post(
             (
                 "done",
                 Finished(
+                    choice.index,
                     text,
                     finish_reason(row.stop),
                     len(row.prompt),
                     row.output,
-                    job.logprobs,
-                    self._stats(job, row, hit),
+                    len(row.tokens),
+                    choice.logprobs,
+                    self._stats(job, choice, hit),
                 ),
             )
         )
@@ -415,7 +461,11 @@ class Worker(threading.Thread):
         return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 
     def _fail(self, job: Job, exc: Exception) -> None:
-        self.jobs.pop(job.row, None)
+        """Fail the whole request (a choice's fault ends its siblings too: no partial
+        answer); once."""
+        if job.ended:
+            return
+        self._drop(job)
         self.counts["failed"] += 1
         log.error("request failed in the engine: %s: %s", type(exc).__name__, exc)
         job.post(
@@ -431,10 +481,12 @@ class Worker(threading.Thread):
             )
         )
 
-    def _stats(self, job: Job, row: Row, stop_word: str | None) -> dict:
+    def _stats(self, job: Job, choice: Choice, stop_word: str | None) -> dict:
         """The sample's stats, as an in-process student sample's (rows.sample_stats): the
         engine's figures with the row's own (Row.stats: its prefill and the decode steps it
-        took part in, shared with its batch mates)."""
+        took part in, shared with its batch mates); `seed` is the row's draw, `request_seed`
+        the request's (given or drawn: it replays the answer)."""
+        row = choice.row
         stats = row.stats(self.engine.stats())
         wall = time.perf_counter() - job.submitted
         busy = stats["prefill_s"] + stats["decode_wall_s"]
@@ -444,8 +496,9 @@ class Worker(threading.Thread):
             "wall_s": round(wall, 4),
             "queue_s": round(max(0.0, wall - busy), 4),
             "stop_word": stop_word,
-            "seed": job.seed,
-            "sample": job.spec.sample,
+            "seed": choice.seed,
+            "request_seed": job.spec.seed,
+            "sample": choice.sample,
             "batch_size": self.decoder.rows_at_once,
             **sample_stats(stats, row.finish, "not evicted"),
             "model_identity": self.identity,
