@@ -17,9 +17,17 @@ every request carries them. What stock `OpenAISDK` cannot do, this class does:
   prediction equals the in-process `Edge0Model` arm's. (Stock OpenAISDK can carry the seed in
   `openai_extra_kwargs=dict(seed=0)`, never a per-prompt sample index: repeats would draw
   alike.) mlx-lm's server seeds its global generator instead: its sampled rows differ.
-- Text. Requests ask for logprobs; the answer's token ids go through the arm's stop rule and
-  `tokenizer.decode`, as in-process (mlx-lm's server detokenizes some bytes otherwise, e.g.
-  byte 0 as 'Ā'); a server that returns no ids is read from its text.
+- Text. An `edge0-eval serve` host's answer is taken as it is (its text, finish reason and
+  token count, in its `edge0` field): the server applied the arm's one stop rule to the row
+  (engine/rows.py), so it is the in-process arm's answer. Any other server (mlx_lm.server) is
+  the one case read through the stop rule here: requests ask for logprobs, and the answer's
+  token ids go through the arm's stop rule and its text reader, as in-process (mlx-lm's server
+  detokenizes some bytes otherwise, e.g. byte 0 as 'Ā'); one that returns no ids is read
+  from its text.
+- Length. A host that reports its `max_model_len` (edge0-eval serve's /v1/models) is asked
+  for at most the rest of the row after the prompt, as that host counts it: a `max_out_len`
+  beyond the model's context would otherwise be refused (400) where the in-process arm
+  answers; an answer that ends within the context is the same either way.
 - Stats. `edge0-eval serve` returns each answer's engine stats (the extension field `edge0`):
   they become the sample's stats, as an in-process student's, with the model identity of the
   host that served it; another server's samples record what the response says.
@@ -46,7 +54,7 @@ from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
 from opencompass.models import OpenAISDK
 from opencompass.registry import MODELS
 
-from edge0_eval.engine.prompts import chat_ids, chat_text, to_messages
+from edge0_eval.engine.prompts import chat_ids, chat_text, fit_prompt, to_messages
 from edge0_eval.engine.rows import StopRule, stop_token_ids, trim_at_stop
 from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
@@ -206,6 +214,7 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
             b: OpenAI(base_url=b, api_key=key, max_retries=0, timeout=timeout)
             for b in bases
         }
+        self.contexts: Dict[str, Optional[int]] = {}  # host -> its max_model_len
 
     # -- the tokenizer: the arm's own, as in-process ----------------------------------------
     def _init_tokenizer(self):
@@ -272,14 +281,47 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
             body["stop"] = stop_words
         return dict(body, extra_body=extra)
 
+    def _context(self, base: str) -> Optional[int]:
+        """The host's max_model_len, if its /v1/models gives one (edge0-eval serve's does);
+        asked once per host."""
+        if base not in self.contexts:
+            try:
+                models = self.clients[base].models.list().data
+            except (APIConnectionError, APITimeoutError, APIStatusError):
+                return None  # unknown for now: asked again with the next request
+            lengths = [
+                getattr(m, "max_model_len", None) for m in models if m.id == self.path
+            ]
+            self.contexts[base] = next(
+                (n for n in lengths if isinstance(n, int) and n > 0), None
+            )
+        return self.contexts[base]
+
+    def _max_tokens(self, base: str, prompt_len: int, max_out_len: int) -> int:
+        """max_out_len, or the rest of the host's row after the prompt when that is less."""
+        context = self._context(base)
+        if context is None or prompt_len + max_out_len <= context:
+            return max_out_len
+        room = max(1, context - prompt_len)
+        self.logger.warning(
+            f"api: {base} holds {context} tokens a row (max_model_len): this "
+            f"{prompt_len}-token prompt is asked for {room} new tokens, not "
+            f"max_out_len {max_out_len}"
+        )
+        return room
+
     def _generate_row(
         self, prompt: Any, sample: int, max_out_len: int, stop_words: List[str]
     ) -> tuple[str, Dict[str, Any]]:
         request = self._request(prompt, sample, max_out_len, stop_words)
+        # The prompt as the server counts it: templated and cut as in-process.
+        ids = chat_ids(self.tokenizer, request["messages"], self.chat_template_kwargs)
+        prompt_len = len(fit_prompt(ids, self.max_seq_len, max_out_len))
         last, base = None, None
         for attempt in range(self.retry):
             base, wait = self.hosts.take(avoid=base)
             time.sleep(wait)
+            request["max_tokens"] = self._max_tokens(base, prompt_len, max_out_len)
             start = time.perf_counter()
             failed = True
             try:
@@ -329,6 +371,12 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
     ) -> tuple[str, Dict[str, Any]]:
         """The prediction as the in-process arm writes it, and the sample's stats."""
         choice = response.choices[0]
+        served = getattr(response, "edge0", None)
+        if isinstance(served, dict):  # edge0-eval serve: the row's own answer
+            stats = dict(served)
+            stats.update(arm=self.arm, api_base=base, client_wall_s=round(wall, 4))
+            return choice.message.content or "", stats
+        # Another server: its token ids through the arm's stop rule, as in-process.
         entries = (
             choice.logprobs.content if choice.logprobs is not None else None
         ) or []
@@ -345,10 +393,7 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
             for token in ids:
                 if row.add(token):
                     break
-            text, finish = (
-                self.tokenizer.decode(row.tokens),
-                row.finish or choice.finish_reason,
-            )
+            (text, hit), finish = row.text(), row.finish or choice.finish_reason
             tokens = len(row.tokens)
         else:
             message = choice.message
@@ -363,21 +408,18 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
                 if reasoning and content
                 else reasoning or content
             )
+            text, hit = trim_at_stop(text, stop_words)
             finish = choice.finish_reason
-        text, hit = trim_at_stop(text, stop_words)
-        served = getattr(response, "edge0", None)
-        stats = (
-            dict(served)
-            if isinstance(served, dict)
-            else {
-                "prompt_tokens": getattr(usage, "prompt_tokens", None),
-                "tokens": tokens,
-                "seed": self.sampling["seed"],
-                "sample": sample,
-                "finish_reason": finish,
-                "stop_word": hit,
-                "model_identity": {"served_model": self.path},
-            }
-        )
-        stats.update(arm=self.arm, api_base=base, client_wall_s=round(wall, 4))
+        stats = {
+            "prompt_tokens": getattr(usage, "prompt_tokens", None),
+            "tokens": tokens,
+            "seed": self.sampling["seed"],
+            "sample": sample,
+            "finish_reason": finish,
+            "stop_word": hit,
+            "model_identity": {"served_model": self.path},
+            "arm": self.arm,
+            "api_base": base,
+            "client_wall_s": round(wall, 4),
+        }
         return text, stats

@@ -179,3 +179,115 @@ def test_a_busy_host_is_retried_not_blamed_on_the_request(edge0_qwen):
         assert len(calls) == 2
     finally:
         server.shutdown()
+
+
+def test_max_out_len_beyond_the_context_is_answered_as_in_process(edge0_qwen):
+    """max_out_len at or beyond the host's max_model_len was a 400 that ended the call
+    (max_tokens leaves no room for a prompt) where the in-process arm answers: the arm now
+    asks an edge0-eval host for the rest of its row, and an answer that ends within it is
+    the in-process one."""
+    host = LiveServer(
+        edge0_qwen, EngineOptions(mode="reactive"), name=NAME, max_model_len=64
+    )
+    greedy = dict(GENERATION, generation_kwargs=dict(temperature=0.0, seed=3))
+    try:
+        api = Edge0APIModel(
+            path=NAME,
+            openai_api_base=host.base,
+            tokenizer_path=str(edge0_qwen),
+            **greedy,
+        )
+        local = Edge0Model(
+            path=str(edge0_qwen), mode="reactive", no_lora=True, **greedy
+        )
+        for prompt in ("disk batch", "route stream", "batch disk", "disk route"):
+            (want,) = local.generate([prompt], 100)
+            (stats,) = local.pop_sample_stats()
+            room = 64 - stats["prompt_tokens"]
+            if stats["finish_reason"] == "eos" and stats["tokens"] < room:
+                break
+        else:
+            pytest.skip("no greedy answer of the tiny model ends within the row")
+        assert api.generate([prompt], 100) == [want]
+        (served,) = api.pop_sample_stats()
+        assert served["finish_reason"] == "eos" and served["tokens"] == stats["tokens"]
+        assert api.contexts == {host.base: 64}
+    finally:
+        host.close()
+
+
+def _host(body: dict) -> ThreadingHTTPServer:
+    """A fake OpenAI host that answers every POST with `body`."""
+
+    class Host(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            data = json.dumps({"object": "list", "data": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Host)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_an_edge0_host_answer_is_taken_as_served_and_another_is_read(edge0_qwen):
+    """An edge0-eval serve answer (it has `edge0`) is the row's own: its text, finish and
+    tokens, never replayed through the stop rule (the text came from the ids before). Any
+    other server's token ids are read through the arm's stop rule."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(edge0_qwen)
+    ids = tok.encode("alpha STOP beta", add_special_tokens=False)
+    entries = [{"id": i, "token": tok.decode([i]), "logprob": -1.0} for i in ids]
+    answer = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": NAME,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "logprobs": {"content": entries},
+                "message": {"role": "assistant", "content": "as served"},
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+    }
+    stats = {"finish_reason": "stop_word", "tokens": 2, "seed": 9, "sample": 0}
+    for body, want in (
+        (dict(answer, edge0=stats), "as served"),
+        (answer, "alpha"),  # another server: its ids through the stop rule
+    ):
+        server = _host(body)
+        try:
+            api = Edge0APIModel(
+                path=NAME,
+                openai_api_base=f"http://127.0.0.1:{server.server_port}/v1",
+                tokenizer_path=str(edge0_qwen),
+                stop_words=[" STOP"],
+            )
+            assert api.generate(["hi"], 32) == [want]
+            (got,) = api.pop_sample_stats()
+            if "edge0" in body:
+                assert got["tokens"] == 2 and got["finish_reason"] == "stop_word"
+            else:
+                assert (
+                    got["finish_reason"] == "stop_word" and got["stop_word"] == " STOP"
+                )
+        finally:
+            server.shutdown()
