@@ -302,7 +302,7 @@ def run_compute_only_arm(model_dir, args) -> dict:
 def run_mlx_lm_arm(model_dir, args) -> dict:
     mx.reset_peak_memory()
     model, tokenizer = load_reference(
-        model_dir, compute_dtype=args.compute_dtype, top_k=args.top_k
+        model_dir, compute_dtype=args.compute_dtype, top_k=args.experts_per_token
     )
     prompt = mx.array(_prompt(tokenizer, args.prompt_tokens))
     times = []

@@ -15,7 +15,11 @@ from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.mlx_compat import wired_limit
-from edge0_eval.engine.sampling_options import check_filters, check_penalties
+from edge0_eval.engine.sampling_options import (
+    check_filters,
+    check_penalties,
+    check_temperature,
+)
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.jsonl import iter_jsonl
 
@@ -35,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=ct.positive_int,
         default=None,
         help="--prompts: rows decoded at once (default 1); the expert buffer "
-        "grows to B x top-k slots per layer when the budget holds fewer",
+        "grows to B x K slots per layer when the budget holds fewer",
     )
     parser.add_argument(
         "--raw", action="store_true", help="do not apply the chat template"
@@ -53,13 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0
     )
-    # Sampling filters and penalties as mlx-lm's (engine/sampling_options.py); --top-k is the
-    # routing width, so the sampling one is --sample-top-k.
+    # Sampling filters and penalties as mlx-lm's (engine/sampling_options.py), under its
+    # names: --top-k samples; the routing width is --experts-per-token.
     parser.add_argument(
-        "--sample-top-k",
+        "--top-k",
         type=ct.nonneg_int,
         default=0,
-        help="sample among the k most likely tokens (0: off)",
+        help="sample among the k most likely tokens (0: off), as in mlx-lm",
+    )
+    parser.add_argument(
+        "--sample-top-k", type=_renamed_sample_top_k, help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--min-p",
@@ -96,7 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=ct.output_file,
         help="write generated token ids, text and stats here",
     )
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, samples=True)
+
+
+def _renamed_sample_top_k(text: str):
+    raise argparse.ArgumentTypeError(
+        "--sample-top-k is --top-k now, as in mlx-lm (the routing width is "
+        "--experts-per-token)"
+    )
 
 
 ROW_KEYS = ("prompt", "seed")
@@ -189,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
             "applied); drop one of them"
         )
     rows = read_prompts(args.prompts) if args.prompts is not None else None
-    check_filters(args.sample_top_k, args.min_p)
+    check_temperature(args.temp)
+    check_filters(args.top_k, args.min_p)
     check_penalties(_penalties(args))
     engine = Engine.load(args.model, options_from_args(args))
     try:
@@ -219,7 +234,7 @@ def _sampling(args) -> dict:
     return dict(
         temperature=args.temp,
         top_p=args.top_p,
-        top_k=args.sample_top_k,
+        top_k=args.top_k,
         min_p=args.min_p,
         penalties=_penalties(args),
         stop_words=args.stop,

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_experts_per_token
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads
@@ -30,11 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="heads file to write (.safetensors)",
     )
     add_head_layout_arguments(parser)
-    parser.add_argument(
-        "--top-k",
-        type=ct.positive_int,
-        default=None,
-        help="serving K the heads are for (default: the tier's, else native)",
+    add_experts_per_token(
+        parser, "serving K the heads are for (default: the tier's, else native)"
     )
     parser.add_argument("--seed", type=ct.seed, default=0)
     parser.add_argument(
@@ -53,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     facts = model_facts(Path(args.model))
     top_k, owners, width = resolve_heads(
-        facts, top_k=args.top_k, start_layer=args.start_layer, width=args.width
+        facts,
+        top_k=args.experts_per_token,
+        start_layer=args.start_layer,
+        width=args.width,
     )
     probe = Engine.load(
         args.model, EngineOptions(mode="reactive", no_lora=True, no_prerouter=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from edge0_eval.arguments.engine_flags import add_experts_per_token
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.checkpoints.tiny_configs import TINY_CONFIGS
 
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--experts", type=int, default=d.experts)
-    parser.add_argument("--top-k", type=int, default=d.top_k)
+    add_experts_per_token(parser, "routing width written to the config", d.top_k, int)
     parser.add_argument("--hidden", type=int, default=d.hidden)
     parser.add_argument("--heads", type=int, default=d.heads)
     parser.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate)
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         family=args.family,
         layers=args.layers,
         experts=args.experts,
-        top_k=args.top_k,
+        top_k=args.experts_per_token,
         hidden=args.hidden,
         heads=args.heads,
         moe_intermediate=args.moe_intermediate,

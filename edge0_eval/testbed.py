@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edge0_eval.arguments.engine_flags import refuse_top_k
 from edge0_eval.checkpoints.testbed_model import (
     CHECK_PROMPTS,
     GGUF_NAME,
@@ -18,7 +19,7 @@ from edge0_eval.checkpoints.testbed_model import (
 BUILD_FLAGS = {
     "--experts": ("num_experts", "routed experts per layer"),
     "--shared": ("shared", "always-on neurons (the most active ones), multiple of 64"),
-    "--top-k": ("top_k", "routing width written to the config"),
+    "--experts-per-token": ("top_k", "routing width written to the config"),
     "--check-k": ("check_k", "routing widths whose held-out quality is measured"),
     "--fit-seqs": ("fit_seqs", "corpus sequences to fit routers on"),
     "--held-seqs": ("held_seqs", "held-out sequences for router recall"),
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=default,
                 help=help_text,
             )
+    refuse_top_k(b)
 
 
 def run(args: argparse.Namespace) -> int:

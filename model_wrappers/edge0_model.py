@@ -37,6 +37,13 @@ def resolve_engine_options(path: str, **options) -> EngineOptions:
     LoRA adapter (an evaluation must not score the base model by accident): `no_lora=True` for
     an ablation arm.
     """
+    if (
+        "top_k" in options
+    ):  # the routing width's old key: refused, never taken as sampling
+        raise ConfigError(
+            "student option top_k is experts_per_token now (the routing width, a "
+            "config's num_experts_per_tok); sampling's top_k goes in generation_kwargs"
+        )
     unknown = sorted(set(options) - set(engine_fields()))
     if unknown:
         raise ConfigError(
@@ -66,7 +73,8 @@ def resolve_engine_options(path: str, **options) -> EngineOptions:
 class Edge0Model(ChatModelBase):
     """The Edge0 student: `edge0_eval.engine.engine.Engine` over a converted model directory.
 
-    Every EngineOptions field is a config key, with EngineOptions' default (mode, top_k,
+    Every EngineOptions field is a config key, with EngineOptions' default (mode,
+    experts_per_token,
     expert_budget_mib, slots_per_layer, lora_path, prerouter_path, no_lora, no_prerouter,
     io_throttle_mbps, ...); adapters are found as `EngineOptions.resolve` documents, and the
     LoRA adapter is required (see `resolve_engine_options`).

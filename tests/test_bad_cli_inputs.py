@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge0_eval import cli
-from edge0_eval.errors import CheckpointError
+from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.draft_file import load_draft_vocab, save_draft_vocab
 
 
@@ -158,3 +158,64 @@ def test_fidelity_make_refuses_a_converted_student_as_teacher(
     assert (
         "converted streaming model" in message and not (tmp_path / "set.json").exists()
     )
+
+
+ROUTING_VERBS = [  # verbs whose --top-k was the routing width, with what they need to parse
+    ["serve", "M"],
+    ["bench", "M"],
+    ["fidelity", "bench", "M"],
+    ["init-prerouter", "M", "--out", "h.safetensors"],
+    ["train-prerouter", "M", "--text", "t.txt", "--out", "h.safetensors"],
+    ["train-lora", "T", "S", "--prompts", "p.jsonl", "--out", "l.safetensors"],
+    ["distill", "T", "S", "--prompts", "p.jsonl", "--out", "l.safetensors"],
+    ["make-tiny", "out"],
+    ["testbed", "build", "out"],
+]
+
+
+@pytest.mark.parametrize(
+    "argv", ROUTING_VERBS, ids=[" ".join(v[:2]) for v in ROUTING_VERBS]
+)
+def test_the_routing_width_old_spelling_is_refused_with_its_new_name(argv, capsys):
+    """--top-k was the routing width here while mlx-lm's (and every sampling API's) samples:
+    a user typing mlx-lm's flag got K experts a token, silently. The old spelling is one
+    error naming --experts-per-token; generate's --top-k samples (test_sampling_parity)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--top-k", "4"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--experts-per-token K" in err, err
+    last = err.strip().splitlines()[-1]  # argparse: its usage, then one error line
+    assert "argument --top-k: --top-k is no longer" in last and "Traceback" not in err
+
+
+def test_generate_top_k_samples_and_the_routing_width_is_experts_per_token(
+    edge0_qwen, tmp_path, capsys
+):
+    """generate --top-k 1 is top-1 sampling (greedy's tokens), not one expert a token; the
+    width is --experts-per-token; --sample-top-k is refused with the new name."""
+    out = tmp_path / "out.json"
+
+    def run(*argv) -> dict:
+        base = ["generate", str(edge0_qwen), "--prompt", "Hello", "--max-tokens", "6"]
+        assert cli.main([*base, "--json", str(out), *argv]) == 0
+        return json.loads(out.read_text())
+
+    greedy = run("--temp", "0")
+    top1 = run("--temp", "1", "--seed", "3", "--top-k", "1")
+    assert top1["tokens"] == greedy["tokens"]
+    assert top1["stats"]["top_k"] == greedy["stats"]["top_k"] == 4  # the native width
+    assert run("--experts-per-token", "2")["stats"]["top_k"] == 2
+    with pytest.raises(SystemExit):
+        cli.main(["generate", str(edge0_qwen), "--prompt", "x", "--sample-top-k", "3"])
+    assert "--sample-top-k is --top-k now" in capsys.readouterr().err
+
+
+def test_a_student_config_with_the_old_top_k_key_is_refused(edge0_qwen):
+    from model_wrappers.edge0_model import resolve_engine_options
+
+    with pytest.raises(ConfigError, match="top_k is experts_per_token now"):
+        resolve_engine_options(str(edge0_qwen), mode="reactive", top_k=4)
+    opts = resolve_engine_options(
+        str(edge0_qwen), mode="reactive", no_lora=True, experts_per_token=2
+    )
+    assert opts.experts_per_token == 2

@@ -53,7 +53,7 @@ def student(path, gen):
         mode="reactive",
         no_lora=True,
         no_prerouter=True,
-        top_k=2,
+        experts_per_token=2,
         slots_per_layer=4,
         generation_kwargs=gen,
     )

@@ -85,7 +85,9 @@ def test_parity_holds_when_nearly_every_expert_misses(family, request):
 
 
 def test_top_k_override_changes_routing_width(edge0_qwen64):
-    engine = Engine.load(edge0_qwen64, EngineOptions(mode="reactive", top_k=4))
+    engine = Engine.load(
+        edge0_qwen64, EngineOptions(mode="reactive", experts_per_token=4)
+    )
     result = engine.generate(engine.tokenizer.encode(PROMPT), max_tokens=4)
     engine.close()
     assert result.stats["top_k"] == 4

@@ -155,7 +155,9 @@ def test_reactive_decodes_mlx_lm_greedy_tokens(case, built):
 
 
 def _heads(out: Path, tmp: Path, top_k: int) -> Path:
-    engine = Engine.load(out, EngineOptions(mode="reactive", no_lora=True, top_k=top_k))
+    engine = Engine.load(
+        out, EngineOptions(mode="reactive", no_lora=True, experts_per_token=top_k)
+    )
     try:
         owners = default_owners(
             engine.moe_layers[0] + 1, len(engine.model.layers), engine.moe_layers
@@ -438,7 +440,7 @@ def test_bench_runs_two_quantizations_of_one_model_side_by_side(built, tmp_path)
     a, b = built("mixed_4_6")[1], built("per_part")[1]
     report_path = tmp_path / "bench.json"
     argv = ["bench", a, "--compare", b, "--arms", "reactive,prerouted", "--no-lora"]
-    argv += ["--top-k", "4", "--slots-per-layer", "4", "--tokens", "6"]
+    argv += ["--experts-per-token", "4", "--slots-per-layer", "4", "--tokens", "6"]
     argv += ["--prompt-tokens", "6", "--raw-reads", "16", "--json", report_path]
     heads = [_heads(m, tmp_path / m.parent.name, 4) for m in (a, b)]
     for model, path in zip((a, b), heads):

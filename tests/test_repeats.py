@@ -142,7 +142,7 @@ def arms(tiny_qwen, edge0_qwen):
             mode="reactive",
             no_lora=True,
             no_prerouter=True,
-            top_k=2,
+            experts_per_token=2,
             slots_per_layer=4,
             generation_kwargs=CARD,
         ),

@@ -268,7 +268,8 @@ def test_tier_configs_state_one_sampling_for_every_arm(tmp_path):
 
 
 def test_generate_cli_samples_with_filters_and_penalties(edge0_qwen, tmp_path, capsys):
-    """`generate`'s --sample-top-k (its --top-k is the routing width), --min-p and penalties."""
+    """`generate`'s --top-k (sampling, as mlx-lm's: the routing width is
+    --experts-per-token), --min-p and penalties."""
 
     def tokens(*argv) -> list[int]:
         out = tmp_path / "out.json"
@@ -291,11 +292,11 @@ def test_generate_cli_samples_with_filters_and_penalties(edge0_qwen, tmp_path, c
         return json.loads(out.read_text())["tokens"]
 
     greedy = tokens("--temp", "0")
-    assert tokens("--temp", "1", "--sample-top-k", "1", "--seed", "5") == greedy
+    assert tokens("--temp", "1", "--top-k", "1", "--seed", "5") == greedy
     sampled = tokens("--temp", "1", "--seed", "5")
     assert sampled != greedy  # so top-k 1 acted
     # A token of the prompt's tail that the row draws is penalized (greedy repeats none).
-    assert tokens("--temp", "1", "--seed", "5", "--presence-penalty", "5") != sampled
+    assert tokens("--temp", "1", "--seed", "5", "--presence-penalty", "2") != sampled
     assert (
         tokens("--temp", "1", "--seed", "5", "--repetition-penalty", "1.0") == sampled
     )
@@ -303,7 +304,9 @@ def test_generate_cli_samples_with_filters_and_penalties(edge0_qwen, tmp_path, c
     for argv, name in (
         (["--min-p", "1"], "min_p"),
         (["--repetition-penalty", "0"], "--repetition-penalty"),
-        (["--sample-top-k", "-1"], "--sample-top-k"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2]"),
+        (["--temp", "2.5"], "temperature must be a number in [0, 2]"),
     ):
         try:
             rc = main(["generate", str(edge0_qwen), "--prompt", "x", *argv])

@@ -197,7 +197,7 @@ def test_35b_shape_in_a_mixed_quantization(mix, tmp_path):
         v.nbytes for v in mx.load(str(out / RESIDENT_NAME)).values()
     )
     _forward_is_sane(load_converted(out))
-    engine = Engine.load(out, EngineOptions(mode="reactive", top_k=4))
+    engine = Engine.load(out, EngineOptions(mode="reactive", experts_per_token=4))
     try:
         result = engine.generate([1, 2, 3, 4], max_tokens=3, stop_token_ids=set())
         assert len(result.tokens) == 3 and result.stats["bytes_read"] > 0

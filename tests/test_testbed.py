@@ -187,7 +187,7 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
             _options(num_experts=6, shared=64),
             source="tiny",
         )
-    with pytest.raises(ConfigError, match="--top-k"):
+    with pytest.raises(ConfigError, match="--experts-per-token"):
         testbed_model.build_from_dense(
             tmp_path / "c",
             config,

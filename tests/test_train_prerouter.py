@@ -301,7 +301,7 @@ def test_cli(trained, tmp_path, capsys):
             "1..2",
             "--width",
             "8",
-            "--top-k",
+            "--experts-per-token",
             "2",
             "--no-progress",
         ]

@@ -92,7 +92,9 @@ def test_bench_arms_run_wired(edge0_qwen, metal, tmp_path):
 def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
     from model_wrappers.edge0_model import Edge0Model
 
-    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", top_k=2))
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="reactive", experts_per_token=2)
+    )
     try:
         prompt = engine.tokenizer.encode("hello there")
         out = model_logprobs(engine, prompt, [5, 6], [[5, 7], [6, 8]])
@@ -105,7 +107,7 @@ def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
         mode="reactive",
         no_lora=True,
         no_prerouter=True,
-        top_k=2,
+        experts_per_token=2,
         generation_kwargs=dict(temperature=0.0),
     )
     generate = student.engine.generate_batch

@@ -96,7 +96,10 @@ edge0_tier_batch = {"35b": dict(teacher=8, student=8), "8b": dict(teacher=8, stu
 
 # Per tier: the Edge0Model settings every student arm shares. 35B: served at K=4 (native top-8),
 # as in the reference design; 8B: the native top-8 (the reference reduces K only on 35B).
-edge0_tier_students = {"35b": dict(top_k=4), "8b": dict(top_k=None)}
+edge0_tier_students = {
+    "35b": dict(experts_per_token=4),
+    "8b": dict(experts_per_token=None),
+}
 edge0_roles = dict(
     teacher="the fp16 teacher (an mlx-lm checkpoint directory)",
     student="the student directory (`edge0-eval convert` output holding "

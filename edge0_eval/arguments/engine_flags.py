@@ -1,4 +1,10 @@
-"""Engine options on the command line: one place maps flags onto `EngineOptions`."""
+"""Engine options on the command line: one place maps flags onto `EngineOptions`.
+
+The routing width is `--experts-per-token K` on every verb (a config's num_experts_per_tok;
+the EngineOptions field `experts_per_token`); `--top-k` samples, as in mlx-lm, where a verb
+samples (generate), and is refused with the new name everywhere else, so a command written for
+the old spelling fails instead of doing the other thing.
+"""
 
 from __future__ import annotations
 
@@ -17,16 +23,46 @@ from edge0_eval.engine.options import (
 
 # Every flag's default is the EngineOptions field's: one owner.
 _DEFAULTS = EngineOptions()
+TOP_K_RENAMED = (
+    "--top-k is no longer the routing width: give --experts-per-token K (the "
+    "config's num_experts_per_tok); --top-k samples, as in mlx-lm, where a verb "
+    "samples (generate --top-k)"
+)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def _renamed_top_k(text: str):
+    raise argparse.ArgumentTypeError(TOP_K_RENAMED)
+
+
+def add_experts_per_token(
+    parser, help: str, default=None, type=ct.positive_int, refuse_old: bool = True
+) -> None:
+    """`--experts-per-token K`, the routing width; with `refuse_old`, the old spelling
+    `--top-k` is refused with the new name (a verb that samples defines its own --top-k)."""
+    parser.add_argument(
+        "--experts-per-token", type=type, default=default, metavar="K", help=help
+    )
+    if refuse_old:
+        refuse_top_k(parser)
+
+
+def refuse_top_k(parser) -> None:
+    """`--top-k`, the routing width's old spelling, refused with the new name."""
+    parser.add_argument(
+        "--top-k", type=_renamed_top_k, dest="renamed_top_k", help=argparse.SUPPRESS
+    )
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, samples: bool = False
+) -> None:
+    """The engine's flags. samples: the verb samples and defines `--top-k` itself."""
     g = parser.add_argument_group("engine")
     g.add_argument("--mode", default=_DEFAULTS.mode, choices=MODES)
-    g.add_argument(
-        "--top-k",
-        type=ct.positive_int,
-        default=None,
-        help="routing width (default: native)",
+    add_experts_per_token(
+        g,
+        "routing width: experts per token (default: the model's num_experts_per_tok)",
+        refuse_old=not samples,
     )
     g.add_argument(
         "--expert-budget-mib",

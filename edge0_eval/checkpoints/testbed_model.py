@@ -329,7 +329,7 @@ def build_from_dense(
         )
     if not 1 <= top_k <= num_experts:
         raise ConfigError(
-            f"--top-k {top_k} must be between 1 and --experts {num_experts}"
+            f"--experts-per-token {top_k} must be between 1 and --experts {num_experts}"
         )
     report: dict = {
         "source": source,

@@ -51,7 +51,7 @@ class TinyShape:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.top_k > self.experts:
             raise ConfigError(
-                f"--top-k {self.top_k} is larger than --experts {self.experts}"
+                f"--experts-per-token {self.top_k} is larger than --experts {self.experts}"
             )
         if self.hidden % self.heads:
             raise ConfigError(

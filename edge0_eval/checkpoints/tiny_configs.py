@@ -83,8 +83,8 @@ def bailing_tiny(shape) -> dict:
     groups = _bailing_groups(shape.experts)
     if shape.top_k > max(1, groups // 2) * (shape.experts // groups):
         raise ConfigError(
-            f"--top-k {shape.top_k} cannot be met by group-limited routing over "
-            f"{shape.experts} experts in {groups} groups keeping "
+            f"--experts-per-token {shape.top_k} cannot be met by group-limited "
+            f"routing over {shape.experts} experts in {groups} groups keeping "
             f"{max(1, groups // 2)}"
         )
     if shape.layers < 2:

@@ -1,6 +1,6 @@
 """Engine options: every option as one typed object, and the one place that resolves them.
 
-    options = EngineOptions(mode="prerouted", top_k=4)
+    options = EngineOptions(mode="prerouted", experts_per_token=4)
     resolved = options.resolve("model-edge0")   # K, slots per layer, adapter files, clipping
 
 The CLI (arguments/engine_flags), the OpenCompass student (model_wrappers/edge0_model) and the
@@ -48,9 +48,10 @@ class EngineOptions:
     """Every engine option, as one typed object from CLI/config to where it is used."""
 
     mode: str = "reactive"
-    top_k: int | None = None  # routing width; None = the model's native top-k
+    # The routing width K (a config's num_experts_per_tok); None: the model's native K.
+    experts_per_token: int | None = None
     # Expert slot buffers across all MoE layers, for one row: a batch (generate_batch) holds
-    # min(experts, rows x top_k) slots per layer while it runs when this holds fewer.
+    # min(experts, rows x K) slots per layer while it runs when this holds fewer.
     expert_budget_mib: float | None = None
     slots_per_layer: int | None = None  # alternative to the budget
     lora_path: str | None = None  # None: LORA_FILE beside the model, if present
@@ -85,7 +86,7 @@ class EngineOptions:
         """Types and ranges of every field (a config can pass anything, NaN included)."""
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        for name in ("top_k", "slots_per_layer", "hedge_layers"):
+        for name in ("experts_per_token", "slots_per_layer", "hedge_layers"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}")
@@ -155,10 +156,10 @@ class EngineOptions:
         family = family_for(config, str(directory / "config.json"))
         index = index if index is not None else ExpertIndex.load(directory)
         num_experts = family.num_experts(config)
-        top_k = self.top_k or family.native_top_k(config)
+        top_k = self.experts_per_token or family.native_top_k(config)
         if top_k > num_experts:
             raise ConfigError(
-                f"top_k {top_k} exceeds the model's {num_experts} experts"
+                f"experts_per_token {top_k} exceeds the model's {num_experts} experts"
             )
         lora_path = self._lora_path(
             directory, require_lora

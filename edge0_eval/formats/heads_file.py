@@ -219,7 +219,7 @@ def read_heads(
     elif k != top_k:
         raise CheckpointError(
             f"{where} was trained for K={k} but the engine serves K={top_k}; "
-            f"train heads for K={top_k} or serve with --top-k {k}"
+            f"train heads for K={top_k} or serve with --experts-per-token {k}"
         )
     if model_type is not None and meta.get("model_type") not in (None, "", model_type):
         raise CheckpointError(

@@ -80,7 +80,9 @@ def dequantize_model(model: nn.Module) -> int:
 def load_float32(model_dir, served: EngineOptions) -> Engine:
     """The served model in resident mode (every expert in its slot, slot = expert id), its
     quantized weights replaced by float32 copies; same K, no adapter."""
-    options = EngineOptions(mode="resident", top_k=served.top_k, no_lora=True)
+    options = EngineOptions(
+        mode="resident", experts_per_token=served.experts_per_token, no_lora=True
+    )
     engine = Engine.load(model_dir, options)
     dequantize_model(engine.model)
     return engine

@@ -203,7 +203,7 @@ def resolve_heads(
     k = top_k or d["top_k"] or facts.native_top_k
     if k > facts.num_experts:
         raise ConfigError(
-            f"--top-k {k} exceeds the model's {facts.num_experts} experts"
+            f"--experts-per-token {k} exceeds the model's {facts.num_experts} experts"
         )
     moe = facts.moe_layers
     if owners:
@@ -238,7 +238,7 @@ def collector_options(opts: PrerouterOptions, top_k: int) -> EngineOptions:
     must not change stage 1's data (the features' fingerprint does not cover adapters)."""
     return EngineOptions(
         mode="reactive",
-        top_k=top_k,
+        experts_per_token=top_k,
         expert_budget_mib=opts.expert_budget_mib,
         no_lora=True,
     )

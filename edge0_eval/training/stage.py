@@ -146,7 +146,8 @@ def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
         "max_prompts",
     )
     fp = {k: getattr(opts, k) for k in keys}
-    fp.update({k: getattr(opts.engine, k) for k in ("mode", "top_k")})
+    # "top_k": the fingerprint's name for K since before the option was experts_per_token.
+    fp.update(mode=opts.engine.mode, top_k=opts.engine.experts_per_token)
     if opts.stage == "distill":
         fp.update(kl_topk=opts.kl_topk, temperature=opts.temperature, top_p=opts.top_p)
     else:

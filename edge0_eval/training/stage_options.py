@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_experts_per_token
 from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AGREEMENT
@@ -32,7 +33,7 @@ def add_run_arguments(
     product: str,
     lr_help: str | None = None,
     fresh_help: str,
-    top_k_help: str = "serving K (default native)",
+    top_k_help: str = "serving K, experts per token (default native)",
 ) -> None:
     """Output, steps, optimizer, seed, checkpoint and resume arguments; defaults from `d`."""
     parser.add_argument(
@@ -41,7 +42,7 @@ def add_run_arguments(
         help=f"{product} file to write (.safetensors); the report goes next to "
         f"it, checkpoints to <out>.ckpt/",
     )
-    parser.add_argument("--top-k", type=int, default=None, help=top_k_help)
+    add_experts_per_token(parser, top_k_help, type=int)
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--lr", type=float, default=d.lr, help=lr_help)
     parser.add_argument("--batch", type=int, default=d.batch, help=f"{unit} per step")
@@ -137,7 +138,7 @@ class PrerouterOptions:
         if self.width is not None and self.width < 1:
             raise ConfigError("--width must be at least 1")
         if self.top_k is not None and self.top_k < 1:
-            raise ConfigError("--top-k must be at least 1")
+            raise ConfigError("--experts-per-token must be at least 1")
 
 
 def parse_owners(values: list[str] | None) -> list[int] | None:
@@ -285,7 +286,11 @@ def add_prerouter_arguments(parser: argparse.ArgumentParser) -> None:
 def prerouter_options_from_args(args: argparse.Namespace) -> PrerouterOptions:
     """Stage 1 options from its parsed arguments."""
     return _from_args(
-        PrerouterOptions, args, texts=list(args.text), owners=parse_owners(args.owners)
+        PrerouterOptions,
+        args,
+        texts=list(args.text),
+        owners=parse_owners(args.owners),
+        top_k=args.experts_per_token,
     )
 
 
@@ -311,7 +316,7 @@ class StageOptions:
     seq_len: int = 512
     max_new_tokens: int = 128
     grad_checkpoint: bool = False
-    # The student's engine, as served (mode, top_k, prerouter_path,
+    # The student's engine, as served (mode, experts_per_token, prerouter_path,
     # slots_per_layer: None = `models.training_slots`); training attaches its own LoRA.
     engine: EngineOptions = field(
         default_factory=lambda: EngineOptions(mode="prerouted", no_lora=True)
@@ -545,7 +550,7 @@ def options_from_args(args: argparse.Namespace, stage: str) -> StageOptions:
     teacher, student = teacher_and_student(args)
     engine = EngineOptions(
         mode=args.mode,
-        top_k=args.top_k,
+        experts_per_token=args.experts_per_token,
         slots_per_layer=args.slots_per_layer,
         prerouter_path=args.prerouter,
         no_lora=True,
