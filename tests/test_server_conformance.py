@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -162,9 +163,11 @@ def test_streamed_answers_are_the_whole_ones(served):
     row whose first step took two tokens streamed only the second (max_tokens 2 gave
     'mps' for '\\x17mps'), and a seeded stop word lost text (' m' for ' d m')."""
     server, _ = served
+    start = time.perf_counter()
     with ThreadPoolExecutor(ROWS) as pool:
         made = sum(pool.map(lambda i: _one(server, i), range(130)))
     assert made >= 300
+    print(f"\n{made} requests in {time.perf_counter() - start:.1f} s")
     assert server.health()["status"] == "ok"
 
 
