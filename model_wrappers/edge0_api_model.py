@@ -50,7 +50,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from mlx_lm.utils import load_config, load_tokenizer
-from openai import APIConnectionError, APIStatusError, APITimeoutError, OpenAI
+from openai import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    OpenAI,
+)
 from opencompass.models import OpenAISDK
 from opencompass.registry import MODELS
 
@@ -287,10 +293,16 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
         if base not in self.contexts:
             try:
                 models = self.clients[base].models.list().data
-            except (APIConnectionError, APITimeoutError, APIStatusError):
+            except (APIConnectionError, APITimeoutError):
                 return None  # unknown for now: asked again with the next request
+            except (APIError, ValueError):
+                # It answers, but not a list to read (mlx_lm.server's listing can fail
+                # offline, leaving an empty body): no length to go by.
+                models = []
             lengths = [
-                getattr(m, "max_model_len", None) for m in models if m.id == self.path
+                getattr(m, "max_model_len", None)
+                for m in models
+                if getattr(m, "id", None) == self.path
             ]
             self.contexts[base] = next(
                 (n for n in lengths if isinstance(n, int) and n > 0), None

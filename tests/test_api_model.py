@@ -216,8 +216,10 @@ def test_max_out_len_beyond_the_context_is_answered_as_in_process(edge0_qwen):
         host.close()
 
 
-def _host(body: dict) -> ThreadingHTTPServer:
-    """A fake OpenAI host that answers every POST with `body`."""
+def _host(body: dict, listing: bool = True) -> ThreadingHTTPServer:
+    """A fake OpenAI host that answers every POST with `body`; its GET /models lists no
+    model, or (listing False) fails after its headers, as mlx_lm.server's does when it
+    cannot scan its cache: a 200 with an empty body."""
 
     class Host(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -226,6 +228,11 @@ def _host(body: dict) -> ThreadingHTTPServer:
         def do_GET(self):
             data = json.dumps({"object": "list", "data": []}).encode()
             self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if not listing:
+                self.send_header("Connection", "close")
+                self.end_headers()
+                return
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -269,11 +276,12 @@ def test_an_edge0_host_answer_is_taken_as_served_and_another_is_read(edge0_qwen)
         "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
     }
     stats = {"finish_reason": "stop_word", "tokens": 2, "seed": 9, "sample": 0}
-    for body, want in (
-        (dict(answer, edge0=stats), "as served"),
-        (answer, "alpha"),  # another server: its ids through the stop rule
+    for body, want, listing in (
+        (dict(answer, edge0=stats), "as served", True),
+        (answer, "alpha", True),  # another server: its ids through the stop rule
+        (answer, "alpha", False),  # one whose /models cannot be read
     ):
-        server = _host(body)
+        server = _host(body, listing)
         try:
             api = Edge0APIModel(
                 path=NAME,
