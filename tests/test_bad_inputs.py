@@ -995,7 +995,7 @@ def test_store_options_refused(kw, edge0_qwen):
         ("io_throttle_mbps", float("inf")),
         ("io_workers", 0),
         ("seed", -1),
-        ("top_k", 2.5),
+        ("experts_per_token", 2.5),
         ("slots_per_layer", True),
         ("clip_hidden", float("nan")),
         ("prefill_chunk", 0),

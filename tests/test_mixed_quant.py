@@ -180,7 +180,7 @@ def test_prerouted_decodes_mlx_lm_greedy_tokens(case, built, tmp_path):
         EngineOptions(
             mode="prerouted",
             no_lora=True,
-            top_k=experts,
+            experts_per_token=experts,
             prerouter_path=str(_heads(out, tmp_path, experts)),
         ),
     )

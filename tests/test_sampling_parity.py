@@ -82,7 +82,7 @@ def student_model(edge0_qwen):
         mode="reactive",
         no_lora=True,
         no_prerouter=True,
-        top_k=2,
+        experts_per_token=2,
         slots_per_layer=4,
         generation_kwargs=ALL,
     )
