@@ -49,6 +49,9 @@ if not edge0_gate_round.isdigit():
     raise SystemExit(
         f"edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number"
     )
+# EDGE0_GATE_SEED (drawn by `gate-run --sequential` before round 1): the order the rounds take
+# the sample in, fresh for every run (edge0_eval/evaluation/rounds.py says why).
+edge0_gate_seed = os.environ.get("EDGE0_GATE_SEED") or ""
 # The datasets the sample is drawn from (the sizing reads them), then the sample.
 edge0_gate_sources = edge0_agreement_datasets
 datasets = [
@@ -107,6 +110,7 @@ infer = dict(
         full_data=False,
         rounds=edge0_gate["rounds"],
         round=int(edge0_gate_round),
+        seed=edge0_gate_seed,
         stage="infer",
     ),
     runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
@@ -118,6 +122,7 @@ eval = dict(
         check_models=False,
         rounds=edge0_gate["rounds"],
         round=int(edge0_gate_round),
+        seed=edge0_gate_seed,
         stage="eval",
     ),
     runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),

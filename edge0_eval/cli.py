@@ -60,6 +60,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "gate": ("edge0_eval.gate", "CI regression gate on a report"),
     "gate-run": ("edge0_eval.gate_run", "run a gate config and gate it"),
+    "gate-baseline": (
+        "edge0_eval.gate_baseline",
+        "a gate baseline from several runs' reports",
+    ),
     "fidelity": (
         "edge0_eval.fidelity",
         "make a teacher-forced fidelity set from a teacher",

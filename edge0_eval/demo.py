@@ -210,7 +210,11 @@ def run_gate(args: argparse.Namespace, work: Path) -> int:
     baseline = args.baseline or (str(default) if default.is_file() else "none")
     # The gate config chooses its own arms (the demo's env names the tiny config's four).
     env = {k: v for k, v in env.items() if k != "EDGE0_ARMS"}
-    return gate_run.gate_run(config, baseline, work / "gate", env, args.sequential)
+    # The tiny gate proves the pipeline: its sample is sized for a larger drop than the
+    # default 2 points asked, and the gate says so; the demo accepts that, by name.
+    return gate_run.gate_run(
+        config, baseline, work / "gate", env, args.sequential, accept_blind=True
+    )
 
 
 def tiny_corpus(directory: Path) -> list[Path]:
@@ -349,6 +353,9 @@ def report_and_gate(run_dir: Path, out: Path, baseline: Path | None) -> Path:
             str(out / "report.json"),
             "--baseline",
             str(baseline),
+            # 2-3 items per benchmark see no small drop: the tiny suite checks the pipeline,
+            # and the gate still prints what it cannot see.
+            "--accept-blind",
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         print(proc.stdout)

@@ -2,7 +2,8 @@
 report.json with a baseline report.json (the checks: evaluation/gate_checks.py).
 
 Exit status: 0 all pass, 1 regression or failure, 2 bad input, 3 sequential and undecided with
-items left (run the next round).
+items left (run the next round), 4 nothing failed but a check cannot see the drop it was asked
+about (gate_checks.BLIND_EXIT; --accept-blind turns it into a pass that says so).
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import math
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
+from edge0_eval.evaluation.baselines import spread_lines
 from edge0_eval.evaluation.gap_report import SCHEMA
 from edge0_eval.evaluation.gate_checks import (
+    BLIND_EXIT,
     DEFAULT_MAX_DROP,
     DEFAULT_MAX_GAP_INCREASE,
     evaluate,
     format_table,
 )
 from edge0_eval.evaluation.gate_input import load_report
-from edge0_eval.evaluation.settings import model_changes, settings_differences
+from edge0_eval.evaluation.settings import baseline_differences, model_changes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,18 +90,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-kl-rise",
         type=ct.nonneg_float,
         default=fidelity_report.DEFAULT_MAX_KL_RISE,
-        metavar="NATS",
-        help="fidelity: allowed KL rise per arm beyond the baseline's 95%% "
-        f"half-width (default {fidelity_report.DEFAULT_MAX_KL_RISE})",
+        metavar="R",
+        help="fidelity: allowed move of an arm's mean KL, either way, as a share of the "
+        "baseline's (plus the noise a multi-run baseline measured) (default "
+        f"{fidelity_report.DEFAULT_MAX_KL_RISE})",
     )
     parser.add_argument(
         "--max-agreement-drop",
         type=ct.nonneg_float,
         default=fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
         metavar="P",
-        help="fidelity: allowed top-1 agreement drop per arm, in points, beyond "
-        "the baseline's 95%% half-width (default "
-        f"{fidelity_report.DEFAULT_MAX_AGREEMENT_DROP})",
+        help="fidelity: allowed drop of an arm's mean top-1 agreement, in points "
+        f"(default {fidelity_report.DEFAULT_MAX_AGREEMENT_DROP})",
+    )
+    parser.add_argument(
+        "--prompt-kl-rise",
+        type=ct.nonneg_float,
+        default=fidelity_report.DEFAULT_PROMPT_KL_RISE,
+        metavar="R",
+        help="fidelity: a prompt is past its tolerance when its KL rises by more than "
+        "R x its baseline KL (at least the arm's mean allowance) (default "
+        f"{fidelity_report.DEFAULT_PROMPT_KL_RISE})",
+    )
+    parser.add_argument(
+        "--prompt-agreement-drop",
+        type=ct.nonneg_float,
+        default=fidelity_report.DEFAULT_PROMPT_AGREEMENT_DROP,
+        metavar="P",
+        help="fidelity: ... or its agreement drops by more than P points (default "
+        f"{fidelity_report.DEFAULT_PROMPT_AGREEMENT_DROP})",
+    )
+    parser.add_argument(
+        "--max-prompts-past",
+        type=ct.float_range(0.0, 1.0),
+        default=fidelity_report.DEFAULT_MAX_PROMPTS_PAST,
+        metavar="Q",
+        help="fidelity: an arm fails when more than floor(Q x prompts) prompts are past "
+        f"their tolerance (default {fidelity_report.DEFAULT_MAX_PROMPTS_PAST})",
+    )
+    parser.add_argument(
+        "--accept-blind",
+        action="store_true",
+        help="pass (exit 0) when nothing failed but a check cannot see the drop it "
+        f"was asked about; without it that exits {BLIND_EXIT}",
+    )
+    parser.add_argument(
+        "--order-seed",
+        default=None,
+        metavar="SEED",
+        help="--sequential: the gate run's order seed (gate-run draws it before "
+        "round 1 and passes it; it is in WORK/order_seed.txt)",
     )
 
 
@@ -108,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         ("--max-drop", args.max_drop),
         ("--max-kl-rise", args.max_kl_rise),
         ("--max-agreement-drop", args.max_agreement_drop),
+        ("--prompt-kl-rise", args.prompt_kl_rise),
+        ("--prompt-agreement-drop", args.prompt_agreement_drop),
     ):
         if not (math.isfinite(value) and value >= 0):
             raise Edge0Error(f"{flag} {value}: must be a finite number >= 0")
@@ -123,8 +166,27 @@ def run(args: argparse.Namespace) -> int:
             "several reports are the rounds of a sequential gate run: pass "
             "--sequential (or one report)"
         )
+    if args.sequential and not (args.order_seed and args.order_seed.isalnum()):
+        raise Edge0Error(
+            "--sequential needs --order-seed SEED (letters and digits): the order the "
+            "gate run took its sample in, which `gate-run --sequential` drew and wrote to "
+            "WORK/order_seed.txt"
+        )
+    if not args.sequential and args.order_seed is not None:
+        raise Edge0Error(
+            "--order-seed is the order of a sequential run: pass --sequential"
+        )
+    baseline = load_report(args.baseline)
     rounds = [load_report(path) for path in args.report]
-    current, baseline = rounds[-1], load_report(args.baseline)
+    orders = None
+    if args.sequential:
+        # Each round names its items by their place in the run's order: the baseline's names.
+        named = [
+            gate_sequential.baseline_ids(path, r, baseline, args.order_seed)
+            for path, r in zip(args.report, rounds)
+        ]
+        rounds, orders = [r for r, _ in named], named[-1][1]
+    current = rounds[-1]
     paths, args.report = args.report, args.report[-1]
     first_round = (
         gate_sequential.check_rounds(paths, rounds) if args.sequential else None
@@ -136,35 +198,50 @@ def run(args: argparse.Namespace) -> int:
             f"{len(current['benchmarks'])}; regenerate the baseline with "
             f"`edge0-eval report` on runs that include them"
         )
-    problems = settings_differences(_settings(current), "teacher", _settings(baseline))
+    problems = baseline_differences(_settings(current), _settings(baseline), orders)
     if problems:
         raise Edge0Error(
-            f"{args.baseline}: made with other settings than {args.report}: "
+            f"{args.baseline}: cannot be verified as made with the settings of "
+            f"{args.report}: "
             + "; ".join(problems)
-            + "; gate against a baseline run with the same "
-            "settings (or regenerate it)"
+            + "; gate against a baseline run with the same settings, both reports made "
+            "by this `edge0-eval report` from runs with their config dumps"
         )
     for path, report in ((args.baseline, baseline), (args.report, current)):
         if report["schema"] != SCHEMA:
             print(
                 f"gate: note: {path} is a {report['schema']} report: it has no per-sample "
-                f"records, open-thinking rule, data digests or model identity, so those are "
-                f"not compared; regenerate it with `edge0-eval report` ({SCHEMA})"
+                f"records, open-thinking rule or model identity, so those are not "
+                f"compared; regenerate it with `edge0-eval report` ({SCHEMA})"
             )
     for change in model_changes(_settings(current), _settings(baseline)):
         print(
             f"gate: note: model changed since the baseline (the change being judged): {change}"
+        )
+    if args.sequential:
+        print(f"gate: order seed {args.order_seed} (the run's order of its sample)")
+    spread = spread_lines(baseline)
+    if spread:
+        print(
+            f"gate: baseline of {baseline['baseline']['runs']} runs; its own spread: "
+            + "; ".join(spread)
         )
     checks = evaluate(
         current,
         baseline,
         args.max_gap_increase,
         args.max_drop,
-        args.max_kl_rise,
-        args.max_agreement_drop,
+        fidelity_report.Tolerances(
+            args.max_kl_rise,
+            args.max_agreement_drop,
+            args.prompt_kl_rise,
+            args.prompt_agreement_drop,
+            args.max_prompts_past,
+        ),
         alpha=args.alpha,
         first_round=first_round,
         drops=dict(args.benchmark_drop),
+        order_seed=args.order_seed or "",
     )
     print(format_table(checks))
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
@@ -178,13 +255,26 @@ def run(args: argparse.Namespace) -> int:
             f"next round"
         )
         return gate_sequential.UNDECIDED_EXIT
-    arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
+    _summary(args, checks, baseline)
     blind = [c.benchmark for c in checks if c.blind]
     if blind:
         print(
             f"gate: {len(blind)} check(s) cannot see the drop asked about ({', '.join(blind)}): "
             f"a pass there is not evidence of no regression; see 'cannot see' above"
         )
+        if not args.accept_blind:
+            print(
+                f"gate: BLIND (exit {BLIND_EXIT}): nothing failed, but not every check can "
+                f"see what it was asked; ask about what the sample can see (--max-drop, "
+                f"--benchmark-drop), size the sample for it, or pass --accept-blind"
+            )
+            return BLIND_EXIT
+    return 0
+
+
+def _summary(args: argparse.Namespace, checks: list, baseline: dict) -> None:
+    """The pass line: what each kind of check judged, and the false-fail rate it holds."""
+    arms = sum(c.benchmark.startswith("fidelity ") for c in checks)
     paired_n = sum(c.p_values[0] is not None for c in checks)
     sequential_n = sum(c.rule is not None for c in checks)
     unpaired_n = len(checks) - arms - paired_n - sequential_n
@@ -205,24 +295,38 @@ def run(args: argparse.Namespace) -> int:
     parts += (
         [
             f"{unpaired_n} unpaired (max gap increase {args.max_gap_increase:g}, max drop "
-            f"{args.max_drop:g}, each plus the 95% half-width)"
+            f"{args.max_drop:g}, each plus the 95% half-width; no false-fail rate is "
+            f"claimed for these)"
         ]
         if unpaired_n
         else []
     )
     if arms:
         parts.append(
-            f"fidelity of {arms} arms, max KL move {args.max_kl_rise:g} of the "
-            f"baseline, max agreement drop {args.max_agreement_drop:g}, each plus the "
-            f"paired change's half-width"
+            f"fidelity of {arms} arms, mean KL move at most {args.max_kl_rise:g} of the "
+            f"baseline's, agreement drop at most {args.max_agreement_drop:g}, and at most "
+            f"{args.max_prompts_past:g} of the prompts past their own tolerance"
         )
     print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
     if paired_n or sequential_n:
-        print(
-            f"gate: a run of unchanged quality fails the benchmark checks with probability at "
-            f"most {args.alpha:g} in all (Bonferroni over the {tests} tests)"
+        runs = (baseline.get("baseline") or {}).get("runs")
+        which = (
+            f"for all but {100 * paired.BASELINE_RISK:g}% of baselines of {runs} runs"
+            if runs and paired_n
+            else "on average over baselines (a one-run baseline's own luck is in every "
+            "verdict against it: make it from several runs with `edge0-eval "
+            "gate-baseline`)"
         )
-    return 0
+        print(
+            f"gate: a run of unchanged quality fails the {paired_n + sequential_n} "
+            f"paired or sequential check(s) with probability at most {args.alpha:g} in "
+            f"all (Bonferroni over the {tests} tests), {which}"
+            + (
+                f"; the {unpaired_n} unpaired check(s) are not covered"
+                if unpaired_n
+                else ""
+            )
+        )
 
 
 def _settings(report: dict) -> dict:

@@ -7,8 +7,10 @@ report records the command that made it.
 Whole (default): one OpenCompass run of the config's sample, its results checked (OpenCompass
 exits 0 when tasks fail), its report written, the gate run against the baseline.
 
---sequential: the sample in the config's rounds (evaluation/rounds.py), all in one run folder.
-Round 1 starts the folder; each later round deletes the sampled datasets' results (so
+--sequential: the sample in the config's rounds (evaluation/rounds.py), all in one run folder,
+in an order drawn for this run: an order seed drawn before round 1 (or --order-seed, to redo a
+run), written to WORK/order_seed.txt and printed, passed to every round (EDGE0_GATE_SEED) and to
+`gate --order-seed`. Round 1 starts the folder; each later round deletes the sampled datasets' results (so
 OpenCompass scores the grown prefix again) and resumes the folder with `-r`, where the round
 partitioner infers only the new items. After every round its report is written and
 `gate --sequential` judges the reports so far; the run stops at the first round where every
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -28,6 +31,7 @@ from pathlib import Path
 from edge0_eval.cli import main as cli_main
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.arms import ARM_NAMES
+from edge0_eval.evaluation.gate_checks import BLIND_EXIT
 from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
 from edge0_eval.evaluation.opencompass_run import (
     check_run,
@@ -69,6 +73,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "folder of the same config (run it once with EDGE0_ARMS=teacher; "
         "the config's arms then leave it out)",
     )
+    parser.add_argument(
+        "--order-seed",
+        default=None,
+        metavar="SEED",
+        help="--sequential: take the sample in this order (letters and digits; "
+        "default: a fresh one, drawn before round 1 and written to "
+        "WORK/order_seed.txt)",
+    )
+    parser.add_argument(
+        "--accept-blind",
+        action="store_true",
+        help="passed to `gate`: a check that cannot see the drop asked about "
+        "passes (saying so) instead of exiting 4",
+    )
 
 
 def arm_spec(models: list[str]) -> str:
@@ -108,11 +126,24 @@ def gate_run(
     env: dict[str, str],
     sequential: bool = False,
     teacher_from: Path | None = None,
+    order_seed: str | None = None,
+    accept_blind: bool = False,
 ) -> int:
     """Run the gate config (whole, or in rounds) and gate it; returns the gate's exit status
     (0 also when baseline is 'none': run and report only)."""
     work.mkdir(parents=True, exist_ok=True)
     work = work.resolve()
+    if order_seed is not None and not (sequential and order_seed.isalnum()):
+        raise ConfigError(
+            "--order-seed: letters and digits, for a --sequential run (a whole run takes "
+            "its sample in the draw's order)"
+        )
+    seed = ""
+    if sequential:
+        # Drawn before anything is scored, so no outcome can choose it; recorded to redo a run.
+        seed = order_seed or secrets.token_hex(8)
+        (work / "order_seed.txt").write_text(seed + "\n", encoding="utf-8")
+        print(f"gate-run: order seed {seed} (written to {work / 'order_seed.txt'})")
     cfg = load_config_with(config, {**env, "EDGE0_GATE_ROUND": "0"})
     gate = cfg.get("edge0_gate") or {}
     models = [m["abbr"] for m in cfg["models"]]
@@ -146,7 +177,11 @@ def gate_run(
                         missing_ok=True
                     )
             shutil.rmtree(run_dir / "summary", ignore_errors=True)
-        round_env = {**env, "EDGE0_GATE_ROUND": str(number if sequential else 0)}
+        round_env = {
+            **env,
+            "EDGE0_GATE_ROUND": str(number if sequential else 0),
+            "EDGE0_GATE_SEED": seed,
+        }
         run_dir = run_opencompass(
             config,
             work / "opencompass",
@@ -197,13 +232,14 @@ def gate_run(
             "--baseline",
             baseline,
         ]
-        args += ["--sequential"] if sequential else []
+        args += ["--sequential", "--order-seed", seed] if sequential else []
         args += [a for d in drops for a in ("--benchmark-drop", d)]
+        args += ["--accept-blind"] if accept_blind else []
         code = cli_main(args)
         if code != UNDECIDED_EXIT or not sequential:
             print(
                 f"gate-run: {'stopped after' if sequential else 'gated'} {tag}: "
-                f"{'pass' if code == 0 else 'FAIL' if code == 1 else f'exit {code}'} "
+                f"{ {0: 'pass', 1: 'FAIL', BLIND_EXIT: 'BLIND'}.get(code, f'exit {code}') } "
                 f"({time.perf_counter() - start:.0f} s)"
             )
             return code
@@ -228,4 +264,6 @@ def run(args: argparse.Namespace) -> int:
         {},
         args.sequential,
         args.teacher_from,
+        args.order_seed,
+        args.accept_blind,
     )

@@ -100,11 +100,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --size-gate: the student's tokens/s (default: measured by "
         "--from, else the config's edge0_gate tok_s)",
     )
+    parser.add_argument(
+        "--churn-from",
+        type=Path,
+        default=None,
+        metavar="BASELINE.json",
+        help="with --size-gate: each benchmark's churn as this baseline of several "
+        "runs (`gate-baseline`) measured it, instead of the config's declared churn",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.size_gate:
-        size = size_gate(args.config, tok_s=args.size_tok_s, previous=args.previous)
+        size = size_gate(
+            args.config,
+            tok_s=args.size_tok_s,
+            previous=args.previous,
+            churn_from=args.churn_from,
+        )
         print(render_gate_size(size, f"edge0-eval plan {args.config} --size-gate"))
         return 0
     opts = PlanOptions(

@@ -29,6 +29,8 @@ class Edge0RoundPartitioner(Edge0Partitioner):
         1.0 (e.g. [0.125, 0.25, 0.5, 1.0]).
     round: the round to run, 1-based; 0 runs the whole sample in one pass.
     stage: 'infer' or 'eval' (which of OpenCompass's stages this partitioner serves).
+    seed: the gate run's order seed (EDGE0_GATE_SEED; rounds.run_order): the order the
+        rounds take the sample in; "" the draw's own.
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class Edge0RoundPartitioner(Edge0Partitioner):
         rounds=(1.0,),
         round: int = 0,
         stage: str = "infer",
+        seed: str = "",
         **kwargs,
     ):
         super().__init__(out_dir=out_dir, **kwargs)
@@ -57,7 +60,12 @@ class Edge0RoundPartitioner(Edge0Partitioner):
                 f"edge0-eval: gate round {round!r}: give 0 (the whole sample) or "
                 f"1..{len(self.rounds)} (EDGE0_GATE_ROUND)"
             )
-        self.round, self.stage = round, stage
+        if not isinstance(seed, str) or not all(c.isalnum() for c in seed):
+            raise SystemExit(
+                f"edge0-eval: gate order seed {seed!r} must be letters and digits "
+                f"(EDGE0_GATE_SEED)"
+            )
+        self.round, self.stage, self.seed = round, stage, seed
 
     def __call__(self, cfg):
         if self.round:
@@ -69,6 +77,7 @@ class Edge0RoundPartitioner(Edge0Partitioner):
                     self.round,
                     self.stage,
                     Path(cfg["work_dir"]) / "predictions",
+                    self.seed,
                 )
             except Edge0Error as exc:
                 raise SystemExit(f"edge0-eval: {exc}") from None

@@ -168,11 +168,13 @@ class OCRun:
         details: bool = True,
         outputs: list[str] | None = None,
         gold: str = "A",
+        questions: list[int] | None = None,
     ):
         """correct: per-item 0/1 (or per-replica lists). failed: 'missing' (no results file) or
         'error' (results file with an error). reported: override the metric (inconsistency).
         engine, outputs: per prediction, in OpenCompass's order (with n replicas, the dataset
-        n times over: prediction r * items + k is replica r of item k)."""
+        n times over: prediction r * items + k is replica r of item k). questions: which
+        question each item is (its prompt 'q<number>'; default its position)."""
         kind = kind or _kind(dataset)
         if model not in self.models:
             self.models.append(model)
@@ -185,8 +187,9 @@ class OCRun:
         if n_rep > 1:
             self.n[dataset] = n_rep
 
+        questions = questions or list(range(len(reps)))
         preds = [
-            {"origin_prompt": f"q{i}", "prediction": "x", "gold": gold}
+            {"origin_prompt": f"q{questions[i]}", "prediction": "x", "gold": gold}
             for _ in range(n_rep)
             for i in range(len(reps))
         ]

@@ -9,7 +9,7 @@ import pytest
 from oc_tree import OCRun
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.gate_checks import evaluate
+from edge0_eval.evaluation.gate_checks import BLIND_EXIT, evaluate
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 
@@ -53,8 +53,11 @@ def report(tmp_path: Path, name: str, rc: int = 0, **kw) -> Path:
     return out / "report.json"
 
 
-def gate(current: Path, baseline: Path, *extra) -> int:
-    return main(["gate", str(current), "--baseline", str(baseline), *extra])
+def gate(current: Path, baseline: Path, *extra, accept_blind: bool = True) -> int:
+    """The gate; these samples (4-5 items, and 100) cannot see 2 points, so accept that
+    unless a test is about it."""
+    blind = ["--accept-blind"] if accept_blind else []
+    return main(["gate", str(current), "--baseline", str(baseline), *extra, *blind])
 
 
 @pytest.fixture
@@ -85,7 +88,9 @@ def test_crafted_regression_fails(tmp_path, baseline, capsys):
     line = next(l for l in out.splitlines() if l.startswith("GPQA"))
     assert "FAIL" in line
     assert "student dropped 13.00 (paired on 100 items, mcnemar-randomized p=" in line
-    assert "gap widened +13.00 (paired, permutation-midp p=" in line
+    assert "gap widened +13.00 (paired, sign-flip-midp p=" in line
+    # The randomized verdict prints the exact and mid-p beside its own.
+    assert "(exact 0.000122, mid-p 6.1e-05)" in line
     assert "gate: FAIL (1 of 4: GPQA-Diamond)" in out
     # the false-fail rate the user accepts decides: at alpha 1e-9 it is not evidence enough
     assert (
@@ -95,12 +100,19 @@ def test_crafted_regression_fails(tmp_path, baseline, capsys):
 
 
 def test_a_sample_too_small_to_see_the_drop_says_so(tmp_path, baseline, capsys):
-    """AIME here has 4 items: no drop of 2 points can be seen, and the gate says so."""
-    assert gate(report(tmp_path, "same", lost=2), baseline) == 0
+    """AIME here has 4 items: no drop of 2 points can be seen, and the gate says so, with an
+    exit status of its own unless told to accept it (it exited 0)."""
+    same = report(tmp_path, "same", lost=2)
+    assert gate(same, baseline, accept_blind=False) == BLIND_EXIT == 4
     out = capsys.readouterr().out
     aime = next(l for l in out.splitlines() if l.startswith("AIME"))
     assert "cannot see a 2-point drop" in aime
     assert "cannot see the drop asked about (AIME 2026" in out
+    assert "gate: BLIND (exit 4)" in out
+    assert gate(same, baseline) == 0
+    assert "gate: BLIND" not in capsys.readouterr().out
+    # A failure still wins over blindness.
+    assert gate(report(tmp_path, "regress", lost=15), baseline, accept_blind=False) == 1
 
 
 def test_failed_task_fails(tmp_path, baseline, capsys):
@@ -119,13 +131,13 @@ def test_missing_benchmark_fails(tmp_path, baseline, capsys):
     assert "FAIL" in line and "missing from the report" in line
 
 
-def test_item_count_change_fails(tmp_path, baseline, capsys):
-    # one more HumanEval item; the gap is the same-ish but the benchmark is not the same
-    assert gate(report(tmp_path, "items", lost=2, he_items=6), baseline) == 1
-    line = next(
-        l for l in capsys.readouterr().out.splitlines() if l.startswith("HumanEval")
-    )
-    assert "FAIL" in line and "6 items, baseline 5" in line
+def test_item_count_change_is_refused(tmp_path, baseline, capsys):
+    """One more HumanEval item: another sample, whose data digest is another size. It was
+    compared only on equal sizes; now the gate refuses the baseline, naming the data."""
+    assert gate(report(tmp_path, "items", lost=2, he_items=6), baseline) == 2
+    err = capsys.readouterr().err
+    assert "student openai_humaneval data {'predictions': 6," in err
+    assert "baseline {'predictions': 5," in err
 
 
 def test_prompt_version_change_fails(tmp_path, baseline, capsys):

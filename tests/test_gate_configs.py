@@ -167,6 +167,37 @@ def test_sizing_stratifies_mmlu_pro_by_category(aime_root):
     assert big.drops["MMLU-Pro"] < size.drops["MMLU-Pro"]
 
 
+def test_sizing_follows_the_churn_a_baseline_of_runs_measured(aime_root, tmp_path):
+    """`--churn-from BASELINE`: the thresholds at the churn the baseline's runs measured, not
+    the config's declared 10% (the tiny gate: one benchmark of 234 items)."""
+    from edge0_eval.evaluation.gap_report import SCHEMA
+
+    config = CONFIGS / "edge0_tiny_gate.py"
+    declared = load_config(config)["edge0_gate"]["drops"]["edge0_agreement"]
+    path = tmp_path / "baseline.json"
+
+    def baseline(spread: dict) -> Path:
+        arms = {"teacher": {"status": "ok"}, "student": {"status": "ok"}}
+        row = dict(
+            benchmark="edge0_agreement",
+            status="ok",
+            items=234,
+            gap=0.0,
+            student=50.0,
+            arms=arms,
+            baseline_runs=spread,
+        )
+        report = {"schema": SCHEMA, "benchmarks": [row], "baseline": {"runs": 2}}
+        path.write_text(json.dumps(report))
+        return path
+
+    more = size_gate(config, churn_from=baseline({"runs": 2, "churn": 0.3}))
+    less = size_gate(config, churn_from=baseline({"runs": 2, "churn": 0.0}))
+    assert less.drops["edge0_agreement"] < declared < more.drops["edge0_agreement"]
+    with pytest.raises(ConfigError, match="no measured churn for edge0_agreement"):
+        size_gate(config, churn_from=baseline({}))
+
+
 def test_plan_of_a_gate_config_states_both_detectable_drops(aime_root):
     plan = make_plan(
         PlanOptions(

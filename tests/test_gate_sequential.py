@@ -11,11 +11,15 @@ from oc_tree import OCRun
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
+from edge0_eval.evaluation.rounds import run_order
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 ITEMS = 120
 TEACHER = [1] * 90 + [0] * 30
 ASK = ["--benchmark-drop", "GPQA-Diamond=20"]
+
+
+SEED = "c0ffee"  # the gate run's order seed (gate-run draws one per run)
 
 
 def report(
@@ -24,20 +28,33 @@ def report(
     student: list[int],
     items: int = ITEMS,
     teacher: list[int] = TEACHER,
+    seed: str | None = SEED,
 ) -> Path:
-    """The report of a round that has scored the first `items` of the sample (a prefix of the
-    fixed order, as the rounds' growing test ranges are)."""
+    """The report of a round that has scored the first `items` of the sample in the run's
+    order (rounds.run_order for the seed; None: the draw's own order, a whole run such as the
+    baseline): item k of the round is question order[k] of the sample."""
+    order = run_order(len(teacher), seed or "", "GPQA_diamond")[:items]
     run = OCRun(tmp_path / name)
-    run.add(T, "GPQA_diamond", teacher[:items])
-    run.add(S, "GPQA_diamond", student[:items])
+    run.add(T, "GPQA_diamond", [teacher[j] for j in order], questions=order)
+    run.add(S, "GPQA_diamond", [student[j] for j in order], questions=order)
     out = tmp_path / f"{name}_report"
     assert main(["report", str(run.finish()), "--out", str(out)]) == 0
     return out / "report.json"
 
 
-def gate(baseline: Path, *rounds: Path, extra=ASK) -> int:
+def gate(baseline: Path, *rounds: Path, extra=ASK, seed: str = SEED) -> int:
     return main(
-        ["gate", *map(str, rounds), "--baseline", str(baseline), "--sequential", *extra]
+        [
+            "gate",
+            *map(str, rounds),
+            "--baseline",
+            str(baseline),
+            "--sequential",
+            "--order-seed",
+            seed,
+            "--accept-blind",
+            *extra,
+        ]
     )
 
 
@@ -47,7 +64,7 @@ def _line(out: str) -> str:
 
 @pytest.fixture
 def baseline(tmp_path):
-    return report(tmp_path, "base", TEACHER)
+    return report(tmp_path, "base", TEACHER, seed=None)
 
 
 def test_same_student_is_decided_within_in_an_early_round(tmp_path, baseline, capsys):
@@ -98,20 +115,34 @@ def test_undecided_on_the_whole_sample_cannot_see(tmp_path, baseline, capsys):
 def test_rounds_that_are_not_one_run_are_refused(tmp_path, baseline, capsys):
     first = report(tmp_path, "r0", TEACHER, items=30)
     other = list(TEACHER)
-    other[3] = 0
+    changed = run_order(ITEMS, SEED, "GPQA_diamond")[3]  # the run's 4th item
+    other[changed] = 1 - other[changed]
     second = report(tmp_path, "r1", other, items=60)
     assert gate(baseline, first, second) == 2
     err = capsys.readouterr().err
-    assert "GPQA-Diamond student item 3 is scored otherwise than in" in err
+    assert f"GPQA-Diamond student item {changed} is scored otherwise than in" in err
     # Given backwards, the first round's items are missing from the "later" one.
     assert gate(baseline, report(tmp_path, "r2", TEACHER, items=60), first) == 2
     assert "is missing than in" in capsys.readouterr().err
 
 
-def test_items_outside_the_baseline_fail(tmp_path, capsys):
-    small = report(tmp_path, "small", TEACHER, items=40)
-    assert gate(small, report(tmp_path, "r0", TEACHER, items=60)) == 1
-    assert "item(s) are not in the baseline" in _line(capsys.readouterr().out)
+def test_rounds_are_checked_question_by_question_with_the_run_s_seed(
+    tmp_path, baseline, capsys
+):
+    """A round names items by their place in the run's order: with another seed they would
+    be paired with other questions. Each prediction's digest against the baseline's refuses
+    that; the seed is required."""
+    first = report(tmp_path, "r0", TEACHER, items=30)
+    assert gate(baseline, first, seed="another") == 2
+    assert "this round's questions are not the baseline's" in capsys.readouterr().err
+    assert main(["gate", str(first), "--baseline", str(baseline), "--sequential"]) == 2
+    assert "--sequential needs --order-seed SEED" in capsys.readouterr().err
+
+
+def test_items_outside_the_baseline_are_refused(tmp_path, capsys):
+    small = report(tmp_path, "small", TEACHER[:40], teacher=TEACHER[:40], seed=None)
+    assert gate(small, report(tmp_path, "r0", TEACHER, items=60)) == 2
+    assert "is not a position of the baseline's sample" in capsys.readouterr().err
 
 
 def test_bad_options_are_one_error(tmp_path, baseline, capsys):
@@ -150,13 +181,16 @@ def test_gate_run_undecided_after_its_last_round_is_an_error(tmp_path, monkeypat
     monkeypatch.setattr(
         gr,
         "cli_main",
-        lambda args: (
-            calls.append(args[0]) or (UNDECIDED_EXIT if args[0] == "gate" else 0)
-        ),
+        lambda args: calls.append(args) or (UNDECIDED_EXIT if args[0] == "gate" else 0),
     )
     with pytest.raises(Edge0Error, match=r"still undecided after the last round \(2\)"):
         gr.gate_run(Path("x.py"), "base.json", tmp_path / "w", {}, sequential=True)
-    assert calls == ["report", "gate", "report", "gate"]
+    assert [c[0] for c in calls] == ["report", "gate", "report", "gate"]
+    # The order seed was drawn before round 1, recorded, and given to every gate call.
+    seed = (tmp_path / "w" / "order_seed.txt").read_text().strip()
+    assert len(seed) == 16 and all(
+        c[c.index("--order-seed") + 1] == seed for c in calls if c[0] == "gate"
+    )
 
 
 @pytest.mark.parametrize("sequential", [True, False])
@@ -173,12 +207,13 @@ def test_a_teacher_without_a_student_item_is_one_failure(
     del per_item[gone]
     broken = tmp_path / "short.json"
     broken.write_text(json.dumps(short))
-    extra = ASK + (["--sequential"] if sequential else [])
+    extra = ASK + (["--sequential", "--order-seed", SEED] if sequential else [])
+    whole = report(tmp_path, "all", TEACHER, seed=SEED if sequential else None)
     assert (
         main(
             [
                 "gate",
-                str(report(tmp_path, "all", TEACHER)),
+                str(whole),
                 "--baseline",
                 str(broken),
                 *extra,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from oc_tree import OCRun, infer_cfg, prompt_version
+from scipy import stats
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation.details import item_correctness
@@ -67,14 +68,21 @@ PRE = {
     "IFBench": [0, 0, 0, 0],
 }
 
-Z = 1.96
-HW = {
-    "AIME 2026": Z * 25,
-    "HumanEval": Z * 20,
-    "GPQA-Diamond": Z * math.sqrt(20000 / 12),
-    "MMLU-Pro": Z * 25,
-    "IFBench": Z * 25,
+
+def t95(items: int) -> float:
+    """The interval's quantile: Student's t with items - 1 degrees of freedom."""
+    return float(stats.t.ppf(0.975, items - 1))
+
+
+SE = {  # the paired standard errors, by hand
+    "AIME 2026": 25.0,
+    "HumanEval": 20.0,
+    "GPQA-Diamond": math.sqrt(20000 / 12),
+    "MMLU-Pro": 25.0,
+    "IFBench": 25.0,
 }
+ITEMS = {"AIME 2026": 4, "HumanEval": 5, "GPQA-Diamond": 4, "MMLU-Pro": 4, "IFBench": 4}
+HW = {name: t95(ITEMS[name]) * se for name, se in SE.items()}
 EXPECTED = {  # benchmark: (items, teacher, student)
     "AIME 2026": (4, 75.0, 50.0),
     "HumanEval": (5, 80.0, 60.0),
@@ -165,7 +173,9 @@ def test_teacher_student_numbers(tmp_path):
         47.0
     )
     assert avg["delta"] == pytest.approx(-19.0) and avg["gap"] == pytest.approx(19.0)
-    avg_hw = Z * math.sqrt(25**2 + 20**2 + 20000 / 12 + 25**2 + 25**2) / 5
+    var = sum(se**2 for se in SE.values())
+    df = var**2 / sum(SE[b] ** 4 / (ITEMS[b] - 1) for b in SE)  # Welch-Satterthwaite
+    avg_hw = float(stats.t.ppf(0.975, df)) * math.sqrt(var) / 5
     assert avg["delta_half_width"] == pytest.approx(avg_hw, rel=1e-12)
     assert rep["engine"] == {"teacher": None, "student": None}
 
@@ -182,7 +192,7 @@ def test_teacher_student_numbers(tmp_path):
     assert f"edge0-eval report {run_dir.parent} --out {out}" in md
     assert rep["created"][:10] in md
     assert (
-        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-59.20, +19.20] | ok |"
+        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-75.53, +35.53] | ok |"
         in md
     )
     assert "| teacher | qwen-teacher-fp16 | n/a |" in md
@@ -465,7 +475,7 @@ def test_reference_columns_only_beside_the_same_definition(tmp_path):
     assert "AIME 2026" in rep["average"]["reference_omitted"]
     md = (tmp_path / "rep" / "report.md").read_text()
     assert (
-        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-59.20, +19.20] | ok |"
+        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-75.53, +35.53] | ok |"
         in md
     )
     assert "| 95.1 | 90.9 | -4.2 |" in md
@@ -595,7 +605,7 @@ def test_replicas_average(tmp_path):
     )
     # diffs -50, -50, +50: mean -50/3, deviations -100/3, -100/3, +200/3
     var = ((100 / 3) ** 2 * 2 + (200 / 3) ** 2) / 2
-    assert r["delta_half_width"] == pytest.approx(Z * math.sqrt(var / 3))
+    assert r["delta_half_width"] == pytest.approx(t95(3) * math.sqrt(var / 3))
 
 
 REAL_CFG = """
@@ -676,7 +686,7 @@ def test_real_opencompass_outputs(tmp_path):
     # teacher 111110, student 111000 per set: diffs 0,0,0,-100,-100,0 (twice), mean -100/3,
     # deviations +100/3 (8 items) and -200/3 (4 items)
     var = (8 * (100 / 3) ** 2 + 4 * (200 / 3) ** 2) / 11
-    assert mmlu["delta_half_width"] == pytest.approx(Z * math.sqrt(var / 12))
+    assert mmlu["delta_half_width"] == pytest.approx(t95(12) * math.sqrt(var / 12))
     assert rows(rep)["GPQA-Diamond"]["status"] == "failed"
 
 
@@ -866,6 +876,6 @@ def test_same_settings_from_another_directory_pair_and_the_gate_checks_them(
     )
     err = capsys.readouterr().err
     assert (
-        "made with other settings" in err
-        and "max_out_len 8192, baseline teacher 4096" in err
+        "cannot be verified as made with the settings of" in err
+        and "teacher max_out_len 8192, baseline 4096" in err
     )

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation import paired
+from edge0_eval.evaluation import gate_sequential, paired, rounds
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
 from edge0_eval.evaluation.sequential import (
     REGRESSED,
@@ -133,3 +133,53 @@ def test_sized_drop_caught_by_the_rule_the_gate_runs():
     fail, ok = simulate(234, 0.10, said / 100, said / 100, runs=runs, seed=99)
     caught = ((fail < 234) & (fail <= ok)).mean()
     assert caught >= _lower(POWER, runs), caught
+
+
+# -- the order: drawn per run ------------------------------------------------------------------
+
+
+def _seen(values: np.ndarray, seeds: list[str]) -> np.ndarray:
+    """Per gate run (one order seed each), the per-item changes in the order its sequential
+    tests see them: the rounds take the sample in the run's order (rounds.run_order), a round
+    report names item k by the baseline's id, and the gate sequences by round then by a
+    seeded hash (gate_sequential.sequence). values: per baseline item id, in the draw's order."""
+    size, shares = len(values), [0.125, 0.25, 0.5, 1.0]
+    out = np.empty((len(seeds), size))
+    for row, seed in enumerate(seeds):
+        positions = rounds.run_order(size, seed, "d")
+        first_round = {}
+        for number in range(1, len(shares) + 1):
+            first, end, _ = rounds.bounds(size, shares, number)
+            first_round.update({str(positions[k]): number for k in range(first, end)})
+        seq = gate_sequential.sequence(first_round, list(first_round), seed)
+        out[row] = values[[int(i) for i in seq]]
+    return out
+
+
+def _seeds(runs: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [f"{v:016x}" for v in rng.integers(0, 2**63, runs)]
+
+
+def test_harmed_items_first_do_not_fail_a_mean_zero_change_over_run_orders():
+    """A change that harms 20 items and helps 20 others (mean zero), the harmed ones first in
+    the sample's draw: over fresh per-run orders the sequential gate fails it at most at
+    alpha; with one fixed order (the gate before, seed '') every run fails it."""
+    values = np.zeros(ITEMS)
+    values[:20], values[20:40] = 1.0, -1.0
+    failed, _, _ = _verdicts(_seen(values, _seeds(RUNS, 51)), 0.10)
+    assert failed.mean() <= _upper(DEFAULT_ALPHA, RUNS), failed.mean()
+    fixed, _, _ = _verdicts(_seen(values, [""] * 20), 0.10)
+    assert fixed.all()
+
+
+def test_a_threshold_drop_on_the_last_items_is_not_declared_within_over_run_orders():
+    """A drop of exactly the threshold (10 points: 20 of 200 items lost), on the items last in
+    the draw: over fresh per-run orders `within` fires at most at alpha; with the fixed order
+    it fired before those items were seen, every run."""
+    values = np.zeros(ITEMS)
+    values[-20:] = 1.0
+    _, within, _ = _verdicts(_seen(values, _seeds(RUNS, 52)), 0.10)
+    assert within.mean() <= _upper(DEFAULT_ALPHA, RUNS), within.mean()
+    _, fixed, _ = _verdicts(_seen(values, [""] * 20), 0.10)
+    assert fixed.all()

@@ -105,6 +105,9 @@ if not edge0_gate_round.isdigit():
     raise SystemExit(
         f"edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number"
     )
+# EDGE0_GATE_SEED (drawn by `gate-run --sequential` before round 1): the order the rounds take
+# the sample in, fresh for every run (edge0_eval/evaluation/rounds.py says why).
+edge0_gate_seed = os.environ.get("EDGE0_GATE_SEED") or ""
 # The datasets the sample is drawn from (the sizing reads them), then each tier's sample.
 edge0_gate_sources = edge0_datasets
 edge0_gate_datasets = {
@@ -126,6 +129,7 @@ infer = dict(
         type=Edge0RoundPartitioner,
         rounds=edge0_gate_rounds,
         round=int(edge0_gate_round),
+        seed=edge0_gate_seed,
         stage="infer",
     ),
     runner=dict(type=LocalRunner, max_num_workers=1, task=dict(type=OpenICLInferTask)),
@@ -136,6 +140,7 @@ eval = dict(
         check_models=False,
         rounds=edge0_gate_rounds,
         round=int(edge0_gate_round),
+        seed=edge0_gate_seed,
         stage="eval",
     ),
     runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),

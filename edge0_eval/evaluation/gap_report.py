@@ -2,8 +2,9 @@
 
 Scores come from the per-item `details` of each results file (full precision), never from the
 rounded summary. Per benchmark: items, teacher, student, delta = student - teacher, and a 95%
-interval for the delta from the paired per-item differences: mean +- 1.96 * sd / sqrt(n)
-(sd with n - 1; normal approximation, no resampling, so it is deterministic). With several
+interval for the delta from the paired per-item differences: mean +- t * sd / sqrt(n)
+(sd with n - 1, t the 95% quantile with n - 1 degrees of freedom; no resampling, so it is
+deterministic). With several
 samples per item (dataset `n`) an item's score is the mean over its samples (avg@n) and the
 item stays the unit of every interval and test: clustered by item (samples.py).
 
@@ -45,7 +46,6 @@ from edge0_eval.evaluation.thinking import rule_of
 # identity. A v1 report still reads (gate: with a note saying what it lacks).
 SCHEMA = "edge0-eval/report/v2"
 OLD_SCHEMAS = ("edge0-eval/report/v1",)
-Z95 = sampling.Z95
 
 
 # --------------------------------------------------------------------------- statistics
@@ -154,12 +154,12 @@ def build_report(
             for arm, (abbr, r) in arms.items()
         },
         "interval": {
-            "method": "normal approximation on paired per-item differences "
-            "(student - teacher): mean +- z * sd / sqrt(n), sd with n - 1; "
+            "method": "paired per-item differences (student - teacher): mean +- "
+            "t * sd / sqrt(n), sd with n - 1, t Student's with n - 1 degrees of "
+            "freedom (the average's: Welch-Satterthwaite over the benchmarks); "
             "an item with several samples is one observation (its mean): "
             "clustered by item",
             "level": 0.95,
-            "z": Z95,
         },
         "open_thinking": _open_thinking(settings),
         "status": _status(rows, fidelity),
@@ -240,7 +240,7 @@ def _benchmark_row(
         mean, se = paired_mean_se(diffs)
         row["delta"], row["gap"] = mean, 0.0 - mean  # no -0.0
         if se is not None:
-            half = Z95 * se
+            half = sampling.t95(len(diffs) - 1) * se
             row["delta_se"], row["delta_half_width"] = se, half
             row["delta_ci95"] = [mean - half, mean + half]
         row["decomposition"] = _decomposition(per_arm, row["notes"])
@@ -378,8 +378,13 @@ def _average_row(rows: list[dict], reference: dict | None) -> dict:
         for key in ("teacher", "student", "delta", "gap"):
             avg[key] = _mean(r[key] for r in ok)
         if all(r["delta_se"] is not None for r in ok):
-            # Benchmarks are independent samples: var(mean) = sum(se^2) / B^2.
-            half = Z95 * math.sqrt(sum(r["delta_se"] ** 2 for r in ok)) / len(ok)
+            # Benchmarks are independent samples: var(mean) = sum(se^2) / B^2, its degrees
+            # of freedom Welch-Satterthwaite's.
+            var = sum(r["delta_se"] ** 2 for r in ok)
+            fourth = sum(r["delta_se"] ** 4 / (r["items"] - 1) for r in ok)
+            half = (
+                sampling.t95(var**2 / fourth) * math.sqrt(var) / len(ok) if var else 0.0
+            )
             avg["delta_half_width"] = half
             avg["delta_ci95"] = [avg["delta"] - half, avg["delta"] + half]
         decs = [r["decomposition"] for r in ok]

@@ -3,25 +3,28 @@ baseline report.json.
 
 For every benchmark in the baseline whose two reports carry per-item outcomes, the current run
 is paired with the baseline item by item (evaluation/paired.py: an exact McNemar-type test for
-0/1 outcomes, a permutation test for graded ones), which is the run-to-run change the gate
-judges:
+0/1 outcomes, a sign-flip test for graded ones; against a baseline of several runs,
+`gate-baseline`, paired.baseline_change), which is the run-to-run change the gate judges:
   student drop   (baseline student - current student)  significant at a            -> FAIL
   gap increase   (current gap - baseline gap)          significant at a            -> FAIL
 each at a = alpha / (2 x the baseline's benchmarks) (paired.per_test_alpha), so a run of
-unchanged quality fails the benchmark part with probability at most alpha in all.
+unchanged quality fails these tests with probability at most alpha in all: averaged over
+baselines when the baseline is one run (a lucky baseline run fails more often), and for all
+but a share paired.BASELINE_RISK of baselines when it is several.
 max_drop and max_gap_increase are the drops the gate must be able to see: when the drop
 detectable at 80% power (at level a) is larger, or a benchmark's own drop (--benchmark-drop,
-a gate config's sized drops) is, the check says so ("cannot see ...") and the summary counts
-it, instead of passing quietly.
+a gate config's sized drops) is, the check says so ("cannot see ...") and is counted blind:
+`gate` then exits BLIND_EXIT unless told to accept it.
 A baseline without per-item outcomes (made before they were recorded) is compared as before,
 unpaired, with hw = the current report's 95% half-width of the teacher-student delta:
   gap increase > max_gap_increase + hw, student drop > max_drop + hw -> FAIL; regenerate it.
+Those checks are not tests at a stated level: no false-fail rate is claimed for them.
 And always FAIL (never pass) when the benchmark is missing from the report, an arm is missing,
 a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
 reproduce the metric, the item count differs from the baseline, or the prompt version changed.
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
-With fidelity in the baseline, one more check per arm (fidelity_report.gate_checks: KL rise and
-agreement drop, each beyond its threshold plus the baseline's interval), named `fidelity ARM`.
+With fidelity in the baseline, one more check per arm (fidelity_report.gate_checks: the mean
+KL and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
 With --sequential (a gate run in rounds, gate_run.py) the paired tests are the anytime-valid
 sequential tests of evaluation/gate_sequential.py, over the rounds' reports.
 """
@@ -31,10 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
+from edge0_eval.evaluation import fidelity_report, gate_sequential, paired, sequential
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
 DEFAULT_MAX_DROP = 2.0
+BLIND_EXIT = 4  # `gate`: nothing failed, but a check cannot see what it was asked to
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Check:
     drop: float | None = None
     half_width: float | None = None
     p_values: tuple = (None, None)  # paired: (student drop, gap increase)
+    p_texts: tuple = ()  # paired: each test's p as printed (exact and mid-p beside it)
     detectable: float | None = None  # paired: the student drop detected at 80% power
     blind: bool = False  # cannot see the drop it is asked about
     rule: str | None = None  # sequential: regressed | within | undecided
@@ -70,9 +75,26 @@ def _arm_problems(row: dict) -> str:
     return f"{row['status']}" + (f" ({', '.join(bad)})" if bad else "")
 
 
-def _per_item(row: dict, arm: str) -> dict | None:
-    items = row.get("arms", {}).get(arm, {}).get("per_item")
+def _per_item(row: dict, arm: str, key: str = "per_item") -> dict | None:
+    items = row.get("arms", {}).get(arm, {}).get(key)
     return items if isinstance(items, dict) and items else None
+
+
+def _tests(bt: dict, bs: dict, ct_: dict, cs: dict, base: dict, alpha: float):
+    """(student drop, gap widening) as paired changes: against the baseline's runs when it
+    holds several (gate-baseline), else against its one run."""
+    runs = [_per_item(base, arm, "per_item_runs") for arm in ("teacher", "student")]
+    if all(runs):
+        rt, rs = runs
+        gap_runs = {i: [s - t for s, t in zip(rs[i], rt[i])] for i in rs if i in rt}
+        return (
+            paired.baseline_change(rs, cs, alpha),
+            paired.baseline_change(gap_runs, {i: cs[i] - ct_[i] for i in cs}, alpha),
+        )
+    # Per item, student - teacher: its drop is the gap's widening.
+    return paired.change(bs, cs, alpha), paired.change(
+        {i: bs[i] - bt[i] for i in bs}, {i: cs[i] - ct_[i] for i in cs}, alpha
+    )
 
 
 def _paired_checks(
@@ -100,26 +122,20 @@ def _paired_checks(
     if unpaired:
         check.fail(unpaired)
         return True
-    student = paired.change(bs, cs, alpha)
-    # Per item, student - teacher: its drop is the gap's widening.
-    gap = paired.change(
-        {i: bs[i] - bt[i] for i in bs}, {i: cs[i] - ct_[i] for i in cs}, alpha
-    )
+    student, gap = _tests(bt, bs, ct_, cs, base, alpha)
     check.drop, check.gap_increase = student.drop, gap.drop
     check.p_values, check.detectable = (
         (student.p_value, gap.p_value),
         student.detectable,
     )
+    check.p_texts = (student.p_text(named=False), gap.p_text(named=False))
     if student.p_value < alpha:
         check.fail(
             f"student dropped {student.drop:.2f} (paired on {student.items} items, "
-            f"{student.test} p={student.p_value:.3g} < {alpha:g})"
+            f"{student.p_text()} < {alpha:g})"
         )
     if gap.p_value < alpha:
-        check.fail(
-            f"gap widened {gap.drop:+.2f} (paired, {gap.test} p={gap.p_value:.3g} "
-            f"< {alpha:g})"
-        )
+        check.fail(f"gap widened {gap.drop:+.2f} (paired, {gap.p_text()} < {alpha:g})")
     for what, asked, found in (
         ("drop", max_drop, student.detectable),
         ("gap widening", max_gap_increase, gap.detectable),
@@ -142,6 +158,7 @@ def _sequential_check(
     max_gap_increase: float,
     max_drop: float,
     alpha: float,
+    seed: str,
 ) -> None:
     verdict = gate_sequential.check_benchmark(
         base,
@@ -150,6 +167,7 @@ def _sequential_check(
         max_drop,
         max_gap_increase,
         alpha,
+        seed,
     )
     check.rule, check.drop, check.gap_increase = (
         verdict.rule,
@@ -161,6 +179,18 @@ def _sequential_check(
     ):  # both on the items seen so far, not the whole sample
         check.student, check.gap = verdict.student, verdict.gap
     check.blind = check.blind or (verdict.rule == "undecided" and verdict.exhausted)
+    churn = (base.get("baseline_runs") or {}).get("churn")
+    if churn is not None:
+        # The threshold was sized at a declared churn; the baseline's runs measured it.
+        seen = sequential.detectable_drop(base["items"], churn, None, alpha)
+        if seen is None or seen > max_drop:
+            check.blind = True
+            check.reasons.append(
+                f"cannot see a {max_drop:g}-point drop at the churn the baseline's runs "
+                f"measured ({100 * churn:.1f}%): the sequential rule catches "
+                f"{'none' if seen is None else f'{seen:.1f} points'} at 80% power there "
+                f"(re-size: `plan CONFIG --size-gate --churn-from BASELINE.json`)"
+            )
     check.pending = verdict.rule == "undecided" and not verdict.exhausted
     check.reasons += verdict.notes
     for reason in verdict.failures:
@@ -172,14 +202,15 @@ def evaluate(
     baseline: dict,
     max_gap_increase: float,
     max_drop: float,
-    max_kl_rise: float = fidelity_report.DEFAULT_MAX_KL_RISE,
-    max_agreement_drop: float = fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
+    fidelity: fidelity_report.Tolerances = fidelity_report.Tolerances(),
     alpha: float = paired.DEFAULT_ALPHA,
     first_round: dict | None = None,
     drops: dict[str, float] | None = None,
+    order_seed: str = "",
 ) -> list[Check]:
     """The checks of every baseline benchmark; first_round (benchmark -> item -> round) makes
-    them sequential, drops gives a benchmark its own max drop and max gap increase."""
+    them sequential (their items in the order of the run's order seed), drops gives a
+    benchmark its own max drop and max gap increase."""
     rows = {r["benchmark"]: r for r in current["benchmarks"]}
     checks = []
     level = paired.per_test_alpha(alpha, len(baseline["benchmarks"]))
@@ -224,7 +255,7 @@ def evaluate(
             )
         if first_round is not None:
             _sequential_check(
-                check, base, cur, first_round, gap_asked, drop_asked, level
+                check, base, cur, first_round, gap_asked, drop_asked, level, order_seed
             )
             continue
         if _paired_checks(check, base, cur, gap_asked, drop_asked, level):
@@ -257,9 +288,7 @@ def evaluate(
                     (None, row["student"]),
                 )
             )
-    for fc in fidelity_report.gate_checks(
-        current, baseline, max_kl_rise, max_agreement_drop
-    ):
+    for fc in fidelity_report.gate_checks(current, baseline, fidelity):
         checks.append(Check(fc["name"], fc["result"], fc["reasons"], fc["items"]))
     return checks
 
@@ -281,7 +310,7 @@ def format_table(checks: list[Check]) -> str:
         "student now",
         "drop",
         "+-hw",
-        "p (drop, gap)",
+        "p (drop; gap)",
         "detects",
         "result",
         "why",
@@ -298,7 +327,9 @@ def format_table(checks: list[Check]) -> str:
             _f(c.student[1]),
             _f(c.drop, True),
             _f(c.half_width),
-            ", ".join(f"{p:.3g}" for p in c.p_values)
+            "; ".join(c.p_texts)
+            if c.p_texts
+            else ", ".join(f"{p:.3g}" for p in c.p_values)
             if c.p_values[0] is not None
             else "-",
             _f(c.detectable),

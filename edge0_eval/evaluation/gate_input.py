@@ -111,7 +111,53 @@ def load_report(path: str) -> dict:
                 raise Edge0Error(f"{where}: delta_half_width {hw} is negative")
     _check_fidelity(path, report.get("fidelity"))
     _check_settings(path, report.get("arms", {}))
+    _check_runs(path, report)
     return report
+
+
+def _check_runs(path: str, report: dict) -> None:
+    """A baseline of several runs (`gate-baseline`): its run count, and per arm and item the
+    runs' scores, each a list of that many numbers in range (benchmarks: [0, 1]; fidelity:
+    [KL >= 0, agreement in [0, 1]])."""
+    meta = report.get("baseline")
+    if meta is None:
+        return
+    fix = "make it again with `edge0-eval gate-baseline`"
+    runs = meta.get("runs") if isinstance(meta, dict) else None
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 2:
+        raise Edge0Error(f"{path}: baseline runs is {runs!r}, not a count >= 2; {fix}")
+
+    def scores(where: str, table, ok) -> None:
+        if not isinstance(table, dict) or not all(
+            isinstance(v, list) and len(v) == runs and all(ok(x) for x in v)
+            for v in table.values()
+        ):
+            raise Edge0Error(
+                f"{path}: {where} must map items to their {runs} runs' scores; {fix}"
+            )
+
+    for row in report["benchmarks"]:
+        for arm, entry in row.get("arms", {}).items():
+            if entry.get("per_item_runs") is not None:
+                scores(
+                    f"benchmark {row['benchmark']!r} arm {arm!r} per_item_runs",
+                    entry["per_item_runs"],
+                    lambda v: _number(v) and 0 <= v <= 1,
+                )
+    fid = report.get("fidelity") or {}
+    for arm, table in (fid.get("per_item_runs") or {}).items():
+        scores(
+            f"fidelity per_item_runs {arm!r}",
+            table,
+            lambda v: (
+                isinstance(v, list)
+                and len(v) == 2
+                and _number(v[0])
+                and v[0] >= 0
+                and _number(v[1])
+                and 0 <= v[1] <= 1
+            ),
+        )
 
 
 # Every fidelity number the gate or the table reads: (low, high) of what can be measured.

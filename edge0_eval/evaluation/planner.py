@@ -25,8 +25,11 @@ by a test. Sizing, on the plan's own costs per sample:
   item; a pooled benchmark (MMLU-Pro) splits its items over its categories in proportion to
   their sizes (largest remainders: a stratified sample)
   drops: per benchmark, the drop the sequential rule detects at 80% power on those items at the
-  declared churn (sequential.py), rounded up to 0.1 point: the gate's threshold, so a student
-  is `within` it or `regressed`, as the sample can tell.
+  churn (sequential.py), rounded up to 0.1 point: the gate's threshold, so a student is
+  `within` it or `regressed`, as the sample can tell. The churn is the config's declared one,
+  or with `--churn-from BASELINE.json` (a baseline of several runs, `gate-baseline`) each
+  benchmark's as its runs measured it: a threshold sized at 10% churn is caught 55% of the time
+  at 20% churn, so the thresholds follow the measurement once there is one.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.fidelity_set import SET_PATH
+from edge0_eval.evaluation.gate_input import load_report
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, detectable_drop, per_test_alpha
 from edge0_eval.evaluation.predictions import read_json
 from edge0_eval.evaluation.rounds import check_rounds
@@ -508,11 +512,37 @@ def _stratify(total: int, sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def measured_churn(path: Path, benchmarks: list[str]) -> dict[str, float]:
+    """Each benchmark's churn as a baseline of several runs measured it (`gate-baseline`)."""
+    report = load_report(str(path))
+    rows = {r["benchmark"]: r for r in report["benchmarks"]}
+    churn = {}
+    for bench in benchmarks:
+        spread = (rows.get(bench) or {}).get("baseline_runs") or {}
+        value = spread.get("churn")
+        if not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ConfigError(
+                f"--churn-from {path}: no measured churn for {bench} (a baseline of "
+                f"several runs holds one: `edge0-eval gate-baseline`)"
+            )
+        churn[bench] = float(value)
+    return churn
+
+
 def size_gate(
-    config: Path, *, tok_s: float | None = None, previous: Path | None = None
+    config: Path,
+    *,
+    tok_s: float | None = None,
+    previous: Path | None = None,
+    churn_from: Path | None = None,
 ) -> GateSize:
     cfg = load_config(config)
     gate = gate_inputs(cfg, config)
+    churn = (
+        measured_churn(churn_from, gate["benchmarks"])
+        if churn_from
+        else {b: gate["churn"] for b in gate["benchmarks"]}
+    )
     measured = read_previous(previous) if previous else None
     student = _student(list(cfg.get("models") or []))
     arm = arm_abbr(student)
@@ -569,8 +599,8 @@ def size_gate(
     for bench in gate["benchmarks"]:
         size.samples.update(_stratify(items[bench], sizes[bench]))
         n = sum(size.samples[d] for d in sizes[bench])
-        seq = sequential.detectable_drop(n, gate["churn"], None, level) if n else None
-        fixed = paired.detectable_drop(n, gate["churn"], level) if n else None
+        seq = sequential.detectable_drop(n, churn[bench], None, level) if n else None
+        fixed = paired.detectable_drop(n, churn[bench], level) if n else None
         size.drops[bench] = math.ceil(seq * 10) / 10 if seq is not None else 100.0
         size.rows.append(
             dict(
@@ -578,6 +608,7 @@ def size_gate(
                 items=n,
                 population=sum(sizes[bench].values()),
                 seconds_per_item=cost[bench],
+                churn=churn[bench],
                 fixed=fixed,
                 sequential=seq,
             )
@@ -597,15 +628,16 @@ def render_gate_size(size: GateSize, gate_cmd: str) -> str:
         f"fidelity {s['fidelity']:.0f} s, benchmarks {s['benchmarks']:.0f} s; each of the "
         f"gate's {2 * len(size.rows)} tests at {size.test_alpha:.3g} (alpha over the tests)",
         "",
-        "| benchmark | items of | s/item | drop detectable at 80% power: fixed | sequential |",
-        "| --- | --- | --- | --- | --- |",
+        "| benchmark | items of | s/item | churn | drop detectable at 80% power: fixed "
+        "| sequential |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in size.rows:
         f = "none" if r["fixed"] is None else f"{r['fixed']:.1f}"
         q = "none" if r["sequential"] is None else f"{r['sequential']:.1f}"
         out.append(
             f"| {r['benchmark']} | {r['items']} of {r['population']} | "
-            f"{r['seconds_per_item']:.3g} | {f} | {q} |"
+            f"{r['seconds_per_item']:.3g} | {100 * r['churn']:.1f}% | {f} | {q} |"
         )
     out += [
         "",

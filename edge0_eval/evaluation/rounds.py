@@ -15,12 +15,23 @@ chunks), and evaluates the whole prefix [0, ceil(f_r K)) as `<abbr>`: every roun
 are a complete evaluation of a complete prefix, never a partial file scored as whole. Both
 are OpenCompass test ranges over the row positions: "[:0] + [p, q, ...]" (its test_range
 strings are Python index expressions applied to the position list).
+
+The order the rounds take the sample in is drawn afresh for every gate run: `gate-run
+--sequential` draws an order seed before round 1, records it and passes it to every round
+(EDGE0_GATE_SEED) and to the gate, and the rounds take the draw in the order run_order gives
+for that seed. So which items a round holds, and the order the sequential tests see them in,
+is a uniform random permutation per run, whatever items a change harms: a fixed order would
+make the tests' guarantee hold only on average over orders (a change that harms the items
+early in a fixed order fails every run). A round's report names its items by their position
+in that order; baseline_positions maps them back to the baseline's (the whole sample, in the
+draw's order).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import random
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError
@@ -63,6 +74,15 @@ def bounds(
     return first, end, chunk if end > first else None
 
 
+def run_order(size: int, seed: str, abbr: str) -> list[int]:
+    """The positions of a dataset's sample of `size` in the order a gate run with this order
+    seed takes it (seed "": the draw's own order, as a whole-sample run)."""
+    positions = list(range(size))
+    if seed:
+        random.Random(f"{seed}/{abbr}").shuffle(positions)
+    return positions
+
+
 def index_expression(positions: list[int]) -> str:
     """An OpenCompass test_range selecting exactly these row positions, in this order."""
     return "[:0] + [" + ", ".join(str(p) for p in positions) + "]"
@@ -98,10 +118,12 @@ def round_datasets(
     round_no: int,
     stage: str,
     predictions: Path | None = None,
+    seed: str = "",
 ) -> list[dict]:
-    """The datasets of round `round_no` for OpenCompass's infer or eval stage. Datasets that
-    are not sampled (fidelity) pass unchanged: the first round scores them whole and later
-    rounds find their outputs done."""
+    """The datasets of round `round_no` for OpenCompass's infer or eval stage, the sample taken
+    in the order of the run's order seed (run_order). Datasets that are not sampled (fidelity)
+    pass unchanged: the first round scores them whole and later rounds find their outputs
+    done."""
     if not 1 <= round_no <= len(rounds):
         raise ConfigError(
             f"gate round {round_no}: the config has rounds 1..{len(rounds)}"
@@ -112,7 +134,8 @@ def round_datasets(
         if size is None:
             out.append(dataset)
             continue
-        order = draw(dataset)
+        drawn = draw(dataset)
+        order = [drawn[j] for j in run_order(len(drawn), seed, dataset["abbr"])]
         first, end, chunk = bounds(len(order), rounds, round_no)
         cfg = copy.deepcopy(dataset)
         if stage == "infer":
