@@ -237,10 +237,12 @@ def gate_run(
         args += ["--accept-blind"] if accept_blind else []
         code = cli_main(args)
         if code != UNDECIDED_EXIT or not sequential:
+            verdict = {0: "pass", 1: "FAIL", BLIND_EXIT: "BLIND"}.get(
+                code, f"exit {code}"
+            )
             print(
                 f"gate-run: {'stopped after' if sequential else 'gated'} {tag}: "
-                f"{ {0: 'pass', 1: 'FAIL', BLIND_EXIT: 'BLIND'}.get(code, f'exit {code}') } "
-                f"({time.perf_counter() - start:.0f} s)"
+                f"{verdict} ({time.perf_counter() - start:.0f} s)"
             )
             return code
     if sequential and baseline != "none":

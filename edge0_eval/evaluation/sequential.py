@@ -1,7 +1,8 @@
 """Sequential paired gate: anytime-valid tests that may stop after any item.
 
-Items are observed in a fixed order that does not depend on their outcomes (the gate's rounds,
-then a hash of the item id within a round: `order`). Per item the paired change is
+Items are observed in an order that does not depend on their outcomes and is drawn afresh for
+every gate run (the gate's rounds, which take the sample in the order of the run's order seed,
+then a hash of the item id with that seed within a round: `order`; gate_sequential.py). Per item the paired change is
 d = baseline - current in [-1, 1] (points / 100; an item with several samples is their mean).
 Two one-sided tests by betting (Waudby-Smith & Ramdas, "Estimating means of bounded random
 variables by betting", JRSS-B 2024; Ville's inequality) run side by side on the same items:
@@ -17,9 +18,11 @@ this way with probability <= alpha). Neither crossing by the last item: undecide
 lam_i are predictable (from items before i only): aGRAPA, the growth-rate-adaptive plug-in of
 the paper, capped at CAP of the bound that keeps every factor positive.
 
-The model behind the guarantees: items are exchangeable draws from the benchmark (a seeded
-random sample in a fixed random order), and each item's outcomes are random draws (samples
-redrawn after a numerical change). Checked by simulation in tests/test_sequential.py.
+The model behind the guarantees: items come in a uniform random order drawn for the run (with
+one fixed order for every run they would hold only on average over orders: a change that harms
+the items early in it would fail every run), and each item's outcomes are random draws
+(samples redrawn after a numerical change). Checked by simulation in tests/test_sequential.py,
+over per-run orders with the harmed items first or last in the sample's draw.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Sequential:
 
 
 def order(item_ids, seed: str = "") -> list[str]:
-    """A fixed pseudo-random order of item ids, independent of their outcomes."""
+    """A pseudo-random order of item ids fixed by the seed, independent of their outcomes."""
 
     def key(item: str) -> bytes:
         return hashlib.sha256(f"{seed}\0{item}".encode()).digest()
