@@ -178,14 +178,6 @@ def run(args: argparse.Namespace) -> int:
         )
     baseline = load_report(args.baseline)
     rounds = [load_report(path) for path in args.report]
-    orders = None
-    if args.sequential:
-        # Each round names its items by their place in the run's order: the baseline's names.
-        named = [
-            gate_sequential.baseline_ids(path, r, baseline, args.order_seed)
-            for path, r in zip(args.report, rounds)
-        ]
-        rounds, orders = [r for r, _ in named], named[-1][1]
     current = rounds[-1]
     paths, args.report = args.report, args.report[-1]
     first_round = (
@@ -198,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
             f"{len(current['benchmarks'])}; regenerate the baseline with "
             f"`edge0-eval report` on runs that include them"
         )
-    problems = baseline_differences(_settings(current), _settings(baseline), orders)
+    problems = baseline_differences(
+        _settings(current), _settings(baseline), part=args.sequential
+    )
     if problems:
         raise Edge0Error(
             f"{args.baseline}: cannot be verified as made with the settings of "

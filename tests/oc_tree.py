@@ -67,8 +67,9 @@ def _replica_lists(correct) -> list[list[float]]:
     return [c if isinstance(c, list) else [c] for c in correct]
 
 
-def _details(kind: str, dataset: str, correct, loose=None, judge=False):
+def _details(kind: str, dataset: str, correct, loose=None, judge=False, ids=None):
     reps = _replica_lists(correct)
+    ids = ids or list(range(len(reps)))
     if kind == "acc":  # format_details: processed prediction vs reference, as strings
         out = {"type": "GEN"}
         for i, (c,) in enumerate(reps):
@@ -82,7 +83,7 @@ def _details(kind: str, dataset: str, correct, loose=None, judge=False):
         return out
     details = []
     for i, rs in enumerate(reps):
-        d = {"example_abbr": f"{dataset}_{i}"}
+        d = {"example_abbr": f"{dataset}_{ids[i]}"}
         if kind == "cascade":
             # judge=True: the rule said no and the LLM judge decided (cascade_correct).
             d["rule_evaluation"] = [
@@ -169,12 +170,14 @@ class OCRun:
         outputs: list[str] | None = None,
         gold: str = "A",
         questions: list[int] | None = None,
+        ids: list[int] | None = None,
     ):
         """correct: per-item 0/1 (or per-replica lists). failed: 'missing' (no results file) or
         'error' (results file with an error). reported: override the metric (inconsistency).
         engine, outputs: per prediction, in OpenCompass's order (with n replicas, the dataset
         n times over: prediction r * items + k is replica r of item k). questions: which
-        question each item is (its prompt 'q<number>'; default its position)."""
+        question each item is (its prompt 'q<number>'; default its position); ids: the idx
+        OpenCompass gives each item, its row in the dataset (default its position)."""
         kind = kind or _kind(dataset)
         if model not in self.models:
             self.models.append(model)
@@ -231,7 +234,7 @@ class OCRun:
         if kind == "cascade":
             result["cascade_stats"] = {"total_samples": len(reps)}
         if details:
-            result["details"] = _details(kind, dataset, correct, loose, judge)
+            result["details"] = _details(kind, dataset, correct, loose, judge, ids)
         _dump(rdir / f"{dataset}.json", result)
         self.values[(model, dataset)] = metrics
 

@@ -29,14 +29,18 @@ def report(
     items: int = ITEMS,
     teacher: list[int] = TEACHER,
     seed: str | None = SEED,
+    ids: bool = True,
 ) -> Path:
     """The report of a round that has scored the first `items` of the sample in the run's
     order (rounds.run_order for the seed; None: the draw's own order, a whole run such as the
-    baseline): item k of the round is question order[k] of the sample."""
+    baseline): item k of the round is question order[k] of the sample, and OpenCompass names
+    it by its row (ids=False: by its place in the round, as no OpenCompass output does)."""
     order = run_order(len(teacher), seed or "", "GPQA_diamond")[:items]
+    named = order if ids else None
     run = OCRun(tmp_path / name)
-    run.add(T, "GPQA_diamond", [teacher[j] for j in order], questions=order)
-    run.add(S, "GPQA_diamond", [student[j] for j in order], questions=order)
+    for model, outcomes in ((T, teacher), (S, student)):
+        picked = [outcomes[j] for j in order]
+        run.add(model, "GPQA_diamond", picked, questions=order, ids=named)
     out = tmp_path / f"{name}_report"
     assert main(["report", str(run.finish()), "--out", str(out)]) == 0
     return out / "report.json"
@@ -126,15 +130,20 @@ def test_rounds_that_are_not_one_run_are_refused(tmp_path, baseline, capsys):
     assert "is missing than in" in capsys.readouterr().err
 
 
-def test_rounds_are_checked_question_by_question_with_the_run_s_seed(
+def test_rounds_are_checked_item_by_item_against_the_baseline(
     tmp_path, baseline, capsys
 ):
-    """A round names items by their place in the run's order: with another seed they would
-    be paired with other questions. Each prediction's digest against the baseline's refuses
-    that; the seed is required."""
+    """A round's items in the run's order pair with the baseline's by their rows; items named
+    otherwise (by their place in the round) would pair with other questions: each item's
+    digest against the baseline's refuses that. The seed is required."""
     first = report(tmp_path, "r0", TEACHER, items=30)
-    assert gate(baseline, first, seed="another") == 2
-    assert "this round's questions are not the baseline's" in capsys.readouterr().err
+    assert gate(baseline, first) == UNDECIDED_EXIT
+    capsys.readouterr()
+    shuffled = report(tmp_path, "r1", TEACHER, items=30, ids=False)
+    assert gate(baseline, shuffled) == 2
+    assert "of this round's items are not the baseline's questions" in (
+        capsys.readouterr().err
+    )
     assert main(["gate", str(first), "--baseline", str(baseline), "--sequential"]) == 2
     assert "--sequential needs --order-seed SEED" in capsys.readouterr().err
 
@@ -142,7 +151,9 @@ def test_rounds_are_checked_question_by_question_with_the_run_s_seed(
 def test_items_outside_the_baseline_are_refused(tmp_path, capsys):
     small = report(tmp_path, "small", TEACHER[:40], teacher=TEACHER[:40], seed=None)
     assert gate(small, report(tmp_path, "r0", TEACHER, items=60)) == 2
-    assert "is not a position of the baseline's sample" in capsys.readouterr().err
+    assert "of this round's items are not the baseline's questions" in (
+        capsys.readouterr().err
+    )
 
 
 def test_bad_options_are_one_error(tmp_path, baseline, capsys):

@@ -4,9 +4,11 @@ A sequential gate run (`gate-run --sequential`) scores a benchmark's seeded samp
 growing prefixes; each round's report covers every item so far. Items enter the tests in an
 order that no outcome can change, drawn afresh for every run: the round an item first appeared
 in (the rounds take the sample in the order of the run's order seed, rounds.run_order), then a
-hash of its id with that seed (sequential.order); a round's report names items by their
-position in the run's order, and baseline_ids maps them to the baseline's. Per benchmark, as in the fixed gate, two changes are tested on the
-items paired with the baseline (which holds the whole sample):
+hash of its id with that seed (sequential.order). Items are named by their row in the dataset
+(OpenCompass's idx), the same in every round and in the baseline; `gate` checks each round's
+items against the baseline's questions (settings.item_digests). Per benchmark, as in the
+fixed gate, two changes are tested on the items paired with the baseline (which holds the
+whole sample):
   student drop    baseline student - current student, per item
   gap widening    (current gap - baseline gap) per item, halved into [-1, 1] for the test
                   (its threshold too; printed in points of the gap)
@@ -18,11 +20,9 @@ sample is used up: a pass that cannot see the threshold, said so like the fixed 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.rounds import run_order
 from edge0_eval.evaluation.sequential import (
     REGRESSED,
     UNDECIDED,
@@ -108,53 +108,6 @@ def sequence(first_round: dict[str, int], ids, seed: str) -> list[str]:
     for item in ids:
         by_round.setdefault(first_round.get(item, 1), []).append(item)
     return [i for r in sorted(by_round) for i in order(by_round[r], seed)]
-
-
-def baseline_ids(
-    path: str, report: dict, baseline: dict, seed: str
-) -> tuple[dict, dict[str, list[int]]]:
-    """A round's report with its items named as the baseline names them, and per dataset the
-    baseline position of each of its positions (for settings.baseline_differences). A round
-    names an item by its position k in the run's order (rounds.run_order of the dataset's
-    sample, whose size is the baseline's count of that dataset's items); the baseline, a whole
-    run, by its position in the draw: run_order(size, seed)[k]."""
-    report = copy.deepcopy(report)
-    base_rows = {r["benchmark"]: r for r in baseline["benchmarks"]}
-    orders: dict[str, list[int]] = {}
-    for row in report["benchmarks"]:
-        base = base_rows.get(row["benchmark"])
-        if base is None:
-            continue
-        datasets = row.get("datasets") or base.get("datasets") or []
-        base_ids = {
-            i
-            for entry in base.get("arms", {}).values()
-            for i in entry.get("per_item") or {}
-        }
-        pooled = any("/" in i for i in base_ids)
-        for dataset in datasets:
-            prefix = f"{dataset}/" if pooled else ""
-            size = sum(i.startswith(prefix) for i in base_ids)
-            orders[dataset] = run_order(size, seed, dataset)
-        for arm, entry in row.get("arms", {}).items():
-            items = entry.get("per_item")
-            if not items:
-                continue
-            renamed = {}
-            for item, value in items.items():
-                dataset, _, k = item.rpartition("/") if pooled else ("", "", item)
-                key = dataset if pooled else (datasets[0] if datasets else "")
-                if not k.isdigit() or key not in orders or int(k) >= len(orders[key]):
-                    raise Edge0Error(
-                        f"{path}: {row['benchmark']} {arm} item {item!r} is not a position "
-                        f"of the baseline's sample; the reports are not rounds of a gate "
-                        f"run of the baseline's config"
-                    )
-                renamed[
-                    (f"{dataset}/" if pooled else "") + str(orders[key][int(k)])
-                ] = value
-            entry["per_item"] = renamed
-    return report, orders
 
 
 def _said(

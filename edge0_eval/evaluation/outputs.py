@@ -34,7 +34,7 @@ from edge0_eval.evaluation.predictions import (
     strict_loads,
 )
 from edge0_eval.evaluation.samples import record
-from edge0_eval.evaluation.settings import data_digest
+from edge0_eval.evaluation.settings import data_digest, item_digests
 from edge0_eval.evaluation.thinking import thinking_closed
 
 # What the report reads from a dataset's predictions (and the engine stats beside them): without
@@ -344,7 +344,7 @@ class DatasetResult:
     )  # metric -> item -> [0,1]
     version: str | None = None
     engine: list[dict] = field(default_factory=list)
-    data: dict | None = None  # settings.data_digest of the predictions
+    data: dict | None = None  # settings.data_digest of the predictions (+ item_digests)
     identity: dict | None = None  # the model_identity every engine stats sample carries
     notes: list[str] = field(default_factory=list)
 
@@ -473,6 +473,8 @@ def load_dataset_result(
                 flat = [v for vs in extra for v in vs]
                 res.extra.setdefault(metric, {})[item_id] = sum(flat) / len(flat)
 
+    if res.data is not None and len(preds) == len(items) * replicas:
+        res.data["items"] = item_digests(preds, [item_id for item_id, _ in items])
     res.status = "ok"
     mean = 100.0 * sum(res.scores.values()) / len(res.scores)
     if abs(mean - res.reported) > METRIC_TOLERANCE:

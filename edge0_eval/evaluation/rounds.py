@@ -22,9 +22,9 @@ The order the rounds take the sample in is drawn afresh for every gate run: `gat
 for that seed. So which items a round holds, and the order the sequential tests see them in,
 is a uniform random permutation per run, whatever items a change harms: a fixed order would
 make the tests' guarantee hold only on average over orders (a change that harms the items
-early in a fixed order fails every run). A round's report names its items by their position
-in that order; baseline_positions maps them back to the baseline's (the whole sample, in the
-draw's order).
+early in a fixed order fails every run). Reports name items by their row in the dataset
+(OpenCompass numbers rows before it selects the test range), so a round's items pair with the
+baseline's whatever the order.
 """
 
 from __future__ import annotations

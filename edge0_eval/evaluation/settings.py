@@ -25,24 +25,29 @@ COMPARED = ("generation", "scoring")
 
 
 def data_digest(preds: list[dict] | None) -> dict | None:
-    """{predictions, sha256, rows}: how many, 16 hex digits of sha256 over each prediction's
-    (origin_prompt, gold), in order, and 12 hex digits of each one's own (so a sequential
-    round's predictions, a part of the sample in another order, can be checked one by one
-    against the baseline's)."""
+    """{predictions, sha256}: how many, and 16 hex digits of sha256 over each prediction's
+    (origin_prompt, gold), in order."""
     if preds is None:
         return None
     rows = [[p.get("origin_prompt"), p.get("gold")] for p in preds]
     text = json.dumps(rows, sort_keys=True, ensure_ascii=True, default=str)
-
-    def one(row) -> str:
-        text = json.dumps(row, sort_keys=True, ensure_ascii=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
-
     return {
         "predictions": len(preds),
         "sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
-        "rows": [one(r) for r in rows],
     }
+
+
+def item_digests(preds: list[dict], ids: list[str]) -> dict[str, str]:
+    """Per item id, 12 hex digits of sha256 over its predictions' (origin_prompt, gold), every
+    replica (prediction r x items + k is replica r of item k): what each item asked, so a
+    sequential round (a part of the sample, in another order) is checked item by item against
+    the baseline's."""
+    out = {}
+    for k, item in enumerate(ids):
+        rows = [[p.get("origin_prompt"), p.get("gold")] for p in preds[k :: len(ids)]]
+        text = json.dumps(rows, sort_keys=True, ensure_ascii=True, default=str)
+        out[item] = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return out
 
 
 def _same_data_size(a, b) -> bool:
@@ -88,11 +93,15 @@ def settings_differences(settings: dict, reference: str) -> list[str]:
         for dataset, fields in (st.get("scoring") or {}).items():
             other_fields = (ref.get("scoring") or {}).get(dataset) or {}
             for key, value in fields.items():
-                if (
-                    key in other_fields
-                    and other_fields[key] != value
-                    and (key != "data" or _same_data_size(value, other_fields[key]))
-                ):
+                if key not in other_fields:
+                    continue
+                differs = (
+                    other_fields[key] != value
+                    if key != "data"
+                    else _same_data_size(value, other_fields[key])
+                    and _data_difference(value, other_fields[key], False) is not None
+                )
+                if differs:
                     problems.append(
                         f"{arm} {dataset} {key} {_shown(value)!r}, {reference} "
                         f"{_shown(other_fields[key])!r}"
@@ -101,52 +110,48 @@ def settings_differences(settings: dict, reference: str) -> list[str]:
 
 
 def _shown(value):
-    """A settings value as named in a message (a data digest without its per-row hashes)."""
-    if isinstance(value, dict) and "rows" in value:
-        return {k: v for k, v in value.items() if k != "rows"}
+    """A settings value as named in a message (a data digest without its per-item hashes)."""
+    if isinstance(value, dict) and "items" in value:
+        return {k: v for k, v in value.items() if k != "items"}
     return value
 
 
-def _data_difference(mine, base, order: list[int] | None) -> str | None:
-    """Why a data digest does not match the baseline's; None when it does. order: for a
-    sequential round, the baseline prediction each of this report's predictions is (its
-    predictions are part of the sample, in the run's order); None: the whole sample, in the
-    baseline's order."""
+def _data_difference(mine, base, part: bool) -> str | None:
+    """Why a data digest does not match the baseline's; None when it does. part: this report
+    is a sequential round (a part of the sample, in the run's order), checked item by item."""
     if not isinstance(mine, dict) or not isinstance(base, dict):
         return f"data digest {_shown(mine)!r}, baseline {_shown(base)!r}"
-    if order is None:
+    if not part:
         if (mine.get("predictions"), mine.get("sha256")) == (
             base.get("predictions"),
             base.get("sha256"),
         ):
             return None
         return f"data {_shown(mine)!r}, baseline {_shown(base)!r}"
-    rows, base_rows = mine.get("rows"), base.get("rows")
-    if not isinstance(rows, list) or not isinstance(base_rows, list):
+    items, base_items = mine.get("items"), base.get("items")
+    if not isinstance(items, dict) or not isinstance(base_items, dict):
         return (
-            "data digest without per-row hashes (a report made before they were "
-            "recorded): a round's predictions cannot be checked against the baseline's; "
+            "data digest without per-item hashes (a report made before they were "
+            "recorded): a round's items cannot be checked against the baseline's; "
             "make both again with `edge0-eval report`"
         )
-    if len(rows) > len(order) or any(
-        j >= len(base_rows) or base_rows[j] != row for j, row in zip(order, rows)
-    ):
+    other = [i for i, h in items.items() if base_items.get(i) != h]
+    if other:
         return (
-            "data: this round's questions are not the baseline's (another data file, or "
-            "not this gate run's order seed)"
+            f"data: {len(other)} of this round's items are not the baseline's questions "
+            f"(e.g. item {sorted(other)[0]}): another data file or sample"
         )
     return None
 
 
 def baseline_differences(
-    settings: dict, baseline: dict, orders: dict[str, list[int]] | None = None
+    settings: dict, baseline: dict, part: bool = False
 ) -> list[str]:
     """Each way an arm's generation or scoring settings differ from the baseline's same arm,
     for the arms and datasets both reports hold. Fails closed: settings not recorded on either
     side (a v1 report), no config dump on either side, a field only one side records, and data
-    digests that do not match (another size included) are differences. orders: per
-    dataset, the baseline prediction each of this report's predictions is (a sequential
-    round; settings._data_difference)."""
+    digests that do not match (another size included) are differences. part: this report is
+    a sequential round, checked item by item (_data_difference)."""
     problems = []
     sides = ("this report", "the baseline")
     for arm in sorted(set(settings) & set(baseline)):
@@ -174,7 +179,7 @@ def baseline_differences(
             mine, base = dict(scoring[0][dataset]), dict(scoring[1][dataset])
             data = [mine.pop("data", None), base.pop("data", None)]
             problems += _fields(arm, f" {dataset}", mine, base)
-            why = _data_difference(*data, (orders or {}).get(dataset))
+            why = _data_difference(*data, part)
             if why:
                 problems.append(f"{arm} {dataset} {why}")
     return problems
