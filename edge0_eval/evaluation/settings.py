@@ -150,7 +150,8 @@ def baseline_differences(
     """Each way an arm's generation or scoring settings differ from the baseline's same arm,
     for the arms and datasets both reports hold. Fails closed: settings not recorded on either
     side (a v1 report), no config dump on either side, a field only one side records, and data
-    digests that do not match (another size included) are differences. part: this report is
+    digests that do not match (another size included) are differences; a dataset without
+    predictions has no digest, and its row (no_predictions) fails the check instead. part: this report is
     a sequential round, checked item by item (_data_difference)."""
     problems = []
     sides = ("this report", "the baseline")
@@ -179,7 +180,8 @@ def baseline_differences(
             mine, base = dict(scoring[0][dataset]), dict(scoring[1][dataset])
             data = [mine.pop("data", None), base.pop("data", None)]
             problems += _fields(arm, f" {dataset}", mine, base)
-            why = _data_difference(*data, part)
+            # No digest is no predictions: that row is no_predictions and its check fails.
+            why = None if None in data else _data_difference(*data, part)
             if why:
                 problems.append(f"{arm} {dataset} {why}")
     return problems
