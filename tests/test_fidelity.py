@@ -294,7 +294,11 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     plain, with_fidelity = tmp_path / "plain.json", tmp_path / "with_fidelity.json"
     with_fidelity.write_text(json.dumps(tiny))
     plain.write_text(json.dumps({k: v for k, v in tiny.items() if k != "fidelity"}))
-    assert main(["gate", str(with_fidelity), "--baseline", str(plain)]) == 0
+    # (2-3 items per benchmark cannot see a 2-point drop: accepted, by name.)
+    assert (
+        main(["gate", str(with_fidelity), "--baseline", str(plain), "--accept-blind"])
+        == 0
+    )
     line = next(
         l for l in capsys.readouterr().out.splitlines() if l.startswith("fidelity ")
     )
