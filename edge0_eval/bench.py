@@ -94,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="print the split of a decode step per arm",
+        help="print the split of a decode step per arm: build and eval (the step's "
+        "graph building with its waits, and its final evaluation), host (its wall time "
+        "outside MLX evaluation and read waits, sampling included) and host_cpu (the "
+        "stepping thread's CPU time outside evaluation), ms per step",
     )
     parser.add_argument(
         "--compare",

@@ -340,8 +340,10 @@ class BatchDecoder:
     def _step(self) -> None:
         """One decode step of the active rows (prerouted: planned inside the last step, or,
         after rows left or joined, at the start of this one); keeps the next step's plans."""
-        e, active = self.engine, self.active
+        e, active, c = self.engine, self.active, self.engine.counters
         t0, before = time.perf_counter(), e.snapshot()
+        cpu0, waits = time.thread_time(), c.eval_wait_seconds + c.read_wait_seconds
+        eval_cpu = c.eval_wait_cpu_seconds
         last, self.plans = e.step(
             mx.array([[r.tokens[-1]] for r in active]),
             self.cache,
@@ -351,14 +353,22 @@ class BatchDecoder:
             rows=[r.key for r in active],
         )
         tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
-        mx.eval(*tokens)
+        c.evaluate(*tokens)
+        for j, (r, t) in enumerate(zip(active, tokens)):
+            self._take(r, t, last[j])
         dt = time.perf_counter() - t0
+        # Host work, on the critical path where compute is fast: the step's wall time outside
+        # evaluation and read waits, and the thread's CPU time outside evaluation (what that
+        # wall time is when other threads and processes leave this thread a core).
+        c.host_seconds += dt - (c.eval_wait_seconds + c.read_wait_seconds - waits)
+        c.host_cpu_seconds += (
+            time.thread_time() - cpu0 - (c.eval_wait_cpu_seconds - eval_cpu)
+        )
         self.decode["batch_steps"] += 1
         self.decode["batch_tokens"] += len(active)
         diff = self._account(t0, before)
-        for j, (r, t) in enumerate(zip(active, tokens)):
+        for r in active:
             r.figures.add_step(diff, dt, len(active))
-            self._take(r, t, last[j])
 
     def _account(self, t0: float, before: dict) -> dict:
         """Add the decode work since (t0, before) to the batch's decode figures; returns it."""

@@ -59,6 +59,26 @@ class Counters:
     draft_matches: int = 0  # of those, served the drafted token
     wrap_chunks: int = 0  # chunks run to a fixed point under a wrap-around head
     wrap_passes: int = 0  # and the passes they took
+    # The stepping thread blocked in MLX evaluation (eval, async_eval's back-pressure, item):
+    # with the read waits (demand reads, stage waits) what a decode step's wall time less
+    # its host work is. Host figures are counted per decode step by the batch decoder:
+    # host, its wall time outside evaluation and read waits; host_cpu, the thread's CPU
+    # time outside evaluation.
+    eval_wait_seconds: float = 0.0
+    eval_wait_cpu_seconds: float = 0.0  # the thread's CPU time inside those calls
+    host_seconds: float = 0.0
+    host_cpu_seconds: float = 0.0
+
+    def evaluate(self, *arrays, wait=mx.eval) -> None:
+        """`wait(*arrays)` (mx.eval, mx.async_eval), its time counted as evaluation wait."""
+        started, cpu = time.perf_counter(), time.thread_time()
+        wait(*arrays)
+        self.eval_wait_seconds += time.perf_counter() - started
+        self.eval_wait_cpu_seconds += time.thread_time() - cpu
+
+    @property
+    def read_wait_seconds(self) -> float:
+        return self.demand_read_seconds + self.stage_wait_seconds
 
     def since(self, before: "Counters") -> "Counters":
         return Counters(
@@ -277,9 +297,8 @@ class StreamingSwitchGLU(nn.Module):
             return self.glu(x, indices)
         if pinned:
             return self.glu(x, io.lut[indices])
-        mx.eval(
-            indices
-        )  # reactive: the true routing must reach the host to read misses
+        # Reactive: the true routing must reach the host to read misses.
+        io.counters.evaluate(indices)
         ids = np.array(indices)
         unique = np.unique(ids).tolist()
         io.counters.union_experts += len(unique)
@@ -309,7 +328,7 @@ class StreamingSwitchGLU(nn.Module):
             pairs = np.flatnonzero(np.isin(flat, group))
             slot_ids = io.lut[mx.array(flat[pairs].astype(np.int32))][:, None]
             part = self.glu(rows[mx.array(pairs // k)], slot_ids)[:, 0]
-            mx.eval(part)  # before the next group overwrites these slots
+            io.counters.evaluate(part)  # before the next group overwrites these slots
             parts.append(part)
             where.append(pairs)
         back = mx.array(np.argsort(np.concatenate(where)).astype(np.int32))

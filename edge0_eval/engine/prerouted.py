@@ -171,7 +171,7 @@ class Prerouter:
         inds = selected[0]  # [O, B, K]
         staged = {}
         if stage:
-            mx.eval(inds, plans.onehot)
+            self.counters.evaluate(inds, plans.onehot)
             self.counters.head_seconds += time.perf_counter() - started
             staged = self._stage(np.array(inds), self.consumers, plans.hedges)
         layers = {
@@ -189,7 +189,7 @@ class Prerouter:
             self.heads(append_next_embedding(plans.feats, self.embedding(tokens))),
             self.top_k,
         )
-        mx.eval(tokens, selected)
+        self.counters.evaluate(tokens, selected)
         self.counters.hedge_seconds += time.perf_counter() - started
         hedges = self._stage(np.array(selected[0]), self.draft_layers)
         return Plans(

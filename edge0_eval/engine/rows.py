@@ -180,9 +180,11 @@ def decode_figures(d: dict, steps: int, tokens: int) -> dict:
         ),
         # build: Python building the graph, including blocking reads/stage waits and any
         # compute a reactive layer forces (it syncs to learn its routing); eval: the rest.
+        # host: a decode step's wall time outside MLX evaluation and read waits (sampling
+        # included); host_cpu: the stepping thread's CPU time outside evaluation.
         "profile_ms_per_step": {
             f"{name}_ms": per(1000 * d[f"{name}_seconds"], d["steps"])
-            for name in ("build", "eval")
+            for name in ("build", "eval", "host", "host_cpu")
         },
     }
 

@@ -116,7 +116,9 @@ class DecodeStep:
         last = logits[:, -1]
         # Every position computed (a teacher-forced piece: all of them) is checked, per row.
         finite = mx.isfinite(logits).all(axis=(1, 2))
-        mx.eval(last, finite, events, [c.state for c in cache if c is not None])
+        self.counters.evaluate(
+            last, finite, events, [c.state for c in cache if c is not None]
+        )
         if events is not None:
             self.counters.guard_events += events.item()
         if not finite.all().item():
@@ -252,8 +254,8 @@ class DecodeStep:
         if plan is not None:
             inds, staged = plan
             if staged is not None:
-                if layer > 0:
-                    mx.async_eval(h)  # earlier layers compute while its reads finish
+                if layer > 0:  # earlier layers compute while its reads finish
+                    self.counters.evaluate(h, wait=mx.async_eval)
                 self.prerouter.finish(layer, staged)
             if (
                 ahead is None
