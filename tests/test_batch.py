@@ -10,6 +10,7 @@ test_engine.py's parity). Greedy tokens are compared exactly everywhere.
 
 import json
 import re
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,7 @@ from perturbed_heads import perturbed_heads
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine, NonFiniteError
+from edge0_eval.engine.moe import StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.rows import StopRule
@@ -469,3 +471,77 @@ def test_a_failed_step_fails_its_rows_and_the_next_rows_start_afresh(
     decoder.run()
     assert [later[k].tokens for k in (2, 3)] == [solo[2][0], solo[3][0]]
     engine.close()
+
+
+def test_a_batched_step_reads_each_layers_union_once(family, monkeypatch):
+    """Each step's plan queues every consuming layer's union of its rows' sets once: no
+    (layer, expert) is queued twice for a step, and a layer's reads are its union's misses,
+    so rows that share an expert share its read."""
+    engine = _load(family, "prerouted", slots_per_layer=None)
+    pr, store = engine.prerouter, engine.store
+    plan_id, queued, staged, unions = [0], [], [], []
+    submit_many, stage, stage_begin = (
+        store.submit_many,
+        pr._stage,
+        StreamingSwitchGLU.stage_begin,
+    )
+
+    def spy_submit(layer, experts, *args, **kwargs):
+        queued.append((plan_id[0], layer, list(experts)))
+        return submit_many(layer, experts, *args, **kwargs)
+
+    def spy_stage_begin(switch, experts, hedge=None):
+        s = stage_begin(switch, experts, hedge=hedge)
+        staged.append((plan_id[0], switch._io.layer, [e for e, _ in s.loads]))
+        unions.append(len(s.experts))
+        return s
+
+    def counting_stage(*args, **kwargs):
+        plan_id[0] += 1  # one plan: one step's staging of every consuming layer
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            plan_id[0] += 1  # reads after it (demand, prefill) belong to no plan
+
+    monkeypatch.setattr(store, "submit_many", spy_submit)
+    monkeypatch.setattr(StreamingSwitchGLU, "stage_begin", spy_stage_begin)
+    monkeypatch.setattr(pr, "_stage", counting_stage)
+    # Two rows: the batch pool (B x K slots) holds half a tiny layer, so steps keep reading.
+    prompts = [engine.tokenizer.encode(t) for t in TEXTS[1:3]]
+    engine.generate_batch(prompts, MAX_TOKENS, stop_token_ids=set())
+    engine.close()
+    per_plan: dict = {}
+    for plan, layer, experts in queued:
+        if plan % 2:  # inside a plan's staging
+            per_plan.setdefault((plan, layer), []).append(experts)
+    assert len({plan for plan, _ in per_plan}) >= MAX_TOKENS - 1
+    assert max(unions) > engine.top_k  # the rows' sets differ: real unions were staged
+    for key, calls in per_plan.items():
+        assert len(calls) == 1, key  # one queueing per layer per plan
+        assert len(calls[0]) == len(set(calls[0])), key  # nothing queued twice
+    # The reads queued are the staged sets' misses, set by set.
+    assert {k: sorted(c[0]) for k, c in per_plan.items()} == {
+        (plan, layer): sorted(loads) for plan, layer, loads in staged
+    }
+
+
+def test_host_work_leaves_out_read_waits(edge0_qwen, monkeypatch):
+    """A decode step's host figure is its wall time outside MLX evaluation and read waits:
+    reads slowed by 0.1 s each lengthen the step's read waits, not its host work."""
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+    )
+    read = engine.store.read
+
+    def slow_read(*args, **kwargs):
+        time.sleep(0.1)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(engine.store, "read", slow_read)
+    prompt = engine.tokenizer.encode(TEXTS[1])
+    s = engine.generate(prompt, max_tokens=4, stop_token_ids=set()).stats
+    engine.close()
+    profile = s["profile_ms_per_step"]
+    assert s["blocked_load_ms_per_step"] >= 100  # every step read, slowly
+    assert 0 < profile["host_ms"] < s["blocked_load_ms_per_step"] / 2
+    assert 0 < profile["host_cpu_ms"] < s["blocked_load_ms_per_step"] / 2

@@ -230,3 +230,32 @@ def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(
             ).item(), e
     finally:
         engine.close()
+
+
+def test_staged_bundles_land_intact_though_an_io_thread_reuses_its_buffer(edge0_qwen):
+    """One I/O thread reads every bundle of a staged set into the same buffer: each slot must
+    hold its own expert's tensors (copied out on the I/O thread), not the last bundle read."""
+    from edge0_eval.formats.layout import unpack_bundle
+
+    engine = Engine.load(
+        edge0_qwen,
+        EngineOptions(mode="reactive", no_lora=True, slots_per_layer=8, io_workers=1),
+    )
+    try:
+        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+        experts = [5, 0, 3, 7, 1, 6]
+        switch.stage_finish(switch.stage_begin(experts))
+        for e in experts:
+            want = unpack_bundle(
+                switch._io.index, engine.store.read(switch._io.layer, e)
+            )
+            slot = switch.slots.slot_of(e)
+            for name, value in want.items():
+                proj, part = name.split(".")
+                got = getattr(switch.glu, proj)[part][slot]
+                assert mx.array_equal(got, mx.array(value).astype(got.dtype)).item(), (
+                    e,
+                    name,
+                )
+    finally:
+        engine.close()

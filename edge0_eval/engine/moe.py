@@ -138,17 +138,24 @@ class StreamingSwitchGLU(nn.Module):
             resident=False,
             pending=None,
         )
-        # Per bundle tensor, once: (name, projection, part, stored as bfloat16, slot dtype).
+        # Per bundle tensor, once, in the layout's order: (name, widen on the I/O thread (float16 to
+        # float32 slots), its module, its part, stored as bfloat16 (numpy has none: raw uint16
+        # viewed in MLX), the cast the slot still needs (None: none)).
         self._io.tensors = []
         for name in layout.names:
             proj, part = name.split(".")
+            linear = getattr(self.glu, proj)
+            slot_dtype, dtype = linear[part].dtype, layout.tensor(name).dtype
+            widen = dtype == "float16" and slot_dtype == mx.float32
+            arrives = mx.float32 if widen else getattr(mx, dtype)  # after any view
             self._io.tensors.append(
                 (
                     name,
-                    proj,
+                    widen,
+                    linear,
                     part,
-                    layout.tensor(name).dtype == "bfloat16",
-                    getattr(self.glu, proj)[part].dtype,
+                    dtype == "bfloat16",
+                    None if arrives == slot_dtype else slot_dtype,
                 )
             )
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
@@ -241,37 +248,52 @@ class StreamingSwitchGLU(nn.Module):
             io.lut[mx.array(order, dtype=mx.int32)] = dst
         return loaded
 
-    def _prepare(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        """On an I/O thread: one bundle's tensors as numpy arrays in their slot dtypes.
+    def _prepare(self, buf: np.ndarray) -> list[mx.array]:
+        """On an I/O thread: one bundle's tensors (the layout's order) as MLX arrays in their slot
+        dtypes, copied out of the thread's read buffer.
 
-        Widening float16 scales for float32 slots happens here, off the thread that builds the
-        graph; any cast numpy cannot do (bfloat16) is left to `_write_slots` as a lazy MLX op.
-        Staged bundles stay host buffers until their layer is built, as the raw reads were.
+        The copies, and widening float16 scales for float32 slots, happen here, off the
+        thread that builds the graph; a cast numpy cannot do (bfloat16) is left to
+        `_write_slots` as a lazy MLX op. Only leaf arrays are made here, no graph.
         """
         out = unpack_bundle(self._io.layout, buf)
-        for name, _, _, _, slot_dtype in self._io.tensors:
-            if out[name].dtype == np.float16 and slot_dtype == mx.float32:
-                out[name] = out[name].astype(np.float32)
-        return out
+        return [
+            mx.array(out[name].astype(np.float32) if widen else out[name])
+            for name, widen, *_ in self._io.tensors
+        ]
 
-    def _write_slots(self, loads: list[tuple[int, int]], parts: list[dict]) -> None:
+    def _write_slots(self, loads: list[tuple[int, int]], parts: list[list]) -> None:
         """Write prepared bundles into their slots and point the slot table at them.
 
         Lazy on purpose: evaluating here would make the graph-building thread wait for every
         earlier layer's compute before it could build the next layer. Only changed slots are
         written; the writes run in stream order, before this layer's experts read the slots.
+        Bundles bound for consecutive slots are written by one slice update per tensor (in
+        place on the module's array: no scatter, which MLX's CPU backend runs several times
+        slower), so a batch's layer, whose union fills most of its slots, costs a few
+        updates per tensor rather than one per bundle.
         """
-        # One slice update per bundle tensor: several times faster than stacking the bundles
-        # for one scatter.
-        for (_, slot), bundle in zip(loads, parts):
-            for name, proj, part, bf16, slot_dtype in self._io.tensors:
-                value = mx.array(bundle[name])
+        order = sorted(range(len(loads)), key=lambda i: loads[i][1])
+        runs = []  # (first slot, [bundle positions]) of consecutive slots
+        for i in order:
+            slot = loads[i][1]
+            if runs and runs[-1][0] + len(runs[-1][1]) == slot:
+                runs[-1][1].append(i)
+            else:
+                runs.append((slot, [i]))
+        for t, (_, _, linear, part, bf16, cast) in enumerate(self._io.tensors):
+            buffer = linear[part]
+            for first, members in runs:
+                if len(members) == 1:
+                    value, where = parts[members[0]][t], first
+                else:
+                    value = mx.stack([parts[i][t] for i in members])
+                    where = slice(first, first + len(members))
                 if bf16:
                     value = value.view(mx.bfloat16)
-                buffer = getattr(self.glu, proj)[part]
-                buffer[slot] = value.astype(
-                    slot_dtype
-                )  # in place on the module's array
+                if cast is not None:
+                    value = value.astype(cast)
+                buffer[where] = value  # in place on the module's array
         self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = mx.array(
             [s for _, s in loads], dtype=mx.int32
         )
@@ -367,9 +389,9 @@ class StreamingSwitchGLU(nn.Module):
                     io.slots.forget(e)
                     outcome.cancelled += 1
         mapping, loads = io.slots.assign(experts)
-        futures = [
-            io.store.submit(io.layer, e, prepare=self._prepare) for e, _ in loads
-        ]
+        futures = io.store.submit_many(
+            io.layer, [e for e, _ in loads], prepare=self._prepare
+        )
         if hedge is not None:
             kept_loads, kept_futures = [], []
             for (e, slot), f in zip(hedge.loads, hedge.futures):

@@ -116,12 +116,14 @@ class DecodeStep:
         last = logits[:, -1]
         # Every position computed (a teacher-forced piece: all of them) is checked, per row.
         finite = mx.isfinite(logits).all(axis=(1, 2))
+        # Evaluated with the rest, so reading the verdict below syncs nothing more.
+        all_finite = finite.all()
         self.counters.evaluate(
-            last, finite, events, [c.state for c in cache if c is not None]
+            last, finite, all_finite, events, [c.state for c in cache if c is not None]
         )
         if events is not None:
             self.counters.guard_events += events.item()
-        if not finite.all().item():
+        if not all_finite.item():
             self.counters.nonfinite_events += 1
             bad = (
                 ""

@@ -7,10 +7,10 @@ bytes are counted exactly; `edge0-eval bench` measures both against each other.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import os
-import queue
 import threading
 import time
 import zlib
@@ -41,10 +41,13 @@ class _PriorityPool:
 
     A stdlib ThreadPoolExecutor is FIFO: a layer blocked on its own reads would wait behind every
     prefetch queued for later layers, which is exactly the wait prefetching exists to remove.
+    A layer's reads are queued together (`submit_many`): one lock and one wake-up for them all,
+    so the thread staging them is not handed over to the I/O threads read by read.
     """
 
     def __init__(self, workers: int):
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._heap: list = []
+        self._ready = threading.Condition()
         self._order = itertools.count()
         self._threads = [
             threading.Thread(target=self._work, name=f"edge0-io-{i}", daemon=True)
@@ -54,13 +57,25 @@ class _PriorityPool:
             t.start()
 
     def submit(self, priority: int, fn, *args) -> Future:
-        future: Future = Future()
-        self._queue.put((priority, next(self._order), future, fn, args))
-        return future
+        return self.submit_many([(priority, fn, args)])[0]
+
+    def submit_many(self, tasks: list[tuple]) -> list[Future]:
+        """Queue (priority, fn, args) tasks at once; their futures in that order."""
+        futures = [Future() for _ in tasks]
+        with self._ready:
+            for future, (priority, fn, args) in zip(futures, tasks):
+                heapq.heappush(
+                    self._heap, (priority, next(self._order), future, fn, args)
+                )
+            self._ready.notify(len(tasks))
+        return futures
 
     def _work(self) -> None:
         while True:
-            _, _, future, fn, args = self._queue.get()
+            with self._ready:
+                while not self._heap:
+                    self._ready.wait()
+                _, _, future, fn, args = heapq.heappop(self._heap)
             if future is None:
                 return
             if not future.set_running_or_notify_cancel():
@@ -71,8 +86,10 @@ class _PriorityPool:
                 future.set_exception(exc)
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put((_STOP, next(self._order), None, None, None))
+        with self._ready:
+            for _ in self._threads:
+                heapq.heappush(self._heap, (_STOP, next(self._order), None, None, None))
+            self._ready.notify_all()
         for t in self._threads:
             t.join()
 
@@ -166,15 +183,19 @@ class ExpertStore:
         self.throttle_mbps = io_throttle_mbps
         self._throttle = throttle
         self._queue = _PriorityPool(io_workers)
+        self._buffers = threading.local()  # each I/O thread's read buffer (submit)
         self._lock = threading.Lock()
         self.stats = StoreStats()
 
     # -- reads ------------------------------------------------------------------------------
-    def read(self, layer: int, expert: int) -> np.ndarray:
-        """Blocking positioned read of one bundle."""
+    def read(
+        self, layer: int, expert: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Blocking positioned read of one bundle (checked), into `out` when given (a uint8
+        buffer of at least the layer's `bundle_stride` bytes), else into a new buffer."""
         stride = self.index.layout(layer).bundle_stride
         offset = self.index.bundle_offset(layer, expert)
-        buf = np.empty(stride, dtype=np.uint8)
+        buf = np.empty(stride, dtype=np.uint8) if out is None else out[:stride]
         started = time.perf_counter()
         view, done = memoryview(buf), 0
         while done < stride:
@@ -230,17 +251,39 @@ class ExpertStore:
         and prefetches (priority None) are served in the order their layers run.
 
         `prepare(buf)`, when given, runs on the I/O thread after the read and its result is the
-        future's: callers move per-bundle unpacking off the thread that builds the graph.
+        future's: callers move per-bundle unpacking and copies off the thread that builds the
+        graph. `buf` is then the I/O thread's own read buffer, reused by its next read (a
+        fresh buffer a read would fault in page by page): `prepare` copies what it keeps.
         """
+        return self.submit_many(layer, [expert], priority, prepare)[0]
+
+    def submit_many(
+        self, layer: int, experts: list[int], priority: int | None = None, prepare=None
+    ) -> list[Future]:
+        """`submit` for several experts of one layer, queued at once (one wake-up)."""
         if priority is None:
             priority = PREFETCH + self.index.layer_position(layer)
         if prepare is None:
-            return self._queue.submit(priority, self.read, layer, expert)
-        return self._queue.submit(priority, lambda: prepare(self.read(layer, expert)))
+            tasks = [(priority, self.read, (layer, e)) for e in experts]
+        else:
+            tasks = [
+                (priority, self._read_prepared, (layer, e, prepare)) for e in experts
+            ]
+        return self._queue.submit_many(tasks)
+
+    def _read_prepared(self, layer: int, expert: int, prepare):
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None:
+            # Layers' bundles may differ in size (mixed quantization): the largest fits all.
+            largest = max(layout.bundle_stride for layout in self.index.layouts)
+            buf = self._buffers.buf = np.empty(largest, np.uint8)
+        return prepare(self.read(layer, expert, out=buf))
 
     def read_many(self, pairs: list[tuple[int, int]], prepare=None) -> list:
         """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches."""
-        futures = [self.submit(l, e, DEMAND, prepare) for l, e in pairs]
+        futures = []
+        for layer, group in itertools.groupby(pairs, key=lambda pair: pair[0]):
+            futures += self.submit_many(layer, [e for _, e in group], DEMAND, prepare)
         return [f.result() for f in futures]
 
     # -- cache control ----------------------------------------------------------------------
