@@ -67,13 +67,13 @@ def _inject_after(store, n_reads: int, fault, path) -> threading.Event:
     done, lock, count = threading.Event(), threading.Lock(), [0]
     original = store.read
 
-    def read(layer, expert):
+    def read(layer, expert, **kwargs):
         with lock:
             count[0] += 1
             if count[0] == n_reads and not done.is_set():
                 done.set()
                 fault(path)
-        return original(layer, expert)
+        return original(layer, expert, **kwargs)
 
     store.read = read
     return done

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import CancelledError
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,12 +36,69 @@ _STOP = math.inf
 SETTLE_NS = 2_000_000_000
 
 
+_QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
+
+
+class QueuedTask:
+    """A queued task's handle: as much of a Future as the engine uses (cancel, cancelled,
+    running, done, result), lighter. The tasks queued together share one condition, so
+    queueing a layer's reads costs a small object per read, not a Future's lock and
+    condition each."""
+
+    __slots__ = ("_group", "_state", "_value", "_error")
+
+    def __init__(self, group: threading.Condition):
+        self._group, self._state, self._value, self._error = group, _QUEUED, None, None
+
+    def cancel(self) -> bool:
+        """Cancel the task if no I/O thread has taken it; True when it is cancelled."""
+        with self._group:
+            if self._state == _QUEUED:
+                self._state = _CANCELLED
+                self._group.notify_all()
+            return self._state == _CANCELLED
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def running(self) -> bool:
+        return self._state == _RUNNING
+
+    def done(self) -> bool:
+        return self._state in (_DONE, _CANCELLED)
+
+    def result(self, timeout: float | None = None):
+        """The task's result (its exception raised); waits for it to finish."""
+        with self._group:
+            if not self._group.wait_for(
+                lambda: self._state in (_DONE, _CANCELLED), timeout
+            ):
+                raise TimeoutError("the read did not finish in time")
+        if self._state == _CANCELLED:
+            raise CancelledError()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _start(self) -> bool:
+        with self._group:
+            if self._state != _QUEUED:
+                return False
+            self._state = _RUNNING
+            return True
+
+    def _finish(self, value, error: BaseException | None) -> None:
+        with self._group:
+            self._value, self._error, self._state = value, error, _DONE
+            self._group.notify_all()
+
+
 class _PriorityPool:
     """A few I/O threads serving a priority queue (FIFO within a priority).
 
     A stdlib ThreadPoolExecutor is FIFO: a layer blocked on its own reads would wait behind every
     prefetch queued for later layers, which is exactly the wait prefetching exists to remove.
-    A layer's reads are queued together (`submit_many`): one lock and one wake-up for them all,
+    A layer's reads are queued at once (`submit_many`): one lock and one wake-up for them all,
     so the thread staging them is not handed over to the I/O threads read by read.
     """
 
@@ -56,34 +113,33 @@ class _PriorityPool:
         for t in self._threads:
             t.start()
 
-    def submit(self, priority: int, fn, *args) -> Future:
-        return self.submit_many([(priority, fn, args)])[0]
-
-    def submit_many(self, tasks: list[tuple]) -> list[Future]:
-        """Queue (priority, fn, args) tasks at once; their futures in that order."""
-        futures = [Future() for _ in tasks]
+    def submit_many(self, tasks: list[tuple]) -> list[QueuedTask]:
+        """Queue (priority, fn, args) tasks at once; their handles in that order."""
+        group = threading.Condition()
+        handles = [QueuedTask(group) for _ in tasks]
         with self._ready:
-            for future, (priority, fn, args) in zip(futures, tasks):
+            for handle, (priority, fn, args) in zip(handles, tasks):
                 heapq.heappush(
-                    self._heap, (priority, next(self._order), future, fn, args)
+                    self._heap, (priority, next(self._order), handle, fn, args)
                 )
             self._ready.notify(len(tasks))
-        return futures
+        return handles
 
     def _work(self) -> None:
         while True:
             with self._ready:
                 while not self._heap:
                     self._ready.wait()
-                _, _, future, fn, args = heapq.heappop(self._heap)
-            if future is None:
+                _, _, handle, fn, args = heapq.heappop(self._heap)
+            if handle is None:
                 return
-            if not future.set_running_or_notify_cancel():
-                continue
+            if not handle._start():
+                continue  # cancelled while queued
             try:
-                future.set_result(fn(*args))
+                value, error = fn(*args), None
             except BaseException as exc:
-                future.set_exception(exc)
+                value, error = None, exc
+            handle._finish(value, error)
 
     def shutdown(self) -> None:
         with self._ready:
@@ -246,7 +302,7 @@ class ExpertStore:
 
     def submit(
         self, layer: int, expert: int, priority: int | None = None, prepare=None
-    ) -> Future:
+    ) -> QueuedTask:
         """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches,
         and prefetches (priority None) are served in the order their layers run.
 
@@ -259,7 +315,7 @@ class ExpertStore:
 
     def submit_many(
         self, layer: int, experts: list[int], priority: int | None = None, prepare=None
-    ) -> list[Future]:
+    ) -> list[QueuedTask]:
         """`submit` for several experts of one layer, queued at once (one wake-up)."""
         if priority is None:
             priority = PREFETCH + self.index.layer_position(layer)
