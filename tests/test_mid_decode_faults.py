@@ -202,13 +202,13 @@ def test_generate_zeroed_in_place_stops_and_writes_nothing(
     seen, injected, lock = set(), threading.Event(), threading.Lock()
     original = ExpertStore.read
 
-    def read(store, layer, expert):
+    def read(store, layer, expert, **kwargs):
         with lock:
             if len(seen) == len(_all_bundles(store)) and not injected.is_set():
                 injected.set()
                 _zero(path)
             seen.add((layer, expert))
-        return original(store, layer, expert)
+        return original(store, layer, expert, **kwargs)
 
     monkeypatch.setattr(ExpertStore, "read", read)
     out = tmp_path / "gen.json"

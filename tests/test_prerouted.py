@@ -247,7 +247,7 @@ def test_staged_bundles_land_intact_though_an_io_thread_reuses_its_buffer(edge0_
         switch.stage_finish(switch.stage_begin(experts))
         for e in experts:
             want = unpack_bundle(
-                switch._io.index, engine.store.read(switch._io.layer, e)
+                switch._io.layout, engine.store.read(switch._io.layer, e)
             )
             slot = switch.slots.slot_of(e)
             for name, value in want.items():

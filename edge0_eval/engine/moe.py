@@ -183,8 +183,7 @@ class StreamingSwitchGLU(nn.Module):
             return
         self._drop_pending()
         io.slots.resize(n_slots)
-        for _, proj, part, _, _ in io.tensors:
-            linear = getattr(self.glu, proj)
+        for _, _, linear, part, *_ in io.tensors:
             old = linear[part]
             if n_slots > old_n:
                 new = mx.concatenate(
@@ -241,8 +240,8 @@ class StreamingSwitchGLU(nn.Module):
                 mx.array(current, dtype=mx.int32),
                 mx.array(target, dtype=mx.int32),
             )
-            for _, proj, part, _, _ in io.tensors:
-                buffer = getattr(self.glu, proj)[part]
+            for _, _, linear, part, *_ in io.tensors:
+                buffer = linear[part]
                 buffer[dst] = buffer[src]
             io.slots.move(dict(zip(order, target)))
             io.lut[mx.array(order, dtype=mx.int32)] = dst
