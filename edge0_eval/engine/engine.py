@@ -79,6 +79,24 @@ def _rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30
 
 
+def prefill_pieces(n: int, chunk: int, split: bool) -> list[tuple[int, int]]:
+    """Where `Engine.prefill` cuts a prompt of `n` tokens: pieces of up to `chunk`, the last
+    one at least 2 long when chunk > 1 (the heads' t and t-1 features), and with `split`
+    (Family.split_prefill) the last 2 tokens alone, as mlx-lm's generate_step runs its last
+    one, so that for every earlier position only what the caches hold is computed (never its
+    LM head, nor the part of the last layer that no cache needs). The layer-major scorer
+    (layer_major.py) cuts a prompt the same way where cuts change the bits."""
+    chunk = max(1, chunk)
+    keep = min(n, 2 if chunk > 1 else 1)
+    if split:
+        bounds = list(range(0, n - keep, chunk)) + [n - keep, n]
+    else:
+        bounds = list(range(0, n, chunk)) + [n]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] < keep:
+            bounds[-2] = n - keep
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 class Engine:
     def __init__(
         self,
@@ -224,20 +242,10 @@ class Engine:
         the batch plans all its rows together. samplers: as for a step (a draft hedge)."""
         if not tokens:
             raise ConfigError("empty prompt: nothing to prefill")
-        n, chunk = len(tokens), max(1, self.options.prefill_chunk)
-        keep = min(
-            n, 2 if chunk > 1 else 1
-        )  # the last piece: the heads' t and t-1 features
-        if self.family.split_prefill:
-            # As mlx-lm's generate_step: the last tokens alone, so that for every earlier
-            # position only what the caches hold is computed (never its LM head, nor the part
-            # of the last layer that no cache needs).
-            bounds = list(range(0, n - keep, chunk)) + [n - keep, n]
-        else:
-            bounds = list(range(0, n, chunk)) + [n]
-            if len(bounds) > 2 and bounds[-1] - bounds[-2] < keep:
-                bounds[-2] = n - keep
-        pieces = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        n = len(tokens)
+        pieces = prefill_pieces(
+            n, self.options.prefill_chunk, self.family.split_prefill
+        )
         where = f"in the prefill of tokens 0..{n - 1}"
         for start, end in pieces[:-1]:
             self.step(

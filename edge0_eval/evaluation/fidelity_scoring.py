@@ -119,6 +119,16 @@ class MLXRunner:
         self.model = self.module = model
         self.cache = None
 
+    @staticmethod
+    def cuts(prompt: int, n: int) -> list[tuple[int, int]]:
+        """The pieces `start` then `advance` run, of a sequence of `n` positions whose first
+        `prompt` are the prompt (the layer-major scorer cuts so where cuts change bits)."""
+        head = [
+            (a, min(a + MLX_PREFILL_STEP, prompt - 1))
+            for a in range(0, prompt - 1, MLX_PREFILL_STEP)
+        ]
+        return head + [(p, p + 1) for p in range(prompt - 1, n)]
+
     def _forward(self, tokens: list[int]) -> mx.array:
         logits = self.model(mx.array(tokens)[None], cache=self.cache)
         finite = mx.isfinite(logits).all()
