@@ -157,9 +157,10 @@ class Edge0Model(ChatModelBase):
             )
         return answers
 
-    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
-        """Teacher-forced log-probs on the served decode path (datasets/edge0_fidelity.py)."""
-        return model_logprobs(self.engine, prompt_ids, tokens, topk_ids)
+    def fidelity_logprobs(self, items: list[dict]) -> list[dict]:
+        """Teacher-forced log-probs of fidelity items (datasets/edge0_fidelity.py), scored
+        together by the set's scorer (fidelity_scoring.model_logprobs)."""
+        return model_logprobs(self.engine, items)
 
     def __del__(self):
         engine = getattr(self, "engine", None)

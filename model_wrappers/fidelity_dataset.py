@@ -25,6 +25,7 @@ from edge0_eval.evaluation.fidelity_set import (
     SET_PATH,
     fingerprint,
     read_set,
+    scorer_of,
     vocab_problem,
 )
 
@@ -123,13 +124,15 @@ class FidelityDataset(BaseDataset):
         """path: see set_file."""
         fset = read_set(set_file(path))
         items = fset["items"][:limit]
+        # Each item carries the set's scorer: every arm is scored by the one that made it.
+        scorer = scorer_of(fset)
         return Dataset.from_list(
             [
                 {
                     "id": it["id"],
                     "source": it["source"],
                     "prompt": it.get("prompt", ""),
-                    "item": json.dumps(it),
+                    "item": json.dumps(dict(it, scorer=scorer)),
                     # The inferencer compares it with a teacher arm's own (teacher_problem).
                     "teacher": json.dumps(fset["teacher"]),
                 }

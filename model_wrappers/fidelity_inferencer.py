@@ -1,9 +1,11 @@
 """Inferencer for the fidelity dataset: each arm's teacher-forced log-probs, not generations.
 
-For every row it hands the teacher's prompt ids, tokens and top-k ids to the model's
-`fidelity_logprobs` (MLXLMModel and Edge0Model have one; both run their served decode path) and
-writes the result as the row's prediction (JSON), in OpenCompass's predictions file, plus the
-per-item stats side file the other datasets have (predictions/<model>/<dataset>.engine_stats.json).
+It hands the rows' items (prompt ids, tokens, top-k ids and the set's scorer), ITEMS_PER_CALL
+at a time, to the model's `fidelity_logprobs` (MLXLMModel and Edge0Model have one: their served
+path, the items scored together layer by layer, fidelity_scoring.py) and writes each result as
+its row's prediction (JSON), in OpenCompass's predictions file, plus the per-item stats side
+file the other datasets have (predictions/<model>/<dataset>.engine_stats.json; a call's items
+share its wall time as batch_wall_s, with batch_size, as the planner reads batched calls).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from edge0_eval.evaluation.progress import Progress
 from .fidelity_dataset import teacher_problem
 from .inferencer import stats_path
 
+# Items one call scores together: the scorer splits them further by its memory bound; the
+# progress and ETA move a call at a time.
+ITEMS_PER_CALL = 64
+
 
 @ICL_INFERENCERS.register_module()
 class FidelityInferencer(BaseInferencer):
@@ -37,7 +43,7 @@ class FidelityInferencer(BaseInferencer):
     ):
         # max/min_out_len come from the model config for every dataset; the set fixes the length.
         # progress: the arm's progress spec (edge0_eval/evaluation/progress.py), set by the
-        # project's partitioners: a long set moves the arm's progress and ETA item by item.
+        # project's partitioners: a long set moves the arm's progress and ETA a call at a time.
         super().__init__(model=model, **kwargs)
         self.progress = progress
 
@@ -64,29 +70,40 @@ class FidelityInferencer(BaseInferencer):
             if self.progress and self.is_main_process
             else None
         )
-        for index, row in enumerate(retriever.test_ds):
-            item = json.loads(row["item"])
-            start = time.perf_counter()
-            out = score(item["prompt_ids"], item["tokens"], item["topk_ids"])
-            wall = time.perf_counter() - start
-            out["item"] = item_digest(item)
-            preds[str(index)] = {
-                "origin_prompt": row["prompt"],
-                "prediction": json.dumps(out),
-                "gold": item["id"],
-            }
-            stats.append(
-                {
-                    "index": index,
-                    "arm": getattr(self.model, "arm", None),
-                    "prompt_tokens": len(item["prompt_ids"]),
-                    "tokens": len(item["tokens"]),
-                    "wall_s": round(wall, 4),
-                    "tok_s": round(len(item["tokens"]) / wall, 2) if wall > 0 else None,
+        rows = list(retriever.test_ds)
+        for start in range(0, len(rows), ITEMS_PER_CALL):
+            call = rows[start : start + ITEMS_PER_CALL]
+            items = [json.loads(row["item"]) for row in call]
+            began = time.perf_counter()
+            outs = score(items)
+            wall = time.perf_counter() - began
+            for index, row, item, out in zip(
+                range(start, start + len(call)), call, items, outs
+            ):
+                out["item"] = item_digest(item)
+                preds[str(index)] = {
+                    "origin_prompt": row["prompt"],
+                    "prediction": json.dumps(out),
+                    "gold": item["id"],
                 }
-            )
+                stats.append(
+                    {
+                        "index": index,
+                        "arm": getattr(self.model, "arm", None),
+                        "prompt_tokens": len(item["prompt_ids"]),
+                        "tokens": len(item["tokens"]),
+                        "scorer": item.get("scorer"),
+                        "batch_size": len(call),
+                        "batch_wall_s": round(wall, 4),
+                        "wall_s": round(wall, 4),
+                        # The call's rate: its items' tokens over its time.
+                        "tok_s": round(sum(len(i["tokens"]) for i in items) / wall, 2)
+                        if wall > 0
+                        else None,
+                    }
+                )
             if progress is not None:
-                progress.add(1)
+                progress.add(len(call))
         if self.is_main_process:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, out_file), "w", encoding="utf-8") as f:

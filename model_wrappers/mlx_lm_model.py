@@ -237,6 +237,7 @@ class MLXLMModel(ChatModelBase):
             out.append(Answer.of(row, stats))
         return out
 
-    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids) -> dict:
-        """Teacher-forced log-probs, mlx-lm's prefill then steps (datasets/edge0_fidelity.py)."""
-        return model_logprobs(self.model, prompt_ids, tokens, topk_ids)
+    def fidelity_logprobs(self, items: list[dict]) -> list[dict]:
+        """Teacher-forced log-probs of fidelity items (datasets/edge0_fidelity.py), scored
+        together by the set's scorer (fidelity_scoring.model_logprobs)."""
+        return model_logprobs(self.model, items)

@@ -79,6 +79,8 @@ def test_set_round_trips_and_teacher_scores_exactly_zero(teacher_set):
         len(it["topk_ids"][0]) == 8 and 1 <= len(it["tokens"]) <= 12
         for it in fset["items"]
     )
+    # Made, and so scored, layer-major (every arm by the scorer that made the set).
+    assert fset["teacher"]["scorer"] == fs.scorer_of(fset) == fs.LAYER_MAJOR
     rows = fid.score_model(model, fset)
     assert all(
         r["kl"] == 0.0 and r["agreement"] == 1.0 and r["greedy_match"] == r["positions"]
@@ -94,6 +96,7 @@ def test_set_round_trips_and_teacher_scores_exactly_zero(teacher_set):
         (lambda s: s["items"][0]["tokens"].pop(), "top-k rows do not match"),
         (lambda s: s["items"][1]["topk_ids"][0].reverse(), "is not the top-1 id"),
         (lambda s: s.pop("teacher"), "no 'teacher'"),
+        (lambda s: s["teacher"].update(scorer="steps"), "teacher scorer 'steps'"),
     ],
 )
 def test_bad_set_is_one_clear_error(teacher_set, tmp_path, edit, message):
@@ -489,12 +492,12 @@ def test_long_form_set_leaves_out_short_continuations_and_ends_each_item(
     teacher, model, _ = teacher_set
     loaded = (model, fid.load_teacher(teacher)[1])
     passes = []  # continuation lengths given a teacher-forced pass
-    rows_of = fid.teacher_rows
+    rows_of = fid.teacher_items
     monkeypatch.setattr(
         fid,
-        "teacher_rows",
-        lambda runner, ids, tokens, k: (
-            passes.append(len(tokens)) or rows_of(runner, ids, tokens, k)
+        "teacher_items",
+        lambda model, ids, tokens, k: (
+            passes.extend(map(len, tokens)) or rows_of(model, ids, tokens, k)
         ),
     )
     fset = fid.make_set(
@@ -526,7 +529,7 @@ def test_long_form_set_leaves_out_short_continuations_and_ends_each_item(
     item = fset["items"][0]
     tokens = list(item["tokens"])
     tokens[3] = item["topk_ids"][3][1]
-    rows = fid.teacher_rows(fid.MLXRunner(model), item["prompt_ids"], tokens, 4)
+    rows = fid.teacher_items(model, [item["prompt_ids"]], [tokens], 4)[0]
     assert rows["tokens"] == tokens[:3] and rows["topk_ids"] == item["topk_ids"][:3]
     assert rows["topk_logprobs"] == item["topk_logprobs"][:3]
     with pytest.raises(ConfigError, match="--min-new"):
@@ -609,9 +612,7 @@ def test_a_prediction_made_on_another_item_is_refused(teacher_set):
     items = fs.read_set(path)["items"][:2]
 
     def prediction(item, scored_on):
-        out = fid.model_logprobs(
-            model, item["prompt_ids"], item["tokens"], item["topk_ids"]
-        )
+        out = fid.model_logprobs(model, [item])[0]
         return json.dumps({**out, "item": fs.item_digest(scored_on)})
 
     refs = [json.dumps(i) for i in items]

@@ -196,8 +196,9 @@ def test_a_piece_reads_and_computes_each_expert_pair_once(served, monkeypatch):
 def test_fidelity_bench_scores_both_arms_alike(
     teacher, edge0_qwen, tiny_qwen_q4, tmp_path
 ):
-    """`fidelity bench` (the fidelity verb's second action) runs both arms on the student and
-    on an mlx-lm teacher and finds their log-prob rows bit-identical (qwen3_5_moe)."""
+    """`fidelity bench` (the fidelity verb's second action) runs every scorer on the student
+    and on an mlx-lm teacher, layer-major over 3 prompts, and finds their log-prob rows
+    bit-identical to steps' on the 2 that steps score (qwen3_5_moe)."""
     import json
 
     from edge0_eval.cli import main
@@ -205,8 +206,15 @@ def test_fidelity_bench_scores_both_arms_alike(
     out = tmp_path / "bench.json"
     model = tiny_qwen_q4 if teacher else edge0_qwen
     argv = ["fidelity", "bench", str(model), "--positions", "6", "--rounds", "2"]
+    argv += ["--prompts", "3", "--steps-prompts", "2"]
     assert main(argv + ["--json", str(out)] + (["--teacher"] if teacher else [])) == 0
     got = json.loads(out.read_text())
-    assert got["bit_identical"] and len(got["rounds"]) == 2
-    assert set(got["positions_per_s"]) == {"steps", "pieces"}
+    assert got["bit_identical"] == {"pieces": True, "layer-major": True}
+    assert len(got["rounds"]) == 2
+    assert set(got["positions_per_s"]) == {"steps", "pieces", "layer-major"}
+    assert got["rounds"][1]["layer-major"]["scored_positions"] == 3 * 6
+    assert got["rounds"][1]["steps"]["scored_positions"] == 2 * 6
+    assert got["layer_major"]["batches"] == 1 and got["rates"]["layer-major"]
     assert ("engine" in got) is not teacher
+    if not teacher:  # the store's bytes per scored position, by arm
+        assert set(got["bytes_ratio_steps_over"]) == {"pieces", "layer-major"}

@@ -7,6 +7,7 @@ wrap-around head's fixed point, and each layer pass reading an expert at most on
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from test_forced import CASES, PROMPT, _heads
@@ -193,5 +194,25 @@ def test_a_layer_pass_reads_each_expert_once(served, monkeypatch):
         # bailing_hybrid's rounds hold one continuation position per sequence: a round
         # reads the union of 3 rows' experts, not the whole batch's.
         assert len(passes[-1]) > (1 if served[0] == "bailing" else 2) * batch
+    finally:
+        engine.close()
+
+
+def test_a_non_finite_position_is_an_error_naming_the_item(served, monkeypatch):
+    """Every scored row is checked: a NaN in one item's logits stops the batch naming it."""
+    from edge0_eval.engine.step import NonFiniteError
+
+    engine = _engine(served, "reactive", None)
+    try:
+        logits = engine.step.logits
+
+        def nan_in_item_2(h):
+            out = logits(h)
+            return mx.where(mx.array(h.shape[1] == 17), mx.nan, out)
+
+        monkeypatch.setattr(engine.step, "logits", nan_in_item_2)
+        items = _items(engine.tokenizer, 4)  # one round: item 2's 17 rows at once
+        with pytest.raises(NonFiniteError, match="of item 2"):
+            _layer_major(LayerMajor.for_engine(engine), items)
     finally:
         engine.close()

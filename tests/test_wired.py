@@ -97,7 +97,10 @@ def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
     )
     try:
         prompt = engine.tokenizer.encode("hello there")
-        out = model_logprobs(engine, prompt, [5, 6], [[5, 7], [6, 8]])
+        out = model_logprobs(
+            engine,
+            [{"prompt_ids": prompt, "tokens": [5, 6], "topk_ids": [[5, 7], [6, 8]]}],
+        )[0]
         assert len(out["argmax"]) == 2 and metal.calls == [RECOMMENDED, 7]
     finally:
         engine.close()

@@ -77,8 +77,6 @@ DEFAULT_WINDOW = 1024
 # Log-prob rows are made this many positions at a time ([rows, vocab] float32 twice: 0.25 GB
 # at a 248,320-id vocabulary).
 LOGITS_ROWS = 128
-# Name of this scorer where a fidelity set records which one made its teacher's log-probs.
-SCORER = "layer-major"
 
 # (prompt length, sequence length) -> the piece bounds [(start, end), ...] of a sequence.
 Cuts = Callable[[int, int], list[tuple[int, int]]]
@@ -104,20 +102,35 @@ class LayerMajorStats:
     sequences: int = 0
     scored: int = 0  # positions scored (log-prob rows)
     positions: int = 0  # positions run (prompts included)
+    prompt_tokens: int = 0
     batches: int = 0
     rounds: int = 0
     layer_passes: int = 0  # (round or fixed-point pass, layer) MoE calls over a batch
     wrap_rounds: int = 0  # rounds run to a fixed point under a wrap-around head
     wrap_passes: int = 0  # and the passes they took
     max_round_positions: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the batches, consumers of the rows excluded
+    head_seconds: float = 0.0  # of which: the LM head and log-probs of scored positions
+
+    def rates(self) -> dict:
+        """What scoring costs, prompts and positions apart: seconds = prompt tokens /
+        prompt_tokens_per_s + scored positions / positions_per_s. A prompt token costs a
+        position through the layers; a scored position that and its share of the LM head."""
+        layers = self.seconds - self.head_seconds
+        if self.positions == 0 or layers <= 0 or self.scored == 0:
+            return {"prompt_tokens_per_s": None, "positions_per_s": None}
+        per_position = layers / self.positions
+        return {
+            "prompt_tokens_per_s": 1 / per_position,
+            "positions_per_s": 1 / (per_position + self.head_seconds / self.scored),
+        }
 
     def as_dict(self) -> dict:
         out = dict(vars(self))
         out["wrap_passes_per_round"] = (
             self.wrap_passes / self.wrap_rounds if self.wrap_rounds else None
         )
-        return out
+        return out | self.rates()
 
 
 class _Deferred(nn.Module):
@@ -311,7 +324,7 @@ class LayerMajor:
         return cuts
 
     def _batch(self, batch: list[tuple[int, Forced, list]]) -> Iterator:
-        started = time.perf_counter()
+        self._clock = time.perf_counter()
         seqs = []
         for index, item, cuts in batch:
             ids = [int(t) for t in item.prompt] + [int(t) for t in item.tokens[:-1]]
@@ -329,6 +342,7 @@ class LayerMajor:
                 )
             )
             self.stats.sequences += 1
+            self.stats.prompt_tokens += prompt
             self.stats.positions += n
             self.stats.scored += len(item.tokens)
         self.stats.batches += 1
@@ -340,7 +354,15 @@ class LayerMajor:
             for s in now:
                 if r == len(s.cuts) - 1:
                     s.cache = None  # done: its cache goes
-        self.stats.seconds += time.perf_counter() - started
+        self._tick()
+
+    def _tick(self) -> float:
+        """Adds the time since the last tick to `stats.seconds` (the scorer's own time: a
+        consumer's between the rows it is handed is not counted); returns it."""
+        now = time.perf_counter()
+        spent, self._clock = now - self._clock, now
+        self.stats.seconds += spent
+        return spent
 
     def _round(self, seqs: list[_Seq]) -> Iterator:
         self.stats.rounds += 1
@@ -554,6 +576,7 @@ class LayerMajor:
 
     def _logprobs(self, seqs: list[_Seq]) -> Iterator:
         """The round's scored rows (positions from the prompt's last on), per sequence."""
+        self._tick()
         for s in seqs:
             first = max(s.start, s.prompt - 1)
             for a in range(first, s.end, LOGITS_ROWS):
@@ -570,5 +593,8 @@ class LayerMajor:
                         f"adapter holds NaN/Inf, or an activation overflowed (try "
                         f"--verify-crc, --compute-dtype float32, or re-run convert)"
                     )
-                yield s.index, a - (s.prompt - 1), np.array(lp)
+                rows = np.array(lp)
+                self.stats.head_seconds += self._tick()
+                yield s.index, a - (s.prompt - 1), rows
+                self._clock = time.perf_counter()
             s.h = None  # the next round starts from its tokens' embeddings

@@ -7,10 +7,14 @@ the teacher's top-k log-probabilities plus the remaining mass. It is one version
 prompts' source, so the teacher can run on one machine and the students on another.
 
 An arm is scored by forcing the teacher's tokens through exactly the path it serves: for the
-Edge0 engine `sequence()`, `prefill(prompt)`, then `step(token)` per teacher token (int4 slot pool,
-prerouted routing with the heads one token ahead, LoRA), as `Engine.generate` does; for an mlx-lm
-model, mlx-lm's own prefill-then-step scheme over a prompt cache. At each position the arm's
-log-probs at the teacher's top-k ids and its argmax give, per item:
+Edge0 engine what `sequence()`, `prefill(prompt)`, then `step(token)` per teacher token compute
+(int4 slot pool, prerouted routing with the heads one token ahead, LoRA), as `Engine.generate`
+does; for an mlx-lm model, mlx-lm's own prefill-then-step scheme over a prompt cache. A set's
+items are scored together, layer-major (engine/layer_major.py: a batch, one layer at a time,
+each layer's experts read once), or, for sets made before it, in pieces one item at a time
+(`Sequence.forced`): every arm by the scorer that made the set's teacher rows
+(fidelity_set.scorer_of). At each position the arm's log-probs at the teacher's top-k ids and
+its argmax give, per item:
   kl            KL(teacher || arm) over the top-k plus one tail bucket (nats, mean over positions)
   agreement     share of positions where the arm's argmax is the teacher's
   nll           mean negative log-likelihood of the teacher's tokens under the arm
@@ -37,6 +41,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.layer_major import DEFAULT_MEMORY_MIB, Forced, LayerMajor
 from edge0_eval.engine.mlx_compat import (
     activation_dtype,
     cast_floating,
@@ -50,8 +55,12 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
 from edge0_eval.evaluation.fidelity_set import (
     FORMAT,
+    LAYER_MAJOR,
+    PIECES,
+    SCORERS,
     fingerprint,
     score_item,
+    scorer_of,
     tail_mass,
 )
 from edge0_eval.formats.layout import INDEX_NAME
@@ -197,15 +206,70 @@ def teacher_forced(
     return np.stack(rows).astype(np.float32), np.asarray(argmax, dtype=np.int64)
 
 
-def model_logprobs(model, prompt_ids, tokens, ids) -> dict:
-    """What an OpenCompass arm returns for one item: JSON-ready log-probs and argmax ids."""
+def layer_major_for(model, memory_mib: float = DEFAULT_MEMORY_MIB) -> LayerMajor:
+    """The layer-major scorer of an arm: the engine's served path, or an mlx-lm model."""
+    if isinstance(model, Engine):
+        return LayerMajor.for_engine(model, memory_mib=memory_mib)
+    return LayerMajor.for_mlx_lm(model, cuts=MLXRunner.cuts, memory_mib=memory_mib)
+
+
+def scored_items(
+    model,
+    items: list[dict],
+    scorer: str = LAYER_MAJOR,
+    memory_mib: float = DEFAULT_MEMORY_MIB,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per item {prompt_ids, tokens, topk_ids}: (log-probs at its ids [P, K] float32, argmax
+    [P]) with the teacher's tokens forced, by `scorer` (fidelity_set.SCORERS): the items
+    together, layer-major, or one at a time in pieces."""
+    if scorer not in SCORERS:
+        raise ConfigError(f"scorer {scorer!r} is not one of {SCORERS}")
+    for item in items:
+        if len(item["topk_ids"]) != len(item["tokens"]):
+            raise ConfigError(
+                f"{len(item['tokens'])} tokens but {len(item['topk_ids'])} rows of "
+                f"top-k ids"
+            )
     runner = runner_for(model)
     with wired_limit(runner.module):
-        lp, argmax = teacher_forced(runner, prompt_ids, tokens, ids)
-    return {
-        "logprobs": [[float(v) for v in row] for row in lp],
-        "argmax": [int(a) for a in argmax],
-    }
+        if scorer == PIECES:
+            return [
+                teacher_forced(runner, i["prompt_ids"], i["tokens"], i["topk_ids"])
+                for i in items
+            ]
+        lp = [
+            np.zeros(
+                (len(i["tokens"]), len(i["topk_ids"][0]) if i["tokens"] else 0),
+                dtype=np.float32,
+            )
+            for i in items
+        ]
+        argmax = [np.zeros(len(i["tokens"]), dtype=np.int64) for i in items]
+        forced = [Forced(list(i["prompt_ids"]), list(i["tokens"])) for i in items]
+        for index, first, rows in layer_major_for(model, memory_mib).rows(forced):
+            ids = items[index]["topk_ids"]
+            for r, row in enumerate(rows, start=first):
+                lp[index][r] = row[np.asarray(ids[r], dtype=np.int64)]
+                argmax[index][r] = int(np.argmax(row))
+    return list(zip(lp, argmax))
+
+
+def model_logprobs(model, items: list[dict]) -> list[dict]:
+    """What an OpenCompass arm returns for its items ({prompt_ids, tokens, topk_ids, scorer}:
+    the set's scorer, fidelity_dataset.py): JSON-ready log-probs and argmax ids per item, the
+    items scored together by their scorer."""
+    out = [None] * len(items)
+    by_scorer: dict[str, list[int]] = {}
+    for n, item in enumerate(items):
+        by_scorer.setdefault(item.get("scorer") or PIECES, []).append(n)
+    for scorer, which in by_scorer.items():
+        got = scored_items(model, [items[n] for n in which], scorer)
+        for n, (lp, argmax) in zip(which, got):
+            out[n] = {
+                "logprobs": [[float(v) for v in row] for row in lp],
+                "argmax": [int(a) for a in argmax],
+            }
+    return out
 
 
 def greedy_continuations(
@@ -262,49 +326,45 @@ def top_ids(lp: np.ndarray, k: int) -> np.ndarray:
     return candidates[np.argsort(-lp[candidates], kind="stable")][:k]
 
 
-def teacher_rows(runner, prompt_ids: list[int], tokens: list[int], top_k: int) -> dict:
-    """The set's item for a continuation: at each position the teacher's top-k log-probs from
-    the pass its own arm is scored with (teacher_forced), so the teacher reproduces them bit
-    for bit. The item ends before the first position whose top-1 is not the continuation's
-    token: a near tie that decode and the pass round apart (only in families whose pieces and
-    single steps round differently, bailing_hybrid's GLA); `end` says "near_tie" then."""
-    out = {"tokens": [], "topk_ids": [], "topk_logprobs": []}
-    for token, lp in zip(tokens, forced_logprobs(runner, prompt_ids, tokens)):
-        order = top_ids(lp, top_k)
-        if int(order[0]) != token:
-            break
-        out["tokens"].append(token)
-        out["topk_ids"].append([int(i) for i in order])
-        out["topk_logprobs"].append([float(v) for v in lp[order]])
-    out["rest"] = [
-        float(r) for r in tail_mass(np.asarray(out["topk_logprobs"], dtype=np.float32))
+def teacher_items(
+    model, prompts: list[list[int]], continuations: list[list[int]], top_k: int
+) -> list[dict]:
+    """The set's rows for each continuation: at each position the teacher's top-k log-probs
+    from the pass every arm is scored with (layer-major, all continuations together), so the
+    teacher reproduces them bit for bit. An item ends before the first position whose top-1
+    is not the continuation's token: a near tie that decode and the pass round apart; `end`
+    says "near_tie" then."""
+    out = [{"tokens": [], "topk_ids": [], "topk_logprobs": []} for _ in prompts]
+    cut = [None] * len(prompts)  # the first near-tie position of each item
+    forced = [Forced(list(p), list(t)) for p, t in zip(prompts, continuations)]
+    for index, first, rows in layer_major_for(model).rows(forced):
+        tokens, rows_out = continuations[index], out[index]
+        for r, lp in enumerate(rows, start=first):
+            if cut[index] is not None:
+                break
+            order = top_ids(lp, top_k)
+            if int(order[0]) != tokens[r]:
+                cut[index] = r
+                break
+            rows_out["tokens"].append(tokens[r])
+            rows_out["topk_ids"].append([int(i) for i in order])
+            rows_out["topk_logprobs"].append([float(v) for v in lp[order]])
+    for rows_out in out:
+        rows_out["rest"] = [
+            float(r)
+            for r in tail_mass(np.asarray(rows_out["topk_logprobs"], dtype=np.float32))
+        ]
+    return out
+
+
+def score_model(model, fset: dict) -> list[dict]:
+    """Every item of a set scored on `model` (an Engine or an mlx-lm model), by the scorer
+    that made the set."""
+    got = scored_items(model, fset["items"], scorer_of(fset))
+    return [
+        {"id": item["id"], "source": item["source"], **score_item(item, lp, argmax)}
+        for item, (lp, argmax) in zip(fset["items"], got)
     ]
-    return out
-
-
-def score_model(model, fset: dict, progress: bool = False) -> list[dict]:
-    """Every item of a set scored on `model` (an Engine or an mlx-lm model)."""
-    runner = runner_for(model)
-    out = []
-    with wired_limit(runner.module):
-        for item in _progress(fset["items"], progress, "fidelity"):
-            lp, argmax = teacher_forced(
-                runner, item["prompt_ids"], item["tokens"], item["topk_ids"]
-            )
-            out.append(
-                {
-                    "id": item["id"],
-                    "source": item["source"],
-                    **score_item(item, lp, argmax),
-                }
-            )
-    return out
-
-
-def _progress(items, enabled: bool, desc: str):
-    if not enabled:
-        return items
-    return tqdm(items, desc=desc, unit="prompt")
 
 
 # --------------------------------------------------------------------------- the teacher
@@ -386,21 +446,31 @@ def make_set(
     if not prompts:
         raise ConfigError("no prompts: give --prompts-from and/or --text")
     model, tokenizer = loaded or load_teacher(teacher, compute_dtype)
-    runner = MLXRunner(model)
     stop = set(getattr(tokenizer, "eos_token_ids", None) or [])
     items, short = [], []
-    with wired_limit(runner.module):
+    with wired_limit(model):
         prompt_ids = [chat_ids(tokenizer, p.text, thinking) for p in prompts]
         continuations = greedy_continuations(
             model, prompt_ids, max_new, stop, batch, progress
         )
-        for p, ids, tokens in zip(
-            _progress(prompts, progress, "teacher rows"), prompt_ids, continuations
-        ):
-            if len(tokens) < min_new:  # left out whatever its rows: skip their pass
+        # A continuation already shorter than --min-new is left out whatever its rows: no pass.
+        long = [n for n, tokens in enumerate(continuations) if len(tokens) >= min_new]
+        rows_of = dict(
+            zip(
+                long,
+                teacher_items(
+                    model,
+                    [prompt_ids[n] for n in long],
+                    [continuations[n] for n in long],
+                    top_k,
+                ),
+            )
+        )
+        for n, (p, ids, tokens) in enumerate(zip(prompts, prompt_ids, continuations)):
+            if n not in rows_of:
                 short.append(p.id)
                 continue
-            rows = teacher_rows(runner, ids, tokens, top_k)
+            rows = rows_of[n]
             kept = len(rows["tokens"])
             end = (
                 "near_tie"
@@ -437,6 +507,7 @@ def make_set(
             "model_type": config.get("model_type"),
             "compute_dtype": compute_dtype,
             "dtype": activation_dtype(compute_dtype, teacher),
+            "scorer": LAYER_MAJOR,
         },
         "max_new": max_new,
         "min_new": min_new,

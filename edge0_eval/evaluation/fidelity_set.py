@@ -5,7 +5,9 @@ fidelity make`).
 File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
 "edge0-eval/fidelity/v2":
   teacher   {name, fingerprint (sha256 of config, tokenizer and weight headers), model_type,
-             compute_dtype (as asked), dtype (what it ran in there; absent in older sets)}
+             compute_dtype (as asked), dtype (what it ran in there; absent in older sets),
+             scorer (the teacher-forced scorer that made its log-probs: "layer-major";
+             absent in older sets, whose rows came from "pieces")}
   max_new, min_new, top_k, thinking (asked), thinking_in_template (the chat template reads
   it), created, sources {source: {file, items, ...}}, left_out {shorter_than_min_new: [ids]}
   items     [{id, source, prompt (text), prompt_ids (chat template applied), tokens (the
@@ -36,6 +38,12 @@ FORMAT = "edge0-eval/fidelity/v2"
 READABLE = ("edge0-eval/fidelity/v1", FORMAT)
 ENDS = ("stop", "length", "near_tie")
 DTYPES = ("float16", "bfloat16", "float32")  # a teacher's activation dtype
+# Teacher-forced scorers (fidelity_scoring.py): every arm is scored by the one that made the set
+# (`scorer_of`), so the teacher reproduces it exactly and no arm's KL holds the difference
+# between scorers (in half precision they round apart; `fidelity bench` measures by how much).
+LAYER_MAJOR = "layer-major"  # a batch, one layer at a time (engine/layer_major.py)
+PIECES = "pieces"  # one sequence in pieces of positions (Sequence.forced)
+SCORERS = (LAYER_MAJOR, PIECES)
 # Where `data stage` lays a set and configs/datasets/edge0_fidelity.py looks (under the data root).
 SET_PATH = "data/fidelity/fidelity_set.json"
 # The dataset abbr of configs/datasets/edge0_fidelity.py; the report tells fidelity rows by it.
@@ -107,6 +115,11 @@ def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
         "kl_positions": [float(f"{v:.6g}") for v in kl],
         "agree_positions": [int(a) for a in agree],
     }
+
+
+def scorer_of(fset: dict) -> str:
+    """The scorer that made a set's teacher log-probs, which every arm is scored with."""
+    return fset["teacher"].get("scorer") or PIECES
 
 
 def item_digest(item: dict) -> str:
@@ -208,6 +221,8 @@ def _problem(fset) -> str | None:
         )
     if teacher.get("dtype") not in (None, *DTYPES):
         return f"teacher dtype {teacher['dtype']!r} is not one of {DTYPES}"
+    if teacher.get("scorer") not in (None, *SCORERS):
+        return f"teacher scorer {teacher['scorer']!r} is not one of {SCORERS}"
     for key in ("max_new", "top_k") + (("min_new",) if v2 else ()):
         if not _is_int(fset.get(key)) or fset[key] < 1:
             return f"{key!r} is {fset.get(key)!r}, expected a whole number >= 1"
