@@ -50,10 +50,9 @@ from edge0_eval.evaluation.fidelity_scoring import (
     _logprobs,
     load_teacher,
 )
+from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT, PRICED_SCORER
 
-ARMS = ("steps", "pieces", "layer-major")
-# What `plan --fidelity-rate` reads from a bench file.
-FORMAT = "edge0-eval/fidelity-bench/v2"
+ARMS = ("steps", "pieces", PRICED_SCORER)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                     engine.store.evict_page_cache()
                 before = engine.snapshot()["bytes"] if engine is not None else 0
                 mx.reset_peak_memory()
-                if arm == "layer-major":
+                if arm == PRICED_SCORER:
                     scorer.stats = LayerMajorStats()  # this run's figures alone
                     seconds, rows = _layer_major(scorer, items, len(subset))
                     done, prefill = items, None
@@ -293,7 +292,7 @@ def _summary(args, arms, rounds, engine, scorer) -> dict:
         arm: float(np.mean([x[arm]["positions_per_s"] for x in later])) for arm in arms
     }
     out = {
-        "format": FORMAT,
+        "format": FIDELITY_BENCH_FORMAT,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.2f} at the end",
@@ -323,7 +322,7 @@ def _summary(args, arms, rounds, engine, scorer) -> dict:
     # What a fidelity run costs per arm, prompts and positions apart (plan --fidelity-rate).
     rates = {}
     for arm in arms:
-        if arm == "layer-major":
+        if arm == PRICED_SCORER:
             rates[arm] = scorer.stats.rates()
         else:
             rates[arm] = {

@@ -4,6 +4,7 @@
     edge0-eval plan configs/edge0_35b.py --tok-s 20
     edge0-eval plan configs/edge0_tiny.py --from outputs/demo/opencompass/20261203_101500
     edge0-eval plan configs/edge0_tiny_gate.py --size-gate
+    edge0-eval plan configs/edge0_35b_gate.py --tok-s 20 --fidelity-rate bench.json
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from edge0_eval.evaluation.planner import (
     DEFAULT_TASK_OVERHEAD_S,
     PlanOptions,
     make_plan,
+    read_fidelity_rate,
     render,
     render_gate_size,
     size_gate,
@@ -81,6 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: measured by --from, else the arm's rate)",
     )
     parser.add_argument(
+        "--fidelity-rate",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="price fidelity (and, with --size-gate, the gate's fidelity part) at "
+        "the rates a `fidelity bench --json FILE` run measured, prompts and "
+        "positions apart; without it the plan says which rate it assumed",
+    )
+    parser.add_argument(
         "--json",
         dest="json_path",
         type=ct.output_file,
@@ -111,12 +122,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rate = (
+        None if args.fidelity_rate is None else read_fidelity_rate(args.fidelity_rate)
+    )
     if args.size_gate:
         size = size_gate(
             args.config,
             tok_s=args.size_tok_s,
             previous=args.previous,
             churn_from=args.churn_from,
+            fidelity_rate=rate,
         )
         print(render_gate_size(size, f"edge0-eval plan {args.config} --size-gate"))
         return 0
@@ -129,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         churn=args.churn,
         alpha=args.alpha,
         fidelity_tok_s=args.fidelity_tok_s,
+        fidelity_rate=rate,
     )
     plan = make_plan(opts)
     print(render(plan))

@@ -219,3 +219,14 @@ def test_a_student_config_with_the_old_top_k_key_is_refused(edge0_qwen):
         str(edge0_qwen), mode="reactive", no_lora=True, experts_per_token=2
     )
     assert opts.experts_per_token == 2
+
+
+def test_fidelity_bench_bad_options(tmp_path, capsys):
+    """Refused before any model loads, each naming its option."""
+    model = tmp_path / "no-model"
+    base = ["fidelity", "bench", model]
+    _refused([*base, "--arms", "steps,tokens"], capsys, "--arms")
+    _refused(
+        [*base, "--prompts", "2", "--steps-prompts", "3"], capsys, "--steps-prompts"
+    )
+    _refused([*base, "--score-mib", "0"], capsys, "--score-mib")

@@ -373,3 +373,35 @@ def test_chunk_progress_of_an_arm_whose_name_has_a_dot(tmp_path):
     assert text.startswith(
         "progress qwen3.6-35b: 4/8 items (50.0%), chunks done 1/2"
     ), text
+
+
+def test_gate_sizing_takes_a_measured_fidelity_rate(aime_root, tmp_path):
+    """--size-gate --fidelity-rate: the fidelity part costs the config's positions at the
+    measured rate (and says so); without it, the config's rate is stated as assumed."""
+    import json
+
+    from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT, read_fidelity_rate
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(
+        json.dumps(
+            {
+                "format": FIDELITY_BENCH_FORMAT,
+                "rates": {
+                    "layer-major": {
+                        "prompt_tokens_per_s": 80.0,
+                        "positions_per_s": 64.0,
+                    }
+                },
+            }
+        )
+    )
+    declared = size_gate(CONFIGS / "edge0_35b_gate.py")
+    assert declared.fidelity_source.startswith("ASSUMED 200 positions/s")
+    measured = size_gate(
+        CONFIGS / "edge0_35b_gate.py", fidelity_rate=read_fidelity_rate(bench)
+    )
+    assert measured.seconds["fidelity"] == pytest.approx(102400 / 64.0)
+    assert measured.fidelity_source.startswith("measured, 64 positions/s")
+    # Slower fidelity leaves less of the hour to the benchmarks.
+    assert measured.seconds["benchmarks"] < declared.seconds["benchmarks"]

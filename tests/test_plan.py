@@ -227,3 +227,75 @@ def test_cli(tiny_env, tmp_path):
     )
     assert proc.returncode == 2 and "'teacher' is not ABBR=VALUE" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _bench_file(tmp_path, **rates) -> Path:
+    """A `fidelity bench --json` file with the layer-major scorer's rates."""
+    from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT
+
+    path = tmp_path / "bench.json"
+    path.write_text(
+        json.dumps(
+            {
+                "format": FIDELITY_BENCH_FORMAT,
+                "model": "S",
+                "device": "Device(cpu, 0)",
+                "dtype": "float32",
+                "rates": {"layer-major": rates},
+            }
+        )
+    )
+    return path
+
+
+def test_fidelity_rate_prices_prompts_and_positions_apart(
+    tiny_env, tmp_path, monkeypatch
+):
+    """--fidelity-rate FILE: 4 items of 150 prompt + 50 forced tokens at 100 prompt tokens/s
+    and 10 positions/s cost 600/100 + 200/10 = 26 s; without it the plan says it assumed the
+    decode rate."""
+    from edge0_eval.evaluation.planner import read_fidelity_rate
+
+    root = tmp_path / "set-root"
+    (root / SET_PATH).parent.mkdir(parents=True)
+    (root / SET_PATH).write_text("{}")
+    short = {"items": [dict(prompt_ids=[1] * 150, tokens=[2] * 50) for _ in range(4)]}
+    monkeypatch.setattr("edge0_eval.evaluation.run_config.data_root", lambda: root)
+    monkeypatch.setattr("edge0_eval.evaluation.run_config.read_set", lambda path: short)
+    rate = read_fidelity_rate(
+        _bench_file(tmp_path, prompt_tokens_per_s=100.0, positions_per_s=10.0)
+    )
+    plan = make_plan(PlanOptions(config=TINY, tok_s=1000.0, fidelity_rate=rate))
+    line = {(l.arm, l.dataset): l for l in plan.lines}[
+        ("edge0-tiny-student", "edge0_fidelity")
+    ]
+    assert line.hours * 3600 == pytest.approx(26.0)
+    assert line.tok_s_source.startswith("measured, fidelity bench (bench.json")
+    assert not any("ASSUMED" in n for n in plan.notes)
+    assumed = make_plan(PlanOptions(config=TINY, tok_s=1000.0))
+    line = {(l.arm, l.dataset): l for l in assumed.lines}[
+        ("edge0-tiny-student", "edge0_fidelity")
+    ]
+    assert line.tok_s_source == "assumed: decode rate" and line.tok_s == 1000.0
+    assert any("ASSUMED rate" in n and "--fidelity-rate" in n for n in assumed.notes)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"format": "other"}', "not a edge0-eval/fidelity-bench/v2 file"),
+        (None, "no layer-major rates"),
+        ("[1", "fidelity bench"),
+    ],
+)
+def test_a_bad_fidelity_rate_file_is_one_error(tmp_path, content, message):
+    from edge0_eval.errors import ConfigError
+    from edge0_eval.evaluation.planner import read_fidelity_rate
+
+    path = _bench_file(tmp_path, prompt_tokens_per_s=1.0)  # no positions_per_s
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(Edge0Error, match=message) as err:
+        read_fidelity_rate(path)
+    assert str(path) in str(err.value) or "bench.json" in str(err.value)
+    assert isinstance(err.value, (ConfigError, Edge0Error))

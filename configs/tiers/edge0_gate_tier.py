@@ -49,11 +49,12 @@ edge0_gate_rounds = [0.125, 0.25, 0.5, 1.0]
 # Inputs, per tier. budget_h: hours of the student arm. tok_s: the student's aggregate decode
 # rate, the paper's 35B figure (20.4 tok/s on an M4 Pro); none is published for the 8B tier, so
 # the same is assumed. overhead_s: model load, OpenCompass start and scoring per run (assumed;
-# `plan --from` measures it). Fidelity: 100 prompts x 1,024 teacher tokens, assumed scored at
-# 10x the decode rate, the target of teacher-forced scoring in pieces, not met on a CPU
-# (reports/perf.md, (TF)): measure yours with `edge0-eval fidelity bench` and size with
-# `--fidelity-tok-s`. churn: the share of items whose outcome changes between runs of an
-# unchanged student (the power figures' assumption).
+# `plan --from` measures it). Fidelity: 100 prompts x 1,024 teacher tokens, ASSUMED scored at
+# 200 positions/s (10x the decode rate): not measured on a tier's device (no device was lent for
+# issue 39; the 2-core CPU's layer-major figures are in reports/perf.md, (LM)); measure the
+# student's machine with `edge0-eval fidelity bench --prompts 64 --json FILE` and size with
+# `plan --size-gate --fidelity-rate FILE`. churn: the share of items whose outcome changes
+# between runs of an unchanged student (the power figures' assumption).
 edge0_gate_inputs = dict(
     budget_h=1.0,
     tok_s=20.0,

@@ -68,7 +68,7 @@ from edge0_eval.engine.step import DecodeStep, NonFiniteError, _mark, _rewind
 from edge0_eval.errors import ConfigError
 
 # The memory a batch's rounds may hold (hidden states + one MoE call), MiB: the scorer's
-# default; `fidelity bench --score-mib` and the arms' `score_mib` change it.
+# default (`fidelity bench --score-mib` changes it).
 DEFAULT_MEMORY_MIB = 2048
 # The longest piece of a sequence a round runs where cuts do not change the bits: attention
 # over a piece holds heads x piece x (offset + piece) scores, so 1,024 keeps that near 0.1-0.3

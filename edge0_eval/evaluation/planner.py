@@ -7,8 +7,10 @@ earlier run (`--from RUN`: its per-sample engine stats, the same files the repor
 `read_previous`) where it has the same arm and dataset, else from a stated prior: with thinking
 on, the typical lengths of PRIOR_TOKENS capped at max_out_len; with thinking off, max_out_len
 itself (an upper bound) (run_config.tokens_per_sample). Teacher-forced fidelity costs its
-prompts and positions, at the rate an earlier run's scoring measured (`--from`) or
-`--fidelity-tok-s`, else the arm's decode rate. Per benchmark it also states the smallest drop
+prompts and positions: priced apart at the rates `edge0-eval fidelity bench --json` measured
+(`--fidelity-rate FILE`: its layer-major scorer's prompt tokens/s and positions/s), else together
+at the rate an earlier run's scoring measured (`--from`) or `--fidelity-tok-s`, else at the
+arm's decode rate, which the plan then says it assumed. Per benchmark it also states the smallest drop
 (points) a paired gate on that many items detects at 80% power (paired.py), at the churn of
 `--churn` (the share of items whose outcome changes between two runs of an unchanged model).
 
@@ -44,7 +46,7 @@ from edge0_eval.evaluation import paired, sequential
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
-from edge0_eval.evaluation.fidelity_set import SET_PATH
+from edge0_eval.evaluation.fidelity_set import LAYER_MAJOR, SET_PATH
 from edge0_eval.evaluation.gate_input import load_report
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, detectable_drop, per_test_alpha
 from edge0_eval.evaluation.predictions import read_json
@@ -53,7 +55,7 @@ from edge0_eval.evaluation.run_config import (
     arm_abbr,
     count_items,
     dataset_abbr,
-    fidelity_tokens,
+    fidelity_counts,
     load_config,
     population,
     tokens_per_sample,
@@ -61,6 +63,54 @@ from edge0_eval.evaluation.run_config import (
 
 DEFAULT_CHURN = 0.10
 DEFAULT_TASK_OVERHEAD_S = 30.0
+# `edge0-eval fidelity bench --json` files (edge0_eval/fidelity_bench.py writes them).
+FIDELITY_BENCH_FORMAT = "edge0-eval/fidelity-bench/v2"
+# The scorer whose rates price fidelity: the one fidelity sets are made and scored with.
+PRICED_SCORER = LAYER_MAJOR
+
+
+@dataclass(frozen=True)
+class FidelityRate:
+    """What teacher-forced scoring costs, prompts and positions apart: seconds = prompt tokens /
+    prompt_tokens_per_s + positions / positions_per_s (`fidelity bench` measures both)."""
+
+    prompt_tokens_per_s: float
+    positions_per_s: float
+    source: str  # where it was measured: the file, its model, device and dtype
+
+    def seconds(self, prompt_tokens: float, positions: float) -> float:
+        return (
+            prompt_tokens / self.prompt_tokens_per_s + positions / self.positions_per_s
+        )
+
+
+def read_fidelity_rate(path: Path) -> FidelityRate:
+    """The layer-major scorer's rates from a `fidelity bench --json` file; anything else is
+    one error naming the file and how to make one."""
+    fix = (
+        "make one with `edge0-eval fidelity bench MODEL --prompts N --json FILE` "
+        "(its layer-major arm)"
+    )
+    data = read_json(Path(path), "fidelity bench")
+    if not isinstance(data, dict) or data.get("format") != FIDELITY_BENCH_FORMAT:
+        raise ConfigError(
+            f"--fidelity-rate {path}: not a {FIDELITY_BENCH_FORMAT} file; {fix}"
+        )
+    rates = (data.get("rates") or {}).get(PRICED_SCORER) or {}
+    p, s = rates.get("prompt_tokens_per_s"), rates.get("positions_per_s")
+    if not all(
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and v > 0
+        for v in (p, s)
+    ):
+        raise ConfigError(
+            f"--fidelity-rate {path}: no {PRICED_SCORER} rates in it (ran without that "
+            f"arm?); {fix}"
+        )
+    where = f"{Path(path).name}: {data.get('model')}, {data.get('device')}, {data.get('dtype')}"
+    return FidelityRate(float(p), float(s), where)
 
 
 # -- what an earlier run measured ---------------------------------------------------------------
@@ -200,6 +250,7 @@ class PlanOptions:
     fidelity_tok_s: float | None = (
         None  # teacher-forced prompt + positions/s (None: measured)
     )
+    fidelity_rate: FidelityRate | None = None  # measured by fidelity bench: wins
 
 
 @dataclass
@@ -241,6 +292,37 @@ def _rate(
     return opts.tok_s, "declared"
 
 
+def _fidelity_rate(
+    opts: PlanOptions,
+    split: tuple[int, int],
+    tokens: float,
+    rate: float,
+    source: str,
+    notes: list[str],
+) -> tuple[float, str]:
+    """The fidelity line's rate (prompt + positions per second) and its source: measured by
+    `fidelity bench` (prompts and positions priced apart), declared, measured by an earlier
+    run, else the arm's decode rate, said to be assumed (with a note saying how to measure)."""
+    if opts.fidelity_rate is not None:
+        seconds = opts.fidelity_rate.seconds(*split)
+        return (
+            tokens / seconds,
+            f"measured, fidelity bench ({opts.fidelity_rate.source})",
+        )
+    if opts.fidelity_tok_s is not None:
+        return opts.fidelity_tok_s, "declared (teacher-forced)"
+    if source.startswith("measured"):
+        return rate, source
+    note = (
+        f"fidelity priced at an ASSUMED rate, the arm's decode rate ({rate:g} tok/s): "
+        f"measure it with `edge0-eval fidelity bench MODEL --prompts N --json FILE` and "
+        f"pass --fidelity-rate FILE"
+    )
+    if note not in notes:
+        notes.append(note)
+    return rate, "assumed: decode rate"
+
+
 def make_plan(opts: PlanOptions) -> Plan:
     cfg = load_config(opts.config)
     models, datasets = list(cfg.get("models") or []), list(cfg.get("datasets") or [])
@@ -252,17 +334,29 @@ def make_plan(opts: PlanOptions) -> Plan:
     measured = read_previous(opts.previous) if opts.previous else None
     notes = []
     counted = {}
+    fidelity_split = None
     for d in datasets:
         abbr = dataset_abbr(d)
         if abbr == FIDELITY_ABBR:
-            staged = fidelity_tokens()
+            staged = fidelity_counts()
+            declared = (cfg.get("edge0_gate") or {}).get("fidelity_positions")
+            source = "fidelity set"
+            if staged is None and isinstance(declared, int) and declared > 0:
+                # A gate config declares its set's positions (prompts not declared).
+                staged, source = (1, 0, declared), "gate config"
+                notes.append(
+                    f"{abbr}: no fidelity set staged; the gate config's "
+                    f"fidelity_positions ({declared:,}) are priced, their prompts not "
+                    f"(the config does not declare them)"
+                )
             if staged is None:
                 notes.append(
                     f"{abbr}: no fidelity set at {data_root() / SET_PATH}; its cost "
                     f"is left out (make one with `edge0-eval fidelity make`)"
                 )
                 continue
-            counted[abbr] = (staged[0], 1, "fidelity set", staged[1])
+            fidelity_split = staged[1:]  # (prompt tokens, positions)
+            counted[abbr] = (staged[0], 1, source, staged[1] + staged[2])
         else:
             items, source = count_items(d)
             counted[abbr] = (items, int(d.get("n", 1)), source, None)
@@ -275,9 +369,11 @@ def make_plan(opts: PlanOptions) -> Plan:
                 m, abbr, measured.tokens if measured else None, positions, items
             )
             rate, rate_source = _rate(opts, measured, arm, abbr)
-            if positions is not None and opts.fidelity_tok_s is not None:
-                rate, rate_source = opts.fidelity_tok_s, "declared (teacher-forced)"
             tokens = items * samples * per
+            if positions is not None:
+                rate, rate_source = _fidelity_rate(
+                    opts, fidelity_split, tokens, rate, rate_source, notes
+                )
             lines.append(
                 Line(
                     arm,
@@ -457,6 +553,7 @@ class GateSize:
     seconds: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     test_alpha: float = 0.0  # each paired test's level (paired.per_test_alpha)
+    fidelity_source: str = ""  # the fidelity rate: measured (where) or assumed
 
 
 def gate_inputs(cfg, path: Path) -> dict:
@@ -535,6 +632,7 @@ def size_gate(
     tok_s: float | None = None,
     previous: Path | None = None,
     churn_from: Path | None = None,
+    fidelity_rate: FidelityRate | None = None,
 ) -> GateSize:
     cfg = load_config(config)
     gate = gate_inputs(cfg, config)
@@ -547,7 +645,17 @@ def size_gate(
     student = _student(list(cfg.get("models") or []))
     arm = arm_abbr(student)
     rate = tok_s or (measured.arm_rates.get(arm) if measured else None) or gate["tok_s"]
-    fidelity_s = gate["fidelity_positions"] / gate["fidelity_tok_s"]
+    # The fidelity part's cost: measured by fidelity bench (--fidelity-rate; the config
+    # declares positions, not prompts), else the config's declared rate, an assumption.
+    if fidelity_rate is not None:
+        fidelity_s = fidelity_rate.seconds(0, gate["fidelity_positions"])
+        fidelity_source = f"measured, {fidelity_rate.positions_per_s:.3g} positions/s ({fidelity_rate.source})"
+    else:
+        fidelity_s = gate["fidelity_positions"] / gate["fidelity_tok_s"]
+        fidelity_source = (
+            f"ASSUMED {gate['fidelity_tok_s']:g} positions/s, the config's "
+            f"fidelity_tok_s (measure with `fidelity bench --json`, pass --fidelity-rate)"
+        )
     budget = gate["budget_h"] * 3600 - gate["overhead_s"] - fidelity_s
     if budget <= 0:
         raise ConfigError(
@@ -586,6 +694,7 @@ def size_gate(
         arm,
         {},
         {},
+        fidelity_source=fidelity_source,
         seconds=dict(
             budget=gate["budget_h"] * 3600,
             overhead=gate["overhead_s"],
@@ -627,6 +736,7 @@ def render_gate_size(size: GateSize, gate_cmd: str) -> str:
         f"budget {s['budget'] / 3600:g} h of {size.arm}: overhead {s['overhead']:.0f} s, "
         f"fidelity {s['fidelity']:.0f} s, benchmarks {s['benchmarks']:.0f} s; each of the "
         f"gate's {2 * len(size.rows)} tests at {size.test_alpha:.3g} (alpha over the tests)",
+        f"fidelity rate: {size.fidelity_source}",
         "",
         "| benchmark | items of | s/item | churn | drop detectable at 80% power: fixed "
         "| sequential |",

@@ -139,17 +139,26 @@ def population(cfg) -> tuple[int, str]:
     return count_items(whole)
 
 
-def fidelity_tokens(part: slice | None = None) -> tuple[int, int] | None:
-    """(items, tokens the scorer runs: prompts + teacher-forced positions) of the staged fidelity
-    set, or of its items `part` (a chunk's test_range); None when none is staged. Prompts
-    count: a set of short continuations after long prompts costs mostly its prefills."""
+def fidelity_counts(part: slice | None = None) -> tuple[int, int, int] | None:
+    """(items, prompt tokens, teacher-forced positions) of the staged fidelity set, or of its
+    items `part` (a chunk's test_range); None when none is staged."""
     path = data_root() / SET_PATH
     if not path.is_file():
         return None
     items = read_set(path)["items"][part or slice(None)]
-    return len(items), sum(
-        len(item["prompt_ids"]) + len(item["tokens"]) for item in items
+    return (
+        len(items),
+        sum(len(item["prompt_ids"]) for item in items),
+        sum(len(item["tokens"]) for item in items),
     )
+
+
+def fidelity_tokens(part: slice | None = None) -> tuple[int, int] | None:
+    """(items, tokens the scorer runs: prompts + teacher-forced positions) of the staged fidelity
+    set, or of its items `part`; None when none is staged. Prompts count: a set of short
+    continuations after long prompts costs mostly its prefills."""
+    counts = fidelity_counts(part)
+    return None if counts is None else (counts[0], counts[1] + counts[2])
 
 
 def thinking_on(model_cfg) -> bool:
