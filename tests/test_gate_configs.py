@@ -207,8 +207,14 @@ def test_plan_of_a_gate_config_states_both_detectable_drops(aime_root):
     mmlu = plan.power["MMLU-Pro"]
     assert mmlu["items"] == 14 and mmlu["sequential_drop"] > mmlu["detectable_drop"]
     student = plan.arms["edge0-35b-student"]
-    # The sample's generation fits what the sizing gave it (fidelity: no set staged here).
-    assert student["hours"] * 3600 <= 2867 + 1
+    # The sample's generation fits what the sizing gave it, and with no set staged here the
+    # fidelity part is the config's declared 102,400 positions at the declared 200/s.
+    fidelity = {(l.arm, l.dataset): l for l in plan.lines}[
+        ("edge0-35b-student", "edge0_fidelity")
+    ]
+    assert fidelity.tokens == 102400 and fidelity.items_source == "gate config"
+    assert fidelity.hours * 3600 == pytest.approx(512.0)
+    assert student["hours"] * 3600 <= 2867 + 512 + 1
 
 
 def test_cli_sizes_and_refuses_a_config_without_a_gate(aime_root):

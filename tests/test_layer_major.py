@@ -216,3 +216,28 @@ def test_a_non_finite_position_is_an_error_naming_the_item(served, monkeypatch):
             _layer_major(LayerMajor.for_engine(engine), items)
     finally:
         engine.close()
+
+
+def test_a_half_precision_set_is_reproduced_by_its_own_scorer(tiny_qwen):
+    """In bfloat16 the scorers may round apart, so the set records its dtype and scorer, and
+    the teacher arm scored by that scorer reproduces it exactly (KL 0, agreement 1)."""
+    from edge0_eval.evaluation import fidelity_set as fs
+
+    model, tokenizer = fid.load_teacher(tiny_qwen, "bfloat16")
+    prompts = [
+        fid.Prompt(f"text/{i}", "ifbench", t)
+        for i, t in enumerate(["What is 2 + 2?", "Name three primary colours."])
+    ]
+    fset = fid.make_set(
+        tiny_qwen,
+        prompts,
+        {},
+        max_new=12,
+        top_k=8,
+        compute_dtype="bfloat16",
+        loaded=(model, tokenizer),
+    )
+    assert fset["teacher"]["dtype"] == "bfloat16"
+    assert fs.scorer_of(fset) == fs.LAYER_MAJOR
+    rows = fid.score_model(model, fset)
+    assert all(r["kl"] == 0.0 and r["agreement"] == 1.0 for r in rows)

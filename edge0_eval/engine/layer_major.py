@@ -155,29 +155,23 @@ class _Seq:
     prompt: int  # prompt length
     cuts: list[tuple[int, int]]
     cache: list
-    zero_prev: (
-        int | None
-    )  # a position whose t-1 one-hot is zeros besides 0 (see prefill)
-    # Carried from the round before, committed when a round is settled:
-    plan: dict = field(
-        default_factory=dict
-    )  # consumer -> ids [1, 1, K] for the next position
-    last_ids: dict = field(
-        default_factory=dict
-    )  # owner -> executed ids [1, 1, K] at the end
-    # The round being run:
+    # A position whose t-1 one-hot is zeros besides 0: the prompt's last where the engine's
+    # last prefill piece holds it alone (its plan sees no t-1 ids then).
+    zero_prev: int | None
+    # Carried from round to round, committed when a round is settled: per consumer, the
+    # ids [1, 1, K] planned for the next position; per owner, its ids at the last one.
+    plan: dict = field(default_factory=dict)
+    last_ids: dict = field(default_factory=dict)
+    # The round being run: its piece, call arguments, hidden states, and per MoE layer the
+    # ids it executed and per consumer the ids predicted for each next position [1, L, K].
     start: int = 0
     end: int = 0
     args: Callable | None = None
     h: mx.array | None = None
     mid: mx.array | None = None
     x: mx.array | None = None
-    executed: dict = field(default_factory=dict)  # MoE layer -> ids [1, L, K] this pass
-    ahead: dict = field(default_factory=dict)  # consumer -> predicted ids [1, L, K]
-
-    @property
-    def n(self) -> int:
-        return len(self.ids)
+    executed: dict = field(default_factory=dict)
+    ahead: dict = field(default_factory=dict)
 
 
 class LayerMajor:
@@ -423,9 +417,8 @@ class LayerMajor:
         block = layer.mlp if i in self.moe_layers else None
         deferred = _Deferred() if block is not None else None
         if deferred is not None:
-            layer.mlp = (
-                deferred  # on this instance, for this call only (never the class)
-            )
+            # On this layer instance, for this pass only: mlx-lm's classes stay untouched.
+            layer.mlp = deferred
         try:
             for s in seqs:
                 c = s.cache[i]
