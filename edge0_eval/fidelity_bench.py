@@ -408,7 +408,9 @@ def _print_summary(out: dict) -> None:
         print(
             f"layer-major: {lm['batches']} batch(es), {lm['rounds']} round(s), up to "
             f"{lm['max_round_positions']} positions a round (bound {lm['memory_mib']:g} "
-            f"MiB at ~{lm['bytes_per_position_estimate'] / 1024:.1f} KiB a position)"
+            f"MiB at ~{lm['bytes_per_position_estimate'] / 1024:.1f} KiB a position; "
+            f"measured peak {out['rounds'][-1]['layer-major']['peak_memory_gib']:.2f} GiB, "
+            f"model included)"
             + (
                 f", wrap fixed point {lm['wrap_passes_per_round']:.2f} passes a round"
                 if lm.get("wrap_passes_per_round")
