@@ -202,6 +202,8 @@ def test_a_non_finite_position_is_an_error_naming_the_item(served, monkeypatch):
     """Every scored row is checked: a NaN in one item's logits stops the batch naming it."""
     from edge0_eval.engine.step import NonFiniteError
 
+    if served[0] == "bailing":
+        pytest.skip("its rounds hold one continuation position: no item's rows at once")
     engine = _engine(served, "reactive", None)
     try:
         logits = engine.step.logits
