@@ -353,9 +353,15 @@ class _Teacher:
     def __init__(self, path):
         self.path = str(path)
 
-    def fidelity_logprobs(self, prompt_ids, tokens, topk_ids):
-        item = next(it for it in self.items if it["tokens"] == tokens)
-        return {"logprobs": item["topk_logprobs"], "argmax": list(tokens)}
+    def fidelity_logprobs(self, items):
+        by_tokens = {tuple(it["tokens"]): it for it in self.items}
+        return [
+            {
+                "logprobs": by_tokens[tuple(it["tokens"])]["topk_logprobs"],
+                "argmax": list(it["tokens"]),
+            }
+            for it in items
+        ]
 
 
 def _infer(model, fset, out_dir):

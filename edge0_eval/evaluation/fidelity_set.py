@@ -74,7 +74,8 @@ ITEM_KEYS = (
     "topk_logprobs",
     "rest",
 )
-TEACHER_KEYS = ("name", "fingerprint", "model_type", "compute_dtype", "dtype")
+# `scorer` is absent from sets made before the layer-major scorer (scorer_of: pieces).
+TEACHER_KEYS = ("name", "fingerprint", "model_type", "compute_dtype", "dtype", "scorer")
 
 
 def tail_mass(logprobs) -> np.ndarray:
