@@ -1,10 +1,17 @@
-"""Shared fixtures: tiny checkpoints built once per test session."""
+"""Shared fixtures: tiny checkpoints built once per test session, and the one OpenCompass run
+of the tiny config that several test files read."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
+from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
+
+TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "edge0_tiny.py"
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +21,28 @@ def tiny_env(tmp_path_factory):
     from edge0_eval.demo import prepare
 
     return prepare(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_env, tmp_path_factory) -> Path:
+    """The run folder of the real `opencompass configs/edge0_tiny.py` on tiny_env, as `edge0-eval
+    demo` runs it: four in-process arms, greedy, batch_size 4, six datasets and fidelity. Made
+    once (about 2 min alone: each arm's task is a process that imports OpenCompass) for the
+    tests that read it: test_opencompass_tiny checks the run, test_batch_wrappers regenerates
+    its predictions alone, test_opencompass_api compares served arms with its student."""
+    work = tmp_path_factory.mktemp("tiny_run") / "out"
+    # cwd: OpenCompass leaves tmp/ and icl_inference_output/ in its working directory.
+    proc = subprocess.run(
+        opencompass_command() + [str(TINY_CONFIG), "-w", str(work)],
+        env=offline_env(tiny_env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=work.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = [p for p in work.iterdir() if p.is_dir()]
+    return run_dir
 
 
 @pytest.fixture(scope="session")

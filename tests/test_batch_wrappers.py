@@ -9,7 +9,6 @@ the identity check fails when rows share a random stream or come back out of ord
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +18,9 @@ import pytest
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from edge0_eval.checkpoints.conversion import convert
-from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
-from edge0_eval.demo import TINY_DATASETS, make_tiny_fidelity_set, offline_env
+from edge0_eval.demo import TINY_DATASETS, offline_env
 from edge0_eval.engine.prompts import row_seed
 from edge0_eval.engine.rows import stop_token_ids
-from edge0_eval.evaluation.fidelity_set import SET_PATH
-from edge0_eval.evaluation.fixtures import write_fixtures
 from model_wrappers import mlx_lm_model
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
@@ -302,59 +297,26 @@ def test_identity_check_fails_when_rows_come_back_reversed(tiny_qwen, monkeypatc
 # -- the real `opencompass` command -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def oc_env(tmp_path_factory):
-    """Tiny teacher, converted student (int4_exact needs no adapters) and fixture data."""
-    work = tmp_path_factory.mktemp("ocb")
-    teacher_dir, student_dir, data = work / "teacher", work / "student", work / "data"
-    write_tiny(teacher_dir, TinyShape(family="qwen3_5_moe"))
-    convert(str(teacher_dir), str(student_dir), progress=False)
-    write_fixtures(data)
-    make_tiny_fidelity_set(teacher_dir, data / SET_PATH)
-    return offline_env(
-        {
-            "COMPASS_DATA_CACHE": str(data),
-            "EDGE0_TINY_TEACHER": str(teacher_dir),
-            "EDGE0_TINY_STUDENT": str(student_dir),
-            "EDGE0_ARMS": "teacher,int4_exact",
-        }
-    )
+# The arms whose predictions are generated again alone: one per wrapper (MLXLMModel, Edge0Model).
+ALONE = ("edge0-tiny-teacher", "edge0-tiny-int4-exact")
 
 
-def _run_tiny(env: dict, work: Path, batch: int) -> Path:
-    work.mkdir(parents=True)
-    script = Path(sys.executable).parent / "opencompass"
-    cmd = [
-        str(script) if script.exists() else shutil.which("opencompass"),
-        str(REPO / "configs" / "edge0_tiny.py"),
-        "-w",
-        str(work),
-    ]
-    proc = subprocess.run(
-        cmd,
-        env={**env, "EDGE0_TINY_BATCH": str(batch)},
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=work.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = [p for p in work.iterdir() if p.is_dir()]
-    return run_dir
-
-
-def test_opencompass_predictions_at_batch_size_4_equal_batch_size_1(oc_env, tmp_path):
-    """One `opencompass` run at batch_size 4; each prediction is generated again alone by the
-    model OpenCompass built from the run's own config (batch_size 1: one prompt per call)."""
+def test_opencompass_predictions_at_batch_size_4_equal_batch_size_1(tiny_run):
+    """The shared `opencompass` run of the tiny config (conftest.tiny_run) decodes at its
+    default batch_size 4; each prediction of one arm per wrapper is generated again alone by
+    the model OpenCompass built from the run's own config (batch_size 1: one prompt per call)."""
     from mmengine.config import Config
     from opencompass.utils.build import build_model_from_cfg
 
-    run = _run_tiny(oc_env, tmp_path / "b4", 4)
+    run = tiny_run
     (dumped,) = (run / "configs").glob("*.py")
     cfg = Config.fromfile(str(dumped))
+    assert {m["abbr"] for m in cfg["models"]} >= set(ALONE)
     batched = 0
     for model_cfg in cfg["models"]:
         assert model_cfg["batch_size"] == 4
+        if model_cfg["abbr"] not in ALONE:
+            continue
         model = build_model_from_cfg(model_cfg)
         for dataset in TINY_DATASETS:
             preds = json.loads(

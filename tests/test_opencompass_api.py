@@ -2,8 +2,10 @@
 in-process ones, on loopback.
 
 Two `edge0-eval serve` processes serve the student (one `student_api` arm lists both); the teacher
-is served by `mlx_lm.server`. Greedy: every served prediction equals the in-process arm's, the
-report pairs a served arm with an in-process one and carries the served samples' engine stats.
+is served by `mlx_lm.server`. Greedy: every served prediction equals the in-process arm's (the
+in-process student's are the shared tiny run's, conftest.tiny_run: the same config and
+settings), the report pairs a served arm with an in-process one and carries the served
+samples' engine stats.
 Sampled, two answers per question: the student's served predictions equal the in-process
 student's at the same seeds and sample indices, also after its servers are killed mid-run and
 the run resumed with `opencompass -r` (nothing lost, nothing drawn twice differently).
@@ -123,11 +125,14 @@ def _served(port: int) -> int:
 
 
 def test_served_arms_equal_the_in_process_arms_and_the_report_pairs_them(
-    tiny_env, servers, tmp_path
+    tiny_env, tiny_run, servers, tmp_path
 ):
+    # The in-process student is the shared run's; the teacher runs here too, as the report's
+    # in-process arm (the shared run also scores fidelity, which a served arm leaves out).
+    arms = [arm for arm in ARMS if arm != "student"]
     env = offline_env(tiny_env)
     env.update(
-        EDGE0_ARMS=",".join(ARMS),
+        EDGE0_ARMS=",".join(arms),
         EDGE0_TINY_TEACHER_API=servers["teacher"],
         EDGE0_TINY_STUDENT_API=",".join(
             f"http://127.0.0.1:{p}/v1" for p in servers["students"]
@@ -136,10 +141,14 @@ def test_served_arms_equal_the_in_process_arms_and_the_report_pairs_them(
     before = [_served(p) for p in servers["students"]]
     _opencompass(env, tmp_path / "out")
     (run,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
-    assert check_run(run, models=tuple(MODELS.values()), datasets=TINY_DATASETS) == []
+    assert (
+        check_run(run, models=tuple(MODELS[a] for a in arms), datasets=TINY_DATASETS)
+        == []
+    )
+    local_runs = dict(student=tiny_run, teacher=run)
     for dataset in TINY_DATASETS:
         for local, served in (("student", "student_api"), ("teacher", "teacher_api")):
-            mine = _predictions(run, MODELS[local], dataset)
+            mine = _predictions(local_runs[local], MODELS[local], dataset)
             assert mine and _predictions(run, MODELS[served], dataset) == mine, (
                 dataset,
                 served,
@@ -157,7 +166,10 @@ def test_served_arms_equal_the_in_process_arms_and_the_report_pairs_them(
     )
     local = json.loads(
         (
-            run / "predictions" / MODELS["student"] / "GPQA_diamond.engine_stats.json"
+            tiny_run
+            / "predictions"
+            / MODELS["student"]
+            / "GPQA_diamond.engine_stats.json"
         ).read_text()
     )
     assert [s["seed"] for s in stats] == [s["seed"] for s in local]

@@ -11,6 +11,7 @@ import asyncio
 import json
 import statistics
 import time
+from itertools import islice
 
 import httpx
 import pytest
@@ -128,14 +129,12 @@ def test_32_concurrent_clients(edge0_qwen, heads, tmp_path):
             return [t for t in out if t not in eos]
 
         normal = [_normal(i) for i in range(20)]
-        # Leavers: prompts whose rows run on for 64 tokens, so each leaves mid-decode.
-        leavers = [
-            b
-            for b in (
-                dict(_normal(i), max_tokens=64, stream=True) for i in range(40, 80)
-            )
-            if len(solo(b)) == 64
-        ][:6]
+        # Leavers: prompts whose rows run on for 64 tokens, so each leaves mid-decode (the
+        # first six such; candidates are run alone only until six are found).
+        candidates = (
+            dict(_normal(i), max_tokens=64, stream=True) for i in range(40, 80)
+        )
+        leavers = list(islice((b for b in candidates if len(solo(b)) == 64), 6))
         assert len(leavers) == 6
         bad = [
             {**dict(model=NAME, messages=_messages(0)), **extra}

@@ -5,7 +5,11 @@ benchmark part where the plan says the sample can see that drop; a broken studen
 stops after the first.
 
 The teacher is run once (`gate-run --teacher-from`, as on a tier whose teacher lives on another
-machine); each student run holds the two arms the faults show on (int4_exact, student)."""
+machine); the clean student run holds the two arms the faults show on (int4_exact, student).
+The silent expert faults show on int4_exact: one OpenCompass run holds that arm of a faulted
+copy per fault, and each fault's report pairs it with the teacher and the clean student (one
+run instead of a two-arm gate-run per fault: each run's arms are processes importing
+OpenCompass)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,12 @@ from test_fidelity import fault_expert_scales, fault_lora_b, fault_swap_experts
 
 from edge0_eval.cli import main
 from edge0_eval.demo import make_agreement_set
-from edge0_eval.evaluation.opencompass_run import load_config_with, offline_env
+from edge0_eval.evaluation.opencompass_run import (
+    check_run,
+    load_config_with,
+    offline_env,
+    run_opencompass,
+)
 from edge0_eval.evaluation.planner import PlanOptions, make_plan
 from edge0_eval.gate_run import gate_run
 
@@ -56,22 +65,15 @@ def teacher_run(gate_env, tmp_path_factory):
     return run
 
 
-def _students(env: dict, work: Path, teacher: Path, student: str | None = None) -> int:
-    env = {
-        **env,
-        "EDGE0_ARMS": STUDENTS,
-        **({"EDGE0_TINY_STUDENT": student} if student else {}),
-    }
-    # The sample is sized for 11.7 points, not the 2 asked by default: accepted, by name.
-    return gate_run(
-        CONFIG, str(BASELINE), work, env, teacher_from=teacher, accept_blind=True
-    )
-
-
 @pytest.fixture(scope="module")
 def clean(gate_env, teacher_run, tmp_path_factory):
     work = tmp_path_factory.mktemp("clean")
-    return _students(gate_env, work, teacher_run), work
+    env = {**gate_env, "EDGE0_ARMS": STUDENTS}
+    # The sample is sized for 11.7 points, not the 2 asked by default: accepted, by name.
+    code = gate_run(
+        CONFIG, str(BASELINE), work, env, teacher_from=teacher_run, accept_blind=True
+    )
+    return code, work
 
 
 def _table(report: Path, drops: list[str], capsys) -> dict[str, str]:
@@ -105,18 +107,62 @@ def test_clean_student_passes(clean, drops, capsys):
     assert row["items"] == 234 and row["teacher"] == 100.0 and 20 < row["student"] < 90
 
 
+SILENT = (fault_expert_scales, fault_swap_experts)  # both show on int4_exact
+
+
+def _faulted(fault) -> str:
+    """The abbr of int4_exact on the student copy `fault` broke."""
+    return f"edge0-tiny-{fault.__name__.replace('_', '-')}-int4-exact"
+
+
+@pytest.fixture(scope="module")
+def silent_faults(gate_env, tmp_path_factory) -> Path:
+    """One OpenCompass run of the gate config whose models are its int4_exact arm on a copy
+    of the student per silent fault, each under its own abbr (_faulted)."""
+    work = tmp_path_factory.mktemp("faults")
+    models = []
+    for fault in SILENT:
+        broken = work / fault.__name__
+        shutil.copytree(gate_env["EDGE0_TINY_STUDENT"], broken)
+        fault(broken)
+        env = {
+            **gate_env,
+            "EDGE0_ARMS": "int4_exact",
+            "EDGE0_TINY_STUDENT": str(broken),
+        }
+        cfg = load_config_with(CONFIG, env)
+        (model,) = cfg["models"]
+        model["abbr"] = _faulted(
+            fault
+        )  # a ConfigDict: it dumps its type by dotted name
+        models.append(model)
+    cfg["models"] = models
+    config = work / "silent_faults.py"
+    cfg.dump(str(config))
+    run = run_opencompass(config, work / "opencompass", gate_env, work / "oc.log")
+    datasets = [d["abbr"] for d in cfg["datasets"]]
+    assert check_run(run, [m["abbr"] for m in models], datasets) == []
+    return run
+
+
 @pytest.mark.parametrize(
     "fault,arm",
     [(fault_expert_scales, "int4_exact"), (fault_swap_experts, "int4_exact")],
 )
 def test_silent_expert_faults_fail_it(
-    fault, arm, gate_env, teacher_run, drops, tmp_path, capsys
+    fault, arm, clean, teacher_run, silent_faults, drops, tmp_path, capsys
 ):
-    broken = tmp_path / "student"
-    shutil.copytree(gate_env["EDGE0_TINY_STUDENT"], broken)
-    fault(broken)
-    assert _students(gate_env, tmp_path / "work", teacher_run, str(broken)) == 1
-    table = _table(tmp_path / "work" / "report" / "report.json", drops, capsys)
+    """The faulted arm in place of the clean one, reported and gated as gate-run does."""
+    (students,) = (clean[1] / "opencompass").iterdir()
+    arms = dict(teacher="edge0-tiny-teacher", student="edge0-tiny-student")
+    arms[arm] = _faulted(fault)
+    out = tmp_path / "report"
+    runs = [str(r) for r in (teacher_run, students, silent_faults)]
+    spec = ",".join(f"{a}={m}" for a, m in arms.items())
+    assert main(["report", *runs, "--out", str(out), "--arms", spec]) == 0
+    gate = ["gate", str(out / "report.json"), "--baseline", str(BASELINE), *drops]
+    assert main(gate) == 1
+    table = _table(out / "report.json", drops, capsys)
     assert "FAIL" in table[f"fidelity {arm}"] and "KL rose" in table[f"fidelity {arm}"]
 
 
