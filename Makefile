@@ -31,8 +31,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers (pytest-xdist), one per core here; tests/conftest.py keeps each file, and the
+# tests sharing the tiny OpenCompass run, on one worker. WORKERS=0 runs in this process.
+WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -12,6 +12,23 @@ from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "edge0_tiny.py"
+# The session fixture that the OpenCompass tests share (tiny_run is made on it).
+SHARED = "tiny_env"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Units of work for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): each test
+    file is one, as with --dist loadfile, except that every test needing tiny_env joins one
+    unit, so that tiny_env and the runs made on it are made once, on one worker. Without
+    xdist the marks are inert."""
+    for item in items:
+        unit = SHARED if SHARED in item.fixturenames else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(unit))
+
+
+def pytest_configure(config):
+    # Registered by pytest-xdist when it is installed; here for runs without it.
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist unit of work")
 
 
 @pytest.fixture(scope="session")
