@@ -7,21 +7,24 @@ file to where the students run, and `edge0-eval data stage --root R --fidelity F
 where the config looks.
 
 `edge0-eval fidelity bench MODEL`: teacher-forced scoring speed and reads by scorer
-(edge0_eval/fidelity_bench.py).
+(evaluation/fidelity_bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from edge0_eval import fidelity_bench
 from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
+from edge0_eval.engine.layer_major import DEFAULT_MEMORY_MIB, DEFAULT_WINDOW
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation import fidelity_bench
 from edge0_eval.evaluation.fidelity_scoring import (
     DEFAULT_BATCH,
     DEFAULT_MAX_NEW,
     DEFAULT_TOP_K,
+    SCORE_CHUNK,
     SOURCES,
     gather_prompts,
     make_set,
@@ -113,12 +116,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="teacher-forced scoring speed and reads: decode steps, pieces and "
         "layer-major (interleaved, one process)",
     )
-    fidelity_bench.add_arguments(bench)
+    _add_bench_arguments(bench)
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        help="converted model directory (with --teacher: an mlx-lm "
+        "checkpoint, scored as the teacher arm)",
+    )
+    parser.add_argument(
+        "--teacher",
+        action="store_true",
+        help="MODEL is the teacher: mlx-lm, every weight resident",
+    )
+    parser.add_argument(
+        "--arms",
+        default=",".join(fidelity_bench.ARMS),
+        help=f"scorers to run, comma-separated, from {', '.join(fidelity_bench.ARMS)} (default all; "
+        f"the comparison needs steps)",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=ct.positive_int,
+        default=1,
+        help="prompts the layer-major arm scores together (default 1)",
+    )
+    parser.add_argument(
+        "--steps-prompts",
+        type=ct.positive_int,
+        default=1,
+        help="of those, how many steps and pieces score (a subset; default 1)",
+    )
+    parser.add_argument(
+        "--positions",
+        type=ct.positive_int,
+        default=128,
+        help="continuation positions scored per prompt",
+    )
+    parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
+    parser.add_argument(
+        "--chunk",
+        type=ct.positive_int,
+        default=SCORE_CHUNK,
+        help=f"positions a piece holds (default {SCORE_CHUNK}, the pieces scorer's)",
+    )
+    parser.add_argument(
+        "--score-mib",
+        type=ct.positive_float,
+        default=DEFAULT_MEMORY_MIB,
+        help="layer-major: the memory a round's hidden states and MoE call may hold "
+        f"(MiB, default {DEFAULT_MEMORY_MIB}); a larger batch is split",
+    )
+    parser.add_argument(
+        "--window",
+        type=ct.positive_int,
+        default=DEFAULT_WINDOW,
+        help=f"layer-major: the longest piece of a sequence a round runs "
+        f"(default {DEFAULT_WINDOW})",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=ct.positive_int,
+        default=2,
+        help="interleaved rounds over the arms",
+    )
+    parser.add_argument("--cache", choices=("cold", "warm"), default="warm")
+    parser.add_argument(
+        "--wrap-pieces",
+        action="store_true",
+        help="a wrap-around student in pieces (their fixed point, step.py) even "
+        "on the CPU, where the pieces scorer steps it: its passes per piece",
+    )
+    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
+    add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "bench":
-        return fidelity_bench.run(args)
+        return fidelity_bench.run(args, options_from_args(args))
     if args.limit is not None and args.limit < 1:
         raise ConfigError("--limit must be at least 1")
     sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]

@@ -63,7 +63,7 @@ from edge0_eval.evaluation.run_config import (
 
 DEFAULT_CHURN = 0.10
 DEFAULT_TASK_OVERHEAD_S = 30.0
-# `edge0-eval fidelity bench --json` files (edge0_eval/fidelity_bench.py writes them).
+# `edge0-eval fidelity bench --json` files (evaluation/fidelity_bench.py writes them).
 FIDELITY_BENCH_FORMAT = "edge0-eval/fidelity-bench/v2"
 # The scorer whose rates price fidelity: the one fidelity sets are made and scored with.
 PRICED_SCORER = LAYER_MAJOR

@@ -31,12 +31,8 @@ from datetime import datetime, timezone
 import mlx.core as mx
 import numpy as np
 
-from edge0_eval.arguments import value_types as ct
-from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
-from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.layer_major import (
-    DEFAULT_MEMORY_MIB,
-    DEFAULT_WINDOW,
     Forced,
     LayerMajor,
     LayerMajorStats,
@@ -44,7 +40,6 @@ from edge0_eval.engine.layer_major import (
 from edge0_eval.engine.mlx_compat import activation_dtype, wired_limit
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity_scoring import (
-    SCORE_CHUNK,
     EngineRunner,
     MLXRunner,
     _logprobs,
@@ -53,79 +48,6 @@ from edge0_eval.evaluation.fidelity_scoring import (
 from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT, PRICED_SCORER
 
 ARMS = ("steps", "pieces", PRICED_SCORER)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        help="converted model directory (with --teacher: an mlx-lm "
-        "checkpoint, scored as the teacher arm)",
-    )
-    parser.add_argument(
-        "--teacher",
-        action="store_true",
-        help="MODEL is the teacher: mlx-lm, every weight resident",
-    )
-    parser.add_argument(
-        "--arms",
-        default=",".join(ARMS),
-        help=f"scorers to run, comma-separated, from {', '.join(ARMS)} (default all; "
-        f"the comparison needs steps)",
-    )
-    parser.add_argument(
-        "--prompts",
-        type=ct.positive_int,
-        default=1,
-        help="prompts the layer-major arm scores together (default 1)",
-    )
-    parser.add_argument(
-        "--steps-prompts",
-        type=ct.positive_int,
-        default=1,
-        help="of those, how many steps and pieces score (a subset; default 1)",
-    )
-    parser.add_argument(
-        "--positions",
-        type=ct.positive_int,
-        default=128,
-        help="continuation positions scored per prompt",
-    )
-    parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
-    parser.add_argument(
-        "--chunk",
-        type=ct.positive_int,
-        default=SCORE_CHUNK,
-        help=f"positions a piece holds (default {SCORE_CHUNK}, the pieces scorer's)",
-    )
-    parser.add_argument(
-        "--score-mib",
-        type=ct.positive_float,
-        default=DEFAULT_MEMORY_MIB,
-        help="layer-major: the memory a round's hidden states and MoE call may hold "
-        f"(MiB, default {DEFAULT_MEMORY_MIB}); a larger batch is split",
-    )
-    parser.add_argument(
-        "--window",
-        type=ct.positive_int,
-        default=DEFAULT_WINDOW,
-        help=f"layer-major: the longest piece of a sequence a round runs "
-        f"(default {DEFAULT_WINDOW})",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=ct.positive_int,
-        default=2,
-        help="interleaved rounds over the arms",
-    )
-    parser.add_argument("--cache", choices=("cold", "warm"), default="warm")
-    parser.add_argument(
-        "--wrap-pieces",
-        action="store_true",
-        help="a wrap-around student in pieces (their fixed point, step.py) even "
-        "on the CPU, where the pieces scorer steps it: its passes per piece",
-    )
-    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
-    add_engine_arguments(parser)
 
 
 def _tokens(vocab: int, n: int, seed: int) -> list[int]:
@@ -168,7 +90,9 @@ def _layer_major(scorer: LayerMajor, items: list[Forced], keep: int):
     return seconds, [np.stack(r) for r in rows]
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, options: EngineOptions) -> int:
+    """The bench of `args` (fidelity.py's `bench` parser); `options`: the engine's, resolved
+    from the same arguments by the verb."""
     arms = [a.strip() for a in str(args.arms).split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
@@ -185,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             model, cuts=MLXRunner.cuts, memory_mib=args.score_mib, window=args.window
         )
     else:
-        engine = Engine.load(args.model, options_from_args(args))
+        engine = Engine.load(args.model, options)
         runner, tokenizer = EngineRunner(engine), engine.tokenizer
         scorer = LayerMajor.for_engine(
             engine, memory_mib=args.score_mib, window=args.window
