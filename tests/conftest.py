@@ -12,18 +12,25 @@ from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "edge0_tiny.py"
-# The session fixture that the OpenCompass tests share (tiny_run is made on it).
-SHARED = "tiny_env"
+# The session fixture several files' OpenCompass tests read: one unit of work.
+SHARED = "tiny_run"
+# The two longest units (minutes each), started first, one per worker.
+FIRST = (SHARED, "tests/test_tiny_gate.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """Units of work for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): each test
-    file is one, as with --dist loadfile, except that every test needing tiny_env joins one
-    unit, so that tiny_env and the runs made on it are made once, on one worker. Without
-    xdist the marks are inert."""
+    file is one, as with --dist loadfile, except that every test reading tiny_run joins one
+    unit, so that the run is made once, on one worker. The longest units go first: xdist
+    hands units out in order, so each worker starts on one and the rest fill in around them.
+    Without xdist the marks are inert and only the order changes."""
+    units = {}
     for item in items:
         unit = SHARED if SHARED in item.fixturenames else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(unit))
+        units[item] = unit
+    rank = {unit: n for n, unit in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(units[item], len(FIRST)))
 
 
 def pytest_configure(config):
