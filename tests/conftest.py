@@ -7,8 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from perturbed_heads import heads_of_kind
 
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
+from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.lora import apply_lora, save_adapter
 from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "edge0_tiny.py"
@@ -163,3 +166,20 @@ def tiny_qwen64_q4(tmp_path_factory):
 @pytest.fixture(scope="session")
 def edge0_qwen64(tiny_qwen64_q4, tmp_path_factory):
     return _convert(tiny_qwen64_q4, tmp_path_factory, "qwen64")
+
+
+@pytest.fixture(scope="session", params=["qwen", "bailing", "qwen2"])
+def forced_student(request, tmp_path_factory):
+    """(family, converted student, heads files by kind, a random LoRA): the teacher-forced
+    scorers' tests (test_forced, test_layer_major) score the same students."""
+    converted = request.getfixturevalue(f"edge0_{request.param}")
+    out = tmp_path_factory.mktemp("forced")
+    engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
+    heads = {
+        kind: heads_of_kind(engine, out / f"{kind}.safetensors", kind)
+        for kind in ("context", "next_token", "wrap")
+    }
+    apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
+    lora = save_adapter(engine.model, out / "lora.safetensors")
+    engine.close()
+    return request.param, converted, heads, lora

@@ -32,3 +32,24 @@ def perturbed_heads(
     path = save_heads(Path(out_dir) / "prerouter.safetensors", heads)
     engine.close()
     return path, owners
+
+
+def heads_of_kind(engine: Engine, path: Path, kind: str) -> Path:
+    """Heads of `kind` (context, next_token, wrap) for `engine`, made to disagree with the
+    true router (random fc2; next-token heads also weigh the token's embedding)."""
+    n = len(engine.family.layers(engine.model))
+    start = 0 if kind == "wrap" else engine.moe_layers[0] + 1
+    heads = init_heads_from_routers(
+        engine,
+        default_owners(start, n, engine.moe_layers),
+        width=32,
+        seed=0,
+        next_token=kind == "next_token",
+    )
+    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
+    if kind == "next_token":
+        cfg = heads.config
+        lead = cfg.hidden + 2 * cfg.num_experts
+        rand = mx.random.normal(heads.linear[:, :, lead:].shape, key=mx.random.key(2))
+        heads.linear = mx.concatenate([heads.linear[:, :, :lead], rand * 2.0], axis=-1)
+    return save_heads(path, heads)

@@ -12,17 +12,10 @@ argmax at every position and the same routing (near-tie flips would move far mor
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.engine.lora import apply_lora, save_adapter
-from edge0_eval.engine.prerouter import (
-    default_owners,
-    init_heads_from_routers,
-    save_heads,
-)
 from edge0_eval.evaluation import fidelity_scoring as fid
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
@@ -37,44 +30,8 @@ CASES = [
 ]
 
 
-def _heads(engine, path, kind):
-    """Untrained heads made to disagree with the true router (random fc2; next-token heads
-    also weigh the token's embedding)."""
-    n = len(engine.family.layers(engine.model))
-    start = 0 if kind == "wrap" else engine.moe_layers[0] + 1
-    heads = init_heads_from_routers(
-        engine,
-        default_owners(start, n, engine.moe_layers),
-        width=32,
-        seed=0,
-        next_token=kind == "next_token",
-    )
-    heads.fc2 = mx.random.normal(heads.fc2.shape, key=mx.random.key(1)) * 0.5
-    if kind == "next_token":
-        cfg = heads.config
-        lead = cfg.hidden + 2 * cfg.num_experts
-        rand = mx.random.normal(heads.linear[:, :, lead:].shape, key=mx.random.key(2))
-        heads.linear = mx.concatenate([heads.linear[:, :, :lead], rand * 2.0], axis=-1)
-    return save_heads(path, heads)
-
-
-@pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
-def served(request, tmp_path_factory):
-    converted = request.getfixturevalue(f"edge0_{request.param}")
-    out = tmp_path_factory.mktemp("forced")
-    engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
-    heads = {
-        kind: _heads(engine, out / f"{kind}.safetensors", kind)
-        for kind in ("context", "next_token", "wrap")
-    }
-    apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
-    lora = save_adapter(engine.model, out / "lora.safetensors")
-    engine.close()
-    return request.param, converted, heads, lora
-
-
-def _engine(served, mode, heads):
-    _, converted, files, lora = served
+def _engine(forced_student, mode, heads):
+    _, converted, files, lora = forced_student
     # 6 slots of 16 experts at K=4: a piece's union overflows them (read in slot-fulls).
     return Engine.load(
         converted,
@@ -102,9 +59,9 @@ def _assert_same(family, got, want):
 
 
 @pytest.mark.parametrize("mode,heads", CASES)
-def test_forced_pieces_equal_decode_steps(served, mode, heads):
-    family = served[0]
-    engine = _engine(served, mode, heads)
+def test_forced_pieces_equal_decode_steps(forced_student, mode, heads):
+    family = forced_student[0]
+    engine = _engine(forced_student, mode, heads)
     try:
         runner = fid.EngineRunner(engine)
         prompt = engine.tokenizer.encode(PROMPT)
@@ -156,12 +113,12 @@ def test_teacher_forced_pieces_equal_mlx_lm_steps(family, request):
         )
 
 
-def test_a_piece_reads_and_computes_each_expert_pair_once(served, monkeypatch):
+def test_a_piece_reads_and_computes_each_expert_pair_once(forced_student, monkeypatch):
     """A piece whose union overflows the slots: every (layer, expert) is read once, and each
     (position, k) pair runs through the experts once (not once per slot-full)."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    engine = _engine(served, "reactive", None)
+    engine = _engine(forced_student, "reactive", None)
     try:
         reads, pairs = [], {}
         read_many = engine.store.read_many

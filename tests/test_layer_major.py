@@ -10,31 +10,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_forced import CASES, PROMPT, _heads
+from test_forced import CASES, PROMPT
 
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.layer_major import Forced, LayerMajor
-from edge0_eval.engine.lora import apply_lora, save_adapter
 from edge0_eval.evaluation import fidelity_scoring as fid
 
 # Prompts of other lengths, continuations of other lengths (one of a single token).
 LENGTHS = [(0, 23), (9, 1), (4, 17)]
-
-
-@pytest.fixture(scope="module", params=["qwen", "bailing", "qwen2"])
-def served(request, tmp_path_factory):
-    """(family, converted student, heads files by kind, a random LoRA): test_forced's."""
-    converted = request.getfixturevalue(f"edge0_{request.param}")
-    out = tmp_path_factory.mktemp("layer_major")
-    engine = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
-    heads = {
-        kind: _heads(engine, out / f"{kind}.safetensors", kind)
-        for kind in ("context", "next_token", "wrap")
-    }
-    apply_lora(engine.model, r=4, init="random", seed=3, family=engine.family.name)
-    lora = save_adapter(engine.model, out / "lora.safetensors")
-    engine.close()
-    return request.param, converted, heads, lora
 
 
 def _items(tokenizer, seed: int) -> list[Forced]:
@@ -65,8 +48,8 @@ def _layer_major(scorer: LayerMajor, items: list[Forced]) -> list[np.ndarray]:
     return [np.stack([got[r] for r in range(len(got))]) for got in rows]
 
 
-def _engine(served, mode, heads, lora=True, prefill_chunk=512):
-    _, converted, files, lora_file = served
+def _engine(forced_student, mode, heads, lora=True, prefill_chunk=512):
+    _, converted, files, lora_file = forced_student
     return Engine.load(
         converted,
         EngineOptions(
@@ -88,10 +71,10 @@ def _assert_equal(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("mode,heads", CASES)
-def test_layer_major_equals_decode_steps(served, mode, heads):
+def test_layer_major_equals_decode_steps(forced_student, mode, heads):
     """Every family x mode (LoRA on): bit-identical to prefill + one step per token, with the
     batch split by a small memory bound and sequences cut in windows."""
-    engine = _engine(served, mode, heads)
+    engine = _engine(forced_student, mode, heads)
     try:
         items = _items(engine.tokenizer, 0)
         want = _stepped(fid.EngineRunner(engine), items)
@@ -115,14 +98,16 @@ def test_layer_major_equals_decode_steps(served, mode, heads):
                 # bailing_hybrid's prompt pieces are the engine's prefill pieces whatever
                 # the bound (its cuts change the bits): up to a whole prompt here.
                 bound = (
-                    20 if served[0] != "bailing" else max(len(i.prompt) for i in items)
+                    20
+                    if forced_student[0] != "bailing"
+                    else max(len(i.prompt) for i in items)
                 )
                 assert st.batches >= 2 and st.max_round_positions <= bound
             if heads == "wrap":
                 # Untrained heads that disagree with the router: more than one pass a round
                 # (bailing_hybrid's continuation rounds hold one position each: one pass).
                 assert st.wrap_rounds > 0
-                if served[0] != "bailing":
+                if forced_student[0] != "bailing":
                     assert st.wrap_passes > st.wrap_rounds
         if mode == "prerouted":
             assert engine.counters.dropped_experts == 0
@@ -134,9 +119,9 @@ def test_layer_major_equals_decode_steps(served, mode, heads):
     "mode,heads,chunk",
     [("reactive", None, 512), ("prerouted", "context", 512), ("prerouted", "wrap", 1)],
 )
-def test_layer_major_without_lora(served, mode, heads, chunk):
+def test_layer_major_without_lora(forced_student, mode, heads, chunk):
     """LoRA off; and a prefill of one token a piece, whose first plan sees no t-1 ids."""
-    engine = _engine(served, mode, heads, lora=False, prefill_chunk=chunk)
+    engine = _engine(forced_student, mode, heads, lora=False, prefill_chunk=chunk)
     try:
         assert engine.lora is None
         items = _items(engine.tokenizer, 1)
@@ -157,11 +142,11 @@ def test_teacher_layer_major_equals_mlx_lm_steps(family, request):
         _assert_equal(_layer_major(scorer, items), want)
 
 
-def test_a_layer_pass_reads_each_expert_once(served, monkeypatch):
+def test_a_layer_pass_reads_each_expert_once(forced_student, monkeypatch):
     """Reactive, slots far fewer than the batch's union: within each layer pass (a round's
     MoE call over the batch) every expert is read at most once, and the batch reads less
     than stepping does (qwen families: one round for the whole batch)."""
-    engine = _engine(served, "reactive", None)
+    engine = _engine(forced_student, "reactive", None)
     try:
         passes = []  # per layer pass (a layer over the batch): the (layer, expert) reads
         read_many = engine.store.read_many
@@ -183,7 +168,7 @@ def test_a_layer_pass_reads_each_expert_once(served, monkeypatch):
         monkeypatch.undo()
         st = scorer.stats
         assert len(passes) == st.rounds * len(engine.family.layers(engine.model))
-        if served[0] != "bailing":
+        if forced_student[0] != "bailing":
             assert st.rounds == 1
         for keys in passes:
             assert len(keys) == len(set(keys)) and len({k[0] for k in keys}) <= 1
@@ -193,18 +178,18 @@ def test_a_layer_pass_reads_each_expert_once(served, monkeypatch):
         _stepped(fid.EngineRunner(engine), items)
         # bailing_hybrid's rounds hold one continuation position per sequence: a round
         # reads the union of 3 rows' experts, not the whole batch's.
-        assert len(passes[-1]) > (1 if served[0] == "bailing" else 2) * batch
+        assert len(passes[-1]) > (1 if forced_student[0] == "bailing" else 2) * batch
     finally:
         engine.close()
 
 
-def test_a_non_finite_position_is_an_error_naming_the_item(served, monkeypatch):
+def test_a_non_finite_position_is_an_error_naming_the_item(forced_student, monkeypatch):
     """Every scored row is checked: a NaN in one item's logits stops the batch naming it."""
     from edge0_eval.engine.step import NonFiniteError
 
-    if served[0] == "bailing":
+    if forced_student[0] == "bailing":
         pytest.skip("its rounds hold one continuation position: no item's rows at once")
-    engine = _engine(served, "reactive", None)
+    engine = _engine(forced_student, "reactive", None)
     try:
         logits = engine.step.logits
 
