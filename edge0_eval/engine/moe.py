@@ -138,9 +138,9 @@ class StreamingSwitchGLU(nn.Module):
             resident=False,
             pending=None,
         )
-        # Per bundle tensor, once, in the layout's order: (name, widen on the I/O thread (float16 to
-        # float32 slots), its module, its part, stored as bfloat16 (numpy has none: raw uint16
-        # viewed in MLX), the cast the slot still needs (None: none)).
+        # Per bundle tensor, once, in the layout's order: (name, widen on the I/O thread
+        # (float16 to float32 slots), its module, its part, stored as bfloat16 (numpy has
+        # none: raw uint16 viewed in MLX), the cast the slot still needs (None: none)).
         self._io.tensors = []
         for name in layout.names:
             proj, part = name.split(".")
@@ -248,8 +248,8 @@ class StreamingSwitchGLU(nn.Module):
         return loaded
 
     def _prepare(self, buf: np.ndarray) -> list[mx.array]:
-        """On an I/O thread: one bundle's tensors (the layout's order) as MLX arrays in their slot
-        dtypes, copied out of the thread's read buffer.
+        """On an I/O thread: one bundle's tensors (the layout's order) as MLX arrays in
+        their slot dtypes, copied out of the thread's read buffer.
 
         The copies, and widening float16 scales for float32 slots, happen here, off the
         thread that builds the graph; a cast numpy cannot do (bfloat16) is left to
