@@ -13,7 +13,7 @@ a layer needed per step, peak memory, with the cache state and any emulation lab
 targets give each figure as a ratio to B = 1 of the same run.
 
 `--compare-file-guard` states the cost of the check after every expert read that the file is
-unchanged (engine/file_guard.py): each reactive or prerouted arm runs a second time per round
+unchanged (engine/store.py's FileGuard): each reactive or prerouted arm runs a second time per round
 with the check off, the two in alternating order, and the time of one check is measured apart.
 """
 
@@ -32,14 +32,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, wired_limit
 from mlx_lm.sample_utils import make_sampler
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.layout import RESIDENT_NAME, ExpertIndex

@@ -18,21 +18,19 @@ from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
 from edge0_eval.engine.prompts import (
+    FILTER_KEYS,
+    PENALTY_KEYS,
     chat_ids,
     chat_text,
+    check_filters,
+    check_penalties,
+    check_temperature,
     fit_prompt,
+    penalties_of,
     row_seed,
     to_messages,
 )
 from edge0_eval.engine.rows import Answer, stop_token_ids
-from edge0_eval.engine.sampling_options import (
-    FILTER_KEYS,
-    PENALTY_KEYS,
-    check_filters,
-    check_penalties,
-    check_temperature,
-    penalties_of,
-)
 from edge0_eval.errors import ConfigError
 
 # HUMAN/BOT/SYSTEM items of an OpenCompass PromptList map onto chat roles. SYSTEM is a reserved
@@ -46,7 +44,7 @@ DEFAULT_META_TEMPLATE = dict(
     reserved_roles=[dict(role="SYSTEM", api_role="SYSTEM")],
 )
 
-# Sampling options both arms understand (edge0_eval/engine/sampling_options.py: mlx-lm's
+# Sampling options both arms understand (edge0_eval/engine/prompts.py: mlx-lm's
 # filters and penalties). Anything else in generation_kwargs is refused at construction so a
 # typo cannot silently change one arm's decoding.
 SAMPLING_KEYS = (*FILTER_KEYS, *PENALTY_KEYS, "do_sample", "seed")

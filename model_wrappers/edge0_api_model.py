@@ -60,9 +60,14 @@ from openai import (
 from opencompass.models import OpenAISDK
 from opencompass.registry import MODELS
 
-from edge0_eval.engine.prompts import chat_ids, chat_text, fit_prompt, to_messages
+from edge0_eval.engine.prompts import (
+    chat_ids,
+    chat_text,
+    fit_prompt,
+    penalties_of,
+    to_messages,
+)
 from edge0_eval.engine.rows import StopRule, stop_token_ids, trim_at_stop
-from edge0_eval.engine.sampling_options import penalties_of
 from edge0_eval.errors import ConfigError
 
 from .chat import (

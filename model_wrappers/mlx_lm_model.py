@@ -20,9 +20,8 @@ from edge0_eval.engine.mlx_compat import (
     resolve_compute_dtype,
     upcast_unquantized_experts_for_cpu,
 )
-from edge0_eval.engine.rows import Answer, StopRule
-from edge0_eval.engine.sampling import row_sampler
-from edge0_eval.engine.sampling_options import penalties_of
+from edge0_eval.engine.prompts import penalties_of
+from edge0_eval.engine.rows import Answer, StopRule, row_sampler
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.evaluation.fidelity_scoring import model_logprobs
 

@@ -22,9 +22,8 @@ from perturbed_heads import perturbed_heads
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine, NonFiniteError
-from edge0_eval.engine.moe import StreamingSwitchGLU
+from edge0_eval.engine.moe import LayerSlots, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.rows import StopRule
 from edge0_eval.errors import ConfigError
 

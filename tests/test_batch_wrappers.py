@@ -409,7 +409,7 @@ def test_student_samples_with_top_k_and_min_p_as_the_teacher_arm(edge0_dir):
     logits the engine produced it from."""
     from edge0_eval.engine.engine import Engine
     from edge0_eval.engine.options import EngineOptions
-    from edge0_eval.engine.sampling import row_sampler
+    from edge0_eval.engine.rows import row_sampler
 
     model = student(edge0_dir, FILTERED)
     batch, solo = batch_vs_solo(model)

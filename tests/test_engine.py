@@ -12,8 +12,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine, NonFiniteError
-from edge0_eval.engine.file_guard import FileGuard
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.store import FileGuard
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import EXPERTS_NAME, INDEX_NAME
 

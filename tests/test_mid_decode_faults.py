@@ -3,7 +3,7 @@
 The fault is injected from inside the store's read path after a few reads, so it lands
 mid-decode deterministically (staged prefetches and batched unions included), never
 between two generate calls only. Every fault is a change of the open file, which the store's
-FileGuard (engine/file_guard.py) sees after the read that follows it, whatever --verify-crc
+FileGuard (engine/store.py) sees after the read that follows it, whatever --verify-crc
 says: one CheckpointError naming the file, and nothing recorded.
 """
 
@@ -24,10 +24,9 @@ from perturbed_heads import perturbed_heads
 
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.file_guard import FileGuard
 from edge0_eval.engine.lora import apply_lora, lora_modules, save_adapter
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.store import SETTLE_NS, ExpertStore
+from edge0_eval.engine.store import SETTLE_NS, ExpertStore, FileGuard
 from edge0_eval.errors import CheckpointError
 from edge0_eval.evaluation import fidelity_scoring as fid
 from edge0_eval.evaluation import fidelity_set as fs

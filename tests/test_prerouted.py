@@ -8,8 +8,8 @@ import pytest
 from perturbed_heads import perturbed_heads
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.moe_blocks import Route
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.step import Route
 from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
 

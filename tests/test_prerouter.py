@@ -11,20 +11,22 @@ import numpy as np
 import pytest
 
 from edge0_eval.engine.moe import Counters
-from edge0_eval.engine.prerouted import Prerouter
-from edge0_eval.engine.prerouter import (
+from edge0_eval.engine.prerouted import (
+    Prerouter,
     PrerouterHeads,
     build_features,
+    onehot,
+)
+from edge0_eval.engine.prerouter import (
     check_owners,
     default_owners,
     init_heads_from_routers,
     load_heads,
-    onehot,
     router_weight,
     save_heads,
     tier_defaults,
 )
-from edge0_eval.engine.routing import RoutingRule, stack_rules
+from edge0_eval.engine.step import RoutingRule, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import KIND, PrerouterConfig, read_metadata
 
@@ -277,6 +279,7 @@ def test_features_from_a_step(engine):
     pr = Prerouter(
         heads,
         engine.blocks,
+        stack_rules([engine.blocks[c].rule for c in heads.config.consumers]),
         engine.top_k,
         Counters(),
         engine.family.embedding(engine.model),

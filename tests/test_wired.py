@@ -1,15 +1,15 @@
-"""Metal wiring (engine/mlx_compat.wired_limit): a no-op without Metal, restored after use, and
-entered by the entry points that run a model."""
+"""Metal wiring (mlx-lm's own `wired_limit`, used as is): a no-op without Metal, restored
+after use, and entered by the entry points that run a model."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.generate import wired_limit
 
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.mlx_compat import wired_limit
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.evaluation.fidelity_scoring import model_logprobs
 

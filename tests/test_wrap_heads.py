@@ -18,14 +18,13 @@ from served_pass import (
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.prerouted import build_features, onehot
 from edge0_eval.engine.prerouter import (
-    build_features,
     check_owners,
     default_consumers,
     default_owners,
     init_heads_from_routers,
     load_heads,
-    onehot,
     save_heads,
 )
 from edge0_eval.errors import CheckpointError, ConfigError

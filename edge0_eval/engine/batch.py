@@ -45,69 +45,14 @@ from __future__ import annotations
 import numbers
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from typing import Hashable
 
 import mlx.core as mx
 
-from edge0_eval.engine.prerouted import Plans
-from edge0_eval.engine.rows import RowFigures, StopRule
-from edge0_eval.engine.sampling import RowSampler
+from edge0_eval.engine.moe import snapshot
+from edge0_eval.engine.rows import Row, RowFigures, RowSampler, StopRule
+from edge0_eval.engine.step import Plans
 from edge0_eval.errors import ConfigError
-
-
-@dataclass(eq=False)  # rows are compared by identity
-class Row:
-    """One row of the batch decoder: its prompt, sampler, stop rule and figures.
-
-    tokens: every token sampled for it (a final stop id included: the tokens it decoded);
-    `stop.tokens` is its output. logprobs (the server's): None, none; k >= 0, per sampled
-    token (its logprob, the top k (id, logprob)), of the model's distribution (log-softmax of
-    the logits, before penalties and filters).
-    """
-
-    key: Hashable  # the caller's name for it (generate_batch: prompt index)
-    prompt: list[int]
-    sampler: RowSampler
-    stop: StopRule
-    figures: RowFigures
-    tokens: list[int] = field(default_factory=list)
-    top_logprobs: int | None = None
-    logprobs: list = field(default_factory=list)
-    done: bool = False
-    cancelled: bool = False
-    error: Exception | None = None  # the exception that ended it (batch.py: Faults)
-
-    def take(self, token: int, logits: mx.array) -> None:
-        """The token sampled for it from `logits`; the stop rule says whether it ended."""
-        self.tokens.append(token)
-        if self.top_logprobs is not None:
-            self.logprobs.append(token_logprobs(logits, token, self.top_logprobs))
-        self.done = self.stop.add(token)
-
-    @property
-    def output(self) -> list[int]:
-        return self.stop.tokens
-
-    @property
-    def finish(self) -> str | None:
-        return self.stop.finish
-
-    def stats(self, engine_stats: dict) -> dict:
-        """The engine's figures with the row's own over them."""
-        return {**engine_stats, **self.figures.as_dict(len(self.tokens))}
-
-
-def token_logprobs(logits: mx.array, token: int, k: int) -> tuple[float, list]:
-    """(token's logprob, [(id, logprob)] of the k most likely, most likely first) of one row's
-    logits [V] (log-softmax: before penalties, filters and temperature)."""
-    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
-    top = []
-    if k:
-        ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-        values = logprobs[ids]
-        top = sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
-    return float(logprobs[token].item()), top
 
 
 def merge_caches(caches: list[list]) -> list:
@@ -184,6 +129,10 @@ class BatchDecoder:
         # The decode figures: snapshot differences (Engine.snapshot) summed over the steps.
         self.decode = Counter()
 
+    def _snapshot(self) -> dict:
+        e = self.engine
+        return snapshot(e.counters, e.store, e.blocks)
+
     # -- rows -------------------------------------------------------------------------------
     def add(
         self,
@@ -236,7 +185,7 @@ class BatchDecoder:
         plans its rows together."""
         e = self.engine
         cache = e.new_cache()
-        before, t0 = e.snapshot(), time.perf_counter()
+        before, t0 = self._snapshot(), time.perf_counter()
         logits, plans = e.prefill(
             row.prompt, cache, stage=stage, samplers=[row.sampler] if stage else None
         )
@@ -244,7 +193,7 @@ class BatchDecoder:
             mx.eval(plans.feats, plans.onehot)
         row.figures.prefill_s = time.perf_counter() - t0
         row.figures.prefill = Counter(
-            {k: v - before[k] for k, v in e.snapshot().items()}
+            {k: v - before[k] for k, v in self._snapshot().items()}
         )
         if row.stop.finish is None:
             self._take(row, row.sampler(logits), logits)
@@ -271,10 +220,10 @@ class BatchDecoder:
     def step(self) -> list[Row]:
         """One iteration: rows that finished leave, waiting rows join (prefilled alone), then
         one decode step of the active rows. Returns the rows that took a token or failed."""
-        e, pr = self.engine, self.engine.prerouter
+        pr = self.engine.prerouter
         touched: list[Row] = []
         # Between steps: finished rows leave, waiting rows take their places.
-        t0, before = time.perf_counter(), e.snapshot()
+        t0, before = time.perf_counter(), self._snapshot()
         keep = [j for j, r in enumerate(self.active) if not r.done]
         joining = bool(self.waiting) and len(keep) < self.rows_at_once
         if pr is not None and (len(keep) < len(self.active) or joining):
@@ -341,7 +290,7 @@ class BatchDecoder:
         """One decode step of the active rows (prerouted: planned inside the last step, or,
         after rows left or joined, at the start of this one); keeps the next step's plans."""
         e, active, c = self.engine, self.active, self.engine.counters
-        t0, before = time.perf_counter(), e.snapshot()
+        t0, before = time.perf_counter(), self._snapshot()
         cpu0, waits = time.thread_time(), c.eval_wait_seconds + c.read_wait_seconds
         eval_cpu = c.eval_wait_cpu_seconds
         last, self.plans = e.step(
@@ -372,7 +321,7 @@ class BatchDecoder:
 
     def _account(self, t0: float, before: dict) -> dict:
         """Add the decode work since (t0, before) to the batch's decode figures; returns it."""
-        after, d = self.engine.snapshot(), self.decode
+        after, d = self._snapshot(), self.decode
         d["batch_seconds"] += time.perf_counter() - t0
         diff = {key: value - before[key] for key, value in after.items()}
         d.update(diff)

@@ -6,7 +6,7 @@
     results = engine.generate_batch([p1, p2, p3], max_tokens=32, batch_size=2)   # batch.py
 
 The model object is mlx-lm's own class for the family; only each MoE block's instance is
-replaced (moe_blocks.py). Everything runs through one step, `engine.step(tokens, cache, plans)
+replaced (step.py). Everything runs through one step, `engine.step(tokens, cache, plans)
 -> (logits, plans)` (step.py), the sequence's cache and the prerouter's plans passed in and
 returned: `Sequence` carries them for one sequence, the batch decoder for its rows.
 """
@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from edge0_eval.engine.batch import BatchDecoder, Row, check_batch_args, check_seed
+from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
 from edge0_eval.engine.families import open_model_dir
 from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.mlx_compat import (
@@ -34,12 +34,11 @@ from edge0_eval.engine.mlx_compat import (
     refuse_unserved_experts,
     resolve_compute_dtype,
 )
-from edge0_eval.engine.moe import Counters, StreamingSwitchGLU
+from edge0_eval.engine.moe import Counters, StreamingSwitchGLU, snapshot
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
-from edge0_eval.engine.prerouted import Plans, attach_prerouter
-from edge0_eval.engine.rows import Answer, StopRule, decode_figures
-from edge0_eval.engine.sampling import RowSampler
-from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (NonFiniteError: API)
+from edge0_eval.engine.prerouter import attach_prerouter
+from edge0_eval.engine.rows import Answer, Row, RowSampler, StopRule, decode_figures
+from edge0_eval.engine.step import DecodeStep, NonFiniteError, Plans  # noqa: F401 (NonFiniteError: API)
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.config import eos_token_ids
@@ -116,6 +115,7 @@ class Engine:
         self.top_k, self.slots_per_layer = resolved.top_k, resolved.slots_per_layer
         self.counters, self.directory = counters, directory
         self.moe_layers = list(index.moe_layers)
+        self.slot_bytes = index.slot_bytes  # one slot in every MoE layer
         self.blocks = {i: self.family.layers(model)[i].mlp for i in self.moe_layers}
         self.lora = None
         self._last = {}
@@ -280,7 +280,7 @@ class Engine:
     ) -> GenerationResult:
         """One sequence: a batch of one row (`generate_batch`), so a solo run and a batched
         row are one code path. Sampling draws from the row's own key (`seed`, default
-        options.seed; see sampling.py). penalties: mlx-lm's (sampling_options.PENALTY_KEYS),
+        options.seed; see rows.py). penalties: mlx-lm's (prompts.PENALTY_KEYS),
         on the prompt and the tokens generated; stop_words: strings that end the row as soon
         as its text holds one."""
         if seed is not None:
@@ -397,22 +397,8 @@ class Engine:
 
     # -- accounting -------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        """The counters now, with the store's reads and the pools' lookups."""
-        pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
-        c = self.counters
-        # Counters holds scalars only: a shallow copy (asdict deep-copies, ~0.15 ms a call,
-        # and a decode step takes four snapshots).
-        return vars(c).copy() | {
-            "bytes": self.store.stats.bytes_read,
-            "reads": self.store.stats.reads,
-            "hits": sum(p.hits for p in pool),
-            "misses": sum(p.misses for p in pool),
-            # Waiting for reads: demand reads, and staged reads not done when needed.
-            "blocked": c.blocked_seconds + c.stage_wait_seconds,
-            # Distinct experts per layer call, and such calls (reactive unions + staged sets).
-            "union": c.union_experts + c.staged_experts,
-            "union_layers": c.union_calls + c.staged_layers,
-        }
+        """The counters now, with the store's reads and the pools' lookups (moe.snapshot)."""
+        return snapshot(self.counters, self.store, self.blocks)
 
     def stats(self) -> dict:
         store = self.store.stats
@@ -422,7 +408,7 @@ class Engine:
             "mode": self.options.mode,
             "top_k": self.top_k,
             "slots_per_layer": self.slots_per_layer,
-            "expert_buffer_mib": self.slots_per_layer * self.index.slot_bytes / 2**20,
+            "expert_buffer_mib": self.slots_per_layer * self.slot_bytes / 2**20,
             "io_throttle_mbps": self.options.io_throttle_mbps,
             "emulated": self.options.io_throttle_mbps is not None,
             "peak_memory_gib": mx.get_peak_memory() / 2**30,

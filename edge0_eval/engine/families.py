@@ -1,6 +1,6 @@
 """The model-family registry: one `Family` per supported mlx-lm `model_type`, read by every
 consumer (the engine's step, convert's checks, LoRA, training, make-tiny) instead of branching on
-the name. Adding a family is one entry here plus its streaming MoE block (moe_blocks.py) and
+the name. Adding a family is one entry here plus its streaming MoE block and layer arguments (step.py) and
 its tiny shape (checkpoints/tiny_configs.py, keyed by the family's name).
 
 An entry holds the forward's pieces around mlx-lm's own decoder layers (where the text model,
@@ -18,12 +18,14 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-from edge0_eval.engine.moe_blocks import (
+from edge0_eval.engine.step import (
     BailingStreamingMoE,
     Qwen2StreamingMoE,
     QwenStreamingMoE,
+    bailing_layer_args,
+    qwen2_layer_args,
+    qwen3_5_layer_args,
 )
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats import model_dir
@@ -91,37 +93,6 @@ class Family:
         return [i for i, layer in enumerate(model.layers) if "switch_mlp" in layer.mlp]
 
 
-def _qwen3_5_args(text, h, cache):
-    inner = text.model
-    fa_mask = create_attention_mask(h, cache[inner.fa_idx])
-    ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    return lambda layer, h, c: (
-        (h,),
-        dict(mask=ssm_mask if layer.is_linear else fa_mask, cache=c),
-    )
-
-
-def _bailing_args(text, h, cache):
-    inner = text.model
-    attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
-    attn_mask = create_attention_mask(h, attn_cache, return_array=True)
-    gla_mask = (
-        create_ssm_mask(h, cache[inner._gla_idx])
-        if inner._gla_idx is not None
-        else None
-    )
-    offset = attn_cache.offset if attn_cache is not None else 0
-    return lambda layer, h, c: (
-        (h, attn_mask if layer.is_global else gla_mask, c),
-        dict(offset=offset),
-    )
-
-
-def _qwen2_args(text, h, cache):
-    mask = create_attention_mask(h, cache[0])
-    return lambda layer, h, c: ((h, mask, c), {})
-
-
 # Checked against mlx-lm 0.32's qwen3_5.py / bailing_hybrid.py / qwen2_moe.py. Patterns that a
 # config does not build (MLA's q_a_proj when q_lora_rank is None) match nothing. The shared
 # experts' out=1 gates are left out; routers and routed experts never carry LoRA (lora.py).
@@ -144,7 +115,7 @@ FAMILIES = {
         "language_model.model.layers.{layer}.mlp",
         text=lambda model: model.language_model,
         embed_name="embed_tokens",
-        layer_args=_qwen3_5_args,
+        layer_args=qwen3_5_layer_args,
         text_config_key="text_config",
         lora_targets=_ATTENTION
         + (  # full attention every 4th layer, GatedDeltaNet the rest
@@ -166,7 +137,7 @@ FAMILIES = {
         "model.layers.{layer}.mlp",
         text=lambda model: model,
         embed_name="word_embeddings",
-        layer_args=_bailing_args,
+        layer_args=bailing_layer_args,
         gate_selects=True,
         clip_hidden=1000.0,
         split_prefill=False,
@@ -194,7 +165,7 @@ FAMILIES = {
         "model.layers.{layer}.mlp",
         text=lambda model: model,
         embed_name="embed_tokens",
-        layer_args=_qwen2_args,
+        layer_args=qwen2_layer_args,
         own_lm_head=True,
         lora_targets=_ATTENTION + _SHARED,
     ),  # q/k/v keep their bias

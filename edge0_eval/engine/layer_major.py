@@ -63,9 +63,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from edge0_eval.engine.engine import Engine, prefill_pieces
 from edge0_eval.engine.families import family_for
 from edge0_eval.engine.moe import Counters
-from edge0_eval.engine.moe_blocks import StreamingMoE
-from edge0_eval.engine.prerouter import build_features, onehot
-from edge0_eval.engine.step import DecodeStep, NonFiniteError, _mark, _rewind
+from edge0_eval.engine.prerouted import build_features, onehot
+from edge0_eval.engine.step import (
+    DecodeStep,
+    NonFiniteError,
+    StreamingMoE,
+    _mark,
+    _rewind,
+)
 from edge0_eval.errors import ConfigError
 
 # The memory a batch's rounds may hold (hidden states + one MoE call), MiB: the scorer's

@@ -8,7 +8,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.generate import wired_limit as _mlx_lm_wired_limit
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import _takes_global_scale, infer_quant_config
 
@@ -19,18 +18,6 @@ from edge0_eval.formats.safetensors import checkpoint_float_dtype
 
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
-
-
-def wired_limit(model: nn.Module):
-    """Context: keep `model`'s buffers wired while it runs, as mlx-lm's `generate` does.
-
-    Every entry point that runs a model (generate, bench, the OpenCompass arms, fidelity
-    scoring) runs inside it. For the engine, `model` is `Engine.model`: its arrays are the
-    resident weights and the slot pool. On Metal the limit is raised to the recommended working
-    set (macOS otherwise compresses unwired buffers) and the previous limit is restored on exit;
-    where the device reports no recommended working set (the CPU, CUDA) it does nothing.
-    """
-    return _mlx_lm_wired_limit(model)
 
 
 def upcast_unquantized_experts_for_cpu(model: nn.Module) -> int:

@@ -1,16 +1,21 @@
 """Streaming routed experts: `StreamingSwitchGLU` runs mlx-lm's own `SwitchGLU` over a small
 buffer of slots filled from the expert file, instead of all experts. The families' MoE blocks
-that use it are in engine/moe_blocks.py.
+that use it are in engine/step.py.
 
 Routing modes:
   resident   every expert preloaded (slots == experts): the A/B baseline, no host sync
   reactive   the true router picks; missing experts are read on demand, blocking
   prerouted  the engine supplies the expert set (predicted one token ahead) and its weights
+
+Slot bookkeeping (`LayerSlots`): which expert sits in which slot of a layer, LRU eviction, hit
+counts. It only decides; the MLX slot buffers live in the switch. Keeping that policy free of
+MLX makes it easy to test and to reuse for prefetch (a stager asks the same questions).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
@@ -19,11 +24,118 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from edge0_eval.engine.pool import LayerSlots
 from edge0_eval.engine.store import ExpertStore
-from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, unpack_bundle
+from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 
 
+# -- slot bookkeeping --------------------------------------------------------------------
+@dataclass
+class PoolStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class LayerSlots:
+    """A fixed number of slots for one layer; least recently used experts leave first."""
+
+    def __init__(self, n_slots: int):
+        if n_slots < 1:
+            raise ValueError("a layer needs at least one slot")
+        self.n_slots = n_slots
+        self._slot_of: OrderedDict[int, int] = (
+            OrderedDict()
+        )  # expert -> slot, LRU first
+        self._free = list(range(n_slots - 1, -1, -1))
+        self.stats = PoolStats()
+
+    def slot_of(self, expert: int) -> int | None:
+        return self._slot_of.get(expert)
+
+    @property
+    def resident_experts(self) -> list[int]:
+        return list(self._slot_of)
+
+    def assign(
+        self, experts: list[int]
+    ) -> tuple[dict[int, int], list[tuple[int, int]]]:
+        """Make every expert in `experts` (distinct, at most n_slots) resident.
+
+        Returns (expert -> slot for all of them, [(expert, slot) that must be loaded]). Experts
+        already resident keep their slot (sticky), so only changed slots are written.
+        """
+        if len(experts) > self.n_slots:
+            raise ValueError(
+                f"{len(experts)} experts requested but the layer has "
+                f"{self.n_slots} slots"
+            )
+        wanted = set(experts)
+        mapping, loads = {}, []
+        for e in experts:
+            slot = self._slot_of.get(e)
+            if slot is not None:
+                self._slot_of.move_to_end(e)
+                mapping[e] = slot
+                self.stats.hits += 1
+        for e in experts:
+            if e in mapping:
+                continue
+            self.stats.misses += 1
+            if self._free:
+                slot = self._free.pop()
+            else:
+                victim = next(v for v in self._slot_of if v not in wanted)
+                slot = self._slot_of.pop(victim)
+                self.stats.evictions += 1
+            self._slot_of[e] = slot
+            mapping[e] = slot
+            loads.append((e, slot))
+        return mapping, loads
+
+    def move(self, slot_of: dict[int, int]) -> None:
+        """Re-seat resident experts among their own slots (a permutation; LRU order kept)."""
+        if sorted(self._slot_of[e] for e in slot_of) != sorted(slot_of.values()):
+            raise ValueError("move must permute the slots the experts already hold")
+        for e, slot in slot_of.items():
+            self._slot_of[e] = slot
+
+    def resize(self, n_slots: int) -> list[int]:
+        """Hold `n_slots` slots (batched decode holds a layer's union while it runs).
+
+        Growing adds free slots at the end; shrinking forgets the experts in the slots that go.
+        Other residents keep their slots, so the slot buffers only gain or lose rows at the
+        end. Returns the experts forgotten.
+        """
+        if n_slots < 1:
+            raise ValueError("a layer needs at least one slot")
+        gone = [e for e, slot in self._slot_of.items() if slot >= n_slots]
+        for e in gone:
+            del self._slot_of[e]
+        self._free = [s for s in self._free if s < n_slots]
+        if n_slots > self.n_slots:
+            self._free = list(range(n_slots - 1, self.n_slots - 1, -1)) + self._free
+        self.n_slots = n_slots
+        return gone
+
+    def forget(self, expert: int) -> None:
+        """Drop an expert whose load failed, so its slot is not trusted."""
+        slot = self._slot_of.pop(expert, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
+def slots_for_budget(budget_mib: float, slot_bytes: int) -> int:
+    """Slots per layer that fit `budget_mib` of expert buffers across all MoE layers, where a
+    slot in every layer costs `slot_bytes` (layers' bundles may differ in size)."""
+    return int(budget_mib * 2**20 // slot_bytes)
+
+
+# -- the engine's counters and the streaming switch --------------------------------------
 @dataclass
 class Counters:
     """Everything an engine counts, shared by its switches, prerouter and step; a phase's
@@ -87,6 +199,26 @@ class Counters:
                 for f in fields(self)
             }
         )
+
+
+def snapshot(counters: Counters, store: ExpertStore, blocks: dict) -> dict:
+    """An engine's counters now, with its store's reads and its MoE blocks' pool lookups (a
+    phase's figures are the difference of two snapshots)."""
+    pool = [b.switch_mlp.slots.stats for b in blocks.values()]
+    c = counters
+    # Counters holds scalars only: a shallow copy (asdict deep-copies, ~0.15 ms a call,
+    # and a decode step takes four snapshots).
+    return vars(c).copy() | {
+        "bytes": store.stats.bytes_read,
+        "reads": store.stats.reads,
+        "hits": sum(p.hits for p in pool),
+        "misses": sum(p.misses for p in pool),
+        # Waiting for reads: demand reads, and staged reads not done when needed.
+        "blocked": c.blocked_seconds + c.stage_wait_seconds,
+        # Distinct experts per layer call, and such calls (reactive unions + staged sets).
+        "union": c.union_experts + c.staged_experts,
+        "union_layers": c.union_calls + c.staged_layers,
+    }
 
 
 class StreamingSwitchGLU(nn.Module):
@@ -158,6 +290,9 @@ class StreamingSwitchGLU(nn.Module):
                     None if arrives == slot_dtype else slot_dtype,
                 )
             )
+        # Where each of them lies in a bundle, in the same order (read per bundle on I/O threads).
+        views = bundle_views(layout)
+        self._io.views = [views[name] for name in layout.names]
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
         self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
         mx.eval(self.glu.parameters())
@@ -255,10 +390,14 @@ class StreamingSwitchGLU(nn.Module):
         thread that builds the graph; a cast numpy cannot do (bfloat16) is left to
         `_write_slots` as a lazy MLX op. Only leaf arrays are made here, no graph.
         """
-        out = unpack_bundle(self._io.layout, buf)
+        mem = memoryview(buf)
+        out = [
+            np.frombuffer(mem[start:end], dtype=dtype).reshape(shape)
+            for start, end, dtype, shape in self._io.views
+        ]
         return [
-            mx.array(out[name].astype(np.float32) if widen else out[name])
-            for name, widen, *_ in self._io.tensors
+            mx.array(view.astype(np.float32) if widen else view)
+            for view, (_, widen, *_) in zip(out, self._io.tensors)
         ]
 
     def _write_slots(self, loads: list[tuple[int, int]], parts: list[list]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from edge0_eval.engine.families import Family, family_for
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
-from edge0_eval.engine.pool import slots_for_budget
+from edge0_eval.engine.moe import slots_for_budget
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import ExpertIndex
 

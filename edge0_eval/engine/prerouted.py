@@ -22,64 +22,130 @@ heads were deleted, issue 26: reports/variants.md.)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import replace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.engine.draft import DraftHead
-from edge0_eval.engine.mlx_compat import resolve_compute_dtype
 from edge0_eval.engine.moe import Counters, StagedSet
-from edge0_eval.engine.prerouter import (
-    PrerouterHeads,
-    append_next_embedding,
-    build_features,
-    load_heads,
-    onehot,
-)
-from edge0_eval.engine.routing import stack_rules
-from edge0_eval.errors import CheckpointError
-from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
-from edge0_eval.formats.heads_file import KIND, read_metadata
+from edge0_eval.engine.step import Plans
+from edge0_eval.errors import ConfigError
+from edge0_eval.formats.heads_file import PrerouterConfig
+
+# -- the heads ------------------------------------------------------------------------------
 
 
-@dataclass
-class Plans:
-    """The prerouter's state between two steps of B rows, in the batch's row order."""
+class PrerouterHeads(nn.Module):
+    """All owners' heads as stacked weights; one batched computation per step."""
 
-    feats: mx.array | None = (
-        None  # [O, B, in]: the heads' features at each row's last token
-    )
-    onehot: mx.array | None = (
-        None  # [O, B, E]: that token's executed experts (the next t-1)
-    )
-    # consuming layer -> (ids [B, 1, K], its StagedSet; None: not staged, loaded on demand)
-    layers: dict[int, tuple[mx.array, StagedSet | None]] = field(default_factory=dict)
-    hedges: dict[int, StagedSet] = field(
-        default_factory=dict
-    )  # the draft hedge's reads
-    drafted: tuple | None = (
-        None  # (draft tokens [B], the heads' (ids, weights) at them)
-    )
+    def __init__(
+        self, config: PrerouterConfig, fc1: mx.array, fc2: mx.array, linear: mx.array
+    ):
+        super().__init__()
+        o, e, w, d = len(config.owners), config.num_experts, config.width, config.in_dim
+        for name, arr, shape in (
+            ("fc1", fc1, (o, w, d)),
+            ("fc2", fc2, (o, e, w)),
+            ("linear", linear, (o, e, d)),
+        ):
+            if tuple(arr.shape) != shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(arr.shape)}, expected {shape}"
+                )
+        self.config = config  # plain object attribute: not a parameter
+        self.fc1, self.fc2, self.linear = fc1, fc2, linear
 
-    def take(self, rows: list[int]) -> "Plans":
-        """The row state of `rows`, in that order; whatever was planned is dropped."""
-        if self.feats is None or not rows:
-            return Plans()
-        idx = mx.array(rows, dtype=mx.int32)
-        return Plans(self.feats[:, idx], self.onehot[:, idx])
+    @property
+    def owners(self) -> list[int]:
+        return list(self.config.owners)
 
-    @staticmethod
-    def join(parts: list["Plans"]) -> "Plans":
-        """The rows of `parts` one after another (row state only)."""
-        parts = [p for p in parts if p.feats is not None]
-        if not parts:
-            return Plans()
-        return Plans(
-            mx.concatenate([p.feats for p in parts], axis=1),
-            mx.concatenate([p.onehot for p in parts], axis=1),
+    @property
+    def dtype(self):
+        return self.fc1.dtype
+
+    def __call__(self, feats: mx.array) -> mx.array:
+        """feats [O, ..., in] -> logits [O, ..., E] (in the weights' dtype)."""
+        o = feats.shape[0]
+        lead = feats.shape[1:-1]
+        x = feats.reshape(o, -1, feats.shape[-1]).astype(self.fc1.dtype)
+        hid = nn.gelu(mx.matmul(x, self.fc1.swapaxes(1, 2)))  # exact erf GELU
+        out = mx.matmul(hid, self.fc2.swapaxes(1, 2)) + mx.matmul(
+            x, self.linear.swapaxes(1, 2)
         )
+        return out.reshape(o, *lead, out.shape[-1])
+
+    def select_owners(self, owners: list[int]) -> "PrerouterHeads":
+        """A PrerouterHeads holding only `owners` (a subset, any order kept ascending)."""
+        have = {n: i for i, n in enumerate(self.config.owners)}
+        missing = [n for n in owners if n not in have]
+        if missing:
+            raise ConfigError(
+                f"no head for owner layer(s) {missing}; heads cover "
+                f"{self.config.owners}"
+            )
+        owners = sorted(owners)
+        idx = mx.array([have[n] for n in owners])
+        consumers = [self.config.consumer_of[n] for n in owners]
+        cfg = replace(self.config, owners=owners, consumers=consumers)
+        return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
+
+    def astype(self, dtype) -> "PrerouterHeads":
+        return PrerouterHeads(
+            self.config,
+            self.fc1.astype(dtype),
+            self.fc2.astype(dtype),
+            self.linear.astype(dtype),
+        )
+
+
+def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
+    """[..., K] expert ids -> [..., E] with ones at the ids (a K-hot row)."""
+    hits = inds[..., None] == mx.arange(num_experts, dtype=inds.dtype)
+    return hits.any(axis=-2).astype(dtype)
+
+
+def build_features(
+    h: mx.array,
+    onehot_t: mx.array,
+    onehot_prev: mx.array,
+    next_embedding: mx.array | None = None,
+) -> mx.array:
+    """concat[h [O,B,H], onehot_t [O,B,E], onehot_prev [O,B,E]] -> [O, B, H + 2E]; with
+    `next_embedding` [B, H] (next-token heads) every owner also gets it: [O, B, 2H + 2E].
+    (Any lead shape: h [O, ..., H] with next_embedding [..., H].)"""
+    if h.shape[:-1] != onehot_t.shape[:-1] or onehot_t.shape != onehot_prev.shape:
+        raise ValueError(
+            f"feature shapes disagree: h {h.shape}, onehot_t {onehot_t.shape}, "
+            f"onehot_prev {onehot_prev.shape}"
+        )
+    dtype = h.dtype if mx.issubdtype(h.dtype, mx.floating) else mx.float32
+    feats = mx.concatenate(
+        [h.astype(dtype), onehot_t.astype(dtype), onehot_prev.astype(dtype)], axis=-1
+    )
+    return (
+        feats
+        if next_embedding is None
+        else append_next_embedding(feats, next_embedding)
+    )
+
+
+def append_next_embedding(feats: mx.array, next_embedding: mx.array) -> mx.array:
+    """Context features [O, ..., H + 2E] + the next token's embedding [..., H], the same for
+    every owner -> next-token heads' features [O, ..., 2H + 2E]."""
+    if tuple(next_embedding.shape[:-1]) != tuple(feats.shape[1:-1]):
+        raise ValueError(
+            f"next-token embedding has shape {next_embedding.shape}, expected "
+            f"{tuple(feats.shape[1:-1])} + (hidden,)"
+        )
+    emb = mx.broadcast_to(
+        next_embedding.astype(feats.dtype)[None], feats.shape[:1] + next_embedding.shape
+    )
+    return mx.concatenate([feats, emb], axis=-1)
+
+
+# -- plans and staging ----------------------------------------------------------------------
 
 
 class Prerouter:
@@ -89,6 +155,7 @@ class Prerouter:
         self,
         heads: PrerouterHeads,
         blocks: dict,
+        rule,
         top_k: int,
         counters: Counters,
         embedding,
@@ -108,7 +175,8 @@ class Prerouter:
         self.order = sorted(range(len(self.consumers)), key=self.consumers.__getitem__)
         self.next_token = bool(cfg.next_token)
         self.embedding = embedding
-        self.rule = stack_rules([blocks[c].rule for c in self.consumers])
+        # The consumers' routing rules stacked (step.stack_rules): the heads' selection.
+        self.rule = rule
         # Owners whose consumer runs later in the same pass (a chunk plans them in the pass);
         # the wrap-around head's consumer runs first.
         self.ahead = {o for o, c in self.consumer_of.items() if c == o + 1}
@@ -322,60 +390,3 @@ class Prerouter:
                 float(mx.mean(mx.stack(recalls)).item()) if recalls else None
             )
         return out
-
-
-def attach_prerouter(engine, path: Path) -> Prerouter:
-    """The heads in `path` (and the draft hedge of `engine.resolved.hedge_path`, if any) for
-    `engine`, checked against it (EngineOptions.resolve found the files)."""
-    options, family, model = engine.options, engine.family, engine.model
-    heads = load_heads(
-        path,
-        hidden=family.hidden_size(engine.config),
-        num_experts=engine.index.num_experts,
-        top_k=engine.top_k,
-        model_type=engine.config.get("model_type"),
-        moe_layers=engine.moe_layers,
-        dtype=resolve_compute_dtype(options.compute_dtype),
-    )
-    prerouter = Prerouter(
-        heads,
-        engine.blocks,
-        engine.top_k,
-        engine.counters,
-        family.embedding(model),
-        measure_recall=options.measure_recall,
-    )
-    hedge_path = engine.resolved.hedge_path
-    if hedge_path is None:
-        return prerouter
-    fix = f"(prerouter heads: {path}); pass a draft vocabulary (--hedge) or none (--no-hedge)"
-    if not is_draft_file(hedge_path) and _holds_heads(hedge_path):
-        raise CheckpointError(
-            f"{hedge_path} holds prerouter heads: hedges of context heads "
-            f"are no longer served (issue 26), write a draft vocabulary "
-            f"with `edge0-eval draft-vocab` {fix}"
-        )
-    if not prerouter.next_token:
-        raise CheckpointError(
-            f"{hedge_path}: a hedge serves next-token prerouter heads, whose "
-            f"plans wait for the token; these heads plan before the LM head "
-            f"already {fix}"
-        )
-    ids = load_draft_vocab(hedge_path, family.embedding(model).weight.shape[0])
-    layers = sorted(prerouter.consumers)
-    n = options.hedge_layers or len(layers)
-    if not 1 <= n <= len(layers):
-        raise CheckpointError(
-            f"{hedge_path}: hedge_layers {n}: the next-token heads plan "
-            f"{len(layers)} layers; choose 1 to {len(layers)} {fix}"
-        )
-    prerouter.draft = DraftHead(*family.output_head(model), ids)
-    prerouter.draft_layers = layers[:n]
-    return prerouter
-
-
-def _holds_heads(path: Path) -> bool:
-    try:
-        return read_metadata(path).get("kind") == KIND
-    except CheckpointError:
-        return False  # the draft loader reports what is wrong with it

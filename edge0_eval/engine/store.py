@@ -1,8 +1,27 @@
-"""Expert store: positioned reads of expert bundles from `experts.bin` on a small I/O pool.
+"""Expert store: positioned reads of expert bundles from `experts.bin` on a small I/O pool, each
+read followed by a check that the file is still the one opened (`FileGuard`).
 
 Why positioned reads (`os.preadv`) rather than mmap: a read copies the bundle once into a buffer
 we own, so the page cache can be evicted (`posix_fadvise DONTNEED`) for honest cold runs and the
 bytes are counted exactly; `edge0-eval bench` measures both against each other.
+
+A file the engine keeps reading while it serves must stay the file it opened.
+
+The expert file is read for as long as an engine lives (this store), and the index's
+checksums, loaded once, describe it as it was opened. A write into it in place (the same inode:
+a convert run again into the folder, a copy over it, a restore) changes what later reads return,
+and a bundle whose checksum passed before the write would be trusted afterwards, or never
+checked with --no-verify-crc. `FileGuard` takes the open file's stamp (size, mtime, ctime) when
+the store opens it and compares it after every read, one `fstat` of the open descriptor (cost:
+`edge0-eval bench --compare-file-guard`). A write moves mtime when it starts, so a read that saw
+any written byte is followed by a check that sees the new stamp; ctime also moves when a writer
+sets mtime back, and when the file is deleted or another is renamed over its path (the folder
+then holds another model than the one served). Any change stops the engine with one error naming
+the file; a permission change stops it too, a false alarm that costs a restart, never a score.
+
+Adapters, heads, draft vocabularies and resident weights need no guard: each is read whole and
+evaluated when the engine loads (formats/adapters.py, heads_file.py, draft_file.py,
+Engine.load), and never again.
 """
 
 from __future__ import annotations
@@ -20,10 +39,50 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0_eval.engine.file_guard import FileGuard
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 
+
+# -- the file guard ----------------------------------------------------------------------
+class FileGuard:
+    """The stamp of an open file, taken when it was opened, checked after each read."""
+
+    def __init__(self, fd: int, path: str | Path, fix: str):
+        self._fd, self.path, self.fix = fd, Path(path), fix
+        self.stamp = self._now()
+
+    def _now(self) -> tuple[int, int, int]:
+        st = os.fstat(self._fd)
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    @property
+    def age_ns(self) -> int:
+        """Nanoseconds since the file was last written, as stamped when it was opened."""
+        return time.time_ns() - self.stamp[1]
+
+    def check(self) -> None:
+        """Raise CheckpointError if the file changed since it was opened."""
+        now = self._now()
+        if now != self.stamp:
+            raise CheckpointError(
+                f"{self.path} changed while the engine was reading it "
+                f"({self._what(now)}): what it holds now is not what the index "
+                f"describes, so the run stops and records nothing; {self.fix}"
+            )
+
+    def _what(self, now: tuple[int, int, int]) -> str:
+        (size0, mtime0, _), (size, mtime, _) = self.stamp, now
+        if size != size0:
+            return f"size {size0} -> {size} bytes"
+        if mtime != mtime0:
+            return f"written in place, mtime moved {(mtime - mtime0) / 1e9:+.3f} s"
+        return (
+            "ctime moved: deleted or replaced by another file, its mtime set back "
+            "after a write, or its permissions changed"
+        )
+
+
+# -- reads -------------------------------------------------------------------------------
 # Queue priorities: DEMAND (a layer is blocked on the read) first, then prefetches by the position
 # of their layer in the forward (PREFETCH + position): the earliest-needed read goes first even
 # when it is queued last (a draft hedge's sets, then the routed sets' misses; a wrap head's first
@@ -242,6 +301,16 @@ class ExpertStore:
         self._buffers = threading.local()  # each I/O thread's read buffer (submit)
         self._lock = threading.Lock()
         self.stats = StoreStats()
+        # Per MoE layer: (position, first bundle's byte offset, bundle stride), read once from
+        # the index so that a read does no lookups through it.
+        self._extents = {
+            layer: (pos, self.index.bundle_offset(layer, 0), layout.bundle_stride)
+            for pos, layer in enumerate(self.index.moe_layers)
+            for layout in [self.index.layout(layer)]
+        }
+        # Layers' bundles may differ in size (mixed quantization): a buffer of the largest
+        # fits all.
+        self._largest = max(stride for *_, stride in self._extents.values())
 
     # -- reads ------------------------------------------------------------------------------
     def read(
@@ -249,8 +318,12 @@ class ExpertStore:
     ) -> np.ndarray:
         """Blocking positioned read of one bundle (checked), into `out` when given (a uint8
         buffer of at least the layer's `bundle_stride` bytes), else into a new buffer."""
-        stride = self.index.layout(layer).bundle_stride
-        offset = self.index.bundle_offset(layer, expert)
+        _, first, stride = self._extents[layer]
+        if not 0 <= expert < self.index.num_experts:
+            raise IndexError(
+                f"expert {expert} out of range 0..{self.index.num_experts - 1}"
+            )
+        offset = first + expert * stride
         buf = np.empty(stride, dtype=np.uint8) if out is None else out[:stride]
         started = time.perf_counter()
         view, done = memoryview(buf), 0
@@ -283,7 +356,7 @@ class ExpertStore:
         return buf
 
     def _verify(self, layer: int, expert: int, buf: np.ndarray) -> None:
-        pos = self.index.layer_position(layer)
+        pos = self._extents[layer][0]
         if self._verified[pos, expert]:
             return
         started = time.perf_counter()
@@ -318,7 +391,7 @@ class ExpertStore:
     ) -> list[QueuedTask]:
         """`submit` for several experts of one layer, queued at once (one wake-up)."""
         if priority is None:
-            priority = PREFETCH + self.index.layer_position(layer)
+            priority = PREFETCH + self._extents[layer][0]
         if prepare is None:
             tasks = [(priority, self.read, (layer, e)) for e in experts]
         else:
@@ -330,9 +403,7 @@ class ExpertStore:
     def _read_prepared(self, layer: int, expert: int, prepare):
         buf = getattr(self._buffers, "buf", None)
         if buf is None:
-            # Layers' bundles may differ in size (mixed quantization): the largest fits all.
-            largest = max(layout.bundle_stride for layout in self.index.layouts)
-            buf = self._buffers.buf = np.empty(largest, np.uint8)
+            buf = self._buffers.buf = np.empty(self._largest, np.uint8)
         return prepare(self.read(layer, expert, out=buf))
 
     def read_many(self, pairs: list[tuple[int, int]], prepare=None) -> list:

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import wired_limit
 
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.layer_major import (
@@ -37,7 +38,7 @@ from edge0_eval.engine.layer_major import (
     LayerMajor,
     LayerMajorStats,
 )
-from edge0_eval.engine.mlx_compat import activation_dtype, wired_limit
+from edge0_eval.engine.mlx_compat import activation_dtype
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity_scoring import (
     EngineRunner,

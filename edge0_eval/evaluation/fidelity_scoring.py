@@ -36,7 +36,7 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 from tqdm import tqdm
 
@@ -48,7 +48,6 @@ from edge0_eval.engine.mlx_compat import (
     on_cpu,
     resolve_compute_dtype,
     upcast_unquantized_experts_for_cpu,
-    wired_limit,
 )
 from edge0_eval.engine.step import NonFiniteError
 from edge0_eval.errors import ConfigError

@@ -825,13 +825,24 @@ def pack_bundle(layout: BundleLayout, arrays: dict[str, np.ndarray]) -> bytes:
     return bytes(buf)
 
 
+def bundle_views(layout: BundleLayout) -> dict[str, tuple[int, int, type, tuple]]:
+    """Where each tensor lies in a bundle: name -> (start, end, numpy dtype, shape) (bfloat16
+    as raw uint16), worked out once for a layout and applied to every bundle read."""
+    return {
+        spec.name: (
+            spec.offset,
+            spec.offset + spec.nbytes,
+            _NP_DTYPES[spec.dtype],
+            tuple(spec.shape),
+        )
+        for spec in layout.tensors
+    }
+
+
 def unpack_bundle(layout: BundleLayout, buf) -> dict[str, np.ndarray]:
     """Zero-copy numpy views of one bundle's tensors (bfloat16 as raw uint16)."""
     mem = memoryview(buf)
-    out = {}
-    for spec in layout.tensors:
-        view = np.frombuffer(
-            mem[spec.offset : spec.offset + spec.nbytes], dtype=_NP_DTYPES[spec.dtype]
-        )
-        out[spec.name] = view.reshape(spec.shape)
-    return out
+    return {
+        name: np.frombuffer(mem[start:end], dtype=dtype).reshape(shape)
+        for name, (start, end, dtype, shape) in bundle_views(layout).items()
+    }

@@ -13,7 +13,7 @@ Fields (null is the same as absent):
                              tokens, at most `--max-model-len` (checked once the prompt is
                              tokenized: worker.py)
   temperature, top_p, top_k, min_p     mlx-lm's filters, checked as the in-process arms check
-                             them (edge0_eval/engine/sampling_options.py: vLLM's ranges;
+                             them (edge0_eval/engine/prompts.py: vLLM's ranges;
                              top_k 0 or -1 and min_p 0: off; sampling, top_k below the
                              vocabulary size, as mlx-lm's top-k needs)
   repetition_penalty, presence_penalty, frequency_penalty, and each *_context_size
@@ -48,7 +48,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge0_eval.engine.sampling_options import (
+from edge0_eval.engine.prompts import (
     PENALTIES,
     PENALTY_KEYS,
     check_filters,

@@ -30,11 +30,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from edge0_eval.engine.batch import BatchDecoder, Row
-from edge0_eval.engine.mlx_compat import wired_limit
+from mlx_lm.generate import wired_limit
+
+from edge0_eval.engine.batch import BatchDecoder
 from edge0_eval.engine.prompts import chat_ids, fit_prompt, row_seed
 from edge0_eval.engine.rows import (
     IncrementalText,
+    Row,
     StopRule,
     sample_stats,
     stop_token_ids,

@@ -47,7 +47,7 @@ from edge0_eval.engine.prerouter import (
     load_heads,
     save_heads,
 )
-from edge0_eval.engine.routing import RoutingRule
+from edge0_eval.engine.step import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
 from edge0_eval.training.corpus import split_documents, subset_documents

@@ -112,7 +112,7 @@ class PrerouterOptions:
         None  # train on a random subset of the training documents
     )
     next_token: bool = (
-        False  # heads also see the next token's embedding (engine/prerouter.py)
+        False  # heads also see the next token's embedding (engine/prerouted.py)
     )
 
     def validate(self) -> None:
