@@ -60,6 +60,7 @@ from edge0_eval.evaluation.run_config import (
     population,
     tokens_per_sample,
 )
+from edge0_eval.formats.json_files import read_json_file
 
 DEFAULT_CHURN = 0.10
 DEFAULT_TASK_OVERHEAD_S = 30.0
@@ -91,8 +92,8 @@ def read_fidelity_rate(path: Path) -> FidelityRate:
         "make one with `edge0-eval fidelity bench MODEL --prompts N --json FILE` "
         "(its layer-major arm)"
     )
-    data = read_json(Path(path), "fidelity bench")
-    if not isinstance(data, dict) or data.get("format") != FIDELITY_BENCH_FORMAT:
+    data = read_json_file(path, "fidelity bench file", fix)
+    if data.get("format") != FIDELITY_BENCH_FORMAT:
         raise ConfigError(
             f"--fidelity-rate {path}: not a {FIDELITY_BENCH_FORMAT} file; {fix}"
         )
