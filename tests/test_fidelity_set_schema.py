@@ -10,6 +10,7 @@ import random
 import mlx.core as mx
 import pytest
 from bad_inputs import expect_clear_error, outcome
+from fidelity_sets import fidelity_set
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation import fidelity_set as fs
@@ -32,18 +33,7 @@ def _valid_set(fingerprint: str = "0" * 64) -> dict:
         }
         for n in range(3)
     ]
-    return {
-        "format": fs.FORMAT,
-        "teacher": {"name": "t", "fingerprint": fingerprint, "dtype": "float32"},
-        "max_new": 8,
-        "min_new": 2,
-        "top_k": 2,
-        "thinking": False,
-        "thinking_in_template": False,
-        "left_out": {"shorter_than_min_new": []},
-        "sources": {"text": {}},
-        "items": items,
-    }
+    return fidelity_set(items, fingerprint=fingerprint)
 
 
 def _write(fset, path):

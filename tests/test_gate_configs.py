@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
+from fidelity_sets import fidelity_set
 from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 
 from edge0_eval.errors import ConfigError
@@ -285,7 +286,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
     whole set and they overwrote one file)."""
     from mmengine.config import Config
 
-    from edge0_eval.evaluation.fidelity_set import FORMAT, SET_PATH
+    from edge0_eval.evaluation.fidelity_set import SET_PATH
     from edge0_eval.evaluation.fixtures import write_fixtures
     from edge0_eval.evaluation.progress import read_lines
     from model_wrappers.partitioner import Edge0NumWorkerPartitioner
@@ -307,22 +308,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
         for n in range(10)
     ]
     (data / SET_PATH).parent.mkdir(parents=True, exist_ok=True)
-    (data / SET_PATH).write_text(
-        json.dumps(
-            {
-                "format": FORMAT,
-                "teacher": {"name": "t", "fingerprint": "0" * 64},
-                "max_new": 8,
-                "min_new": 2,
-                "top_k": 2,
-                "thinking": False,
-                "thinking_in_template": False,
-                "left_out": {"shorter_than_min_new": []},
-                "sources": {"text": {}},
-                "items": items,
-            }
-        )
-    )
+    (data / SET_PATH).write_text(json.dumps(fidelity_set(items, dtype=None)))
     for key, value in dict(
         COMPASS_DATA_CACHE=str(data), EDGE0_ARMS="teacher", EDGE0_TINY_TEACHER="unused"
     ).items():

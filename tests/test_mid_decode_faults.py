@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from bad_inputs import copy_model
+from fidelity_sets import fidelity_set
 from live_server import LiveServer
 from perturbed_heads import perturbed_heads
 
@@ -283,18 +284,7 @@ def _fidelity_set(tmp_path, vocab: int) -> dict:
         }
         for n in range(2)
     ]
-    fset = {
-        "format": fs.FORMAT,
-        "teacher": {"name": "t", "fingerprint": "0" * 64, "dtype": "float32"},
-        "max_new": len(tokens),
-        "min_new": 1,
-        "top_k": 2,
-        "thinking": False,
-        "thinking_in_template": False,
-        "left_out": {"shorter_than_min_new": []},
-        "sources": {"text": {}},
-        "items": items,
-    }
+    fset = fidelity_set(items, max_new=len(tokens), min_new=1)
     return fs.read_set(fs.write_set(fset, tmp_path / "set.json"))
 
 
