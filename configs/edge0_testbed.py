@@ -85,6 +85,5 @@ models = [
 summarizer = dict(type=Edge0Summarizer, dataset_abbrs=["openai_humaneval", "IFBench"])
 work_dir = "outputs/edge0_testbed"
 
-del (
-    os
-)  # a module in the config namespace would break the config dump OpenCompass re-reads
+# a module in the config namespace would break the config dump OpenCompass re-reads
+del os

@@ -119,9 +119,8 @@ def measure_raw_reads(
     directory, n_reads: int, queue_depth: int, cold: bool, seed: int = 0
 ) -> dict:
     """Positioned reads of random bundles at `queue_depth`: the storage's physical limit here."""
-    store = ExpertStore(
-        directory, io_workers=queue_depth, verify_crc=False
-    )  # storage only
+    # storage only
+    store = ExpertStore(directory, io_workers=queue_depth, verify_crc=False)
     try:
         if cold:
             store.evict_page_cache()
@@ -260,9 +259,8 @@ def run_batch_arm(model_dir, mode: str, args, cold: bool, batch: int) -> dict:
         stats.update(
             {
                 "batch": batch,
-                "decode_tok_s": stats[
-                    "batch_decode_tok_s"
-                ],  # aggregate, every row's tokens
+                # aggregate, every row's tokens
+                "decode_tok_s": stats["batch_decode_tok_s"],
                 "row_decode_tok_s": row_rates,
                 "mean_row_decode_tok_s": sum(row_rates) / len(row_rates),
                 "prefill_tok_s": sum(r["prompt_tokens"] for r in rows)

@@ -442,8 +442,7 @@ def test_student_samples_with_top_k_and_min_p_as_the_teacher_arm(edge0_dir):
         unfiltered = engine.generate_batch(
             prompts, 12, temperature=1.0, top_p=0.95, seeds=seeds, stop_token_ids=set()
         )
-        assert [r.tokens for r in unfiltered] != [
-            r.tokens for r in rows
-        ]  # the filters act
+        # the filters act
+        assert [r.tokens for r in unfiltered] != [r.tokens for r in rows]
     finally:
         engine.close()

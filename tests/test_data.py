@@ -384,6 +384,5 @@ def test_partitioner_reads_test_range_as_a_slice():
     assert test_range_slice({"reader_cfg": {"test_range": "[0:12]"}}) == slice(0, 12)
     assert test_range_slice({"reader_cfg": {"test_range": "[ 5 : ]"}}) == slice(5, None)
     assert test_range_slice({"reader_cfg": {}}) is None
-    assert (
-        test_range_slice({"reader_cfg": {"test_range": "[0:10:2]"}}) is None
-    )  # check all
+    # check all
+    assert test_range_slice({"reader_cfg": {"test_range": "[0:10:2]"}}) is None

@@ -181,9 +181,8 @@ def test_draft_head_is_the_lm_head_on_its_rows(edge0_qwen):
     ):
         assert mx.allclose(row_slice(layer, ids)(x), layer(x)[:, ids], atol=1e-5).item()
     with pytest.raises(TypeError, match="cannot slice the rows of a Sequential"):
-        row_slice(
-            nn.Sequential(nn.Linear(64, 32)), ids
-        )  # never a silently unsliced head
+        # never a silently unsliced head
+        row_slice(nn.Sequential(nn.Linear(64, 32)), ids)
 
 
 def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):

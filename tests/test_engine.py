@@ -64,9 +64,8 @@ def test_reactive_matches_mlx_lm(family, request):
     worst, stats = _parity(src, converted)
     assert worst <= TOL
     assert stats["bytes_read"] > 0 and stats["guard_events"] == 0
-    assert stats["guard_clip"] == (
-        1000.0 if family == "bailing" else None
-    )  # family default
+    # family default
+    assert stats["guard_clip"] == (1000.0 if family == "bailing" else None)
 
 
 @pytest.mark.parametrize("family", ["qwen", "bailing", "qwen2", "qwen64"])
@@ -281,9 +280,8 @@ def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwe
     whatever the pool held before (slot order follows expert order)."""
     union = [40, 2, 17, 33, 9, 60]
     x = mx.random.normal((1, 16, 128), key=mx.random.key(0))
-    inds = mx.array(
-        [[[union[(t + j) % 6] for j in range(4)] for t in range(16)]]
-    )  # 64 rows
+    # 64 rows
+    inds = mx.array([[[union[(t + j) % 6] for j in range(4)] for t in range(16)]])
     outs = []
     for history in ([], [60, 40, 33], [9, 61, 2, 5, 40, 17, 12]):
         engine = Engine.load(

@@ -249,9 +249,8 @@ def test_nonzero_lora_matches_hand_reference(tiny_qwen_q4):
     x = np.array(x16.astype(f32), dtype=np.float64)
     delta = 2.0 * (x @ a.T) @ b.T
     ref = x @ w.T.astype(np.float64) + delta
-    assert (
-        np.abs(delta).max() > 0.05 * np.abs(ref).max()
-    )  # the LoRA term is not negligible
+    # the LoRA term is not negligible
+    assert np.abs(delta).max() > 0.05 * np.abs(ref).max()
 
     # float32 input: everything in float32; within 1e-5 of the largest output.
     y32 = np.array(layer(x16.astype(f32)))

@@ -43,9 +43,8 @@ def test_answer_text_rule_and_chain():
     )
     cut = "<think>\n" + CUT.format(gold="D")
     assert edge0_answer_text(cut) == "" and edge0_answer_text(cut, then=pattern) == ""
-    assert (
-        edge0_answer_text(cut, "pass", then=pattern) == "D"
-    )  # OpenCompass's behaviour
+    # OpenCompass's behaviour
+    assert edge0_answer_text(cut, "pass", then=pattern) == "D"
     closed = "<think>\nANSWER: B? no</think>\nANSWER: D"
     assert edge0_answer_text(closed, then=pattern) == "D"
     assert edge0_answer_text("ANSWER: C", then=pattern) == "C"

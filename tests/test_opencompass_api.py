@@ -177,9 +177,8 @@ def test_served_arms_equal_the_in_process_arms_and_the_report_pairs_them(
         f"http://127.0.0.1:{p}/v1" for p in servers["students"]
     }
     for s in stats:
-        assert (
-            s["model_identity"] == local[0]["model_identity"]
-        )  # the same student files
+        # the same student files
+        assert s["model_identity"] == local[0]["model_identity"]
         assert s["cache"] == "not evicted" and s["pool"]["bytes_read"] >= 0
         assert "blocked_load_s" in s["engine"] and s["decode_tok_s"] >= 0
 

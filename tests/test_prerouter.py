@@ -129,9 +129,8 @@ def test_onehot_and_build_features():
     inds = mx.array([[[0, 3]], [[5, 1]]])  # [O=2, B=1, K=2]
     oh = onehot(inds, 6)
     assert oh.tolist() == [[[1, 0, 0, 1, 0, 0]], [[0, 1, 0, 0, 0, 1]]]
-    assert onehot(mx.array([[-1, -1]]), 4).tolist() == [
-        [0, 0, 0, 0]
-    ]  # "no previous token"
+    # "no previous token"
+    assert onehot(mx.array([[-1, -1]]), 4).tolist() == [[0, 0, 0, 0]]
     h = mx.ones((2, 1, 3))
     f = build_features(h, oh, mx.zeros_like(oh))
     assert f.shape == (2, 1, 3 + 12)
@@ -178,9 +177,8 @@ def test_init_heads_equal_next_router_on_current_hidden(engine):
     assert cfg.top_k == engine.top_k and cfg.in_dim == cfg.hidden + 2 * cfg.num_experts
     assert heads.fc1.shape == (len(owners), 16, cfg.in_dim)
     assert not heads.fc2.any().item()  # fc2 starts at zero
-    assert (
-        not heads.linear[:, :, cfg.hidden :].any().item()
-    )  # one-hot columns zero-padded
+    # one-hot columns zero-padded
+    assert not heads.linear[:, :, cfg.hidden :].any().item()
     x = mx.random.normal((len(owners), 5, cfg.hidden), key=mx.random.key(1))
     oh = onehot(
         mx.random.randint(0, cfg.num_experts, (len(owners), 5, cfg.top_k)),

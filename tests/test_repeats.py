@@ -127,9 +127,8 @@ def test_num_worker_slices_draw_every_item_and_copy_once(tmp_path, monkeypatch):
     for name, pairs in drawn.items():
         n_items = len({i for i, _ in pairs})
         assert sorted(pairs) == [(i, j) for i in range(n_items) for j in range(4)]
-        assert (
-            len(set(counted[name])) < 4 * n_items
-        )  # the collision the layout prevents
+        # the collision the layout prevents
+        assert len(set(counted[name])) < 4 * n_items
     assert len(tasks) >= 3
 
 

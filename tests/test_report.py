@@ -184,9 +184,8 @@ def test_teacher_student_numbers(tmp_path):
         table = {r["benchmark"]: r for r in csv.DictReader(f)}
     assert list(table) == ORDER + ["average"]
     assert float(table["HumanEval"]["delta"]) == -20.0
-    assert (
-        float(table["GPQA-Diamond"]["half_width"]) == HW["GPQA-Diamond"]
-    )  # full precision
+    # full precision
+    assert float(table["GPQA-Diamond"]["half_width"]) == HW["GPQA-Diamond"]
     assert float(table["average"]["student"]) == 47.0
     md = (out / "report.md").read_text()
     assert f"edge0-eval report {run_dir.parent} --out {out}" in md
@@ -675,9 +674,8 @@ def test_real_opencompass_outputs(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rep = make_report(tmp_path, tmp_path / "outputs")
     # teacher ABCDAA, student ABCCBA, gold ABCDAB: teacher 5/6, student 3/6 on each set
-    mmlu = rows(rep)[
-        "MMLU-Pro"
-    ]  # AccEvaluator (format_details) + AccwithDetails, pooled
+    # AccEvaluator (format_details) + AccwithDetails, pooled
+    mmlu = rows(rep)["MMLU-Pro"]
     assert mmlu["status"] == "ok" and mmlu["items"] == 12
     assert mmlu["teacher"] == pytest.approx(500 / 6) and mmlu[
         "student"

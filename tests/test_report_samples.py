@@ -187,9 +187,8 @@ def test_truncation_that_differs_beyond_its_noise_is_flagged(tmp_path):
 def test_a_different_data_file_refuses_to_pair(tmp_path, capsys):
     teacher, student = OCRun(tmp_path / "t"), OCRun(tmp_path / "s")
     teacher.add(T, "aime2026", [1, 0, 1, 0])
-    student.add(
-        S, "aime2026", [1, 0, 1, 0], gold="B"
-    )  # the same questions, other answers
+    # the same questions, other answers
+    student.add(S, "aime2026", [1, 0, 1, 0], gold="B")
     assert (
         main(
             [

@@ -155,9 +155,8 @@ class Recorder:
         self.rows.append(seen)
 
         def record(tokens, logits):
-            seen.append(
-                logits[0]
-            )  # a new array: the penalties below write into `logits`
+            # a new array: the penalties below write into `logits`
+            seen.append(logits[0])
             return logits
 
         return [record, *real]

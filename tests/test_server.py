@@ -608,9 +608,8 @@ def test_a_row_holds_at_most_the_model_context(served):
         timeout=30,
         json={**chat, "max_tokens": context - 2},
     ).json()["error"]
-    assert over["code"] == "context_length_exceeded", (
-        over
-    )  # OpenAI's code, clients test it
+    # OpenAI's code, clients test it
+    assert over["code"] == "context_length_exceeded", over
     assert server.worker.max_model_len == context
     assert server.health()["status"] == "ok"
 

@@ -51,9 +51,8 @@ def test_generation_config_stops_both_arms_alike(tiny_qwen_q4, edge0_qwen, tmp_p
     finally:
         engine.close()
     assert stop in ref_eos and ref_tokens == first[: first.index(stop)]
-    assert (
-        tokens[:-1] == ref_tokens or tokens == ref_tokens
-    )  # the stop id itself, or not
+    # the stop id itself, or not
+    assert tokens[:-1] == ref_tokens or tokens == ref_tokens
     assert len(tokens) <= first.index(stop) + 1
 
 

@@ -140,9 +140,8 @@ def test_8b_shape_two_layers(tmp_path):
     }
     resident = mx.load(str(out / RESIDENT_NAME))
     assert resident["model.layers.1.mlp.gate.expert_bias"].dtype == mx.float32
-    assert (
-        resident["model.layers.1.attention.embed_q.weight"].dtype == mx.float16
-    )  # unquantized
+    # unquantized
+    assert resident["model.layers.1.attention.embed_q.weight"].dtype == mx.float16
     _forward_is_sane(load_converted(out))
 
 

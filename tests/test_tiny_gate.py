@@ -132,9 +132,8 @@ def silent_faults(gate_env, tmp_path_factory) -> Path:
         }
         cfg = load_config_with(CONFIG, env)
         (model,) = cfg["models"]
-        model["abbr"] = _faulted(
-            fault
-        )  # a ConfigDict: it dumps its type by dotted name
+        # a ConfigDict: it dumps its type by dotted name
+        model["abbr"] = _faulted(fault)
         models.append(model)
     cfg["models"] = models
     config = work / "silent_faults.py"

@@ -231,9 +231,8 @@ def test_collection_resumes_per_document(trained, tmp_path):
     out = tmp_path / "h.safetensors"
     dst = Path(f"{out}.ckpt") / "features"
     shutil.copytree(src, dst)
-    (dst / "progress.json").write_text(
-        json.dumps({"docs_done": 3})
-    )  # "killed" in doc 3
+    # "killed" in doc 3
+    (dst / "progress.json").write_text(json.dumps({"docs_done": 3}))
     meta = json.loads((dst / "data.json").read_text())
     cut = meta["docs"][3][1]
     for name in ("h.npy", "inds.npy", "nr.npy"):

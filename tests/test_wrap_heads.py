@@ -116,9 +116,8 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
         stats = engine.stats()
         assert stats["dropped_experts"] == 0 and stats["prerouter_wrap_around"]
         assert stats["prerouted_steps"] == STEPS
-        assert (
-            stats["staged_loads_per_step"] > 0
-        )  # slots == K: the staged reads were real
+        # slots == K: the staged reads were real
+        assert stats["staged_loads_per_step"] > 0
     finally:
         engine.close()
 
@@ -187,9 +186,8 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
     finally:
         engine.close()
     path = save_heads(tmp_path / "h.safetensors", heads, dtype=mx.float32)
-    old = _rewrite(
-        path, tmp_path / "old.safetensors", consumers=None
-    )  # a pre-wrap file
+    # a pre-wrap file
+    old = _rewrite(path, tmp_path / "old.safetensors", consumers=None)
     assert "consumers" not in read_metadata(old)
     a = load_heads(path, hidden=heads.config.hidden, num_experts=16, top_k=4)
     b = load_heads(

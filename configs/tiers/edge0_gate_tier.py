@@ -147,6 +147,5 @@ eval = dict(
     runner=dict(type=LocalRunner, max_num_workers=2, task=dict(type=OpenICLEvalTask)),
 )
 
-del (
-    os
-)  # a module in the config namespace would break the config dump OpenCompass re-reads
+# a module in the config namespace would break the config dump OpenCompass re-reads
+del os

@@ -57,9 +57,8 @@ class Plan:
     switches: dict[int, Switch]  # decoder layer -> routed experts, in file order
     layouts: dict[int, BundleLayout]  # decoder layer -> its experts' bundle layout
     resident_names: list[str]  # source tensors that are not routed experts
-    quantize_resident: dict[
-        str, tuple[int, int, str]
-    ]  # module path -> (group, bits, mode)
+    # module path -> (group, bits, mode)
+    quantize_resident: dict[str, tuple[int, int, str]]
 
     @property
     def moe_layers(self) -> list[int]:

@@ -60,9 +60,8 @@ from edge0_eval.formats.layout import (
 
 BITS = 4
 GROUP_SIZE = 64
-TOKENIZER_VOCAB = (
-    512  # the tokenizer is small; the model's embedding has the real vocab
-)
+# the tokenizer is small; the model's embedding has the real vocab
+TOKENIZER_VOCAB = 512
 
 # Qwen3.5/3.6-35B-A3B text tower (mlx-lm `qwen3_5_moe`, parameters under text_config).
 QWEN35_35B_TEXT = {

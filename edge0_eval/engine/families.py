@@ -39,20 +39,16 @@ LayerArgs = Callable[[nn.Module, mx.array, list], Callable]
 class Family:
     name: str
     block_class: type
-    module_path: (
-        str  # a layer's MoE block path, with {layer}: the index must name the same
-    )
-    text: Callable[
-        [nn.Module], nn.Module
-    ]  # model -> the module holding .model and lm_head
+    # a layer's MoE block path, with {layer}: the index must name the same
+    module_path: str
+    # model -> the module holding .model and lm_head
+    text: Callable[[nn.Module], nn.Module]
     embed_name: str  # the input embedding, an attribute of text.model
     layer_args: LayerArgs
-    lora_targets: tuple[
-        str, ...
-    ]  # suffix patterns of the resident linears that get LoRA
-    text_config_key: str | None = (
-        None  # the config.json section of the text model's keys
-    )
+    # suffix patterns of the resident linears that get LoRA
+    lora_targets: tuple[str, ...]
+    # the config.json section of the text model's keys
+    text_config_key: str | None = None
     own_lm_head: bool = False  # an lm_head even when tie_word_embeddings is set
     gate_selects: bool = False  # mlx-lm's block selects in its gate (its top_k there)
     # Default per-layer hidden clipping (the engine's clip_hidden="auto"); None: off.

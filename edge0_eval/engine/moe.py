@@ -48,9 +48,8 @@ class LayerSlots:
         if n_slots < 1:
             raise ValueError("a layer needs at least one slot")
         self.n_slots = n_slots
-        self._slot_of: OrderedDict[int, int] = (
-            OrderedDict()
-        )  # expert -> slot, LRU first
+        # expert -> slot, LRU first
+        self._slot_of: OrderedDict[int, int] = OrderedDict()
         self._free = list(range(n_slots - 1, -1, -1))
         self.stats = PoolStats()
 
@@ -148,9 +147,8 @@ class Counters:
     union_experts: int = 0  # distinct experts per reactive layer call (rows' union)
     union_calls: int = 0
     steps: int = 0  # step calls (DecodeStep), and their time split:
-    build_seconds: float = (
-        0.0  # Python building the graph, blocking reads and stage waits
-    )
+    # Python building the graph, blocking reads and stage waits
+    build_seconds: float = 0.0
     eval_seconds: float = 0.0  # compute left at the end
     guard_events: int = 0  # hidden values clipped or NaN zeroed
     nonfinite_events: int = 0
@@ -328,9 +326,8 @@ class StreamingSwitchGLU(nn.Module):
                     ]
                 )
             else:
-                new = mx.contiguous(
-                    old[:n_slots]
-                )  # a copy: the slice would keep it all
+                # a copy: the slice would keep it all
+                new = mx.contiguous(old[:n_slots])
             setattr(linear, part, new)
         mx.eval(self.glu.parameters())
 

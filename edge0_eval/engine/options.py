@@ -66,13 +66,11 @@ class EngineOptions:
     # (engine/prerouted.py). None: HEDGE_FILE beside the model if present.
     hedge_path: str | None = None
     no_hedge: bool = False
-    hedge_layers: int | None = (
-        None  # the hedge's first N layers in step order; None: all
-    )
+    # the hedge's first N layers in step order; None: all
+    hedge_layers: int | None = None
     io_workers: int = 4
-    io_throttle_mbps: float | None = (
-        None  # storage emulation; figures it produces are emulated
-    )
+    # storage emulation; figures it produces are emulated
+    io_throttle_mbps: float | None = None
     verify_crc: bool = True  # crc32 of each bundle on its first read
     measure_recall: bool = False  # prerouted: compare plans with the true router
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
@@ -161,9 +159,8 @@ class EngineOptions:
             raise ConfigError(
                 f"experts_per_token {top_k} exceeds the model's {num_experts} experts"
             )
-        lora_path = self._lora_path(
-            directory, require_lora
-        )  # reported first when missing
+        # reported first when missing
+        lora_path = self._lora_path(directory, require_lora)
         prerouter_path = self._prerouter_path(directory)
         hedge_path = self._hedge_path(directory, prerouter_path)
         if (

@@ -109,9 +109,8 @@ class RoutingRule:
 
     score: str = "softmax"  # "softmax" | "sigmoid"
     norm_topk_prob: bool = True
-    expert_bias: mx.array | None = (
-        None  # [E], or stacked [O, 1, E]; steers selection only
-    )
+    # [E], or stacked [O, 1, E]; steers selection only
+    expert_bias: mx.array | None = None
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -209,9 +208,8 @@ class StreamingMoE(nn.Module):
         self.route: Route | None = None
         self.capture = False
         self.last: tuple[mx.array, mx.array] | None = None
-        self.recall: list[mx.array] | None = (
-            None  # a list: keep each plan's recall (lazy)
-        )
+        # a list: keep each plan's recall (lazy)
+        self.recall: list[mx.array] | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         route = self.route
@@ -238,9 +236,8 @@ class StreamingMoE(nn.Module):
 class QwenStreamingMoE(StreamingMoE):
     """qwen3_5_moe block: softmax top-k, normalised, a shared expert with a sigmoid gate."""
 
-    selection_order = (
-        "last"  # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
-    )
+    # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
+    selection_order = "last"
 
     def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
         super().__init__()
@@ -374,20 +371,16 @@ def qwen2_layer_args(text, h, cache):
 class Plans:
     """The prerouter's state between two steps of B rows, in the batch's row order."""
 
-    feats: mx.array | None = (
-        None  # [O, B, in]: the heads' features at each row's last token
-    )
-    onehot: mx.array | None = (
-        None  # [O, B, E]: that token's executed experts (the next t-1)
-    )
+    # [O, B, in]: the heads' features at each row's last token
+    feats: mx.array | None = None
+    # [O, B, E]: that token's executed experts (the next t-1)
+    onehot: mx.array | None = None
     # consuming layer -> (ids [B, 1, K], its StagedSet; None: not staged, loaded on demand)
     layers: dict[int, tuple[mx.array, StagedSet | None]] = field(default_factory=dict)
-    hedges: dict[int, StagedSet] = field(
-        default_factory=dict
-    )  # the draft hedge's reads
-    drafted: tuple | None = (
-        None  # (draft tokens [B], the heads' (ids, weights) at them)
-    )
+    # the draft hedge's reads
+    hedges: dict[int, StagedSet] = field(default_factory=dict)
+    # (draft tokens [B], the heads' (ids, weights) at them)
+    drafted: tuple | None = None
 
     def take(self, rows: list[int]) -> "Plans":
         """The row state of `rows`, in that order; whatever was planned is dropped."""

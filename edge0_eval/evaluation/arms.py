@@ -100,13 +100,11 @@ class ArmBench:
     metric: str | None = None
     datasets: list[str] = field(default_factory=list)
     scores: dict[str, float] = field(default_factory=dict)  # item id -> [0, 1], avg@n
-    samples: dict[str, list[dict]] = field(
-        default_factory=dict
-    )  # item id -> sample records
+    # item id -> sample records
+    samples: dict[str, list[dict]] = field(default_factory=dict)
     extra: dict[str, dict[str, float]] = field(default_factory=dict)
-    versions: dict[str, str | None] = field(
-        default_factory=dict
-    )  # version key -> version
+    # version key -> version
+    versions: dict[str, str | None] = field(default_factory=dict)
     category_scores: dict[str, float] = field(default_factory=dict)
     reported: float | None = None
     engine: list[dict] = field(default_factory=list)

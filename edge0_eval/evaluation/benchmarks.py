@@ -15,18 +15,15 @@ class Benchmark:
     name: str  # the report's headline name
     prefixes: tuple[str, ...]  # dataset abbr prefixes (case-insensitive)
     metric: str | None  # results-file metric; None: pick like the summarizer
-    item_key: str | None = (
-        None  # detail key holding per-item correctness; None: generic
-    )
+    # detail key holding per-item correctness; None: generic
+    item_key: str | None = None
     pooled: bool = False  # several datasets (categories) pooled per question
     extra: tuple[tuple[str, str], ...] = ()  # (metric, detail key) reported alongside
     key: str | None = None  # staged name (`data stage --benchmarks`); None: none
-    data_path: str | None = (
-        None  # relative to the data root, where OpenCompass 0.5.4 looks
-    )
-    definition: str | None = (
-        None  # what the headline measures per sample (report, refs)
-    )
+    # relative to the data root, where OpenCompass 0.5.4 looks
+    data_path: str | None = None
+    # what the headline measures per sample (report, refs)
+    definition: str | None = None
     pass_at_k: bool = False  # the benchmark defines pass@k (reported for n > 1)
 
 

@@ -462,9 +462,8 @@ def write_plot(fid: dict | None, path) -> None:
     if by_position:
         fidelity_positions.plot(axes[2], {a: fid["arms"][a] for a in arms})
     else:
-        axes[1].legend(
-            fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0)
-        )  # off the bars
+        # off the bars
+        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(
         f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
         f"interval vs the teacher)",

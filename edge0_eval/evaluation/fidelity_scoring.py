@@ -97,9 +97,8 @@ class EngineRunner:
 
     def __init__(self, engine):
         self.engine, self.sequence = engine, None
-        self.module = (
-            engine.model
-        )  # what wired_limit wires: resident weights + slot pool
+        # what wired_limit wires: resident weights + slot pool
+        self.module = engine.model
 
     def start(self, prompt_ids: list[int]) -> np.ndarray:
         self.sequence = self.engine.sequence()

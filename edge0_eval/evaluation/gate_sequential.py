@@ -32,9 +32,8 @@ from edge0_eval.evaluation.sequential import (
     sequential_change,
 )
 
-UNDECIDED_EXIT = (
-    3  # `gate --sequential`: no benchmark failed, some undecided, items left
-)
+# `gate --sequential`: no benchmark failed, some undecided, items left
+UNDECIDED_EXIT = 3
 
 
 @dataclass

@@ -17,9 +17,8 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.progress import read_lines
 from edge0_eval.evaluation.run_config import load_config
 
-PROGRESS_EVERY_S = (
-    30.0  # how often the arms' progress lines are printed while a run goes
-)
+# how often the arms' progress lines are printed while a run goes
+PROGRESS_EVERY_S = 30.0
 
 
 def opencompass_command() -> list[str]:

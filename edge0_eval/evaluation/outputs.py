@@ -333,15 +333,12 @@ class DatasetResult:
     status: str  # ok | failed | no_details | inconsistent | no_predictions
     metric: str | None = None
     reported: float | None = None  # metric from the results file, full precision
-    scores: dict[str, float] = field(
-        default_factory=dict
-    )  # item id -> [0, 1], avg over samples
-    samples: dict[str, list[dict]] = field(
-        default_factory=dict
-    )  # item id -> samples.record
-    extra: dict[str, dict[str, float]] = field(
-        default_factory=dict
-    )  # metric -> item -> [0,1]
+    # item id -> [0, 1], avg over samples
+    scores: dict[str, float] = field(default_factory=dict)
+    # item id -> samples.record
+    samples: dict[str, list[dict]] = field(default_factory=dict)
+    # metric -> item -> [0,1]
+    extra: dict[str, dict[str, float]] = field(default_factory=dict)
     version: str | None = None
     engine: list[dict] = field(default_factory=list)
     data: dict | None = None  # settings.data_digest of the predictions (+ item_digests)

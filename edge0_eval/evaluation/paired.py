@@ -204,9 +204,8 @@ def _exact_mid_p(units: np.ndarray, positive: np.ndarray) -> np.ndarray:
     counts = counts.reshape(len(units), top + 1).astype(np.float64)
     for value in np.flatnonzero(counts[:, 1:].any(axis=0)) + 1:
         count = counts[:, value : value + 1]
-        half = np.cos(
-            w * value / 2
-        )  # (1 + e^(-i w a)) / 2 = e^(-i w a / 2) cos(w a / 2)
+        # (1 + e^(-i w a)) / 2 = e^(-i w a / 2) cos(w a / 2)
+        half = np.cos(w * value / 2)
         mag *= np.abs(half)[None, :] ** count
         phase += count * (-w * value / 2 + np.pi * (half < 0))[None, :]
     pmf = np.clip(np.fft.irfft(mag * np.exp(1j * phase), n=size, axis=1), 0.0, None)

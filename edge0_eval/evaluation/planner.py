@@ -243,14 +243,12 @@ class PlanOptions:
     tok_s: float  # aggregate generated tokens/s of an arm, all rows
     arm_tok_s: dict[str, float] = field(default_factory=dict)  # model abbr -> rate
     previous: Path | None = None  # an earlier run folder of the same config
-    task_overhead_s: float | None = (
-        None  # per arm: load, start, scoring (None: measured/prior)
-    )
+    # per arm: load, start, scoring (None: measured/prior)
+    task_overhead_s: float | None = None
     churn: float = DEFAULT_CHURN
     alpha: float = DEFAULT_ALPHA
-    fidelity_tok_s: float | None = (
-        None  # teacher-forced prompt + positions/s (None: measured)
-    )
+    # teacher-forced prompt + positions/s (None: measured)
+    fidelity_tok_s: float | None = None
     fidelity_rate: FidelityRate | None = None  # measured by fidelity bench: wins
 
 

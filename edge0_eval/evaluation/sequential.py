@@ -36,9 +36,8 @@ import numpy as np
 from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
 
 CAP = 0.75  # a bet risks at most this share of the wealth on one item
-_SIMULATED_RUNS = (
-    2000  # runs behind `detectable_drop` (seeded: the same answer every call)
-)
+# runs behind `detectable_drop` (seeded: the same answer every call)
+_SIMULATED_RUNS = 2000
 REGRESSED, WITHIN, UNDECIDED = "regressed", "within", "undecided"
 
 

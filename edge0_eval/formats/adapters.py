@@ -238,9 +238,8 @@ def read_adapter(
             f"({k1!r}: {r1}, {k2!r}: {r2})"
         )
     checked = [k for keys in pairs.values() for k in (keys["A"], keys["B"])]
-    finite = mx.stack(
-        [mx.all(mx.isfinite(arrays[k])) for k in checked]
-    )  # one sync, not 2/module
+    # one sync, not 2/module
+    finite = mx.stack([mx.all(mx.isfinite(arrays[k])) for k in checked])
     for key, ok in zip(checked, finite.tolist()):
         if not ok:
             raise CheckpointError(

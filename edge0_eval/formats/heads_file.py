@@ -42,12 +42,10 @@ class PrerouterConfig:
     top_k: int  # the serving K the heads were trained for
     hidden: int
     num_experts: int
-    consumers: list[int] | None = (
-        None  # layer each owner predicts (None: owner + 1 each)
-    )
-    next_token: bool = (
-        False  # features end with the sampled next token's input embedding
-    )
+    # layer each owner predicts (None: owner + 1 each)
+    consumers: list[int] | None = None
+    # features end with the sampled next token's input embedding
+    next_token: bool = False
 
     def __post_init__(self):
         if self.consumers is None:
@@ -322,9 +320,8 @@ def read_heads(
         raise CheckpointError(
             f"{where}: metadata width={meta_width} but fc1 has width {width}"
         )
-    _int_meta(
-        meta, "start_layer", path
-    )  # checked for form; the heads define the first consumer
+    # checked for form; the heads define the first consumer
+    _int_meta(meta, "start_layer", path)
     stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
     fc1, fc2, linear = stack("fc1"), stack("fc2"), stack("linear_init")
     if dtype is not None:

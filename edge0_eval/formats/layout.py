@@ -35,9 +35,8 @@ FORMAT_VERSIONS = (1, 2)  # the index versions this build reads and writes
 INDEX_NAME = "experts.index.json"
 EXPERTS_NAME = "experts.bin"
 RESIDENT_NAME = "resident.safetensors"
-RECONVERT = (
-    "re-run `edge0-eval convert`"  # the fix for any damaged converted-model file
-)
+# the fix for any damaged converted-model file
+RECONVERT = "re-run `edge0-eval convert`"
 ALIGNMENT = 4096
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -65,9 +64,8 @@ class ModeRule:
 
     bits: tuple[int, ...]
     group_sizes: tuple[int, ...]
-    affine: (
-        bool  # scales + biases in the float dtype; otherwise uint8 scales, no biases
-    )
+    # scales + biases in the float dtype; otherwise uint8 scales, no biases
+    affine: bool
     global_scale: bool = False  # may carry one float32 scale per expert
 
 
@@ -228,18 +226,16 @@ def describe_layers(layouts) -> str:
 class ExpertIndex:
     model_type: str
     num_experts: int
-    moe_layers: list[
-        int
-    ]  # decoder layer indices that have routed experts, in file order
+    # decoder layer indices that have routed experts, in file order
+    moe_layers: list[int]
     module_path: str  # e.g. "language_model.model.layers.{layer}.mlp.switch_mlp"
     layouts: list[BundleLayout]
     layer_layouts: list[int]  # per MoE layer (file order): its entry in `layouts`
     file: str = EXPERTS_NAME
     file_size: int = 0
     alignment: int = ALIGNMENT
-    source: dict = field(
-        default_factory=dict
-    )  # source file name -> {"sha256", "bytes"}
+    # source file name -> {"sha256", "bytes"}
+    source: dict = field(default_factory=dict)
     crc32: list[list[int]] = field(default_factory=list)  # [moe layer position][expert]
 
     @classmethod

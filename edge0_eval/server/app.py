@@ -258,9 +258,8 @@ def _deepest_field(raw: bytes) -> str | None:
             last = token if depth == 1 else last
         elif token in "[{":
             depth += 1
-            key = (
-                last if depth == 2 else key
-            )  # a value's opener: the key just before it
+            # a value's opener: the key just before it
+            key = last if depth == 2 else key
             if depth > deepest:
                 deepest, field = depth, key
         else:

@@ -61,9 +61,8 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_CHOICES = 128  # n: choices per request (each a row of the batch)
 # A request without a seed draws one below this: every row seed is 31 bits (row_seed).
 SEED_RANGE = 2**31
-MAX_CONTEXT_SIZE = (
-    2**31 - 1
-)  # MLX reads a *_context_size as int32 (std::bad_cast above)
+# MLX reads a *_context_size as int32 (std::bad_cast above)
+MAX_CONTEXT_SIZE = 2**31 - 1
 # A row's most tokens (prompt and answer) when neither --max-model-len nor the model's config
 # (max_position_embeddings) gives one.
 DEFAULT_MAX_MODEL_LEN = 32768

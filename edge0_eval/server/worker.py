@@ -330,9 +330,8 @@ class Worker(threading.Thread):
             if spec.kind == "chat":
                 ids = chat_ids(tok, spec.prompt, spec.chat_template_kwargs)
             elif isinstance(spec.prompt, str):
-                ids = list(
-                    tok.encode(spec.prompt)
-                )  # as mlx-lm's server encodes a prompt
+                # as mlx-lm's server encodes a prompt
+                ids = list(tok.encode(spec.prompt))
             else:
                 ids = list(spec.prompt)
         except Exception as exc:  # noqa: BLE001 - the template refused the messages

@@ -276,9 +276,8 @@ def attach_lora(engine, opts: StageOptions) -> dict:
     else:
         patterns = opts.targets or lora.default_targets(engine.family.name)
         if opts.targets:
-            _resolve_targets(
-                model, patterns
-            )  # one clear error for a pattern that misses
+            # one clear error for a pattern that misses
+            _resolve_targets(model, patterns)
         # (The family defaults may list layers a given config does not build, e.g. MLA's
         # q_a_proj without q_lora_rank: those simply match nothing.)
         r, alpha = opts.rank or 16, opts.alpha or 32.0
@@ -298,9 +297,8 @@ def attach_lora(engine, opts: StageOptions) -> dict:
 def _resolve_targets(model, patterns: list[str]) -> list[str]:
     found = []
     for pattern in patterns:
-        paths = lora.find_targets(
-            model, [pattern]
-        )  # routers / routed experts raise here
+        # routers / routed experts raise here
+        paths = lora.find_targets(model, [pattern])
         if not paths:
             raise ConfigError(
                 f"LoRA target {pattern!r} matches no module of the student; "

@@ -70,9 +70,8 @@ class ServedPath:
         self.engine, self.mode, self.grad_checkpoint = engine, mode, grad_checkpoint
         self.blocks, self.moe = engine.blocks, list(engine.moe_layers)
         self.planned = sorted(pr.consumers) if mode == "prerouted" else []
-        self.wrap = (
-            pr.wrap if mode == "prerouted" else None
-        )  # (owner, consumer) or None
+        # (owner, consumer) or None
+        self.wrap = pr.wrap if mode == "prerouted" else None
         self._saved_capture = {layer: self.blocks[layer].capture for layer in self.moe}
         for layer in self.moe:
             self.blocks[layer].capture = True  # every layer's executed ids are recorded

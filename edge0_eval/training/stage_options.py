@@ -108,12 +108,10 @@ class PrerouterOptions:
     progress: bool = True
     collect: str = "served"  # or "float32": collect_fp32.py
     check_tokens: int = CHECK_TOKENS
-    train_tokens: int | None = (
-        None  # train on a random subset of the training documents
-    )
-    next_token: bool = (
-        False  # heads also see the next token's embedding (engine/prerouted.py)
-    )
+    # train on a random subset of the training documents
+    train_tokens: int | None = None
+    # heads also see the next token's embedding (engine/prerouted.py)
+    next_token: bool = False
 
     def validate(self) -> None:
         validate_run(self)
