@@ -2,7 +2,7 @@
 
 For each mode and a few bit widths: mx.gather_qmm (the routed experts) and mx.quantized_matmul
 (resident linears) on a 2-expert 32x128 weight, activations float32/float16/bfloat16. Prints
-"ok" or MLX's own error. Run: python reports/quant/backend_probe.py
+"ok" or MLX's own error. Run: python docs/device/backend_probe.py
 """
 
 import mlx.core as mx
