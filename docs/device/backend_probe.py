@@ -35,7 +35,9 @@ def run(op, mode, group, bits, dtype, global_scale):
         ids = mx.array([[1]], dtype=mx.uint32)
         y = mx.gather_qmm(x, wq, scales, biases, rhs_indices=ids, global_scale=gs, **kw)
     else:  # MLX 0.32's quantized_matmul takes no global scale
-        y = mx.quantized_matmul(x, wq[1], scales[1], None if biases is None else biases[1], **kw)
+        y = mx.quantized_matmul(
+            x, wq[1], scales[1], None if biases is None else biases[1], **kw
+        )
     mx.eval(y)
 
 
@@ -50,5 +52,7 @@ for mode, group, bits in CASES:
                     answers.add("ok")
                 except Exception as exc:
                     answers.add(str(exc))
-            name = f"{mode} {bits}-bit group {group}" + (" global scale" if global_scale else "")
+            name = f"{mode} {bits}-bit group {group}" + (
+                " global scale" if global_scale else ""
+            )
             print(f"{op:16s} {name:34s} {' | '.join(sorted(answers))}")
