@@ -73,27 +73,35 @@ class LayerSlots:
                 f"{len(experts)} experts requested but the layer has "
                 f"{self.n_slots} slots"
             )
-        wanted = set(experts)
-        mapping, loads = {}, []
+        # Called per layer per step (a batch's union: ~30 experts): locals, and the
+        # counts added once.
+        slot_of, free, stats = self._slot_of, self._free, self.stats
+        mapping, loads, missed = {}, [], []
         for e in experts:
-            slot = self._slot_of.get(e)
-            if slot is not None:
-                self._slot_of.move_to_end(e)
-                mapping[e] = slot
-                self.stats.hits += 1
-        for e in experts:
-            if e in mapping:
-                continue
-            self.stats.misses += 1
-            if self._free:
-                slot = self._free.pop()
+            slot = slot_of.get(e)
+            if slot is None:
+                missed.append(e)
             else:
-                victim = next(v for v in self._slot_of if v not in wanted)
-                slot = self._slot_of.pop(victim)
-                self.stats.evictions += 1
-            self._slot_of[e] = slot
+                slot_of.move_to_end(e)
+                mapping[e] = slot
+        stats.hits += len(experts) - len(missed)
+        if not missed:
+            return mapping, loads
+        wanted, evictions = set(experts), 0
+        for e in missed:
+            if free:
+                slot = free.pop()
+            else:
+                for victim in slot_of:  # least recently used first
+                    if victim not in wanted:
+                        break
+                slot = slot_of.pop(victim)
+                evictions += 1
+            slot_of[e] = slot
             mapping[e] = slot
             loads.append((e, slot))
+        stats.misses += len(loads)
+        stats.evictions += evictions
         return mapping, loads
 
     def move(self, slot_of: dict[int, int]) -> None:
