@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-from edge0_eval.engine.store import ExpertStore
+from edge0_eval.engine.store import ExpertStore, results
 from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 
 
@@ -566,7 +566,7 @@ class StreamingSwitchGLU(nn.Module):
             io.pending = None
         started = time.perf_counter()
         try:
-            parts = [f.result() for f in staged.futures]
+            parts = results(staged.futures)
         except Exception:
             for e, _ in staged.loads:
                 io.slots.forget(e)

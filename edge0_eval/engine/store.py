@@ -152,6 +152,27 @@ class QueuedTask:
             self._group.notify_all()
 
 
+def results(tasks: list[QueuedTask]) -> list:
+    """`[t.result() for t in tasks]`, waiting once per group of tasks queued together
+    (`submit_many`) rather than taking each task's lock in turn: a layer's staged reads
+    are usually done when the layer needs them, and then this is one pass over them."""
+    for t in tasks:
+        if t._state < _DONE:  # unfinished: wait for its group's tasks among `tasks`
+            group = t._group
+            mine = [u for u in tasks if u._group is group]
+            with group:
+                group.wait_for(lambda: all(u._state >= _DONE for u in mine))
+    out = []
+    for t in tasks:
+        # _finish sets the value before the state, so a finished task's value is there.
+        if t._state == _CANCELLED:
+            raise CancelledError()
+        if t._error is not None:
+            raise t._error
+        out.append(t._value)
+    return out
+
+
 class _PriorityPool:
     """A few I/O threads serving a priority queue (FIFO within a priority).
 
@@ -411,7 +432,7 @@ class ExpertStore:
         futures = []
         for layer, group in itertools.groupby(pairs, key=lambda pair: pair[0]):
             futures += self.submit_many(layer, [e for _, e in group], DEMAND, prepare)
-        return [f.result() for f in futures]
+        return results(futures)
 
     # -- cache control ----------------------------------------------------------------------
     def evict_page_cache(self) -> bool:
