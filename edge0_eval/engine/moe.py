@@ -389,7 +389,9 @@ class StreamingSwitchGLU(nn.Module):
 
     def _prepare(self, buf: np.ndarray) -> list[mx.array]:
         """On an I/O thread: one bundle's tensors (the layout's order) as MLX arrays in
-        their slot dtypes, copied out of the thread's read buffer.
+        their slot dtypes, copied out of the thread's read buffer, each with a leading
+        axis of 1: one slot's worth, so `_write_slots` joins a run of bundles with one
+        concatenate (a stack would add an expand op per bundle).
 
         The copies, and widening float16 scales for float32 slots, happen here, off the
         thread that builds the graph; a cast numpy cannot do (bfloat16) is left to
@@ -401,7 +403,7 @@ class StreamingSwitchGLU(nn.Module):
             for start, end, dtype, shape in self._io.views
         ]
         return [
-            mx.array(view.astype(np.float32) if widen else view)
+            mx.array((view.astype(np.float32) if widen else view)[None])
             for view, (_, widen, *_) in zip(out, self._io.tensors)
         ]
 
@@ -428,10 +430,10 @@ class StreamingSwitchGLU(nn.Module):
             buffer = linear[part]
             for first, members in runs:
                 if len(members) == 1:
-                    value, where = parts[members[0]][t], first
-                else:
-                    value = mx.stack([parts[i][t] for i in members])
-                    where = slice(first, first + len(members))
+                    value = parts[members[0]][t]
+                else:  # [1, ...] each: one op (a stack expands each bundle first)
+                    value = mx.concatenate([parts[i][t] for i in members])
+                where = slice(first, first + len(members))
                 if bf16:
                     value = value.view(mx.bfloat16)
                 if cast is not None:
