@@ -576,6 +576,10 @@ class StreamingSwitchGLU(nn.Module):
         waited = time.perf_counter() - started
         if staged.loads:
             self._write_slots(staged.loads, parts)
+        # The bundles now live in the slot writes' graph, which frees them once it has
+        # run; a set kept with its step's plans would free them all on the stepping
+        # thread when the plans are dropped (at B = 8 ~2 k arrays: ~1.4 ms a step).
+        staged.futures = []
         dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
         return waited, dropped
 
