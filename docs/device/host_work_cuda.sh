@@ -6,7 +6,7 @@
 # .gpu/, ~22 MB). Then one call (about 8 minutes, each step under its own time limit):
 #   run(command="bash docs/device/host_work_cuda.sh", carry=[".gpu"], timeout_s=570)
 # BASE (default: the commit that added the profile's host figures, found by its subject,
-# before the host-work changes) comes from the checkout's own .git into /tmp/base, renamed
+# before the host-work changes) comes from the checkout's own .git into a temporary folder, renamed
 # edge0_eval_base so that both run side by side in one process for the A/B.
 #
 # Steps (JSON and logs to $OUT):
@@ -22,10 +22,12 @@
 #       EDGE0_MODEL=S35_8 EDGE0_HEADS=S35_8/prerouter_k4.safetensors OUT=out \
 #       bash docs/device/host_work_cuda.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/edge0-device-out}
+WORK=$(mktemp -d)  # the base tree and, unless given, the model and $OUT
+BASEDIR=$WORK/base
+OUT=${OUT:-$WORK/out}
 BASE=${EDGE0_BASE:-$(git log --format=%h -1 --grep='^Profile: host ms per decode step')}
 DRY=${EDGE0_DRY:-0}
-MODEL=${EDGE0_MODEL:-/tmp/edge0-s35-8}
+MODEL=${EDGE0_MODEL:-$WORK/s35-8}
 HEADS=${EDGE0_HEADS:-$MODEL/prerouter.safetensors}
 TOKENS=${EDGE0_TOKENS:-32}
 ROUNDS=${EDGE0_ROUNDS:-3}
@@ -45,14 +47,14 @@ else
     source .gpu/env.sh 2>&1 | tee -a "$LOG" || exit 3
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 fi
-export PYTHONPATH=$PWD:/tmp/base${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$BASEDIR${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 [ -n "$BASE" ] || { say "no base commit found (EDGE0_BASE)"; exit 4; }
-say "base $BASE into /tmp/base as edge0_eval_base"
-rm -rf /tmp/base && mkdir -p /tmp/base
-git archive "$BASE" edge0_eval | tar -x -C /tmp/base || exit 4
-mv /tmp/base/edge0_eval /tmp/base/edge0_eval_base
-grep -rl edge0_eval /tmp/base/edge0_eval_base | xargs sed -i 's/\bedge0_eval\b/edge0_eval_base/g'
+say "base $BASE into $BASEDIR as edge0_eval_base"
+mkdir -p "$BASEDIR"
+git archive "$BASE" edge0_eval | tar -x -C "$BASEDIR" || exit 4
+mv "$BASEDIR/edge0_eval" "$BASEDIR/edge0_eval_base"
+grep -rl edge0_eval "$BASEDIR/edge0_eval_base" | xargs sed -i 's/\bedge0_eval\b/edge0_eval_base/g'
 
 if step synth && [ "$DRY" != 1 ]; then
     say "synth"
