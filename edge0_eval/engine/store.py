@@ -334,12 +334,20 @@ class ExpertStore:
         self._largest = max(stride for *_, stride in self._extents.values())
 
     # -- reads ------------------------------------------------------------------------------
+    def _extent(self, layer: int) -> tuple[int, int, int]:
+        try:
+            return self._extents[layer]
+        except KeyError:
+            raise KeyError(
+                f"layer {layer} has no routed experts in this index"
+            ) from None
+
     def read(
         self, layer: int, expert: int, out: np.ndarray | None = None
     ) -> np.ndarray:
         """Blocking positioned read of one bundle (checked), into `out` when given (a uint8
         buffer of at least the layer's `bundle_stride` bytes), else into a new buffer."""
-        _, first, stride = self._extents[layer]
+        _, first, stride = self._extent(layer)
         if not 0 <= expert < self.index.num_experts:
             raise IndexError(
                 f"expert {expert} out of range 0..{self.index.num_experts - 1}"
@@ -412,7 +420,7 @@ class ExpertStore:
     ) -> list[QueuedTask]:
         """`submit` for several experts of one layer, queued at once (one wake-up)."""
         if priority is None:
-            priority = PREFETCH + self._extents[layer][0]
+            priority = PREFETCH + self._extent(layer)[0]
         if prepare is None:
             tasks = [(priority, self.read, (layer, e)) for e in experts]
         else:
