@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
+from failing_step import FailingStep
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import BatchKVCache
 from perturbed_heads import perturbed_heads
@@ -447,15 +448,14 @@ def test_a_failed_step_fails_its_rows_and_the_next_rows_start_afresh(
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:4]]
     solo = [_solo(engine, p, set()) for p in prompts]
-    step, failed = engine.step, []
+    failed = []
 
-    def failing(*args, where="", **kwargs):
+    def fails(where):
         if where == "at batched decode step 2" and not failed:  # rows 0 and 1 together
             failed.append(where)
-            raise OSError("injected read error")
-        return step(*args, where=where, **kwargs)
+            return OSError("injected read error")
 
-    monkeypatch.setattr(engine, "step", failing)
+    monkeypatch.setattr(engine, "step", FailingStep(engine.step, fails))
     decoder = batch_module.BatchDecoder(engine, 4, {})
     rows = _decoder_rows(engine, decoder, prompts, [0, 1], set())
     touched = []

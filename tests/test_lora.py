@@ -569,7 +569,7 @@ def test_engine_model_takes_the_same_adapter(family, ckpt, converted, tmp_path):
 
         def forward():  # every position's logits, from an empty cache
             return engine.step(
-                TOKENS, engine.new_cache(), plan_next=False, all_logits=True
+                TOKENS, engine.step.new_cache(), plan_next=False, all_logits=True
             )[0]
 
         plain = forward()

@@ -24,7 +24,7 @@ def test_last_only_logits_equal_the_last_row_of_the_full_forward(family, request
         request.getfixturevalue(f"edge0_{family}"), EngineOptions(mode="resident")
     )
     try:
-        full_cache, last_cache = engine.new_cache(), engine.new_cache()
+        full_cache, last_cache = engine.step.new_cache(), engine.step.new_cache()
         full = _step(engine, TOKENS, full_cache, all_logits=True)
         last = _step(engine, TOKENS, last_cache)
         assert full.shape[1] == len(TOKENS) and last.shape == (1, full.shape[-1])
@@ -50,10 +50,10 @@ def test_prefill_asks_only_for_the_last_position(edge0_qwen, chunk):
 
     try:
         engine.step.logits = spy
-        logits, _ = engine.prefill(TOKENS, engine.new_cache())
+        logits, _ = engine.step.prefill(TOKENS, engine.step.new_cache())
         # pieces 0..3, 4..6, 7..8 or 0..6, 7..8: the last two tokens run alone (split_prefill)
         assert shapes == [1] * (2 if chunk == 512 else 3)
-        assert logits.shape == (_step(engine, [1], engine.new_cache()).shape[-1],)
+        assert logits.shape == (_step(engine, [1], engine.step.new_cache()).shape[-1],)
     finally:
         engine.close()
 
@@ -69,8 +69,8 @@ def test_prefill_logits_equal_a_one_piece_forward(family, request):
         prompt = engine.tokenizer.encode(
             "The quick brown fox jumps over the lazy dog. " * 3
         )
-        whole = _step(engine, prompt, engine.new_cache())[0]
-        prefilled, _ = engine.prefill(prompt, engine.new_cache())
+        whole = _step(engine, prompt, engine.step.new_cache())[0]
+        prefilled, _ = engine.step.prefill(prompt, engine.step.new_cache())
         assert mx.array_equal(prefilled, whole).item()
     finally:
         engine.close()

@@ -144,7 +144,7 @@ def test_first_decode_plan_does_not_depend_on_prefill_chunking(model_and_heads):
         )
         prompt = engine.tokenizer.encode(PROMPT)
         engine.options.prefill_chunk = chunk or len(prompt) - 1
-        _, planned = engine.prefill(prompt, engine.new_cache())
+        _, planned = engine.step.prefill(prompt, engine.step.new_cache())
         plans.append(
             {
                 layer: np.array(inds).tolist()

@@ -284,7 +284,7 @@ def test_features_from_a_step(engine):
     )
     e = engine.index.num_experts
     try:
-        cache = engine.new_cache()
+        cache = engine.step.new_cache()
         engine.step(mx.array([[5, 6, 7]]), cache, plan_next=False)
         plans = pr.after_step(None, None, None, stage=False)
         x, ids = engine.blocks[owners[0]].last

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from bad_inputs import copy_model
+from failing_step import FailingStep
 from live_server import LiveServer, free_port
 
 from edge0_eval.cli import main
@@ -330,21 +331,17 @@ def test_a_failed_decode_step_is_an_error_never_a_partial_answer(served, monkeyp
     request: a 500 error object, or, streaming, an error event with no [DONE]; the next
     request is answered as alone."""
     server, engine = served
-    step, fail = (
-        server.worker.engine.step,
-        [],
-    )  # fail: decode steps to go until the fault
+    fail = []  # decode steps to go until the fault
 
-    def failing(*args, where="", **kwargs):
+    def fails(where):
         if where.startswith("at batched decode step") and fail:
             fail[0] -= 1
             if fail[0] == 0:
                 fail.clear()
-                raise OSError(5, "Input/output error", "experts.bin")
-        return step(*args, where=where, **kwargs)
+                return OSError(5, "Input/output error", "experts.bin")
 
-    failing.clip = step.clip  # what Engine.stats reads of its step
-    monkeypatch.setattr(server.worker.engine, "step", failing)
+    served_engine = server.worker.engine
+    monkeypatch.setattr(served_engine, "step", FailingStep(served_engine.step, fails))
     client = _client(server)
     kw = dict(
         model=NAME,

@@ -48,7 +48,10 @@ def fast(request, tmp_path_factory):
 def _logits(engine, tokens):
     """Every position's logits of `tokens` from an empty cache."""
     return engine.step(
-        mx.array(tokens)[None], engine.new_cache(), plan_next=False, all_logits=True
+        mx.array(tokens)[None],
+        engine.step.new_cache(),
+        plan_next=False,
+        all_logits=True,
     )[0]
 
 

@@ -174,7 +174,7 @@ def test_teacher_records_are_the_executed_routing(trained):
         tokens = encode_prefix(engine.tokenizer, text, length)
         for n in engine.moe_layers:
             engine.blocks[n].capture = True
-        engine.step(mx.array(tokens)[None], engine.new_cache(), plan_next=False)
+        engine.step(mx.array(tokens)[None], engine.step.new_cache(), plan_next=False)
         for m, n in enumerate(meta["moe_layers"]):
             got = np.sort(np.array(store.inds[start : start + length, m]), axis=-1)
             want = np.sort(np.array(engine.blocks[n].last[1][0]), axis=-1)

@@ -343,7 +343,7 @@ def test_trained_adapter_loads_in_the_engine_and_changes_outputs(pair, sft_run):
         ("lora", EngineOptions(mode="prerouted", lora_path=str(sft_run))),
     ):
         engine = Engine.load(student, opts)
-        out[name] = np.array(engine.prefill(prompt, engine.new_cache())[0])
+        out[name] = np.array(engine.step.prefill(prompt, engine.step.new_cache())[0])
         assert (engine.lora is not None) == (name == "lora")
         engine.close()
     assert np.abs(out["base"] - out["lora"]).max() > 1e-3

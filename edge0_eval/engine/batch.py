@@ -2,7 +2,7 @@
 server's worker).
 
 Structure: mlx-lm's own batching, by composition. Each joining row is prefilled alone into its
-own cache by the B = 1 path (`Engine.prefill`), so its prefill is exactly its solo prefill; its
+own cache by the B = 1 path (`DecodeStep.prefill`), so its prefill is exactly its solo prefill; its
 caches then join the batch through mlx-lm's cache classes: `KVCache.merge` -> `BatchKVCache`
 (left padding, a per-row offset that RoPE and the masks read) and `ArraysCache.merge`
 (GatedDeltaNet / GLA states), then `extend` into the running batch. A finishing or cancelled row
@@ -184,9 +184,9 @@ class BatchDecoder:
         its sampler, for a draft hedge); else its plans are its features only: the batch
         plans its rows together."""
         e = self.engine
-        cache = e.new_cache()
+        cache = e.step.new_cache()
         before, t0 = self._snapshot(), time.perf_counter()
-        logits, plans = e.prefill(
+        logits, plans = e.step.prefill(
             row.prompt, cache, stage=stage, samplers=[row.sampler] if stage else None
         )
         if plans is not None:

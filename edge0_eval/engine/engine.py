@@ -13,7 +13,6 @@ returned: `Sequence` carries them for one sequence, the batch decoder for its ro
 
 from __future__ import annotations
 
-import resource
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,6 @@ from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
@@ -34,11 +32,11 @@ from edge0_eval.engine.mlx_compat import (
     refuse_unserved_experts,
     resolve_compute_dtype,
 )
-from edge0_eval.engine.moe import Counters, StreamingSwitchGLU, snapshot
+from edge0_eval.engine.moe import Counters, Figures, StreamingSwitchGLU, snapshot
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
 from edge0_eval.engine.prerouter import attach_prerouter
 from edge0_eval.engine.rows import Answer, Row, RowSampler, StopRule, decode_figures
-from edge0_eval.engine.step import DecodeStep, NonFiniteError, Plans  # noqa: F401 (NonFiniteError: API)
+from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (NonFiniteError: API)
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.config import eos_token_ids
@@ -66,36 +64,6 @@ class GenerationResult(Answer):
         return cls(**vars(answer), tokens=row.tokens, prompt_tokens=len(row.prompt))
 
 
-def _rss_gib() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / 2**30
-    except OSError:
-        pass
-    # macOS: ru_maxrss is the peak in bytes, the best cheap figure there
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30
-
-
-def prefill_pieces(n: int, chunk: int, split: bool) -> list[tuple[int, int]]:
-    """Where `Engine.prefill` cuts a prompt of `n` tokens: pieces of up to `chunk`, the last
-    one at least 2 long when chunk > 1 (the heads' t and t-1 features), and with `split`
-    (Family.split_prefill) the last 2 tokens alone, as mlx-lm's generate_step runs its last
-    one, so that for every earlier position only what the caches hold is computed (never its
-    LM head, nor the part of the last layer that no cache needs). The layer-major scorer
-    (layer_major.py) cuts a prompt the same way where cuts change the bits."""
-    chunk = max(1, chunk)
-    keep = min(n, 2 if chunk > 1 else 1)
-    if split:
-        bounds = list(range(0, n - keep, chunk)) + [n - keep, n]
-    else:
-        bounds = list(range(0, n, chunk)) + [n]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] < keep:
-            bounds[-2] = n - keep
-    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
 class Engine:
     def __init__(
         self,
@@ -108,16 +76,16 @@ class Engine:
         resolved: ResolvedOptions,
         counters: Counters,
         directory: Path,
+        lora: dict | None = None,
     ):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.resolved, self.family = resolved, resolved.family
         self.index, self.store, self.options = index, store, options
-        self.top_k, self.slots_per_layer = resolved.top_k, resolved.slots_per_layer
-        self.counters, self.directory = counters, directory
+        self.top_k = resolved.top_k
+        self.counters, self.directory, self.lora = counters, directory, lora
         self.moe_layers = list(index.moe_layers)
         self.slot_bytes = index.slot_bytes  # one slot in every MoE layer
         self.blocks = {i: self.family.layers(model)[i].mlp for i in self.moe_layers}
-        self.lora = None
         self._last = {}
         self.prerouter = (
             None
@@ -133,6 +101,19 @@ class Engine:
             resolved.clip_hidden,
             counters,
             str(directory),
+            options.prefill_chunk,
+        )
+        self.figures = Figures(
+            options.mode,
+            self.top_k,
+            options.io_throttle_mbps,
+            resolved.clip_hidden,
+            None if lora is None else str(lora["path"]),
+            self.slot_bytes,
+            counters,
+            store,
+            self.blocks,
+            self.prerouter,
         )
 
     # -- loading ----------------------------------------------------------------------------
@@ -218,49 +199,13 @@ class Engine:
             resolved,
             counters,
             directory,
+            lora,
         )
-        engine.lora = lora
         store.reset_stats()
         mx.reset_peak_memory()
         return engine
 
     # -- running ----------------------------------------------------------------------------
-    def new_cache(self) -> list:
-        """An empty cache for one sequence (per layer, mlx-lm's own)."""
-        return make_prompt_cache(self.model)  # qwen2_moe has no make_cache of its own
-
-    def prefill(
-        self,
-        tokens: list[int],
-        cache: list,
-        *,
-        stage: bool = True,
-        samplers: list | None = None,
-    ) -> tuple[mx.array, Plans | None]:
-        """Process a prompt into `cache`: (the last position's logits [vocab], the first decode
-        step's plans). stage=False (batched decode): the plans are the row's features only;
-        the batch plans all its rows together. samplers: as for a step (a draft hedge)."""
-        if not tokens:
-            raise ConfigError("empty prompt: nothing to prefill")
-        n = len(tokens)
-        pieces = prefill_pieces(
-            n, self.options.prefill_chunk, self.family.split_prefill
-        )
-        where = f"in the prefill of tokens 0..{n - 1}"
-        for start, end in pieces[:-1]:
-            self.step(
-                mx.array(tokens[start:end])[None], cache, plan_next=False, where=where
-            )
-        start, end = pieces[-1]
-        logits, plans = self.step(
-            mx.array(tokens[start:end])[None],
-            cache,
-            stage=stage,
-            samplers=samplers,
-            where=where,
-        )
-        return logits[0], plans
-
     def sequence(self) -> "Sequence":
         """A new sequence: `prefill(prompt)`, then `step(token)` per token."""
         return Sequence(self)
@@ -393,42 +338,20 @@ class Engine:
             return
         for block in self.blocks.values():
             block.switch_mlp.resize(n_slots)
-        self.slots_per_layer = n_slots
 
     # -- accounting -------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """The counters now, with the store's reads and the pools' lookups (moe.snapshot)."""
         return snapshot(self.counters, self.store, self.blocks)
 
+    @property
+    def slots_per_layer(self) -> int:
+        """What each layer's pool holds now (the configured size, or a batch's)."""
+        return self.figures.slots_per_layer
+
     def stats(self) -> dict:
-        store = self.store.stats
-        pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
-        hits, misses = sum(p.hits for p in pool), sum(p.misses for p in pool)
-        out = {
-            "mode": self.options.mode,
-            "top_k": self.top_k,
-            "slots_per_layer": self.slots_per_layer,
-            "expert_buffer_mib": self.slots_per_layer * self.slot_bytes / 2**20,
-            "io_throttle_mbps": self.options.io_throttle_mbps,
-            "emulated": self.options.io_throttle_mbps is not None,
-            "peak_memory_gib": mx.get_peak_memory() / 2**30,
-            "active_memory_gib": mx.get_active_memory() / 2**30,
-            "rss_gib": _rss_gib(),
-            "bytes_read": store.bytes_read,
-            "reads": store.reads,
-            "read_seconds": store.read_seconds,
-            "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "evictions": sum(p.evictions for p in pool),
-            "blocked_load_s": self.counters.blocked_seconds,
-            "guard_clip": self.step.clip,
-            "guard_events": self.counters.guard_events,
-            "nonfinite_events": self.counters.nonfinite_events,
-        }
-        out["lora"] = str(self.lora["path"]) if self.lora else None
-        if self.prerouter is not None:
-            out.update(self.prerouter.stats())
-        out.update(self._last)
-        return out
+        """The engine's figures since load (moe.Figures) with the last generate_batch's."""
+        return self.figures() | self._last
 
     def close(self) -> None:
         self.store.close()
@@ -438,13 +361,13 @@ class Sequence:
     """One sequence (B = 1) on an engine: its cache and plans, carried from step to step."""
 
     def __init__(self, engine: Engine):
-        self.engine, self.cache, self.plans = engine, engine.new_cache(), None
+        self.engine, self.cache, self.plans = engine, engine.step.new_cache(), None
         self.position = self.steps = 0
 
     def prefill(self, tokens: list[int], sampler: RowSampler | None = None) -> mx.array:
         """The prompt into the cache, the first step planned; its last logits [vocab].
         `sampler`: the one that will sample from them (None: greedy), for a draft hedge."""
-        logits, self.plans = self.engine.prefill(
+        logits, self.plans = self.engine.step.prefill(
             list(tokens), self.cache, samplers=None if sampler is None else [sampler]
         )
         self.position = len(tokens)

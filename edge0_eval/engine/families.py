@@ -55,7 +55,7 @@ class Family:
     clip_hidden: float | None = None
     # A prompt cut in two pieces computes the same bits as in one (mlx-lm's layers, CPU): then
     # the prefill runs its last two tokens as their own piece, as mlx-lm's generate_step does
-    # its last one (Engine.prefill).
+    # its last one (DecodeStep.prefill).
     split_prefill: bool = True
 
     def text_config(self, config: dict) -> dict:

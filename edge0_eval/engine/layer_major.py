@@ -58,11 +58,11 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
-from edge0_eval.engine.engine import Engine, prefill_pieces
+from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.families import family_for
 from edge0_eval.engine.moe import Counters
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.prerouted import build_features, onehot
 from edge0_eval.engine.step import (
     DecodeStep,
@@ -70,6 +70,7 @@ from edge0_eval.engine.step import (
     StreamingMoE,
     _mark,
     _rewind,
+    prefill_pieces,
 )
 from edge0_eval.errors import ConfigError
 
@@ -238,7 +239,7 @@ class LayerMajor:
     @classmethod
     def for_engine(cls, engine: Engine, **kwargs) -> "LayerMajor":
         """The Edge0 engine's served path: its streaming blocks, slot pool, prerouter, LoRA and
-        hidden clipping; prompt pieces as `Engine.prefill` cuts them."""
+        hidden clipping; prompt pieces as `DecodeStep.prefill` cuts them."""
         opts, family = engine.options, engine.family
         text = family.text_config(engine.config)
         dims = {
@@ -264,7 +265,7 @@ class LayerMajor:
             top_k=engine.top_k,
             cuts=None if family.split_prefill else cuts,
             prefill_last_single=last_single,
-            new_cache=engine.new_cache,
+            new_cache=engine.step.new_cache,
             **kwargs,
         )
 
@@ -285,13 +286,22 @@ class LayerMajor:
             "top_k": int(text.get("num_experts_per_tok") or 1),
             "moe_intermediate": int(text.get("moe_intermediate_size") or 0),
         }
-        step = DecodeStep(model, family, {}, None, None, Counters(), "teacher")
+        step = DecodeStep(
+            model,
+            family,
+            {},
+            None,
+            None,
+            Counters(),
+            "teacher",
+            EngineOptions.prefill_chunk,  # unused: the teacher's pieces are `cuts`
+        )
         return cls(
             step,
             moe_layers=moe,
             dims=dims,
             cuts=None if family.split_prefill else cuts,
-            new_cache=lambda: make_prompt_cache(model),
+            new_cache=step.new_cache,
             **kwargs,
         )
 

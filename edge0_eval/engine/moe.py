@@ -14,6 +14,7 @@ MLX makes it easy to test and to reuse for prefetch (a stager asks the same ques
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -225,6 +226,74 @@ def snapshot(counters: Counters, store: ExpertStore, blocks: dict) -> dict:
         "union": c.union_experts + c.staged_experts,
         "union_layers": c.union_calls + c.staged_layers,
     }
+
+
+def rss_gib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    # macOS: ru_maxrss is the peak in bytes, the best cheap figure there
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30
+
+
+@dataclass
+class Figures:
+    """An engine's figures since it loaded, the ones every answer's stats carry (in-process
+    through `Engine.stats`, served through the worker): its settings, the slots its pools hold
+    now, memory, the store's reads, the pools' lookups, the counters and the prerouter's
+    (`Prerouter.stats`)."""
+
+    mode: str
+    top_k: int
+    io_throttle_mbps: float | None
+    clip: float | None
+    lora: str | None  # the adapter's path
+    slot_bytes: int  # one slot in every MoE layer
+    counters: Counters
+    store: ExpertStore
+    blocks: dict
+    prerouter: object = None  # a prerouted.Prerouter
+
+    @property
+    def slots_per_layer(self) -> int:
+        """What each layer's pool holds now (batch_pool widens it while a batch runs)."""
+        return max(
+            (b.switch_mlp.slots.n_slots for b in self.blocks.values()), default=0
+        )
+
+    def __call__(self) -> dict:
+        store, c = self.store.stats, self.counters
+        pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
+        hits, misses = sum(p.hits for p in pool), sum(p.misses for p in pool)
+        slots = self.slots_per_layer
+        out = {
+            "mode": self.mode,
+            "top_k": self.top_k,
+            "slots_per_layer": slots,
+            "expert_buffer_mib": slots * self.slot_bytes / 2**20,
+            "io_throttle_mbps": self.io_throttle_mbps,
+            "emulated": self.io_throttle_mbps is not None,
+            "peak_memory_gib": mx.get_peak_memory() / 2**30,
+            "active_memory_gib": mx.get_active_memory() / 2**30,
+            "rss_gib": rss_gib(),
+            "bytes_read": store.bytes_read,
+            "reads": store.reads,
+            "read_seconds": store.read_seconds,
+            "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "evictions": sum(p.evictions for p in pool),
+            "blocked_load_s": c.blocked_seconds,
+            "guard_clip": self.clip,
+            "guard_events": c.guard_events,
+            "nonfinite_events": c.nonfinite_events,
+            "lora": self.lora,
+        }
+        if self.prerouter is not None:
+            out.update(self.prerouter.stats())
+        return out
 
 
 class StreamingSwitchGLU(nn.Module):

@@ -2,9 +2,10 @@
 pieces it runs around mlx-lm's own decoder layers: each family's streaming MoE block, the
 routing rules that turn router scores into experts, and each family's layer call arguments.
 
-Every caller runs the model through `DecodeStep`: the prefill pieces and decode tokens of
-`Engine.generate`, the batch decoder (B rows a step), fidelity scoring, and training's served
-path (whole sequences; its gradient pass through `forward` alone). The cache (mlx-lm's, one per
+Every caller runs the model through `DecodeStep`: a prompt's pieces (`prefill`) and each decode
+token of the batch decoder (B rows a step; `Engine.generate` is a batch of one), fidelity
+scoring, and training's served path (whole sequences; its gradient pass through `forward`
+alone). The cache (mlx-lm's, one per
 layer) and the prerouter's per-row state (`Plans`, prerouted.py) are arguments and results;
 the engine keeps neither. One prerouted decode step, top to bottom:
 
@@ -54,7 +55,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from edge0_eval.engine.moe import Counters, StagedSet, StreamingSwitchGLU
 from edge0_eval.errors import ConfigError, Edge0Error
@@ -412,8 +413,27 @@ class NonFiniteError(Edge0Error):
     """The model produced NaN/Inf logits: corrupt weights or an activation overflow."""
 
 
+def prefill_pieces(n: int, chunk: int, split: bool) -> list[tuple[int, int]]:
+    """Where `DecodeStep.prefill` cuts a prompt of `n` tokens: pieces of up to `chunk`, the
+    last one at least 2 long when chunk > 1 (the heads' t and t-1 features), and with `split`
+    (Family.split_prefill) the last 2 tokens alone, as mlx-lm's generate_step runs its last
+    one, so that for every earlier position only what the caches hold is computed (never its
+    LM head, nor the part of the last layer that no cache needs). The layer-major scorer
+    (layer_major.py) cuts a prompt the same way where cuts change the bits."""
+    chunk = max(1, chunk)
+    keep = min(n, 2 if chunk > 1 else 1)
+    if split:
+        bounds = list(range(0, n - keep, chunk)) + [n - keep, n]
+    else:
+        bounds = list(range(0, n, chunk)) + [n]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] < keep:
+            bounds[-2] = n - keep
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 class DecodeStep:
-    """The served model, one step at a time: `step(tokens, cache, plans) -> (logits, plans)`."""
+    """The served model, one step at a time: `step(tokens, cache, plans) -> (logits, plans)`;
+    a prompt in pieces (`prefill`) into a new cache (`new_cache`)."""
 
     def __init__(
         self,
@@ -424,13 +444,53 @@ class DecodeStep:
         clip: float | None,
         counters: Counters,
         name: str,
+        prefill_chunk: int,
     ):
-        self.family, self.blocks, self.prerouter = family, blocks, prerouter
+        self.model, self.family, self.blocks, self.prerouter = (
+            model,
+            family,
+            blocks,
+            prerouter,
+        )
         self.clip, self.counters, self.name = clip, counters, name
+        self.prefill_chunk = prefill_chunk
         self.text = family.text(model)
         self.embed = family.embedding(model)
         self.layers = family.layers(model)
         self.norm, self.head, self.tied = family.output_head(model)
+
+    def new_cache(self) -> list:
+        """An empty cache for one sequence (per layer, mlx-lm's own)."""
+        return make_prompt_cache(self.model)  # qwen2_moe has no make_cache of its own
+
+    def prefill(
+        self,
+        tokens: list[int],
+        cache: list,
+        *,
+        stage: bool = True,
+        samplers: list | None = None,
+    ) -> tuple[mx.array, Plans | None]:
+        """Process a prompt into `cache`, in the pieces `prefill_pieces` cuts: (the last
+        position's logits [vocab], the first decode step's plans). stage=False (batched
+        decode): the plans are the row's features only; the batch plans all its rows
+        together. samplers: as for a step (a draft hedge)."""
+        if not tokens:
+            raise ConfigError("empty prompt: nothing to prefill")
+        n = len(tokens)
+        pieces = prefill_pieces(n, self.prefill_chunk, self.family.split_prefill)
+        where = f"in the prefill of tokens 0..{n - 1}"
+        for start, end in pieces[:-1]:
+            self(mx.array(tokens[start:end])[None], cache, plan_next=False, where=where)
+        start, end = pieces[-1]
+        logits, plans = self(
+            mx.array(tokens[start:end])[None],
+            cache,
+            stage=stage,
+            samplers=samplers,
+            where=where,
+        )
+        return logits[0], plans
 
     def __call__(
         self,

@@ -488,7 +488,7 @@ class Worker(threading.Thread):
         took part in, shared with its batch mates); `seed` is the row's draw, `request_seed`
         the request's (given or drawn: it replays the answer)."""
         row = choice.row
-        stats = row.stats(self.engine.stats())
+        stats = row.stats(self.engine.figures())
         wall = time.perf_counter() - job.submitted
         busy = stats["prefill_s"] + stats["decode_wall_s"]
         return {

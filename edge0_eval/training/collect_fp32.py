@@ -102,7 +102,7 @@ def run_documents(
     started = time.perf_counter()
     try:
         for d, doc in enumerate(docs):
-            cache = engine.new_cache()
+            cache = engine.step.new_cache()
             for s in range(0, len(doc), chunk):
                 piece = doc[s : s + chunk]
                 engine.step(

@@ -267,7 +267,7 @@ def collect_features(
             for d in range(done, len(table)):
                 _, start, length = table[d]
                 tokens = tokens_of[d]
-                cache = engine.new_cache()
+                cache = engine.step.new_cache()
                 for s in range(0, length, chunk):
                     piece = tokens[s : s + chunk]
                     engine.step(

@@ -116,7 +116,7 @@ class ServedPath:
             inds = {layer: self.blocks[layer].last[1] for layer in self.moe}
         else:
             cache, outs, inds = (
-                self.engine.new_cache(),
+                self.engine.step.new_cache(),
                 [],
                 {layer: [] for layer in self.moe},
             )
