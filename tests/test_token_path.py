@@ -1,5 +1,6 @@
-"""How far a token travels: the project files one decode token, and one OpenCompass prediction,
-pass through, measured by running them (a profiler on every thread records each call's file).
+"""How far a token travels: the project files one decode token, one OpenCompass prediction and
+one served chat completion pass through, measured by running them (a profiler on every thread
+records each call's file).
 
 mlx-lm's token path is generate_step -> model file -> switch_layers -> sample_utils; ours adds
 the row, the reads and the prediction heads, and is held at six files: batch.py (the loop) ->
@@ -15,7 +16,9 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
+from live_server import LiveServer
 from perturbed_heads import perturbed_heads
 
 import edge0_eval
@@ -137,3 +140,44 @@ def test_an_opencompass_prediction_passes_through_ten_files(edge0_qwen, heads):
         "edge0_eval/engine/prompts.py",
         "edge0_eval/engine/engine.py",
     }, sorted(outside)  # with the six: ten files
+
+
+def test_a_served_chat_completion_passes_through_ten_files(edge0_qwen, heads):
+    """The HTTP app, its event loop, the engine's thread and its I/O threads: a request from
+    its arrival to its answer."""
+    files = Files()
+    with files.install():  # before the server's threads start: they are recorded too
+        server = LiveServer(
+            edge0_qwen,
+            EngineOptions(mode="prerouted", prerouter_path=str(heads)),
+            name="tiny",
+        )
+        try:
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": 4,
+                "chat_template_kwargs": {"enable_thinking": False},
+            }
+            ask = lambda: httpx.post(  # noqa: E731
+                f"{server.base}/chat/completions", json=body, timeout=60
+            )
+            assert ask().status_code == 200  # every lazy first use behind it
+            files.recording = True
+            # The check sees a detour: the engine's own figures (engine.py) asked for.
+            assert server.worker.engine.stats()["mode"] == "prerouted"
+            assert "edge0_eval/engine/engine.py" in files.files
+            files.files.clear()
+            answer = ask()
+            files.recording = False
+        finally:
+            server.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] >= 1
+    want = DECODE_FILES | {
+        "edge0_eval/server/app.py",
+        "edge0_eval/server/requests.py",
+        "edge0_eval/server/worker.py",
+        "edge0_eval/engine/prompts.py",
+    }
+    assert files.files == want, sorted(files.files ^ want)  # ten files
