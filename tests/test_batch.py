@@ -489,8 +489,8 @@ def test_a_batched_step_reads_each_layers_union_once(family, monkeypatch):
         queued.append((plan_id[0], layer, list(experts)))
         return submit_many(layer, experts, *args, **kwargs)
 
-    def spy_stage_begin(switch, experts, hedge=None):
-        s = stage_begin(switch, experts, hedge=hedge)
+    def spy_stage_begin(switch, experts, **kwargs):
+        s = stage_begin(switch, experts, **kwargs)
         staged.append((plan_id[0], switch._io.layer, [e for e, _ in s.loads]))
         unions.append(len(s.experts))
         return s

@@ -433,8 +433,9 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
     )  # 50 ms a bundle, one at a time
     try:
         switch = engine.blocks[engine.moe_layers[1]].switch_mlp
-        hedge = switch.stage_begin([1, 0, 2, 3])
-        while not (hedge.futures[0].running() or hedge.futures[0].done()):
+        hedge = switch.stage_begin([1, 0, 2, 3], cancellable=True)  # as Prerouter.hedge
+        first = next(f for f, rows in hedge.reads if rows[0][1] == 1)  # expert 1's
+        while not (first.running() or first.done()):
             time.sleep(0.001)  # expert 1's read has started: it cannot be cancelled
         routed = switch.stage_begin([0, 4, 5, 6], hedge=hedge)
         outcome = routed.hedge

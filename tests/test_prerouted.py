@@ -218,7 +218,7 @@ def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(
         switch = engine.blocks[engine.moe_layers[0]].switch_mlp
         staged = switch.stage_begin([0, 1, 2, 3])  # never finished
         assert switch.load_experts([2, 3]) == 2  # read again, not trusted as hits
-        assert all(f.done() for f in staged.futures)
+        assert all(f.done() for f, _ in staged.reads)
         assert sorted(switch.slots.resident_experts) == [2, 3]
         for e in (2, 3):
             want = unpack_bundle(
@@ -257,5 +257,62 @@ def test_staged_bundles_land_intact_though_an_io_thread_reuses_its_buffer(edge0_
                     e,
                     name,
                 )
+    finally:
+        engine.close()
+
+
+def _slots_hold(engine, switch, experts) -> None:
+    """Each of `experts` sits in its slot whole: every tensor of its own bundle."""
+    from edge0_eval.formats.layout import unpack_bundle
+
+    for e in experts:
+        want = unpack_bundle(switch._io.layout, engine.store.read(switch._io.layer, e))
+        slot = switch.slots.slot_of(e)
+        for name, value in want.items():
+            proj, part = name.split(".")
+            got = getattr(switch.glu, proj)[part][slot]
+            assert mx.array_equal(got, mx.array(value).astype(got.dtype)).item(), (
+                e,
+                name,
+            )
+
+
+@pytest.mark.parametrize("io_workers, tasks", [(1, [4]), (2, [2, 2])])
+def test_a_run_of_slots_is_read_by_one_task_and_a_hedge_keeps_rows_of_it(
+    edge0_qwen, monkeypatch, io_workers, tasks
+):
+    """A staged set's misses bound for consecutive slots are read by one task (at most an even
+    share of the I/O threads' work) and written with one update per tensor; when a later set
+    takes some of a task's slots, the task's other rows still land in theirs."""
+    engine = Engine.load(
+        edge0_qwen,
+        EngineOptions(
+            mode="reactive", no_lora=True, slots_per_layer=4, io_workers=io_workers
+        ),
+    )
+    queued, submit_many = [], engine.store.submit_many
+
+    def spy(layer, experts, priority=None, prepare=None, chunks=None):
+        queued.append(list(chunks or [1] * len(experts)))
+        return submit_many(layer, experts, priority, prepare, chunks)
+
+    monkeypatch.setattr(engine.store, "submit_many", spy)
+    try:
+        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+        first = switch.stage_begin([6, 0, 3, 5])  # four free slots: one run
+        assert queued == [tasks]
+        # Experts 0 and 3 stay; 6's and 5's slots go to 1 and 2, so each task of `first`
+        # is written in part (rows 1-2 of one task, or row 1 of one and row 0 of the other).
+        later = switch.stage_begin([0, 3, 1, 2], hedge=first)
+        assert (later.hedge.hits, later.hedge.cancelled, later.hedge.wasted) == (
+            2,
+            0,
+            2,
+        )
+        assert sum(len(rows) for _, rows in later.reads) == 4
+        waited, dropped = switch.stage_finish(later)
+        assert dropped == 0
+        assert sorted(switch.slots.resident_experts) == [0, 1, 2, 3]
+        _slots_hold(engine, switch, [0, 3, 1, 2])
     finally:
         engine.close()

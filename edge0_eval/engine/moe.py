@@ -417,8 +417,11 @@ class StreamingSwitchGLU(nn.Module):
         if not loads:
             return 0  # all hits: sticky slots, the slot table is already right
         started = time.perf_counter()
+        loads, sizes = self._chunks(loads)
         try:
-            parts = io.store.read_many([(io.layer, e) for e, _ in loads], self._prepare)
+            parts = io.store.read_many(
+                [(io.layer, e) for e, _ in loads], self._prepare, sizes
+            )
         except Exception:
             for e, _ in loads:
                 io.slots.forget(e)
@@ -426,7 +429,7 @@ class StreamingSwitchGLU(nn.Module):
         # Wall time of the reads (and their unpacking on the I/O threads).
         io.counters.demand_read_seconds += time.perf_counter() - started
         io.counters.demand_read_bytes += len(loads) * io.layout.bundle_stride
-        self._write_slots(loads, parts)
+        self._write_slots(loads, zip(parts, _rows(loads, sizes)))
         if blocking:
             io.counters.blocked_seconds += time.perf_counter() - started
             io.counters.blocked_loads += len(loads)
@@ -456,58 +459,70 @@ class StreamingSwitchGLU(nn.Module):
             io.lut[mx.array(order, dtype=mx.int32)] = dst
         return loaded
 
-    def _prepare(self, buf: np.ndarray) -> list[mx.array]:
-        """On an I/O thread: one bundle's tensors (the layout's order) as MLX arrays in
-        their slot dtypes, copied out of the thread's read buffer, each with a leading
-        axis of 1: one slot's worth, so `_write_slots` joins a run of bundles with one
-        concatenate (a stack would add an expand op per bundle).
-
-        The copies, and widening float16 scales for float32 slots, happen here, off the
-        thread that builds the graph; a cast numpy cannot do (bfloat16) is left to
-        `_write_slots` as a lazy MLX op. Only leaf arrays are made here, no graph.
-        """
-        mem = memoryview(buf)
-        out = [
-            np.frombuffer(mem[start:end], dtype=dtype).reshape(shape)
-            for start, end, dtype, shape in self._io.views
-        ]
-        return [
-            mx.array((view.astype(np.float32) if widen else view)[None])
-            for view, (_, widen, *_) in zip(out, self._io.tensors)
-        ]
-
-    def _write_slots(self, loads: list[tuple[int, int]], parts: list[list]) -> None:
-        """Write prepared bundles into their slots and point the slot table at them.
-
-        Lazy on purpose: evaluating here would make the graph-building thread wait for every
-        earlier layer's compute before it could build the next layer. Only changed slots are
-        written; the writes run in stream order, before this layer's experts read the slots.
-        Bundles bound for consecutive slots are written by one slice update per tensor (in
-        place on the module's array: no scatter, which MLX's CPU backend runs several times
-        slower), so a batch's layer, whose union fills most of its slots, costs a few
-        updates per tensor rather than one per bundle.
-        """
-        order = sorted(range(len(loads)), key=lambda i: loads[i][1])
-        runs = []  # (first slot, [bundle positions]) of consecutive slots
-        for i in order:
-            slot = loads[i][1]
-            if runs and runs[-1][0] + len(runs[-1][1]) == slot:
-                runs[-1][1].append(i)
+    def _chunks(self, loads: list[tuple[int, int]]) -> tuple[list, list[int]]:
+        """`loads` (expert, slot) in slot order, and how many each read task takes: runs of
+        consecutive slots, each cut to at most an even share of the I/O threads' work, so
+        the reads stay spread over them while each run is one slot write per tensor."""
+        loads = sorted(loads, key=lambda load: load[1])
+        limit = -(-len(loads) // self._io.store.io_workers)
+        sizes, last = [], None
+        for _, slot in loads:
+            if sizes and sizes[-1] < limit and slot == last + 1:
+                sizes[-1] += 1
             else:
-                runs.append((slot, [i]))
+                sizes.append(1)
+            last = slot
+        return loads, sizes
+
+    def _prepare(self, rows: np.ndarray) -> list[mx.array]:
+        """On an I/O thread: a read task's bundles (rows of its buffer, uint8 [m, stride]) as
+        one MLX array per tensor (the layout's order), [m, ...] in its slot dtype: the rows of
+        consecutive slots, so `_write_slots` writes them with one update per tensor.
+
+        The copies out of the reused buffer, and widening float16 scales for float32 slots,
+        happen here, off the thread that builds the graph; a cast numpy cannot do (bfloat16)
+        is left to `_write_slots` as a lazy MLX op. Only leaf arrays are made here, no graph.
+        """
+        m = rows.shape[0]
+        out = []
+        for (start, end, dtype, shape), (_, widen, *_) in zip(
+            self._io.views, self._io.tensors
+        ):
+            view = rows[:, start:end].view(dtype).reshape(m, *shape)
+            out.append(mx.array(view.astype(np.float32) if widen else view))
+        return out
+
+    def _write_slots(self, loads: list[tuple[int, int]], reads) -> None:
+        """Write read bundles into their slots and point the slot table at `loads`.
+
+        reads: per read task, (its arrays, [(row, expert, slot)] of the rows to write). Lazy on
+        purpose: evaluating here would make the graph-building thread wait for every earlier
+        layer's compute before it could build the next layer. Only changed slots are written;
+        the writes run in stream order, before this layer's experts read the slots. Rows
+        bound for consecutive slots are written by one slice update per tensor (in place on
+        the module's array: no scatter, which MLX's CPU backend runs several times slower);
+        a task's rows are such a run unless some of them are no longer wanted (a hedge's).
+        """
+        runs = []  # (its arrays, first row, first slot, rows)
+        for parts, rows in reads:
+            for row, _, slot in rows:
+                if runs:
+                    last, first_row, first_slot, n = runs[-1]
+                    if last is parts and (row, slot) == (first_row + n, first_slot + n):
+                        runs[-1] = (parts, first_row, first_slot, n + 1)
+                        continue
+                runs.append((parts, row, slot, 1))
         for t, (_, _, linear, part, bf16, cast) in enumerate(self._io.tensors):
             buffer = linear[part]
-            for first, members in runs:
-                if len(members) == 1:
-                    value = parts[members[0]][t]
-                else:  # [1, ...] each: one op (a stack expands each bundle first)
-                    value = mx.concatenate([parts[i][t] for i in members])
-                where = slice(first, first + len(members))
+            for parts, row, slot, n in runs:
+                value = parts[t]
+                if n != value.shape[0]:
+                    value = value[row : row + n]
                 if bf16:
                     value = value.view(mx.bfloat16)
                 if cast is not None:
                     value = value.astype(cast)
-                buffer[where] = value  # in place on the module's array
+                buffer[slot : slot + n] = value  # in place on the module's array
         self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = mx.array(
             [s for _, s in loads], dtype=mx.int32
         )
@@ -572,7 +587,10 @@ class StreamingSwitchGLU(nn.Module):
 
     # -- staging (prerouted decode) ---------------------------------------------------------
     def stage_begin(
-        self, experts: list[int], hedge: "StagedSet | None" = None
+        self,
+        experts: list[int],
+        hedge: "StagedSet | None" = None,
+        cancellable: bool = False,
     ) -> "StagedSet":
         """Reserve slots for a predicted set and start reading the misses in the background.
 
@@ -587,6 +605,8 @@ class StreamingSwitchGLU(nn.Module):
         they have, unless `experts` needed those slots. Slot buffers are written only by
         `stage_finish`, so a slot taken back never receives the hedge's bundle. The returned
         set's `hedge` tells what became of the hedge (`HedgeOutcome`; None without one).
+        cancellable: one bundle a read task, so that each read can be cancelled alone (a
+        hedge's); else runs of consecutive slots are read by one task each (`_chunks`).
         """
         io = self._io
         if io.pending is not hedge:
@@ -598,31 +618,41 @@ class StreamingSwitchGLU(nn.Module):
             outcome = HedgeOutcome(
                 staged=len(hedge.experts), hits=len(wanted.intersection(hedge.experts))
             )
-            for (e, _), f in zip(hedge.loads, hedge.futures):
-                if e not in wanted and f.cancel():
-                    io.slots.forget(e)
-                    outcome.cancelled += 1
+            for f, rows in hedge.reads:
+                if not any(e in wanted for _, e, _ in rows) and f.cancel():
+                    for _, e, _ in rows:
+                        io.slots.forget(e)
+                    outcome.cancelled += len(rows)
         mapping, loads = io.slots.assign(experts)
+        loads, sizes = self._chunks(loads)
+        if cancellable:
+            sizes = [1] * len(loads)
         futures = io.store.submit_many(
-            io.layer, [e for e, _ in loads], prepare=self._prepare
+            io.layer, [e for e, _ in loads], prepare=self._prepare, chunks=sizes
         )
+        reads = list(zip(futures, _rows(loads, sizes)))
         if hedge is not None:
-            kept_loads, kept_futures = [], []
-            for (e, slot), f in zip(hedge.loads, hedge.futures):
+            kept = []
+            for f, rows in hedge.reads:
                 if f.cancelled():
                     continue
-                outcome.wasted += e not in mapping  # its read started, for nothing
-                if io.slots.slot_of(e) != slot:
-                    f.cancel()  # its slot went to `experts`: the bundle is not needed
+                # Its reads started: those of experts `experts` does not hold, in vain; a
+                # row whose slot went to `experts` is not written (its bundle is not needed).
+                outcome.wasted += sum(e not in mapping for _, e, _ in rows)
+                keep = [
+                    (r, e, slot) for r, e, slot in rows if io.slots.slot_of(e) == slot
+                ]
+                if not keep:
+                    f.cancel()
                     continue
-                kept_loads.append((e, slot))
-                kept_futures.append(f)
-            loads, futures = kept_loads + loads, kept_futures + futures
+                kept.append((f, keep))
+            loads = [(e, slot) for _, rows in kept for _, e, slot in rows] + loads
+            reads = kept + reads
         io.pending = StagedSet(
             experts=experts,
             mapping=mapping,
             loads=loads,
-            futures=futures,
+            reads=reads,
             hedge=outcome,
         )
         return io.pending
@@ -637,18 +667,18 @@ class StreamingSwitchGLU(nn.Module):
             io.pending = None
         started = time.perf_counter()
         try:
-            parts = results(staged.futures)
+            parts = results([f for f, _ in staged.reads])
         except Exception:
             for e, _ in staged.loads:
                 io.slots.forget(e)
             raise
         waited = time.perf_counter() - started
         if staged.loads:
-            self._write_slots(staged.loads, parts)
+            self._write_slots(staged.loads, zip(parts, [r for _, r in staged.reads]))
         # The bundles now live in the slot writes' graph, which frees them once it has
         # run; a set kept with its step's plans would free them all on the stepping
-        # thread when the plans are dropped (at B = 8 ~2 k arrays: ~1.4 ms a step).
-        staged.futures = []
+        # thread when the plans are dropped.
+        staged.reads = []
         dropped = sum(io.slots.slot_of(e) != staged.mapping[e] for e in staged.experts)
         return waited, dropped
 
@@ -657,9 +687,10 @@ class StreamingSwitchGLU(nn.Module):
         staged, self._io.pending = self._io.pending, None
         if staged is None:
             return
-        for f in staged.futures:
+        futures = [f for f, _ in staged.reads]
+        for f in futures:
             f.cancel()
-        for f in staged.futures:
+        for f in futures:
             if not f.cancelled():
                 try:
                     f.result()
@@ -669,8 +700,20 @@ class StreamingSwitchGLU(nn.Module):
             self._io.slots.forget(e)
 
 
+def _rows(loads: list[tuple[int, int]], sizes: list[int]) -> list[list[tuple]]:
+    """Per read task of `sizes` bundles over `loads` in order: (row, expert, slot) each."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(
+            [(j, e, slot) for j, (e, slot) in enumerate(loads[start : start + n])]
+        )
+        start += n
+    return out
+
+
 class StagedSet(SimpleNamespace):
-    """A predicted expert set on its way into a layer's slots."""
+    """A predicted expert set on its way into a layer's slots: its `loads` (expert, slot)
+    and `reads`, per read task (its handle, [(row, expert, slot)] of the rows it writes)."""
 
 
 @dataclass

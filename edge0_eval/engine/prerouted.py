@@ -281,8 +281,9 @@ class Prerouter:
                 continue
             union = list(dict.fromkeys(ids[o].reshape(-1).tolist()))  # first-seen order
             hedge = None if hedges is None else hedges.get(layer)
+            # A hedge's reads (hedges None: this is one) are cancelled one by one.
             staged[layer] = s = self.blocks[layer].switch_mlp.stage_begin(
-                union, hedge=hedge
+                union, hedge=hedge, cancellable=hedges is None
             )
             if hedges is None:
                 continue

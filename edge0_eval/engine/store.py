@@ -319,6 +319,7 @@ class ExpertStore:
         self.throttle_mbps = io_throttle_mbps
         self._throttle = throttle
         self._queue = _PriorityPool(io_workers)
+        self.io_workers = io_workers
         self._buffers = threading.local()  # each I/O thread's read buffer (submit)
         self._lock = threading.Lock()
         self.stats = StoreStats()
@@ -408,38 +409,65 @@ class ExpertStore:
         """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches,
         and prefetches (priority None) are served in the order their layers run.
 
-        `prepare(buf)`, when given, runs on the I/O thread after the read and its result is the
-        future's: callers move per-bundle unpacking and copies off the thread that builds the
-        graph. `buf` is then the I/O thread's own read buffer, reused by its next read (a
-        fresh buffer a read would fault in page by page): `prepare` copies what it keeps.
+        `prepare(rows)`, when given, runs on the I/O thread after the read and its result is
+        the task's: callers move unpacking and copies off the thread that builds the graph.
+        `rows` (uint8 [bundles, bundle_stride]) is then the I/O thread's own buffer, reused by
+        its next read (a fresh buffer a read would fault in page by page): `prepare` copies
+        what it keeps. Without `prepare` the task's result is a copy of the rows.
         """
         return self.submit_many(layer, [expert], priority, prepare)[0]
 
     def submit_many(
-        self, layer: int, experts: list[int], priority: int | None = None, prepare=None
+        self,
+        layer: int,
+        experts: list[int],
+        priority: int | None = None,
+        prepare=None,
+        chunks: list[int] | None = None,
     ) -> list[QueuedTask]:
-        """`submit` for several experts of one layer, queued at once (one wake-up)."""
+        """`submit` for several experts of one layer, queued at once (one wake-up). chunks:
+        how many of `experts`, in order, each task reads, one after another into the rows of
+        its buffer (None: one each); one handle per task."""
         if priority is None:
             priority = PREFETCH + self._extent(layer)[0]
-        if prepare is None:
-            tasks = [(priority, self.read, (layer, e)) for e in experts]
-        else:
-            tasks = [
-                (priority, self._read_prepared, (layer, e, prepare)) for e in experts
-            ]
+        tasks, start = [], 0
+        for n in chunks or [1] * len(experts):
+            part = experts[start : start + n]
+            tasks.append((priority, self._read_rows, (layer, part, prepare)))
+            start += n
+        if start != len(experts):
+            raise ValueError(f"chunks {chunks} do not cover {len(experts)} experts")
         return self._queue.submit_many(tasks)
 
-    def _read_prepared(self, layer: int, expert: int, prepare):
+    def _read_rows(self, layer: int, experts: list[int], prepare):
+        stride = self._extent(layer)[2]
         buf = getattr(self._buffers, "buf", None)
-        if buf is None:
-            buf = self._buffers.buf = np.empty(self._largest, np.uint8)
-        return prepare(self.read(layer, expert, out=buf))
+        if buf is None or buf.shape[0] < len(experts):
+            buf = self._buffers.buf = np.empty((len(experts), self._largest), np.uint8)
+        for row, expert in zip(buf, experts):
+            self.read(layer, expert, out=row)
+        rows = buf[: len(experts), :stride]
+        return rows.copy() if prepare is None else prepare(rows)
 
-    def read_many(self, pairs: list[tuple[int, int]], prepare=None) -> list:
-        """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches."""
-        futures = []
+    def read_many(
+        self,
+        pairs: list[tuple[int, int]],
+        prepare=None,
+        chunks: list[int] | None = None,
+    ) -> list:
+        """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches;
+        chunks: as `submit_many`'s, over `pairs` (a chunk holds one layer's bundles)."""
+        chunks = chunks or [1] * len(pairs)
+        futures, start = [], 0
         for layer, group in itertools.groupby(pairs, key=lambda pair: pair[0]):
-            futures += self.submit_many(layer, [e for _, e in group], DEMAND, prepare)
+            experts = [e for _, e in group]
+            sizes, end = [], start + len(experts)
+            while start < end:
+                sizes.append(chunks[len(futures) + len(sizes)])
+                start += sizes[-1]
+            if start != end:
+                raise ValueError(f"a chunk of {chunks} holds more than layer {layer}")
+            futures += self.submit_many(layer, experts, DEMAND, prepare, sizes)
         return results(futures)
 
     # -- cache control ----------------------------------------------------------------------
