@@ -12,6 +12,7 @@ from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.step import Route
 from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
+from edge0_eval.formats.layout import unpack_bundle
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 
@@ -209,8 +210,6 @@ def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(
     """A plan left in flight (a sequence's last step, a batch's end) reserved slots whose
     bundles were never written; the next use of the layer drops it first, so those experts
     are read for real instead of being trusted as hits."""
-    from edge0_eval.formats.layout import unpack_bundle
-
     engine = Engine.load(
         edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
     )
@@ -232,39 +231,8 @@ def test_a_staged_set_never_finished_is_dropped_when_its_layer_is_used_again(
         engine.close()
 
 
-def test_staged_bundles_land_intact_though_an_io_thread_reuses_its_buffer(edge0_qwen):
-    """One I/O thread reads every bundle of a staged set into the same buffer: each slot must
-    hold its own expert's tensors (copied out on the I/O thread), not the last bundle read."""
-    from edge0_eval.formats.layout import unpack_bundle
-
-    engine = Engine.load(
-        edge0_qwen,
-        EngineOptions(mode="reactive", no_lora=True, slots_per_layer=8, io_workers=1),
-    )
-    try:
-        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
-        experts = [5, 0, 3, 7, 1, 6]
-        switch.stage_finish(switch.stage_begin(experts))
-        for e in experts:
-            want = unpack_bundle(
-                switch._io.layout, engine.store.read(switch._io.layer, e)
-            )
-            slot = switch.slots.slot_of(e)
-            for name, value in want.items():
-                proj, part = name.split(".")
-                got = getattr(switch.glu, proj)[part][slot]
-                assert mx.array_equal(got, mx.array(value).astype(got.dtype)).item(), (
-                    e,
-                    name,
-                )
-    finally:
-        engine.close()
-
-
 def _slots_hold(engine, switch, experts) -> None:
     """Each of `experts` sits in its slot whole: every tensor of its own bundle."""
-    from edge0_eval.formats.layout import unpack_bundle
-
     for e in experts:
         want = unpack_bundle(switch._io.layout, engine.store.read(switch._io.layer, e))
         slot = switch.slots.slot_of(e)
@@ -275,6 +243,22 @@ def _slots_hold(engine, switch, experts) -> None:
                 e,
                 name,
             )
+
+
+def test_staged_bundles_land_intact_though_an_io_thread_reuses_its_buffer(edge0_qwen):
+    """One I/O thread reads every bundle of a staged set into the same buffer: each slot must
+    hold its own expert's tensors (copied out on the I/O thread), not the last bundle read."""
+    engine = Engine.load(
+        edge0_qwen,
+        EngineOptions(mode="reactive", no_lora=True, slots_per_layer=8, io_workers=1),
+    )
+    try:
+        switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+        experts = [5, 0, 3, 7, 1, 6]
+        switch.stage_finish(switch.stage_begin(experts))
+        _slots_hold(engine, switch, experts)
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("io_workers, tasks", [(1, [4]), (2, [2, 2])])
