@@ -28,6 +28,9 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 from edge0_eval.engine.store import ExpertStore, results
 from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 
+# The most bundles one read task takes: its I/O thread keeps a buffer that many bundles long.
+RUN_BUNDLES = 8
+
 
 # -- slot bookkeeping --------------------------------------------------------------------
 @dataclass
@@ -461,10 +464,10 @@ class StreamingSwitchGLU(nn.Module):
 
     def _chunks(self, loads: list[tuple[int, int]]) -> tuple[list, list[int]]:
         """`loads` (expert, slot) in slot order, and how many each read task takes: runs of
-        consecutive slots, each cut to at most an even share of the I/O threads' work, so
-        the reads stay spread over them while each run is one slot write per tensor."""
+        consecutive slots, each cut to at most an even share of the I/O threads' work (so
+        the reads stay spread over them) and RUN_BUNDLES, each one slot write per tensor."""
         loads = sorted(loads, key=lambda load: load[1])
-        limit = -(-len(loads) // self._io.store.io_workers)
+        limit = min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
         sizes, last = [], None
         for _, slot in loads:
             if sizes and sizes[-1] < limit and slot == last + 1:
