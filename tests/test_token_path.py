@@ -159,9 +159,12 @@ def test_a_served_chat_completion_passes_through_ten_files(edge0_qwen, heads):
                 "max_tokens": 4,
                 "chat_template_kwargs": {"enable_thinking": False},
             }
-            ask = lambda: httpx.post(  # noqa: E731
-                f"{server.base}/chat/completions", json=body, timeout=60
-            )
+
+            def ask():
+                return httpx.post(
+                    f"{server.base}/chat/completions", json=body, timeout=60
+                )
+
             assert ask().status_code == 200  # every lazy first use behind it
             files.recording = True
             # The check sees a detour: the engine's own figures (engine.py) asked for.

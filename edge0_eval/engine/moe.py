@@ -462,12 +462,19 @@ class StreamingSwitchGLU(nn.Module):
             io.lut[mx.array(order, dtype=mx.int32)] = dst
         return loaded
 
-    def _chunks(self, loads: list[tuple[int, int]]) -> tuple[list, list[int]]:
+    def _chunks(
+        self, loads: list[tuple[int, int]], cancellable: bool = False
+    ) -> tuple[list, list[int]]:
         """`loads` (expert, slot) in slot order, and how many each read task takes: runs of
         consecutive slots, each cut to at most an even share of the I/O threads' work (so
-        the reads stay spread over them) and RUN_BUNDLES, each one slot write per tensor."""
+        the reads stay spread over them) and RUN_BUNDLES, each one slot write per tensor;
+        cancellable: one bundle a task, so that each read can be cancelled alone."""
         loads = sorted(loads, key=lambda load: load[1])
-        limit = min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
+        limit = (
+            1
+            if cancellable
+            else min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
+        )
         sizes, last = [], None
         for _, slot in loads:
             if sizes and sizes[-1] < limit and slot == last + 1:
@@ -508,7 +515,10 @@ class StreamingSwitchGLU(nn.Module):
         """
         runs = []  # (its arrays, first row, first slot, rows)
         for parts, rows in reads:
-            for row, _, slot in rows:
+            if len(rows) == parts[0].shape[0]:  # a whole task: one run by construction
+                runs.append((parts, 0, rows[0][2], len(rows)))
+                continue
+            for row, _, slot in rows:  # a hedge's task, in part: its rows' own runs
                 if runs:
                     last, first_row, first_slot, n = runs[-1]
                     if last is parts and (row, slot) == (first_row + n, first_slot + n):
@@ -627,9 +637,7 @@ class StreamingSwitchGLU(nn.Module):
                         io.slots.forget(e)
                     outcome.cancelled += len(rows)
         mapping, loads = io.slots.assign(experts)
-        loads, sizes = self._chunks(loads)
-        if cancellable:
-            sizes = [1] * len(loads)
+        loads, sizes = self._chunks(loads, cancellable)
         futures = io.store.submit_many(
             io.layer, [e for e, _ in loads], prepare=self._prepare, chunks=sizes
         )
