@@ -516,8 +516,8 @@ def run(args: argparse.Namespace) -> int:
                 extra = ""
                 if "stage_wait_ms_per_step" in row:
                     extra = (
-                        f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads "
-                        f"{row['head_ms_per_step']:.2f}, staged loads/step "
+                        f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads host "
+                        f"{row['head_host_ms_per_step']:.2f}, staged loads/step "
                         f"{row['staged_loads_per_step']:.1f}"
                     )
                     if row.get("online_recall") is not None:
@@ -526,8 +526,8 @@ def run(args: argparse.Namespace) -> int:
                         extra += (
                             f", hedge {row['hedge_kind']} precision "
                             f"{row['hedge_precision']:.3f} (layers "
-                            f"{len(row['hedge_layers'])}, heads "
-                            f"{row['hedge_ms_per_step']:.2f} ms, wasted loads/step "
+                            f"{len(row['hedge_layers'])}, heads host "
+                            f"{row['hedge_host_ms_per_step']:.2f} ms, wasted loads/step "
                             f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
                             f"{row['hedge_cancelled_per_step']:.1f})"
                         )

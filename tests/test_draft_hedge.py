@@ -116,6 +116,32 @@ def test_a_whole_vocabulary_draft_is_the_routing(drafted):
         engine.close()
 
 
+def test_heads_host_time_leaves_out_the_steps_compute(drafted):
+    """The heads' and the hedge's host figures are their graph building and selection, not
+    the wait for the step's layers (their features' inputs): with every evaluation slowed by
+    SLOW seconds, they stay far below it (counting the wait they would exceed it)."""
+    converted, heads, _, vocab, _, _, tmp = drafted
+    engine = _engine(
+        converted, heads, _vocab(tmp, "slow.safetensors", range(vocab), vocab)
+    )
+    slow, real = 0.05, engine.counters.evaluate
+
+    def slowed(*arrays, wait=mx.eval):
+        real(*arrays, wait=lambda *a: (wait(*a), time.sleep(slow)))
+
+    engine.counters.evaluate = slowed
+    try:
+        waits = engine.counters.eval_wait_seconds
+        _decode_logits(engine, steps=3)
+        stats, c = engine.stats(), engine.counters
+        steps = stats["prerouted_steps"]
+        assert steps == 3 and c.eval_wait_seconds - waits >= 2 * slow * (steps + 1)
+        assert 0 < stats["head_host_ms_per_step"] < 1000 * slow / 2
+        assert 0 < stats["hedge_host_ms_per_step"] < 1000 * slow / 2
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("slots", [None, "top_k"])
 def test_a_draft_that_misses_changes_no_logit(drafted, slots):
     """A slice that holds some of the greedy tokens and not others: the steps whose draft

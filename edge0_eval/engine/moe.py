@@ -171,8 +171,11 @@ class Counters:
     abandoned_plans: int = 0  # batched decode: layer plans dropped as rows left/joined
     dropped_experts: int = 0  # planned experts absent from the slots at execution: 0
     stage_wait_seconds: float = 0.0
-    head_seconds: float = 0.0
-    hedge_seconds: float = 0.0
+    # The heads' (and a hedge's) host time: building their graphs and reading the selection,
+    # outside evaluation: their inputs are the step's layers, so waiting for the selection
+    # is waiting for the step's compute (counted in eval_wait_seconds).
+    head_host_seconds: float = 0.0
+    hedge_host_seconds: float = 0.0
     hedge_staged: int = 0  # experts the hedge staged (per hedged layer per step)
     hedge_hits: int = 0  # of those, in the routed set
     hedge_cancelled: int = 0  # misses whose reads never started

@@ -221,12 +221,13 @@ class Prerouter:
         `plans.feats` (next-token heads: with the embeddings of `tokens` [B], or the hedge's
         selection when every row's token is its draft); with `stage`, each layer's union of
         its rows' sets starts loading, in the order the step runs its layers."""
-        started = time.perf_counter()
+        c = self.counters
+        started, waits = time.perf_counter(), c.eval_wait_seconds
         selected = None
         if self.next_token and plans.drafted is not None:
             matches = int((np.array(tokens) == plans.drafted[0]).sum())
-            self.counters.draft_rows += len(plans.drafted[0])
-            self.counters.draft_matches += matches
+            c.draft_rows += len(plans.drafted[0])
+            c.draft_matches += matches
             if matches == len(plans.drafted[0]):
                 selected = plans.drafted[1]
         if selected is None:
@@ -239,8 +240,10 @@ class Prerouter:
         inds = selected[0]  # [O, B, K]
         staged = {}
         if stage:
-            self.counters.evaluate(inds, plans.onehot)
-            self.counters.head_seconds += time.perf_counter() - started
+            c.evaluate(inds, plans.onehot)
+            c.head_host_seconds += (
+                time.perf_counter() - started - (c.eval_wait_seconds - waits)
+            )
             staged = self._stage(np.array(inds), self.consumers, plans.hedges)
         layers = {
             self.consumers[o]: (inds[o][:, None], staged.get(self.consumers[o]))
@@ -251,14 +254,17 @@ class Prerouter:
     def hedge(self, plans: Plans, h: mx.array, samplers: list | None) -> Plans:
         """Draft each row's next token (with its sampler's noise, where it samples), select
         the next-token heads' sets at the drafts and start reading the hedged layers'."""
-        started = time.perf_counter()
+        c = self.counters
+        started, waits = time.perf_counter(), c.eval_wait_seconds
         tokens = self.draft(h, samplers)
         selected = self.rule.select(
             self.heads(append_next_embedding(plans.feats, self.embedding(tokens))),
             self.top_k,
         )
-        self.counters.evaluate(tokens, selected)
-        self.counters.hedge_seconds += time.perf_counter() - started
+        c.evaluate(tokens, selected)
+        c.hedge_host_seconds += (
+            time.perf_counter() - started - (c.eval_wait_seconds - waits)
+        )
         hedges = self._stage(np.array(selected[0]), self.draft_layers)
         return Plans(
             plans.feats,
@@ -358,7 +364,7 @@ class Prerouter:
             if c.staged_layers
             else 0.0,
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
-            "head_ms_per_step": 1000 * c.head_seconds / steps,
+            "head_host_ms_per_step": 1000 * c.head_host_seconds / steps,
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": self.wrap is not None,
             # Chunks (teacher forcing, prefill pieces with plans) under a wrap-around head.
@@ -377,7 +383,7 @@ class Prerouter:
                     else None,
                     "hedge_cancelled_per_step": c.hedge_cancelled / steps,
                     "hedge_wasted_loads_per_step": c.hedge_wasted / steps,
-                    "hedge_ms_per_step": 1000 * c.hedge_seconds / steps,
+                    "hedge_host_ms_per_step": 1000 * c.hedge_host_seconds / steps,
                     "draft_match_rate": c.draft_matches / c.draft_rows
                     if c.draft_rows
                     else None,
