@@ -119,12 +119,12 @@ def test_a_whole_vocabulary_draft_is_the_routing(drafted):
 def test_heads_host_time_leaves_out_the_steps_compute(drafted):
     """The heads' and the hedge's host figures are their graph building and selection, not
     the wait for the step's layers (their features' inputs): with every evaluation slowed by
-    SLOW seconds, they stay far below it (counting the wait they would exceed it)."""
+    0.1 s, they stay under half of that a step (counting the wait they would exceed it)."""
     converted, heads, _, vocab, _, _, tmp = drafted
     engine = _engine(
         converted, heads, _vocab(tmp, "slow.safetensors", range(vocab), vocab)
     )
-    slow, real = 0.05, engine.counters.evaluate
+    slow, real = 0.1, engine.counters.evaluate
 
     def slowed(*arrays, wait=mx.eval):
         real(*arrays, wait=lambda *a: (wait(*a), time.sleep(slow)))
