@@ -518,7 +518,8 @@ def run(args: argparse.Namespace) -> int:
                     extra = (
                         f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads host "
                         f"{row['head_host_ms_per_step']:.2f}, staged loads/step "
-                        f"{row['staged_loads_per_step']:.1f}"
+                        f"{row['staged_loads_per_step']:.1f}, early evals/step "
+                        f"{row['early_evals_per_step']:.1f}"
                     )
                     if row.get("online_recall") is not None:
                         extra += f", online recall {row['online_recall']:.3f}"

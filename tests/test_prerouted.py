@@ -1,6 +1,7 @@
 """Prerouted decode: prediction-as-routing with staged reads."""
 
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -9,8 +10,9 @@ from perturbed_heads import perturbed_heads
 
 from edge0_eval.engine import moe as moe_module
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.moe import StagedSet
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.step import Route
+from edge0_eval.engine.step import Plans, Route
 from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.layout import unpack_bundle
@@ -309,3 +311,77 @@ def test_a_run_of_slots_is_read_by_one_task_and_a_hedge_keeps_rows_of_it(
         _slots_hold(engine, switch, [0, 3, 1, 2])
     finally:
         engine.close()
+
+
+class _Task:
+    def __init__(self, done: bool):
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+
+def _plans(done: dict) -> Plans:
+    """Plans over layers `done` ({layer: None (not staged) or whether its reads are done})."""
+    return Plans(
+        layers={
+            n: (None, None if d is None else StagedSet(reads=[(_Task(d), [])]))
+            for n, d in done.items()
+        }
+    )
+
+
+def test_a_layer_starts_the_compute_only_where_reads_are_in_flight():
+    """The step's first staged layer starts the earlier layers' compute; a later one does
+    only while reads of it or of a layer after it are still in flight."""
+    assert _plans({1: True, 2: True, 3: True}).overlap(1)  # the first: always
+    landed = _plans({1: True, 2: True, 3: True})
+    assert not landed.overlap(2) and not landed.overlap(3)
+    tail = _plans({1: True, 2: True, 3: None, 4: False})
+    assert tail.overlap(2) and tail.overlap(4)
+    early = _plans({1: None, 2: True, 3: False, 4: True})
+    assert early.overlap(2)  # layer 1 is not staged: 2 is the first
+    assert early.overlap(3) and not early.overlap(4)
+
+
+def test_early_evaluations_follow_the_reads(model_and_heads):
+    """Decode with every staged read landed before its step (a pause between steps): one
+    early evaluation a step, at its first staged layer. With one I/O thread and slow reads,
+    a later layer finds its reads in flight and starts the compute too."""
+    converted, heads_path, _ = model_and_heads
+    probe = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
+    k = probe.top_k  # K slots: a step's set is mostly read
+    probe.close()
+    counts = {}
+    for case in ("landed", "slow"):
+        engine = Engine.load(
+            converted,
+            EngineOptions(
+                mode="prerouted",
+                prerouter_path=str(heads_path),
+                slots_per_layer=k,
+                io_workers=1 if case == "slow" else 4,
+            ),
+        )
+        if case == "slow":
+            read = engine.store.read
+
+            def slow_read(*args, **kwargs):
+                time.sleep(0.02)
+                return read(*args, **kwargs)
+
+            engine.store.read = slow_read
+        try:
+            sequence = engine.sequence()
+            token = int(mx.argmax(sequence.prefill(engine.tokenizer.encode(PROMPT))))
+            before = engine.counters.early_evals
+            for _ in range(4):
+                if case == "landed":
+                    time.sleep(0.2)
+                token = int(mx.argmax(sequence.step(token)))
+            counts[case] = engine.counters.early_evals - before
+        finally:
+            engine.close()
+    assert len(engine.prerouter.consumers) >= 2, counts
+    assert counts["landed"] == 4, counts
+    assert counts["slow"] > 4, counts

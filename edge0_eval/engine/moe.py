@@ -171,6 +171,8 @@ class Counters:
     abandoned_plans: int = 0  # batched decode: layer plans dropped as rows left/joined
     dropped_experts: int = 0  # planned experts absent from the slots at execution: 0
     stage_wait_seconds: float = 0.0
+    # Staged layers whose wait first started the earlier layers' compute (Plans.overlap).
+    early_evals: int = 0
     # The heads' (and a hedge's) host time: building their graphs and reading the selection,
     # outside evaluation: their inputs are the step's layers, so waiting for the selection
     # is waiting for the step's compute (counted in eval_wait_seconds).

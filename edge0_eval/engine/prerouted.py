@@ -364,6 +364,7 @@ class Prerouter:
             if c.staged_layers
             else 0.0,
             "stage_wait_ms_per_step": 1000 * c.stage_wait_seconds / steps,
+            "early_evals_per_step": c.early_evals / steps,
             "head_host_ms_per_step": 1000 * c.head_host_seconds / steps,
             "prerouter_owners": len(self.owners),
             "prerouter_wrap_around": self.wrap is not None,

@@ -383,6 +383,21 @@ class Plans:
     # (draft tokens [B], the heads' (ids, weights) at them)
     drafted: tuple | None = None
 
+    def overlap(self, layer: int) -> bool:
+        """Whether staged layer `layer` starts the compute of the layers before it ahead of
+        waiting for its reads: at the step's first staged layer (so compute runs while the
+        rest is built), and wherever reads of it or a later staged layer are still in flight
+        (so compute runs while they land). Else the step's own evaluation starts it: each
+        evaluation call costs the building thread more than its own time (reports/perf.md
+        (HW))."""
+        staged = {n: s for n, (_, s) in self.layers.items() if s is not None}
+        return layer == min(staged) or any(
+            not task.done()
+            for n, s in staged.items()
+            if n >= layer
+            for task, _ in s.reads
+        )
+
     def take(self, rows: list[int]) -> "Plans":
         """The row state of `rows`, in that order; whatever was planned is dropped."""
         if self.feats is None or not rows:
@@ -676,8 +691,9 @@ class DecodeStep:
         if plan is not None:
             inds, staged = plan
             if staged is not None:
-                if layer > 0:  # earlier layers compute while its reads finish
+                if layer > 0 and plans.overlap(layer):
                     self.counters.evaluate(h, wait=mx.async_eval)
+                    self.counters.early_evals += 1
                 self.prerouter.finish(layer, staged)
             if (
                 ahead is None
