@@ -345,9 +345,9 @@ def test_a_layer_starts_the_compute_only_where_reads_are_in_flight():
 
 
 def test_early_evaluations_follow_the_reads(model_and_heads):
-    """Decode with every staged read landed before its step (a pause between steps): one
-    early evaluation a step, at its first staged layer. With one I/O thread and slow reads,
-    a later layer finds its reads in flight and starts the compute too."""
+    """Decode with every staged read landed before its step: one early evaluation a step,
+    at its first staged layer. With one I/O thread and slow reads, a later layer finds its
+    reads in flight and starts the compute too."""
     converted, heads_path, _ = model_and_heads
     probe = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
     k = probe.top_k  # K slots: a step's set is mostly read
@@ -376,8 +376,10 @@ def test_early_evaluations_follow_the_reads(model_and_heads):
             token = int(mx.argmax(sequence.prefill(engine.tokenizer.encode(PROMPT))))
             before = engine.counters.early_evals
             for _ in range(4):
-                if case == "landed":
-                    time.sleep(0.2)
+                if case == "landed":  # every staged read lands before the step
+                    for _, staged in sequence.plans.layers.values():
+                        for task, _ in staged.reads:
+                            task.result(timeout=10)
                 token = int(mx.argmax(sequence.step(token)))
             counts[case] = engine.counters.early_evals - before
         finally:
