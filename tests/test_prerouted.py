@@ -332,8 +332,8 @@ def _plans(done: dict) -> Plans:
 
 
 def test_a_layer_starts_the_compute_only_where_reads_are_in_flight():
-    """The step's first staged layer starts the earlier layers' compute; a later one does
-    only while reads of it or of a layer after it are still in flight."""
+    """The step's first staged layer after layer 0 starts the earlier layers' compute; a
+    later one does only while reads of it or of a layer after it are still in flight."""
     assert _plans({1: True, 2: True, 3: True}).overlap(1)  # the first: always
     landed = _plans({1: True, 2: True, 3: True})
     assert not landed.overlap(2) and not landed.overlap(3)
@@ -342,6 +342,8 @@ def test_a_layer_starts_the_compute_only_where_reads_are_in_flight():
     early = _plans({1: None, 2: True, 3: False, 4: True})
     assert early.overlap(2)  # layer 1 is not staged: 2 is the first
     assert early.overlap(3) and not early.overlap(4)
+    wrap = _plans({0: True, 1: True, 2: True})  # a wrap head's layer 0 starts nothing
+    assert wrap.overlap(1) and not wrap.overlap(2)
 
 
 def test_early_evaluations_follow_the_reads(model_and_heads):

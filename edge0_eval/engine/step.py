@@ -384,13 +384,13 @@ class Plans:
     drafted: tuple | None = None
 
     def overlap(self, layer: int) -> bool:
-        """Whether staged layer `layer` starts the compute of the layers before it ahead of
-        waiting for its reads: at the step's first staged layer (so compute runs while the
-        rest is built), and wherever reads of it or a later staged layer are still in flight
-        (so compute runs while they land). Else the step's own evaluation starts it: each
-        evaluation call costs the building thread more than its own time (reports/perf.md
-        (HW))."""
-        staged = {n: s for n, (_, s) in self.layers.items() if s is not None}
+        """Whether staged layer `layer` (> 0) starts the compute of the layers before it
+        ahead of waiting for its reads: at the step's first staged layer after layer 0 (so
+        compute runs while the rest is built; before layer 0 there is none), and wherever
+        reads of it or a later staged layer are still in flight (so compute runs while they
+        land). Else the step's own evaluation starts it: each evaluation call costs the
+        building thread more than its own time (reports/perf.md (HW))."""
+        staged = {n: s for n, (_, s) in self.layers.items() if n > 0 and s is not None}
         return layer == min(staged) or any(
             not task.done()
             for n, s in staged.items()
