@@ -98,6 +98,24 @@ SETTLE_NS = 2_000_000_000
 _QUEUED, _RUNNING, _DONE, _CANCELLED = range(4)
 
 
+class _Group(threading.Condition):
+    """The condition of tasks queued together, and how many of them are not done yet. It
+    wakes its waiters when the last one is done, or at each task while someone waits for
+    tasks one by one (`watchers`): a thread waiting for a whole layer's reads is woken once,
+    not once per read (each wake-up costs the waiting thread CPU time)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = self.remaining = size
+        self.watchers = 0
+
+    def task_done(self) -> None:
+        """One task is done (finished or cancelled); called holding the condition."""
+        self.remaining -= 1
+        if self.remaining == 0 or self.watchers:
+            self.notify_all()
+
+
 class QueuedTask:
     """A queued task's handle: as much of a Future as the engine uses (cancel, cancelled,
     running, done, result), lighter. The tasks queued together share one condition, so
@@ -106,7 +124,7 @@ class QueuedTask:
 
     __slots__ = ("_group", "_state", "_value", "_error")
 
-    def __init__(self, group: threading.Condition):
+    def __init__(self, group: _Group):
         self._group, self._state, self._value, self._error = group, _QUEUED, None, None
 
     def cancel(self) -> bool:
@@ -114,7 +132,7 @@ class QueuedTask:
         with self._group:
             if self._state == _QUEUED:
                 self._state = _CANCELLED
-                self._group.notify_all()
+                self._group.task_done()
             return self._state == _CANCELLED
 
     def cancelled(self) -> bool:
@@ -128,11 +146,14 @@ class QueuedTask:
 
     def result(self, timeout: float | None = None):
         """The task's result (its exception raised); waits for it to finish."""
-        with self._group:
-            if not self._group.wait_for(
-                lambda: self._state in (_DONE, _CANCELLED), timeout
-            ):
-                raise TimeoutError("the read did not finish in time")
+        group = self._group
+        with group:
+            group.watchers += 1
+            try:
+                if not group.wait_for(lambda: self._state >= _DONE, timeout):
+                    raise TimeoutError("the read did not finish in time")
+            finally:
+                group.watchers -= 1
         if self._state == _CANCELLED:
             raise CancelledError()
         if self._error is not None:
@@ -149,19 +170,27 @@ class QueuedTask:
     def _finish(self, value, error: BaseException | None) -> None:
         with self._group:
             self._value, self._error, self._state = value, error, _DONE
-            self._group.notify_all()
+            self._group.task_done()
 
 
 def results(tasks: list[QueuedTask]) -> list:
     """`[t.result() for t in tasks]`, waiting once per group of tasks queued together
     (`submit_many`) rather than taking each task's lock in turn: a layer's staged reads
-    are usually done when the layer needs them, and then this is one pass over them."""
+    are usually done when the layer needs them, and then this is one pass over them.
+    Waiting for a whole group is woken once, by its last task."""
     for t in tasks:
         if t._state < _DONE:  # unfinished: wait for its group's tasks among `tasks`
             group = t._group
             mine = [u for u in tasks if u._group is group]
             with group:
-                group.wait_for(lambda: all(u._state >= _DONE for u in mine))
+                if len(mine) == group.size:
+                    group.wait_for(lambda: group.remaining == 0)
+                    continue
+                group.watchers += 1
+                try:
+                    group.wait_for(lambda: all(u._state >= _DONE for u in mine))
+                finally:
+                    group.watchers -= 1
     out = []
     for t in tasks:
         # _finish sets the value before the state, so a finished task's value is there.
@@ -195,7 +224,7 @@ class _PriorityPool:
 
     def submit_many(self, tasks: list[tuple]) -> list[QueuedTask]:
         """Queue (priority, fn, args) tasks at once; their handles in that order."""
-        group = threading.Condition()
+        group = _Group(len(tasks))
         handles = [QueuedTask(group) for _ in tasks]
         with self._ready:
             for handle, (priority, fn, args) in zip(handles, tasks):
