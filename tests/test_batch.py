@@ -247,6 +247,23 @@ def test_slot_pool_resize_keeps_the_residents_below_the_cut():
     assert loads == [(13, mapping[13])] and mapping[13] < 3  # read again, in range
 
 
+def test_a_staged_set_whose_slots_were_taken_counts_its_dropped_experts(edge0_qwen):
+    """The check behind `dropped_experts == 0` elsewhere: a staged set whose expert lost
+    its slot before the set ran counts it."""
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+    )
+    try:
+        switch = engine.blocks[engine.moe_layers[1]].switch_mlp
+        staged = switch.stage_begin([0, 1, 2, 3])
+        assert switch.stage_finish(staged)[1] == 0  # nothing took its slots
+        staged = switch.stage_begin([4, 5])
+        switch.slots.forget(4)  # as a failed load does
+        assert switch.stage_finish(staged)[1] == 1
+    finally:
+        engine.close()
+
+
 def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
     prompts = [engine.tokenizer.encode(t) for t in TEXTS[:3]]
