@@ -49,8 +49,8 @@ def test_waiting_for_a_layers_reads_wakes_once(pool, monkeypatch):
     handles, gates = _queue(pool, 4)
     _release(gates, 0.05)  # the tasks finish one by one while results() waits
     assert store.results(handles) == [0, 1, 2, 3]
-    # Woken by each task it would wait 4 times; by the last one, once (twice if the first
-    # wait began after the last task finished, which the pauses make rare).
+    # Woken by each task it would wait 4 times; by the last one, once (a spurious wake-up
+    # may add one).
     assert len(waits) <= 2, f"results() waited {len(waits)} times for 4 tasks"
 
 
