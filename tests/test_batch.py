@@ -26,7 +26,9 @@ from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.moe import LayerSlots, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.rows import StopRule
+from edge0_eval.engine.store import results as read_results
 from edge0_eval.errors import ConfigError
+from edge0_eval.formats.layout import unpack_bundle
 
 TOL = 0.0 if mx.default_device() == mx.cpu else 2e-2
 MAX_TOKENS = 8
@@ -260,6 +262,33 @@ def test_a_staged_set_whose_slots_were_taken_counts_its_dropped_experts(edge0_qw
         staged = switch.stage_begin([4, 5])
         switch.slots.forget(4)  # as a failed load does
         assert switch.stage_finish(staged)[1] == 1
+    finally:
+        engine.close()
+
+
+def test_a_set_finished_after_it_was_dropped_writes_no_slot_it_lost(edge0_qwen):
+    """A staged set whose reads landed, then dropped by a load on its layer (which gave
+    its slots to other experts), and finished anyway: those experts keep their own bundles,
+    and the set's experts count as dropped."""
+    engine = Engine.load(
+        edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+    )
+    try:
+        switch = engine.blocks[engine.moe_layers[1]].switch_mlp
+        switch.load_experts([0, 1, 2, 3])
+        staged = switch.stage_begin([4, 5])
+        read_results([task for task, _ in staged.reads])  # its reads have landed
+        switch.load_experts([6, 7])  # drops the set: its slots go to 6 and 7
+        assert switch.stage_finish(staged)[1] == 2
+        for e in switch.slots.resident_experts:
+            want = unpack_bundle(
+                switch._io.layout, engine.store.read(switch._io.layer, e)
+            )
+            slot = switch.slots.slot_of(e)
+            assert mx.array_equal(
+                switch.glu.gate_proj["weight"][slot], mx.array(want["gate_proj.weight"])
+            ).item(), (e, slot)
+        assert sorted(switch.slots.resident_experts) == [2, 3, 6, 7]
     finally:
         engine.close()
 

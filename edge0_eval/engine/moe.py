@@ -679,7 +679,8 @@ class StreamingSwitchGLU(nn.Module):
         Returns (seconds blocked waiting, experts missing from the slots afterwards).
         """
         io = self._io
-        if io.pending is staged:
+        intact = io.pending is staged  # nothing else has used the layer's slots since
+        if intact:
             io.pending = None
         started = time.perf_counter()
         try:
@@ -689,8 +690,18 @@ class StreamingSwitchGLU(nn.Module):
                 io.slots.forget(e)
             raise
         waited = time.perf_counter() - started
-        if staged.loads:
-            self._write_slots(staged.loads, zip(parts, [r for _, r in staged.reads]))
+        loads, rows = staged.loads, [r for _, r in staged.reads]
+        if not intact:
+            # Dropped (a load, a resize or another set used the slots) or taken over by a
+            # routed set after its reads landed: a slot that went to another expert must
+            # not receive this set's bundle, so only the rows still theirs are written.
+            holds = io.slots.slot_of
+            loads = [(e, slot) for e, slot in loads if holds(e) == slot]
+            rows = [
+                [(r, e, slot) for r, e, slot in rs if holds(e) == slot] for rs in rows
+            ]
+        if loads:
+            self._write_slots(loads, [(p, rs) for p, rs in zip(parts, rows) if rs])
         # The bundles now live in the slot writes' graph, which frees them once it has
         # run; a set kept with its step's plans would free them all on the stepping
         # thread when the plans are dropped.
