@@ -266,18 +266,25 @@ def test_a_staged_set_whose_slots_were_taken_counts_its_dropped_experts(edge0_qw
         engine.close()
 
 
-def test_a_set_finished_after_it_was_dropped_writes_no_slot_it_lost(edge0_qwen):
-    """A staged set whose reads landed, then dropped by a load on its layer (which gave
-    its slots to other experts), and finished anyway: those experts keep their own bundles,
-    and the set's experts count as dropped."""
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_set_finished_after_it_was_dropped_writes_no_slot_it_lost(edge0_qwen, landed):
+    """A staged set dropped by a load on its layer (which gave its slots to other experts)
+    and finished anyway, its reads landed or still queued (then cancelled): those experts
+    keep their own bundles, nothing raises, and the set's experts count as dropped."""
+    probe = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
+    stride = probe.index.layout(probe.moe_layers[1]).bundle_stride
+    probe.close()
+    slow = {} if landed else dict(io_workers=1, io_throttle_mbps=stride / 0.05 / 1e6)
     engine = Engine.load(
-        edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+        edge0_qwen,
+        EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4, **slow),
     )
     try:
         switch = engine.blocks[engine.moe_layers[1]].switch_mlp
         switch.load_experts([0, 1, 2, 3])
         staged = switch.stage_begin([4, 5])
-        read_results([task for task, _ in staged.reads])  # its reads have landed
+        if landed:
+            read_results([task for task, _ in staged.reads])
         switch.load_experts([6, 7])  # drops the set: its slots go to 6 and 7
         assert switch.stage_finish(staged)[1] == 2
         for e in switch.slots.resident_experts:

@@ -682,19 +682,25 @@ class StreamingSwitchGLU(nn.Module):
         intact = io.pending is staged  # nothing else has used the layer's slots since
         if intact:
             io.pending = None
+        # Dropped (a load, a resize or another set used the slots) or taken over by a
+        # routed set: its cancelled reads' experts were forgotten, and a slot that went to
+        # another expert must not receive its bundle, so only the rows still theirs are
+        # written.
+        reads = (
+            staged.reads
+            if intact
+            else [(f, rs) for f, rs in staged.reads if not f.cancelled()]
+        )
         started = time.perf_counter()
         try:
-            parts = results([f for f, _ in staged.reads])
+            parts = results([f for f, _ in reads])
         except Exception:
             for e, _ in staged.loads:
                 io.slots.forget(e)
             raise
         waited = time.perf_counter() - started
-        loads, rows = staged.loads, [r for _, r in staged.reads]
+        loads, rows = staged.loads, [r for _, r in reads]
         if not intact:
-            # Dropped (a load, a resize or another set used the slots) or taken over by a
-            # routed set after its reads landed: a slot that went to another expert must
-            # not receive this set's bundle, so only the rows still theirs are written.
             holds = io.slots.slot_of
             loads = [(e, slot) for e, slot in loads if holds(e) == slot]
             rows = [
