@@ -115,6 +115,15 @@ class _Group(threading.Condition):
         if self.remaining == 0 or self.watchers:
             self.notify_all()
 
+    def watch(self, predicate, timeout: float | None = None) -> bool:
+        """`wait_for(predicate)`, woken at every task meanwhile (for a predicate on some of
+        the tasks); called holding the condition."""
+        self.watchers += 1
+        try:
+            return self.wait_for(predicate, timeout)
+        finally:
+            self.watchers -= 1
+
 
 class QueuedTask:
     """A queued task's handle: as much of a Future as the engine uses (cancel, cancelled,
@@ -146,14 +155,9 @@ class QueuedTask:
 
     def result(self, timeout: float | None = None):
         """The task's result (its exception raised); waits for it to finish."""
-        group = self._group
-        with group:
-            group.watchers += 1
-            try:
-                if not group.wait_for(lambda: self._state >= _DONE, timeout):
-                    raise TimeoutError("the read did not finish in time")
-            finally:
-                group.watchers -= 1
+        with self._group:
+            if not self._group.watch(lambda: self._state >= _DONE, timeout):
+                raise TimeoutError("the read did not finish in time")
         if self._state == _CANCELLED:
             raise CancelledError()
         if self._error is not None:
@@ -185,12 +189,8 @@ def results(tasks: list[QueuedTask]) -> list:
             with group:
                 if len(mine) == group.size:
                     group.wait_for(lambda: group.remaining == 0)
-                    continue
-                group.watchers += 1
-                try:
-                    group.wait_for(lambda: all(u._state >= _DONE for u in mine))
-                finally:
-                    group.watchers -= 1
+                else:
+                    group.watch(lambda: all(u._state >= _DONE for u in mine))
     out = []
     for t in tasks:
         # _finish sets the value before the state, so a finished task's value is there.
