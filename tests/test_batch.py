@@ -28,7 +28,7 @@ from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.rows import StopRule
 from edge0_eval.engine.store import results as read_results
 from edge0_eval.errors import ConfigError
-from edge0_eval.formats.layout import unpack_bundle
+from edge0_eval.formats.layout import ExpertIndex, unpack_bundle
 
 TOL = 0.0 if mx.default_device() == mx.cpu else 2e-2
 MAX_TOKENS = 8
@@ -271,9 +271,8 @@ def test_a_set_finished_after_it_was_dropped_writes_no_slot_it_lost(edge0_qwen, 
     """A staged set dropped by a load on its layer (which gave its slots to other experts)
     and finished anyway, its reads landed or still queued (then cancelled): those experts
     keep their own bundles, nothing raises, and the set's experts count as dropped."""
-    probe = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
-    stride = probe.index.layout(probe.moe_layers[1]).bundle_stride
-    probe.close()
+    index = ExpertIndex.load(edge0_qwen)
+    stride = index.layout(index.moe_layers[1]).bundle_stride
     slow = {} if landed else dict(io_workers=1, io_throttle_mbps=stride / 0.05 / 1e6)
     engine = Engine.load(
         edge0_qwen,
