@@ -582,13 +582,13 @@ def test_host_work_leaves_out_read_waits(edge0_qwen, monkeypatch):
     engine = Engine.load(
         edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
     )
-    read = engine.store.read
+    read = engine.store.read_into
 
     def slow_read(*args, **kwargs):
         time.sleep(0.1)
         return read(*args, **kwargs)
 
-    monkeypatch.setattr(engine.store, "read", slow_read)
+    monkeypatch.setattr(engine.store, "read_into", slow_read)
     prompt = engine.tokenizer.encode(TEXTS[1])
     s = engine.generate(prompt, max_tokens=4, stop_token_ids=set()).stats
     engine.close()

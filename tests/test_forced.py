@@ -123,9 +123,9 @@ def test_a_piece_reads_and_computes_each_expert_pair_once(forced_student, monkey
         reads, pairs = [], {}
         read_many = engine.store.read_many
 
-        def spy_reads(keys, prepare, chunks=None):
+        def spy_reads(keys, sink, chunks=None):
             reads.extend(keys)
-            return read_many(keys, prepare, chunks)
+            return read_many(keys, sink, chunks)
 
         layer_of = {id(b.switch_mlp.glu): layer for layer, b in engine.blocks.items()}
         call = SwitchGLU.__call__

@@ -152,9 +152,9 @@ def test_a_layer_pass_reads_each_expert_once(forced_student, monkeypatch):
         read_many = engine.store.read_many
         layer_pass = LayerMajor._layer
 
-        def spy_reads(keys, prepare, chunks=None):
+        def spy_reads(keys, sink, chunks=None):
             passes[-1].extend(keys)
-            return read_many(keys, prepare, chunks)
+            return read_many(keys, sink, chunks)
 
         def spy_pass(self, i, *args):
             passes.append([])

@@ -65,17 +65,17 @@ def _inject_after(store, n_reads: int, fault, path) -> threading.Event:
     """Run `fault(path)` once, just before the store's n-th read from now; the event is set
     as it starts (reads already under way may see the change before it has finished)."""
     done, lock, count = threading.Event(), threading.Lock(), [0]
-    original = store.read
+    original = store.read_into
 
-    def read(layer, expert, **kwargs):
+    def read(layer, expert, pieces):
         with lock:
             count[0] += 1
             if count[0] == n_reads and not done.is_set():
                 done.set()
                 fault(path)
-        return original(layer, expert, **kwargs)
+        return original(layer, expert, pieces)
 
-    store.read = read
+    store.read_into = read
     return done
 
 
@@ -200,17 +200,17 @@ def test_generate_zeroed_in_place_stops_and_writes_nothing(
     path = model / EXPERTS_NAME
     _quiet(path)
     seen, injected, lock = set(), threading.Event(), threading.Lock()
-    original = ExpertStore.read
+    original = ExpertStore.read_into
 
-    def read(store, layer, expert, **kwargs):
+    def read(store, layer, expert, pieces):
         with lock:
             if len(seen) == len(_all_bundles(store)) and not injected.is_set():
                 injected.set()
                 _zero(path)
             seen.add((layer, expert))
-        return original(store, layer, expert, **kwargs)
+        return original(store, layer, expert, pieces)
 
-    monkeypatch.setattr(ExpertStore, "read", read)
+    monkeypatch.setattr(ExpertStore, "read_into", read)
     out = tmp_path / "gen.json"
     code = main(
         [

@@ -188,16 +188,23 @@ def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
         layers = list(store.index.moe_layers)
         assert len(layers) >= 3
         gate, order = threading.Event(), []
-        hold = store.submit(layers[0], 0, DEMAND, prepare=lambda buf: gate.wait(10))
 
-        def note(tag):
-            return lambda buf: order.append(tag)
+        def then(layer, fn):
+            """A sink: the bundle into a scratch buffer, then fn on the I/O thread."""
+            stride = store.index.layout(layer).bundle_stride
+            return lambda m: ([[np.empty(stride, np.uint8)]] * m, fn)
 
+        def note(layer, tag):
+            return then(layer, lambda: order.append(tag))
+
+        hold = store.submit(
+            layers[0], 0, DEMAND, sink=then(layers[0], lambda: gate.wait(10))
+        )
         futures = [
-            store.submit(layers[2], 1, prepare=note(2)),
-            store.submit(layers[1], 1, prepare=note(1)),
-            store.submit(layers[0], 1, prepare=note(0)),
-            store.submit(layers[2], 2, DEMAND, prepare=note("demand")),
+            store.submit(layers[2], 1, sink=note(layers[2], 2)),
+            store.submit(layers[1], 1, sink=note(layers[1], 1)),
+            store.submit(layers[0], 1, sink=note(layers[0], 0)),
+            store.submit(layers[2], 2, DEMAND, sink=note(layers[2], "demand")),
         ]
         gate.set()
         for f in [hold] + futures:
@@ -287,9 +294,9 @@ def test_a_run_of_slots_is_read_by_one_task_and_a_hedge_keeps_rows_of_it(
     )
     queued, submit_many = [], engine.store.submit_many
 
-    def spy(layer, experts, priority=None, prepare=None, chunks=None):
+    def spy(layer, experts, priority=None, sink=None, chunks=None):
         queued.append(list(chunks or [1] * len(experts)))
-        return submit_many(layer, experts, priority, prepare, chunks)
+        return submit_many(layer, experts, priority, sink, chunks)
 
     monkeypatch.setattr(engine.store, "submit_many", spy)
     try:
@@ -366,13 +373,13 @@ def test_early_evaluations_follow_the_reads(model_and_heads):
             ),
         )
         if case == "slow":
-            read = engine.store.read
+            read = engine.store.read_into
 
             def slow_read(*args, **kwargs):
                 time.sleep(0.02)
                 return read(*args, **kwargs)
 
-            engine.store.read = slow_read
+            engine.store.read_into = slow_read
         try:
             sequence = engine.sequence()
             token = int(mx.argmax(sequence.prefill(engine.tokenizer.encode(PROMPT))))

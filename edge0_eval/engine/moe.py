@@ -28,7 +28,8 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 from edge0_eval.engine.store import ExpertStore, results
 from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 
-# The most bundles one read task takes: its I/O thread keeps a buffer that many bundles long.
+# The most bundles one read task takes: none of them is written to a slot before the last
+# is read.
 RUN_BUNDLES = 8
 
 
@@ -373,9 +374,24 @@ class StreamingSwitchGLU(nn.Module):
                     None if arrives == slot_dtype else slot_dtype,
                 )
             )
-        # Where each of them lies in a bundle, in the same order (read per bundle on I/O threads).
+        # How a bundle is read (`_sink`): its byte ranges in file order, each one tensor's
+        # (its index above) or padding (None), with each tensor's shape, the dtype it is read
+        # as (numpy's) and the dtype of the array that keeps it (MLX's).
         views = bundle_views(layout)
-        self._io.views = [views[name] for name in layout.names]
+        self._io.pieces, self._io.arrays, at = [], [], 0
+        for start, end, t in sorted(
+            (views[name][0], views[name][1], t) for t, name in enumerate(layout.names)
+        ):
+            if start > at:
+                self._io.pieces.append((None, start - at))
+            self._io.pieces.append((t, end - start))
+            at = end
+        if layout.bundle_stride > at:
+            self._io.pieces.append((None, layout.bundle_stride - at))
+        for name, (_, widen, *_) in zip(layout.names, self._io.tensors):
+            _, _, read_as, shape = views[name]
+            keep = mx.float32 if widen else getattr(mx, np.dtype(read_as).name)
+            self._io.arrays.append((shape, read_as, keep))
         # expert id -> slot, on the device so prerouted decode never syncs to map ids.
         self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
         mx.eval(self.glu.parameters())
@@ -428,7 +444,7 @@ class StreamingSwitchGLU(nn.Module):
         loads, sizes = self._chunks(loads)
         try:
             parts = io.store.read_many(
-                [(io.layer, e) for e, _ in loads], self._prepare, sizes
+                [(io.layer, e) for e, _ in loads], self._sink, sizes
             )
         except Exception:
             for e, _ in loads:
@@ -489,23 +505,48 @@ class StreamingSwitchGLU(nn.Module):
             last = slot
         return loads, sizes
 
-    def _prepare(self, rows: np.ndarray) -> list[mx.array]:
-        """On an I/O thread: a read task's bundles (rows of its buffer, uint8 [m, stride]) as
-        one MLX array per tensor (the layout's order), [m, ...] in its slot dtype: the rows of
-        consecutive slots, so `_write_slots` writes them with one update per tensor.
+    def _sink(self, m: int):
+        """On an I/O thread: where a read task's m bundles land (the store's `sink`): one MLX
+        array per tensor (the layout's order), [m, ...], made and evaluated here, each
+        bundle's tensors read straight into their rows; the rows of consecutive slots, so
+        `_write_slots` writes them with one update per tensor.
 
-        The copies out of the reused buffer, and widening float16 scales for float32 slots,
-        happen here, off the thread that builds the graph; a cast numpy cannot do (bfloat16)
-        is left to `_write_slots` as a lazy MLX op. Only leaf arrays are made here, no graph.
+        Nothing is copied under the GIL (making an MLX array from numpy holds it for the
+        copy, and the thread building the graph waits for it where compute is fast): the
+        arrays are allocated by an evaluation on the CPU stream, which releases it, and the
+        reads fill them. float16 scales for float32 slots are read into numpy and widened
+        into their arrays by numpy; a cast numpy cannot do (bfloat16) is left to
+        `_write_slots` as a lazy MLX op. Only evaluated leaf arrays leave here, no graph.
         """
-        m = rows.shape[0]
-        out = []
-        for (start, end, dtype, shape), (_, widen, *_) in zip(
-            self._io.views, self._io.tensors
-        ):
-            view = rows[:, start:end].view(dtype).reshape(m, *shape)
-            out.append(mx.array(view.astype(np.float32) if widen else view))
-        return out
+        io = self._io
+        arrays = [
+            mx.zeros((m, *shape), dtype=keep, stream=mx.cpu)
+            for shape, _, keep in io.arrays
+        ]
+        mx.eval(arrays)
+        into, widen = [], []
+        for a, (shape, read_as, keep) in zip(arrays, io.arrays):
+            host = np.asarray(memoryview(a))
+            if host.dtype != read_as:  # widened: read as it is stored first
+                widen.append((host, np.empty((m, *shape), read_as)))
+                host = widen[-1][1]
+            into.append(host)
+        # Padding is read (the checksum covers it) into buffers the task's bundles share:
+        # they are read one after another, each checked before the next.
+        pad = [np.empty(n, np.uint8) for t, n in io.pieces if t is None]
+        targets = []
+        for j in range(m):
+            gaps = iter(pad)
+            targets.append(
+                [next(gaps) if t is None else into[t][j] for t, _ in io.pieces]
+            )
+
+        def finish() -> list[mx.array]:
+            for host, stored in widen:
+                np.copyto(host, stored)
+            return arrays
+
+        return targets, finish
 
     def _write_slots(self, loads: list[tuple[int, int]], reads) -> None:
         """Write read bundles into their slots and point the slot table at `loads`.
@@ -644,7 +685,7 @@ class StreamingSwitchGLU(nn.Module):
         mapping, loads = io.slots.assign(experts)
         loads, sizes = self._chunks(loads, cancellable)
         futures = io.store.submit_many(
-            io.layer, [e for e, _ in loads], prepare=self._prepare, chunks=sizes
+            io.layer, [e for e, _ in loads], sink=self._sink, chunks=sizes
         )
         reads = list(zip(futures, _rows(loads, sizes)))
         if hedge is not None:

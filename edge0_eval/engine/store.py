@@ -349,7 +349,6 @@ class ExpertStore:
         self._throttle = throttle
         self._queue = _PriorityPool(io_workers)
         self.io_workers = io_workers
-        self._buffers = threading.local()  # each I/O thread's read buffer (submit)
         self._lock = threading.Lock()
         self.stats = StoreStats()
         # Per MoE layer: (position, first bundle's byte offset, bundle stride), read once from
@@ -359,9 +358,6 @@ class ExpertStore:
             for pos, layer in enumerate(self.index.moe_layers)
             for layout in [self.index.layout(layer)]
         }
-        # Layers' bundles may differ in size (mixed quantization): a buffer of the largest
-        # fits all.
-        self._largest = max(stride for *_, stride in self._extents.values())
 
     # -- reads ------------------------------------------------------------------------------
     def _extent(self, layer: int) -> tuple[int, int, int]:
@@ -377,18 +373,31 @@ class ExpertStore:
     ) -> np.ndarray:
         """Blocking positioned read of one bundle (checked), into `out` when given (a uint8
         buffer of at least the layer's `bundle_stride` bytes), else into a new buffer."""
+        stride = self._extent(layer)[2]
+        buf = np.empty(stride, dtype=np.uint8) if out is None else out[:stride]
+        self.read_into(layer, expert, [buf])
+        return buf
+
+    def read_into(self, layer: int, expert: int, pieces: list) -> None:
+        """Blocking positioned read of one bundle (checked) scattered over `pieces`: writable
+        contiguous buffers, in order, whose sizes add up to the layer's `bundle_stride`
+        (one `preadv`: a bundle's tensors can land in the arrays that keep them)."""
         _, first, stride = self._extent(layer)
         if not 0 <= expert < self.index.num_experts:
             raise IndexError(
                 f"expert {expert} out of range 0..{self.index.num_experts - 1}"
             )
         offset = first + expert * stride
-        buf = np.empty(stride, dtype=np.uint8) if out is None else out[:stride]
+        views = [memoryview(p).cast("B") for p in pieces]
+        if sum(v.nbytes for v in views) != stride:
+            raise ValueError(
+                f"buffers of {sum(v.nbytes for v in views)} bytes for a bundle of {stride}"
+            )
         started = time.perf_counter()
-        view, done = memoryview(buf), 0
+        left, done = list(views), 0
         while done < stride:
             try:
-                n = os.preadv(self._fd, [view[done:]], offset + done)
+                n = os.preadv(self._fd, left, offset + done)
             except OSError as exc:
                 raise CheckpointError(
                     f"read error in {self.path} at layer {layer} expert {expert}: {exc}"
@@ -401,25 +410,30 @@ class ExpertStore:
                     f"(offset {offset + done}); the file is truncated, re-run convert"
                 )
             done += n
+            while n and n >= left[0].nbytes:  # a short read: go on where it stopped
+                n -= left.pop(0).nbytes
+            if n:
+                left[0] = left[0][n:]
         if self.file_guard:
             self._guard.check()
         elapsed = time.perf_counter() - started
         delay = self._throttle.wait_for(stride, started) if self._throttle else 0.0
         if self.verify_crc:
-            self._verify(layer, expert, buf)
+            self._verify(layer, expert, views)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += stride
             self.stats.read_seconds += elapsed
             self.stats.throttle_seconds += delay
-        return buf
 
-    def _verify(self, layer: int, expert: int, buf: np.ndarray) -> None:
+    def _verify(self, layer: int, expert: int, views: list[memoryview]) -> None:
         pos = self._extents[layer][0]
         if self._verified[pos, expert]:
             return
         started = time.perf_counter()
-        crc = zlib.crc32(buf)
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
         with self._lock:
             self.stats.crc_bundles += 1
             self.stats.crc_seconds += time.perf_counter() - started
@@ -433,55 +447,56 @@ class ExpertStore:
             self._verified[pos, expert] = True
 
     def submit(
-        self, layer: int, expert: int, priority: int | None = None, prepare=None
+        self, layer: int, expert: int, priority: int | None = None, sink=None
     ) -> QueuedTask:
         """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches,
         and prefetches (priority None) are served in the order their layers run.
 
-        `prepare(rows)`, when given, runs on the I/O thread after the read and its result is
-        the task's: callers move unpacking and copies off the thread that builds the graph.
-        `rows` (uint8 [bundles, bundle_stride]) is then the I/O thread's own buffer, reused by
-        its next read (a fresh buffer a read would fault in page by page): `prepare` copies
-        what it keeps. Without `prepare` the task's result is a copy of the rows.
+        `sink(m)`, when given, runs on the I/O thread and says where a task's m bundles land:
+        it returns (per bundle the buffers it is read into, as `read_into` takes them, and a
+        function whose result is the task's, called once they are all read). Callers read
+        straight into the arrays that keep the bundles, so the I/O threads copy nothing, and
+        move whatever else a bundle needs there, off the thread that builds the graph.
+        Without a sink the task's result is the bundles' bytes (uint8 [m, bundle_stride]).
         """
-        return self.submit_many(layer, [expert], priority, prepare)[0]
+        return self.submit_many(layer, [expert], priority, sink)[0]
 
     def submit_many(
         self,
         layer: int,
         experts: list[int],
         priority: int | None = None,
-        prepare=None,
+        sink=None,
         chunks: list[int] | None = None,
     ) -> list[QueuedTask]:
         """`submit` for several experts of one layer, queued at once (one wake-up). chunks:
-        how many of `experts`, in order, each task reads, one after another into the rows of
-        its buffer (None: one each); one handle per task."""
+        how many of `experts`, in order, each task reads, one after another (None: one
+        each); one handle per task."""
         if priority is None:
             priority = PREFETCH + self._extent(layer)[0]
         tasks, start = [], 0
         for n in chunks or [1] * len(experts):
             part = experts[start : start + n]
-            tasks.append((priority, self._read_rows, (layer, part, prepare)))
+            tasks.append((priority, self._read_rows, (layer, part, sink)))
             start += n
         if start != len(experts):
             raise ValueError(f"chunks {chunks} do not cover {len(experts)} experts")
         return self._queue.submit_many(tasks)
 
-    def _read_rows(self, layer: int, experts: list[int], prepare):
-        stride = self._extent(layer)[2]
-        buf = getattr(self._buffers, "buf", None)
-        if buf is None or buf.shape[0] < len(experts):
-            buf = self._buffers.buf = np.empty((len(experts), self._largest), np.uint8)
-        for row, expert in zip(buf, experts):
-            self.read(layer, expert, out=row)
-        rows = buf[: len(experts), :stride]
-        return rows.copy() if prepare is None else prepare(rows)
+    def _read_rows(self, layer: int, experts: list[int], sink):
+        if sink is None:
+            rows = np.empty((len(experts), self._extent(layer)[2]), np.uint8)
+            targets, finish = [[row] for row in rows], lambda: rows
+        else:
+            targets, finish = sink(len(experts))
+        for pieces, expert in zip(targets, experts):
+            self.read_into(layer, expert, pieces)
+        return finish()
 
     def read_many(
         self,
         pairs: list[tuple[int, int]],
-        prepare=None,
+        sink=None,
         chunks: list[int] | None = None,
     ) -> list:
         """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches;
@@ -496,7 +511,7 @@ class ExpertStore:
                 start += sizes[-1]
             if start != end:
                 raise ValueError(f"a chunk of {chunks} holds more than layer {layer}")
-            futures += self.submit_many(layer, experts, DEMAND, prepare, sizes)
+            futures += self.submit_many(layer, experts, DEMAND, sink, sizes)
         return results(futures)
 
     # -- cache control ----------------------------------------------------------------------
