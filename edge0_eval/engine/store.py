@@ -454,9 +454,9 @@ class ExpertStore:
 
         `sink(m)`, when given, runs on the I/O thread and says where a task's m bundles land:
         it returns (per bundle the buffers it is read into, as `read_into` takes them, and a
-        function whose result is the task's, called once they are all read). Callers read
-        straight into the arrays that keep the bundles, so the I/O threads copy nothing, and
-        move whatever else a bundle needs there, off the thread that builds the graph.
+        function whose result is the task's, called once they are all read): callers read
+        straight into the arrays that keep the bundles and do whatever else a bundle needs
+        there, off the thread that builds the graph (engine/moe.py `_sink`).
         Without a sink the task's result is the bundles' bytes (uint8 [m, bundle_stride]).
         """
         return self.submit_many(layer, [expert], priority, sink)[0]
