@@ -1,13 +1,17 @@
 """A bundle read scattered over buffers (`ExpertStore.read_into`, how the engine reads straight
 into the arrays that keep a bundle's tensors) gives the bytes one read gives, however short
-the system's reads come back, and its checksum still sees a corrupt byte."""
+the system's reads come back, and its checksum still sees a corrupt byte; engines that read
+bundles leave no thread behind."""
 
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.layout import EXPERTS_NAME
@@ -81,3 +85,30 @@ def test_a_corrupt_byte_fails_the_checksum_of_a_read_in_pieces(edge0_qwen, tmp_p
             store.read_into(layer, 2, _pieces(stride))
     finally:
         store.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts threads in /proc")
+def test_engines_that_read_bundles_leave_no_thread_behind(edge0_qwen):
+    """Each engine's I/O threads allocate the arrays they read into; five engines loaded,
+    decoding and closed one after another end with the threads they started with (one
+    allocation stream may be made once for the process)."""
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def run() -> None:
+        engine = Engine.load(
+            edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+        )
+        try:
+            prompt = engine.tokenizer.encode("one two three")
+            engine.generate(prompt, max_tokens=3, stop_token_ids=set())
+            assert engine.store.stats.reads > 0
+        finally:
+            engine.close()
+
+    run()  # anything made once per process
+    before = threads()
+    for _ in range(5):
+        run()
+    assert threads() <= before

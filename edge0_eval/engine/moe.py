@@ -15,6 +15,7 @@ MLX makes it easy to test and to reuse for prefetch (a stager asks the same ques
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, fields
@@ -31,6 +32,28 @@ from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 # The most bundles one read task takes: none of them is written to a slot before the last
 # is read.
 RUN_BUNDLES = 8
+
+
+class _HostArrays:
+    """Evaluated arrays for the I/O threads to read bundles into (`StreamingSwitchGLU._sink`),
+    made on one CPU stream that any thread may use, one evaluation at a time. On its own
+    default stream every I/O thread that evaluated once would leave an MLX scheduler thread
+    behind for the life of the process (four an engine)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stream = None  # made on first use: most commands never read a bundle
+
+    def zeros(self, specs: list[tuple[tuple, mx.Dtype]]) -> list[mx.array]:
+        with self._lock:
+            if self._stream is None:
+                self._stream = mx.new_thread_unsafe_stream(mx.cpu)
+            arrays = [mx.zeros(s, dtype=d, stream=self._stream) for s, d in specs]
+            mx.eval(arrays)  # releases the GIL
+        return arrays
+
+
+_HOST_ARRAYS = _HostArrays()
 
 
 # -- slot bookkeeping --------------------------------------------------------------------
@@ -513,17 +536,15 @@ class StreamingSwitchGLU(nn.Module):
 
         Nothing is copied under the GIL (making an MLX array from numpy holds it for the
         copy, and the thread building the graph waits for it where compute is fast): the
-        arrays are allocated by an evaluation on the CPU stream, which releases it, and the
-        reads fill them. float16 scales for float32 slots are read into numpy and widened
+        arrays are allocated by an evaluation on a CPU stream (`_HostArrays`), which
+        releases it, and the reads fill them. float16 scales for float32 slots are read into numpy and widened
         into their arrays by numpy; a cast numpy cannot do (bfloat16) is left to
         `_write_slots` as a lazy MLX op. Only evaluated leaf arrays leave here, no graph.
         """
         io = self._io
-        arrays = [
-            mx.zeros((m, *shape), dtype=keep, stream=mx.cpu)
-            for shape, _, keep in io.arrays
-        ]
-        mx.eval(arrays)
+        arrays = _HOST_ARRAYS.zeros(
+            [((m, *shape), keep) for shape, _, keep in io.arrays]
+        )
         into, widen = [], []
         for a, (shape, read_as, keep) in zip(arrays, io.arrays):
             host = np.asarray(memoryview(a))
