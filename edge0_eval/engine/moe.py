@@ -537,9 +537,10 @@ class StreamingSwitchGLU(nn.Module):
         Nothing is copied under the GIL (making an MLX array from numpy holds it for the
         copy, and the thread building the graph waits for it where compute is fast): the
         arrays are allocated by an evaluation on a CPU stream (`_HostArrays`), which
-        releases it, and the reads fill them. float16 scales for float32 slots are read into numpy and widened
-        into their arrays by numpy; a cast numpy cannot do (bfloat16) is left to
-        `_write_slots` as a lazy MLX op. Only evaluated leaf arrays leave here, no graph.
+        releases it, and the reads fill them. float16 scales for float32 slots are read
+        into numpy and widened into their arrays by numpy; a cast numpy cannot do
+        (bfloat16) is left to `_write_slots` as a lazy MLX op. Only evaluated leaf arrays
+        leave here, no graph.
         """
         io = self._io
         arrays = _HOST_ARRAYS.zeros(
