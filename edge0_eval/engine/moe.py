@@ -547,7 +547,7 @@ class StreamingSwitchGLU(nn.Module):
             [((m, *shape), keep) for shape, _, keep in io.arrays]
         )
         into, widen = [], []
-        for a, (shape, read_as, keep) in zip(arrays, io.arrays):
+        for a, (shape, read_as, _) in zip(arrays, io.arrays):
             host = np.asarray(memoryview(a))
             if host.dtype != read_as:  # widened: read as it is stored first
                 widen.append((host, np.empty((m, *shape), read_as)))
