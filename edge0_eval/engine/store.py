@@ -368,13 +368,9 @@ class ExpertStore:
                 f"layer {layer} has no routed experts in this index"
             ) from None
 
-    def read(
-        self, layer: int, expert: int, out: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Blocking positioned read of one bundle (checked), into `out` when given (a uint8
-        buffer of at least the layer's `bundle_stride` bytes), else into a new buffer."""
-        stride = self._extent(layer)[2]
-        buf = np.empty(stride, dtype=np.uint8) if out is None else out[:stride]
+    def read(self, layer: int, expert: int) -> np.ndarray:
+        """Blocking positioned read of one bundle (checked) into a new uint8 buffer."""
+        buf = np.empty(self._extent(layer)[2], dtype=np.uint8)
         self.read_into(layer, expert, [buf])
         return buf
 
