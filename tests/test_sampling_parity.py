@@ -24,7 +24,7 @@ from edge0_eval.cli import main
 from edge0_eval.demo import offline_env
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.prompts import penalties_of, row_seed
-from edge0_eval.engine.rows import RowSampler, stop_token_ids
+from edge0_eval.engine.rows import RowSampler, greedy_tokens, stop_token_ids
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
 
@@ -142,6 +142,51 @@ def test_replay_sees_a_penalty_that_forgets_the_prompt(student_model, monkeypatc
         t != mlx_lm_tokens(p, lg, s, ALL)
         for p, s, t, lg in zip(prompts, seeds, bad, trace)
     )
+
+
+GREEDY = dict(temperature=0.0, seed=0)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_greedy_rows_drawn_together_are_each_samplers_draw(dtype):
+    """`greedy_tokens` draws a batch's greedy rows at once as each row's sampler would
+    alone. The last row is a near-tie that only the normalisation by the logsumexp makes a
+    tie (in half precision): a draw that skipped it (argmax of the raw logits) differs."""
+    logits = mx.random.normal((3, 4096), key=mx.random.key(1)) * 4
+    tie = mx.zeros((1, 4096)).at[0, 5].add(1e-3)
+    logits = mx.concatenate([logits, tie]).astype(dtype)
+    samplers = [RowSampler(temperature=0.0, top_p=1.0, seed=j) for j in range(4)]
+    assert all(s.greedy for s in samplers)
+    alone = [s(logits[j]).item() for j, s in enumerate(samplers)]
+    assert greedy_tokens(logits).tolist() == alone
+    if dtype != mx.float32:
+        assert mx.argmax(logits, axis=-1).tolist()[-1] != alone[-1]
+
+
+def test_a_greedy_batch_is_drawn_at_once_and_as_mlx_lm_draws(
+    student_model, monkeypatch
+):
+    """A batch of greedy rows is drawn by one `greedy_tokens` a step, its tokens mlx-lm's
+    greedy draw of each row's logits; one row with a key or penalties puts every row back
+    on its own sampler."""
+    calls = []
+
+    def counted(logits):
+        calls.append(logits.shape[0])
+        return greedy_tokens(logits)
+
+    monkeypatch.setattr(batch_module, "greedy_tokens", counted)
+    trace: list = []
+    prompts, seeds, tokens = student_rows(student_model, GREEDY, trace)
+    assert calls and max(calls) > 1
+    for prompt, seed, row, logits in zip(prompts, seeds, tokens, trace):
+        assert row == mlx_lm_tokens(prompt, logits, seed, GREEDY)
+    calls.clear()
+    student_rows(student_model, dict(GREEDY, presence_penalty=1.5))
+    assert not calls
+    assert not RowSampler(
+        temperature=0.0, top_p=1.0, seed=0, penalties={"presence_penalty": 1.5}
+    ).greedy
 
 
 class Recorder:

@@ -50,7 +50,13 @@ from typing import Hashable
 import mlx.core as mx
 
 from edge0_eval.engine.moe import snapshot
-from edge0_eval.engine.rows import Row, RowFigures, RowSampler, StopRule
+from edge0_eval.engine.rows import (
+    Row,
+    RowFigures,
+    RowSampler,
+    StopRule,
+    greedy_tokens,
+)
 from edge0_eval.engine.step import Plans
 from edge0_eval.errors import ConfigError
 
@@ -196,15 +202,24 @@ class BatchDecoder:
             {k: v - before[k] for k, v in self._snapshot().items()}
         )
         if row.stop.finish is None:
-            self._take(row, row.sampler(logits), logits)
+            self._take(row, row.sampler(logits).item(), logits)
         else:  # max_tokens 0
             row.done = True
         return cache, plans
 
-    def _take(self, row: Row, token: mx.array, logits: mx.array) -> None:
+    def _take(
+        self, row: Row, token: int, logits: mx.array, j: int | None = None
+    ) -> None:
+        """Give `row` its token, sampled from `logits`: the row's [V], or with `j` row j of
+        a step's [B, V], sliced out only where it is kept (a trace, the row's logprobs)."""
+        kept = logits if j is None else None
+        if kept is None and (
+            self.logits_trace is not None or row.top_logprobs is not None
+        ):
+            kept = logits[j]
         if self.logits_trace is not None:
-            self.logits_trace[row.key].append(logits)
-        row.take(int(token.item()), logits)
+            self.logits_trace[row.key].append(kept)
+        row.take(int(token), kept)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[Row]:
@@ -293,18 +308,27 @@ class BatchDecoder:
         t0, before = time.perf_counter(), self._snapshot()
         cpu0, waits = time.thread_time(), c.eval_wait_seconds + c.read_wait_seconds
         eval_cpu = c.eval_wait_cpu_seconds
+        samplers = [r.sampler for r in active]
         last, self.plans = e.step(
             mx.array([[r.tokens[-1]] for r in active]),
             self.cache,
             self.plans,
-            samplers=[r.sampler for r in active],
+            samplers=samplers,
             where=f"at batched decode step {self.decode['batch_steps'] + 1}",
             rows=[r.key for r in active],
         )
-        tokens = [r.sampler(last[j]) for j, r in enumerate(active)]
-        c.evaluate(*tokens)
+        # Greedy rows (evaluation's usual setting) are drawn together; a row with its own
+        # key or penalties is drawn by its sampler.
+        if all(s.greedy for s in samplers):
+            drawn = greedy_tokens(last)
+            c.evaluate(drawn)
+            tokens = drawn.tolist()
+        else:
+            drawn = [s(last[j]) for j, s in enumerate(samplers)]
+            c.evaluate(*drawn)
+            tokens = [t.item() for t in drawn]
         for j, (r, t) in enumerate(zip(active, tokens)):
-            self._take(r, t, last[j])
+            self._take(r, t, last, j)
         dt = time.perf_counter() - t0
         # Host work, on the critical path where compute is fast: the step's wall time outside
         # evaluation and read waits, and the thread's CPU time outside evaluation (what that

@@ -396,6 +396,11 @@ class RowSampler:
             else None
         )
 
+    @property
+    def greedy(self) -> bool:
+        """Draws the argmax of its logits, nothing else: `greedy_tokens` can draw for it."""
+        return self.temperature == 0 and not self._processors
+
     def draft_noise(self, vocab: int) -> mx.array | None:
         """The Gumbel noise [vocab] the next sample adds to logits / temperature (the filters
         and penalties aside); None when greedy."""
@@ -415,6 +420,13 @@ class RowSampler:
             recent = mx.concatenate([self._recent, token.reshape(1).astype(mx.int32)])
             self._recent = recent[max(recent.shape[0] - self._window, 0) :]
         return token
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """logits [B, V] -> [B]: each row's token as its greedy `RowSampler` draws it (the same
+    arithmetic row by row: its logits less their logsumexp, then the argmax), for every row
+    at once: a batch's step builds three operations rather than four a row."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
 # -- the row -----------------------------------------------------------------------------
