@@ -14,6 +14,7 @@ MLX makes it easy to test and to reuse for prefetch (a stager asks the same ques
 
 from __future__ import annotations
 
+import functools
 import resource
 import threading
 import time
@@ -32,6 +33,13 @@ from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 # The most bundles one read task takes: none of them is written to a slot before the last
 # is read.
 RUN_BUNDLES = 8
+_SLOT_AXIS = (0,)
+
+
+@functools.lru_cache(maxsize=None)
+def _slot_start(slot: int) -> mx.array:
+    """A slot's start index as a slice update takes it (int32 [1]), made once per slot."""
+    return mx.array([slot], dtype=mx.int32)
 
 
 class _HostArrays:
@@ -577,9 +585,11 @@ class StreamingSwitchGLU(nn.Module):
         purpose: evaluating here would make the graph-building thread wait for every earlier
         layer's compute before it could build the next layer. Only changed slots are written;
         the writes run in stream order, before this layer's experts read the slots. Rows
-        bound for consecutive slots are written by one slice update per tensor (in place on
-        the module's array: no scatter, which MLX's CPU backend runs several times slower);
-        a task's rows are such a run unless some of them are no longer wanted (a hedge's).
+        bound for consecutive slots are written by one slice update per tensor (no scatter,
+        which MLX's CPU backend runs several times slower); a task's rows are such a run
+        unless some of them are no longer wanted (a hedge's). An update starts at its
+        slot's start array, made once (`_slot_start`): building it costs less than an
+        indexed assignment, which parses its slice into a new start each time.
         """
         runs = []  # (its arrays, first row, first slot, rows)
         for parts, rows in reads:
@@ -593,9 +603,10 @@ class StreamingSwitchGLU(nn.Module):
                         runs[-1] = (parts, first_row, first_slot, n + 1)
                         continue
                 runs.append((parts, row, slot, 1))
+        runs = [(parts, row, _slot_start(slot), n) for parts, row, slot, n in runs]
         for t, (_, _, linear, part, bf16, cast) in enumerate(self._io.tensors):
             buffer = linear[part]
-            for parts, row, slot, n in runs:
+            for parts, row, start, n in runs:
                 value = parts[t]
                 if n != value.shape[0]:
                     value = value[row : row + n]
@@ -603,7 +614,8 @@ class StreamingSwitchGLU(nn.Module):
                     value = value.view(mx.bfloat16)
                 if cast is not None:
                     value = value.astype(cast)
-                buffer[slot : slot + n] = value  # in place on the module's array
+                buffer = mx.slice_update(buffer, value, start, _SLOT_AXIS)
+            linear[part] = buffer
         self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = mx.array(
             [s for _, s in loads], dtype=mx.int32
         )
