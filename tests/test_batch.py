@@ -266,47 +266,6 @@ def test_a_staged_set_whose_slots_were_taken_counts_its_dropped_experts(edge0_qw
         engine.close()
 
 
-def test_a_run_of_slots_cut_over_read_tasks_is_one_write_per_tensor(
-    edge0_qwen, monkeypatch
-):
-    """A staged set in consecutive free slots is cut over the I/O threads (several read
-    tasks) yet shares one set of arrays: the slots are written by one update per tensor,
-    and each slot holds its own expert's bundle. Arrays of its own per task would take an
-    update per task and tensor."""
-    index = ExpertIndex.load(edge0_qwen)
-    n = min(index.num_experts, 8)
-    engine = Engine.load(
-        edge0_qwen,
-        EngineOptions(mode="reactive", no_lora=True, slots_per_layer=n, io_workers=2),
-    )
-    try:
-        switch = engine.blocks[engine.moe_layers[1]].switch_mlp
-        updates = []
-        real = mx.slice_update
-
-        def counted(*args, **kwargs):
-            updates.append(1)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(mx, "slice_update", counted)
-        staged = switch.stage_begin(list(range(n)))
-        assert len(staged.reads) == 2  # the run, cut over the two I/O threads
-        switch.stage_finish(staged)
-        assert len(updates) == len(switch._io.tensors)
-        for e in range(n):
-            want = unpack_bundle(
-                switch._io.layout, engine.store.read(switch._io.layer, e)
-            )
-            slot = switch.slots.slot_of(e)
-            for proj, part in (("gate_proj", "weight"), ("down_proj", "scales")):
-                got = getattr(switch.glu, proj)[part][slot]
-                assert mx.array_equal(
-                    got, mx.array(want[f"{proj}.{part}"]).astype(got.dtype)
-                ).item(), (e, slot, proj, part)
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("landed", [True, False])
 def test_a_set_finished_after_it_was_dropped_writes_no_slot_it_lost(edge0_qwen, landed):
     """A staged set dropped by a load on its layer (which gave its slots to other experts)

@@ -192,7 +192,7 @@ def test_store_serves_queued_prefetches_in_layer_order(edge0_qwen):
         def then(layer, fn):
             """A sink: the bundle into a scratch buffer, then fn on the I/O thread."""
             stride = store.index.layout(layer).bundle_stride
-            return lambda experts: ([[np.empty(stride, np.uint8)]] * len(experts), fn)
+            return lambda m: ([[np.empty(stride, np.uint8)]] * m, fn)
 
         def note(layer, tag):
             return then(layer, lambda: order.append(tag))

@@ -472,9 +472,11 @@ class StreamingSwitchGLU(nn.Module):
         if not loads:
             return 0  # all hits: sticky slots, the slot table is already right
         started = time.perf_counter()
-        loads, sizes, rows, sink = self._reads(loads)
+        loads, sizes = self._chunks(loads)
         try:
-            parts = io.store.read_many([(io.layer, e) for e, _ in loads], sink, sizes)
+            parts = io.store.read_many(
+                [(io.layer, e) for e, _ in loads], self._sink, sizes
+            )
         except Exception:
             for e, _ in loads:
                 io.slots.forget(e)
@@ -482,7 +484,7 @@ class StreamingSwitchGLU(nn.Module):
         # Wall time of the reads (and their unpacking on the I/O threads).
         io.counters.demand_read_seconds += time.perf_counter() - started
         io.counters.demand_read_bytes += len(loads) * io.layout.bundle_stride
-        self._write_slots(loads, zip(parts, rows))
+        self._write_slots(loads, zip(parts, _rows(loads, sizes)))
         if blocking:
             io.counters.blocked_seconds += time.perf_counter() - started
             io.counters.blocked_loads += len(loads)
@@ -512,45 +514,33 @@ class StreamingSwitchGLU(nn.Module):
             io.lut[mx.array(order, dtype=mx.int32)] = dst
         return loaded
 
-    def _reads(
+    def _chunks(
         self, loads: list[tuple[int, int]], cancellable: bool = False
-    ) -> tuple[list, list[int], list[list[tuple]], "_Sink"]:
-        """How `loads` (expert, slot) are read: the loads in slot order, how many each read
-        task takes, per task its (row in its run's arrays, expert, slot), and the store's
-        sink for them. A run of consecutive slots is read into one set of arrays (`_Run`),
-        so `_write_slots` writes it with one update per tensor; it is cut into tasks of at
-        most an even share of the I/O threads' work (so the reads stay spread over them)
-        and RUN_BUNDLES; cancellable: one bundle a task, so that each read can be
-        cancelled alone."""
+    ) -> tuple[list, list[int]]:
+        """`loads` (expert, slot) in slot order, and how many each read task takes: runs of
+        consecutive slots, each cut to at most an even share of the I/O threads' work (so
+        the reads stay spread over them) and RUN_BUNDLES, each one slot write per tensor;
+        cancellable: one bundle a task, so that each read can be cancelled alone."""
         loads = sorted(loads, key=lambda load: load[1])
         limit = (
             1
             if cancellable
             else min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
         )
-        tasks: list[tuple[_Run, list[tuple]]] = []
-        run, last = None, None
-        for e, slot in loads:
-            if run is not None and slot == last + 1:
-                if len(tasks[-1][1]) < limit:
-                    tasks[-1][1].append((run.n, e, slot))
-                else:
-                    tasks.append((run, [(run.n, e, slot)]))
-                run.n += 1
+        sizes, last = [], None
+        for _, slot in loads:
+            if sizes and sizes[-1] < limit and slot == last + 1:
+                sizes[-1] += 1
             else:
-                run = _Run()
-                tasks.append((run, [(0, e, slot)]))
+                sizes.append(1)
             last = slot
-        rows = [r for _, r in tasks]
-        sink = _Sink(self._sink, {r[0][1]: (run, r[0][0]) for run, r in tasks})
-        return loads, [len(r) for r in rows], rows, sink
+        return loads, sizes
 
-    def _sink(self, run: "_Run", first: int, m: int):
-        """On an I/O thread: where a read task's m bundles land: rows first.. of its run's
-        arrays, one MLX array per tensor (the layout's order), [run.n, ...], made and
-        evaluated by the first of the run's tasks to get here, each bundle's tensors read
-        straight into their rows; the rows of consecutive slots, so `_write_slots` writes
-        the run with one update per tensor.
+    def _sink(self, m: int):
+        """On an I/O thread: where a read task's m bundles land (the store's `sink`): one MLX
+        array per tensor (the layout's order), [m, ...], made and evaluated here, each
+        bundle's tensors read straight into their rows; the rows of consecutive slots, so
+        `_write_slots` writes them with one update per tensor.
 
         Nothing is copied under the GIL (making an MLX array from numpy holds it for the
         copy, and the thread building the graph waits for it where compute is fast): the
@@ -561,15 +551,12 @@ class StreamingSwitchGLU(nn.Module):
         leave here, no graph.
         """
         io = self._io
-        with run.lock:
-            if run.arrays is None:
-                run.arrays = _HOST_ARRAYS.zeros(
-                    [((run.n, *shape), keep) for shape, _, keep in io.arrays]
-                )
-        arrays = run.arrays
+        arrays = _HOST_ARRAYS.zeros(
+            [((m, *shape), keep) for shape, _, keep in io.arrays]
+        )
         into, widen = [], []
         for a, (shape, read_as, _) in zip(arrays, io.arrays):
-            host = np.asarray(memoryview(a))[first : first + m]
+            host = np.asarray(memoryview(a))
             if host.dtype != read_as:  # widened: read as it is stored first
                 widen.append((host, np.empty((m, *shape), read_as)))
                 host = widen[-1][1]
@@ -600,41 +587,29 @@ class StreamingSwitchGLU(nn.Module):
         the writes run in stream order, before this layer's experts read the slots. Rows
         bound for consecutive slots are written by one slice update per tensor (no scatter,
         which MLX's CPU backend runs several times slower); a task's rows are such a run
-        unless some of them are no longer wanted (a hedge's), and a run cut over several
-        tasks shares its arrays (`_Run`): its tasks' rows join again. An update starts at its
+        unless some of them are no longer wanted (a hedge's). An update starts at its
         slot's start array, made once (`_slot_start`): building it costs less than an
         indexed assignment, which parses its slice into a new start each time.
         """
-        runs = []  # [its arrays, first row, first slot, rows]
+        runs = []  # (its arrays, first row, first slot, rows)
         for parts, rows in reads:
-            n = len(rows)
-            if rows[-1][0] - rows[0][0] == n - 1 and rows[-1][2] - rows[0][2] == n - 1:
-                pieces = [(rows[0][0], rows[0][2], n)]  # a task's rows: one piece
-            else:  # a hedge's task, in part: its rows one by one
-                pieces = [(row, slot, 1) for row, _, slot in rows]
-            for row, slot, n in pieces:
-                if runs:  # the run's earlier task, if these rows follow it
-                    last = runs[-1]
-                    if last[0] is parts and (row, slot) == (
-                        last[1] + last[3],
-                        last[2] + last[3],
-                    ):
-                        last[3] += n
+            if len(rows) == parts[0].shape[0]:  # a whole task: one run by construction
+                runs.append((parts, 0, rows[0][2], len(rows)))
+                continue
+            for row, _, slot in rows:  # a hedge's task, in part: its rows' own runs
+                if runs:
+                    last, first_row, first_slot, n = runs[-1]
+                    if last is parts and (row, slot) == (first_row + n, first_slot + n):
+                        runs[-1] = (parts, first_row, first_slot, n + 1)
                         continue
-                runs.append([parts, row, slot, n])
-        # (arrays, rows to write: None for all of them, start)
-        runs = [
-            (
-                parts,
-                None if n == parts[0].shape[0] else (row, row + n),
-                _slot_start(slot),
-            )
-            for parts, row, slot, n in runs
-        ]
+                runs.append((parts, row, slot, 1))
+        runs = [(parts, row, _slot_start(slot), n) for parts, row, slot, n in runs]
         for t, (_, _, linear, part, bf16, cast) in enumerate(self._io.tensors):
             buffer = linear[part]
-            for parts, rows, start in runs:
-                value = parts[t] if rows is None else parts[t][rows[0] : rows[1]]
+            for parts, row, start, n in runs:
+                value = parts[t]
+                if n != value.shape[0]:
+                    value = value[row : row + n]
                 if bf16:
                     value = value.view(mx.bfloat16)
                 if cast is not None:
@@ -742,11 +717,11 @@ class StreamingSwitchGLU(nn.Module):
                         io.slots.forget(e)
                     outcome.cancelled += len(rows)
         mapping, loads = io.slots.assign(experts)
-        loads, sizes, rows, sink = self._reads(loads, cancellable)
+        loads, sizes = self._chunks(loads, cancellable)
         futures = io.store.submit_many(
-            io.layer, [e for e, _ in loads], sink=sink, chunks=sizes
+            io.layer, [e for e, _ in loads], sink=self._sink, chunks=sizes
         )
-        reads = list(zip(futures, rows))
+        reads = list(zip(futures, _rows(loads, sizes)))
         if hedge is not None:
             kept = []
             for f, rows in hedge.reads:
@@ -833,29 +808,15 @@ class StreamingSwitchGLU(nn.Module):
             self._io.slots.forget(e)
 
 
-class _Run:
-    """Consecutive slots whose bundles one or more read tasks read into one set of arrays
-    (`_sink`): its rows (n) are counted before any task starts."""
-
-    __slots__ = ("n", "lock", "arrays")
-
-    def __init__(self):
-        self.n, self.lock, self.arrays = 1, threading.Lock(), None
-
-
-class _Sink:
-    """The store's sink for one set of loads: a read task's bundles (`experts`, in order)
-    land in their run's rows (`StreamingSwitchGLU._sink`)."""
-
-    __slots__ = ("_sink", "_places")
-
-    def __init__(self, sink, places: dict[int, tuple[_Run, int]]):
-        # a task's first expert -> (its run, its first row there)
-        self._sink, self._places = sink, places
-
-    def __call__(self, experts: list[int]):
-        run, first = self._places[experts[0]]
-        return self._sink(run, first, len(experts))
+def _rows(loads: list[tuple[int, int]], sizes: list[int]) -> list[list[tuple]]:
+    """Per read task of `sizes` bundles over `loads` in order: (row, expert, slot) each."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(
+            [(j, e, slot) for j, (e, slot) in enumerate(loads[start : start + n])]
+        )
+        start += n
+    return out
 
 
 class StagedSet(SimpleNamespace):

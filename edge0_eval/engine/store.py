@@ -448,12 +448,12 @@ class ExpertStore:
         """Queue a read; DEMAND reads (a layer is blocked on them) overtake queued prefetches,
         and prefetches (priority None) are served in the order their layers run.
 
-        `sink(experts)`, when given, runs on the I/O thread and says where a task's bundles
-        (those of `experts`, in order) land: it returns (per bundle the buffers it is read into, as `read_into` takes them, and a
+        `sink(m)`, when given, runs on the I/O thread and says where a task's m bundles land:
+        it returns (per bundle the buffers it is read into, as `read_into` takes them, and a
         function whose result is the task's, called once they are all read): callers read
         straight into the arrays that keep the bundles and do whatever else a bundle needs
         there, off the thread that builds the graph (engine/moe.py `_sink`).
-        Without a sink the task's result is the bundles' bytes (uint8 [bundles, stride]).
+        Without a sink the task's result is the bundles' bytes (uint8 [m, bundle_stride]).
         """
         return self.submit_many(layer, [expert], priority, sink)[0]
 
@@ -484,7 +484,7 @@ class ExpertStore:
             rows = np.empty((len(experts), self._extent(layer)[2]), np.uint8)
             targets, finish = [[row] for row in rows], lambda: rows
         else:
-            targets, finish = sink(experts)
+            targets, finish = sink(len(experts))
         for pieces, expert in zip(targets, experts):
             self.read_into(layer, expert, pieces)
         return finish()
