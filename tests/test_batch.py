@@ -322,6 +322,37 @@ def test_sampled_row_equals_its_solo_sample_and_follows_its_seed(edge0_qwen):
     engine.close()
 
 
+def test_a_greedy_row_beside_a_sampled_one_equals_both_solo_runs(edge0_qwen):
+    """A step mixing a greedy row with a sampled one draws each by its own sampler (the
+    greedy rows are drawn together only when every row is greedy): both rows are their solo
+    runs."""
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    try:
+        p, q = [engine.tokenizer.encode(t) for t in TEXTS[:2]]
+        kw = dict(temperature=0.9, top_p=0.95)
+        decoder = batch_module.BatchDecoder(engine, 2)
+        greedy, sampled = (
+            decoder.add(
+                k,
+                prompt,
+                stop=StopRule(engine.tokenizer, 12, set()),
+                seed=5,
+                sampling=sampling,
+            )
+            for k, prompt, sampling in [
+                (0, p, dict(temperature=0.0, top_p=1.0)),
+                (1, q, kw),
+            ]
+        )
+        with engine.batch_pool(2):
+            decoder.run()
+        assert greedy.tokens == engine.generate(p, 12, stop_token_ids=set()).tokens
+        solo = engine.generate(q, 12, seed=5, stop_token_ids=set(), **kw).tokens
+        assert sampled.tokens == solo
+    finally:
+        engine.close()
+
+
 def test_non_finite_batch_logits_are_an_error(edge0_qwen2, monkeypatch):
     """A NaN reaching the batch's logits raises, naming the rows, as a solo step does."""
     engine = Engine.load(edge0_qwen2, EngineOptions(mode="reactive", clip_hidden=None))

@@ -167,8 +167,8 @@ def test_a_greedy_batch_is_drawn_at_once_and_as_mlx_lm_draws(
     student_model, monkeypatch
 ):
     """A batch of greedy rows is drawn by one `greedy_tokens` a step, its tokens mlx-lm's
-    greedy draw of each row's logits; one row with a key or penalties puts every row back
-    on its own sampler."""
+    greedy draw of each row's logits; rows with penalties are drawn by their own samplers
+    (as is every row of a step where any row has a key or penalties)."""
     calls = []
 
     def counted(logits):
