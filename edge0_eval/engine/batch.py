@@ -212,14 +212,12 @@ class BatchDecoder:
     ) -> None:
         """Give `row` its token, sampled from `logits`: the row's [V], or with `j` row j of
         a step's [B, V], sliced out only where it is kept (a trace, the row's logprobs)."""
-        kept = logits if j is None else None
-        if kept is None and (
-            self.logits_trace is not None or row.top_logprobs is not None
-        ):
-            kept = logits[j]
+        keep = self.logits_trace is not None or row.top_logprobs is not None
+        if j is not None:
+            logits = logits[j] if keep else None
         if self.logits_trace is not None:
-            self.logits_trace[row.key].append(kept)
-        row.take(int(token), kept)
+            self.logits_trace[row.key].append(logits)
+        row.take(int(token), logits)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> list[Row]:
