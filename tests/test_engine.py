@@ -303,6 +303,28 @@ def test_load_in_expert_order_makes_a_pass_independent_of_pool_history(edge0_qwe
     assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])
 
 
+def test_a_graph_keeps_the_slot_table_it_was_built_with(edge0_qwen64):
+    """The slot table is published as a new array whenever loads change it (no scatter into
+    the device table): a graph built before a later load still maps its experts to the
+    slots they had then, as MLX's update in place would; the table now maps them to where
+    they are now."""
+    engine = Engine.load(
+        edge0_qwen64, EngineOptions(mode="reactive", slots_per_layer=8)
+    )
+    switch = engine.blocks[engine.moe_layers[0]].switch_mlp
+    first = list(range(1, 9))
+    switch.load_experts(first)
+    built = switch._io.lut[mx.array(first)]  # lazy: evaluated after the loads below
+    then = [switch.slots.slot_of(e) for e in first]
+    switch.load_experts(list(range(16, 8, -1)))  # every slot changes hands
+    switch.load_experts(first[::-1])  # and back, in other slots
+    now = [switch.slots.slot_of(e) for e in first]
+    assert now != then
+    assert built.tolist() == then
+    assert switch._io.lut[mx.array(first)].tolist() == now
+    engine.close()
+
+
 def _poison(model, pattern: str) -> str:
     """Set the first resident norm weight whose name matches `pattern` to NaN; its name."""
     name = next(k for k, _ in tree_flatten(model.parameters()) if re.search(pattern, k))

@@ -423,8 +423,11 @@ class StreamingSwitchGLU(nn.Module):
             _, _, read_as, shape = views[name]
             keep = mx.float32 if widen else getattr(mx, np.dtype(read_as).name)
             self._io.arrays.append((shape, read_as, keep))
-        # expert id -> slot, on the device so prerouted decode never syncs to map ids.
-        self._io.lut = mx.zeros((index.num_experts,), dtype=mx.int32)
+        # expert id -> slot: decided on the host, where loads are, and published whole on
+        # the device as one new array when it changes (`_publish`), so prerouted decode
+        # never syncs to map ids; a scatter into the device table cost more host time.
+        self._io.table = np.zeros((index.num_experts,), np.int32)
+        self._io.lut = mx.array(self._io.table)
         mx.eval(self.glu.parameters())
 
     @property
@@ -511,7 +514,7 @@ class StreamingSwitchGLU(nn.Module):
                 buffer = linear[part]
                 buffer[dst] = buffer[src]
             io.slots.move(dict(zip(order, target)))
-            io.lut[mx.array(order, dtype=mx.int32)] = dst
+            self._publish(zip(order, target))
         return loaded
 
     def _chunks(
@@ -616,9 +619,15 @@ class StreamingSwitchGLU(nn.Module):
                     value = value.astype(cast)
                 buffer = mx.slice_update(buffer, value, start, _SLOT_AXIS)
             linear[part] = buffer
-        self._io.lut[mx.array([e for e, _ in loads], dtype=mx.int32)] = mx.array(
-            [s for _, s in loads], dtype=mx.int32
-        )
+        self._publish(loads)
+
+    def _publish(self, moved) -> None:
+        """Point the slot table at (expert, slot) pairs `moved`: graphs built before keep
+        the table they were built with, as with an update in place."""
+        table = self._io.table
+        for expert, slot in moved:
+            table[expert] = slot
+        self._io.lut = mx.array(table)  # a copy
 
     def preload_all(self) -> None:
         """Resident mode: every expert in its own slot, identity slot table."""
