@@ -259,6 +259,37 @@ def _stream_and_answer(tok, ids, stop):
     return streamed, final
 
 
+def test_a_row_without_stop_strings_reads_its_text_when_it_is_wanted(served):
+    """Decoding a row's text is host work between decode steps: a rule with no stop string
+    to look for takes tokens without decoding any; its text, read afterwards token by token,
+    is the text read as the tokens came (incomplete characters included)."""
+    tok = served[1].tokenizer
+    rng = random.Random(1)
+    pieces = [
+        "The answer is 4. ",
+        "def fib(n): ",
+        " end\n",
+        "\u00e9 \u00fc \U0001f600 ",
+    ]
+    for _ in range(40):
+        ids = tok.encode(
+            "".join(rng.choice(pieces) for _ in range(4)), add_special_tokens=False
+        )
+        as_they_come = IncrementalText(tok)
+        for token in ids:
+            as_they_come.add(token)
+            as_they_come.read_new()
+        rule = StopRule(tok, 10**6, set(), [])
+        decodes = []
+        decode = rule.reader.decode
+        rule.reader.decode = lambda t: decodes.append(t) or decode(t)
+        for token in ids:
+            assert not rule.add(token)
+        assert decodes == []
+        assert rule.text() == (as_they_come.text + as_they_come.rest(), None)
+        assert decodes
+
+
 def test_streamed_text_never_runs_past_a_stop_word(served):
     """mlx-lm's streaming detokenizer (the stop rule's) shows a trailing space a token later
     than `decode` (the streamed text's): with stop 'is ', 'The answer is' + ' ' streamed

@@ -80,29 +80,48 @@ class IncrementalText:
     tokens before the last read one, decoded with the new ones, less what those few tokens
     read), so it follows `tokenizer.decode` of the whole row. mlx-lm's streaming detokenizer
     does not always: it drops the leading space of a row's first text (a stop word ' x'
-    opening the answer was never seen) and shows a trailing space a token late."""
+    opening the answer was never seen) and shows a trailing space a token late.
+
+    Tokens are taken as they come (`add`) and read, one by one, when the text is wanted
+    (`read_new`, `text`, `rest`): a row with no stop string to look for decodes nothing
+    between decode steps, and its text is the same."""
 
     def __init__(self, tokenizer):
         self.decode = tokenizer.decode
         self.tokens: list[int] = []
-        self.prefix = self.read = 0  # token offsets: decoded context, already read
-        self.text = ""
+        # token offsets: decoded context, already read, gone through by `read_new`
+        self.prefix = self.read = self.seen = 0
+        self._text = ""
 
-    def add(self, token: int) -> str:
-        """Take the next token; the text it completes ('' while a character is incomplete)."""
+    def add(self, token: int) -> None:
+        """Take the next token."""
         self.tokens.append(token)
-        before = self.decode(self.tokens[self.prefix : self.read])
-        after = self.decode(self.tokens[self.prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        new = after[len(before) :]
-        self.text += new
-        self.prefix, self.read = max(self.read - 4, 0), len(self.tokens)
+
+    def read_new(self) -> str:
+        """Go through the tokens taken since the last call, one at a time: the text they
+        complete ('' while a character is incomplete)."""
+        new = ""
+        while self.seen < len(self.tokens):
+            self.seen += 1
+            before = self.decode(self.tokens[self.prefix : self.read])
+            after = self.decode(self.tokens[self.prefix : self.seen])
+            if len(after) <= len(before) or after.endswith("\ufffd"):
+                continue
+            new += after[len(before) :]
+            self.prefix, self.read = max(self.read - 4, 0), self.seen
+        self._text += new
         return new
+
+    @property
+    def text(self) -> str:
+        """The text read from every token taken so far."""
+        self.read_new()
+        return self._text
 
     def rest(self) -> str:
         """The text of the tokens not read yet (an incomplete character, as `decode` writes
         it): what ends the row's text when it stops there."""
+        self.read_new()
         if self.read == len(self.tokens):
             return ""
         before = self.decode(self.tokens[self.prefix : self.read])
@@ -146,9 +165,9 @@ class StopRule:
         if token in self.stop_ids:
             return self._end("eos" if token in self.eos_ids else "stop_token")
         self.tokens.append(token)
-        new = self.reader.add(token)
+        self.reader.add(token)
         if self.stop_words:
-            text = self.tail + new
+            text = self.tail + self.reader.read_new()
             if any(w in text for w in self.stop_words):
                 self.finish = "stop_word"
                 return True
