@@ -12,7 +12,7 @@ steps: `add` queues a row, `cancel` ends one, `step` runs one iteration (leave, 
 `run` steps until every row has finished (generate_batch's fixed prompt list).
 
 MoE layers. Reactive: a layer reads the union of its rows' routed experts once
-(`StreamingSwitchGLU` takes np.unique over all rows). Prerouted: every row keeps its own
+(`StreamingSwitchGLU` takes the set over all rows). Prerouted: every row keeps its own
 prediction as its routing ([B, 1, K] plans); each consuming layer stages the union of the rows'
 predicted sets and each row executes its own set, so a row's staged set is its routed set.
 As in a solo run, each step plans the next after its last layer, from the per-row features its
