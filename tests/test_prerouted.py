@@ -292,13 +292,13 @@ def test_a_run_of_slots_is_read_by_one_task_and_a_hedge_keeps_rows_of_it(
             mode="reactive", no_lora=True, slots_per_layer=4, io_workers=io_workers
         ),
     )
-    queued, submit_layers = [], engine.store.submit_layers
+    queued, submit_many = [], engine.store.submit_many
 
-    def spy(requests):
-        queued.extend(list(chunks) for _, _, _, chunks in requests)
-        return submit_layers(requests)
+    def spy(layer, experts, priority=None, sink=None, chunks=None):
+        queued.append(list(chunks or [1] * len(experts)))
+        return submit_many(layer, experts, priority, sink, chunks)
 
-    monkeypatch.setattr(engine.store, "submit_layers", spy)
+    monkeypatch.setattr(engine.store, "submit_many", spy)
     try:
         switch = engine.blocks[engine.moe_layers[0]].switch_mlp
         first = switch.stage_begin([6, 0, 3, 5])  # four free slots: one run

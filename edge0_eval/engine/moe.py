@@ -693,7 +693,6 @@ class StreamingSwitchGLU(nn.Module):
         experts: list[int],
         hedge: "StagedSet | None" = None,
         cancellable: bool = False,
-        queue: list | None = None,
     ) -> "StagedSet":
         """Reserve slots for a predicted set and start reading the misses in the background.
 
@@ -710,8 +709,6 @@ class StreamingSwitchGLU(nn.Module):
         set's `hedge` tells what became of the hedge (`HedgeOutcome`; None without one).
         cancellable: one bundle a read task, so that each read can be cancelled alone (a
         hedge's); else runs of consecutive slots are read by one task each (`_chunks`).
-        queue: a list to leave the set's reads in, for `start_reads` to queue with other
-        layers' (a step's staging); None: they are queued here.
         """
         io = self._io
         if io.pending is not hedge:
@@ -730,7 +727,10 @@ class StreamingSwitchGLU(nn.Module):
                     outcome.cancelled += len(rows)
         mapping, loads = io.slots.assign(experts)
         loads, sizes = self._chunks(loads, cancellable)
-        reads = []
+        futures = io.store.submit_many(
+            io.layer, [e for e, _ in loads], sink=self._sink, chunks=sizes
+        )
+        reads = list(zip(futures, _rows(loads, sizes)))
         if hedge is not None:
             kept = []
             for f, rows in hedge.reads:
@@ -746,19 +746,15 @@ class StreamingSwitchGLU(nn.Module):
                     f.cancel()
                     continue
                 kept.append((f, keep))
-            reads = kept
+            loads = [(e, slot) for _, rows in kept for _, e, slot in rows] + loads
+            reads = kept + reads
         io.pending = StagedSet(
             experts=experts,
             mapping=mapping,
-            loads=[(e, slot) for _, rows in reads for _, e, slot in rows] + loads,
-            reads=reads,  # the hedge's kept, then the set's own (`start_reads`)
+            loads=loads,
+            reads=reads,
             hedge=outcome,
         )
-        request = (io.pending, io.store, io.layer, loads, self._sink, sizes)
-        if queue is None:
-            start_reads([request])
-        else:
-            queue.append(request)
         return io.pending
 
     def stage_finish(self, staged: "StagedSet") -> tuple[float, int]:
@@ -819,22 +815,6 @@ class StreamingSwitchGLU(nn.Module):
                     pass
         for e, _ in staged.loads:
             self._io.slots.forget(e)
-
-
-def start_reads(requests: list[tuple]) -> None:
-    """Queue staged sets' reads (`stage_begin`'s requests, one engine's layers: one store)
-    at once: a step's staging wakes the I/O threads once."""
-    requests = [r for r in requests if r[3]]  # sets with bundles to read
-    if not requests:
-        return
-    handles = requests[0][1].submit_layers(
-        [
-            (layer, [e for e, _ in loads], sink, sizes)
-            for _, _, layer, loads, sink, sizes in requests
-        ]
-    )
-    for (staged, _, _, loads, _, sizes), futures in zip(requests, handles):
-        staged.reads += zip(futures, _rows(loads, sizes))
 
 
 def _rows(loads: list[tuple[int, int]], sizes: list[int]) -> list[list[tuple]]:

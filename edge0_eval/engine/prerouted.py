@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.engine.draft import DraftHead
-from edge0_eval.engine.moe import Counters, StagedSet, start_reads
+from edge0_eval.engine.moe import Counters, StagedSet
 from edge0_eval.engine.step import Plans
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
@@ -280,7 +280,7 @@ class Prerouter:
         the consumers), earliest layer first (the store also serves prefetches by layer).
         With `hedges` (routed sets: {} when there are none), each hedged layer takes over its
         hedge's reads, and the sets are counted."""
-        c, staged, queue = self.counters, {}, []
+        c, staged = self.counters, {}
         for o in self.order:
             layer = self.consumers[o]
             if layer not in layers:
@@ -289,7 +289,7 @@ class Prerouter:
             hedge = None if hedges is None else hedges.get(layer)
             # A hedge's reads (hedges None: this is one) are cancelled one by one.
             staged[layer] = s = self.blocks[layer].switch_mlp.stage_begin(
-                union, hedge=hedge, cancellable=hedges is None, queue=queue
+                union, hedge=hedge, cancellable=hedges is None
             )
             if hedges is None:
                 continue
@@ -301,7 +301,6 @@ class Prerouter:
             c.staged_experts += len(s.experts)
             c.staged_layers += 1
             c.staged_loads += len(s.loads)
-        start_reads(queue)  # every layer's at once: one wake-up of the I/O threads
         return staged
 
     def finish(self, layer: int, staged: StagedSet) -> None:

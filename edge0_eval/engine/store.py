@@ -224,23 +224,14 @@ class _PriorityPool:
 
     def submit_many(self, tasks: list[tuple]) -> list[QueuedTask]:
         """Queue (priority, fn, args) tasks at once; their handles in that order."""
-        return self.submit_groups([tasks])[0]
-
-    def submit_groups(self, groups: list[list[tuple]]) -> list[list[QueuedTask]]:
-        """Queue groups of (priority, fn, args) tasks at once (one lock, one wake-up: a
-        step's staging of every layer); per group, its handles, which share its condition
-        (`results` waits for a whole group once)."""
-        handles = []
-        for tasks in groups:
-            group = _Group(len(tasks))
-            handles.append([QueuedTask(group) for _ in tasks])
+        group = _Group(len(tasks))
+        handles = [QueuedTask(group) for _ in tasks]
         with self._ready:
-            for mine, tasks in zip(handles, groups):
-                for handle, (priority, fn, args) in zip(mine, tasks):
-                    heapq.heappush(
-                        self._heap, (priority, next(self._order), handle, fn, args)
-                    )
-            self._ready.notify(sum(len(tasks) for tasks in groups))
+            for handle, (priority, fn, args) in zip(handles, tasks):
+                heapq.heappush(
+                    self._heap, (priority, next(self._order), handle, fn, args)
+                )
+            self._ready.notify(len(tasks))
         return handles
 
     def _work(self) -> None:
@@ -477,22 +468,6 @@ class ExpertStore:
         """`submit` for several experts of one layer, queued at once (one wake-up). chunks:
         how many of `experts`, in order, each task reads, one after another (None: one
         each); one handle per task."""
-        return self._queue.submit_many(
-            self._tasks(layer, experts, priority, sink, chunks)
-        )
-
-    def submit_layers(self, requests: list[tuple]) -> list[list[QueuedTask]]:
-        """`submit_many` for several layers' prefetches (layer, experts, sink, chunks),
-        queued at once: a step's staging wakes the I/O threads once. Per request, its
-        handles; each request's tasks are waited for as one group."""
-        return self._queue.submit_groups(
-            [
-                self._tasks(layer, e, None, sink, chunks)
-                for layer, e, sink, chunks in requests
-            ]
-        )
-
-    def _tasks(self, layer, experts, priority, sink, chunks) -> list[tuple]:
         if priority is None:
             priority = PREFETCH + self._extent(layer)[0]
         tasks, start = [], 0
@@ -502,7 +477,7 @@ class ExpertStore:
             start += n
         if start != len(experts):
             raise ValueError(f"chunks {chunks} do not cover {len(experts)} experts")
-        return tasks
+        return self._queue.submit_many(tasks)
 
     def _read_rows(self, layer: int, experts: list[int], sink):
         if sink is None:
