@@ -243,6 +243,20 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_server_goes_on(serve
     )
 
 
+def _random_text_ids(tok, rng: random.Random, n: int) -> list[int]:
+    """The ids of n random pieces of text (words, code, a newline, accents and an emoji)."""
+    pieces = [
+        "The answer is 4. ",
+        "x = 1 + 2 ",
+        "def fib(n): ",
+        "Hello, world! ",
+        " end\n",
+        "\u00e9 \u00fc \U0001f600 ",
+    ]
+    text = "".join(rng.choice(pieces) for _ in range(n))
+    return tok.encode(text, add_special_tokens=False)
+
+
 def _stream_and_answer(tok, ids, stop):
     """(streamed text, whole answer) of a row that takes `ids`, as the worker's _advance and
     _finish make them: the stop rule first, then the streamed text, then the rest."""
@@ -265,16 +279,8 @@ def test_a_row_without_stop_strings_reads_its_text_when_it_is_wanted(served):
     is the text read as the tokens came (incomplete characters included)."""
     tok = served[1].tokenizer
     rng = random.Random(1)
-    pieces = [
-        "The answer is 4. ",
-        "def fib(n): ",
-        " end\n",
-        "\u00e9 \u00fc \U0001f600 ",
-    ]
     for _ in range(40):
-        ids = tok.encode(
-            "".join(rng.choice(pieces) for _ in range(4)), add_special_tokens=False
-        )
+        ids = _random_text_ids(tok, rng, 4)
         as_they_come = IncrementalText(tok)
         for token in ids:
             as_they_come.add(token)
@@ -316,18 +322,8 @@ def test_streamed_text_never_runs_past_a_stop_word(served):
         streamed
     )
     rng = random.Random(0)
-    pieces = [
-        "The answer is 4. ",
-        "x = 1 + 2 ",
-        "def fib(n): ",
-        "Hello, world! ",
-        " end\n",
-        "\u00e9 \u00fc \U0001f600 ",
-    ]
     for _ in range(200):
-        ids = tok.encode(
-            "".join(rng.choice(pieces) for _ in range(5)), add_special_tokens=False
-        )
+        ids = _random_text_ids(tok, rng, 5)
         text = tok.decode(ids)
         at = rng.randrange(len(text) - 4)
         stop = [text[at : at + rng.randint(1, 4)]]
