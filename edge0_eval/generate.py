@@ -16,7 +16,7 @@ from mlx_lm.generate import wired_limit
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.prompts import check_filters, check_penalties, check_temperature
+from edge0_eval.engine.inputs import check_filters, check_penalties, check_temperature
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.jsonl import iter_jsonl
 
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0
     )
-    # Sampling filters and penalties as mlx-lm's (engine/prompts.py), under its
+    # Sampling filters and penalties as mlx-lm's (engine/inputs.py), under its
     # names: --top-k samples; the routing width is --experts-per-token.
     parser.add_argument(
         "--top-k",

@@ -16,8 +16,8 @@ from pathlib import Path
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_experts_per_token
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.heads import init_heads_from_routers, save_heads
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import init_heads_from_routers, save_heads
 from edge0_eval.training.models import model_facts, resolve_heads
 from edge0_eval.training.stage_options import add_head_layout_arguments
 

@@ -17,7 +17,8 @@ from opencompass.models.base import BaseModel
 from opencompass.models.base_api import APITemplateParser
 from opencompass.utils.logging import get_logger
 
-from edge0_eval.engine.prompts import (
+from edge0_eval.engine.batch import Answer, stop_token_ids
+from edge0_eval.engine.inputs import (
     FILTER_KEYS,
     PENALTY_KEYS,
     chat_ids,
@@ -30,7 +31,6 @@ from edge0_eval.engine.prompts import (
     row_seed,
     to_messages,
 )
-from edge0_eval.engine.rows import Answer, stop_token_ids
 from edge0_eval.errors import ConfigError
 
 # HUMAN/BOT/SYSTEM items of an OpenCompass PromptList map onto chat roles. SYSTEM is a reserved
@@ -44,7 +44,7 @@ DEFAULT_META_TEMPLATE = dict(
     reserved_roles=[dict(role="SYSTEM", api_role="SYSTEM")],
 )
 
-# Sampling options both arms understand (edge0_eval/engine/prompts.py: mlx-lm's
+# Sampling options both arms understand (edge0_eval/engine/inputs.py: mlx-lm's
 # filters and penalties). Anything else in generation_kwargs is refused at construction so a
 # typo cannot silently change one arm's decoding.
 SAMPLING_KEYS = (*FILTER_KEYS, *PENALTY_KEYS, "do_sample", "seed")
@@ -128,7 +128,7 @@ class ChatModelBase(SampleStatsLog, BaseModel):
     `_generate_tokens(prompt_ids, max_tokens, stop_ids, stop_words, seed) -> Answer` (one
     prompt) or `_generate_batch(prompts, max_tokens, stop_ids, stop_words, seeds)` (the batch
     OpenCompass hands `generate`: `batch_size` prompts per call). Each row stops by the one
-    rule (engine.rows.StopRule) while it decodes, and its Answer holds its text (cut at its
+    rule (engine.batch.StopRule) while it decodes, and its Answer holds its text (cut at its
     stop string), finish reason and figures. Every row's output and sample must equal the same
     prompt's alone: its seed is `row_seed(seed, its prompt, its sample index)`.
 

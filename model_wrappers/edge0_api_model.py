@@ -19,7 +19,7 @@ every request carries them. What stock `OpenAISDK` cannot do, this class does:
   alike.) mlx-lm's server seeds its global generator instead: its sampled rows differ.
 - Text. An `edge0-eval serve` host's answer is taken as it is (its text, finish reason and
   token count, in its `edge0` field): the server applied the arm's one stop rule to the row
-  (engine/rows.py), so it is the in-process arm's answer. Any other server (mlx_lm.server) is
+  (engine/batch.py), so it is the in-process arm's answer. Any other server (mlx_lm.server) is
   the one case read through the stop rule here: requests ask for logprobs, and the answer's
   token ids go through the arm's stop rule and its text reader, as in-process (mlx-lm's server
   detokenizes some bytes otherwise, e.g. byte 0 as 'Ā'); one that returns no ids is read
@@ -60,14 +60,14 @@ from openai import (
 from opencompass.models import OpenAISDK
 from opencompass.registry import MODELS
 
-from edge0_eval.engine.prompts import (
+from edge0_eval.engine.batch import StopRule, stop_token_ids, trim_at_stop
+from edge0_eval.engine.inputs import (
     chat_ids,
     chat_text,
     fit_prompt,
     penalties_of,
     to_messages,
 )
-from edge0_eval.engine.rows import StopRule, stop_token_ids, trim_at_stop
 from edge0_eval.errors import ConfigError
 
 from .chat import (

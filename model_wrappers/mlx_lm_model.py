@@ -14,14 +14,14 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
+from edge0_eval.engine.batch import Answer, StopRule, row_sampler
+from edge0_eval.engine.inputs import penalties_of
 from edge0_eval.engine.mlx_compat import (
     COMPUTE_DTYPES,
     cast_floating,
     resolve_compute_dtype,
     upcast_unquantized_experts_for_cpu,
 )
-from edge0_eval.engine.prompts import penalties_of
-from edge0_eval.engine.rows import Answer, StopRule, row_sampler
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.evaluation.fidelity_scoring import model_logprobs
 

@@ -11,12 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.heads import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import (
-    default_owners,
-    init_heads_from_routers,
-    save_heads,
-)
 
 
 def perturbed_heads(

@@ -217,7 +217,7 @@ def test_heads_without_kind_or_k_are_inferred_from_their_keys(edge0_qwen, tmp_pa
     with a warning); a file whose keys are not all heads' still names its missing kind."""
     from test_bad_inputs import _heads_file
 
-    from edge0_eval.engine.prerouter import load_heads
+    from edge0_eval.engine.heads import load_heads
 
     engine = Engine.load(edge0_qwen, EngineOptions(mode="reactive", no_lora=True))
     try:

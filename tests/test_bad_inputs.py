@@ -30,17 +30,17 @@ from bad_inputs import (
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.families import check_model_dir, family_for
+from edge0_eval.engine.heads import (
+    default_owners,
+    init_heads_from_routers,
+    load_heads,
+    save_heads,
+)
 from edge0_eval.engine.lora import (
     default_targets,
     find_targets,
     linear_dims,
     load_adapter,
-)
-from edge0_eval.engine.prerouter import (
-    default_owners,
-    init_heads_from_routers,
-    load_heads,
-    save_heads,
 )
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError

@@ -22,10 +22,10 @@ from perturbed_heads import perturbed_heads
 
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
+from edge0_eval.engine.batch import StopRule
 from edge0_eval.engine.engine import Engine, NonFiniteError
-from edge0_eval.engine.moe import LayerSlots, StreamingSwitchGLU
+from edge0_eval.engine.experts import LayerSlots, StreamingSwitchGLU
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.rows import StopRule
 from edge0_eval.engine.store import results as read_results
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.layout import ExpertIndex, unpack_bundle

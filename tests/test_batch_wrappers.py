@@ -19,8 +19,8 @@ from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from edge0_eval.demo import TINY_DATASETS, offline_env
-from edge0_eval.engine.prompts import row_seed
-from edge0_eval.engine.rows import stop_token_ids
+from edge0_eval.engine.batch import stop_token_ids
+from edge0_eval.engine.inputs import row_seed
 from model_wrappers import mlx_lm_model
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
@@ -407,9 +407,9 @@ def test_student_samples_with_top_k_and_min_p_as_the_teacher_arm(edge0_dir):
     """top_k and min_p on the student: every row equals its solo run, and each token is what
     the teacher arm's sampler (mlx-lm's filter chain on the row's own key) draws from the
     logits the engine produced it from."""
+    from edge0_eval.engine.batch import row_sampler
     from edge0_eval.engine.engine import Engine
     from edge0_eval.engine.options import EngineOptions
-    from edge0_eval.engine.rows import row_sampler
 
     model = student(edge0_dir, FILTERED)
     batch, solo = batch_vs_solo(model)

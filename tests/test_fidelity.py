@@ -12,12 +12,8 @@ import numpy as np
 import pytest
 
 from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.heads import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.engine.lora import apply_lora, save_adapter
-from edge0_eval.engine.prerouter import (
-    default_owners,
-    init_heads_from_routers,
-    save_heads,
-)
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation import fidelity_report as fr
 from edge0_eval.evaluation import fidelity_scoring as fid

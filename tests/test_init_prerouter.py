@@ -93,7 +93,7 @@ def test_init_prerouter_without_owners_is_one_clear_error(edge0_qwen, tmp_path, 
 def test_init_prerouter_embedding_scale(edge0_qwen, tmp_path, capsys):
     """--embedding-scale fills the next-token heads' embedding columns; without --next-token it
     is one clear error."""
-    from edge0_eval.engine.prerouter import load_heads
+    from edge0_eval.engine.heads import load_heads
 
     out = tmp_path / "h.safetensors"
     assert (

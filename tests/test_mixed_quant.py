@@ -26,13 +26,9 @@ from edge0_eval.checkpoints.conversion_plan import build_lazy_model
 from edge0_eval.checkpoints.recipes import recipe_predicate
 from edge0_eval.checkpoints.reference import set_top_k
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.heads import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouter import (
-    default_owners,
-    init_heads_from_routers,
-    save_heads,
-)
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
 

@@ -20,15 +20,14 @@ from test_prerouter import converted_model
 from test_train_prerouter import options
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouted import build_features
-from edge0_eval.engine.prerouter import (
+from edge0_eval.engine.heads import (
     default_owners,
     init_heads_from_routers,
     load_heads,
     save_heads,
 )
-from edge0_eval.engine.step import stack_rules
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.routing import build_features, stack_rules
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.heads_file import read_metadata
 from edge0_eval.training.prerouter_fit import train_prerouter

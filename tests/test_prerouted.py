@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from perturbed_heads import perturbed_heads
 
-from edge0_eval.engine import moe as moe_module
+from edge0_eval.engine import experts as experts_module
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.moe import StagedSet
+from edge0_eval.engine.experts import StagedSet
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.step import Plans, Route
+from edge0_eval.engine.routing import Plans, Route
 from edge0_eval.engine.store import DEMAND, ExpertStore
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.layout import unpack_bundle
@@ -274,8 +274,8 @@ def test_staged_bundles_land_intact_though_an_io_thread_reuses_its_buffer(edge0_
 @pytest.mark.parametrize(
     "io_workers, run_bundles, tasks",
     [
-        (1, moe_module.RUN_BUNDLES, [4]),
-        (2, moe_module.RUN_BUNDLES, [2, 2]),
+        (1, experts_module.RUN_BUNDLES, [4]),
+        (2, experts_module.RUN_BUNDLES, [2, 2]),
         (1, 2, [2, 2]),
     ],
 )
@@ -285,7 +285,7 @@ def test_a_run_of_slots_is_read_by_one_task_and_a_hedge_keeps_rows_of_it(
     """A staged set's misses bound for consecutive slots are read by one task (at most an even
     share of the I/O threads' work, and RUN_BUNDLES) and written with one update per tensor;
     when a later set takes some of a task's slots, the task's other rows still land in theirs."""
-    monkeypatch.setattr(moe_module, "RUN_BUNDLES", run_bundles)
+    monkeypatch.setattr(experts_module, "RUN_BUNDLES", run_bundles)
     engine = Engine.load(
         edge0_qwen,
         EngineOptions(

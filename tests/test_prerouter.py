@@ -10,14 +10,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from edge0_eval.engine.moe import Counters
-from edge0_eval.engine.prerouted import (
-    Prerouter,
-    PrerouterHeads,
-    build_features,
-    onehot,
-)
-from edge0_eval.engine.prerouter import (
+from edge0_eval.engine.counters import Counters
+from edge0_eval.engine.heads import (
     check_owners,
     default_owners,
     init_heads_from_routers,
@@ -26,7 +20,14 @@ from edge0_eval.engine.prerouter import (
     save_heads,
     tier_defaults,
 )
-from edge0_eval.engine.step import RoutingRule, stack_rules
+from edge0_eval.engine.routing import (
+    Prerouter,
+    PrerouterHeads,
+    RoutingRule,
+    build_features,
+    onehot,
+    stack_rules,
+)
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import KIND, PrerouterConfig, read_metadata
 
@@ -199,7 +200,7 @@ def test_router_bias_is_folded_into_onehot_columns():
     block = type("B", (), {"router": lin})()
     w, b = router_weight(block)
     assert b is not None
-    from edge0_eval.engine.prerouter import heads_from_router_weights
+    from edge0_eval.engine.heads import heads_from_router_weights
 
     cfg = PrerouterConfig(owners=[0], width=2, top_k=2, hidden=4, num_experts=3)
     heads = heads_from_router_weights(cfg, [w], [b], seed=0)

@@ -24,7 +24,7 @@ from opencompass.utils.build import build_model_from_cfg
 
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.demo import TINY_DATASETS, offline_env
-from edge0_eval.engine.prompts import row_seed
+from edge0_eval.engine.inputs import row_seed
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fixtures import write_fixtures
 from model_wrappers.edge0_model import Edge0Model

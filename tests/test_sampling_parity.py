@@ -23,8 +23,8 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from edge0_eval.cli import main
 from edge0_eval.demo import offline_env
 from edge0_eval.engine import batch as batch_module
-from edge0_eval.engine.prompts import penalties_of, row_seed
-from edge0_eval.engine.rows import RowSampler, greedy_tokens, stop_token_ids
+from edge0_eval.engine.batch import RowSampler, greedy_tokens, stop_token_ids
+from edge0_eval.engine.inputs import penalties_of, row_seed
 from model_wrappers.edge0_model import Edge0Model
 from model_wrappers.mlx_lm_model import MLXLMModel
 
@@ -64,7 +64,7 @@ def mlx_lm_tokens(
         x = row.reshape(1, -1)
         for processor in processors:
             x = processor(mx.array(history), x)
-        x = x.reshape(-1)  # a row is drawn as a [V] vector (engine/rows.py says why)
+        x = x.reshape(-1)  # a row is drawn as a [V] vector (engine/batch.py says why)
         token = int(sampler(x - mx.logsumexp(x, keepdims=True)).item())
         out.append(token)
         history.append(token)

@@ -20,15 +20,15 @@ from failing_step import FailingStep
 from live_server import LiveServer, free_port
 
 from edge0_eval.cli import main
-from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prompts import chat_ids, row_seed
-from edge0_eval.engine.rows import (
+from edge0_eval.engine.batch import (
     IncrementalText,
     StopRule,
     stop_token_ids,
     trim_at_stop,
 )
+from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.inputs import chat_ids, row_seed
+from edge0_eval.engine.options import EngineOptions
 from edge0_eval.formats.layout import EXPERTS_NAME
 from edge0_eval.server import worker as worker_module
 from edge0_eval.server.worker import TextStream, finish_reason

@@ -22,8 +22,8 @@ import pytest
 from live_server import LiveServer
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.inputs import chat_ids, row_seed
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prompts import chat_ids, row_seed
 from edge0_eval.server.app import STOPPING
 
 NAME = "tiny"

@@ -19,8 +19,8 @@ from live_server import start_serve, stop
 from perturbed_heads import perturbed_heads
 
 from edge0_eval.engine.engine import Engine
+from edge0_eval.engine.inputs import chat_ids, row_seed
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prompts import chat_ids, row_seed
 
 NAME = "load"
 TEMPLATE = {"enable_thinking": False}

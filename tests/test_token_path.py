@@ -3,9 +3,10 @@ one served chat completion pass through, measured by running them (a profiler on
 records each call's file).
 
 mlx-lm's token path is generate_step -> model file -> switch_layers -> sample_utils; ours adds
-the row, the reads and the prediction heads, and is held at six files: batch.py (the loop) ->
-rows.py (the row's sampler and stop rule) and step.py (the layers, MoE blocks, routing) ->
-prerouted.py (the heads) -> moe.py (the slots) -> store.py (the reads). A change that sends
+the reads and the prediction heads, and is held at six files: batch.py (the loop and the row's
+sampler and stop rule) -> step.py (the layers) -> families/qwen3_5_moe.py (the family's MoE
+block and layer arguments) -> routing.py (the routing rule, and the prerouter's heads) ->
+experts.py (the slots) -> store.py (the reads). A change that sends
 each token through another module fails here; each check first proves it sees such a detour.
 """
 
@@ -32,10 +33,10 @@ PROJECT = (ROOT / "edge0_eval", ROOT / "model_wrappers")
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 DECODE_FILES = {
     "edge0_eval/engine/batch.py",
-    "edge0_eval/engine/rows.py",
     "edge0_eval/engine/step.py",
-    "edge0_eval/engine/prerouted.py",
-    "edge0_eval/engine/moe.py",
+    "edge0_eval/engine/families/qwen3_5_moe.py",
+    "edge0_eval/engine/routing.py",
+    "edge0_eval/engine/experts.py",
     "edge0_eval/engine/store.py",
 }
 
@@ -109,10 +110,7 @@ def test_a_decode_token_passes_through_six_files(edge0_qwen, heads, mode, monkey
         files = _decode_files(engine, monkeypatch)
     finally:
         engine.close()
-    want = DECODE_FILES - (
-        {"edge0_eval/engine/prerouted.py"} if mode == "reactive" else set()
-    )
-    assert files == want, sorted(files ^ want)
+    assert files == DECODE_FILES, sorted(files ^ DECODE_FILES)
 
 
 def test_an_opencompass_prediction_passes_through_ten_files(edge0_qwen, heads):
@@ -137,7 +135,7 @@ def test_an_opencompass_prediction_passes_through_ten_files(edge0_qwen, heads):
     assert outside == {
         "model_wrappers/chat.py",
         "model_wrappers/edge0_model.py",
-        "edge0_eval/engine/prompts.py",
+        "edge0_eval/engine/inputs.py",
         "edge0_eval/engine/engine.py",
     }, sorted(outside)  # with the six: ten files
 
@@ -181,6 +179,6 @@ def test_a_served_chat_completion_passes_through_ten_files(edge0_qwen, heads):
         "edge0_eval/server/app.py",
         "edge0_eval/server/requests.py",
         "edge0_eval/server/worker.py",
-        "edge0_eval/engine/prompts.py",
+        "edge0_eval/engine/inputs.py",
     }
     assert files.files == want, sorted(files.files ^ want)  # ten files

@@ -15,7 +15,7 @@ from test_prerouter import (  # one tiny model per family and session
     converted_model,
 )
 
-from edge0_eval.engine.prerouter import load_heads
+from edge0_eval.engine.heads import load_heads
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import read_metadata
 from edge0_eval.training.corpus import read_documents, split_documents

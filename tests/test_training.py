@@ -73,7 +73,7 @@ def _student(teacher, root: Path) -> Path:
     """int4 `convert` of the teacher with untrained prerouter heads."""
     from edge0_eval.checkpoints.conversion import convert
     from edge0_eval.engine.engine import Engine, EngineOptions
-    from edge0_eval.engine.prerouter import (
+    from edge0_eval.engine.heads import (
         default_owners,
         init_heads_from_routers,
         save_heads,
@@ -556,7 +556,7 @@ def test_stage2_with_every_layer_prerouted(pair, tmp_path):
     """A student whose heads include the wrap-around head (start layer 0) trains on its served
     path end to end, and a killed run resumed by the same command ends bit-identical."""
     from edge0_eval.engine.engine import Engine, EngineOptions
-    from edge0_eval.engine.prerouter import (
+    from edge0_eval.engine.heads import (
         default_owners,
         init_heads_from_routers,
         save_heads,

@@ -17,9 +17,7 @@ from served_pass import (
 
 from edge0_eval import cli
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouted import build_features, onehot
-from edge0_eval.engine.prerouter import (
+from edge0_eval.engine.heads import (
     check_owners,
     default_consumers,
     default_owners,
@@ -27,6 +25,8 @@ from edge0_eval.engine.prerouter import (
     load_heads,
     save_heads,
 )
+from edge0_eval.engine.options import EngineOptions
+from edge0_eval.engine.routing import build_features, onehot
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig, read_metadata
 

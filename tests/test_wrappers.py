@@ -11,8 +11,8 @@ import sys
 import pytest
 from opencompass.utils.prompt import PromptList
 
-from edge0_eval.engine.prompts import to_messages
-from edge0_eval.engine.rows import trim_at_stop
+from edge0_eval.engine.batch import trim_at_stop
+from edge0_eval.engine.inputs import to_messages
 from edge0_eval.errors import ConfigError
 from model_wrappers.chat import sampling_options
 

@@ -1,5 +1,5 @@
 """config.json of each family at a tiny shape, keyed by the family's name in the registry
-(engine/families.py), written by `edge0-eval make-tiny` (checkpoints/tiny.py). Each refuses a
+(engine/families/), written by `edge0-eval make-tiny` (checkpoints/tiny.py). Each refuses a
 shape its family cannot build. Kept here, not in the registry, so that the engine never imports
 checkpoint making.
 """
@@ -126,7 +126,7 @@ def bailing_tiny(shape) -> dict:
     }
 
 
-# family name (engine/families.py's FAMILIES, same order) -> TinyShape -> config.json
+# family name (engine/families/: FAMILIES, same order) -> TinyShape -> config.json
 TINY_CONFIGS = {
     "qwen3_5_moe": qwen3_5_tiny,
     "bailing_hybrid": bailing_tiny,

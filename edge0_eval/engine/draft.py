@@ -4,7 +4,7 @@ A draft vocabulary file (`edge0-eval draft-vocab`) lists token ids, most frequen
 `DraftHead` applies the model's final norm and the LM head's rows for those ids (a row slice of
 the same weights, with the head's LoRA if it has one) to the last layer's output and takes the
 argmax. Next-token prerouter heads evaluated at that draft are a hedge whose sets are the routing
-itself whenever the served token is the draft (engine/prerouted.py). Routing never depends on the
+itself whenever the served token is the draft (engine/routing.py). Routing never depends on the
 draft: it only decides which bundles start loading before the token exists.
 
 The file (`{"ids": int32 [N]}` and its metadata) is formats/draft_file.py's.

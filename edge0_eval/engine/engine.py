@@ -22,8 +22,22 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes
 
-from edge0_eval.engine.batch import BatchDecoder, check_batch_args, check_seed
+from edge0_eval.engine.batch import (
+    Answer,
+    BatchDecoder,
+    Figures,
+    Row,
+    RowSampler,
+    StopRule,
+    check_batch_args,
+    check_seed,
+    decode_figures,
+    snapshot,
+)
+from edge0_eval.engine.counters import Counters
+from edge0_eval.engine.experts import StreamingSwitchGLU
 from edge0_eval.engine.families import open_model_dir
+from edge0_eval.engine.heads import attach_prerouter
 from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.mlx_compat import (
     activation_dtype,
@@ -32,10 +46,7 @@ from edge0_eval.engine.mlx_compat import (
     refuse_unserved_experts,
     resolve_compute_dtype,
 )
-from edge0_eval.engine.moe import Counters, Figures, StreamingSwitchGLU, snapshot
 from edge0_eval.engine.options import EngineOptions, ResolvedOptions
-from edge0_eval.engine.prerouter import attach_prerouter
-from edge0_eval.engine.rows import Answer, Row, RowSampler, StopRule, decode_figures
 from edge0_eval.engine.step import DecodeStep, NonFiniteError  # noqa: F401 (NonFiniteError: API)
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import CheckpointError, ConfigError
@@ -49,9 +60,10 @@ from edge0_eval.formats.model_dir import (
 )
 
 
+# -- the engine ---------------------------------------------------------------------
 @dataclass
 class GenerationResult(Answer):
-    """A finished row, as `generate` and `generate_batch` return it: its answer (rows.Answer:
+    """A finished row, as `generate` and `generate_batch` return it: its answer (batch.Answer:
     output, text, finish, stop_word, stats: the engine's figures with the row's own), and
     every token it decoded (`tokens`: a final stop id included)."""
 
@@ -225,7 +237,7 @@ class Engine:
     ) -> GenerationResult:
         """One sequence: a batch of one row (`generate_batch`), so a solo run and a batched
         row are one code path. Sampling draws from the row's own key (`seed`, default
-        options.seed; see rows.py). penalties: mlx-lm's (prompts.PENALTY_KEYS),
+        options.seed; see batch.py). penalties: mlx-lm's (inputs.PENALTY_KEYS),
         on the prompt and the tokens generated; stop_words: strings that end the row as soon
         as its text holds one."""
         if seed is not None:
@@ -350,7 +362,7 @@ class Engine:
         return self.figures.slots_per_layer
 
     def stats(self) -> dict:
-        """The engine's figures since load (moe.Figures) with the last generate_batch's."""
+        """The engine's figures since load (batch.py: `Figures`) with the last generate_batch's."""
         return self.figures() | self._last
 
     def close(self) -> None:

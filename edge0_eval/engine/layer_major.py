@@ -6,10 +6,10 @@ layer by layer, as offloaded throughput systems do (FlexGen's block schedule). A
 
   1. every sequence's attention (or GatedDeltaNet, GLA) part runs as prefill runs it: mlx-lm's
      own layer over the sequence's piece, with its own cache and the family's call arguments
-     (families.py), while a stand-in for the MoE block records its input and returns -0.0, so
+     (families/), while a stand-in for the MoE block records its input and returns -0.0, so
      the layer returns its residual stream unchanged (h + -0.0 is h, bit for bit);
   2. the MoE block runs once over every position of the batch: the union of the batch's
-     routing is read once (a slot-full at a time when it overflows the slots: moe.py's groups),
+     routing is read once (a slot-full at a time when it overflows the slots: experts.py's groups),
      and each sequence's output is its residual + the block's output, as mlx-lm's layer adds
      them.
 
@@ -59,15 +59,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edge0_eval.engine.counters import Counters
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.families import family_for
-from edge0_eval.engine.moe import Counters
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.engine.prerouted import build_features, onehot
+from edge0_eval.engine.routing import StreamingMoE, build_features, onehot
 from edge0_eval.engine.step import (
     DecodeStep,
     NonFiniteError,
-    StreamingMoE,
     _mark,
     _rewind,
     prefill_pieces,

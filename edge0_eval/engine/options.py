@@ -9,7 +9,7 @@ where every default that depends on the model is decided.
 
 Adapter files. The LoRA adapter is `lora_path`, else `lora.safetensors` beside the model; the
 prerouter heads (prerouted mode only) are `prerouter_path`, else `prerouter.safetensors` beside
-the model; with them, the hedge (prerouted.py; next-token heads only: a draft vocabulary from
+the model; with them, the hedge (routing.py; next-token heads only: a draft vocabulary from
 `edge0-eval draft-vocab`) is `hedge_path`, else
 `prerouter_hedge.safetensors` beside the model when present. `no_lora` / `no_prerouter` /
 `no_hedge` turn them off. A file given explicitly must exist. A missing default file means
@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge0_eval.engine.experts import slots_for_budget
 from edge0_eval.engine.families import Family, family_for
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
-from edge0_eval.engine.moe import slots_for_budget
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import ExpertIndex
 
@@ -63,7 +63,7 @@ class EngineOptions:
     no_prerouter: bool = False
     # Hedged staging (next-token heads): a draft vocabulary (the heads at a drafted token),
     # whose sets are read before the LM head for their layers; routing stays the prerouter's
-    # (engine/prerouted.py). None: HEDGE_FILE beside the model if present.
+    # (engine/routing.py). None: HEDGE_FILE beside the model if present.
     hedge_path: str | None = None
     no_hedge: bool = False
     # the hedge's first N layers in step order; None: all

@@ -1,12 +1,12 @@
-"""The one step of the served model: `(tokens, cache, plans) -> (logits, next plans)`, with the
-pieces it runs around mlx-lm's own decoder layers: each family's streaming MoE block, the
-routing rules that turn router scores into experts, and each family's layer call arguments.
+"""The one step of the served model: `(tokens, cache, plans) -> (logits, next plans)`: mlx-lm's
+own decoder layers called with each family's arguments (engine/families/), the streaming MoE
+blocks routed by the step's `Route`s (engine/routing.py).
 
 Every caller runs the model through `DecodeStep`: a prompt's pieces (`prefill`) and each decode
 token of the batch decoder (B rows a step; `Engine.generate` is a batch of one), fidelity
 scoring, and training's served path (whole sequences; its gradient pass through `forward`
 alone). The cache (mlx-lm's, one per
-layer) and the prerouter's per-row state (`Plans`, prerouted.py) are arguments and results;
+layer) and the prerouter's per-row state (`Plans`, routing.py) are arguments and results;
 the engine keeps neither. One prerouted decode step, top to bottom:
 
   1. Plans that were not made at the end of the last step are made now (`Prerouter.plan`):
@@ -30,392 +30,20 @@ chunk in one pass: it runs to a fixed point instead (`_fixed_point`): the consum
 guessed (first its router), the chunk runs, and runs again on the owner's predictions until they
 reproduce the routes it ran on. That is the sequential result (each pass fixes at least the
 first position it guessed wrong: at most L passes) at the cost of the passes it takes.
-
-Streaming MoE blocks: mlx-lm's MoE block with `switch_mlp` replaced by a `StreamingSwitchGLU`
-(engine/moe.py), its child modules kept under their original names (`gate`,
-`shared_expert(s)`, ...) so weights, LoRA keys and published adapters address the same paths.
-True routing is mlx-lm's own, bit for bit; a `Route` (set by the step) replaces the router's
-choice of experts, never its weights.
-
-Expert selection: `top_k_ids` / `combine` are the only code that turns router scores into
-(expert ids, weights). The prerouter heads' logits go through a `RoutingRule` (each block's
-`rule`), the same rule detached from the module so that it can be stacked over consumer layers
-and applied to all heads in one computation. The order of the k selected ids is the order of
-the weighted sum, so each caller keeps the order mlx-lm's block uses ("last": qwen3's
-argpartition(probs)[-k:]; "first": argpartition(-sel)[:k]), which keeps outputs bit-identical
-to mlx-lm.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from edge0_eval.engine.moe import Counters, StagedSet, StreamingSwitchGLU
+from edge0_eval.engine.counters import Counters
+from edge0_eval.engine.experts import evaluate
+from edge0_eval.engine.routing import Plans, Route
 from edge0_eval.errors import ConfigError, Edge0Error
-
-# -- expert selection --------------------------------------------------------------------
-# mlx-lm's Gate adds this to the normaliser; a no-op for any real sum of k probabilities.
-NORM_EPS = 1e-20
-
-
-def top_k_ids(sel: mx.array, k: int, order: str = "first") -> mx.array:
-    """Ids [..., k] of the k largest entries of `sel` [..., E] (no gradient through the choice)."""
-    if order == "last":
-        return mx.stop_gradient(mx.argpartition(sel, kth=-k, axis=-1)[..., -k:])
-    return mx.stop_gradient(mx.argpartition(-sel, kth=k - 1, axis=-1)[..., :k])
-
-
-def combine(
-    scores: mx.array,
-    inds: mx.array,
-    *,
-    normalize: bool,
-    eps: float = 0.0,
-    scaling: float | None = None,
-) -> mx.array:
-    """Combination weights [..., k] of `inds` from `scores` [..., E]: optionally normalised over
-    the k (with `eps` added to the sum), optionally times `scaling`."""
-    weights = mx.take_along_axis(scores, inds, axis=-1)
-    if normalize:
-        total = weights.sum(axis=-1, keepdims=True)
-        weights = weights / (total + eps if eps else total)
-    return weights if scaling is None else weights * scaling
-
-
-def limit_groups(sel: mx.array, n_group: int, topk_group: int) -> mx.array:
-    """Group-limited routing (mlx-lm's Gate): keep the `topk_group` best of `n_group` groups
-    (a group's score: the sum of its two best entries); the others' entries become -inf."""
-    n_drop = n_group - topk_group
-    if n_drop <= 0:
-        return sel
-    sel = mx.unflatten(sel, axis=-1, shape=(n_group, -1))
-    group_scores = mx.topk(sel, 2, axis=-1).sum(axis=-1, keepdims=True)
-    drop = mx.argpartition(group_scores, kth=n_drop - 1, axis=-2)[..., :n_drop, :]
-    sel = mx.put_along_axis(
-        sel, mx.stop_gradient(drop), mx.array(-mx.inf, sel.dtype), axis=-2
-    )
-    return mx.flatten(sel, -2, -1)
-
-
-@dataclass
-class RoutingRule:
-    """A family's selection rule, detached from the module (stackable over consumer layers)."""
-
-    score: str = "softmax"  # "softmax" | "sigmoid"
-    norm_topk_prob: bool = True
-    # [E], or stacked [O, 1, E]; steers selection only
-    expert_bias: mx.array | None = None
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-
-    def to_json(self) -> dict:
-        return {
-            "score": self.score,
-            "norm_topk_prob": self.norm_topk_prob,
-            "n_group": self.n_group,
-            "topk_group": self.topk_group,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "has_expert_bias": self.expert_bias is not None,
-        }
-
-    def scores(self, logits: mx.array) -> mx.array:
-        logits = logits.astype(mx.float32)
-        if self.score == "sigmoid":
-            return mx.sigmoid(logits)
-        return mx.softmax(logits, axis=-1, precise=True)
-
-    def weights(self, scores: mx.array, inds: mx.array) -> mx.array:
-        return combine(
-            scores,
-            inds,
-            normalize=inds.shape[-1] > 1 and self.norm_topk_prob,
-            eps=NORM_EPS,
-            scaling=self.routed_scaling_factor,
-        )
-
-    def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
-        scores = self.scores(logits)
-        sel = (
-            scores
-            if self.expert_bias is None
-            else scores + self.expert_bias.astype(mx.float32)
-        )
-        inds = top_k_ids(limit_groups(sel, self.n_group, self.topk_group), k)
-        return inds, self.weights(scores, inds)
-
-
-def stack_rules(rules: list[RoutingRule]) -> RoutingRule:
-    """One rule for logits [O, B, E] whose row o follows rules[o] (only expert_bias may differ)."""
-    first = rules[0]
-    for r in rules[1:]:
-        if (
-            r.score,
-            r.norm_topk_prob,
-            r.n_group,
-            r.topk_group,
-            r.routed_scaling_factor,
-        ) != (
-            first.score,
-            first.norm_topk_prob,
-            first.n_group,
-            first.topk_group,
-            first.routed_scaling_factor,
-        ):
-            raise ValueError(
-                "consumer layers follow different routing rules; select per layer"
-            )
-    bias = None
-    if first.expert_bias is not None:
-        bias = mx.stack([r.expert_bias for r in rules])[:, None, :]
-    return RoutingRule(
-        first.score,
-        first.norm_topk_prob,
-        bias,
-        first.n_group,
-        first.topk_group,
-        first.routed_scaling_factor,
-    )
-
-
-# -- the streaming MoE blocks ------------------------------------------------------------
-@dataclass
-class Route:
-    """What a block executes instead of its router's choice, for one call."""
-
-    inds: mx.array  # [B, L, K] experts, weighted by the layer's own router
-    mask: mx.array | None = None  # [B, L]: where False, the router's own choice instead
-    pinned: bool = False  # every expert of `inds` is in the slots: no host sync
-
-
-class StreamingMoE(nn.Module):
-    """Common plumbing. `route` (None: the true router) is set by whoever runs the layer;
-    with `capture` on, `last` holds the last call's (MoE input [B, L, H], executed ids)."""
-
-    selection_order = "first"
-
-    def _init_streaming(self, switch: StreamingSwitchGLU, top_k: int) -> None:
-        self.switch_mlp = switch
-        self.top_k = top_k
-        self.num_experts = switch.num_experts
-        self.route: Route | None = None
-        self.capture = False
-        self.last: tuple[mx.array, mx.array] | None = None
-        # a list: keep each plan's recall (lazy)
-        self.recall: list[mx.array] | None = None
-
-    def __call__(self, x: mx.array) -> mx.array:
-        route = self.route
-        if route is None:
-            inds, weights = self.select(x)
-        else:
-            inds = route.inds
-            if route.mask is not None:
-                inds = mx.where(route.mask[..., None], inds, self.select(x)[0])
-            weights = self.weights(x, inds)
-            if self.recall is not None:  # |planned ∩ true top-k| / k
-                hit = (inds[..., :, None] == self.select(x)[0][..., None, :]).any(
-                    axis=-1
-                )
-                self.recall.append(hit.astype(mx.float32).mean())
-        if self.capture:
-            self.last = (x, inds)
-        y = self.switch_mlp(x, inds, pinned=route is not None and route.pinned)
-        y = (y * weights[..., None]).sum(axis=-2)
-        shared = self.shared(x)
-        return y if shared is None else y + shared
-
-
-class QwenStreamingMoE(StreamingMoE):
-    """qwen3_5_moe block: softmax top-k, normalised, a shared expert with a sigmoid gate."""
-
-    # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
-    selection_order = "last"
-
-    def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
-        super().__init__()
-        self.gate = block.gate
-        self.shared_expert = block.shared_expert
-        self.shared_expert_gate = block.shared_expert_gate
-        self.norm_topk_prob = self.normalizes(block)
-        self._init_streaming(switch, top_k)
-
-    @staticmethod
-    def normalizes(block) -> bool:
-        return bool(block.norm_topk_prob)
-
-    @property
-    def router(self) -> nn.Module:
-        return self.gate
-
-    @property
-    def rule(self) -> RoutingRule:
-        return RoutingRule(score="softmax", norm_topk_prob=self.norm_topk_prob)
-
-    def _probs(self, x: mx.array) -> mx.array:
-        return mx.softmax(self.gate(x), axis=-1, precise=True)
-
-    def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        probs = self._probs(x)
-        inds = top_k_ids(probs, self.top_k, self.selection_order)
-        return inds, combine(probs, inds, normalize=self.norm_topk_prob)
-
-    def weights(self, x: mx.array, inds: mx.array) -> mx.array:
-        return combine(self._probs(x), inds, normalize=self.norm_topk_prob)
-
-    def shared(self, x: mx.array) -> mx.array:
-        return mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-
-class Qwen2StreamingMoE(QwenStreamingMoE):
-    """qwen2_moe block: the same softmax router and gated shared expert, never normalised.
-
-    Selection is mlx-lm qwen2_moe's own (argpartition of -probs, first k): the order of the k
-    experts is the order of the weighted sum, so matching it keeps outputs bit-identical.
-    """
-
-    selection_order = "first"
-
-    @staticmethod
-    def normalizes(block) -> bool:
-        return False  # mlx-lm's qwen2_moe block has no norm_topk_prob: it never does
-
-
-class BailingStreamingMoE(StreamingMoE):
-    """bailing_hybrid block: sigmoid + expert bias, group-limited top-k, routed scaling."""
-
-    def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
-        super().__init__()
-        self.gate = block.gate  # mlx-lm's Gate: its own selection rule, reused as is
-        self.shared_experts = block.shared_experts
-        self._init_streaming(switch, top_k)
-        self.gate.top_k = top_k  # instance attribute: serves K != native top-k
-
-    @property
-    def router(self) -> nn.Module:
-        return self.gate.gate_proj
-
-    @property
-    def rule(self) -> RoutingRule:
-        gate = self.gate
-        return RoutingRule(
-            score=gate.score_function,
-            norm_topk_prob=bool(gate.norm_topk_prob),
-            expert_bias=gate.expert_bias,
-            n_group=int(gate.n_group),
-            topk_group=int(gate.topk_group),
-            routed_scaling_factor=float(gate.routed_scaling_factor),
-        )
-
-    def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        return self.gate(x)
-
-    def weights(self, x: mx.array, inds: mx.array) -> mx.array:
-        # mlx-lm's Gate: normalised only for k > 1, then scaled.
-        probs = mx.sigmoid(self.gate.gate_proj(x).astype(mx.float32))
-        return combine(
-            probs,
-            inds,
-            normalize=inds.shape[-1] > 1 and self.gate.norm_topk_prob,
-            eps=NORM_EPS,
-            scaling=self.gate.routed_scaling_factor,
-        ).astype(x.dtype)
-
-    def shared(self, x: mx.array) -> mx.array | None:
-        return None if self.shared_experts is None else self.shared_experts(x)
-
-
-# -- each family's layer call arguments (Family.layer_args) ------------------------------
-def qwen3_5_layer_args(text, h, cache):
-    inner = text.model
-    fa_mask = create_attention_mask(h, cache[inner.fa_idx])
-    ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    return lambda layer, h, c: (
-        (h,),
-        dict(mask=ssm_mask if layer.is_linear else fa_mask, cache=c),
-    )
-
-
-def bailing_layer_args(text, h, cache):
-    inner = text.model
-    attn_cache = cache[inner._attn_idx] if inner._attn_idx is not None else None
-    attn_mask = create_attention_mask(h, attn_cache, return_array=True)
-    gla_mask = (
-        create_ssm_mask(h, cache[inner._gla_idx])
-        if inner._gla_idx is not None
-        else None
-    )
-    offset = attn_cache.offset if attn_cache is not None else 0
-    return lambda layer, h, c: (
-        (h, attn_mask if layer.is_global else gla_mask, c),
-        dict(offset=offset),
-    )
-
-
-def qwen2_layer_args(text, h, cache):
-    mask = create_attention_mask(h, cache[0])
-    return lambda layer, h, c: ((h, mask, c), {})
-
-
-# -- the prerouter's state between steps (its heads and staging: prerouted.py) ---------
-
-
-@dataclass
-class Plans:
-    """The prerouter's state between two steps of B rows, in the batch's row order."""
-
-    # [O, B, in]: the heads' features at each row's last token
-    feats: mx.array | None = None
-    # [O, B, E]: that token's executed experts (the next t-1)
-    onehot: mx.array | None = None
-    # consuming layer -> (ids [B, 1, K], its StagedSet; None: not staged, loaded on demand)
-    layers: dict[int, tuple[mx.array, StagedSet | None]] = field(default_factory=dict)
-    # the draft hedge's reads
-    hedges: dict[int, StagedSet] = field(default_factory=dict)
-    # (draft tokens [B], the heads' (ids, weights) at them)
-    drafted: tuple | None = None
-
-    def overlap(self, layer: int) -> bool:
-        """Whether staged layer `layer` (> 0) starts the compute of the layers before it
-        ahead of waiting for its reads: at the step's first staged layer after layer 0 (so
-        compute runs while the rest is built; before layer 0 there is none), and wherever
-        reads of it or a later staged layer are still in flight (so compute runs while they
-        land). Else the step's own evaluation starts it: each evaluation call costs the
-        building thread more than its own time (reports/perf.md (HW))."""
-        staged = {n: s for n, (_, s) in self.layers.items() if n > 0 and s is not None}
-        return layer == min(staged) or any(
-            not task.done()
-            for n, s in staged.items()
-            if n >= layer
-            for task, _ in s.reads
-        )
-
-    def take(self, rows: list[int]) -> "Plans":
-        """The row state of `rows`, in that order; whatever was planned is dropped."""
-        if self.feats is None or not rows:
-            return Plans()
-        idx = mx.array(rows, dtype=mx.int32)
-        return Plans(self.feats[:, idx], self.onehot[:, idx])
-
-    @staticmethod
-    def join(parts: list["Plans"]) -> "Plans":
-        """The rows of `parts` one after another (row state only)."""
-        parts = [p for p in parts if p.feats is not None]
-        if not parts:
-            return Plans()
-        return Plans(
-            mx.concatenate([p.feats for p in parts], axis=1),
-            mx.concatenate([p.onehot for p in parts], axis=1),
-        )
-
 
 # -- the step ----------------------------------------------------------------------------
 # How a decoder layer is called: call(i, layer, *args, **kwargs) (training: mx.checkpoint).
@@ -455,7 +83,7 @@ class DecodeStep:
         model,
         family,
         blocks: dict,
-        prerouter,  # a prerouted.Prerouter, or None
+        prerouter,  # a routing.Prerouter, or None
         clip: float | None,
         counters: Counters,
         name: str,
@@ -553,8 +181,13 @@ class DecodeStep:
         finite = mx.isfinite(logits).all(axis=(1, 2))
         # Evaluated with the rest, so reading the verdict below syncs nothing more.
         all_finite = finite.all()
-        self.counters.evaluate(
-            last, finite, all_finite, events, [c.state for c in cache if c is not None]
+        evaluate(
+            self.counters,
+            last,
+            finite,
+            all_finite,
+            events,
+            [c.state for c in cache if c is not None],
         )
         if events is not None:
             self.counters.guard_events += events.item()
@@ -692,7 +325,7 @@ class DecodeStep:
             inds, staged = plan
             if staged is not None:
                 if layer > 0 and plans.overlap(layer):
-                    self.counters.evaluate(h, wait=mx.async_eval)
+                    evaluate(self.counters, h, wait=mx.async_eval)
                     self.counters.early_evals += 1
                 self.prerouter.finish(layer, staged)
             if (

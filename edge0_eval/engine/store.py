@@ -452,7 +452,7 @@ class ExpertStore:
         it returns (per bundle the buffers it is read into, as `read_into` takes them, and a
         function whose result is the task's, called once they are all read): callers read
         straight into the arrays that keep the bundles and do whatever else a bundle needs
-        there, off the thread that builds the graph (engine/moe.py `_sink`).
+        there, off the thread that builds the graph (engine/experts.py `_sink`).
         Without a sink the task's result is the bundles' bytes (uint8 [m, bundle_stride]).
         """
         return self.submit_many(layer, [expert], priority, sink)[0]

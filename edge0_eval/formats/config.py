@@ -19,7 +19,7 @@ from edge0_eval.formats.layout import RECONVERT
 
 
 class ModelFamily(Protocol):
-    """What a model family (engine/families.py) tells the file checks about its model type."""
+    """What a model family (engine/families/) tells the file checks about its model type."""
 
     name: str
     module_path: str  # a layer's MoE block path, with {layer}

@@ -10,7 +10,7 @@ features, in = hidden + 2E), start_layer, width, hidden, num_experts, format_ver
 model, model_type. `read_heads` reads published files (which may lack start_layer/width/hidden/
 num_experts: they are then taken from the shapes) and checks everything against the model it
 will serve but the (owner, consumer) pairs, which the engine checks against its MoE layers
-(engine/prerouter.py's `load_heads`, which builds the heads). Mixed heads' files (metadata
+(engine/heads.py's `load_heads`, which builds the heads). Mixed heads' files (metadata
 context_consumers) are refused: that kind of head is no longer served (issue 26).
 """
 

@@ -13,7 +13,7 @@ Fields (null is the same as absent):
                              tokens, at most `--max-model-len` (checked once the prompt is
                              tokenized: worker.py)
   temperature, top_p, top_k, min_p     mlx-lm's filters, checked as the in-process arms check
-                             them (edge0_eval/engine/prompts.py: vLLM's ranges;
+                             them (edge0_eval/engine/inputs.py: vLLM's ranges;
                              top_k 0 or -1 and min_p 0: off; sampling, top_k below the
                              vocabulary size, as mlx-lm's top-k needs)
   repetition_penalty, presence_penalty, frequency_penalty, and each *_context_size
@@ -26,7 +26,7 @@ Fields (null is the same as absent):
                              this request and returned in `edge0.request_seed`, so the answer
                              can be replayed): the run's seed, as in a model config's
                              generation_kwargs; choice i draws from `row_seed(seed, prompt
-                             ids, edge0_sample + i)` (edge0_eval/engine/prompts.py), as the
+                             ids, edge0_sample + i)` (edge0_eval/engine/inputs.py), as the
                              in-process arms draw sample edge0_sample + i
   n                          choices, 1..MAX_CHOICES: n rows of the running batch, choice i
                              sample edge0_sample + i (n > 1 needs temperature > 0, as vLLM)
@@ -48,7 +48,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge0_eval.engine.prompts import (
+from edge0_eval.engine.inputs import (
     PENALTIES,
     PENALTY_KEYS,
     check_filters,

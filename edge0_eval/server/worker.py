@@ -4,7 +4,7 @@ MLX and the engine are single-threaded, so every request is handed to `Worker` a
 (`submit`, `cancel`: thread-safe) and everything that touches the model or the tokenizer runs
 here: the chat template and tokenization when the job is admitted, then the batch decoder
 (engine/batch.py), between whose steps rows join and leave. A job is its request's `n`
-choices, each a row of the batch; each row carries its stop rule (engine/rows.py: stop ids,
+choices, each a row of the batch; each row carries its stop rule (engine/batch.py: stop ids,
 stop words and max_tokens end it inside the decoder, and a row that ended leaves before the
 next step) and its one text reader. After each step every row that took a token advances its
 choice: logprobs, streamed text read from the row's reader, and at the end the row's answer
@@ -32,15 +32,15 @@ from typing import Callable
 
 from mlx_lm.generate import wired_limit
 
-from edge0_eval.engine.batch import BatchDecoder
-from edge0_eval.engine.prompts import chat_ids, fit_prompt, row_seed
-from edge0_eval.engine.rows import (
+from edge0_eval.engine.batch import (
+    BatchDecoder,
     IncrementalText,
     Row,
     StopRule,
     sample_stats,
     stop_token_ids,
 )
+from edge0_eval.engine.inputs import chat_ids, fit_prompt, row_seed
 from edge0_eval.server.requests import (
     CONTEXT_EXCEEDED,
     DEFAULT_MAX_MODEL_LEN,

@@ -13,9 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.prerouted import build_features, onehot
-from edge0_eval.engine.prerouter import default_consumers, router_weight
-from edge0_eval.engine.step import RoutingRule, stack_rules
+from edge0_eval.engine.heads import default_consumers, router_weight
+from edge0_eval.engine.routing import RoutingRule, build_features, onehot, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import check_float32, load_float32
 from edge0_eval.training.corpus import read_documents, tokenize_documents

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0_eval.engine.prerouted import PrerouterHeads, onehot
+from edge0_eval.engine.routing import PrerouterHeads, onehot
 from edge0_eval.training.batches import Batch
 
 

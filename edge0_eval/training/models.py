@@ -26,17 +26,17 @@ from mlx_lm import load
 from edge0_eval.engine import lora
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.families import FAMILIES, family_for
+from edge0_eval.engine.heads import (
+    check_owners,
+    default_consumers,
+    default_owners,
+    tier_defaults,
+)
 from edge0_eval.engine.lora import load_adapter
 from edge0_eval.engine.mlx_compat import (
     cast_floating,
     resolve_compute_dtype,
     upcast_unquantized_experts_for_cpu,
-)
-from edge0_eval.engine.prerouter import (
-    check_owners,
-    default_consumers,
-    default_owners,
-    tier_defaults,
 )
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.layout import ExpertIndex

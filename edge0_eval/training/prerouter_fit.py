@@ -41,13 +41,13 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
-from edge0_eval.engine.prerouter import (
+from edge0_eval.engine.heads import (
     default_consumers,
     heads_from_router_weights,
     load_heads,
     save_heads,
 )
-from edge0_eval.engine.step import RoutingRule
+from edge0_eval.engine.routing import RoutingRule
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
 from edge0_eval.training.corpus import split_documents, subset_documents

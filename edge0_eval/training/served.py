@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from edge0_eval.engine.step import Plans
+from edge0_eval.engine.routing import Plans
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.stage_options import MODES
 

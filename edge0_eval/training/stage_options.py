@@ -110,7 +110,7 @@ class PrerouterOptions:
     check_tokens: int = CHECK_TOKENS
     # train on a random subset of the training documents
     train_tokens: int | None = None
-    # heads also see the next token's embedding (engine/prerouted.py)
+    # heads also see the next token's embedding (engine/routing.py)
     next_token: bool = False
 
     def validate(self) -> None:

@@ -15,11 +15,10 @@ MLX makes it easy to test and to reuse for prefetch (a stager asks the same ques
 from __future__ import annotations
 
 import functools
-import resource
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -27,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
+from edge0_eval.engine.counters import Counters
 from edge0_eval.engine.store import ExpertStore, results
 from edge0_eval.formats.layout import PROJECTIONS, ExpertIndex, bundle_views
 
@@ -64,17 +64,22 @@ class _HostArrays:
 _HOST_ARRAYS = _HostArrays()
 
 
+def evaluate(counters: Counters, *arrays, wait=mx.eval) -> None:
+    """`wait(*arrays)` (mx.eval, mx.async_eval), its time counted as the engine's evaluation
+    wait. Here, below every module of a decode step that waits (the batch, the step, the
+    prerouter, the switch), so that a step's waits run no module outside its own path."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    wait(*arrays)
+    counters.eval_wait_seconds += time.perf_counter() - started
+    counters.eval_wait_cpu_seconds += time.thread_time() - cpu
+
+
 # -- slot bookkeeping --------------------------------------------------------------------
 @dataclass
 class PoolStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
 
 class LayerSlots:
@@ -178,164 +183,7 @@ def slots_for_budget(budget_mib: float, slot_bytes: int) -> int:
     return int(budget_mib * 2**20 // slot_bytes)
 
 
-# -- the engine's counters and the streaming switch --------------------------------------
-@dataclass
-class Counters:
-    """Everything an engine counts, shared by its switches, prerouter and step; a phase's
-    figures are the difference of two copies (`since`)."""
-
-    blocked_seconds: float = 0.0  # the decode path waiting for demand reads
-    blocked_loads: int = 0
-    demand_read_seconds: float = 0.0
-    demand_read_bytes: int = 0
-    union_experts: int = 0  # distinct experts per reactive layer call (rows' union)
-    union_calls: int = 0
-    steps: int = 0  # step calls (DecodeStep), and their time split:
-    # Python building the graph, blocking reads and stage waits
-    build_seconds: float = 0.0
-    eval_seconds: float = 0.0  # compute left at the end
-    guard_events: int = 0  # hidden values clipped or NaN zeroed
-    nonfinite_events: int = 0
-    prerouted_steps: int = 0  # steps that executed staged plans
-    staged_experts: int = 0  # per consuming layer per step, the union of the rows' sets
-    staged_layers: int = 0  # (step, consuming layer) stagings
-    staged_loads: int = 0  # of those experts, bundles read (misses)
-    abandoned_plans: int = 0  # batched decode: layer plans dropped as rows left/joined
-    dropped_experts: int = 0  # planned experts absent from the slots at execution: 0
-    stage_wait_seconds: float = 0.0
-    # Staged layers whose wait first started the earlier layers' compute (Plans.overlap).
-    early_evals: int = 0
-    # The heads' (and a hedge's) host time: building their graphs and reading the selection,
-    # outside evaluation: their inputs are the step's layers, so waiting for the selection
-    # is waiting for the step's compute (counted in eval_wait_seconds).
-    head_host_seconds: float = 0.0
-    hedge_host_seconds: float = 0.0
-    hedge_staged: int = 0  # experts the hedge staged (per hedged layer per step)
-    hedge_hits: int = 0  # of those, in the routed set
-    hedge_cancelled: int = 0  # misses whose reads never started
-    hedge_wasted: int = 0  # misses read anyway (bundles read in vain)
-    draft_rows: int = 0  # draft hedge: rows whose token was drafted
-    draft_matches: int = 0  # of those, served the drafted token
-    wrap_chunks: int = 0  # chunks run to a fixed point under a wrap-around head
-    wrap_passes: int = 0  # and the passes they took
-    # The stepping thread blocked in MLX evaluation (eval, async_eval's back-pressure, item):
-    # with the read waits (demand reads, stage waits) what a decode step's wall time less
-    # its host work is. Host figures are counted per decode step by the batch decoder:
-    # host, its wall time outside evaluation and read waits; host_cpu, the thread's CPU
-    # time outside evaluation.
-    eval_wait_seconds: float = 0.0
-    eval_wait_cpu_seconds: float = 0.0  # the thread's CPU time inside those calls
-    host_seconds: float = 0.0
-    host_cpu_seconds: float = 0.0
-
-    def evaluate(self, *arrays, wait=mx.eval) -> None:
-        """`wait(*arrays)` (mx.eval, mx.async_eval), its time counted as evaluation wait."""
-        started, cpu = time.perf_counter(), time.thread_time()
-        wait(*arrays)
-        self.eval_wait_seconds += time.perf_counter() - started
-        self.eval_wait_cpu_seconds += time.thread_time() - cpu
-
-    @property
-    def read_wait_seconds(self) -> float:
-        return self.demand_read_seconds + self.stage_wait_seconds
-
-    def since(self, before: "Counters") -> "Counters":
-        return Counters(
-            **{
-                f.name: getattr(self, f.name) - getattr(before, f.name)
-                for f in fields(self)
-            }
-        )
-
-
-def snapshot(counters: Counters, store: ExpertStore, blocks: dict) -> dict:
-    """An engine's counters now, with its store's reads and its MoE blocks' pool lookups (a
-    phase's figures are the difference of two snapshots)."""
-    pool = [b.switch_mlp.slots.stats for b in blocks.values()]
-    c = counters
-    # Counters holds scalars only: a shallow copy (asdict deep-copies, ~0.15 ms a call,
-    # and a decode step takes four snapshots).
-    return vars(c).copy() | {
-        "bytes": store.stats.bytes_read,
-        "reads": store.stats.reads,
-        "hits": sum(p.hits for p in pool),
-        "misses": sum(p.misses for p in pool),
-        # Waiting for reads: demand reads, and staged reads not done when needed.
-        "blocked": c.blocked_seconds + c.stage_wait_seconds,
-        # Distinct experts per layer call, and such calls (reactive unions + staged sets).
-        "union": c.union_experts + c.staged_experts,
-        "union_layers": c.union_calls + c.staged_layers,
-    }
-
-
-def rss_gib() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024 / 2**30
-    except OSError:
-        pass
-    # macOS: ru_maxrss is the peak in bytes, the best cheap figure there
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30
-
-
-@dataclass
-class Figures:
-    """An engine's figures since it loaded, the ones every answer's stats carry (in-process
-    through `Engine.stats`, served through the worker): its settings, the slots its pools hold
-    now, memory, the store's reads, the pools' lookups, the counters and the prerouter's
-    (`Prerouter.stats`)."""
-
-    mode: str
-    top_k: int
-    io_throttle_mbps: float | None
-    clip: float | None
-    lora: str | None  # the adapter's path
-    slot_bytes: int  # one slot in every MoE layer
-    counters: Counters
-    store: ExpertStore
-    blocks: dict
-    prerouter: object = None  # a prerouted.Prerouter
-
-    @property
-    def slots_per_layer(self) -> int:
-        """What each layer's pool holds now (batch_pool widens it while a batch runs)."""
-        return max(
-            (b.switch_mlp.slots.n_slots for b in self.blocks.values()), default=0
-        )
-
-    def __call__(self) -> dict:
-        store, c = self.store.stats, self.counters
-        pool = [b.switch_mlp.slots.stats for b in self.blocks.values()]
-        hits, misses = sum(p.hits for p in pool), sum(p.misses for p in pool)
-        slots = self.slots_per_layer
-        out = {
-            "mode": self.mode,
-            "top_k": self.top_k,
-            "slots_per_layer": slots,
-            "expert_buffer_mib": slots * self.slot_bytes / 2**20,
-            "io_throttle_mbps": self.io_throttle_mbps,
-            "emulated": self.io_throttle_mbps is not None,
-            "peak_memory_gib": mx.get_peak_memory() / 2**30,
-            "active_memory_gib": mx.get_active_memory() / 2**30,
-            "rss_gib": rss_gib(),
-            "bytes_read": store.bytes_read,
-            "reads": store.reads,
-            "read_seconds": store.read_seconds,
-            "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "evictions": sum(p.evictions for p in pool),
-            "blocked_load_s": c.blocked_seconds,
-            "guard_clip": self.clip,
-            "guard_events": c.guard_events,
-            "nonfinite_events": c.nonfinite_events,
-            "lora": self.lora,
-        }
-        if self.prerouter is not None:
-            out.update(self.prerouter.stats())
-        return out
-
-
+# -- the streaming switch ------------------------------------------------------------------
 class StreamingSwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU over `n_slots` quantized slot buffers, filled from the expert store."""
 
@@ -651,7 +499,7 @@ class StreamingSwitchGLU(nn.Module):
         if pinned:
             return self.glu(x, io.lut[indices])
         # Reactive: the true routing must reach the host to read misses.
-        io.counters.evaluate(indices)
+        evaluate(io.counters, indices)
         ids = np.array(indices)
         # np.unique's list, at a fraction of its cost on a step's few dozen ids
         unique = sorted(set(ids.reshape(-1).tolist()))
@@ -682,7 +530,7 @@ class StreamingSwitchGLU(nn.Module):
             pairs = np.flatnonzero(np.isin(flat, group))
             slot_ids = io.lut[mx.array(flat[pairs].astype(np.int32))][:, None]
             part = self.glu(rows[mx.array(pairs // k)], slot_ids)[:, 0]
-            io.counters.evaluate(part)  # before the next group overwrites these slots
+            evaluate(io.counters, part)  # before the next group overwrites these slots
             parts.append(part)
             where.append(pairs)
         back = mx.array(np.argsort(np.concatenate(where)).astype(np.int32))

@@ -1,5 +1,21 @@
-"""Prerouted decode: prediction-as-routing with staged reads that overlap compute.
+"""Routing: the only code that turns router scores into (expert ids, weights), and the
+streaming MoE block's common plumbing that every family's block (engine/families/) shares.
 
+Expert selection: `top_k_ids` / `combine` are the only code that turns router scores into
+(expert ids, weights). The prerouter heads' logits go through a `RoutingRule` (each block's
+`rule`), the same rule detached from the module so that it can be stacked over consumer layers
+and applied to all heads in one computation. The order of the k selected ids is the order of
+the weighted sum, so each caller keeps the order mlx-lm's block uses ("last": qwen3's
+argpartition(probs)[-k:]; "first": argpartition(-sel)[:k]), which keeps outputs bit-identical
+to mlx-lm.
+
+Streaming MoE blocks: mlx-lm's MoE block with `switch_mlp` replaced by a `StreamingSwitchGLU`
+(engine/experts.py), its child modules kept under their original names (`gate`,
+`shared_expert(s)`, ...) so weights, LoRA keys and published adapters address the same paths.
+True routing is mlx-lm's own, bit for bit; a `Route` (set by the step) replaces the router's
+choice of experts, never its weights.
+
+The prerouter (prediction as routing, with staged reads that overlap compute):
 After each step every prerouter head runs in one batched computation on the step's features
 (`after_step`); the predicted set of each consuming layer (owner + 1; for the wrap-around head,
 owned by the last MoE layer, the first MoE layer) starts loading at once, and during the next
@@ -22,17 +38,246 @@ heads were deleted, issue 26: reports/variants.md.)
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from edge0_eval.engine.draft import DraftHead
-from edge0_eval.engine.moe import Counters, StagedSet
-from edge0_eval.engine.step import Plans
+from edge0_eval.engine.counters import Counters
+from edge0_eval.engine.experts import StagedSet, StreamingSwitchGLU, evaluate
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
+
+if TYPE_CHECKING:  # the draft hedge's head imports LoRA, which imports the families
+    from edge0_eval.engine.draft import DraftHead
+
+# -- expert selection --------------------------------------------------------------------
+# mlx-lm's Gate adds this to the normaliser; a no-op for any real sum of k probabilities.
+NORM_EPS = 1e-20
+
+
+def top_k_ids(sel: mx.array, k: int, order: str = "first") -> mx.array:
+    """Ids [..., k] of the k largest entries of `sel` [..., E] (no gradient through the choice)."""
+    if order == "last":
+        return mx.stop_gradient(mx.argpartition(sel, kth=-k, axis=-1)[..., -k:])
+    return mx.stop_gradient(mx.argpartition(-sel, kth=k - 1, axis=-1)[..., :k])
+
+
+def combine(
+    scores: mx.array,
+    inds: mx.array,
+    *,
+    normalize: bool,
+    eps: float = 0.0,
+    scaling: float | None = None,
+) -> mx.array:
+    """Combination weights [..., k] of `inds` from `scores` [..., E]: optionally normalised over
+    the k (with `eps` added to the sum), optionally times `scaling`."""
+    weights = mx.take_along_axis(scores, inds, axis=-1)
+    if normalize:
+        total = weights.sum(axis=-1, keepdims=True)
+        weights = weights / (total + eps if eps else total)
+    return weights if scaling is None else weights * scaling
+
+
+def limit_groups(sel: mx.array, n_group: int, topk_group: int) -> mx.array:
+    """Group-limited routing (mlx-lm's Gate): keep the `topk_group` best of `n_group` groups
+    (a group's score: the sum of its two best entries); the others' entries become -inf."""
+    n_drop = n_group - topk_group
+    if n_drop <= 0:
+        return sel
+    sel = mx.unflatten(sel, axis=-1, shape=(n_group, -1))
+    group_scores = mx.topk(sel, 2, axis=-1).sum(axis=-1, keepdims=True)
+    drop = mx.argpartition(group_scores, kth=n_drop - 1, axis=-2)[..., :n_drop, :]
+    sel = mx.put_along_axis(
+        sel, mx.stop_gradient(drop), mx.array(-mx.inf, sel.dtype), axis=-2
+    )
+    return mx.flatten(sel, -2, -1)
+
+
+@dataclass
+class RoutingRule:
+    """A family's selection rule, detached from the module (stackable over consumer layers)."""
+
+    score: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = True
+    # [E], or stacked [O, 1, E]; steers selection only
+    expert_bias: mx.array | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    def to_json(self) -> dict:
+        return {
+            "score": self.score,
+            "norm_topk_prob": self.norm_topk_prob,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "has_expert_bias": self.expert_bias is not None,
+        }
+
+    def scores(self, logits: mx.array) -> mx.array:
+        logits = logits.astype(mx.float32)
+        if self.score == "sigmoid":
+            return mx.sigmoid(logits)
+        return mx.softmax(logits, axis=-1, precise=True)
+
+    def weights(self, scores: mx.array, inds: mx.array) -> mx.array:
+        return combine(
+            scores,
+            inds,
+            normalize=inds.shape[-1] > 1 and self.norm_topk_prob,
+            eps=NORM_EPS,
+            scaling=self.routed_scaling_factor,
+        )
+
+    def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+        """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
+        scores = self.scores(logits)
+        sel = (
+            scores
+            if self.expert_bias is None
+            else scores + self.expert_bias.astype(mx.float32)
+        )
+        inds = top_k_ids(limit_groups(sel, self.n_group, self.topk_group), k)
+        return inds, self.weights(scores, inds)
+
+
+def stack_rules(rules: list[RoutingRule]) -> RoutingRule:
+    """One rule for logits [O, B, E] whose row o follows rules[o] (only expert_bias may differ)."""
+    first = rules[0]
+    for r in rules[1:]:
+        if (
+            r.score,
+            r.norm_topk_prob,
+            r.n_group,
+            r.topk_group,
+            r.routed_scaling_factor,
+        ) != (
+            first.score,
+            first.norm_topk_prob,
+            first.n_group,
+            first.topk_group,
+            first.routed_scaling_factor,
+        ):
+            raise ValueError(
+                "consumer layers follow different routing rules; select per layer"
+            )
+    bias = None
+    if first.expert_bias is not None:
+        bias = mx.stack([r.expert_bias for r in rules])[:, None, :]
+    return RoutingRule(
+        first.score,
+        first.norm_topk_prob,
+        bias,
+        first.n_group,
+        first.topk_group,
+        first.routed_scaling_factor,
+    )
+
+
+# -- the streaming MoE blocks ------------------------------------------------------------
+@dataclass
+class Route:
+    """What a block executes instead of its router's choice, for one call."""
+
+    inds: mx.array  # [B, L, K] experts, weighted by the layer's own router
+    mask: mx.array | None = None  # [B, L]: where False, the router's own choice instead
+    pinned: bool = False  # every expert of `inds` is in the slots: no host sync
+
+
+class StreamingMoE(nn.Module):
+    """Common plumbing. `route` (None: the true router) is set by whoever runs the layer;
+    with `capture` on, `last` holds the last call's (MoE input [B, L, H], executed ids)."""
+
+    selection_order = "first"
+
+    def _init_streaming(self, switch: StreamingSwitchGLU, top_k: int) -> None:
+        self.switch_mlp = switch
+        self.top_k = top_k
+        self.num_experts = switch.num_experts
+        self.route: Route | None = None
+        self.capture = False
+        self.last: tuple[mx.array, mx.array] | None = None
+        # a list: keep each plan's recall (lazy)
+        self.recall: list[mx.array] | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        route = self.route
+        if route is None:
+            inds, weights = self.select(x)
+        else:
+            inds = route.inds
+            if route.mask is not None:
+                inds = mx.where(route.mask[..., None], inds, self.select(x)[0])
+            weights = self.weights(x, inds)
+            if self.recall is not None:  # |planned ∩ true top-k| / k
+                hit = (inds[..., :, None] == self.select(x)[0][..., None, :]).any(
+                    axis=-1
+                )
+                self.recall.append(hit.astype(mx.float32).mean())
+        if self.capture:
+            self.last = (x, inds)
+        y = self.switch_mlp(x, inds, pinned=route is not None and route.pinned)
+        y = (y * weights[..., None]).sum(axis=-2)
+        shared = self.shared(x)
+        return y if shared is None else y + shared
+
+
+# -- the prerouter's state between steps (the prerouter below) ---------
+
+
+@dataclass
+class Plans:
+    """The prerouter's state between two steps of B rows, in the batch's row order."""
+
+    # [O, B, in]: the heads' features at each row's last token
+    feats: mx.array | None = None
+    # [O, B, E]: that token's executed experts (the next t-1)
+    onehot: mx.array | None = None
+    # consuming layer -> (ids [B, 1, K], its StagedSet; None: not staged, loaded on demand)
+    layers: dict[int, tuple[mx.array, StagedSet | None]] = field(default_factory=dict)
+    # the draft hedge's reads
+    hedges: dict[int, StagedSet] = field(default_factory=dict)
+    # (draft tokens [B], the heads' (ids, weights) at them)
+    drafted: tuple | None = None
+
+    def overlap(self, layer: int) -> bool:
+        """Whether staged layer `layer` (> 0) starts the compute of the layers before it
+        ahead of waiting for its reads: at the step's first staged layer after layer 0 (so
+        compute runs while the rest is built; before layer 0 there is none), and wherever
+        reads of it or a later staged layer are still in flight (so compute runs while they
+        land). Else the step's own evaluation starts it: each evaluation call costs the
+        building thread more than its own time (reports/perf.md (HW))."""
+        staged = {n: s for n, (_, s) in self.layers.items() if n > 0 and s is not None}
+        return layer == min(staged) or any(
+            not task.done()
+            for n, s in staged.items()
+            if n >= layer
+            for task, _ in s.reads
+        )
+
+    def take(self, rows: list[int]) -> "Plans":
+        """The row state of `rows`, in that order; whatever was planned is dropped."""
+        if self.feats is None or not rows:
+            return Plans()
+        idx = mx.array(rows, dtype=mx.int32)
+        return Plans(self.feats[:, idx], self.onehot[:, idx])
+
+    @staticmethod
+    def join(parts: list["Plans"]) -> "Plans":
+        """The rows of `parts` one after another (row state only)."""
+        parts = [p for p in parts if p.feats is not None]
+        if not parts:
+            return Plans()
+        return Plans(
+            mx.concatenate([p.feats for p in parts], axis=1),
+            mx.concatenate([p.onehot for p in parts], axis=1),
+        )
+
 
 # -- the heads ------------------------------------------------------------------------------
 
@@ -240,7 +485,7 @@ class Prerouter:
         inds = selected[0]  # [O, B, K]
         staged = {}
         if stage:
-            c.evaluate(inds, plans.onehot)
+            evaluate(c, inds, plans.onehot)
             c.head_host_seconds += (
                 time.perf_counter() - started - (c.eval_wait_seconds - waits)
             )
@@ -261,7 +506,7 @@ class Prerouter:
             self.heads(append_next_embedding(plans.feats, self.embedding(tokens))),
             self.top_k,
         )
-        c.evaluate(tokens, selected)
+        evaluate(c, tokens, selected)
         c.hedge_host_seconds += (
             time.perf_counter() - started - (c.eval_wait_seconds - waits)
         )

@@ -1,13 +1,13 @@
-"""A row's prompt and sampling options, defined once for every way a model is asked: the
-OpenCompass wrappers (model_wrappers/chat.py) and the OpenAI-compatible server
-(edge0_eval/server/). No MLX, OpenCompass or torch here: the wrappers check a model config
-before anything loads.
+"""What a row is given, defined and checked once for every way a model is asked: its prompt
+and its sampling options. The OpenCompass wrappers (model_wrappers/) and the OpenAI-compatible
+server (edge0_eval/server/) read the same functions. No MLX, OpenCompass or torch here: the
+wrappers check a model config before anything loads.
 
 A prompt is its messages through the tokenizer's chat template (`chat_ids`), cut to the
 context (`fit_prompt`), and its sampling seed (`row_seed`). An OpenCompass prompt becomes
 messages by `to_messages` (every OpenCompass arm: in-process and served alike, since the API
 arm sends those messages); a served request's messages go to the template as sent. When the
-row stops and what it reports are the row's own (rows.py).
+row stops, how it draws and what it reports are the row's own (batch.py).
 
 Sampling options, the same for both arms: filters are mlx-lm's `make_sampler` options, applied
 in its order: top_p, min_p, top_k, then temperature. Penalties are mlx-lm's

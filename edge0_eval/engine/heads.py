@@ -5,7 +5,7 @@ executed top-k at t, and at t-1. Next-token heads (`next_token`, heads-file meta
 features="next_token") append the input embedding of token t+1 (2 x hidden + 2E): it predicts
 most, but their plan waits for the sampled token. Head: logits = fc2(gelu_erf(fc1(x))) +
 linear(x), no biases (the published layout; formats/heads_file.py). All heads run in one
-batched computation (`PrerouterHeads`, prerouted.py, with the features and the staging):
+batched computation (`PrerouterHeads`, routing.py, with the features and the staging):
 fc1 [O, width, in], fc2 [O, E, width], linear [O, E, in], feats [O, B, in] -> logits [O, B, E].
 
 This module holds the heads' files and defaults: owners and consumers, the tiers, reading and
@@ -16,7 +16,7 @@ A head's consumer is owner + 1, except the wrap-around head's: the last MoE laye
 first MoE layer of the next token (`default_consumers`), so every MoE layer's reads can start a
 step early. Warm start: `linear` = the consumer's router (zero over the one-hot columns), fc2 = 0,
 so an untrained head is the "next router on the current hidden state" baseline. Selection from
-head logits is the consumer's family rule (its block's `rule`, step.py).
+head logits is the consumer's family rule (its block's `rule`, routing.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ import numpy as np
 
 from edge0_eval.engine.draft import DraftHead
 from edge0_eval.engine.mlx_compat import resolve_compute_dtype
-from edge0_eval.engine.prerouted import Prerouter, PrerouterHeads
-from edge0_eval.engine.step import stack_rules
+from edge0_eval.engine.routing import Prerouter, PrerouterHeads, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
 from edge0_eval.formats.heads_file import (
