@@ -5,13 +5,12 @@ bundles leave no thread behind."""
 
 import os
 import shutil
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from edge0_eval.engine.engine import Engine
-from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import CheckpointError
 from edge0_eval.formats.layout import EXPERTS_NAME
@@ -87,28 +86,49 @@ def test_a_corrupt_byte_fails_the_checksum_of_a_read_in_pieces(edge0_qwen, tmp_p
         store.close()
 
 
+# Five engines loaded, decoding and closed one after another in a process of their own (no
+# test runner's or other test's threads beside them); LEAK starts one thread an engine that
+# never ends, the fault the count must see.
+_THREADS = """
+import os, sys, threading, time
+from edge0_eval import Engine, EngineOptions
+
+def run(leak):
+    engine = Engine.load(
+        sys.argv[1], EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
+    )
+    try:
+        prompt = engine.tokenizer.encode("one two three")
+        engine.generate(prompt, max_tokens=3, stop_token_ids=set())
+        assert engine.store.stats.reads > 0
+        if leak:
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+    finally:
+        engine.close()
+
+run(False)  # anything made once per process
+before = len(os.listdir("/proc/self/task"))
+for _ in range(5):
+    run(sys.argv[2] == "leak")
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+def _threads_left(model, leak: bool) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS, str(model), "leak" if leak else "none"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split()[-1])
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="counts threads in /proc")
 def test_engines_that_read_bundles_leave_no_thread_behind(edge0_qwen):
-    """Each engine's I/O threads allocate the arrays they read into; five engines loaded,
-    decoding and closed one after another end with the threads they started with (one
-    allocation stream may be made once for the process)."""
-
-    def threads() -> int:
-        return len(os.listdir("/proc/self/task"))
-
-    def run() -> None:
-        engine = Engine.load(
-            edge0_qwen, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=4)
-        )
-        try:
-            prompt = engine.tokenizer.encode("one two three")
-            engine.generate(prompt, max_tokens=3, stop_token_ids=set())
-            assert engine.store.stats.reads > 0
-        finally:
-            engine.close()
-
-    run()  # anything made once per process
-    before = threads()
-    for _ in range(5):
-        run()
-    assert threads() <= before
+    """Each engine's I/O threads allocate the arrays they read into; five engines end with
+    the threads the process had after the first (one allocation stream may be made once for
+    the process), and a thread left behind by each engine is seen."""
+    assert _threads_left(edge0_qwen, leak=True) >= 5
+    assert _threads_left(edge0_qwen, leak=False) <= 0
