@@ -281,7 +281,8 @@ def run_compute_only_arm(model_dir, args) -> dict:
     )
     resolved = options.resolve(model_dir)
     options.slots_per_layer = min(
-        resolved.num_experts, (args.prompt_tokens + args.tokens + 1) * resolved.top_k
+        resolved.num_experts,
+        (args.prompt_tokens + args.tokens + 1) * resolved.experts_per_token,
     )
     engine = Engine.load(model_dir, options)
     try:
@@ -302,7 +303,9 @@ def run_compute_only_arm(model_dir, args) -> dict:
 def run_mlx_lm_arm(model_dir, args) -> dict:
     mx.reset_peak_memory()
     model, tokenizer = load_reference(
-        model_dir, compute_dtype=args.compute_dtype, top_k=args.experts_per_token
+        model_dir,
+        compute_dtype=args.compute_dtype,
+        experts_per_token=args.experts_per_token,
     )
     prompt = mx.array(_prompt(tokenizer, args.prompt_tokens))
     times = []

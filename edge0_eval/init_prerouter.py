@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     facts = model_facts(Path(args.model))
-    top_k, owners, width = resolve_heads(
+    experts_per_token, owners, width = resolve_heads(
         facts,
-        top_k=args.experts_per_token,
+        experts_per_token=args.experts_per_token,
         start_layer=args.start_layer,
         width=args.width,
     )
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             owners,
             width=width,
             seed=args.seed,
-            top_k=top_k,
+            experts_per_token=experts_per_token,
             next_token=args.next_token,
             embedding_scale=args.embedding_scale,
         )
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {path}: {len(cfg.owners)} heads, owners {cfg.owners[0]}..{cfg.owners[-1]} "
         f"(layers {sorted(cfg.consumers)[0]}..{max(cfg.consumers)} prerouted"
         f"{', wrap-around head ' + wrap[0] + ' of the next token' if wrap else ''}), "
-        f"K={cfg.top_k}, width {cfg.width}, "
+        f"K={cfg.experts_per_token}, width {cfg.width}, "
         f"{'next-token' if cfg.next_token else 'context'} features, untrained"
         f"{f', embedding columns {args.embedding_scale:g} x shuffled routers' if args.embedding_scale else ''}"
     )

@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--experts", type=int, default=d.experts)
-    add_experts_per_token(parser, "routing width written to the config", d.top_k, int)
+    add_experts_per_token(
+        parser, "routing width written to the config", d.experts_per_token, int
+    )
     parser.add_argument("--hidden", type=int, default=d.hidden)
     parser.add_argument("--heads", type=int, default=d.heads)
     parser.add_argument("--moe-intermediate", type=int, default=d.moe_intermediate)
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         family=args.family,
         layers=args.layers,
         experts=args.experts,
-        top_k=args.experts_per_token,
+        experts_per_token=args.experts_per_token,
         hidden=args.hidden,
         heads=args.heads,
         moe_intermediate=args.moe_intermediate,

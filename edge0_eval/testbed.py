@@ -19,7 +19,7 @@ from edge0_eval.checkpoints.testbed_model import (
 BUILD_FLAGS = {
     "--experts": ("num_experts", "routed experts per layer"),
     "--shared": ("shared", "always-on neurons (the most active ones), multiple of 64"),
-    "--experts-per-token": ("top_k", "routing width written to the config"),
+    "--experts-per-token": ("experts_per_token", "routing width written to the config"),
     "--check-k": ("check_k", "routing widths whose held-out quality is measured"),
     "--fit-seqs": ("fit_seqs", "corpus sequences to fit routers on"),
     "--held-seqs": ("held_seqs", "held-out sequences for router recall"),

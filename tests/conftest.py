@@ -152,7 +152,7 @@ def tiny_qwen64_q4(tmp_path_factory):
     shape = TinyShape(
         family="qwen3_5_moe",
         experts=64,
-        top_k=8,
+        experts_per_token=8,
         hidden=128,
         heads=4,
         moe_intermediate=128,

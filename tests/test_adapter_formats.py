@@ -225,7 +225,7 @@ def test_heads_without_kind_or_k_are_inferred_from_their_keys(edge0_qwen, tmp_pa
         dims = dict(
             hidden=engine.family.hidden_size(engine.config),
             num_experts=engine.index.num_experts,
-            top_k=engine.top_k,
+            experts_per_token=engine.experts_per_token,
         )
     finally:
         engine.close()

@@ -94,7 +94,9 @@ def _heads_file(engine, path: Path) -> Path:
 
 
 def _load_lora(engine, path):
-    return lambda: load_adapter(engine.model, path, top_k=engine.top_k)
+    return lambda: load_adapter(
+        engine.model, path, experts_per_token=engine.experts_per_token
+    )
 
 
 def _load_heads(engine, path):
@@ -102,7 +104,7 @@ def _load_heads(engine, path):
         path,
         hidden=engine.family.hidden_size(engine.config),
         num_experts=engine.index.num_experts,
-        top_k=engine.top_k,
+        experts_per_token=engine.experts_per_token,
     )
 
 
@@ -365,7 +367,9 @@ def test_refused_lora_leaves_the_model_untouched(engine, tmp_path):
 def test_valid_lora_and_heads_load(engine, tmp_path):
     """The fixtures of the two tests around this one are themselves valid."""
     load_adapter(
-        engine.model, _lora_file(engine, tmp_path / "l.safetensors"), top_k=engine.top_k
+        engine.model,
+        _lora_file(engine, tmp_path / "l.safetensors"),
+        experts_per_token=engine.experts_per_token,
     )
     from edge0_eval.engine.lora import remove_lora
 
@@ -958,7 +962,7 @@ def test_fuzz_lora_and_heads_headers(engine, tmp_path):
     heads = _heads_file(engine, tmp_path / "heads.safetensors")
 
     def load_lora():
-        load_adapter(engine.model, lora, top_k=engine.top_k)
+        load_adapter(engine.model, lora, experts_per_token=engine.experts_per_token)
 
     results = _fuzz_headers(rng, lora, load_lora, 60, [lora])
     from edge0_eval.engine.lora import remove_lora

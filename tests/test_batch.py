@@ -123,12 +123,12 @@ def test_every_row_equals_its_solo_run(family, mode):
         if mode == "resident":
             assert s["mean_union_per_layer"] is None  # nothing looked up
         elif b == 1:
-            assert s["mean_union_per_layer"] == engine.top_k
+            assert s["mean_union_per_layer"] == engine.experts_per_token
         else:
             assert (
-                engine.top_k
+                engine.experts_per_token
                 < s["mean_union_per_layer"]
-                <= min(b * engine.top_k, engine.index.num_experts)
+                <= min(b * engine.experts_per_token, engine.index.num_experts)
             )
     if mode == "prerouted":
         assert engine.stats()["dropped_experts"] == 0
@@ -153,7 +153,7 @@ def test_wrap_around_heads_batch_equals_solo(edge0_qwen, tmp_path):
     engine.close()
     assert _mismatches(solo, results, trace) == []
     assert results[0].stats["dropped_experts"] == 0
-    assert results[0].stats["mean_union_per_layer"] > engine.top_k
+    assert results[0].stats["mean_union_per_layer"] > engine.experts_per_token
 
 
 def test_fault_injection_the_equality_check_catches_a_changed_row(family, monkeypatch):
@@ -227,13 +227,15 @@ def test_prerouted_batch_stages_the_union_and_runs_each_rows_plan(family, monkey
     # The batch held B x K slots per layer (the B = 1 default is 2K); then the pool went back.
     assert (
         s["slots_per_layer"]
-        == min(4 * engine.top_k, engine.index.num_experts)
+        == min(4 * engine.experts_per_token, engine.index.num_experts)
         > after["slots_per_layer"]
-        == 2 * engine.top_k
+        == 2 * engine.experts_per_token
     )
     assert s["expert_buffer_mib"] > after["expert_buffer_mib"]
-    assert checked and max(checked) > engine.top_k  # real unions were staged
-    assert s["mean_union_per_layer"] > engine.top_k
+    assert (
+        checked and max(checked) > engine.experts_per_token
+    )  # real unions were staged
+    assert s["mean_union_per_layer"] > engine.experts_per_token
     assert s["batch_decode_tokens"] == sum(len(r.tokens) - 1 for r in results)
 
 
@@ -597,7 +599,9 @@ def test_a_batched_step_reads_each_layers_union_once(family, monkeypatch):
         if plan % 2:  # inside a plan's staging
             per_plan.setdefault((plan, layer), []).append(experts)
     assert len({plan for plan, _ in per_plan}) >= MAX_TOKENS - 1
-    assert max(unions) > engine.top_k  # the rows' sets differ: real unions were staged
+    assert (
+        max(unions) > engine.experts_per_token
+    )  # the rows' sets differ: real unions were staged
     for key, calls in per_plan.items():
         assert len(calls) == 1, key  # one queueing per layer per plan
         assert len(calls[0]) == len(set(calls[0])), key  # nothing queued twice

@@ -106,7 +106,10 @@ def test_a_whole_vocabulary_draft_is_the_routing(drafted):
         assert stats["hedge_kind"] == f"draft token ({vocab} ids)"
         c = engine.prerouter.counters
         # the prefill's last step drafts for the first decode step, as each step for the next
-        assert c.draft_rows == 10 and c.hedge_staged == 10 * len(moe) * engine.top_k
+        assert (
+            c.draft_rows == 10
+            and c.hedge_staged == 10 * len(moe) * engine.experts_per_token
+        )
         assert c.hedge_wasted == c.hedge_cancelled == 0
         assert stats["dropped_experts"] == 0 and blocked == 0
     finally:
@@ -150,7 +153,7 @@ def test_a_draft_that_misses_changes_no_logit(drafted, slots):
     others = [i for i in range(vocab) if i not in served][:8]
     ids = others[:4] + served[::2] + others[4:]  # every other served token
     probe = _engine(converted, heads)
-    k = probe.top_k
+    k = probe.experts_per_token
     probe.close()
     options = {} if slots is None else {"slots_per_layer": k}
     engine = _engine(
@@ -255,7 +258,7 @@ def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
         assert engine.prerouter.draft_layers == [moe[0]]
         _decode_logits(engine, steps=4)
         c = engine.prerouter.counters  # one layer's set staged per drafted step
-        assert c.draft_rows == 4 and c.hedge_staged == 4 * engine.top_k
+        assert c.draft_rows == 4 and c.hedge_staged == 4 * engine.experts_per_token
         assert load_draft_vocab(ok, vocab).tolist() == [1, 2]
     finally:
         engine.close()

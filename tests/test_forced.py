@@ -144,7 +144,9 @@ def test_a_piece_reads_and_computes_each_expert_pair_once(forced_student, monkey
         tokens = [int(t) for t in np.random.default_rng(2).integers(3, 400, size=32)]
         list(sequence.forced(tokens, 32))
         assert len(reads) == len(set(reads)) > 6 * len(engine.blocks) // 2
-        assert pairs == {layer: 32 * engine.top_k for layer in engine.blocks}
+        assert pairs == {
+            layer: 32 * engine.experts_per_token for layer in engine.blocks
+        }
     finally:
         engine.close()
 

@@ -120,7 +120,7 @@ def test_init_prerouter_embedding_scale(edge0_qwen, tmp_path, capsys):
         out,
         hidden=int(meta["hidden"]),
         num_experts=int(meta["num_experts"]),
-        top_k=int(meta["K"]),
+        experts_per_token=int(meta["K"]),
     )
     cfg = heads.config
     emb = heads.linear[:, :, cfg.context_dim :]

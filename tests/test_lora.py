@@ -281,7 +281,7 @@ def test_published_layout_equals_own_format(family, ckpt, tmp_path):
     arrays = random_pairs(model, PUBLISHED[family])
     published = write(tmp_path / "published.safetensors", arrays, published_metadata())
 
-    meta = load_adapter(model, published, top_k=4)
+    meta = load_adapter(model, published, experts_per_token=4)
     assert meta["targets"] == PUBLISHED[family]
     assert (meta["kind"], meta["r"], meta["alpha"], meta["scale"], meta["K"]) == (
         "lora",
@@ -377,7 +377,7 @@ def test_k_mismatch_warns_and_reload_replaces(tiny_qwen_q4, tmp_path):
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_adapter(model, first, top_k=8)
+        load_adapter(model, first, experts_per_token=8)
     assert any("K=4" in str(w.message) for w in caught)
     in_fp32 = logits(model)
     # The reference deployment's fp16 LoRA path, on request: same result to fp16 rounding.

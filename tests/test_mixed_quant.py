@@ -24,7 +24,7 @@ from test_convert import assert_same_tensors, load_converted
 from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.conversion_plan import build_lazy_model
 from edge0_eval.checkpoints.recipes import recipe_predicate
-from edge0_eval.checkpoints.reference import set_top_k
+from edge0_eval.checkpoints.reference import set_experts_per_token
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.engine.mlx_compat import cast_floating, resolve_compute_dtype
@@ -97,12 +97,12 @@ def built(tiny_qwen, tmp_path_factory):
     return get
 
 
-def _reference(src: Path, top_k: int | None = None):
+def _reference(src: Path, experts_per_token: int | None = None):
     model, _ = load(str(src))
     # The engine's dtype policy (float32 activations on the CPU), applied to mlx-lm's too.
     cast_floating(model, resolve_compute_dtype("auto"))
-    if top_k is not None:
-        set_top_k(model, top_k)
+    if experts_per_token is not None:
+        set_experts_per_token(model, experts_per_token)
     return model
 
 
@@ -138,7 +138,7 @@ def test_reactive_decodes_mlx_lm_greedy_tokens(case, built):
     src, out = built(case)
     want = _greedy(_reference(src))
     engine = Engine.load(out, EngineOptions(mode="reactive", no_lora=True))
-    k = engine.top_k
+    k = engine.experts_per_token
     engine.close()
     engine = Engine.load(
         out, EngineOptions(mode="reactive", no_lora=True, slots_per_layer=k)
@@ -170,7 +170,7 @@ def test_prerouted_decodes_mlx_lm_greedy_tokens(case, built, tmp_path):
     engine decodes mlx-lm's own greedy tokens at that width."""
     src, out = built(case)
     experts = ExpertIndex.load(out).num_experts
-    want = _greedy(_reference(src, top_k=experts))
+    want = _greedy(_reference(src, experts_per_token=experts))
     engine = Engine.load(
         out,
         EngineOptions(
@@ -198,7 +198,7 @@ def test_prerouted_staged_experts_compute_what_mlx_lm_does(case, built, tmp_path
     reference = _reference(src)
     heads, _ = perturbed_heads(out, tmp_path)
     probe = Engine.load(out, EngineOptions(mode="reactive", no_lora=True))
-    k = probe.top_k
+    k = probe.experts_per_token
     probe.close()
     engine = Engine.load(
         out,

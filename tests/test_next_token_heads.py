@@ -79,7 +79,7 @@ def test_file_records_features_and_loads_back(nt, tmp_path):
         path,
         hidden=text["hidden_size"],
         num_experts=text["num_experts"],
-        top_k=int(meta["K"]),
+        experts_per_token=int(meta["K"]),
     )
     assert heads.config.next_token
     assert heads.select_owners(moe[:1]).config.next_token
@@ -92,7 +92,7 @@ def test_file_records_features_and_loads_back(nt, tmp_path):
             bad,
             hidden=text["hidden_size"],
             num_experts=text["num_experts"],
-            top_k=int(meta["K"]),
+            experts_per_token=int(meta["K"]),
         )
     unlabelled = {k: v for k, v in meta.items() if k != "features"}
     mx.save_safetensors(str(bad), weights, metadata=unlabelled)
@@ -101,7 +101,7 @@ def test_file_records_features_and_loads_back(nt, tmp_path):
             bad,
             hidden=text["hidden_size"],
             num_experts=text["num_experts"],
-            top_k=int(meta["K"]),
+            experts_per_token=int(meta["K"]),
         )
 
 
@@ -168,7 +168,7 @@ def test_plan_uses_the_sampled_token_and_staged_equals_routed(nt):
             x = build_features(
                 feats[..., :h], feats[..., h : h + e], feats[..., h + e :], emb
             )
-            inds, _ = rule.select(pr.heads(x), engine.top_k)
+            inds, _ = rule.select(pr.heads(x), engine.experts_per_token)
             return {
                 c: sorted(np.array(inds[o]).reshape(-1).tolist())
                 for o, c in enumerate(pr.consumers)

@@ -64,7 +64,7 @@ def test_staged_set_equals_routed_set_every_step(model_and_heads):
     assert checked == 12 * len(consumers)
     assert stats["dropped_experts"] == 0
     assert stats["prerouted_steps"] == 12
-    assert stats["staged_experts"] == 13 * len(consumers) * engine.top_k
+    assert stats["staged_experts"] == 13 * len(consumers) * engine.experts_per_token
 
 
 def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
@@ -74,7 +74,7 @@ def test_prerouted_blocks_on_fewer_loads_than_reactive(model_and_heads):
         engine = Engine.load(
             converted, EngineOptions(mode=mode, prerouter_path=str(heads_path))
         )
-        k = engine.top_k
+        k = engine.experts_per_token
         engine.close()
         engine = Engine.load(
             converted,
@@ -359,7 +359,7 @@ def test_early_evaluations_follow_the_reads(model_and_heads):
     reads in flight and starts the compute too."""
     converted, heads_path, _ = model_and_heads
     probe = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
-    k = probe.top_k  # K slots: a step's set is mostly read
+    k = probe.experts_per_token  # K slots: a step's set is mostly read
     probe.close()
     counts = {}
     for case in ("landed", "slow"):

@@ -71,7 +71,11 @@ def random_heads(
     owners=(2, 3, 5), width=8, hidden=12, experts=6, k=2, seed=0, dtype=mx.float32
 ):
     cfg = PrerouterConfig(
-        owners=list(owners), width=width, top_k=k, hidden=hidden, num_experts=experts
+        owners=list(owners),
+        width=width,
+        experts_per_token=k,
+        hidden=hidden,
+        num_experts=experts,
     )
     keys = mx.random.split(mx.random.key(seed), 3)
     o, d = len(owners), cfg.in_dim
@@ -149,14 +153,14 @@ def test_default_owners_and_tiers():
     assert default_owners(2, 4, [1, 2, 3]) == [1, 2]
     t35 = tier_defaults("qwen3_5_moe", 40, 2048, 256, list(range(40)))
     assert t35 == {
-        "top_k": 4,
+        "experts_per_token": 4,
         "start_layer": 0,
         "width": 512,
     }  # reports/testbed/next_token.md
     t8 = tier_defaults("bailing_hybrid", 24, 1536, 128, list(range(1, 24)))
-    assert t8 == {"top_k": 8, "start_layer": 0, "width": 512}
+    assert t8 == {"experts_per_token": 8, "start_layer": 0, "width": 512}
     tiny = tier_defaults("bailing_hybrid", 4, 64, 16, [1, 2, 3])
-    assert tiny == {"top_k": None, "start_layer": 2, "width": 128}
+    assert tiny == {"experts_per_token": None, "start_layer": 2, "width": 128}
     assert check_owners([2, 1], [1, 2, 3]) == [1, 2]
     with pytest.raises(ConfigError, match="both be MoE"):
         check_owners([0], [1, 2, 3])  # layer 0 is dense in bailing
@@ -175,14 +179,17 @@ def test_init_heads_equal_next_router_on_current_hidden(engine):
     heads = init_heads_from_routers(engine, owners, width=16, seed=0)
     cfg = heads.config
     assert cfg.owners == owners and cfg.start_layer == owners[0] + 1
-    assert cfg.top_k == engine.top_k and cfg.in_dim == cfg.hidden + 2 * cfg.num_experts
+    assert (
+        cfg.experts_per_token == engine.experts_per_token
+        and cfg.in_dim == cfg.hidden + 2 * cfg.num_experts
+    )
     assert heads.fc1.shape == (len(owners), 16, cfg.in_dim)
     assert not heads.fc2.any().item()  # fc2 starts at zero
     # one-hot columns zero-padded
     assert not heads.linear[:, :, cfg.hidden :].any().item()
     x = mx.random.normal((len(owners), 5, cfg.hidden), key=mx.random.key(1))
     oh = onehot(
-        mx.random.randint(0, cfg.num_experts, (len(owners), 5, cfg.top_k)),
+        mx.random.randint(0, cfg.num_experts, (len(owners), 5, cfg.experts_per_token)),
         cfg.num_experts,
     )
     logits = heads(build_features(x, oh, oh))
@@ -202,7 +209,9 @@ def test_router_bias_is_folded_into_onehot_columns():
     assert b is not None
     from edge0_eval.engine.heads import heads_from_router_weights
 
-    cfg = PrerouterConfig(owners=[0], width=2, top_k=2, hidden=4, num_experts=3)
+    cfg = PrerouterConfig(
+        owners=[0], width=2, experts_per_token=2, hidden=4, num_experts=3
+    )
     heads = heads_from_router_weights(cfg, [w], [b], seed=0)
     x = mx.random.normal((1, 7, 4))
     oh = onehot(mx.array([[[0, 2]] * 7]), 3)
@@ -215,7 +224,7 @@ def test_router_bias_is_folded_into_onehot_columns():
 
 
 def test_the_heads_rule_matches_the_family_gate(engine):
-    k = engine.top_k
+    k = engine.experts_per_token
     for n in engine.moe_layers:
         block = engine.blocks[n]
         x = mx.random.normal(
@@ -279,7 +288,7 @@ def test_features_from_a_step(engine):
         heads,
         engine.blocks,
         stack_rules([engine.blocks[c].rule for c in heads.config.consumers]),
-        engine.top_k,
+        engine.experts_per_token,
         Counters(),
         engine.family.embedding(engine.model),
     )
@@ -291,7 +300,7 @@ def test_features_from_a_step(engine):
         x, ids = engine.blocks[owners[0]].last
         assert plans.feats.shape == (len(owners), 1, heads.config.in_dim)
         assert mx.array_equal(plans.feats[0, 0, : x.shape[-1]], x[0, -1]).item()
-        assert (plans.onehot.sum(-1) == engine.top_k).all().item()
+        assert (plans.onehot.sum(-1) == engine.experts_per_token).all().item()
         assert mx.array_equal(plans.feats[0, 0, -e:], onehot(ids[0, -2], e)).item()
         engine.step(mx.array([[8]]), cache, plan_next=False)
         following = pr.after_step(plans, None, None, stage=False)
@@ -329,17 +338,17 @@ def test_save_load_roundtrip(tmp_path):
     } <= set(meta)
     keys = set(mx.load(str(path)))
     assert "layers.3.linear_init.weight" in keys and len(keys) == 9
-    back = load_heads(path, hidden=12, num_experts=6, top_k=2)
+    back = load_heads(path, hidden=12, num_experts=6, experts_per_token=2)
     assert back.owners == [2, 3, 5] and back.config.width == 8
     for name in ("fc1", "fc2", "linear"):
         assert mx.array_equal(getattr(back, name), getattr(heads, name))
-    sub = load_heads(path, hidden=12, num_experts=6, top_k=2, owners=[5, 3])
+    sub = load_heads(path, hidden=12, num_experts=6, experts_per_token=2, owners=[5, 3])
     assert sub.owners == [3, 5] and mx.array_equal(sub.fc2[1], heads.fc2[2])
     # default save dtype is float16, like the published adapters
     save_heads(tmp_path / "h16.safetensors", heads)
     assert (
         load_heads(
-            tmp_path / "h16.safetensors", hidden=12, num_experts=6, top_k=2
+            tmp_path / "h16.safetensors", hidden=12, num_experts=6, experts_per_token=2
         ).dtype
         == mx.float16
     )
@@ -385,7 +394,7 @@ def write_published(
 
 def test_load_published_layout(tmp_path):
     path = write_published(tmp_path / "pub.safetensors")
-    heads = load_heads(path, hidden=10, num_experts=5, top_k=4)
+    heads = load_heads(path, hidden=10, num_experts=5, experts_per_token=4)
     assert heads.owners == [6, 7] and heads.config.start_layer == 7
     assert heads.fc1.shape == (2, 4, 20) and heads.linear.shape == (2, 5, 20)
     assert heads(mx.zeros((2, 3, 20))).shape == (2, 3, 5)
@@ -400,7 +409,7 @@ def test_load_published_layout(tmp_path):
             {"owners": [6, 8]},
             r"no head for owner layer\(s\) \[8\]",
         ),
-        ("wrong K", {}, {"top_k": 8}, "trained for K=4 but the engine serves K=8"),
+        ("wrong K", {}, {"experts_per_token": 8}, "trained for K=4 but the engine serves K=8"),
         (
             "wrong kind",
             {"meta": {"kind": "lora"}},
@@ -427,7 +436,7 @@ def test_load_published_layout(tmp_path):
 )
 def test_load_errors_name_the_file(tmp_path, case, kwargs, load_kwargs, match):
     path = write_published(tmp_path / "bad.safetensors", **kwargs)
-    args = {"hidden": 10, "num_experts": 5, "top_k": 4} | load_kwargs
+    args = {"hidden": 10, "num_experts": 5, "experts_per_token": 4} | load_kwargs
     with pytest.raises(CheckpointError, match=match) as err:
         load_heads(path, **args)
     assert str(path) in str(err.value)
@@ -451,7 +460,7 @@ def test_mixed_heads_are_refused_naming_the_file(tmp_path, meta):
     }
     path = write_published(tmp_path / "old.safetensors", meta=meta, shapes=shapes)
     with pytest.raises(CheckpointError) as err:
-        load_heads(path, hidden=10, num_experts=5, top_k=4)
+        load_heads(path, hidden=10, num_experts=5, experts_per_token=4)
     message = str(err.value)
     assert str(path) in message and "no longer served" in message
     assert "edge0-eval train-prerouter" in message
@@ -459,13 +468,15 @@ def test_mixed_heads_are_refused_naming_the_file(tmp_path, meta):
 
 def test_load_missing_or_garbage_file(tmp_path):
     with pytest.raises(CheckpointError, match="not found"):
-        load_heads(tmp_path / "nope.safetensors", hidden=10, num_experts=5, top_k=4)
+        load_heads(
+            tmp_path / "nope.safetensors", hidden=10, num_experts=5, experts_per_token=4
+        )
     bad = tmp_path / "garbage.safetensors"
     bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(CheckpointError, match=str(bad)):
-        load_heads(bad, hidden=10, num_experts=5, top_k=4)
+        load_heads(bad, hidden=10, num_experts=5, experts_per_token=4)
     trunc = tmp_path / "trunc.safetensors"
     good = write_published(tmp_path / "good.safetensors").read_bytes()
     trunc.write_bytes(good[: len(good) - 100])
     with pytest.raises(CheckpointError, match=str(trunc)):
-        load_heads(trunc, hidden=10, num_experts=5, top_k=4)
+        load_heads(trunc, hidden=10, num_experts=5, experts_per_token=4)

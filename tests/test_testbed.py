@@ -103,7 +103,7 @@ def _options(**kw):
     base = dict(
         num_experts=3,
         shared=64,
-        top_k=2,
+        experts_per_token=2,
         check_k=(1, 2),
         fit_seqs=8,
         held_seqs=2,
@@ -140,7 +140,7 @@ def test_all_experts_moe_equals_dense(tiny_dense, tmp_path):
 
     # Logits directly: mlx-lm's qwen2_moe with every expert selected vs mlx-lm's llama.
     dense, _ = testbed_model.load_mlx(out / "dense")
-    moe, _ = testbed_model.load_mlx(out / "teacher", top_k=3)
+    moe, _ = testbed_model.load_mlx(out / "teacher", experts_per_token=3)
     tokens = mx.array([[5, 17, 40, 99, 3, 250, 8]])
     diff = mx.abs(dense(tokens) - moe(tokens)).max().item()
     assert diff < 1e-3, diff
@@ -160,7 +160,7 @@ def test_expert_weights_far_from_one_break_the_equality(tiny_dense, tmp_path):
         source="tiny",
     )
     dense, _ = testbed_model.load_mlx(out / "dense")
-    moe, _ = testbed_model.load_mlx(out / "teacher", top_k=3)
+    moe, _ = testbed_model.load_mlx(out / "teacher", experts_per_token=3)
     tokens = mx.array([[5, 17, 40, 99, 3, 250, 8]])
     assert mx.abs(dense(tokens) - moe(tokens)).max().item() > 1e-2
 
@@ -194,7 +194,7 @@ def test_bad_options_and_missing_gguf_get_one_clear_error(tiny_dense, tmp_path):
             weights,
             tokenizer,
             torch_model,
-            _options(top_k=4),
+            _options(experts_per_token=4),
             source="tiny",
         )
     assert not any(tmp_path.iterdir())  # nothing left behind

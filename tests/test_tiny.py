@@ -71,7 +71,12 @@ def test_every_family_has_a_tiny_shape():
 def test_realistic_shape_options_reach_config(tmp_path):
     cfg = TINY_CONFIGS["qwen3_5_moe"](
         TinyShape(
-            family="qwen3_5_moe", experts=256, top_k=8, hidden=2048, heads=16, layers=40
+            family="qwen3_5_moe",
+            experts=256,
+            experts_per_token=8,
+            hidden=2048,
+            heads=16,
+            layers=40,
         )
     )
     text = cfg["text_config"]
@@ -87,7 +92,7 @@ def test_realistic_shape_options_reach_config(tmp_path):
     "kwargs, message",
     [
         (dict(family="llama"), "unknown family"),
-        (dict(top_k=20, experts=16), "larger than --experts"),
+        (dict(experts_per_token=20, experts=16), "larger than --experts"),
         (dict(hidden=66, heads=4), "not divisible"),
     ],
 )

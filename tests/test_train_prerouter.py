@@ -154,7 +154,7 @@ def test_report_and_heads_file(trained):
     meta = read_metadata(out)
     assert meta["kind"] == "prerouter" and json.loads(meta["owners"]) == owners
     assert meta["K"] == "4" and json.loads(meta["source"])["stage"] == "train-prerouter"
-    heads = load_heads(out, hidden=64, num_experts=16, top_k=4)
+    heads = load_heads(out, hidden=64, num_experts=16, experts_per_token=4)
     assert heads.owners == owners and heads.config.width == 128
 
 
@@ -306,7 +306,7 @@ def test_cli(trained, tmp_path, capsys):
         ]
     )
     assert rc == 0
-    heads = load_heads(out, hidden=64, num_experts=16, top_k=2)
+    heads = load_heads(out, hidden=64, num_experts=16, experts_per_token=2)
     assert heads.owners == [1, 2] and heads.config.width == 8
     assert "| owner N |" in capsys.readouterr().out
     rc = main(

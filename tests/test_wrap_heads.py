@@ -80,7 +80,7 @@ def test_every_layer_prerouted_staged_equals_routed_and_nothing_blocks(wrapped):
     assert json.loads(meta["consumers"]) == moe[1:] + moe[:1]
     assert meta["start_layer"] == str(moe[0])
     probe = Engine.load(converted, EngineOptions(mode="reactive", no_lora=True))
-    k = probe.top_k
+    k = probe.experts_per_token
     probe.close()
     engine = Engine.load(
         converted,
@@ -152,7 +152,9 @@ def test_untrained_wrap_head_is_first_router_on_last_layer_input(
             assert not heads.fc2.any().item()
             x = mx.random.normal((len(moe), 5, cfg.hidden), key=mx.random.key(1))
             oh = onehot(
-                mx.random.randint(0, cfg.num_experts, (len(moe), 5, cfg.top_k)),
+                mx.random.randint(
+                    0, cfg.num_experts, (len(moe), 5, cfg.experts_per_token)
+                ),
                 cfg.num_experts,
             )
             logits = heads(build_features(x, oh, oh))
@@ -189,12 +191,14 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
     # a pre-wrap file
     old = _rewrite(path, tmp_path / "old.safetensors", consumers=None)
     assert "consumers" not in read_metadata(old)
-    a = load_heads(path, hidden=heads.config.hidden, num_experts=16, top_k=4)
+    a = load_heads(
+        path, hidden=heads.config.hidden, num_experts=16, experts_per_token=4
+    )
     b = load_heads(
         old,
         hidden=heads.config.hidden,
         num_experts=16,
-        top_k=4,
+        experts_per_token=4,
         moe_layers=[0, 1, 2, 3],
     )
     assert (
@@ -203,7 +207,7 @@ def test_file_without_consumers_loads_as_before(edge0_qwen, tmp_path):
         == PrerouterConfig(
             owners=[0, 1, 2],
             width=8,
-            top_k=4,
+            experts_per_token=4,
             hidden=heads.config.hidden,
             num_experts=16,
         )
@@ -243,7 +247,9 @@ def test_bad_consumers_entry_is_one_clear_error(edge0_qwen, tmp_path, consumers,
     path, moe = wrap_heads_file(edge0_qwen, tmp_path / "w.safetensors", perturb=False)
     bad = _rewrite(path, tmp_path / "bad.safetensors", consumers=consumers)
     with pytest.raises(CheckpointError, match=match) as err:
-        load_heads(bad, hidden=read_int(bad, "hidden"), num_experts=16, top_k=4)
+        load_heads(
+            bad, hidden=read_int(bad, "hidden"), num_experts=16, experts_per_token=4
+        )
     assert str(bad) in str(err.value) and "consumers" in str(err.value)
 
 
@@ -251,9 +257,17 @@ def test_consumer_that_does_not_fit_the_model_names_the_file(edge0_qwen, tmp_pat
     path, _ = wrap_heads_file(edge0_qwen, tmp_path / "w.safetensors", perturb=False)
     bad = _rewrite(path, tmp_path / "bad.safetensors", consumers="[1, 2, 0, 3]")
     hidden = read_int(bad, "hidden")
-    load_heads(bad, hidden=hidden, num_experts=16, top_k=4)  # well-formed on its own
+    load_heads(
+        bad, hidden=hidden, num_experts=16, experts_per_token=4
+    )  # well-formed on its own
     with pytest.raises(CheckpointError, match=r"owner 2 -> layer 0") as err:
-        load_heads(bad, hidden=hidden, num_experts=16, top_k=4, moe_layers=[0, 1, 2, 3])
+        load_heads(
+            bad,
+            hidden=hidden,
+            num_experts=16,
+            experts_per_token=4,
+            moe_layers=[0, 1, 2, 3],
+        )
     assert str(bad) in str(err.value)
     with pytest.raises(CheckpointError, match=str(bad)):
         Engine.load(

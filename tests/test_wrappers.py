@@ -201,7 +201,7 @@ def test_stats_jsonl_option(tiny_qwen, tmp_path):
 
 
 def test_student_generates_with_engine_options_and_stats(student):
-    assert student.engine.top_k == 2 and student.engine.slots_per_layer == 4
+    assert student.engine.experts_per_token == 2 and student.engine.slots_per_layer == 4
     student.pop_sample_stats()
     outs = student.generate([HUMAN, RAW], max_out_len=6)
     assert len(outs) == 2 and outs[0] == outs[1]

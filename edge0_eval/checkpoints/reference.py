@@ -32,7 +32,9 @@ from edge0_eval.formats.layout import (
 
 
 def load_reference(
-    directory: str | Path, compute_dtype: str = "auto", top_k: int | None = None
+    directory: str | Path,
+    compute_dtype: str = "auto",
+    experts_per_token: int | None = None,
 ):
     """Returns (mlx-lm model, tokenizer) for a converted directory, all experts in memory.
 
@@ -66,8 +68,8 @@ def load_reference(
     quantize_like_mlx_lm(model, config, weights)
     model.load_weights(list(weights.items()), strict=True)
     cast_floating(model, resolve_compute_dtype(compute_dtype))
-    if top_k is not None:
-        set_top_k(model, top_k)
+    if experts_per_token is not None:
+        set_experts_per_token(model, experts_per_token)
     model.eval()
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(
@@ -76,10 +78,10 @@ def load_reference(
     return model, tokenizer
 
 
-def set_top_k(model, top_k: int) -> None:
-    """Serve mlx-lm's MoE blocks at `top_k` (instance attributes; classes untouched)."""
+def set_experts_per_token(model, experts_per_token: int) -> None:
+    """Serve mlx-lm's MoE blocks at `experts_per_token` (instance attributes; classes untouched)."""
     family = FAMILIES[model.model_type]
     for i in family.moe_layers(model):
         block = model.layers[i].mlp
         # where the family's mlx-lm block keeps its k: its gate module (bailing) or itself
-        (block.gate if family.gate_selects else block).top_k = top_k
+        (block.gate if family.gate_selects else block).top_k = experts_per_token

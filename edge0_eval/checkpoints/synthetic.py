@@ -166,7 +166,7 @@ def shape_config(
 
 
 def _validate(shape: str, text: dict) -> None:
-    layers, experts, top_k = (
+    layers, experts, experts_per_token = (
         text["num_hidden_layers"],
         text["num_experts"],
         text["num_experts_per_tok"],
@@ -174,18 +174,20 @@ def _validate(shape: str, text: dict) -> None:
     min_layers = 2 if shape == "8b" else 1  # Ling's layer 0 is dense
     if layers < min_layers:
         raise ConfigError(f"--layers must be at least {min_layers} for --shape {shape}")
-    if not 1 <= top_k <= experts:
-        raise ConfigError(f"--experts {experts} must be at least top-k {top_k}")
+    if not 1 <= experts_per_token <= experts:
+        raise ConfigError(
+            f"--experts {experts} must be at least top-k {experts_per_token}"
+        )
     if shape == "8b":
         groups, keep = text["n_group"], text["topk_group"]
         if (
             experts % groups
             or experts // groups < 2
-            or top_k > keep * experts // groups
+            or experts_per_token > keep * experts // groups
         ):
             raise ConfigError(
                 f"--experts {experts} does not fit {groups}-group routing keeping "
-                f"{keep} groups with top-{top_k} (needs a multiple of {groups}, "
+                f"{keep} groups with top-{experts_per_token} (needs a multiple of {groups}, "
                 f"at least {2 * groups})"
             )
 

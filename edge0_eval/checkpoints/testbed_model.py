@@ -33,7 +33,7 @@ from mlx_lm.utils import save_config
 from tqdm import tqdm
 
 from edge0_eval.checkpoints import moefy
-from edge0_eval.checkpoints.reference import set_top_k
+from edge0_eval.checkpoints.reference import set_experts_per_token
 from edge0_eval.checkpoints.testbed_corpus import (
     chat_texts,
     stdlib_pairs,
@@ -139,7 +139,7 @@ def dense_config(hf: dict) -> dict:
 
 
 def moe_config(
-    hf: dict, num_experts: int, expert_size: int, shared: int, top_k: int
+    hf: dict, num_experts: int, expert_size: int, shared: int, experts_per_token: int
 ) -> dict:
     """dense_config's model as qwen2_moe: same attention and vocabulary, MLPs as experts."""
     config = dense_config(hf)
@@ -150,7 +150,7 @@ def moe_config(
         model_type="qwen2_moe",
         tie_word_embeddings=False,  # it always has lm_head
         num_experts=num_experts,
-        num_experts_per_tok=top_k,
+        num_experts_per_tok=experts_per_token,
         moe_intermediate_size=expert_size,
         shared_expert_intermediate_size=shared,
     )
@@ -238,11 +238,11 @@ def capture_mlp_inputs(
     return [np.concatenate(parts) for parts in captured]
 
 
-def load_mlx(directory: Path, top_k: int | None = None):
-    """mlx-lm's model in the engine's compute dtype (the stages' teacher loader), at `top_k`."""
+def load_mlx(directory: Path, experts_per_token: int | None = None):
+    """mlx-lm's model in the engine's compute dtype (the stages' teacher loader), at `experts_per_token`."""
     model, tokenizer = load_teacher(directory)
-    if top_k is not None:
-        set_top_k(model, top_k)
+    if experts_per_token is not None:
+        set_experts_per_token(model, experts_per_token)
     return model, tokenizer
 
 
@@ -283,7 +283,7 @@ def greedy_texts(
 class TestbedOptions:
     num_experts: int = 16
     shared: int = 512
-    top_k: int = 8
+    experts_per_token: int = 8
     check_k: tuple[int, ...] = (4, 8, 12)
     fit_seqs: int = 64
     held_seqs: int = 16
@@ -313,7 +313,11 @@ def build_from_dense(
     transformers model holding those weights (to capture activations)."""
     t0 = time.time()
     o = options
-    num_experts, shared, top_k = o.num_experts, o.shared, o.top_k
+    num_experts, shared, experts_per_token = (
+        o.num_experts,
+        o.shared,
+        o.experts_per_token,
+    )
     layers = hf_config["num_hidden_layers"]
     inter = hf_config["intermediate_size"]
     if shared < 0 or num_experts < 1 or (inter - shared) % num_experts:
@@ -327,16 +331,16 @@ def build_from_dense(
             f"expert size {expert_size} and --shared {shared} must be multiples of "
             "64 (the int4 group size along the down projection's input)"
         )
-    if not 1 <= top_k <= num_experts:
+    if not 1 <= experts_per_token <= num_experts:
         raise ConfigError(
-            f"--experts-per-token {top_k} must be between 1 and --experts {num_experts}"
+            f"--experts-per-token {experts_per_token} must be between 1 and --experts {num_experts}"
         )
     report: dict = {
         "source": source,
         "num_experts": num_experts,
         "expert_size": expert_size,
         "shared": shared,
-        "top_k": top_k,
+        "top_k": experts_per_token,
         "seed": o.seed,
     }
     with output_dir(out) as tmp:
@@ -387,7 +391,9 @@ def build_from_dense(
             weights.update(
                 moe_layer_weights(f"model.layers.{layer}", hf, split, router, tau)
             )
-        config = moe_config(hf_config, num_experts, expert_size, shared, top_k)
+        config = moe_config(
+            hf_config, num_experts, expert_size, shared, experts_per_token
+        )
         save_checkpoint(teacher_dir, config, weights, tokenizer)
         jitter = (
             num_experts * _softmax(tau * np.concatenate([lg for _, lg in routers]))
@@ -428,9 +434,16 @@ def fit_layer(
     )
     router = moefy.fit_router(fit_x, moefy.expert_output_norms(acts, down, split))
     held_acts = moefy.neuron_activations(held_x, gate, up)
-    oracle = moefy.topk(moefy.expert_output_norms(held_acts, down, split), o.top_k)
+    oracle = moefy.topk(
+        moefy.expert_output_norms(held_acts, down, split), o.experts_per_token
+    )
     logits = held_x @ router.T
-    return split, router, logits, moefy.recall(moefy.topk(logits, o.top_k), oracle)
+    return (
+        split,
+        router,
+        logits,
+        moefy.recall(moefy.topk(logits, o.experts_per_token), oracle),
+    )
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -453,7 +466,7 @@ def check(
     result = {"tokens": int(held.size), "dense_nll": round(dense_nll, 4), "widths": []}
     moe, _ = load_mlx(teacher_dir)
     for k in [num_experts] + [k for k in ks if k != num_experts]:
-        set_top_k(moe, k)
+        set_experts_per_token(moe, k)
         nll, preds = mean_nll(moe, held)
         texts = greedy_texts(moe, tokenizer, CHECK_PROMPTS, max_tokens)
         result["widths"].append(

@@ -26,7 +26,7 @@ class TinyShape:
     family: str = "qwen3_5_moe"
     layers: int = 4
     experts: int = 16
-    top_k: int = 4
+    experts_per_token: int = 4
     hidden: int = 64
     heads: int = 4
     moe_intermediate: int = 64
@@ -42,16 +42,16 @@ class TinyShape:
         for name in (
             "layers",
             "experts",
-            "top_k",
+            "experts_per_token",
             "hidden",
             "heads",
             "moe_intermediate",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.top_k > self.experts:
+        if self.experts_per_token > self.experts:
             raise ConfigError(
-                f"--experts-per-token {self.top_k} is larger than --experts {self.experts}"
+                f"--experts-per-token {self.experts_per_token} is larger than --experts {self.experts}"
             )
         if self.hidden % self.heads:
             raise ConfigError(

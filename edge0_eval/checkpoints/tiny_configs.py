@@ -31,7 +31,7 @@ def qwen3_5_tiny(shape) -> dict:
         "attention_bias": False,
         "full_attention_interval": 4,
         "num_experts": shape.experts,
-        "num_experts_per_tok": shape.top_k,
+        "num_experts_per_tok": shape.experts_per_token,
         "decoder_sparse_step": 1,
         "shared_expert_intermediate_size": shape.moe_intermediate,
         "moe_intermediate_size": shape.moe_intermediate,
@@ -65,7 +65,7 @@ def qwen2_tiny(shape) -> dict:
         "max_position_embeddings": 4096,
         "rope_theta": 1000000.0,
         "num_experts": shape.experts,
-        "num_experts_per_tok": shape.top_k,
+        "num_experts_per_tok": shape.experts_per_token,
         "moe_intermediate_size": shape.moe_intermediate,
         "shared_expert_intermediate_size": shape.moe_intermediate,
         "tie_word_embeddings": False,
@@ -81,9 +81,9 @@ def _bailing_groups(experts: int) -> int:
 
 def bailing_tiny(shape) -> dict:
     groups = _bailing_groups(shape.experts)
-    if shape.top_k > max(1, groups // 2) * (shape.experts // groups):
+    if shape.experts_per_token > max(1, groups // 2) * (shape.experts // groups):
         raise ConfigError(
-            f"--experts-per-token {shape.top_k} cannot be met by group-limited "
+            f"--experts-per-token {shape.experts_per_token} cannot be met by group-limited "
             f"routing over {shape.experts} experts in {groups} groups keeping "
             f"{max(1, groups // 2)}"
         )
@@ -99,7 +99,7 @@ def bailing_tiny(shape) -> dict:
         "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.heads,
         "num_experts": shape.experts,
-        "num_experts_per_tok": shape.top_k,
+        "num_experts_per_tok": shape.experts_per_token,
         "num_shared_experts": 1,
         "n_group": groups,
         "topk_group": max(1, groups // 2),

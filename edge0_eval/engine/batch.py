@@ -376,7 +376,7 @@ class Figures:
     (`Prerouter.stats`)."""
 
     mode: str
-    top_k: int
+    experts_per_token: int
     io_throttle_mbps: float | None
     clip: float | None
     lora: str | None  # the adapter's path
@@ -400,7 +400,7 @@ class Figures:
         slots = self.slots_per_layer
         out = {
             "mode": self.mode,
-            "top_k": self.top_k,
+            "top_k": self.experts_per_token,
             "slots_per_layer": slots,
             "expert_buffer_mib": slots * self.slot_bytes / 2**20,
             "io_throttle_mbps": self.io_throttle_mbps,

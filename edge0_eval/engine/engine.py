@@ -93,7 +93,7 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.resolved, self.family = resolved, resolved.family
         self.index, self.store, self.options = index, store, options
-        self.top_k = resolved.top_k
+        self.experts_per_token = resolved.experts_per_token
         self.counters, self.directory, self.lora = counters, directory, lora
         self.moe_layers = list(index.moe_layers)
         self.slot_bytes = index.slot_bytes  # one slot in every MoE layer
@@ -117,7 +117,7 @@ class Engine:
         )
         self.figures = Figures(
             options.mode,
-            self.top_k,
+            self.experts_per_token,
             options.io_throttle_mbps,
             resolved.clip_hidden,
             None if lora is None else str(lora["path"]),
@@ -143,7 +143,7 @@ class Engine:
         config, family, index = open_model_dir(directory)
         # Every model-dependent decision, before any weights load (a missing file fails here).
         resolved = options.resolve(directory, config, index)
-        top_k, slots = resolved.top_k, resolved.slots_per_layer
+        k, slots = resolved.experts_per_token, resolved.slots_per_layer
 
         mx.random.seed(options.seed)
         model_class, args_class = _get_classes(config)
@@ -174,7 +174,7 @@ class Engine:
                 i, index, store, slots, counters, scale_dtype=compute_dtype
             )
             # Instance-level replacement: mlx-lm's classes stay untouched.
-            layers[i].mlp = family.block_class(layers[i].mlp, switch, top_k)
+            layers[i].mlp = family.block_class(layers[i].mlp, switch, k)
 
         check_resident(directory / RESIDENT_NAME, index)
         resident = load_resident(directory / RESIDENT_NAME)
@@ -190,7 +190,7 @@ class Engine:
                 model,
                 resolved.lora_path,
                 expect_kind="lora",
-                top_k=top_k,
+                experts_per_token=k,
                 alpha=options.lora_alpha,
             )
         model.eval()
@@ -330,7 +330,10 @@ class Engine:
         experts always fits; then the configured size again."""
         configured = self.resolved.slots_per_layer
         self._resize_slots(
-            max(configured, min(rows_at_once * self.top_k, self.index.num_experts))
+            max(
+                configured,
+                min(rows_at_once * self.experts_per_token, self.index.num_experts),
+            )
         )
         try:
             yield self

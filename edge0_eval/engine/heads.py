@@ -58,7 +58,7 @@ _TIERS = {
 def tier_defaults(
     model_type: str, n_layers: int, hidden: int, num_experts: int, moe_layers: list[int]
 ) -> dict:
-    """Defaults for top_k (None = the model's native), start_layer and width.
+    """Defaults for experts_per_token (None = the model's native), start_layer and width.
 
     Known reference tiers get the reference K and width and start at 0 (every MoE layer, with
     the wrap-around head); other models start at the first MoE layer + 1 and get width
@@ -67,9 +67,13 @@ def tier_defaults(
     key = (model_type, n_layers, hidden, num_experts)
     if key in _TIERS:
         k, start, width = _TIERS[key]
-        return {"top_k": k, "start_layer": start, "width": width}
+        return {"experts_per_token": k, "start_layer": start, "width": width}
     start = (moe_layers[0] + 1) if moe_layers else 1
-    return {"top_k": None, "start_layer": start, "width": min(512, 2 * hidden)}
+    return {
+        "experts_per_token": None,
+        "start_layer": start,
+        "width": min(512, 2 * hidden),
+    }
 
 
 def default_owners(start_layer: int, n_layers: int, moe_layers: list[int]) -> list[int]:
@@ -143,20 +147,20 @@ def load_heads(
     *,
     hidden: int,
     num_experts: int,
-    top_k: int,
+    experts_per_token: int,
     owners: list[int] | None = None,
     dtype=None,
     model_type: str | None = None,
     moe_layers: list[int] | None = None,
 ) -> PrerouterHeads:
     """Heads from the file at `path`, checked by formats/heads_file.py's `read_heads` against a
-    model with `hidden`, `num_experts`, served at `top_k` (see there for `owners`, `dtype`,
+    model with `hidden`, `num_experts`, served at `experts_per_token` (see there for `owners`, `dtype`,
     `model_type`); `moe_layers` (the serving model's) checks every (owner, consumer) pair."""
     heads = read_heads(
         path,
         hidden=hidden,
         num_experts=num_experts,
-        top_k=top_k,
+        experts_per_token=experts_per_token,
         owners=owners,
         dtype=dtype,
         model_type=model_type,
@@ -239,7 +243,7 @@ def heads_from_router_weights(
             cols.append(mx.zeros((e, 2 * e)))
         else:
             cols += [
-                mx.broadcast_to(bias[:, None] / config.top_k, (e, e)),
+                mx.broadcast_to(bias[:, None] / config.experts_per_token, (e, e)),
                 mx.zeros((e, e)),
             ]
         if config.next_token:
@@ -269,7 +273,7 @@ def init_heads_from_routers(
     owners: list[int],
     width: int,
     seed: int = 0,
-    top_k: int | None = None,
+    experts_per_token: int | None = None,
     next_token: bool = False,
     embedding_scale: float = 0.0,
 ) -> PrerouterHeads:
@@ -283,7 +287,7 @@ def init_heads_from_routers(
     config = PrerouterConfig(
         owners=owners,
         width=int(width),
-        top_k=int(top_k or engine.top_k),
+        experts_per_token=int(experts_per_token or engine.experts_per_token),
         hidden=int(engine.family.hidden_size(engine.config)),
         num_experts=int(engine.index.num_experts),
         consumers=consumers,
@@ -310,7 +314,7 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
         path,
         hidden=family.hidden_size(engine.config),
         num_experts=engine.index.num_experts,
-        top_k=engine.top_k,
+        experts_per_token=engine.experts_per_token,
         model_type=engine.config.get("model_type"),
         moe_layers=engine.moe_layers,
         dtype=resolve_compute_dtype(options.compute_dtype),
@@ -319,7 +323,7 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
         heads,
         engine.blocks,
         stack_rules([engine.blocks[c].rule for c in heads.config.consumers]),
-        engine.top_k,
+        engine.experts_per_token,
         engine.counters,
         family.embedding(model),
         measure_recall=options.measure_recall,

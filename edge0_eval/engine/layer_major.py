@@ -193,7 +193,7 @@ class LayerMajor:
         moe_layers: list[int],
         dims: dict,
         prerouter=None,
-        top_k: int | None = None,
+        experts_per_token: int | None = None,
         cuts: Cuts | None = None,
         prefill_last_single: Callable[[int], bool] = lambda n: n < 2,
         memory_mib: float = DEFAULT_MEMORY_MIB,
@@ -206,12 +206,16 @@ class LayerMajor:
                 f"must be positive (--score-mib, --window)"
             )
         self.step, self.family = step, step.family
-        self.moe_layers, self.prerouter, self.top_k = list(moe_layers), prerouter, top_k
+        self.moe_layers, self.prerouter, self.experts_per_token = (
+            list(moe_layers),
+            prerouter,
+            experts_per_token,
+        )
         self.cuts, self.prefill_last_single = cuts, prefill_last_single
         self.window, self.new_cache = window, new_cache
         self.memory_mib = memory_mib
         itemsize = step.embed(mx.array([[0]])).dtype.size
-        k, hidden = dims.get("top_k") or 1, dims["hidden"]
+        k, hidden = dims.get("experts_per_token") or 1, dims["hidden"]
         # Held per position of a round: ~8 hidden-size arrays (the pieces' input, residual
         # and MoE input, their batch copies, the block's output and the new residual) and,
         # in the MoE call, ~8 K x hidden ones (SwitchGLU's sorted copy of the input and its
@@ -244,7 +248,7 @@ class LayerMajor:
         dims = {
             "hidden": family.hidden_size(engine.config),
             "experts": engine.index.num_experts,
-            "top_k": engine.top_k,
+            "experts_per_token": engine.experts_per_token,
             "moe_intermediate": int(text.get("moe_intermediate_size") or 0),
         }
 
@@ -261,7 +265,7 @@ class LayerMajor:
             moe_layers=engine.moe_layers,
             dims=dims,
             prerouter=engine.prerouter,
-            top_k=engine.top_k,
+            experts_per_token=engine.experts_per_token,
             cuts=None if family.split_prefill else cuts,
             prefill_last_single=last_single,
             new_cache=engine.step.new_cache,
@@ -282,7 +286,7 @@ class LayerMajor:
         dims = {
             "hidden": family.hidden_size(config),
             "experts": int(text.get("num_experts") or 0),
-            "top_k": int(text.get("num_experts_per_tok") or 1),
+            "experts_per_token": int(text.get("num_experts_per_tok") or 1),
             "moe_intermediate": int(text.get("moe_intermediate_size") or 0),
         }
         step = DecodeStep(
@@ -485,7 +489,7 @@ class LayerMajor:
             return None, None
         wrap_consumer = self.wrap is not None and i == self.wrap[1]
         plans, masks = [], []
-        k = self.top_k
+        k = self.experts_per_token
         for s in seqs:
             length = s.end - s.start
             first = s.plan.get(i)
@@ -572,7 +576,7 @@ class LayerMajor:
         heads = self._heads.get(owner)
         if heads is None:
             heads = self._heads[owner] = pr.heads.select_owners([owner])
-        pred = pr.blocks[consumer].rule.select(heads(feats)[0], pr.top_k)[0]
+        pred = pr.blocks[consumer].rule.select(heads(feats)[0], pr.experts_per_token)[0]
         mx.eval(pred)
         for s, a, b in zip(seqs, bounds, bounds[1:]):
             s.ahead[consumer] = pred[:, a:b]

@@ -287,7 +287,7 @@ def load_adapter(
     expect_kind: str = KIND,
     *,
     alpha: float | None = None,
-    top_k: int | None = None,
+    experts_per_token: int | None = None,
     compute_dtype=mx.float32,
 ) -> dict:
     """Read the adapter at `path` (formats/adapters.py: ours, PEFT, mlx-lm tuner), check it
@@ -296,7 +296,7 @@ def load_adapter(
     Beyond the file's own checks: every module exists (Hugging Face names mapped by the model's
     `sanitize`), is a resident Linear/QuantizedLinear (not a router or routed expert) and A is
     [r, in], B is [out, r] for its dims. Any failure raises one CheckpointError naming the file
-    and the key, and leaves the model untouched. top_k: the engine's routing width; a different
+    and the key, and leaves the model untouched. experts_per_token: the engine's routing width; a different
     metadata `K` (the width the adapter was trained at) only warns. Returns the file's summary
     (`AdapterFile.summary`) with `targets`, the module paths.
     """
@@ -331,10 +331,14 @@ def load_adapter(
                 f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})"
             )
         planned.append((module_path, base, a, b))
-    if top_k is not None and adapter.K is not None and adapter.K != top_k:
+    if (
+        experts_per_token is not None
+        and adapter.K is not None
+        and adapter.K != experts_per_token
+    ):
         warnings.warn(
             f"{path}: the adapter was trained at K={adapter.K}, the engine routes "
-            f"top-{top_k}",
+            f"top-{experts_per_token}",
             stacklevel=2,
         )
 

@@ -154,10 +154,10 @@ class EngineOptions:
         family = family_for(config, str(directory / "config.json"))
         index = index if index is not None else ExpertIndex.load(directory)
         num_experts = family.num_experts(config)
-        top_k = self.experts_per_token or family.native_top_k(config)
-        if top_k > num_experts:
+        experts_per_token = self.experts_per_token or family.native_top_k(config)
+        if experts_per_token > num_experts:
             raise ConfigError(
-                f"experts_per_token {top_k} exceeds the model's {num_experts} experts"
+                f"experts_per_token {experts_per_token} exceeds the model's {num_experts} experts"
             )
         # reported first when missing
         lora_path = self._lora_path(directory, require_lora)
@@ -174,16 +174,16 @@ class EngineOptions:
             )
         return ResolvedOptions(
             family=family,
-            top_k=top_k,
+            experts_per_token=experts_per_token,
             num_experts=num_experts,
-            slots_per_layer=self._slots_per_layer(index, top_k),
+            slots_per_layer=self._slots_per_layer(index, experts_per_token),
             lora_path=lora_path,
             prerouter_path=prerouter_path,
             hedge_path=hedge_path,
             clip_hidden=self.resolved_clip(family),
         )
 
-    def _slots_per_layer(self, index: ExpertIndex, top_k: int) -> int:
+    def _slots_per_layer(self, index: ExpertIndex, experts_per_token: int) -> int:
         n_layers, slot_bytes = len(index.moe_layers), index.slot_bytes
         if self.mode == "resident":
             return index.num_experts
@@ -196,11 +196,11 @@ class EngineOptions:
             slots = slots_for_budget(self.expert_budget_mib, slot_bytes)
             source = f"expert_budget_mib={self.expert_budget_mib:g}"
         else:
-            slots, source = 2 * top_k, "default"
-        if slots < top_k:
-            need = top_k * slot_bytes / 2**20
+            slots, source = 2 * experts_per_token, "default"
+        if slots < experts_per_token:
+            need = experts_per_token * slot_bytes / 2**20
             raise ConfigError(
-                f"{source} gives {slots} expert slots per layer, fewer than top_k={top_k}; one "
+                f"{source} gives {slots} expert slots per layer, fewer than experts_per_token={experts_per_token}; one "
                 f"layer's top-k bundles across {n_layers} MoE layers need at least {need:.2f} MiB"
             )
         return min(slots, index.num_experts)
@@ -268,7 +268,7 @@ class ResolvedOptions:
     """What `EngineOptions.resolve` decided for one model."""
 
     family: Family
-    top_k: int  # the serving K (option, else the model's native top-k)
+    experts_per_token: int  # the serving K (option, else the model's native top-k)
     num_experts: int
     slots_per_layer: int
     lora_path: Path | None  # the adapter to apply; None: none

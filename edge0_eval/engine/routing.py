@@ -195,9 +195,11 @@ class StreamingMoE(nn.Module):
 
     selection_order = "first"
 
-    def _init_streaming(self, switch: StreamingSwitchGLU, top_k: int) -> None:
+    def _init_streaming(
+        self, switch: StreamingSwitchGLU, experts_per_token: int
+    ) -> None:
         self.switch_mlp = switch
-        self.top_k = top_k
+        self.experts_per_token = experts_per_token
         self.num_experts = switch.num_experts
         self.route: Route | None = None
         self.capture = False
@@ -401,16 +403,16 @@ class Prerouter:
         heads: PrerouterHeads,
         blocks: dict,
         rule,
-        top_k: int,
+        experts_per_token: int,
         counters: Counters,
         embedding,
         measure_recall: bool = False,
     ):
         cfg = heads.config
-        self.heads, self.blocks, self.top_k, self.counters = (
+        self.heads, self.blocks, self.experts_per_token, self.counters = (
             heads,
             blocks,
-            top_k,
+            experts_per_token,
             counters,
         )
         self.owners, self.consumers = list(cfg.owners), list(cfg.consumers)
@@ -481,7 +483,7 @@ class Prerouter:
                 if not self.next_token
                 else append_next_embedding(plans.feats, self.embedding(tokens))
             )
-            selected = self.rule.select(self.heads(feats), self.top_k)
+            selected = self.rule.select(self.heads(feats), self.experts_per_token)
         inds = selected[0]  # [O, B, K]
         staged = {}
         if stage:
@@ -504,7 +506,7 @@ class Prerouter:
         tokens = self.draft(h, samplers)
         selected = self.rule.select(
             self.heads(append_next_embedding(plans.feats, self.embedding(tokens))),
-            self.top_k,
+            self.experts_per_token,
         )
         evaluate(c, tokens, selected)
         c.hedge_host_seconds += (
@@ -594,7 +596,9 @@ class Prerouter:
             following,
         )
         logits = self.heads.select_owners([owner])(feats)[0]
-        return self.blocks[self.consumer_of[owner]].rule.select(logits, self.top_k)[0]
+        return self.blocks[self.consumer_of[owner]].rule.select(
+            logits, self.experts_per_token
+        )[0]
 
     def stats(self) -> dict:
         c = self.counters

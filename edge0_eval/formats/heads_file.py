@@ -39,7 +39,7 @@ class PrerouterConfig:
 
     owners: list[int]  # owner layers N, ascending
     width: int  # fc1 width
-    top_k: int  # the serving K the heads were trained for
+    experts_per_token: int  # the serving K the heads were trained for
     hidden: int
     num_experts: int
     # layer each owner predicts (None: owner + 1 each)
@@ -107,7 +107,7 @@ def write_heads(
             )
     meta = {
         "kind": KIND,
-        "K": str(cfg.top_k),
+        "K": str(cfg.experts_per_token),
         "owners": json.dumps(cfg.owners),
         "consumers": json.dumps(cfg.consumers),
         "start_layer": str(cfg.start_layer),
@@ -173,12 +173,12 @@ def read_heads(
     *,
     hidden: int,
     num_experts: int,
-    top_k: int,
+    experts_per_token: int,
     owners: list[int] | None = None,
     dtype=None,
     model_type: str | None = None,
 ) -> HeadsFile:
-    """Read and validate heads for a model with `hidden`, `num_experts`, served at `top_k`.
+    """Read and validate heads for a model with `hidden`, `num_experts`, served at `experts_per_token`.
 
     `owners` (None: every head in the file) selects heads; each must be present. Any problem
     (not found, unreadable, wrong kind, K, owner set, shape, newer format) raises one
@@ -211,13 +211,13 @@ def read_heads(
         # The heads score every expert; K is only the width they were trained to rank for.
         warnings.warn(
             f"{where} records no K (metadata key 'K'); served at the engine's "
-            f"K={top_k}",
+            f"K={experts_per_token}",
             stacklevel=2,
         )
-    elif k != top_k:
+    elif k != experts_per_token:
         raise CheckpointError(
-            f"{where} was trained for K={k} but the engine serves K={top_k}; "
-            f"train heads for K={top_k} or serve with --experts-per-token {k}"
+            f"{where} was trained for K={k} but the engine serves K={experts_per_token}; "
+            f"train heads for K={experts_per_token} or serve with --experts-per-token {k}"
         )
     if model_type is not None and meta.get("model_type") not in (None, "", model_type):
         raise CheckpointError(
@@ -296,7 +296,7 @@ def read_heads(
     config = PrerouterConfig(
         owners=owners,
         width=width,
-        top_k=top_k,
+        experts_per_token=experts_per_token,
         hidden=hidden,
         num_experts=num_experts,
         consumers=[consumer_of[n] for n in owners],

@@ -27,7 +27,7 @@ COLLECTION_FILE = "collection.json"
 EMBEDDINGS_FILE = "emb.npy"
 
 
-def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
+def data_fingerprint(opts: PrerouterOptions, experts_per_token: int) -> dict:
     # The float32 collector's features differ from the served path's in rounding: another
     # store. The served path keeps the key absent, so stores collected before it stay valid.
     extra = {} if opts.collect == "served" else {"collect": opts.collect}
@@ -35,7 +35,7 @@ def data_fingerprint(opts: PrerouterOptions, top_k: int) -> dict:
         "version": DATA_VERSION,
         "model": model_fingerprint(opts.model),
         "texts": [[str(Path(t).resolve()), sha256_file(Path(t))] for t in opts.texts],
-        "top_k": top_k,
+        "top_k": experts_per_token,
         "max_doc_tokens": opts.max_doc_tokens,
         "max_tokens": opts.max_tokens,
     }
@@ -131,14 +131,14 @@ def collect_features(
     opts: PrerouterOptions,
     store: FeatureStore,
     fingerprint: dict,
-    top_k: int,
+    experts_per_token: int,
     owners: list[int] | None = None,
 ) -> None:
     """Run the model over the documents and fill the store (resuming per document); a store
     that lacks one of `owners` (collected before wrap-around heads) is collected again.
     `opts.collect` "float32": the dequantized float32 build, checked against the served path on
     the first documents before anything is collected (collect_fp32.py)."""
-    served_options = collector_options(opts, top_k)
+    served_options = collector_options(opts, experts_per_token)
     if opts.collect == "float32":
         engine = load_float32(opts.model, served_options)
     else:
@@ -193,10 +193,16 @@ def collect_features(
                 store.dir / "h.npy", "w+", np.float16, (total, len(pairs), hidden)
             ).flush()
             np.lib.format.open_memmap(
-                store.dir / "inds.npy", "w+", np.int16, (total, len(moe), top_k)
+                store.dir / "inds.npy",
+                "w+",
+                np.int16,
+                (total, len(moe), experts_per_token),
             ).flush()
             np.lib.format.open_memmap(
-                store.dir / "nr.npy", "w+", np.int16, (total, len(pairs), top_k)
+                store.dir / "nr.npy",
+                "w+",
+                np.int16,
+                (total, len(pairs), experts_per_token),
             ).flush()
             meta = {
                 "fingerprint": fingerprint,
@@ -206,7 +212,7 @@ def collect_features(
                 "consumers": consumers,
                 "hidden": hidden,
                 "num_experts": num_experts,
-                "top_k": top_k,
+                "top_k": experts_per_token,
                 "rule": rule.to_json(),
                 "docs": table,
                 "tokens": total,
@@ -280,7 +286,11 @@ def collect_features(
                         x = engine.blocks[n].last[0][0]
                         hs.append(x)
                         consumer = engine.blocks[c]
-                        nrs.append(consumer.rule.select(consumer.router(x), top_k)[0])
+                        nrs.append(
+                            consumer.rule.select(consumer.router(x), experts_per_token)[
+                                0
+                            ]
+                        )
                     ind = [b.last[1][0] for b in blocks]
                     hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
                     mx.eval(hs, nrs, ind)
@@ -323,7 +333,10 @@ def _check_sample(tokens_of: dict, want: int) -> list[list[int]]:
 
 
 def ensure_embeddings(
-    opts: PrerouterOptions, store: FeatureStore, top_k: int, chunk: int = 4096
+    opts: PrerouterOptions,
+    store: FeatureStore,
+    experts_per_token: int,
+    chunk: int = 4096,
 ) -> None:
     """Write `emb.npy` (each position's input embedding, for next-token heads) into a complete
     store that lacks it: the documents are tokenized again (checked against the store's) and
@@ -332,7 +345,7 @@ def ensure_embeddings(
     if path.is_file():
         return
     meta = json.loads((store.dir / "data.json").read_text())
-    engine = Engine.load(opts.model, collector_options(opts, top_k))
+    engine = Engine.load(opts.model, collector_options(opts, experts_per_token))
     try:
         docs = _documents(engine, opts)
         if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:

@@ -143,7 +143,7 @@ def training_slots(opts: StageOptions, student: str | Path) -> int:
         no_lora=True,
         no_prerouter=True,
     ).resolve(student)
-    k, experts = resolved.top_k, resolved.num_experts
+    k, experts = resolved.experts_per_token, resolved.num_experts
     given = opts.engine.slots_per_layer
     if given is not None:
         if given < k:
@@ -186,7 +186,7 @@ def model_facts(model: Path) -> ModelFacts:
 def resolve_heads(
     facts: ModelFacts,
     *,
-    top_k: int | None = None,
+    experts_per_token: int | None = None,
     owners: list[int] | None = None,
     start_layer: int | None = None,
     width: int | None = None,
@@ -200,7 +200,7 @@ def resolve_heads(
         facts.num_experts,
         facts.moe_layers,
     )
-    k = top_k or d["top_k"] or facts.native_top_k
+    k = experts_per_token or d["experts_per_token"] or facts.native_top_k
     if k > facts.num_experts:
         raise ConfigError(
             f"--experts-per-token {k} exceeds the model's {facts.num_experts} experts"
@@ -232,13 +232,13 @@ def student_options(opts: StageOptions, slots: int) -> EngineOptions:
     return replace(opts.engine, slots_per_layer=slots, no_lora=True)
 
 
-def collector_options(opts: PrerouterOptions, top_k: int) -> EngineOptions:
+def collector_options(opts: PrerouterOptions, experts_per_token: int) -> EngineOptions:
     """Stage 1's teacher: the model itself, reactive at the serving K (the exact executed top-K).
     Never an adapter: stage 2 trains one on top of the heads, so an adapter beside the model
     must not change stage 1's data (the features' fingerprint does not cover adapters)."""
     return EngineOptions(
         mode="reactive",
-        experts_per_token=top_k,
+        experts_per_token=experts_per_token,
         expert_budget_mib=opts.expert_budget_mib,
         no_lora=True,
     )
@@ -253,7 +253,9 @@ def attach_lora(engine, opts: StageOptions) -> dict:
     """Put the trainable LoRA on the student (zero-init or --init-adapter); freeze the rest."""
     model = engine.model
     if opts.init_adapter:
-        meta = load_adapter(model, opts.init_adapter, top_k=engine.top_k)
+        meta = load_adapter(
+            model, opts.init_adapter, experts_per_token=engine.experts_per_token
+        )
         for name, given, have in (
             ("rank", opts.rank, meta["r"]),
             ("alpha", opts.alpha, meta["alpha"]),

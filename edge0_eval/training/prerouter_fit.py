@@ -89,9 +89,9 @@ def train_prerouter(
     model = Path(opts.model)
     out = Path(opts.out)
     facts = model_facts(model)
-    top_k, owners, width = resolve_heads(
+    experts_per_token, owners, width = resolve_heads(
         facts,
-        top_k=opts.top_k,
+        experts_per_token=opts.experts_per_token,
         owners=opts.owners,
         start_layer=opts.start_layer,
         width=opts.width,
@@ -101,7 +101,7 @@ def train_prerouter(
     store = FeatureStore(ckpt / "features")
     state_path = ckpt / STATE_NAME
 
-    data_fp = data_fingerprint(opts, top_k)
+    data_fp = data_fingerprint(opts, experts_per_token)
     begin(state_path, opts.resume, opts.fresh)
     if state_path.is_file() and not store.matches(data_fp):
         raise CheckpointError(
@@ -109,9 +109,9 @@ def train_prerouter(
             f"limits; rerun with --fresh to start over (or choose another --out)"
         )
     if not (store.matches(data_fp) and store.complete and store.covers(owners)):
-        collect_features(opts, store, data_fp, top_k, owners)
+        collect_features(opts, store, data_fp, experts_per_token, owners)
     if opts.next_token:
-        ensure_embeddings(opts, store, top_k)
+        ensure_embeddings(opts, store, experts_per_token)
     store.open()
     meta = store.meta
 
@@ -119,7 +119,7 @@ def train_prerouter(
         "data": digest(data_fp),
         "owners": owners,
         "width": width,
-        "top_k": top_k,
+        "top_k": experts_per_token,
         "steps": opts.steps,
         "lr": opts.lr,
         "batch": opts.batch,
@@ -133,7 +133,7 @@ def train_prerouter(
     config = PrerouterConfig(
         owners=owners,
         width=width,
-        top_k=top_k,
+        experts_per_token=experts_per_token,
         hidden=meta["hidden"],
         num_experts=meta["num_experts"],
         consumers=consumers,
@@ -235,7 +235,7 @@ def train_prerouter(
         out,
         hidden=meta["hidden"],
         num_experts=meta["num_experts"],
-        top_k=top_k,
+        experts_per_token=experts_per_token,
         owners=owners,
         dtype=mx.float32,
     )  # evaluate what was written
@@ -347,7 +347,7 @@ def _report(
         "heads": str(out),
         "model": str(Path(opts.model).resolve()),
         "model_type": meta["model_type"],
-        "top_k": config.top_k,
+        "top_k": config.experts_per_token,
         "owners": config.owners,
         "start_layer": config.start_layer,
         "width": config.width,

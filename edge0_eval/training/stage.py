@@ -231,7 +231,7 @@ def adapter_metadata(opts: StageOptions, setup: Setup) -> dict:
         },
         "stage": opts.stage,
         "model": engine.config.get("model_type"),
-        "K": engine.top_k,
+        "K": engine.experts_per_token,
     }
 
 
@@ -369,7 +369,7 @@ def run_stage(
             "student": str(Path(opts.student).resolve()),
             "teacher": str(Path(opts.teacher).resolve()),
             "model_type": engine.config.get("model_type"),
-            "top_k": engine.top_k,
+            "top_k": engine.experts_per_token,
             "mode": opts.engine.mode,
             "lora": setup.lora,
             "init_adapter": opts.init_adapter,

@@ -92,7 +92,7 @@ class PrerouterOptions:
     owners: list[int] | None = None
     start_layer: int | None = None
     width: int | None = None
-    top_k: int | None = None
+    experts_per_token: int | None = None
     steps: int = 1000
     lr: float = 1e-3
     batch: int = 256
@@ -135,7 +135,7 @@ class PrerouterOptions:
             raise ConfigError("--max-doc-tokens and --max-tokens must be at least 2")
         if self.width is not None and self.width < 1:
             raise ConfigError("--width must be at least 1")
-        if self.top_k is not None and self.top_k < 1:
+        if self.experts_per_token is not None and self.experts_per_token < 1:
             raise ConfigError("--experts-per-token must be at least 1")
 
 
@@ -288,7 +288,7 @@ def prerouter_options_from_args(args: argparse.Namespace) -> PrerouterOptions:
         args,
         texts=list(args.text),
         owners=parse_owners(args.owners),
-        top_k=args.experts_per_token,
+        experts_per_token=args.experts_per_token,
     )
 
 

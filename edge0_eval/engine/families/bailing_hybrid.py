@@ -17,12 +17,14 @@ from edge0_eval.engine.routing import NORM_EPS, RoutingRule, StreamingMoE, combi
 class BailingStreamingMoE(StreamingMoE):
     """bailing_hybrid block: sigmoid + expert bias, group-limited top-k, routed scaling."""
 
-    def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
+    def __init__(self, block, switch: StreamingSwitchGLU, experts_per_token: int):
         super().__init__()
         self.gate = block.gate  # mlx-lm's Gate: its own selection rule, reused as is
         self.shared_experts = block.shared_experts
-        self._init_streaming(switch, top_k)
-        self.gate.top_k = top_k  # instance attribute: serves K != native top-k
+        self._init_streaming(switch, experts_per_token)
+        self.gate.top_k = (
+            experts_per_token  # instance attribute: serves K != native top-k
+        )
 
     @property
     def router(self) -> nn.Module:

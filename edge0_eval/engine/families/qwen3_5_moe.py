@@ -20,13 +20,13 @@ class QwenStreamingMoE(StreamingMoE):
     # mlx-lm qwen3_next / qwen3_5_moe: argpartition(probs)[-k:]
     selection_order = "last"
 
-    def __init__(self, block, switch: StreamingSwitchGLU, top_k: int):
+    def __init__(self, block, switch: StreamingSwitchGLU, experts_per_token: int):
         super().__init__()
         self.gate = block.gate
         self.shared_expert = block.shared_expert
         self.shared_expert_gate = block.shared_expert_gate
         self.norm_topk_prob = self.normalizes(block)
-        self._init_streaming(switch, top_k)
+        self._init_streaming(switch, experts_per_token)
 
     @staticmethod
     def normalizes(block) -> bool:
@@ -45,7 +45,7 @@ class QwenStreamingMoE(StreamingMoE):
 
     def select(self, x: mx.array) -> tuple[mx.array, mx.array]:
         probs = self._probs(x)
-        inds = top_k_ids(probs, self.top_k, self.selection_order)
+        inds = top_k_ids(probs, self.experts_per_token, self.selection_order)
         return inds, combine(probs, inds, normalize=self.norm_topk_prob)
 
     def weights(self, x: mx.array, inds: mx.array) -> mx.array:
