@@ -27,7 +27,7 @@ from opencompass.datasets import HumanEvalEvaluator, IFBenchEvaluator
 from opencompass.registry import ICL_EVALUATORS, TEXT_POSTPROCESSORS
 from opencompass.utils.text_postprocessors import extract_non_reasoning_content
 
-from edge0_eval.evaluation.nltk_data import nltk_missing
+from edge0_eval.evaluation.data.nltk_data import nltk_missing
 from edge0_eval.evaluation.thinking import (
     DEFAULT_OPEN_THINKING,
     POSTPROCESSOR,

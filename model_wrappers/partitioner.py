@@ -20,7 +20,7 @@ from opencompass.utils import build_dataset_from_cfg
 from edge0_eval.engine.families import check_model_dir
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import benchmark_for
-from edge0_eval.evaluation.data_checks import verify
+from edge0_eval.evaluation.data.checks import verify
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.progress import shard_specs, task_specs
 from edge0_eval.evaluation.run_config import test_range_slice

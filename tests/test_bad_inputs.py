@@ -804,7 +804,7 @@ def test_report_missing_results_exit_nonzero(tmp_path):
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    from edge0_eval.evaluation.fixtures import write_fixtures
+    from edge0_eval.evaluation.data.fixtures import write_fixtures
 
     root = tmp_path_factory.mktemp("data")
     write_fixtures(root)
@@ -812,7 +812,7 @@ def data_root(tmp_path_factory):
 
 
 def _data_case(root: Path, case: str) -> str:
-    from edge0_eval.evaluation.data_checks import verify
+    from edge0_eval.evaluation.data.checks import verify
     from edge0_eval.evaluation.data_paths import PATHS
 
     new = root.parent / f"{root.name}-{case.replace(' ', '_')}"

@@ -400,7 +400,7 @@ def test_teacher_runner_equals_mlx_lm_generation(teacher_set):
 
 def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
     from edge0_eval.cli import main
-    from edge0_eval.evaluation.data_staging import stage
+    from edge0_eval.evaluation.data.staging import stage
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS[:2]))

@@ -286,8 +286,8 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
     whole set and they overwrote one file)."""
     from mmengine.config import Config
 
+    from edge0_eval.evaluation.data.fixtures import write_fixtures
     from edge0_eval.evaluation.fidelity_set import SET_PATH
-    from edge0_eval.evaluation.fixtures import write_fixtures
     from edge0_eval.evaluation.progress import read_lines
     from model_wrappers.partitioner import Edge0NumWorkerPartitioner
 

@@ -138,7 +138,7 @@ def test_an_output_cut_inside_think_scores_empty_by_default(rule, first, tmp_pat
     inside its thinking block whose text holds 'ANSWER: <gold>' is wrong unless the
     pass-through is asked for; a closed one is scored on its answer."""
     pytest.importorskip("opencompass")
-    from edge0_eval.evaluation.fixtures import write_fixtures
+    from edge0_eval.evaluation.data.fixtures import write_fixtures
 
     write_fixtures(tmp_path / "data_root", with_nltk=False)
     (tmp_path / "eval.py").write_text(EVAL)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.data.fixtures import write_fixtures
 from edge0_eval.evaluation.fidelity_set import SET_PATH
-from edge0_eval.evaluation.fixtures import write_fixtures
 from edge0_eval.evaluation.paired import detectable_drop
 from edge0_eval.evaluation.planner import PlanOptions, make_plan, render
 from edge0_eval.evaluation.run_config import PRIOR_TOKENS, PUBLISHED_ITEMS

@@ -17,8 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from edge0_eval.evaluation.data.nltk_data import stage_nltk
 from edge0_eval.evaluation.data_paths import PATHS, dist_file
-from edge0_eval.evaluation.nltk_data import stage_nltk
 
 AIME_ITEMS = [
     {"id": "fixture-1", "problem": "Compute $2+3$.", "answer": "5"},

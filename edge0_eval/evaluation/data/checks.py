@@ -15,8 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.data.nltk_data import nltk_missing
 from edge0_eval.evaluation.data_paths import BENCHMARKS, PATHS, data_root
-from edge0_eval.evaluation.nltk_data import nltk_missing
 
 FULL_COUNTS = {
     "aime2026": 30,
