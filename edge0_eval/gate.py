@@ -13,7 +13,7 @@ import math
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
+from edge0_eval.evaluation import fidelity_report, gate_sequential
 from edge0_eval.evaluation.baselines import spread_lines
 from edge0_eval.evaluation.gap_report import SCHEMA
 from edge0_eval.evaluation.gate_checks import (
@@ -25,6 +25,7 @@ from edge0_eval.evaluation.gate_checks import (
 )
 from edge0_eval.evaluation.gate_input import load_report
 from edge0_eval.evaluation.settings import baseline_differences, model_changes
+from edge0_eval.evaluation.significance import paired
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA
 from edge0_eval.evaluation.planner import (
     DEFAULT_CHURN,
     DEFAULT_TASK_OVERHEAD_S,
@@ -26,6 +25,7 @@ from edge0_eval.evaluation.planner import (
     render_gate_size,
     size_gate,
 )
+from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

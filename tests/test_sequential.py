@@ -1,4 +1,4 @@
-"""The sequential gate's rules (evaluation/sequential.py), checked by simulation as
+"""The sequential gate's rules (evaluation/significance/sequential.py), checked by simulation as
 tests/test_paired_gate.py checks the fixed-size test: runs of unchanged quality (outcomes
 redrawn at known rates, as after a harmless numerical change) fail at most at alpha whenever
 they stop; a student that dropped by the threshold is declared `within` at most at alpha; a
@@ -11,9 +11,10 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation import gate_sequential, paired, rounds
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
-from edge0_eval.evaluation.sequential import (
+from edge0_eval.evaluation import gate_sequential, rounds
+from edge0_eval.evaluation.significance import paired
+from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA, POWER
+from edge0_eval.evaluation.significance.sequential import (
     REGRESSED,
     UNDECIDED,
     WITHIN,

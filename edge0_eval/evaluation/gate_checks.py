@@ -2,9 +2,10 @@
 baseline report.json.
 
 For every benchmark in the baseline whose two reports carry per-item outcomes, the current run
-is paired with the baseline item by item (evaluation/paired.py: an exact McNemar-type test for
-0/1 outcomes, a sign-flip test for graded ones; against a baseline of several runs,
-`gate-baseline`, paired.baseline_change), which is the run-to-run change the gate judges:
+is paired with the baseline item by item (evaluation/significance/paired.py: an exact
+McNemar-type test for 0/1 outcomes, a sign-flip test for graded ones; against a baseline of
+several runs, `gate-baseline`, paired.baseline_change), which is the run-to-run change the gate
+judges:
   student drop   (baseline student - current student)  significant at a            -> FAIL
   gap increase   (current gap - baseline gap)          significant at a            -> FAIL
 each at a = alpha / (2 x the baseline's benchmarks) (paired.per_test_alpha), so a run of
@@ -34,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, gate_sequential, paired, sequential
+from edge0_eval.evaluation import fidelity_report, gate_sequential
+from edge0_eval.evaluation.significance import paired, sequential
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
 DEFAULT_MAX_DROP = 2.0

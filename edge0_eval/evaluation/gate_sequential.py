@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.sequential import (
+from edge0_eval.evaluation.significance.sequential import (
     REGRESSED,
     UNDECIDED,
     WITHIN,

@@ -42,13 +42,11 @@ from datetime import datetime
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
-from edge0_eval.evaluation import paired, sequential
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.fidelity_set import LAYER_MAJOR, SET_PATH
 from edge0_eval.evaluation.gate_input import load_report
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA, detectable_drop, per_test_alpha
 from edge0_eval.evaluation.predictions import read_json
 from edge0_eval.evaluation.rounds import check_rounds
 from edge0_eval.evaluation.run_config import (
@@ -59,6 +57,12 @@ from edge0_eval.evaluation.run_config import (
     load_config,
     population,
     tokens_per_sample,
+)
+from edge0_eval.evaluation.significance import paired, sequential
+from edge0_eval.evaluation.significance.paired import (
+    DEFAULT_ALPHA,
+    detectable_drop,
+    per_test_alpha,
 )
 from edge0_eval.formats.json_files import read_json_file
 

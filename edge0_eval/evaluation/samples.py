@@ -24,7 +24,7 @@ import math
 
 from scipy import stats
 
-from edge0_eval.evaluation.paired import graded_change
+from edge0_eval.evaluation.significance.paired import graded_change
 
 Z95 = 1.96  # the normal quantile, for intervals over thousands of values (positions)
 FLAG_ALPHA = 0.05  # two-sided, for the truncation flag

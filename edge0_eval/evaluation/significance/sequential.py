@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
+from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA, POWER
 
 CAP = 0.75  # a bet risks at most this share of the wealth on one item
 # runs behind `detectable_drop` (seeded: the same answer every call)
