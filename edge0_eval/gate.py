@@ -24,7 +24,7 @@ from edge0_eval.evaluation.gate_checks import (
     format_table,
 )
 from edge0_eval.evaluation.gate_input import load_report
-from edge0_eval.evaluation.settings import baseline_differences, model_changes
+from edge0_eval.evaluation.outputs.settings import baseline_differences, model_changes
 from edge0_eval.evaluation.significance import paired
 
 

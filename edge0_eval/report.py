@@ -12,7 +12,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.arms import model_index, parse_arms
 from edge0_eval.evaluation.definitions import load_reference
 from edge0_eval.evaluation.gap_report import build_report
-from edge0_eval.evaluation.outputs import expand_outputs, load_run
+from edge0_eval.evaluation.outputs.runs import expand_outputs, load_run
 from edge0_eval.evaluation.report_writers import write_report
 
 

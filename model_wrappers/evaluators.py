@@ -10,8 +10,9 @@ postprocessor every dataset of configs/datasets/ runs first.
   without it.
 - Open thinking: OpenCompass's extract_non_reasoning_content passes an output cut inside its
   `<think>` block through whole, so the middle of the reasoning can score as an answer.
-  `edge0_answer_text` scores it as an empty answer by default (edge0_eval/evaluation/thinking.py
-  has the rule and its option), then runs the dataset's own postprocessor.
+  `edge0_answer_text` scores it as an empty answer by default
+  (edge0_eval/evaluation/outputs/thinking.py has the rule and its option), then runs the
+  dataset's own postprocessor.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from opencompass.registry import ICL_EVALUATORS, TEXT_POSTPROCESSORS
 from opencompass.utils.text_postprocessors import extract_non_reasoning_content
 
 from edge0_eval.evaluation.data.nltk_data import nltk_missing
-from edge0_eval.evaluation.thinking import (
+from edge0_eval.evaluation.outputs.thinking import (
     DEFAULT_OPEN_THINKING,
     POSTPROCESSOR,
     check_rule,

@@ -21,7 +21,7 @@ cache, model_identity).
 A thinking chat template opens the `<think>` block in the prompt, so the model's text alone
 would not show that its thinking never closed. Such a prediction is stored with the opener
 the prompt ended with ("<think>\\n" + output): the text the scorer's thinking rule reads
-(edge0_eval/evaluation/thinking.py) is the assistant turn as the model continued it.
+(edge0_eval/evaluation/outputs/thinking.py) is the assistant turn as the model continued it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from opencompass.utils.logging import get_logger
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.identity import model_identity
+from edge0_eval.evaluation.outputs.thinking import prompt_opener
 from edge0_eval.evaluation.progress import Progress
-from edge0_eval.evaluation.thinking import prompt_opener
 
 
 def stats_path(prediction_dir: str, prediction_file: str) -> str:

@@ -114,7 +114,7 @@ def test_gate_refuses_baseline_without_benchmarks(tmp_path, capsys):
 @pytest.mark.parametrize("kl,agreement", [(-0.5, 0.9), (0.1, 1.5), (float("inf"), 0.9)])
 def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
     from edge0_eval.evaluation.fidelity_report import load_arm
-    from edge0_eval.evaluation.outputs import Run
+    from edge0_eval.evaluation.outputs.runs import Run
 
     path = tmp_path / "results" / "m" / "edge0_fidelity.json"
     path.parent.mkdir(parents=True)
@@ -141,7 +141,7 @@ def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
 @pytest.mark.parametrize("details", ["abc", [1, 2]])
 def test_report_refuses_details_not_objects(details, tmp_path):
     from edge0_eval.evaluation.benchmarks import benchmark_for
-    from edge0_eval.evaluation.outputs import Run, load_dataset_result
+    from edge0_eval.evaluation.outputs.runs import Run, load_dataset_result
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
@@ -229,7 +229,7 @@ def test_a_repeated_key_in_a_results_file_is_not_scored(tmp_path):
     """json keeps the last of two equal keys without a word: an item given twice in the
     object form of the details would be scored once, silently."""
     from edge0_eval.evaluation.benchmarks import benchmark_for
-    from edge0_eval.evaluation.outputs import Run, load_dataset_result
+    from edge0_eval.evaluation.outputs.runs import Run, load_dataset_result
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
@@ -429,7 +429,7 @@ def test_report_refuses_a_detail_that_is_not_a_number(value, tmp_path, capsys):
     """A student detail KL of "abc" ended in `ValueError: could not convert string to float`
     (inside gate-run, which builds the report it gates)."""
     from edge0_eval.evaluation.fidelity_report import load_arm
-    from edge0_eval.evaluation.outputs import Run
+    from edge0_eval.evaluation.outputs.runs import Run
 
     path = tmp_path / "results" / "student" / "edge0_fidelity.json"
     path.parent.mkdir(parents=True)

@@ -314,7 +314,7 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
 
 def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
     """The regrouped details OpenCompass writes (each key a list over replicas) -> the section."""
-    from edge0_eval.evaluation.outputs import Run
+    from edge0_eval.evaluation.outputs.runs import Run
 
     per_item = baseline["fidelity"]["per_item"]
     arms = {}

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval.evaluation.thinking import prompt_opener, rule_of, thinking_closed
+from edge0_eval.evaluation.outputs.thinking import (
+    prompt_opener,
+    rule_of,
+    thinking_closed,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CUT = "Let me see. Perhaps ANSWER: {gold} maybe, but wait"

@@ -10,7 +10,7 @@ from pathlib import Path
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.benchmarks import Benchmark, benchmark_for
-from edge0_eval.evaluation.outputs import Run, load_dataset_result
+from edge0_eval.evaluation.outputs.runs import Run, load_dataset_result
 
 # Table and plot order. student = prerouted + LoRA; the other two are ablations.
 ARM_NAMES = ("teacher", "int4_exact", "prerouted_nolora", "student")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import Benchmark
-from edge0_eval.evaluation.predictions import strict_loads
+from edge0_eval.evaluation.outputs.predictions import strict_loads
 
 
 def headline(bench: Benchmark, metric: str | None, n: int | None) -> dict:

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from edge0_eval.evaluation.samples import Z95
+from edge0_eval.evaluation.outputs.samples import Z95
 
 # First position of each bucket; the last bucket is open-ended.
 POSITION_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_positions
 from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, METRICS
-from edge0_eval.evaluation.outputs import Run
-from edge0_eval.evaluation.samples import mean_half_width
+from edge0_eval.evaluation.outputs.runs import Run
+from edge0_eval.evaluation.outputs.samples import mean_half_width
 
 ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
 # (step, arm a, arm b): the step's figure is KL(a) - KL(b) and agreement(b) - agreement(a), so

@@ -22,7 +22,6 @@ from datetime import datetime, timezone
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import fidelity_report
-from edge0_eval.evaluation import samples as sampling
 from edge0_eval.evaluation.arms import (
     ArmBench,
     check_versions,
@@ -37,10 +36,11 @@ from edge0_eval.evaluation.definitions import (
     headline,
     reference_for,
 )
-from edge0_eval.evaluation.outputs import BENCHMARK_ORDER, NEEDS_PREDICTIONS, Run
-from edge0_eval.evaluation.predictions import engine_summary
-from edge0_eval.evaluation.settings import arm_settings, settings_differences
-from edge0_eval.evaluation.thinking import rule_of
+from edge0_eval.evaluation.outputs import samples as sampling
+from edge0_eval.evaluation.outputs.predictions import engine_summary
+from edge0_eval.evaluation.outputs.runs import BENCHMARK_ORDER, NEEDS_PREDICTIONS, Run
+from edge0_eval.evaluation.outputs.settings import arm_settings, settings_differences
+from edge0_eval.evaluation.outputs.thinking import rule_of
 
 # v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
 # identity. A v1 report still reads (gate: with a note saying what it lacks).
@@ -224,7 +224,7 @@ def _benchmark_row(
         "decomposition": None,
         "arms": {arm: _arm_json(ab, bench) for arm, ab in per_arm.items()},
         "truncation_flags": [],
-        # Per arm, what its missing predictions left uncomputed (outputs.NEEDS_PREDICTIONS).
+        # Per arm, what its missing predictions left uncomputed (runs.NEEDS_PREDICTIONS).
         "not_computed": {
             arm: list(NEEDS_PREDICTIONS)
             for arm, ab in per_arm.items()

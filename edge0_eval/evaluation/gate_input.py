@@ -9,7 +9,7 @@ from pathlib import Path
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity_report import teacher_sane
 from edge0_eval.evaluation.gap_report import OLD_SCHEMAS, SCHEMA
-from edge0_eval.evaluation.predictions import strict_loads
+from edge0_eval.evaluation.outputs.predictions import strict_loads
 
 
 def _check_settings(path: str, arms) -> None:

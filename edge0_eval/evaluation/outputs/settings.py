@@ -1,7 +1,7 @@
 """Settings fingerprints: what two arms (or a run and its baseline) must share to be paired.
 
 Per arm (report.json `arms.<arm>.settings`):
-  generation  the model config's GENERATION_FIELDS (outputs.py), from the run's config dump
+  generation  the model config's GENERATION_FIELDS (runs.py), from the run's config dump
   scoring     per dataset its SCORING_FIELDS (evaluator and postprocessors are in eval_cfg) and
               `data`: a digest of the questions as prompted and their reference answers, read
               from the predictions file (every prediction's origin_prompt and gold, in order),

@@ -26,16 +26,16 @@ from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import BENCHMARKS, Benchmark
-from edge0_eval.evaluation.details import detail_items, replica_scores
-from edge0_eval.evaluation.predictions import (
+from edge0_eval.evaluation.outputs.details import detail_items, replica_scores
+from edge0_eval.evaluation.outputs.predictions import (
     engine_samples,
     engine_stats_problem,
     load_predictions,
     strict_loads,
 )
-from edge0_eval.evaluation.samples import record
-from edge0_eval.evaluation.settings import data_digest, item_digests
-from edge0_eval.evaluation.thinking import thinking_closed
+from edge0_eval.evaluation.outputs.samples import record
+from edge0_eval.evaluation.outputs.settings import data_digest, item_digests
+from edge0_eval.evaluation.outputs.thinking import thinking_closed
 
 # What the report reads from a dataset's predictions (and the engine stats beside them): without
 # them these are not computed, and the dataset's status says so (no_predictions).
