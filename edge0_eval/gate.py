@@ -13,8 +13,9 @@ import math
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, gate_sequential
+from edge0_eval.evaluation import gate_sequential
 from edge0_eval.evaluation.baselines import spread_lines
+from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.gap_report import SCHEMA
 from edge0_eval.evaluation.gate_checks import (
     BLIND_EXIT,

@@ -18,7 +18,7 @@ from edge0_eval.engine.options import EngineOptions, MissingAdapterError
 from edge0_eval.engine.prompts import penalties_of
 from edge0_eval.engine.rows import Answer, sample_stats
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.fidelity_scoring import model_logprobs
+from edge0_eval.evaluation.fidelity.scoring import model_logprobs
 
 from .chat import ChatModelBase
 
@@ -159,7 +159,7 @@ class Edge0Model(ChatModelBase):
 
     def fidelity_logprobs(self, items: list[dict]) -> list[dict]:
         """Teacher-forced log-probs of fidelity items (datasets/edge0_fidelity.py), scored
-        together by the set's scorer (fidelity_scoring.model_logprobs)."""
+        together by the set's scorer (evaluation.fidelity.scoring.model_logprobs)."""
         return model_logprobs(self.engine, items)
 
     def __del__(self):

@@ -1,4 +1,4 @@
-"""OpenCompass loader for a fidelity set (edge0_eval/evaluation/fidelity_scoring.py): one row
+"""OpenCompass loader for a fidelity set (edge0_eval/evaluation/fidelity/scoring.py): one row
 per prompt.
 
 Each row holds the prompt text (`prompt`, for the predictions file) and the whole teacher item as
@@ -20,7 +20,7 @@ from opencompass.registry import LOAD_DATASET
 from edge0_eval.engine.mlx_compat import activation_dtype
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.fidelity_set import (
+from edge0_eval.evaluation.fidelity.sets import (
     DATASET_ABBR,
     SET_PATH,
     fingerprint,

@@ -1,6 +1,6 @@
 """Evaluator for the fidelity dataset: an arm's log-probs against the teacher's, per item.
 
-Metrics (edge0_eval/evaluation/fidelity_scoring.py): kl (nats, KL(teacher || arm) over the
+Metrics (edge0_eval/evaluation/fidelity/scoring.py): kl (nats, KL(teacher || arm) over the
 top-k plus a tail bucket), agreement (share of positions whose argmax is the teacher's token),
 nll (of the teacher's tokens), greedy_match (positions before the first disagreement); each per
 item in `details` (with the item's id and source) and averaged over items.
@@ -13,7 +13,7 @@ import json
 from opencompass.openicl.icl_evaluator import BaseEvaluator
 from opencompass.registry import ICL_EVALUATORS
 
-from edge0_eval.evaluation.fidelity_set import item_digest, mean_metrics, score_item
+from edge0_eval.evaluation.fidelity.sets import item_digest, mean_metrics, score_item
 
 
 @ICL_EVALUATORS.register_module()

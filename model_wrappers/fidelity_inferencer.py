@@ -2,10 +2,11 @@
 
 It hands the rows' items (prompt ids, tokens, top-k ids and the set's scorer), ITEMS_PER_CALL
 at a time, to the model's `fidelity_logprobs` (MLXLMModel and Edge0Model have one: their served
-path, the items scored together layer by layer, fidelity_scoring.py) and writes each result as
-its row's prediction (JSON), in OpenCompass's predictions file, plus the per-item stats side
-file the other datasets have (predictions/<model>/<dataset>.engine_stats.json; a call's items
-share its wall time as batch_wall_s, with batch_size, as the planner reads batched calls).
+path, the items scored together layer by layer, evaluation/fidelity/scoring.py) and writes
+each result as its row's prediction (JSON), in OpenCompass's predictions file, plus the
+per-item stats side file the other datasets have (predictions/<model>/<dataset>.engine_stats.json;
+a call's items share its wall time as batch_wall_s, with batch_size, as the planner reads
+batched calls).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from opencompass.registry import ICL_INFERENCERS
 from opencompass.utils.logging import get_logger
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.fidelity_set import item_digest
+from edge0_eval.evaluation.fidelity.sets import item_digest
 from edge0_eval.evaluation.progress import Progress
 
 from .fidelity_dataset import teacher_problem

@@ -23,7 +23,7 @@ from edge0_eval.engine.mlx_compat import (
 from edge0_eval.engine.prompts import penalties_of
 from edge0_eval.engine.rows import Answer, StopRule, row_sampler
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.evaluation.fidelity_scoring import model_logprobs
+from edge0_eval.evaluation.fidelity.scoring import model_logprobs
 
 from .chat import ChatModelBase
 
@@ -238,5 +238,5 @@ class MLXLMModel(ChatModelBase):
 
     def fidelity_logprobs(self, items: list[dict]) -> list[dict]:
         """Teacher-forced log-probs of fidelity items (datasets/edge0_fidelity.py), scored
-        together by the set's scorer (fidelity_scoring.model_logprobs)."""
+        together by the set's scorer (evaluation.fidelity.scoring.model_logprobs)."""
         return model_logprobs(self.model, items)

@@ -113,7 +113,7 @@ def test_gate_refuses_baseline_without_benchmarks(tmp_path, capsys):
 
 @pytest.mark.parametrize("kl,agreement", [(-0.5, 0.9), (0.1, 1.5), (float("inf"), 0.9)])
 def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
-    from edge0_eval.evaluation.fidelity_report import load_arm
+    from edge0_eval.evaluation.fidelity.report import load_arm
     from edge0_eval.evaluation.outputs.runs import Run
 
     path = tmp_path / "results" / "m" / "edge0_fidelity.json"
@@ -428,7 +428,7 @@ def test_gate_fails_an_insane_teacher_it_is_told_about(tmp_path, capsys):
 def test_report_refuses_a_detail_that_is_not_a_number(value, tmp_path, capsys):
     """A student detail KL of "abc" ended in `ValueError: could not convert string to float`
     (inside gate-run, which builds the report it gates)."""
-    from edge0_eval.evaluation.fidelity_report import load_arm
+    from edge0_eval.evaluation.fidelity.report import load_arm
     from edge0_eval.evaluation.outputs.runs import Run
 
     path = tmp_path / "results" / "student" / "edge0_fidelity.json"

@@ -19,9 +19,9 @@ from edge0_eval.engine.prerouter import (
     save_heads,
 )
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import fidelity_report as fr
-from edge0_eval.evaluation import fidelity_scoring as fid
-from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.evaluation.fidelity import report as fr
+from edge0_eval.evaluation.fidelity import scoring as fid
+from edge0_eval.evaluation.fidelity import sets as fs
 from edge0_eval.evaluation.gap_report import build_report
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from bad_inputs import expect_clear_error, outcome
 from fidelity_sets import fidelity_set
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.evaluation.fidelity import sets as fs
 from edge0_eval.formats.safetensors import checkpoint_float_dtype, write_safetensors
 from model_wrappers.fidelity_dataset import preflight_problems
 

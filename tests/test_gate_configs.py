@@ -287,7 +287,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
     from mmengine.config import Config
 
     from edge0_eval.evaluation.data.fixtures import write_fixtures
-    from edge0_eval.evaluation.fidelity_set import SET_PATH
+    from edge0_eval.evaluation.fidelity.sets import SET_PATH
     from edge0_eval.evaluation.progress import read_lines
     from model_wrappers.partitioner import Edge0NumWorkerPartitioner
 

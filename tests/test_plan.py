@@ -11,7 +11,7 @@ import pytest
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.data.fixtures import write_fixtures
-from edge0_eval.evaluation.fidelity_set import SET_PATH
+from edge0_eval.evaluation.fidelity.sets import SET_PATH
 from edge0_eval.evaluation.planner import PlanOptions, make_plan, render
 from edge0_eval.evaluation.run_config import PRIOR_TOKENS, PUBLISHED_ITEMS
 from edge0_eval.evaluation.significance.paired import detectable_drop

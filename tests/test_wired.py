@@ -11,7 +11,7 @@ from mlx_lm.generate import wired_limit
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.evaluation.fidelity_scoring import model_logprobs
+from edge0_eval.evaluation.fidelity.scoring import model_logprobs
 
 RECOMMENDED = 2**40  # large: mlx-lm warns when the model nears it
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
-from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.benchmarks import Benchmark, benchmark_for
+from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.outputs.runs import Run, load_dataset_result
 
 # Table and plot order. student = prerouted + LoRA; the other two are ablations.
@@ -123,7 +123,7 @@ def collect_arm(abbr: str, run: Run) -> dict[str, tuple[Benchmark, ArmBench]]:
     by_bench: dict[str, tuple[Benchmark, ArmBench]] = {}
     for dataset in run.datasets:
         if fidelity_report.is_fidelity(dataset):
-            continue  # not a benchmark: its own section (fidelity_report.py)
+            continue  # not a benchmark: its own section (fidelity/report.py)
         bench = benchmark_for(dataset)
         _, ab = by_bench.setdefault(bench.name, (bench, ArmBench(abbr)))
         if ab.datasets and not bench.pooled:

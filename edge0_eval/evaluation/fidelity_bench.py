@@ -40,7 +40,7 @@ from edge0_eval.engine.layer_major import (
 )
 from edge0_eval.engine.mlx_compat import activation_dtype
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.fidelity_scoring import (
+from edge0_eval.evaluation.fidelity.scoring import (
     EngineRunner,
     MLXRunner,
     _logprobs,

@@ -11,7 +11,7 @@ item stays the unit of every interval and test: clustered by item (samples.py).
 Writes report.json (schema SCHEMA, read by `edge0-eval gate`; per arm, benchmark, item and
 sample: score, finish reason, whether thinking closed, output tokens), report.csv, report.md
 and report.png into --out; with a fidelity dataset in the runs also its section (`fidelity` in
-report.json, fidelity.png; see fidelity_report.py). Headline definitions and the reference
+report.json, fidelity.png; see fidelity/report.py). Headline definitions and the reference
 column: definitions.py; settings fingerprints: settings.py.
 """
 
@@ -21,7 +21,6 @@ import math
 from datetime import datetime, timezone
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report
 from edge0_eval.evaluation.arms import (
     ArmBench,
     check_versions,
@@ -36,6 +35,7 @@ from edge0_eval.evaluation.definitions import (
     headline,
     reference_for,
 )
+from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.outputs import samples as sampling
 from edge0_eval.evaluation.outputs.predictions import engine_summary
 from edge0_eval.evaluation.outputs.runs import BENCHMARK_ORDER, NEEDS_PREDICTIONS, Run

@@ -24,7 +24,7 @@ And always FAIL (never pass) when the benchmark is missing from the report, an a
 a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
 reproduce the metric, the item count differs from the baseline, or the prompt version changed.
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
-With fidelity in the baseline, one more check per arm (fidelity_report.gate_checks: the mean
+With fidelity in the baseline, one more check per arm (fidelity.report.gate_checks: the mean
 KL and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
 With --sequential (a gate run in rounds, gate_run.py) the paired tests are the anytime-valid
 sequential tests of evaluation/gate_sequential.py, over the rounds' reports.
@@ -35,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, gate_sequential
+from edge0_eval.evaluation import gate_sequential
+from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.significance import paired, sequential
 
 DEFAULT_MAX_GAP_INCREASE = 2.0

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.fidelity_report import teacher_sane
+from edge0_eval.evaluation.fidelity.report import teacher_sane
 from edge0_eval.evaluation.gap_report import OLD_SCHEMAS, SCHEMA
 from edge0_eval.evaluation.outputs.predictions import strict_loads
 
@@ -263,7 +263,7 @@ def _check_fidelity(path: str, fid) -> None:
 
 def _check_teacher_sanity(fid: dict, sanity: dict, bad) -> None:
     """The gate passes a teacher only on the numbers, never on the flag alone: `ok` must be
-    what the sanity's KL and agreement say (fidelity_report.teacher_sane), those must be the
+    what the sanity's KL and agreement say (fidelity.report.teacher_sane), those must be the
     teacher arm's, and an ok teacher's every item must be sane too (per_item)."""
     kl, agreement, ok = sanity["kl"], sanity["agreement"], sanity["ok"]
     if ok != teacher_sane(kl, agreement):

@@ -44,8 +44,8 @@ from pathlib import Path
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
-from edge0_eval.evaluation.fidelity_set import LAYER_MAJOR, SET_PATH
+from edge0_eval.evaluation.fidelity.sets import DATASET_ABBR as FIDELITY_ABBR
+from edge0_eval.evaluation.fidelity.sets import LAYER_MAJOR, SET_PATH
 from edge0_eval.evaluation.gate_input import load_report
 from edge0_eval.evaluation.outputs.predictions import read_json
 from edge0_eval.evaluation.rounds import check_rounds

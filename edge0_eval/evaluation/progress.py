@@ -28,7 +28,7 @@ import os
 import time
 from pathlib import Path
 
-from edge0_eval.evaluation.fidelity_set import DATASET_ABBR as FIDELITY_ABBR
+from edge0_eval.evaluation.fidelity.sets import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.run_config import (
     arm_abbr,
     count_items,

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
-from edge0_eval.evaluation import fidelity_report
+from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.outputs.samples import FLAG_ALPHA
 
 # Plot legend per arm (the arms themselves, and their order, come from report["arms"]).

@@ -19,7 +19,7 @@ from edge0_eval.evaluation.agreement import SET_PATH as AGREEMENT_PATH
 from edge0_eval.evaluation.agreement import prompts as agreement_prompts
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set
+from edge0_eval.evaluation.fidelity.sets import SET_PATH, read_set
 from edge0_eval.evaluation.rounds import sample_size
 
 # Typical generated tokens per answer with thinking on (Qwen3.6-class models; shared notes of

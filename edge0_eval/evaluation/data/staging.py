@@ -25,8 +25,8 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.data.checks import Check, verify
 from edge0_eval.evaluation.data.nltk_data import stage_nltk
 from edge0_eval.evaluation.data_paths import BENCHMARKS, PATHS, dist_file
-from edge0_eval.evaluation.fidelity_set import SET_PATH as FIDELITY_SET_PATH
-from edge0_eval.evaluation.fidelity_set import read_set
+from edge0_eval.evaluation.fidelity.sets import SET_PATH as FIDELITY_SET_PATH
+from edge0_eval.evaluation.fidelity.sets import read_set
 
 
 # --- staging -----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A fidelity set is made once from the teacher (`edge0-eval fidelity make`): prompts with the chat
 template applied, the teacher's greedy continuation of each, and at every continuation position
 the teacher's top-k log-probabilities plus the remaining mass. It is one versioned file
-(fidelity_set.py: format, validation, metrics) carrying the teacher's fingerprint and the
+(sets.py: format, validation, metrics) carrying the teacher's fingerprint and the
 prompts' source, so the teacher can run on one machine and the students on another.
 
 An arm is scored by forcing the teacher's tokens through exactly the path it serves: for the
@@ -13,7 +13,7 @@ does; for an mlx-lm model, mlx-lm's own prefill-then-step scheme over a prompt c
 items are scored together, layer-major (engine/layer_major.py: a batch, one layer at a time,
 each layer's experts read once), or, for sets made before it, in pieces one item at a time
 (`Sequence.forced`): every arm by the scorer that made the set's teacher rows
-(fidelity_set.scorer_of). At each position the arm's log-probs at the teacher's top-k ids and
+(sets.scorer_of). At each position the arm's log-probs at the teacher's top-k ids and
 its argmax give, per item:
   kl            KL(teacher || arm) over the top-k plus one tail bucket (nats, mean over positions)
   agreement     share of positions where the arm's argmax is the teacher's
@@ -52,7 +52,7 @@ from edge0_eval.engine.mlx_compat import (
 from edge0_eval.engine.step import NonFiniteError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.data_paths import dist_file
-from edge0_eval.evaluation.fidelity_set import (
+from edge0_eval.evaluation.fidelity.sets import (
     FORMAT,
     LAYER_MAJOR,
     PIECES,
@@ -218,7 +218,7 @@ def scored_items(
     memory_mib: float = DEFAULT_MEMORY_MIB,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per item {prompt_ids, tokens, topk_ids}: (log-probs at its ids [P, K] float32, argmax
-    [P]) with the teacher's tokens forced, by `scorer` (fidelity_set.SCORERS): the items
+    [P]) with the teacher's tokens forced, by `scorer` (sets.SCORERS): the items
     together, layer-major, or one at a time in pieces."""
     if scorer not in SCORERS:
         raise ConfigError(f"scorer {scorer!r} is not one of {SCORERS}")

@@ -1,5 +1,5 @@
 """The fidelity set file and the metrics on it (numpy only: configs and the report import this
-without MLX). The set is made by edge0_eval/evaluation/fidelity_scoring.py (`edge0-eval
+without MLX). The set is made by edge0_eval/evaluation/fidelity/scoring.py (`edge0-eval
 fidelity make`).
 
 File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
@@ -38,7 +38,7 @@ FORMAT = "edge0-eval/fidelity/v2"
 READABLE = ("edge0-eval/fidelity/v1", FORMAT)
 ENDS = ("stop", "length", "near_tie")
 DTYPES = ("float16", "bfloat16", "float32")  # a teacher's activation dtype
-# Teacher-forced scorers (fidelity_scoring.py): every arm is scored by the one that made the set
+# Teacher-forced scorers (scoring.py): every arm is scored by the one that made the set
 # (`scorer_of`), so the teacher reproduces it exactly and no arm's KL holds the difference
 # between scorers (in half precision they round apart; `fidelity bench` measures by how much).
 LAYER_MAJOR = "layer-major"  # a batch, one layer at a time (engine/layer_major.py)
@@ -106,7 +106,7 @@ def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
     agree = argmax == tokens
     miss = np.flatnonzero(~agree)
     # tokens[i] is the teacher's argmax, the set's first top-k id: its arm log-prob is column 0.
-    # Per position (fidelity_positions.py): KL to 6 significant digits, agreement 0/1.
+    # Per position (positions.py): KL to 6 significant digits, agreement 0/1.
     return {
         "kl": float(kl.mean()),
         "agreement": float(agree.mean()),

@@ -1,7 +1,7 @@
 """Fidelity by position: does an arm's divergence from the teacher grow along a long
 continuation, and how heavy is its tail?
 
-From every item's per-position KL and argmax agreement (fidelity_set.score_item records them),
+From every item's per-position KL and argmax agreement (sets.score_item records them),
 pooled over an arm's items:
   by_position   per bucket of continuation positions (0-63, 64-127, ..., 2048-4095, 4096+): the
                 positions' mean KL and agreement, with a 95% interval clustered by item (a

@@ -40,8 +40,8 @@ import math
 from dataclasses import dataclass
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_positions
-from edge0_eval.evaluation.fidelity_set import DATASET_ABBR, METRICS
+from edge0_eval.evaluation.fidelity import positions as fidelity_positions
+from edge0_eval.evaluation.fidelity.sets import DATASET_ABBR, METRICS
 from edge0_eval.evaluation.outputs.runs import Run
 from edge0_eval.evaluation.outputs.samples import mean_half_width
 
@@ -61,7 +61,7 @@ DEFAULT_PROMPT_AGREEMENT_DROP = 10.0  # points, per prompt
 DEFAULT_MAX_PROMPTS_PAST = 0.01  # share of prompts allowed past their own tolerance
 # The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
 SANITY_KL = 1e-9
-POSITION_KEYS = ("kl_positions", "agree_positions")  # fidelity_set.score_item's
+POSITION_KEYS = ("kl_positions", "agree_positions")  # sets.score_item's
 
 
 def is_fidelity(dataset: str) -> bool:
@@ -289,7 +289,7 @@ def summarize(loaded: dict) -> dict:
                 f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
                 f"{t['agreement']:.2f} on its own set: the set was made from another "
                 f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
-                f"it again, fidelity_set.py)"
+                f"it again, fidelity/sets.py)"
             )
     ok = (
         bool(ids)
