@@ -16,7 +16,6 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation import gate_sequential
 from edge0_eval.evaluation.baselines import spread_lines
 from edge0_eval.evaluation.fidelity import report as fidelity_report
-from edge0_eval.evaluation.gap_report import SCHEMA
 from edge0_eval.evaluation.gate_checks import (
     BLIND_EXIT,
     DEFAULT_MAX_DROP,
@@ -26,6 +25,7 @@ from edge0_eval.evaluation.gate_checks import (
 )
 from edge0_eval.evaluation.gate_input import load_report
 from edge0_eval.evaluation.outputs.settings import baseline_differences, model_changes
+from edge0_eval.evaluation.report.gap import SCHEMA
 from edge0_eval.evaluation.significance import paired
 
 

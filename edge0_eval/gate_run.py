@@ -30,7 +30,6 @@ from pathlib import Path
 
 from edge0_eval.cli import main as cli_main
 from edge0_eval.errors import ConfigError, Edge0Error
-from edge0_eval.evaluation.arms import ARM_NAMES
 from edge0_eval.evaluation.gate_checks import BLIND_EXIT
 from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
 from edge0_eval.evaluation.opencompass_run import (
@@ -38,6 +37,7 @@ from edge0_eval.evaluation.opencompass_run import (
     load_config_with,
     run_opencompass,
 )
+from edge0_eval.evaluation.report.arms import ARM_NAMES
 from edge0_eval.evaluation.rounds import check_rounds, sample_size
 
 

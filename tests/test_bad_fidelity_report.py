@@ -10,8 +10,8 @@ import pytest
 from bad_inputs import expect_clear_error, outcome
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.gap_report import SCHEMA
 from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.report.gap import SCHEMA
 
 
 def _arm(**kw):

@@ -663,7 +663,7 @@ def _row(**kw):
 
 
 def _report(path: Path, rows, raw: str | None = None) -> Path:
-    from edge0_eval.evaluation.gap_report import SCHEMA
+    from edge0_eval.evaluation.report.gap import SCHEMA
 
     text = (
         raw if raw is not None else json.dumps({"schema": SCHEMA, "benchmarks": rows})

@@ -22,7 +22,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import report as fr
 from edge0_eval.evaluation.fidelity import scoring as fid
 from edge0_eval.evaluation.fidelity import sets as fs
-from edge0_eval.evaluation.gap_report import build_report
+from edge0_eval.evaluation.report.gap import build_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -268,7 +268,7 @@ def test_silent_fault_fails_the_fidelity_gate(
 
 def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     from edge0_eval.cli import main
-    from edge0_eval.evaluation.gap_report import SCHEMA
+    from edge0_eval.evaluation.report.gap import SCHEMA
 
     def report(fidelity):
         return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity}

@@ -171,7 +171,7 @@ def test_sizing_stratifies_mmlu_pro_by_category(aime_root):
 def test_sizing_follows_the_churn_a_baseline_of_runs_measured(aime_root, tmp_path):
     """`--churn-from BASELINE`: the thresholds at the churn the baseline's runs measured, not
     the config's declared 10% (the tiny gate: one benchmark of 234 items)."""
-    from edge0_eval.evaluation.gap_report import SCHEMA
+    from edge0_eval.evaluation.report.gap import SCHEMA
 
     config = CONFIGS / "edge0_tiny_gate.py"
     declared = load_config(config)["edge0_gate"]["drops"]["edge0_agreement"]

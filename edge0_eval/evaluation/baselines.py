@@ -26,8 +26,8 @@ import math
 from datetime import datetime, timezone
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.gap_report import SCHEMA
 from edge0_eval.evaluation.outputs.settings import baseline_differences, model_changes
+from edge0_eval.evaluation.report.gap import SCHEMA
 
 MIN_RUNS = 2
 

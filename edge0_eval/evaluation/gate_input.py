@@ -8,8 +8,8 @@ from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity.report import teacher_sane
-from edge0_eval.evaluation.gap_report import OLD_SCHEMAS, SCHEMA
 from edge0_eval.evaluation.outputs.predictions import strict_loads
+from edge0_eval.evaluation.report.gap import OLD_SCHEMAS, SCHEMA
 
 
 def _check_settings(path: str, arms) -> None:

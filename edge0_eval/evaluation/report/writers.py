@@ -1,6 +1,6 @@
 """The report's files: report.json, report.csv, report.md and report.png (and fidelity.png).
 
-Everything here reads the dict `report.build_report` makes; nothing is computed anew.
+Everything here reads the dict `gap.build_report` makes; nothing is computed anew.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def _markdown(report: dict) -> str:
     if has_ref and omitted:
         md.append(
             "A reference number is shown only beside a headline of the same definition "
-            "(edge0_eval/evaluation/definitions.py):\n"
+            "(edge0_eval/evaluation/report/definitions.py):\n"
         )
         md.extend(omitted + [""])
     md.append(fidelity_report.markdown(report.get("fidelity")))
@@ -487,7 +487,7 @@ def _markdown(report: dict) -> str:
 
 
 def _write_plot(report: dict, path: Path) -> None:
-    # slow import (-X importtime); `gate` imports gap_report.py for SCHEMA and never plots
+    # slow import (-X importtime); `gate` imports gap.py for SCHEMA and never plots
     import matplotlib
 
     matplotlib.use("Agg")

@@ -58,7 +58,7 @@ def load_reference(path: str) -> dict:
         raise Edge0Error(
             f"--reference {path}: 'definitions' must map each benchmark to "
             f'{{"metric", "samples", "basis"}} (see '
-            f"edge0_eval/evaluation/definitions.py)"
+            f"edge0_eval/evaluation/report/definitions.py)"
         )
     ref.setdefault("file", str(path))
     return ref

@@ -6,13 +6,13 @@ interval for the delta from the paired per-item differences: mean +- t * sd / sq
 (sd with n - 1, t the 95% quantile with n - 1 degrees of freedom; no resampling, so it is
 deterministic). With several
 samples per item (dataset `n`) an item's score is the mean over its samples (avg@n) and the
-item stays the unit of every interval and test: clustered by item (samples.py).
+item stays the unit of every interval and test: clustered by item (outputs/samples.py).
 
 Writes report.json (schema SCHEMA, read by `edge0-eval gate`; per arm, benchmark, item and
 sample: score, finish reason, whether thinking closed, output tokens), report.csv, report.md
 and report.png into --out; with a fidelity dataset in the runs also its section (`fidelity` in
 report.json, fidelity.png; see fidelity/report.py). Headline definitions and the reference
-column: definitions.py; settings fingerprints: settings.py.
+column: definitions.py; settings fingerprints: outputs/settings.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,14 @@ import math
 from datetime import datetime, timezone
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.arms import (
+from edge0_eval.evaluation.benchmarks import Benchmark
+from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.outputs import samples as sampling
+from edge0_eval.evaluation.outputs.predictions import engine_summary
+from edge0_eval.evaluation.outputs.runs import BENCHMARK_ORDER, NEEDS_PREDICTIONS, Run
+from edge0_eval.evaluation.outputs.settings import arm_settings, settings_differences
+from edge0_eval.evaluation.outputs.thinking import rule_of
+from edge0_eval.evaluation.report.arms import (
     ArmBench,
     check_versions,
     collect_arm,
@@ -29,18 +36,11 @@ from edge0_eval.evaluation.arms import (
     shown,
     version_text,
 )
-from edge0_eval.evaluation.benchmarks import Benchmark
-from edge0_eval.evaluation.definitions import (
+from edge0_eval.evaluation.report.definitions import (
     average_reference,
     headline,
     reference_for,
 )
-from edge0_eval.evaluation.fidelity import report as fidelity_report
-from edge0_eval.evaluation.outputs import samples as sampling
-from edge0_eval.evaluation.outputs.predictions import engine_summary
-from edge0_eval.evaluation.outputs.runs import BENCHMARK_ORDER, NEEDS_PREDICTIONS, Run
-from edge0_eval.evaluation.outputs.settings import arm_settings, settings_differences
-from edge0_eval.evaluation.outputs.thinking import rule_of
 
 # v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
 # identity. A v1 report still reads (gate: with a note saying what it lacks).
