@@ -50,7 +50,7 @@ if not edge0_gate_round.isdigit():
         f"edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number"
     )
 # EDGE0_GATE_SEED (drawn by `gate-run --sequential` before round 1): the order the rounds take
-# the sample in, fresh for every run (edge0_eval/evaluation/rounds.py says why).
+# the sample in, fresh for every run (edge0_eval/evaluation/gate/rounds.py says why).
 edge0_gate_seed = os.environ.get("EDGE0_GATE_SEED") or ""
 # The datasets the sample is drawn from (the sizing reads them), then the sample.
 edge0_gate_sources = edge0_agreement_datasets

@@ -4,7 +4,7 @@ A gate config samples each benchmark with an int `reader_cfg.test_range` (OpenCo
 draw). Round 0 runs that sample in one pass, as plain OpenCompass would. Round r > 0 (a
 sequential gate run, `edge0-eval gate-run --sequential`, which sets EDGE0_GATE_ROUND) infers
 only the items round r adds, as a chunk file, and evaluates the whole prefix so far
-(edge0_eval/evaluation/rounds.py says how, and why no partial file is ever scored as whole).
+(edge0_eval/evaluation/gate/rounds.py says how, and why no partial file is ever scored as whole).
 The config is parsed in mmengine's lazy-import mode, where project code cannot run, so the
 draw is computed here, in the launching process, before any task starts.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from opencompass.registry import PARTITIONERS
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.rounds import check_rounds, round_datasets
+from edge0_eval.evaluation.gate.rounds import check_rounds, round_datasets
 
 from .partitioner import Edge0Partitioner
 

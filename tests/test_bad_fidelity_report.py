@@ -10,7 +10,7 @@ import pytest
 from bad_inputs import expect_clear_error, outcome
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.gate.inputs import load_report
 from edge0_eval.evaluation.report.gap import SCHEMA
 
 
@@ -338,7 +338,7 @@ def test_fuzzed_fidelity_sections_are_each_one_clear_error(tmp_path):
 def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
     """The fuzz can fail: with only the arms' status, KL and agreement checked (the check
     before this one), most of its corrupt sections get through."""
-    from edge0_eval.evaluation import gate_input as gate
+    from edge0_eval.evaluation.gate import inputs as gate
 
     def arms_only(path, fid):
         for entry in fid["arms"].values():

@@ -44,7 +44,7 @@ from edge0_eval.engine.prerouter import (
 )
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.gate.inputs import load_report
 from edge0_eval.formats.config import read_config
 from edge0_eval.formats.layout import (
     EXPERTS_NAME,

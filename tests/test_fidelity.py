@@ -258,7 +258,7 @@ def test_silent_fault_fails_the_fidelity_gate(
     assert {f"fidelity {a}" for a in failing} <= set(failed), checks
     assert not {f"fidelity {a}" for a in passing | {"teacher"}} & set(failed), failed
     # The real gate's table and verdict name fidelity and the arm.
-    from edge0_eval.evaluation.gate_checks import Check, format_table
+    from edge0_eval.evaluation.gate.checks import Check, format_table
 
     table = format_table([Check(c["name"], c["result"], c["reasons"]) for c in checks])
     for arm in failing:

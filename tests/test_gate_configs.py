@@ -17,7 +17,7 @@ from fidelity_sets import fidelity_set
 from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import rounds
+from edge0_eval.evaluation.gate import rounds
 from edge0_eval.evaluation.planner import PlanOptions, make_plan, size_gate
 from edge0_eval.evaluation.progress import Progress, line, task_specs
 from edge0_eval.evaluation.run_config import load_config

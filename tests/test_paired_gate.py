@@ -174,7 +174,7 @@ def test_clustered_samples_fail_at_alpha_where_pooled_samples_do_not():
 def test_the_whole_gate_fails_unchanged_runs_at_most_at_alpha():
     """The gate runs two tests per benchmark; uncorrected, 3 benchmarks of 56 items at 0.05
     each failed ~25% of unchanged runs. gate.evaluate tests each at alpha / (2 x benchmarks)."""
-    from edge0_eval.evaluation.gate_checks import evaluate
+    from edge0_eval.evaluation.gate.checks import evaluate
 
     rng = np.random.default_rng(7)
     benchmarks, items, runs = 3, 56, 200

@@ -46,9 +46,9 @@ from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity.sets import DATASET_ABBR as FIDELITY_ABBR
 from edge0_eval.evaluation.fidelity.sets import LAYER_MAJOR, SET_PATH
-from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.gate.inputs import load_report
+from edge0_eval.evaluation.gate.rounds import check_rounds
 from edge0_eval.evaluation.outputs.predictions import read_json
-from edge0_eval.evaluation.rounds import check_rounds
 from edge0_eval.evaluation.run_config import (
     arm_abbr,
     count_items,

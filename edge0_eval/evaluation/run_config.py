@@ -20,7 +20,7 @@ from edge0_eval.evaluation.agreement import prompts as agreement_prompts
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
 from edge0_eval.evaluation.fidelity.sets import SET_PATH, read_set
-from edge0_eval.evaluation.rounds import sample_size
+from edge0_eval.evaluation.gate.rounds import sample_size
 
 # Typical generated tokens per answer with thinking on (Qwen3.6-class models; shared notes of
 # 2026-12-02): the prior when no earlier run measured them. Keys: Benchmark.name.

@@ -2,10 +2,11 @@
 
 Items are observed in an order that does not depend on their outcomes and is drawn afresh for
 every gate run (the gate's rounds, which take the sample in the order of the run's order seed,
-then a hash of the item id with that seed within a round: `order`; gate_sequential.py). Per item the paired change is
-d = baseline - current in [-1, 1] (points / 100; an item with several samples is their mean).
-Two one-sided tests by betting (Waudby-Smith & Ramdas, "Estimating means of bounded random
-variables by betting", JRSS-B 2024; Ville's inequality) run side by side on the same items:
+then a hash of the item id with that seed within a round: `order`; gate/sequential_checks.py).
+Per item the paired change is d = baseline - current in [-1, 1] (points / 100; an item with
+several samples is their mean). Two one-sided tests by betting (Waudby-Smith & Ramdas,
+"Estimating means of bounded random variables by betting", JRSS-B 2024; Ville's inequality)
+run side by side on the same items:
 
   regressed  H0: mean d <= 0.          wealth prod(1 + lam_i * d_i)
   within     H0: mean d >= threshold.  wealth prod(1 + lam_i * (threshold - d_i))

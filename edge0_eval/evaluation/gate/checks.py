@@ -27,7 +27,7 @@ gap = teacher - student, in points. Both thresholds default to 2.0 points.
 With fidelity in the baseline, one more check per arm (fidelity.report.gate_checks: the mean
 KL and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
 With --sequential (a gate run in rounds, gate_run.py) the paired tests are the anytime-valid
-sequential tests of evaluation/gate_sequential.py, over the rounds' reports.
+sequential tests of evaluation/gate/sequential_checks.py, over the rounds' reports.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import gate_sequential
 from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
 from edge0_eval.evaluation.significance import paired, sequential
 
 DEFAULT_MAX_GAP_INCREASE = 2.0
