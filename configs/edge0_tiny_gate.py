@@ -24,10 +24,11 @@ with read_base():
     from .datasets.edge0_fidelity import edge0_fidelity_datasets
     from .tiers.edge0_arms import edge0_arm_paths, edge0_arms
 
-# The gate's inputs (edge0_eval/evaluation/planner.py says how they size the sample): 36 s of the tiny
-# student. Measured on the project's 2-core machine by `edge0-eval plan configs/edge0_tiny_gate.py
-# --from RUN` of a first run: the student answers its one token per item at 27 tok/s (prefill
-# included), scores fidelity at 36 positions/s, and a run costs 22 s per arm besides that.
+# The gate's inputs (edge0_eval/evaluation/plan/planner.py says how they size the sample): 36 s
+# of the tiny student. Measured on the project's 2-core machine by `edge0-eval plan
+# configs/edge0_tiny_gate.py --from RUN` of a first run: the student answers its one token per
+# item at 27 tok/s (prefill included), scores fidelity at 36 positions/s, and a run costs 22 s
+# per arm besides that.
 edge0_gate = dict(
     budget_h=0.01,
     tok_s=27.0,

@@ -7,7 +7,7 @@ file to where the students run, and `edge0-eval data stage --root R --fidelity F
 where the config looks.
 
 `edge0-eval fidelity bench MODEL`: teacher-forced scoring speed and reads by scorer
-(evaluation/fidelity_bench.py).
+(evaluation/plan/fidelity_bench.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from
 from edge0_eval.engine.layer_major import DEFAULT_MEMORY_MIB, DEFAULT_WINDOW
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import fidelity_bench
 from edge0_eval.evaluation.fidelity.scoring import (
     DEFAULT_BATCH,
     DEFAULT_MAX_NEW,
@@ -30,6 +29,7 @@ from edge0_eval.evaluation.fidelity.scoring import (
     make_set,
 )
 from edge0_eval.evaluation.fidelity.sets import ENDS, source_counts, write_set
+from edge0_eval.evaluation.plan import fidelity_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

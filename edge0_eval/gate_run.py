@@ -1,8 +1,8 @@
 """`edge0-eval gate-run CONFIG --baseline BASELINE.json`: run a gate config and gate it.
 
-It composes the verbs as a user would: OpenCompass on the config (evaluation/opencompass_run.py),
-then `edge0-eval report` and `edge0-eval gate` through the command line (cli.main), so each
-report records the command that made it.
+It composes the verbs as a user would: OpenCompass on the config
+(evaluation/plan/opencompass_run.py), then `edge0-eval report` and `edge0-eval gate` through the
+command line (cli.main), so each report records the command that made it.
 
 Whole (default): one OpenCompass run of the config's sample, its results checked (OpenCompass
 exits 0 when tasks fail), its report written, the gate run against the baseline.
@@ -33,7 +33,7 @@ from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.gate.checks import BLIND_EXIT
 from edge0_eval.evaluation.gate.rounds import check_rounds, sample_size
 from edge0_eval.evaluation.gate.sequential_checks import UNDECIDED_EXIT
-from edge0_eval.evaluation.opencompass_run import (
+from edge0_eval.evaluation.plan.opencompass_run import (
     check_run,
     load_config_with,
     run_opencompass,

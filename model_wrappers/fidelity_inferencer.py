@@ -22,7 +22,7 @@ from opencompass.utils.logging import get_logger
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity.sets import item_digest
-from edge0_eval.evaluation.progress import Progress
+from edge0_eval.evaluation.plan.progress import Progress
 
 from .fidelity_dataset import teacher_problem
 from .inferencer import stats_path
@@ -43,7 +43,7 @@ class FidelityInferencer(BaseInferencer):
         **kwargs,
     ):
         # max/min_out_len come from the model config for every dataset; the set fixes the length.
-        # progress: the arm's progress spec (edge0_eval/evaluation/progress.py), set by the
+        # progress: the arm's progress spec (edge0_eval/evaluation/plan/progress.py), set by the
         # project's partitioners: a long set moves the arm's progress and ETA a call at a time.
         super().__init__(model=model, **kwargs)
         self.progress = progress

@@ -42,7 +42,7 @@ from opencompass.utils.logging import get_logger
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.identity import model_identity
 from edge0_eval.evaluation.outputs.thinking import prompt_opener
-from edge0_eval.evaluation.progress import Progress
+from edge0_eval.evaluation.plan.progress import Progress
 
 
 def stats_path(prediction_dir: str, prediction_file: str) -> str:
@@ -139,7 +139,7 @@ class Edge0GenInferencer(GenInferencer):
 
     repeats: how this task's test rows sit among the dataset's `n` copies, set by the project's
     partitioners (dict(copies, items, test_range)); not a key to write in a config.
-    progress: the arm's progress spec (edge0_eval/evaluation/progress.py), set by the project's
+    progress: the arm's progress spec (edge0_eval/evaluation/plan/progress.py), set by the project's
     partitioners; None: no progress file or ETA lines.
     """
 

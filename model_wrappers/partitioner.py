@@ -22,8 +22,8 @@ from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data.checks import verify
 from edge0_eval.evaluation.data_paths import data_root
-from edge0_eval.evaluation.progress import shard_specs, task_specs
-from edge0_eval.evaluation.run_config import test_range_slice
+from edge0_eval.evaluation.plan.progress import shard_specs, task_specs
+from edge0_eval.evaluation.plan.run_config import test_range_slice
 from edge0_eval.formats.safetensors import read_safetensors_header
 
 from .edge0_api_model import api_problems
@@ -153,7 +153,7 @@ def repeat_layout(dataset: dict, sizes: Dict[str, int]) -> dict:
 def add_progress(tasks: List[dict]) -> List[dict]:
     """Give every Edge0GenInferencer and FidelityInferencer of every infer task its arm's
     progress spec (items and expected tokens of the task's datasets;
-    edge0_eval/evaluation/progress.py). An arm split into several tasks (NumWorker chunks)
+    edge0_eval/evaluation/plan/progress.py). An arm split into several tasks (NumWorker chunks)
     gets one progress file per task and the arm's totals in each (progress.shard_specs)."""
     by_arm: Dict[str, list] = {}
     placed = []

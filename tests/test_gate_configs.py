@@ -18,9 +18,9 @@ from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.gate import rounds
-from edge0_eval.evaluation.planner import PlanOptions, make_plan, size_gate
-from edge0_eval.evaluation.progress import Progress, line, task_specs
-from edge0_eval.evaluation.run_config import load_config
+from edge0_eval.evaluation.plan.planner import PlanOptions, make_plan, size_gate
+from edge0_eval.evaluation.plan.progress import Progress, line, task_specs
+from edge0_eval.evaluation.plan.run_config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -288,7 +288,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
 
     from edge0_eval.evaluation.data.fixtures import write_fixtures
     from edge0_eval.evaluation.fidelity.sets import SET_PATH
-    from edge0_eval.evaluation.progress import read_lines
+    from edge0_eval.evaluation.plan.progress import read_lines
     from model_wrappers.partitioner import Edge0NumWorkerPartitioner
 
     data = tmp_path / "data"
@@ -345,7 +345,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
 
 def test_chunk_progress_of_an_arm_whose_name_has_a_dot(tmp_path):
     """`qwen3.6-35b` has a suffix to pathlib: its chunk folder must still be read."""
-    from edge0_eval.evaluation.progress import read_lines, shard_specs
+    from edge0_eval.evaluation.plan.progress import read_lines, shard_specs
 
     rows = [dict(dataset="d", items=4, weight=1.0)]
     groups = [
@@ -372,7 +372,10 @@ def test_gate_sizing_takes_a_measured_fidelity_rate(aime_root, tmp_path):
     measured rate (and says so); without it, the config's rate is stated as assumed."""
     import json
 
-    from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT, read_fidelity_rate
+    from edge0_eval.evaluation.plan.planner import (
+        FIDELITY_BENCH_FORMAT,
+        read_fidelity_rate,
+    )
 
     bench = tmp_path / "bench.json"
     bench.write_text(

@@ -49,7 +49,7 @@ from edge0_eval.evaluation.fidelity.sets import LAYER_MAJOR, SET_PATH
 from edge0_eval.evaluation.gate.inputs import load_report
 from edge0_eval.evaluation.gate.rounds import check_rounds
 from edge0_eval.evaluation.outputs.predictions import read_json
-from edge0_eval.evaluation.run_config import (
+from edge0_eval.evaluation.plan.run_config import (
     arm_abbr,
     count_items,
     dataset_abbr,
@@ -68,7 +68,7 @@ from edge0_eval.formats.json_files import read_json_file
 
 DEFAULT_CHURN = 0.10
 DEFAULT_TASK_OVERHEAD_S = 30.0
-# `edge0-eval fidelity bench --json` files (evaluation/fidelity_bench.py writes them).
+# `edge0-eval fidelity bench --json` files (evaluation/plan/fidelity_bench.py writes them).
 FIDELITY_BENCH_FORMAT = "edge0-eval/fidelity-bench/v2"
 # The scorer whose rates price fidelity: the one fidelity sets are made and scored with.
 PRICED_SCORER = LAYER_MAJOR

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.progress import read_lines
-from edge0_eval.evaluation.run_config import load_config
+from edge0_eval.evaluation.plan.progress import read_lines
+from edge0_eval.evaluation.plan.run_config import load_config
 
 # how often the arms' progress lines are printed while a run goes
 PROGRESS_EVERY_S = 30.0

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from edge0_eval.evaluation.fidelity.sets import DATASET_ABBR as FIDELITY_ABBR
-from edge0_eval.evaluation.run_config import (
+from edge0_eval.evaluation.plan.run_config import (
     arm_abbr,
     count_items,
     dataset_abbr,

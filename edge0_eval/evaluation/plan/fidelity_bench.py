@@ -46,7 +46,7 @@ from edge0_eval.evaluation.fidelity.scoring import (
     _logprobs,
     load_teacher,
 )
-from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT, PRICED_SCORER
+from edge0_eval.evaluation.plan.planner import FIDELITY_BENCH_FORMAT, PRICED_SCORER
 
 ARMS = ("steps", "pieces", PRICED_SCORER)
 
