@@ -14,8 +14,8 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.round_partitioner import Edge0RoundPartitioner
-from model_wrappers.summarizer import Edge0Summarizer
+from model_wrappers.partitioners.round_partitioner import Edge0RoundPartitioner
+from model_wrappers.summarizers.summarizer import Edge0Summarizer
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 

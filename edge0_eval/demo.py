@@ -33,7 +33,7 @@ from edge0_eval.evaluation.fidelity.scoring import fingerprint, gather_prompts, 
 from edge0_eval.evaluation.fidelity.sets import SET_PATH, read_set, write_set
 from edge0_eval.evaluation.plan import opencompass_run
 from edge0_eval.evaluation.plan.opencompass_run import offline_env, opencompass_command
-from model_wrappers.mlx_lm_model import MLXLMModel
+from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")

@@ -527,7 +527,7 @@ def test_index_without_crc_refused_unless_opted_out(edge0_qwen, tmp_path):
 
 
 def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
-    from model_wrappers.partitioner import model_problems
+    from model_wrappers.partitioners.partitioner import model_problems
 
     model = copy_model(edge0_qwen, tmp_path / "m")
     assert (
@@ -562,7 +562,7 @@ def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
 
 @pytest.mark.parametrize("batch", [0, -2, 2.5, "4", True, None])
 def test_preflight_refuses_a_bad_batch_size(tmp_path, batch):
-    from model_wrappers.partitioner import model_problems
+    from model_wrappers.partitioners.partitioner import model_problems
 
     (tmp_path / "config.json").write_text("{}")
     good = model_problems(

@@ -318,7 +318,7 @@ def test_ifbench_scorer_refuses_when_nltk_data_is_missing(staged, tmp_path):
         f"""
         import json, nltk
         nltk.data.path[:] = []
-        from model_wrappers.evaluators import CheckedIFBenchEvaluator, ScorerUnavailable
+        from model_wrappers.evaluators.benchmark_evaluators import CheckedIFBenchEvaluator, ScorerUnavailable
         rows = {{}}
         for line in open({str(root / data_paths.PATHS["ifbench"])!r}):
             r = json.loads(line); rows[r['key']] = r
@@ -385,7 +385,7 @@ def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
 
 
 def test_partitioner_reads_test_range_as_a_slice():
-    from model_wrappers.partitioner import test_range_slice
+    from model_wrappers.partitioners.partitioner import test_range_slice
 
     assert test_range_slice({"reader_cfg": {"test_range": "[0:12]"}}) == slice(0, 12)
     assert test_range_slice({"reader_cfg": {"test_range": "[ 5 : ]"}}) == slice(5, None)

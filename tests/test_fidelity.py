@@ -470,8 +470,8 @@ def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
 
 
 def test_missing_set_stops_the_run_before_any_task(teacher_set, tmp_path, monkeypatch):
-    from model_wrappers.fidelity_dataset import FidelityDataset
-    from model_wrappers.partitioner import preflight
+    from model_wrappers.datasets.fidelity_dataset import FidelityDataset
+    from model_wrappers.partitioners.partitioner import preflight
 
     monkeypatch.setenv("COMPASS_DATA_CACHE", str(tmp_path))
     with pytest.raises(SystemExit, match="fidelity_set.json not found"):
@@ -606,7 +606,7 @@ def test_a_non_finite_position_inside_a_piece_is_an_error(
 def test_a_prediction_made_on_another_item_is_refused(teacher_set):
     """Predictions pair with the set by position (OpenCompass's -r reuses them after another
     set of the same shapes is staged): the digest each records must be its item's."""
-    from model_wrappers.fidelity_evaluator import FidelityEvaluator
+    from model_wrappers.evaluators.fidelity_evaluator import FidelityEvaluator
 
     _, model, path = teacher_set
     items = fs.read_set(path)["items"][:2]

@@ -289,7 +289,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
     from edge0_eval.evaluation.data.fixtures import write_fixtures
     from edge0_eval.evaluation.fidelity.sets import SET_PATH
     from edge0_eval.evaluation.plan.progress import read_lines
-    from model_wrappers.partitioner import Edge0NumWorkerPartitioner
+    from model_wrappers.partitioners.partitioner import Edge0NumWorkerPartitioner
 
     data = tmp_path / "data"
     write_fixtures(data)

@@ -39,7 +39,7 @@ def test_thinking_closed_and_the_prompt_opener():
 
 def test_answer_text_rule_and_chain():
     pytest.importorskip("opencompass")
-    from model_wrappers.evaluators import edge0_answer_text
+    from model_wrappers.evaluators.benchmark_evaluators import edge0_answer_text
 
     pattern = dict(
         type="opencompass.utils.text_postprocessors.match_answer_pattern",
@@ -58,7 +58,7 @@ def test_answer_text_rule_and_chain():
         rule_of(
             {
                 "pred_postprocessor": {
-                    "type": "model_wrappers.evaluators.edge0_answer_text",
+                    "type": "model_wrappers.evaluators.benchmark_evaluators.edge0_answer_text",
                     "open_thinking": "pass",
                 }
             }
@@ -69,7 +69,7 @@ def test_answer_text_rule_and_chain():
         rule_of(
             {
                 "pred_postprocessor": {
-                    "type": "model_wrappers.evaluators.edge0_answer_text"
+                    "type": "model_wrappers.evaluators.benchmark_evaluators.edge0_answer_text"
                 }
             }
         )
@@ -80,7 +80,7 @@ def test_answer_text_rule_and_chain():
 
 def test_inferencer_keeps_the_prompts_thinking_opener(tmp_path):
     pytest.importorskip("opencompass")
-    from model_wrappers.inferencer import store_thinking_openers
+    from model_wrappers.inferencers.inferencer import store_thinking_openers
 
     path = tmp_path / "GPQA_diamond.json"
     preds = {

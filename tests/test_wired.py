@@ -90,7 +90,7 @@ def test_bench_arms_run_wired(edge0_qwen, metal, tmp_path):
 
 
 def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
-    from model_wrappers.edge0_model import Edge0Model
+    from model_wrappers.models.edge0_model import Edge0Model
 
     engine = Engine.load(
         edge0_qwen, EngineOptions(mode="reactive", experts_per_token=2)

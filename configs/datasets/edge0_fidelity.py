@@ -4,9 +4,9 @@
 # `edge0-eval data stage --root $COMPASS_DATA_CACHE --fidelity FILE` (data/fidelity/...).
 # Arms must be MLXLMModel or Edge0Model (they implement fidelity_logprobs); the model config's
 # max_out_len does not apply: the set fixes every item's length.
-from model_wrappers.fidelity_dataset import FidelityDataset
-from model_wrappers.fidelity_evaluator import FidelityEvaluator
-from model_wrappers.fidelity_inferencer import FidelityInferencer
+from model_wrappers.datasets.fidelity_dataset import FidelityDataset
+from model_wrappers.evaluators.fidelity_evaluator import FidelityEvaluator
+from model_wrappers.inferencers.fidelity_inferencer import FidelityInferencer
 from opencompass.openicl.icl_prompt_template import PromptTemplate
 from opencompass.openicl.icl_retriever import ZeroRetriever
 

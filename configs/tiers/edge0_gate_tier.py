@@ -32,7 +32,7 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.round_partitioner import Edge0RoundPartitioner
+from model_wrappers.partitioners.round_partitioner import Edge0RoundPartitioner
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 

@@ -10,8 +10,8 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.partitioner import Edge0Partitioner
-from model_wrappers.summarizer import Edge0Summarizer
+from model_wrappers.partitioners.partitioner import Edge0Partitioner
+from model_wrappers.summarizers.summarizer import Edge0Summarizer
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 

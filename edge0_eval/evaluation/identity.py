@@ -1,8 +1,8 @@
 """A model's identity: which weights and adapters produced a run's outputs.
 
-Computed where the model runs (model_wrappers/inferencer.py writes it into every sample's
-engine stats as `model_identity`), so a report made on another machine, without the model
-files, still knows it. Short digests (16 hex digits of sha256):
+Computed where the model runs (model_wrappers/inferencers/inferencer.py writes it into every
+sample's engine stats as `model_identity`), so a report made on another machine, without the
+model files, still knows it. Short digests (16 hex digits of sha256):
   weights    config.json, the tokenizer files, the expert index (experts.index.json: every
              expert bundle's crc32) and the resident or teacher weight files' names, sizes and
              safetensors headers (fidelity.sets.fingerprint)

@@ -1,6 +1,7 @@
 """Per-benchmark checks of the data tree (`verify`): files present, columns, item counts.
 
-`edge0-eval data verify` and the configs' preflight (model_wrappers/partitioner.py) run them.
+`edge0-eval data verify` and the configs' preflight (model_wrappers/partitioners/partitioner.py)
+run them.
 """
 
 from __future__ import annotations

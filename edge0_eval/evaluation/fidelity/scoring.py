@@ -369,7 +369,7 @@ def score_model(model, fset: dict) -> list[dict]:
 
 
 def load_teacher(path: str | Path, compute_dtype: str = "auto"):
-    """(model, tokenizer) as the teacher arm (model_wrappers/mlx_lm_model.py) loads it."""
+    """(model, tokenizer) as the teacher arm (model_wrappers/models/mlx_lm_model.py) loads it."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"teacher {path}: no config.json; pass an mlx-lm checkpoint directory"

@@ -3,15 +3,17 @@ closed.
 
 A thinking model writes `<think> ... </think>` before its answer. A thinking chat template
 (Qwen3.5/3.6 with enable_thinking) opens the block in the prompt; the inferencer
-(model_wrappers/inferencer.py) then stores that opener at the start of the prediction, so a
-prediction is the whole assistant turn and its text alone says whether thinking closed.
+(model_wrappers/inferencers/inferencer.py) then stores that opener at the start of the
+prediction, so a prediction is the whole assistant turn and its text alone says whether
+thinking closed.
 
 An output cut at the length limit inside its block has no answer. OpenCompass's
-`extract_non_reasoning_content` passes such text through whole, so "...the answer: D maybe,
-but wait" can score as D. The default rule, "empty", scores it as an empty answer; "pass"
-restores OpenCompass's pass-through. The rule is applied by one postprocessor
-(model_wrappers.evaluators.edge0_answer_text) that every dataset of configs/datasets/ runs
-first; the report reads which rule each dataset used from the run's config dump.
+`extract_non_reasoning_content` passes such text through whole, so "...the answer: D maybe, but
+wait" can score as D. The default rule, "empty", scores it as an empty answer; "pass" restores
+OpenCompass's pass-through. The rule is applied by one postprocessor
+(model_wrappers.evaluators.benchmark_evaluators.edge0_answer_text) that every dataset of
+configs/datasets/ runs first; the report reads which rule each dataset used from the run's
+config dump.
 
 The lowest layer of the evaluation package: it imports none of it.
 """
@@ -21,8 +23,8 @@ from __future__ import annotations
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 OPEN_THINKING_RULES = ("empty", "pass")
 DEFAULT_OPEN_THINKING = "empty"
-# The postprocessor's registered name (model_wrappers/evaluators.py) and its option, as the
-# report finds them in a dataset's eval_cfg.
+# The postprocessor's registered name (model_wrappers/evaluators/benchmark_evaluators.py) and its
+# option, as the report finds them in a dataset's eval_cfg.
 POSTPROCESSOR = "edge0_answer_text"
 
 

@@ -26,9 +26,9 @@ from edge0_eval.evaluation.plan.progress import shard_specs, task_specs
 from edge0_eval.evaluation.plan.run_config import test_range_slice
 from edge0_eval.formats.safetensors import read_safetensors_header
 
-from .edge0_api_model import api_problems
-from .edge0_model import engine_fields, resolve_engine_options
-from .fidelity_dataset import preflight_problems as fidelity_preflight
+from ..datasets.fidelity_dataset import preflight_problems as fidelity_preflight
+from ..models.edge0_api_model import api_problems
+from ..models.edge0_model import engine_fields, resolve_engine_options
 
 
 def benchmark_of(dataset_abbr: str) -> str | None:

@@ -9,7 +9,7 @@ copies apart, so the inferencer passes each prompt's copy index (`sample_indices
 `generate`, which seeds copy j apart (`chat.row_seed`). A task may hold a slice of the test set
 (`reader_cfg.test_range`, e.g. a NumWorkerPartitioner chunk), so positions come from the
 layout the project's partitioners hand the inferencer (`repeats`, see
-model_wrappers/partitioner.py), never from counting prompts in one task.
+model_wrappers/partitioners/partitioner.py), never from counting prompts in one task.
 
 Stats: OpenCompass's inferencer, not the model, knows where a dataset's predictions go, so it is
 the one place that can put `predictions/<model>/<dataset>.engine_stats.json` next to
@@ -65,7 +65,7 @@ def sample_indices(
             raise ConfigError(
                 f"{where}: the test set repeats its items (dataset n > 1) but the inferencer "
                 f"was given no layout to tell the copies apart; run it with the project's "
-                f"partitioner (model_wrappers.partitioner.Edge0Partitioner or "
+                f"partitioner (model_wrappers.partitioners.partitioner.Edge0Partitioner or "
                 f"Edge0NumWorkerPartitioner), which passes each copy's position"
             )
         return [0] * count

@@ -32,10 +32,10 @@ def resolve_engine_options(path: str, **options) -> EngineOptions:
     """The student's EngineOptions from config keys, checked against its directory.
 
     Runs before anything is loaded (the preflight calls it from
-    `model_wrappers.partitioner`), so a missing file or a bad option is one clear error, not a
-    failed task. Adapters are resolved by `EngineOptions.resolve`; the student requires its
-    LoRA adapter (an evaluation must not score the base model by accident): `no_lora=True` for
-    an ablation arm.
+    `model_wrappers.partitioners.partitioner`), so a missing file or a bad option is one clear
+    error, not a failed task. Adapters are resolved by `EngineOptions.resolve`; the student
+    requires its LoRA adapter (an evaluation must not score the base model by accident):
+    `no_lora=True` for an ablation arm.
     """
     if (
         "top_k" in options

@@ -24,7 +24,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity.sets import item_digest
 from edge0_eval.evaluation.plan.progress import Progress
 
-from .fidelity_dataset import teacher_problem
+from ..datasets.fidelity_dataset import teacher_problem
 from .inferencer import stats_path
 
 # Items one call scores together: the scorer splits them further by its memory bound; the
