@@ -16,12 +16,17 @@
 # temperature 0.6, top_p 0.95; or `card`, the Qwen3.5/3.6 card's thinking settings for general
 # tasks, temperature 1.0, top_p 0.95, top_k 20, presence_penalty 1.5 (mlx-lm's penalty: the
 # last 20 tokens, prompt included). Identical on every arm.
+import os
+
 from mmengine.config import read_base
 
 with read_base():
-    from .tiers.edge0_tier import *  # noqa: F401,F403 (datasets, infer, eval, summarizer)
+    from .tiers.edge0_tier import *  # noqa: F401,F403 (datasets, infer, eval, summarizer, edge0_tier)
 
-if edge0_tier_problems["35b"]:
-    raise SystemExit(edge0_tier_problems["35b"][0])
-models = edge0_tier_models["35b"]
+# The arms of EDGE0_ARMS on this tier; a missing or bad EDGE0_* variable stops here, one line.
+edge0_tiers = __import__("edge0_eval.evaluation.plan.tiers", fromlist=["tier_models"])
+models = edge0_tiers.for_config(edge0_tiers.tier_models, "35b", os.environ, edge0_tier)
 work_dir = "outputs/edge0_35b"
+
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del edge0_tiers, os

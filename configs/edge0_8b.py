@@ -14,12 +14,17 @@
 # Shared settings (generation, arms, partitioning, summary): configs/tiers/edge0_tier.py.
 # Sampling (EDGE0_SAMPLING; configs/tiers/edge0_tier.py says why): `opencompass`, temperature
 # 0.6, top_p 0.95, on every arm; the Qwen card's `card` settings are the 35B tier's only.
+import os
+
 from mmengine.config import read_base
 
 with read_base():
-    from .tiers.edge0_tier import *  # noqa: F401,F403 (datasets, infer, eval, summarizer)
+    from .tiers.edge0_tier import *  # noqa: F401,F403 (datasets, infer, eval, summarizer, edge0_tier)
 
-if edge0_tier_problems["8b"]:
-    raise SystemExit(edge0_tier_problems["8b"][0])
-models = edge0_tier_models["8b"]
+# The arms of EDGE0_ARMS on this tier; a missing or bad EDGE0_* variable stops here, one line.
+edge0_tiers = __import__("edge0_eval.evaluation.plan.tiers", fromlist=["tier_models"])
+models = edge0_tiers.for_config(edge0_tiers.tier_models, "8b", os.environ, edge0_tier)
 work_dir = "outputs/edge0_8b"
+
+# A module in the config namespace would break the config dump OpenCompass re-reads.
+del edge0_tiers, os

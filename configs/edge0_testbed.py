@@ -18,7 +18,7 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.summarizer import Edge0Summarizer
+from model_wrappers.summarizers.summarizer import Edge0Summarizer
 
 with read_base():
     from .datasets.edge0_bundle import edge0_datasets

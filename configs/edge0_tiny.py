@@ -20,7 +20,7 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.summarizer import Edge0Summarizer
+from model_wrappers.summarizers.summarizer import Edge0Summarizer
 
 with read_base():
     from .datasets.edge0_bundle import edge0_dataset_abbrs, edge0_datasets
@@ -30,7 +30,8 @@ with read_base():
     from .tiers.edge0_arms import edge0_arm_paths, edge0_arms
     from .tiers.edge0_local import eval, infer
 
-# The MMLU-Pro categories the fixture has (edge0_eval.evaluation.fixtures.MMLU_PRO_FIXTURE_CATEGORIES).
+# The MMLU-Pro categories the fixture has
+# (edge0_eval.evaluation.data.fixtures.MMLU_PRO_FIXTURE_CATEGORIES).
 tiny_mmlu_pro = ["mmlu_pro_math", "mmlu_pro_physics"]
 tiny_arms = os.environ.get("EDGE0_ARMS", "teacher,student").split(",")
 tiny_sampled = os.environ.get("EDGE0_TINY_SAMPLED") == "1"

@@ -14,8 +14,8 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.round_partitioner import Edge0RoundPartitioner
-from model_wrappers.summarizer import Edge0Summarizer
+from model_wrappers.partitioners.round_partitioner import Edge0RoundPartitioner
+from model_wrappers.summarizers.summarizer import Edge0Summarizer
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 
@@ -24,10 +24,11 @@ with read_base():
     from .datasets.edge0_fidelity import edge0_fidelity_datasets
     from .tiers.edge0_arms import edge0_arm_paths, edge0_arms
 
-# The gate's inputs (edge0_eval/evaluation/planner.py says how they size the sample): 36 s of the tiny
-# student. Measured on the project's 2-core machine by `edge0-eval plan configs/edge0_tiny_gate.py
-# --from RUN` of a first run: the student answers its one token per item at 27 tok/s (prefill
-# included), scores fidelity at 36 positions/s, and a run costs 22 s per arm besides that.
+# The gate's inputs (edge0_eval/evaluation/plan/planner.py says how they size the sample): 36 s
+# of the tiny student. Measured on the project's 2-core machine by `edge0-eval plan
+# configs/edge0_tiny_gate.py --from RUN` of a first run: the student answers its one token per
+# item at 27 tok/s (prefill included), scores fidelity at 36 positions/s, and a run costs 22 s
+# per arm besides that.
 edge0_gate = dict(
     budget_h=0.01,
     tok_s=27.0,
@@ -50,7 +51,7 @@ if not edge0_gate_round.isdigit():
         f"edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number"
     )
 # EDGE0_GATE_SEED (drawn by `gate-run --sequential` before round 1): the order the rounds take
-# the sample in, fresh for every run (edge0_eval/evaluation/rounds.py says why).
+# the sample in, fresh for every run (edge0_eval/evaluation/gate/rounds.py says why).
 edge0_gate_seed = os.environ.get("EDGE0_GATE_SEED") or ""
 # The datasets the sample is drawn from (the sizing reads them), then the sample.
 edge0_gate_sources = edge0_agreement_datasets

@@ -1,5 +1,5 @@
 """`edge0-eval data stage|verify|fixtures --root ROOT`: lay out and verify OpenCompass's
-benchmark data tree, offline (evaluation/data_staging.py, data_checks.py)."""
+benchmark data tree, offline (evaluation/data/: staging.py, checks.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.data_checks import Check, verify
+from edge0_eval.evaluation.data.checks import Check, verify
+from edge0_eval.evaluation.data.fixtures import write_fixtures
+from edge0_eval.evaluation.data.staging import stage
 from edge0_eval.evaluation.data_paths import BENCHMARKS, data_root
-from edge0_eval.evaluation.data_staging import stage
-from edge0_eval.evaluation.fixtures import write_fixtures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

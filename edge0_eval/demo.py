@@ -27,12 +27,13 @@ from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import agreement, opencompass_run
-from edge0_eval.evaluation.fidelity_scoring import fingerprint, gather_prompts, make_set
-from edge0_eval.evaluation.fidelity_set import SET_PATH, read_set, write_set
-from edge0_eval.evaluation.fixtures import write_fixtures
-from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
-from model_wrappers.mlx_lm_model import MLXLMModel
+from edge0_eval.evaluation import agreement
+from edge0_eval.evaluation.data.fixtures import write_fixtures
+from edge0_eval.evaluation.fidelity.scoring import fingerprint, gather_prompts, make_set
+from edge0_eval.evaluation.fidelity.sets import SET_PATH, read_set, write_set
+from edge0_eval.evaluation.plan import opencompass_run
+from edge0_eval.evaluation.plan.opencompass_run import offline_env, opencompass_command
+from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")

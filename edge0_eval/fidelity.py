@@ -1,13 +1,13 @@
 """`edge0-eval fidelity make TEACHER --out FILE`: the fidelity set, made once from the teacher.
 
-The set (see edge0_eval/evaluation/fidelity_scoring.py) holds prompts, the teacher's greedy
+The set (see edge0_eval/evaluation/fidelity/scoring.py) holds prompts, the teacher's greedy
 continuation of each and the teacher's top-k log-probs at every position; every arm is later
 scored on it (configs/datasets/edge0_fidelity.py). Make it where the teacher fits, copy the one
 file to where the students run, and `edge0-eval data stage --root R --fidelity FILE` lays it
 where the config looks.
 
 `edge0-eval fidelity bench MODEL`: teacher-forced scoring speed and reads by scorer
-(evaluation/fidelity_bench.py).
+(evaluation/plan/fidelity_bench.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from
 from edge0_eval.engine.layer_major import DEFAULT_MEMORY_MIB, DEFAULT_WINDOW
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import fidelity_bench
-from edge0_eval.evaluation.fidelity_scoring import (
+from edge0_eval.evaluation.fidelity.scoring import (
     DEFAULT_BATCH,
     DEFAULT_MAX_NEW,
     DEFAULT_TOP_K,
@@ -29,7 +28,8 @@ from edge0_eval.evaluation.fidelity_scoring import (
     gather_prompts,
     make_set,
 )
-from edge0_eval.evaluation.fidelity_set import ENDS, source_counts, write_set
+from edge0_eval.evaluation.fidelity.sets import ENDS, source_counts, write_set
+from edge0_eval.evaluation.plan import fidelity_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

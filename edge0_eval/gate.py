@@ -1,9 +1,9 @@
 """`edge0-eval gate REPORT.json --baseline BASELINE.json`: CI regression gate, comparing a
-report.json with a baseline report.json (the checks: evaluation/gate_checks.py).
+report.json with a baseline report.json (the checks: evaluation/gate/checks.py).
 
 Exit status: 0 all pass, 1 regression or failure, 2 bad input, 3 sequential and undecided with
 items left (run the next round), 4 nothing failed but a check cannot see the drop it was asked
-about (gate_checks.BLIND_EXIT; --accept-blind turns it into a pass that says so).
+about (gate.checks.BLIND_EXIT; --accept-blind turns it into a pass that says so).
 """
 
 from __future__ import annotations
@@ -13,18 +13,20 @@ import math
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import fidelity_report, gate_sequential, paired
-from edge0_eval.evaluation.baselines import spread_lines
-from edge0_eval.evaluation.gap_report import SCHEMA
-from edge0_eval.evaluation.gate_checks import (
+from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
+from edge0_eval.evaluation.gate.baselines import spread_lines
+from edge0_eval.evaluation.gate.checks import (
     BLIND_EXIT,
     DEFAULT_MAX_DROP,
     DEFAULT_MAX_GAP_INCREASE,
     evaluate,
     format_table,
 )
-from edge0_eval.evaluation.gate_input import load_report
-from edge0_eval.evaluation.settings import baseline_differences, model_changes
+from edge0_eval.evaluation.gate.inputs import load_report
+from edge0_eval.evaluation.outputs.settings import baseline_differences, model_changes
+from edge0_eval.evaluation.report.gap import SCHEMA
+from edge0_eval.evaluation.significance import paired
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

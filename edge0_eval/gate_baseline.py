@@ -1,5 +1,5 @@
 """`edge0-eval gate-baseline REPORT.json... --out BASELINE.json`: a gate baseline from several
-runs of one gate config (evaluation/baselines.py): per item the mean of the runs and each run's
+runs of one gate config (evaluation/gate/baselines.py): per item the mean of the runs and each run's
 score, and the baseline's own spread, printed and kept in the file.
 """
 
@@ -11,8 +11,8 @@ import shlex
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
-from edge0_eval.evaluation.baselines import combine, spread_lines
-from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.gate.baselines import combine, spread_lines
+from edge0_eval.evaluation.gate.inputs import load_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,13 @@
 """`edge0-eval gate-run CONFIG --baseline BASELINE.json`: run a gate config and gate it.
 
-It composes the verbs as a user would: OpenCompass on the config (evaluation/opencompass_run.py),
-then `edge0-eval report` and `edge0-eval gate` through the command line (cli.main), so each
-report records the command that made it.
+It composes the verbs as a user would: OpenCompass on the config
+(evaluation/plan/opencompass_run.py), then `edge0-eval report` and `edge0-eval gate` through the
+command line (cli.main), so each report records the command that made it.
 
 Whole (default): one OpenCompass run of the config's sample, its results checked (OpenCompass
 exits 0 when tasks fail), its report written, the gate run against the baseline.
 
---sequential: the sample in the config's rounds (evaluation/rounds.py), all in one run folder,
+--sequential: the sample in the config's rounds (evaluation/gate/rounds.py), all in one run folder,
 in an order drawn for this run: an order seed drawn before round 1 (or --order-seed, to redo a
 run), written to WORK/order_seed.txt and printed, passed to every round (EDGE0_GATE_SEED) and to
 `gate --order-seed`. Round 1 starts the folder; each later round deletes the sampled datasets' results (so
@@ -30,15 +30,15 @@ from pathlib import Path
 
 from edge0_eval.cli import main as cli_main
 from edge0_eval.errors import ConfigError, Edge0Error
-from edge0_eval.evaluation.arms import ARM_NAMES
-from edge0_eval.evaluation.gate_checks import BLIND_EXIT
-from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
-from edge0_eval.evaluation.opencompass_run import (
+from edge0_eval.evaluation.gate.checks import BLIND_EXIT
+from edge0_eval.evaluation.gate.rounds import check_rounds, sample_size
+from edge0_eval.evaluation.gate.sequential_checks import UNDECIDED_EXIT
+from edge0_eval.evaluation.plan.opencompass_run import (
     check_run,
     load_config_with,
     run_opencompass,
 )
-from edge0_eval.evaluation.rounds import check_rounds, sample_size
+from edge0_eval.evaluation.report.arms import ARM_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

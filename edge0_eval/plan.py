@@ -1,5 +1,5 @@
 """`edge0-eval plan CONFIG`: what an OpenCompass run of CONFIG will cost, before it starts
-(evaluation/planner.py); with --size-gate, the sample that fits a gate config's budget.
+(evaluation/plan/planner.py); with --size-gate, the sample that fits a gate config's budget.
 
     edge0-eval plan configs/edge0_35b.py --tok-s 20
     edge0-eval plan configs/edge0_tiny.py --from outputs/demo/opencompass/20261203_101500
@@ -15,8 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA
-from edge0_eval.evaluation.planner import (
+from edge0_eval.evaluation.plan.planner import (
     DEFAULT_CHURN,
     DEFAULT_TASK_OVERHEAD_S,
     PlanOptions,
@@ -26,6 +25,7 @@ from edge0_eval.evaluation.planner import (
     render_gate_size,
     size_gate,
 )
+from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """`edge0-eval report OUTPUTS... --out DIR`: teacher-vs-student gap report from OpenCompass
-output folders (evaluation/gap_report.py); exit 1 when a part is missing or failed."""
+output folders (evaluation/report/gap.py); exit 1 when a part is missing or failed."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.arms import model_index, parse_arms
-from edge0_eval.evaluation.definitions import load_reference
-from edge0_eval.evaluation.gap_report import build_report
-from edge0_eval.evaluation.outputs import expand_outputs, load_run
-from edge0_eval.evaluation.report_writers import write_report
+from edge0_eval.evaluation.outputs.runs import expand_outputs, load_run
+from edge0_eval.evaluation.report.arms import model_index, parse_arms
+from edge0_eval.evaluation.report.definitions import load_reference
+from edge0_eval.evaluation.report.gap import build_report
+from edge0_eval.evaluation.report.writers import write_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

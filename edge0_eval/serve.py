@@ -8,8 +8,8 @@ The engine loads once and runs on one thread that owns the batch (worker.py); th
 (app.py, aiohttp) parses and validates requests (requests.py) and relays answers. A request's
 seed is the run's seed: its row draws from `row_seed(seed, prompt ids, edge0_sample)`, so an
 answer equals the in-process `Edge0Model` arm's for the same prompt, settings and seed, alone
-or batched with any other requests (model_wrappers/edge0_api_model.py is the OpenCompass side);
-a request without one draws a fresh seed, so the server takes no `--seed`.
+or batched with any other requests (model_wrappers/models/edge0_api_model.py is the OpenCompass
+side); a request without one draws a fresh seed, so the server takes no `--seed`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from perturbed_heads import heads_of_kind
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.lora import apply_lora, save_adapter
-from edge0_eval.evaluation.opencompass_run import offline_env, opencompass_command
+from edge0_eval.evaluation.plan.opencompass_run import offline_env, opencompass_command
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "edge0_tiny.py"
 # The session fixture several files' OpenCompass tests read: one unit of work.

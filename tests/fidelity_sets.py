@@ -1,8 +1,8 @@
-"""A fidelity set's header around the tests' own items (evaluation/fidelity_set.py's format)."""
+"""A fidelity set's header around the tests' own items (evaluation/fidelity/sets.py's format)."""
 
 from __future__ import annotations
 
-from edge0_eval.evaluation.fidelity_set import FORMAT
+from edge0_eval.evaluation.fidelity.sets import FORMAT
 
 
 def fidelity_set(

@@ -13,8 +13,8 @@ from live_server import LiveServer, free_port
 
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
-from model_wrappers.edge0_api_model import Edge0APIModel, api_problems
-from model_wrappers.edge0_model import Edge0Model
+from model_wrappers.models.edge0_api_model import Edge0APIModel, api_problems
+from model_wrappers.models.edge0_model import Edge0Model
 
 NAME = "edge0-student"
 GENERATION = dict(

@@ -211,7 +211,7 @@ def test_generate_top_k_samples_and_the_routing_width_is_experts_per_token(
 
 
 def test_a_student_config_with_the_old_top_k_key_is_refused(edge0_qwen):
-    from model_wrappers.edge0_model import resolve_engine_options
+    from model_wrappers.models.edge0_model import resolve_engine_options
 
     with pytest.raises(ConfigError, match="top_k is experts_per_token now"):
         resolve_engine_options(str(edge0_qwen), mode="reactive", top_k=4)

@@ -10,8 +10,8 @@ import pytest
 from bad_inputs import expect_clear_error, outcome
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.gap_report import SCHEMA
-from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.gate.inputs import load_report
+from edge0_eval.evaluation.report.gap import SCHEMA
 
 
 def _arm(**kw):
@@ -113,8 +113,8 @@ def test_gate_refuses_baseline_without_benchmarks(tmp_path, capsys):
 
 @pytest.mark.parametrize("kl,agreement", [(-0.5, 0.9), (0.1, 1.5), (float("inf"), 0.9)])
 def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
-    from edge0_eval.evaluation.fidelity_report import load_arm
-    from edge0_eval.evaluation.outputs import Run
+    from edge0_eval.evaluation.fidelity.report import load_arm
+    from edge0_eval.evaluation.outputs.runs import Run
 
     path = tmp_path / "results" / "m" / "edge0_fidelity.json"
     path.parent.mkdir(parents=True)
@@ -141,7 +141,7 @@ def test_report_refuses_out_of_range_fidelity_details(kl, agreement, tmp_path):
 @pytest.mark.parametrize("details", ["abc", [1, 2]])
 def test_report_refuses_details_not_objects(details, tmp_path):
     from edge0_eval.evaluation.benchmarks import benchmark_for
-    from edge0_eval.evaluation.outputs import Run, load_dataset_result
+    from edge0_eval.evaluation.outputs.runs import Run, load_dataset_result
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
@@ -229,7 +229,7 @@ def test_a_repeated_key_in_a_results_file_is_not_scored(tmp_path):
     """json keeps the last of two equal keys without a word: an item given twice in the
     object form of the details would be scored once, silently."""
     from edge0_eval.evaluation.benchmarks import benchmark_for
-    from edge0_eval.evaluation.outputs import Run, load_dataset_result
+    from edge0_eval.evaluation.outputs.runs import Run, load_dataset_result
 
     path = tmp_path / "results" / "m" / "gpqa_diamond.json"
     path.parent.mkdir(parents=True)
@@ -338,7 +338,7 @@ def test_fuzzed_fidelity_sections_are_each_one_clear_error(tmp_path):
 def test_fidelity_fuzz_control_sees_a_weakened_check(tmp_path, monkeypatch):
     """The fuzz can fail: with only the arms' status, KL and agreement checked (the check
     before this one), most of its corrupt sections get through."""
-    from edge0_eval.evaluation import gate_input as gate
+    from edge0_eval.evaluation.gate import inputs as gate
 
     def arms_only(path, fid):
         for entry in fid["arms"].values():
@@ -428,8 +428,8 @@ def test_gate_fails_an_insane_teacher_it_is_told_about(tmp_path, capsys):
 def test_report_refuses_a_detail_that_is_not_a_number(value, tmp_path, capsys):
     """A student detail KL of "abc" ended in `ValueError: could not convert string to float`
     (inside gate-run, which builds the report it gates)."""
-    from edge0_eval.evaluation.fidelity_report import load_arm
-    from edge0_eval.evaluation.outputs import Run
+    from edge0_eval.evaluation.fidelity.report import load_arm
+    from edge0_eval.evaluation.outputs.runs import Run
 
     path = tmp_path / "results" / "student" / "edge0_fidelity.json"
     path.parent.mkdir(parents=True)

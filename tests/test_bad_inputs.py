@@ -44,7 +44,7 @@ from edge0_eval.engine.lora import (
 )
 from edge0_eval.engine.store import ExpertStore
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.gate_input import load_report
+from edge0_eval.evaluation.gate.inputs import load_report
 from edge0_eval.formats.config import read_config
 from edge0_eval.formats.layout import (
     EXPERTS_NAME,
@@ -531,7 +531,7 @@ def test_index_without_crc_refused_unless_opted_out(edge0_qwen, tmp_path):
 
 
 def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
-    from model_wrappers.partitioner import model_problems
+    from model_wrappers.partitioners.partitioner import model_problems
 
     model = copy_model(edge0_qwen, tmp_path / "m")
     assert (
@@ -566,7 +566,7 @@ def test_preflight_stops_a_bad_student(edge0_qwen, tmp_path):
 
 @pytest.mark.parametrize("batch", [0, -2, 2.5, "4", True, None])
 def test_preflight_refuses_a_bad_batch_size(tmp_path, batch):
-    from model_wrappers.partitioner import model_problems
+    from model_wrappers.partitioners.partitioner import model_problems
 
     (tmp_path / "config.json").write_text("{}")
     good = model_problems(
@@ -667,7 +667,7 @@ def _row(**kw):
 
 
 def _report(path: Path, rows, raw: str | None = None) -> Path:
-    from edge0_eval.evaluation.gap_report import SCHEMA
+    from edge0_eval.evaluation.report.gap import SCHEMA
 
     text = (
         raw if raw is not None else json.dumps({"schema": SCHEMA, "benchmarks": rows})
@@ -808,7 +808,7 @@ def test_report_missing_results_exit_nonzero(tmp_path):
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    from edge0_eval.evaluation.fixtures import write_fixtures
+    from edge0_eval.evaluation.data.fixtures import write_fixtures
 
     root = tmp_path_factory.mktemp("data")
     write_fixtures(root)
@@ -816,7 +816,7 @@ def data_root(tmp_path_factory):
 
 
 def _data_case(root: Path, case: str) -> str:
-    from edge0_eval.evaluation.data_checks import verify
+    from edge0_eval.evaluation.data.checks import verify
     from edge0_eval.evaluation.data_paths import PATHS
 
     new = root.parent / f"{root.name}-{case.replace(' ', '_')}"

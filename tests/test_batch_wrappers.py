@@ -21,9 +21,9 @@ from mlx_lm.sample_utils import make_sampler
 from edge0_eval.demo import TINY_DATASETS, offline_env
 from edge0_eval.engine.batch import stop_token_ids
 from edge0_eval.engine.inputs import row_seed
-from model_wrappers import mlx_lm_model
-from model_wrappers.edge0_model import Edge0Model
-from model_wrappers.mlx_lm_model import MLXLMModel
+from model_wrappers.models import mlx_lm_model
+from model_wrappers.models.edge0_model import Edge0Model
+from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 REPO = Path(__file__).resolve().parent.parent
 # Different lengths (so a batch would pad), and one prompt twice (same prompt, same sample).

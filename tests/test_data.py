@@ -14,8 +14,14 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation import data_checks, data_paths, data_staging, nltk_data
-from edge0_eval.evaluation.fixtures import MMLU_PRO_FIXTURE_CATEGORIES, write_fixtures
+from edge0_eval.evaluation import data_paths
+from edge0_eval.evaluation.data import checks as data_checks
+from edge0_eval.evaluation.data import nltk_data
+from edge0_eval.evaluation.data import staging as data_staging
+from edge0_eval.evaluation.data.fixtures import (
+    MMLU_PRO_FIXTURE_CATEGORIES,
+    write_fixtures,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,7 +68,7 @@ def test_stage_writes_humaneval_and_ifbench_from_pypi_packages(staged):
 def test_staging_ifbench_never_imports_its_code(tmp_path):
     proc = _in_fresh_python(f"""
         import sys
-        from edge0_eval.evaluation.data_staging import stage_ifbench
+        from edge0_eval.evaluation.data.staging import stage_ifbench
         stage_ifbench(__import__("pathlib").Path({str(tmp_path)!r}))
         assert "ifbench" not in sys.modules and "spacy" not in sys.modules, "imported"
     """)
@@ -312,7 +318,7 @@ def test_ifbench_scorer_refuses_when_nltk_data_is_missing(staged, tmp_path):
         f"""
         import json, nltk
         nltk.data.path[:] = []
-        from model_wrappers.evaluators import CheckedIFBenchEvaluator, ScorerUnavailable
+        from model_wrappers.evaluators.benchmark_evaluators import CheckedIFBenchEvaluator, ScorerUnavailable
         rows = {{}}
         for line in open({str(root / data_paths.PATHS["ifbench"])!r}):
             r = json.loads(line); rows[r['key']] = r
@@ -352,7 +358,7 @@ def test_user_supplied_pos_tagger_is_copied_and_then_ifbench_is_complete(
     notes = nltk_data.stage_nltk(copy / "nltk_data", str(tmp_path / "nltk_data"))
     assert any("copied" in n for n in notes)
     proc = _in_fresh_python(f"""
-        from edge0_eval.evaluation.data_checks import verify
+        from edge0_eval.evaluation.data.checks import verify
         (check,) = verify({str(copy)!r}, ("ifbench",), full=True)
         assert check.ok, check.message
     """)
@@ -368,7 +374,7 @@ def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
     proc = _in_fresh_python(f"""
         import nltk
         nltk.data.path[:] = []
-        from edge0_eval.evaluation.data_checks import verify
+        from edge0_eval.evaluation.data.checks import verify
         (head,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(0, 12))
         (tail,) = verify({str(root)!r}, ("ifbench",), full=True, ifbench_items=slice(250, 270))
         assert head.ok, head.message
@@ -379,7 +385,7 @@ def test_a_slice_of_ifbench_needs_only_its_own_checks(staged):
 
 
 def test_partitioner_reads_test_range_as_a_slice():
-    from model_wrappers.partitioner import test_range_slice
+    from model_wrappers.partitioners.partitioner import test_range_slice
 
     assert test_range_slice({"reader_cfg": {"test_range": "[0:12]"}}) == slice(0, 12)
     assert test_range_slice({"reader_cfg": {"test_range": "[ 5 : ]"}}) == slice(5, None)

@@ -491,7 +491,7 @@ def test_routed_set_takes_over_a_hedge_in_flight(edge0_qwen, slots):
 
 
 def test_preflight_stops_a_truncated_hedge(edge0_qwen, tmp_path):
-    from model_wrappers.partitioner import model_problems
+    from model_wrappers.partitioners.partitioner import model_problems
 
     model = tmp_path / "model"
     shutil.copytree(edge0_qwen, model)

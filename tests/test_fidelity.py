@@ -15,10 +15,10 @@ from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.heads import default_owners, init_heads_from_routers, save_heads
 from edge0_eval.engine.lora import apply_lora, save_adapter
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import fidelity_report as fr
-from edge0_eval.evaluation import fidelity_scoring as fid
-from edge0_eval.evaluation import fidelity_set as fs
-from edge0_eval.evaluation.gap_report import build_report
+from edge0_eval.evaluation.fidelity import report as fr
+from edge0_eval.evaluation.fidelity import scoring as fid
+from edge0_eval.evaluation.fidelity import sets as fs
+from edge0_eval.evaluation.report.gap import build_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def test_silent_fault_fails_the_fidelity_gate(
     assert {f"fidelity {a}" for a in failing} <= set(failed), checks
     assert not {f"fidelity {a}" for a in passing | {"teacher"}} & set(failed), failed
     # The real gate's table and verdict name fidelity and the arm.
-    from edge0_eval.evaluation.gate_checks import Check, format_table
+    from edge0_eval.evaluation.gate.checks import Check, format_table
 
     table = format_table([Check(c["name"], c["result"], c["reasons"]) for c in checks])
     for arm in failing:
@@ -264,7 +264,7 @@ def test_silent_fault_fails_the_fidelity_gate(
 
 def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     from edge0_eval.cli import main
-    from edge0_eval.evaluation.gap_report import SCHEMA
+    from edge0_eval.evaluation.report.gap import SCHEMA
 
     def report(fidelity):
         return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity}
@@ -310,7 +310,7 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
 
 def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
     """The regrouped details OpenCompass writes (each key a list over replicas) -> the section."""
-    from edge0_eval.evaluation.outputs import Run
+    from edge0_eval.evaluation.outputs.runs import Run
 
     per_item = baseline["fidelity"]["per_item"]
     arms = {}
@@ -396,7 +396,7 @@ def test_teacher_runner_equals_mlx_lm_generation(teacher_set):
 
 def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
     from edge0_eval.cli import main
-    from edge0_eval.evaluation.data_staging import stage
+    from edge0_eval.evaluation.data.staging import stage
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS[:2]))
@@ -466,8 +466,8 @@ def test_make_verb_and_data_stage(tiny_qwen, tmp_path, capsys):
 
 
 def test_missing_set_stops_the_run_before_any_task(teacher_set, tmp_path, monkeypatch):
-    from model_wrappers.fidelity_dataset import FidelityDataset
-    from model_wrappers.partitioner import preflight
+    from model_wrappers.datasets.fidelity_dataset import FidelityDataset
+    from model_wrappers.partitioners.partitioner import preflight
 
     monkeypatch.setenv("COMPASS_DATA_CACHE", str(tmp_path))
     with pytest.raises(SystemExit, match="fidelity_set.json not found"):
@@ -602,7 +602,7 @@ def test_a_non_finite_position_inside_a_piece_is_an_error(
 def test_a_prediction_made_on_another_item_is_refused(teacher_set):
     """Predictions pair with the set by position (OpenCompass's -r reuses them after another
     set of the same shapes is staged): the digest each records must be its item's."""
-    from model_wrappers.fidelity_evaluator import FidelityEvaluator
+    from model_wrappers.evaluators.fidelity_evaluator import FidelityEvaluator
 
     _, model, path = teacher_set
     items = fs.read_set(path)["items"][:2]

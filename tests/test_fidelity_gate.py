@@ -1,8 +1,9 @@
-"""The fidelity checks of the gate (fidelity_report.gate_checks) judged as the deterministic
-measure teacher-forced scoring is, by simulation with fixed seeds: a fault on a few prompts
-fails however much it widens the spread of the per-prompt changes (the old check allowed the
-threshold plus 1.96 standard errors of those changes, so the fault hid itself), a clean
-re-scoring passes, and the only noise allowed is what two scorings of the same code measured."""
+"""The fidelity checks of the gate (evaluation.fidelity.report.gate_checks) judged as the
+deterministic measure teacher-forced scoring is, by simulation with fixed seeds: a fault on a
+few prompts fails however much it widens the spread of the per-prompt changes (the old check
+allowed the threshold plus 1.96 standard errors of those changes, so the fault hid itself), a
+clean re-scoring passes, and the only noise allowed is what two scorings of the same code
+measured."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation import fidelity_report as fr
+from edge0_eval.evaluation.fidelity import report as fr
 
 PROMPTS = 100
 SEEDS = 200

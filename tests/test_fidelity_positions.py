@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation import fidelity_positions as fp
-from edge0_eval.evaluation import fidelity_report as fr
-from edge0_eval.evaluation.fidelity_set import score_item, tail_mass
+from edge0_eval.evaluation.fidelity import positions as fp
+from edge0_eval.evaluation.fidelity import report as fr
+from edge0_eval.evaluation.fidelity.sets import score_item, tail_mass
 
 
 def _item(kl, agree):

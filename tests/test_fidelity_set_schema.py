@@ -13,9 +13,9 @@ from bad_inputs import expect_clear_error, outcome
 from fidelity_sets import fidelity_set
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.evaluation.fidelity import sets as fs
 from edge0_eval.formats.safetensors import checkpoint_float_dtype, write_safetensors
-from model_wrappers.fidelity_dataset import preflight_problems
+from model_wrappers.datasets.fidelity_dataset import preflight_problems
 
 
 def _valid_set(fingerprint: str = "0" * 64) -> dict:
@@ -357,7 +357,7 @@ class _Teacher:
 def _infer(model, fset, out_dir):
     from types import SimpleNamespace
 
-    from model_wrappers.fidelity_inferencer import FidelityInferencer
+    from model_wrappers.inferencers.fidelity_inferencer import FidelityInferencer
 
     model.items = fset["items"]
     rows = [

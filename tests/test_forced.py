@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from edge0_eval.engine.engine import Engine, EngineOptions
-from edge0_eval.evaluation import fidelity_scoring as fid
+from edge0_eval.evaluation.fidelity import scoring as fid
 
 PROMPT = "def add(a, b):\n    return a + b\n# The quick brown fox"
 BAILING_TOL = 1e-3

@@ -9,7 +9,7 @@ import pytest
 from oc_tree import OCRun
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.gate_checks import BLIND_EXIT, evaluate
+from edge0_eval.evaluation.gate.checks import BLIND_EXIT, evaluate
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 

@@ -17,10 +17,10 @@ from fidelity_sets import fidelity_set
 from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation import rounds
-from edge0_eval.evaluation.planner import PlanOptions, make_plan, size_gate
-from edge0_eval.evaluation.progress import Progress, line, task_specs
-from edge0_eval.evaluation.run_config import load_config
+from edge0_eval.evaluation.gate import rounds
+from edge0_eval.evaluation.plan.planner import PlanOptions, make_plan, size_gate
+from edge0_eval.evaluation.plan.progress import Progress, line, task_specs
+from edge0_eval.evaluation.plan.run_config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -171,7 +171,7 @@ def test_sizing_stratifies_mmlu_pro_by_category(aime_root):
 def test_sizing_follows_the_churn_a_baseline_of_runs_measured(aime_root, tmp_path):
     """`--churn-from BASELINE`: the thresholds at the churn the baseline's runs measured, not
     the config's declared 10% (the tiny gate: one benchmark of 234 items)."""
-    from edge0_eval.evaluation.gap_report import SCHEMA
+    from edge0_eval.evaluation.report.gap import SCHEMA
 
     config = CONFIGS / "edge0_tiny_gate.py"
     declared = load_config(config)["edge0_gate"]["drops"]["edge0_agreement"]
@@ -286,10 +286,10 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
     whole set and they overwrote one file)."""
     from mmengine.config import Config
 
-    from edge0_eval.evaluation.fidelity_set import SET_PATH
-    from edge0_eval.evaluation.fixtures import write_fixtures
-    from edge0_eval.evaluation.progress import read_lines
-    from model_wrappers.partitioner import Edge0NumWorkerPartitioner
+    from edge0_eval.evaluation.data.fixtures import write_fixtures
+    from edge0_eval.evaluation.fidelity.sets import SET_PATH
+    from edge0_eval.evaluation.plan.progress import read_lines
+    from model_wrappers.partitioners.partitioner import Edge0NumWorkerPartitioner
 
     data = tmp_path / "data"
     write_fixtures(data)
@@ -345,7 +345,7 @@ def test_chunked_arm_progress_sums_its_tasks(tmp_path, monkeypatch):
 
 def test_chunk_progress_of_an_arm_whose_name_has_a_dot(tmp_path):
     """`qwen3.6-35b` has a suffix to pathlib: its chunk folder must still be read."""
-    from edge0_eval.evaluation.progress import read_lines, shard_specs
+    from edge0_eval.evaluation.plan.progress import read_lines, shard_specs
 
     rows = [dict(dataset="d", items=4, weight=1.0)]
     groups = [
@@ -372,7 +372,10 @@ def test_gate_sizing_takes_a_measured_fidelity_rate(aime_root, tmp_path):
     measured rate (and says so); without it, the config's rate is stated as assumed."""
     import json
 
-    from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT, read_fidelity_rate
+    from edge0_eval.evaluation.plan.planner import (
+        FIDELITY_BENCH_FORMAT,
+        read_fidelity_rate,
+    )
 
     bench = tmp_path / "bench.json"
     bench.write_text(

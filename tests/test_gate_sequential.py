@@ -10,8 +10,8 @@ import pytest
 from oc_tree import OCRun
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.gate_sequential import UNDECIDED_EXIT
-from edge0_eval.evaluation.rounds import run_order
+from edge0_eval.evaluation.gate.rounds import run_order
+from edge0_eval.evaluation.gate.sequential_checks import UNDECIDED_EXIT
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 ITEMS = 120

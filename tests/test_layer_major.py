@@ -14,7 +14,7 @@ from test_forced import CASES, PROMPT
 
 from edge0_eval.engine.engine import Engine, EngineOptions
 from edge0_eval.engine.layer_major import Forced, LayerMajor
-from edge0_eval.evaluation import fidelity_scoring as fid
+from edge0_eval.evaluation.fidelity import scoring as fid
 
 # Prompts of other lengths, continuations of other lengths (one of a single token).
 LENGTHS = [(0, 23), (9, 1), (4, 17)]
@@ -208,7 +208,7 @@ def test_a_non_finite_position_is_an_error_naming_the_item(forced_student, monke
 def test_a_half_precision_set_is_reproduced_by_its_own_scorer(tiny_qwen):
     """In bfloat16 the scorers may round apart, so the set records its dtype and scorer, and
     the teacher arm scored by that scorer reproduces it exactly (KL 0, agreement 1)."""
-    from edge0_eval.evaluation import fidelity_set as fs
+    from edge0_eval.evaluation.fidelity import sets as fs
 
     model, tokenizer = fid.load_teacher(tiny_qwen, "bfloat16")
     prompts = [

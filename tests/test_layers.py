@@ -1,9 +1,13 @@
 """No import runs back up: each package of edge0_eval (and model_wrappers) imports only the
-layers below it, read from the source (lazy imports inside functions too). The verbs at the top
-level may import any package; no package imports a verb or the command line.
+layers below it, read from the source (lazy imports inside functions too), its subpackages'
+files included. The verbs at the top level may import any package; no package imports a verb
+or the command line.
 
     errors  <  formats/  <  engine/  <  arguments/, evaluation/  <  training/
             <  checkpoints/, server/  <  model_wrappers  <  the verbs, cli.py
+
+Inside evaluation/ and model_wrappers, the subpackages (and top-level modules) import each
+other one way only: no cycle between them.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ def _imports(path: Path) -> set[str]:
 
 def _files(layer: str) -> list[Path]:
     if layer == "model_wrappers":
-        return sorted((REPO / "model_wrappers").glob("*.py"))
+        return sorted((REPO / "model_wrappers").rglob("*.py"))
     if layer.endswith("/"):
-        return sorted((REPO / "edge0_eval" / layer).glob("*.py"))
+        return sorted((REPO / "edge0_eval" / layer).rglob("*.py"))
     return [REPO / "edge0_eval" / f"{layer}.py"]
 
 
@@ -91,3 +95,41 @@ def test_every_package_has_a_layer():
         if p.parent.name != "__pycache__"
     }
     assert packages <= set(BELOW), packages - set(BELOW)
+
+
+def _part(module: str, package: str) -> str:
+    """The subpackage, or top-level module, of `package` that `module` belongs to."""
+    return module[len(package) + 1 :].split(".")[0]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` as the path around it, or [] when it has none."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return []
+
+
+@pytest.mark.parametrize("package", ["edge0_eval.evaluation", "model_wrappers"])
+def test_subpackages_import_each_other_one_way(package):
+    root = REPO / package.replace(".", "/")
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        mine = _part(module, package)
+        for name in _imports(path):
+            if name.startswith(package + ".") and _part(name, package) != mine:
+                graph.setdefault(mine, set()).add(_part(name, package))
+    assert not _cycle(graph), " -> ".join(_cycle(graph))

@@ -29,8 +29,8 @@ from edge0_eval.engine.lora import apply_lora, lora_modules, save_adapter
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.engine.store import SETTLE_NS, ExpertStore, FileGuard
 from edge0_eval.errors import CheckpointError
-from edge0_eval.evaluation import fidelity_scoring as fid
-from edge0_eval.evaluation import fidelity_set as fs
+from edge0_eval.evaluation.fidelity import scoring as fid
+from edge0_eval.evaluation.fidelity import sets as fs
 from edge0_eval.formats.layout import EXPERTS_NAME, ExpertIndex
 
 CHANGED = "changed while the engine was reading it"

@@ -287,8 +287,8 @@ def test_training_stages_and_fidelity_on_such_a_student(
     from test_training import DISTILL_ARGS, SFT_ARGS, WORDS
 
     from edge0_eval import cli
-    from edge0_eval.evaluation import fidelity_report as fr
-    from edge0_eval.evaluation import fidelity_scoring as fid
+    from edge0_eval.evaluation.fidelity import report as fr
+    from edge0_eval.evaluation.fidelity import scoring as fid
     from edge0_eval.training.prerouter_fit import train_prerouter
 
     student = tmp_path / "student"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.fixtures import write_fixtures
+from edge0_eval.evaluation.data.fixtures import write_fixtures
 
 pytest.importorskip("opencompass")
 

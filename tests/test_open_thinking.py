@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from edge0_eval.evaluation.thinking import prompt_opener, rule_of, thinking_closed
+from edge0_eval.evaluation.outputs.thinking import (
+    prompt_opener,
+    rule_of,
+    thinking_closed,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CUT = "Let me see. Perhaps ANSWER: {gold} maybe, but wait"
@@ -35,7 +39,7 @@ def test_thinking_closed_and_the_prompt_opener():
 
 def test_answer_text_rule_and_chain():
     pytest.importorskip("opencompass")
-    from model_wrappers.evaluators import edge0_answer_text
+    from model_wrappers.evaluators.benchmark_evaluators import edge0_answer_text
 
     pattern = dict(
         type="opencompass.utils.text_postprocessors.match_answer_pattern",
@@ -54,7 +58,7 @@ def test_answer_text_rule_and_chain():
         rule_of(
             {
                 "pred_postprocessor": {
-                    "type": "model_wrappers.evaluators.edge0_answer_text",
+                    "type": "model_wrappers.evaluators.benchmark_evaluators.edge0_answer_text",
                     "open_thinking": "pass",
                 }
             }
@@ -65,7 +69,7 @@ def test_answer_text_rule_and_chain():
         rule_of(
             {
                 "pred_postprocessor": {
-                    "type": "model_wrappers.evaluators.edge0_answer_text"
+                    "type": "model_wrappers.evaluators.benchmark_evaluators.edge0_answer_text"
                 }
             }
         )
@@ -76,7 +80,7 @@ def test_answer_text_rule_and_chain():
 
 def test_inferencer_keeps_the_prompts_thinking_opener(tmp_path):
     pytest.importorskip("opencompass")
-    from model_wrappers.inferencer import store_thinking_openers
+    from model_wrappers.inferencers.inferencer import store_thinking_openers
 
     path = tmp_path / "GPQA_diamond.json"
     preds = {
@@ -138,7 +142,7 @@ def test_an_output_cut_inside_think_scores_empty_by_default(rule, first, tmp_pat
     inside its thinking block whose text holds 'ANSWER: <gold>' is wrong unless the
     pass-through is asked for; a closed one is scored on its answer."""
     pytest.importorskip("opencompass")
-    from edge0_eval.evaluation.fixtures import write_fixtures
+    from edge0_eval.evaluation.data.fixtures import write_fixtures
 
     write_fixtures(tmp_path / "data_root", with_nltk=False)
     (tmp_path / "eval.py").write_text(EVAL)

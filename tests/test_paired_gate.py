@@ -1,10 +1,10 @@
-"""The gate's paired statistics (evaluation/paired.py), checked by simulation with fixed seeds:
-runs of unchanged quality whose per-item outcomes are redrawn at known rates (as after any
-harmless numerical change on the path) fail at about alpha; a drop equal to the printed
-detectable drop is caught >= 78% of the time (the target is 80%: 78% leaves room for the
-simulation's own error) at every size, for one sample per item and for averaged scores, with
-the drop spread over the items or concentrated in a few; a baseline of several runs keeps
-each baseline's false-fail rate near alpha, not only their average."""
+"""The gate's paired statistics (evaluation/significance/paired.py), checked by simulation with
+fixed seeds: runs of unchanged quality whose per-item outcomes are redrawn at known rates (as
+after any harmless numerical change on the path) fail at about alpha; a drop equal to the
+printed detectable drop is caught >= 78% of the time (the target is 80%: 78% leaves room for the
+simulation's own error) at every size, for one sample per item and for averaged scores, with the
+drop spread over the items or concentrated in a few; a baseline of several runs keeps each
+baseline's false-fail rate near alpha, not only their average."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation import paired
-from edge0_eval.evaluation.paired import (
+from edge0_eval.evaluation.significance import paired
+from edge0_eval.evaluation.significance.paired import (
     DEFAULT_ALPHA,
     POWER,
     baseline_p,
@@ -174,7 +174,7 @@ def test_clustered_samples_fail_at_alpha_where_pooled_samples_do_not():
 def test_the_whole_gate_fails_unchanged_runs_at_most_at_alpha():
     """The gate runs two tests per benchmark; uncorrected, 3 benchmarks of 56 items at 0.05
     each failed ~25% of unchanged runs. gate.evaluate tests each at alpha / (2 x benchmarks)."""
-    from edge0_eval.evaluation.gate_checks import evaluate
+    from edge0_eval.evaluation.gate.checks import evaluate
 
     rng = np.random.default_rng(7)
     benchmarks, items, runs = 3, 56, 200

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.fidelity_set import SET_PATH
-from edge0_eval.evaluation.fixtures import write_fixtures
-from edge0_eval.evaluation.paired import detectable_drop
-from edge0_eval.evaluation.planner import PlanOptions, make_plan, render
-from edge0_eval.evaluation.run_config import PRIOR_TOKENS, PUBLISHED_ITEMS
+from edge0_eval.evaluation.data.fixtures import write_fixtures
+from edge0_eval.evaluation.fidelity.sets import SET_PATH
+from edge0_eval.evaluation.plan.planner import PlanOptions, make_plan, render
+from edge0_eval.evaluation.plan.run_config import PRIOR_TOKENS, PUBLISHED_ITEMS
+from edge0_eval.evaluation.significance.paired import detectable_drop
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER = ROOT / "configs" / "edge0_35b.py"
@@ -151,8 +151,10 @@ def test_fidelity_counts_prompts_at_the_rate_measured_with_them(
     (root / SET_PATH).parent.mkdir(parents=True)
     (root / SET_PATH).write_text("{}")
     short = {"items": [dict(prompt_ids=[1] * 150, tokens=[2] * 50) for _ in range(4)]}
-    monkeypatch.setattr("edge0_eval.evaluation.run_config.data_root", lambda: root)
-    monkeypatch.setattr("edge0_eval.evaluation.run_config.read_set", lambda path: short)
+    monkeypatch.setattr("edge0_eval.evaluation.plan.run_config.data_root", lambda: root)
+    monkeypatch.setattr(
+        "edge0_eval.evaluation.plan.run_config.read_set", lambda path: short
+    )
     plan = make_plan(PlanOptions(config=TINY, tok_s=1000.0, previous=run))
     line = {(l.arm, l.dataset): l for l in plan.lines}[
         ("edge0-tiny-student", "edge0_fidelity")
@@ -231,7 +233,7 @@ def test_cli(tiny_env, tmp_path):
 
 def _bench_file(tmp_path, **rates) -> Path:
     """A `fidelity bench --json` file with the layer-major scorer's rates."""
-    from edge0_eval.evaluation.planner import FIDELITY_BENCH_FORMAT
+    from edge0_eval.evaluation.plan.planner import FIDELITY_BENCH_FORMAT
 
     path = tmp_path / "bench.json"
     path.write_text(
@@ -254,14 +256,16 @@ def test_fidelity_rate_prices_prompts_and_positions_apart(
     """--fidelity-rate FILE: 4 items of 150 prompt + 50 forced tokens at 100 prompt tokens/s
     and 10 positions/s cost 600/100 + 200/10 = 26 s; without it the plan says it assumed the
     decode rate."""
-    from edge0_eval.evaluation.planner import read_fidelity_rate
+    from edge0_eval.evaluation.plan.planner import read_fidelity_rate
 
     root = tmp_path / "set-root"
     (root / SET_PATH).parent.mkdir(parents=True)
     (root / SET_PATH).write_text("{}")
     short = {"items": [dict(prompt_ids=[1] * 150, tokens=[2] * 50) for _ in range(4)]}
-    monkeypatch.setattr("edge0_eval.evaluation.run_config.data_root", lambda: root)
-    monkeypatch.setattr("edge0_eval.evaluation.run_config.read_set", lambda path: short)
+    monkeypatch.setattr("edge0_eval.evaluation.plan.run_config.data_root", lambda: root)
+    monkeypatch.setattr(
+        "edge0_eval.evaluation.plan.run_config.read_set", lambda path: short
+    )
     rate = read_fidelity_rate(
         _bench_file(tmp_path, prompt_tokens_per_s=100.0, positions_per_s=10.0)
     )
@@ -291,7 +295,7 @@ def test_fidelity_rate_prices_prompts_and_positions_apart(
     ],
 )
 def test_a_bad_fidelity_rate_file_is_one_error(tmp_path, content, message):
-    from edge0_eval.evaluation.planner import read_fidelity_rate
+    from edge0_eval.evaluation.plan.planner import read_fidelity_rate
 
     path = _bench_file(tmp_path, prompt_tokens_per_s=1.0)  # no positions_per_s
     if content == "missing":

@@ -409,7 +409,12 @@ def test_load_published_layout(tmp_path):
             {"owners": [6, 8]},
             r"no head for owner layer\(s\) \[8\]",
         ),
-        ("wrong K", {}, {"experts_per_token": 8}, "trained for K=4 but the engine serves K=8"),
+        (
+            "wrong K",
+            {},
+            {"experts_per_token": 8},
+            "trained for K=4 but the engine serves K=8",
+        ),
         (
             "wrong kind",
             {"meta": {"kind": "lora"}},

@@ -26,11 +26,11 @@ from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.demo import TINY_DATASETS, offline_env
 from edge0_eval.engine.inputs import row_seed
 from edge0_eval.errors import ConfigError
-from edge0_eval.evaluation.fixtures import write_fixtures
-from model_wrappers.edge0_model import Edge0Model
-from model_wrappers.inferencer import sample_indices
-from model_wrappers.mlx_lm_model import MLXLMModel
-from model_wrappers.partitioner import Edge0NumWorkerPartitioner
+from edge0_eval.evaluation.data.fixtures import write_fixtures
+from model_wrappers.inferencers.inferencer import sample_indices
+from model_wrappers.models.edge0_model import Edge0Model
+from model_wrappers.models.mlx_lm_model import MLXLMModel
+from model_wrappers.partitioners.partitioner import Edge0NumWorkerPartitioner
 
 REPO = Path(__file__).resolve().parent.parent
 ITEMS = 5

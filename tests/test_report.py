@@ -12,7 +12,7 @@ from oc_tree import OCRun, infer_cfg, prompt_version
 from scipy import stats
 
 from edge0_eval.cli import main
-from edge0_eval.evaluation.details import item_correctness
+from edge0_eval.evaluation.outputs.details import item_correctness
 
 REPO = Path(__file__).resolve().parents[1]
 T, S = "qwen-teacher-fp16", "edge0-student"

@@ -326,7 +326,7 @@ def test_intervals_cover_at_their_level_at_fourteen_items():
     quantile it replaced covered ~92% (the control)."""
     import numpy as np
 
-    from edge0_eval.evaluation.samples import mean_half_width
+    from edge0_eval.evaluation.outputs.samples import mean_half_width
 
     rng = np.random.default_rng(71)
     draws = rng.normal(0.0, 1.0, (8000, 14))

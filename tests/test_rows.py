@@ -14,7 +14,7 @@ from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.inputs import chat_ids, to_messages
 from edge0_eval.engine.options import EngineOptions
-from model_wrappers.edge0_model import Edge0Model
+from model_wrappers.models.edge0_model import Edge0Model
 
 PROMPT = "Tell me a long story about a dragon and a castle by the sea."
 MAX = 24

@@ -25,8 +25,8 @@ from edge0_eval.demo import offline_env
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.batch import RowSampler, greedy_tokens, stop_token_ids
 from edge0_eval.engine.inputs import penalties_of, row_seed
-from model_wrappers.edge0_model import Edge0Model
-from model_wrappers.mlx_lm_model import MLXLMModel
+from model_wrappers.models.edge0_model import Edge0Model
+from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 PROMPTS = [
     "What is 2 + 2?",

@@ -1,4 +1,4 @@
-"""The sequential gate's rules (evaluation/sequential.py), checked by simulation as
+"""The sequential gate's rules (evaluation/significance/sequential.py), checked by simulation as
 tests/test_paired_gate.py checks the fixed-size test: runs of unchanged quality (outcomes
 redrawn at known rates, as after a harmless numerical change) fail at most at alpha whenever
 they stop; a student that dropped by the threshold is declared `within` at most at alpha; a
@@ -11,9 +11,11 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation import gate_sequential, paired, rounds
-from edge0_eval.evaluation.paired import DEFAULT_ALPHA, POWER
-from edge0_eval.evaluation.sequential import (
+from edge0_eval.evaluation.gate import rounds
+from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
+from edge0_eval.evaluation.significance import paired
+from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA, POWER
+from edge0_eval.evaluation.significance.sequential import (
     REGRESSED,
     UNDECIDED,
     WITHIN,
@@ -142,7 +144,8 @@ def _seen(values: np.ndarray, seeds: list[str]) -> np.ndarray:
     """Per gate run (one order seed each), the per-item changes in the order its sequential
     tests see them: the rounds take the sample in the run's order (rounds.run_order), a round
     report names item k by the baseline's id, and the gate sequences by round then by a
-    seeded hash (gate_sequential.sequence). values: per baseline item id, in the draw's order."""
+    seeded hash (gate.sequential_checks.sequence). values: per baseline item id, in the draw's
+    order."""
     size, shares = len(values), [0.125, 0.25, 0.5, 1.0]
     out = np.empty((len(seeds), size))
     for row, seed in enumerate(seeds):

@@ -25,13 +25,13 @@ from test_fidelity import fault_expert_scales, fault_lora_b, fault_swap_experts
 
 from edge0_eval.cli import main
 from edge0_eval.demo import make_agreement_set
-from edge0_eval.evaluation.opencompass_run import (
+from edge0_eval.evaluation.plan.opencompass_run import (
     check_run,
     load_config_with,
     offline_env,
     run_opencompass,
 )
-from edge0_eval.evaluation.planner import PlanOptions, make_plan
+from edge0_eval.evaluation.plan.planner import PlanOptions, make_plan
 from edge0_eval.gate_run import gate_run
 
 REPO = Path(__file__).resolve().parent.parent

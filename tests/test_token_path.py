@@ -26,7 +26,7 @@ import edge0_eval
 from edge0_eval.engine import batch as batch_module
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from model_wrappers.edge0_model import Edge0Model
+from model_wrappers.models.edge0_model import Edge0Model
 
 ROOT = Path(edge0_eval.__file__).resolve().parents[1]
 PROJECT = (ROOT / "edge0_eval", ROOT / "model_wrappers")
@@ -133,8 +133,8 @@ def test_an_opencompass_prediction_passes_through_ten_files(edge0_qwen, heads):
     assert isinstance(answer, str)
     outside = files.files - DECODE_FILES
     assert outside == {
-        "model_wrappers/chat.py",
-        "model_wrappers/edge0_model.py",
+        "model_wrappers/models/chat.py",
+        "model_wrappers/models/edge0_model.py",
         "edge0_eval/engine/inputs.py",
         "edge0_eval/engine/engine.py",
     }, sorted(outside)  # with the six: ten files

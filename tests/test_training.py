@@ -352,9 +352,9 @@ def test_trained_adapter_loads_in_the_engine_and_changes_outputs(pair, sft_run):
 def test_trained_adapter_loads_in_the_opencompass_student_wrapper(pair, sft_run):
     pytest.importorskip("opencompass")
     try:
-        from model_wrappers.edge0_model import Edge0Model
+        from model_wrappers.models.edge0_model import Edge0Model
     except Exception as exc:  # the wrapper is being written elsewhere
-        pytest.skip(f"model_wrappers.edge0_model not importable: {exc}")
+        pytest.skip(f"model_wrappers.models.edge0_model not importable: {exc}")
     _, student, _ = pair
     with_lora = Edge0Model(path=str(student), mode="prerouted", lora_path=str(sft_run))
     without = Edge0Model(path=str(student), mode="prerouted", no_lora=True)

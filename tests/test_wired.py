@@ -11,7 +11,7 @@ from mlx_lm.generate import wired_limit
 from edge0_eval.cli import main
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
-from edge0_eval.evaluation.fidelity_scoring import model_logprobs
+from edge0_eval.evaluation.fidelity.scoring import model_logprobs
 
 RECOMMENDED = 2**40  # large: mlx-lm warns when the model nears it
 
@@ -90,7 +90,7 @@ def test_bench_arms_run_wired(edge0_qwen, metal, tmp_path):
 
 
 def test_fidelity_scoring_and_student_generation_run_wired(edge0_qwen, metal):
-    from model_wrappers.edge0_model import Edge0Model
+    from model_wrappers.models.edge0_model import Edge0Model
 
     engine = Engine.load(
         edge0_qwen, EngineOptions(mode="reactive", experts_per_token=2)

@@ -14,19 +14,19 @@ from opencompass.utils.prompt import PromptList
 from edge0_eval.engine.batch import trim_at_stop
 from edge0_eval.engine.inputs import to_messages
 from edge0_eval.errors import ConfigError
-from model_wrappers.chat import sampling_options
+from model_wrappers.models.chat import sampling_options
 
 
 @pytest.fixture(scope="module")
 def teacher(tiny_qwen):
-    from model_wrappers.mlx_lm_model import MLXLMModel
+    from model_wrappers.models.mlx_lm_model import MLXLMModel
 
     return MLXLMModel(path=str(tiny_qwen), generation_kwargs=dict(temperature=0.0))
 
 
 @pytest.fixture(scope="module")
 def student(edge0_qwen):
-    from model_wrappers.edge0_model import Edge0Model
+    from model_wrappers.models.edge0_model import Edge0Model
 
     return Edge0Model(
         path=str(edge0_qwen),
@@ -85,7 +85,7 @@ def test_generation_kwargs_are_validated():
 
 
 def test_unknown_model_option_is_refused(tiny_qwen):
-    from model_wrappers.mlx_lm_model import MLXLMModel
+    from model_wrappers.models.mlx_lm_model import MLXLMModel
 
     with pytest.raises(ConfigError, match="unknown model options"):
         MLXLMModel(path=str(tiny_qwen), tokenizer_only=True, chat_template_kwarg={})
@@ -98,7 +98,7 @@ def test_teacher_compute_dtype(tiny_qwen):
     from mlx.utils import tree_flatten
 
     from edge0_eval.engine.mlx_compat import resolve_compute_dtype
-    from model_wrappers.mlx_lm_model import MLXLMModel
+    from model_wrappers.models.mlx_lm_model import MLXLMModel
 
     def floating(model):
         # Unquantized experts are float32 on the CPU whatever the policy (gather_mm).
@@ -170,7 +170,7 @@ def test_stop_words_trim_the_output(teacher):
     assert (
         teacher.generate([HUMAN], max_out_len=16, stopping_criteria=[stop])[0] == want
     )
-    from model_wrappers.mlx_lm_model import MLXLMModel
+    from model_wrappers.models.mlx_lm_model import MLXLMModel
 
     configured = MLXLMModel(path=teacher.path, stop_words=[stop])
     assert configured.generate([HUMAN], max_out_len=16)[0] == want
@@ -178,7 +178,7 @@ def test_stop_words_trim_the_output(teacher):
 
 
 def test_sampling_follows_generation_kwargs(tiny_qwen):
-    from model_wrappers.mlx_lm_model import MLXLMModel
+    from model_wrappers.models.mlx_lm_model import MLXLMModel
 
     def sample(seed):
         m = MLXLMModel(
@@ -191,7 +191,7 @@ def test_sampling_follows_generation_kwargs(tiny_qwen):
 
 
 def test_stats_jsonl_option(tiny_qwen, tmp_path):
-    from model_wrappers.mlx_lm_model import MLXLMModel
+    from model_wrappers.models.mlx_lm_model import MLXLMModel
 
     path = tmp_path / "stats" / "teacher.jsonl"
     m = MLXLMModel(path=str(tiny_qwen), stats_jsonl=str(path))
@@ -229,7 +229,7 @@ def test_student_missing_adapters_fail_before_loading(
     edge0_qwen, tmp_path, monkeypatch
 ):
     from edge0_eval.engine import engine
-    from model_wrappers.edge0_model import Edge0Model
+    from model_wrappers.models.edge0_model import Edge0Model
 
     def no_load(*a, **k):
         raise AssertionError("the engine must not load")
@@ -275,8 +275,8 @@ def test_both_arms_refuse_bad_sampling_values_before_loading(
     edge0_qwen, tiny_qwen, monkeypatch, gen, message
 ):
     from edge0_eval.engine.engine import Engine
-    from model_wrappers import mlx_lm_model
-    from model_wrappers.edge0_model import Edge0Model
+    from model_wrappers.models import mlx_lm_model
+    from model_wrappers.models.edge0_model import Edge0Model
 
     def no_load(*a, **k):
         raise AssertionError("the model must not load")
@@ -299,7 +299,7 @@ def test_removed_engine_options_are_refused_naming_them(
     """Options of the deleted prerouter variants (#26) in an old config: one ConfigError
     naming the key, from the student and from its option check, before anything loads."""
     from edge0_eval.engine.engine import Engine
-    from model_wrappers.edge0_model import Edge0Model, resolve_engine_options
+    from model_wrappers.models.edge0_model import Edge0Model, resolve_engine_options
 
     def no_load(*a, **k):
         raise AssertionError("the engine must not load")
@@ -313,7 +313,7 @@ def test_removed_engine_options_are_refused_naming_them(
 
 def test_adapter_defaults_match_the_engine(edge0_qwen, tmp_path):
     from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE, EngineOptions
-    from model_wrappers.edge0_model import resolve_engine_options
+    from model_wrappers.models.edge0_model import resolve_engine_options
 
     student = tmp_path / "student"
     shutil.copytree(edge0_qwen, student)
@@ -332,10 +332,10 @@ def test_classes_resolve_by_dotted_path_in_a_fresh_process(tmp_path):
     # OpenCompass task subprocesses re-read a dumped config where types are dotted strings.
     code = (
         "from opencompass.registry import MODELS, ICL_EVALUATORS, ICL_INFERENCERS\n"
-        'print(MODELS.get("model_wrappers.mlx_lm_model.MLXLMModel").__name__,\n'
-        '      MODELS.get("model_wrappers.edge0_model.Edge0Model").__name__,\n'
-        '      ICL_INFERENCERS.get("model_wrappers.inferencer.Edge0GenInferencer").__name__,\n'
-        '      ICL_EVALUATORS.get("model_wrappers.evaluators.CheckedIFBenchEvaluator")'
+        'print(MODELS.get("model_wrappers.models.mlx_lm_model.MLXLMModel").__name__,\n'
+        '      MODELS.get("model_wrappers.models.edge0_model.Edge0Model").__name__,\n'
+        '      ICL_INFERENCERS.get("model_wrappers.inferencers.inferencer.Edge0GenInferencer").__name__,\n'
+        '      ICL_EVALUATORS.get("model_wrappers.evaluators.benchmark_evaluators.CheckedIFBenchEvaluator")'
         ".__name__)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -359,7 +359,7 @@ def test_classes_resolve_by_dotted_path_in_a_fresh_process(tmp_path):
 def test_summarizer_reports_the_per_question_average(tmp_path):
     from mmengine.config import ConfigDict
 
-    from model_wrappers.summarizer import Edge0Summarizer
+    from model_wrappers.summarizers.summarizer import Edge0Summarizer
 
     def dataset(abbr):
         return dict(abbr=abbr, infer_cfg=dict(inferencer=dict(type="GenInferencer")))
@@ -394,7 +394,7 @@ def test_summarizer_reports_the_per_question_average(tmp_path):
 
 
 def test_stats_file_sits_beside_the_predictions():
-    from model_wrappers.inferencer import stats_path
+    from model_wrappers.inferencers.inferencer import stats_path
 
     assert stats_path("p/m", "IFBench.json") == os.path.join(
         "p/m", "IFBench.engine_stats.json"

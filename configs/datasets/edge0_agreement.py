@@ -2,9 +2,9 @@
 # gate's benchmark, on which the tiny random-weight models pass items (they pass none of the
 # five benchmarks). The set is made from the teacher by `edge0-eval demo --gate`; the model
 # config's generation settings apply (the references were made with the teacher arm's).
-from model_wrappers.agreement_dataset import AgreementDataset
-from model_wrappers.agreement_evaluator import AgreementEvaluator
-from model_wrappers.inferencer import Edge0GenInferencer
+from model_wrappers.datasets.agreement_dataset import AgreementDataset
+from model_wrappers.evaluators.agreement_evaluator import AgreementEvaluator
+from model_wrappers.inferencers.inferencer import Edge0GenInferencer
 from opencompass.openicl.icl_prompt_template import PromptTemplate
 from opencompass.openicl.icl_retriever import ZeroRetriever
 

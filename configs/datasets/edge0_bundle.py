@@ -21,12 +21,12 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.evaluators import (
+from model_wrappers.evaluators.benchmark_evaluators import (
     CheckedIFBenchEvaluator,
     SubsetHumanEvalEvaluator,
     edge0_answer_text,
 )
-from model_wrappers.inferencer import Edge0GenInferencer
+from model_wrappers.inferencers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
 from opencompass.openicl.icl_evaluator import AccwithDetailsEvaluator
 
@@ -51,7 +51,8 @@ for d in mmlu_pro_datasets:
 
 # An output cut inside its <think> block scores as an empty answer (edge0_answer_text, default
 # 'empty'); EDGE0_OPEN_THINKING=pass restores OpenCompass's pass-through of the whole text. The
-# names are edge0_eval.evaluation.thinking.OPEN_THINKING_RULES (a config cannot call project code).
+# names are edge0_eval.evaluation.outputs.thinking.OPEN_THINKING_RULES (a config cannot call
+# project code).
 edge0_open_thinking = (
     {"open_thinking": os.environ["EDGE0_OPEN_THINKING"]}
     if os.environ.get("EDGE0_OPEN_THINKING")

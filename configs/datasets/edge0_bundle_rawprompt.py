@@ -7,12 +7,12 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.evaluators import (
+from model_wrappers.evaluators.benchmark_evaluators import (
     CheckedIFBenchEvaluator,
     SubsetHumanEvalEvaluator,
     edge0_answer_text,
 )
-from model_wrappers.inferencer import Edge0GenInferencer
+from model_wrappers.inferencers.inferencer import Edge0GenInferencer
 from opencompass.evaluator import MATHVerifyEvaluator
 from opencompass.openicl.icl_evaluator import AccwithDetailsEvaluator
 from opencompass.utils.text_postprocessors import match_answer_pattern

@@ -1,4 +1,4 @@
-# Arms served over an OpenAI-compatible API (model_wrappers/edge0_api_model.py), beside the
+# Arms served over an OpenAI-compatible API (model_wrappers/models/edge0_api_model.py), beside the
 # in-process arms of edge0_arms.py, with the same generation settings, seeds and stop rules, so
 # the report pairs either kind with the other (data only: configs pick arms by name).
 #   student_api  the student on one or several `edge0-eval serve` hosts, each started with the
@@ -10,7 +10,7 @@
 # Each reads its model's tokenizer from a local copy (the in-process arm's model path): the
 # chat template's thinking opener and the stop ids. Teacher-forced fidelity needs the model in
 # the process: a run with an API arm leaves the fidelity datasets out.
-from model_wrappers.edge0_api_model import Edge0APIModel
+from model_wrappers.models.edge0_api_model import Edge0APIModel
 
 edge0_api_arms = dict(
     teacher_api=dict(type=Edge0APIModel, path="default_model"),

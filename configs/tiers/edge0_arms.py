@@ -5,8 +5,8 @@
 #   student           prerouted + the recovery LoRA: exactly the served student path
 # so a report splits the teacher-student gap into quantization (teacher - int4_exact), prerouting
 # (int4_exact - prerouted_nolora) and LoRA recovery (student - prerouted_nolora).
-from model_wrappers.edge0_model import Edge0Model
-from model_wrappers.mlx_lm_model import MLXLMModel
+from model_wrappers.models.edge0_model import Edge0Model
+from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 edge0_arms = dict(
     teacher=dict(type=MLXLMModel),

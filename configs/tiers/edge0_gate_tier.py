@@ -1,7 +1,8 @@
 # What the 35B and 8B gate configs share (configs/edge0_35b_gate.py, edge0_8b_gate.py): each
-# picks its entry of `edge0_gate_tiers`, `edge0_gate_datasets` and `edge0_gate_models`. The
-# tier's arms, paths, sampling, batch sizes and summary are the tier base's
-# (configs/tiers/edge0_tier.py); what a gate changes is said here.
+# picks its entry of `edge0_gate_tiers` and `edge0_gate_datasets`, and builds its arms from the
+# tier base's `edge0_tier` with `edge0_gate_generation` over them. The tier's arms, paths,
+# sampling, batch sizes and summary are the tier base's (configs/tiers/edge0_tier.py); what a
+# gate changes is said here.
 #
 # Two parts, each gated against a baseline run of the same config:
 #   fidelity  teacher-forced agreement with the teacher (configs/datasets/edge0_fidelity.py):
@@ -24,7 +25,7 @@
 # budget on near-certain misses. Scores of the sample are not the tier's published numbers
 # (another regime); they are compared with the baseline only.
 #
-# Sizing (data: configs cannot run project code), per tier:
+# Sizing (data, pasted from the planner), per tier:
 #     edge0-eval plan configs/edge0_35b_gate.py --size-gate     # prints samples and drops
 # from the inputs below; tests/test_gate_configs.py checks that the sizes are that command's.
 # After a first gate run, `--size-gate --from RUN` sizes with measured lengths and rate.
@@ -32,14 +33,14 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.round_partitioner import Edge0RoundPartitioner
+from model_wrappers.partitioners.round_partitioner import Edge0RoundPartitioner
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 
 with read_base():
     from ..datasets.edge0_bundle import edge0_datasets
     from ..datasets.edge0_fidelity import edge0_fidelity_datasets
-    from .edge0_tier import *  # noqa: F401,F403 (edge0_tier_models, problems, summarizer)
+    from .edge0_tier import *  # noqa: F401,F403 (edge0_tier, summarizer)
 
 edge0_gate_generation = dict(
     max_out_len=1024, chat_template_kwargs=dict(enable_thinking=False)
@@ -100,36 +101,26 @@ edge0_gate_sized = dict(
 )
 edge0_gate_tiers = {"35b": edge0_gate_sized, "8b": edge0_gate_sized}
 
-# EDGE0_GATE_ROUND (set by `gate-run --sequential`): 0 runs the whole sample, r its round r.
-edge0_gate_round = os.environ.get("EDGE0_GATE_ROUND") or "0"
-if not edge0_gate_round.isdigit():
-    raise SystemExit(
-        f"edge0-eval: EDGE0_GATE_ROUND={edge0_gate_round!r} is not a round number"
-    )
+# Project code, called at parse time: mmengine parses a config's import statements into
+# placeholders that cannot be called, so this module comes through the builtin __import__.
+edge0_tiers = __import__("edge0_eval.evaluation.plan.tiers", fromlist=["gate_round"])
+# EDGE0_GATE_ROUND (set by `gate-run --sequential`): 0 runs the whole sample, r its round r; a
+# value that is not a round number stops here, one line.
+edge0_gate_round = edge0_tiers.for_config(edge0_tiers.gate_round, os.environ)
 # EDGE0_GATE_SEED (drawn by `gate-run --sequential` before round 1): the order the rounds take
-# the sample in, fresh for every run (edge0_eval/evaluation/rounds.py says why).
-edge0_gate_seed = os.environ.get("EDGE0_GATE_SEED") or ""
+# the sample in, fresh for every run (edge0_eval/evaluation/gate/rounds.py says why).
+edge0_gate_seed = edge0_tiers.gate_seed(os.environ)
 # The datasets the sample is drawn from (the sizing reads them), then each tier's sample.
 edge0_gate_sources = edge0_datasets
-edge0_gate_datasets = {
-    tier: [
-        dict(d, reader_cfg=dict(d["reader_cfg"], test_range=gate["samples"][d["abbr"]]))
-        for d in edge0_gate_sources
-        if gate["samples"].get(d["abbr"])
-    ]
-    + edge0_fidelity_datasets
-    for tier, gate in edge0_gate_tiers.items()
-}
-edge0_gate_models = {
-    tier: [dict(m, **edge0_gate_generation) for m in tier_models]
-    for tier, tier_models in edge0_tier_models.items()
-}
+edge0_gate_datasets = edge0_tiers.gate_datasets(
+    edge0_gate_tiers, edge0_gate_sources, edge0_fidelity_datasets
+)
 
 infer = dict(
     partitioner=dict(
         type=Edge0RoundPartitioner,
         rounds=edge0_gate_rounds,
-        round=int(edge0_gate_round),
+        round=edge0_gate_round,
         seed=edge0_gate_seed,
         stage="infer",
     ),
@@ -140,7 +131,7 @@ eval = dict(
         type=Edge0RoundPartitioner,
         check_models=False,
         rounds=edge0_gate_rounds,
-        round=int(edge0_gate_round),
+        round=edge0_gate_round,
         seed=edge0_gate_seed,
         stage="eval",
     ),
@@ -148,4 +139,4 @@ eval = dict(
 )
 
 # a module in the config namespace would break the config dump OpenCompass re-reads
-del os
+del edge0_tiers, os

@@ -2,7 +2,7 @@
 # but the preflight accepts benchmark slices (full_data=False). One task per arm (all datasets in
 # it, so each model loads once), one arm at a time; data and models are checked before anything
 # starts.
-from model_wrappers.partitioner import Edge0Partitioner
+from model_wrappers.partitioners.partitioner import Edge0Partitioner
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 

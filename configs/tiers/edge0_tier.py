@@ -1,5 +1,6 @@
 # What the 35B and 8B tiers share: benchmarks, generation, arms, partitioning, summary. Each tier
-# config picks its entry of `edge0_tier_models` and stops on its `edge0_tier_problems`.
+# config builds its arms from `edge0_tier` and the EDGE0_* variables
+# (edge0_eval/evaluation/plan/tiers.py says which), stopping on a missing or bad one.
 #
 # Generation settings, identical for every arm (see configs/README.md):
 #   thinking on (chat template enable_thinking=True, ignored by a template without that switch;
@@ -10,8 +11,8 @@ import os
 
 from mmengine.config import read_base
 
-from model_wrappers.partitioner import Edge0Partitioner
-from model_wrappers.summarizer import Edge0Summarizer
+from model_wrappers.partitioners.partitioner import Edge0Partitioner
+from model_wrappers.summarizers.summarizer import Edge0Summarizer
 from opencompass.runners import LocalRunner
 from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask
 
@@ -25,12 +26,14 @@ with read_base():
     from .edge0_api import edge0_api_arms, edge0_api_paths
     from .edge0_arms import edge0_arm_paths, edge0_arms
 
-edge0_selected = os.environ.get("EDGE0_ARMS", "teacher,student").split(",")
+# Project code, called at parse time: mmengine parses a config's import statements into
+# placeholders that cannot be called, so this module comes through the builtin __import__.
+edge0_tiers = __import__("edge0_eval.evaluation.plan.tiers", fromlist=["tier_models"])
 # The five benchmarks, then teacher-forced fidelity on a set made from the tier's fp16 teacher
 # (`edge0-eval fidelity make`, laid out by `edge0-eval data stage --fidelity FILE`); a run with
 # a served arm (edge0_api.py) leaves fidelity out: it needs the model in the process.
-datasets = edge0_datasets + (
-    [] if set(edge0_selected) & set(edge0_api_arms) else edge0_fidelity_datasets
+datasets = edge0_tiers.tier_datasets(
+    os.environ, edge0_datasets, edge0_fidelity_datasets, edge0_api_arms
 )
 
 # Sampling, chosen by EDGE0_SAMPLING (default `opencompass`), the same for every arm of a run
@@ -57,7 +60,6 @@ edge0_tier_sampling = {
     },
     "card": {"35b": dict(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5)},
 }
-edge0_sampling = os.environ.get("EDGE0_SAMPLING") or "opencompass"
 generation = dict(
     max_out_len=32768,
     max_seq_len=40960,
@@ -105,75 +107,21 @@ edge0_roles = dict(
     student="the student directory (`edge0-eval convert` output holding "
     "lora.safetensors and prerouter.safetensors)",
 )
-edge0_roles_of = {**edge0_arm_paths, **edge0_api_paths}
-edge0_unknown = sorted(set(edge0_selected) - set(edge0_roles_of))
-edge0_tier_models, edge0_tier_problems = {}, {}
-for tier, student_settings in edge0_tier_students.items():
-    variables = {role: f"EDGE0_{tier.upper()}_{role.upper()}" for role in edge0_roles}
-    paths = {role: os.environ.get(v) for role, v in variables.items()}
-    # Served arms: EDGE0_35B_STUDENT_API=http://host-a:8001/v1,http://host-b:8001/v1, and
-    # EDGE0_35B_TEACHER_API=http://host-t:8080/v1; the role's path is their local tokenizer copy.
-    urls = {
-        arm: (os.environ.get(f"EDGE0_{tier.upper()}_{arm.upper()}") or "").split(",")
-        for arm in edge0_api_arms
-    }
-    edge0_tier_problems[tier] = (
-        [
-            f"edge0-eval: EDGE0_ARMS has unknown arms {edge0_unknown}; choose from "
-            f"{', '.join(edge0_roles_of)}"
-        ]
-        if edge0_unknown
-        else [
-            f"edge0-eval: EDGE0_SAMPLING={edge0_sampling!r} is not a sampling of the {tier} tier; "
-            f"choose from {', '.join(k for k, v in edge0_tier_sampling.items() if tier in v)}"
-        ]
-        if tier not in edge0_tier_sampling.get(edge0_sampling, {})
-        else [
-            f"edge0-eval: {variables[role]} is not set: export it to {what}"
-            for role, what in edge0_roles.items()
-            if not paths[role]
-            and any(edge0_roles_of[a] == role for a in edge0_selected)
-        ]
-        + [
-            f"edge0-eval: EDGE0_{tier.upper()}_{arm.upper()} is not set: export it to the "
-            f"server URL(s), comma-separated (http://HOST:PORT/v1)"
-            for arm in edge0_api_arms
-            if arm in edge0_selected and not urls[arm][0]
-        ]
-    )
-    edge0_tier_models[tier] = (
-        []
-        if (edge0_unknown or tier not in edge0_tier_sampling.get(edge0_sampling, {}))
-        else [
-            dict(
-                abbr=f"edge0-{tier}-" + arm.replace("_", "-"),
-                path=paths[edge0_arm_paths[arm]],
-                **edge0_arms[arm],
-                **({} if arm == "teacher" else student_settings),
-                **generation,
-                generation_kwargs=dict(
-                    edge0_tier_sampling[edge0_sampling][tier], seed=0
-                ),
-                batch_size=edge0_tier_batch[tier][
-                    "teacher" if arm == "teacher" else "student"
-                ],
-            )
-            if arm in edge0_arms
-            else dict(
-                abbr=f"edge0-{tier}-" + arm.replace("_", "-"),
-                **edge0_api_arms[arm],
-                openai_api_base=urls[arm],
-                tokenizer_path=paths[edge0_api_paths[arm]],
-                **generation,
-                generation_kwargs=dict(
-                    edge0_tier_sampling[edge0_sampling][tier], seed=0
-                ),
-                batch_size=edge0_tier_batch[tier][edge0_api_paths[arm]]
-                * len(urls[arm]),
-            )
-            for arm in edge0_selected
-        ]
-    )
+# Everything a tier config builds its arms from (tiers.tier_models): each selected arm of
+# EDGE0_ARMS, on its role's model directory (EDGE0_<TIER>_TEACHER, _STUDENT) or its servers
+# (EDGE0_<TIER>_TEACHER_API, _STUDENT_API: http://host-a:8001/v1,http://host-b:8001/v1; the
+# role's directory is then their local tokenizer copy).
+edge0_tier = dict(
+    arms=edge0_arms,
+    arm_paths=edge0_arm_paths,
+    api_arms=edge0_api_arms,
+    api_paths=edge0_api_paths,
+    roles=edge0_roles,
+    sampling=edge0_tier_sampling,
+    students=edge0_tier_students,
+    batch=edge0_tier_batch,
+    generation=generation,
+)
 
 # A module in the config namespace would break the config dump OpenCompass re-reads.
-del os
+del edge0_tiers, os

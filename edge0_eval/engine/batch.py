@@ -47,7 +47,7 @@ read back. The batch decoder steps rows; each row owns the rest:
   its seed, its prompt and its own logits only: the same prompt and seed give the same sample
   alone or in any batch, at any position in it (OpenCompass runs stay reproducible at any
   `batch_size`). Filters and penalties are mlx-lm's (its sampling options: sampling.py). The engine
-  (`RowSampler`) and the mlx-lm teacher (model_wrappers/mlx_lm_model.py: `row_sampler`, with
+  (`RowSampler`) and the mlx-lm teacher (model_wrappers/models/mlx_lm_model.py: `row_sampler`, with
   mlx-lm's own logits processors) share them;
 - its stop rule (`StopRule`: stop ids, stop strings and max_tokens, with the one text reader the
   rule, a stream and the final text share): the batch decoder feeds a row each token it

@@ -208,5 +208,5 @@ def check_penalties(penalties: Mapping[str, Any]) -> dict:
 
 
 def penalties_of(options: Mapping[str, Any]) -> dict:
-    """The penalty options in a resolved sampling dict (see model_wrappers.chat)."""
+    """The penalty options in a resolved sampling dict (see model_wrappers.models.chat)."""
     return {k: options[k] for k in PENALTY_KEYS if options.get(k) is not None}

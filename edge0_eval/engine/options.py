@@ -3,7 +3,7 @@
     options = EngineOptions(mode="prerouted", experts_per_token=4)
     resolved = options.resolve("model-edge0")   # K, slots per layer, adapter files, clipping
 
-The CLI (arguments/engine_flags), the OpenCompass student (model_wrappers/edge0_model) and the
+The CLI (arguments/engine_flags), the OpenCompass student (model_wrappers/models/edge0_model) and the
 training stages build an `EngineOptions` and hand it to `Engine.load` unchanged; `resolve` is
 where every default that depends on the model is decided.
 

@@ -30,7 +30,7 @@ def prompts() -> list[str]:
     prompts, in file order (of 1,059 with the pinned wheels)."""
     # The fidelity module loads MLX and the engine: imported only when prompts are read, so
     # the planner and the OpenCompass loader do not pay for it.
-    from edge0_eval.evaluation.fidelity_scoring import gather_prompts
+    from edge0_eval.evaluation.fidelity.scoring import gather_prompts
 
     got, _ = gather_prompts(["humaneval", "ifbench"], [], None)
     lines: dict[str, None] = {}

@@ -1,7 +1,9 @@
 """Where OpenCompass looks for benchmark data, and files shipped inside installed packages.
 
-The lowest layer of the data modules (data_checks, nltk_data and data import it; it imports none
-of them).
+The lowest layer of the data modules (data/checks.py, data/nltk_data.py and data.py import it; it
+imports none of them). It sits beside benchmarks.py, not in data/, because fidelity/scoring.py
+reads it too, and data/staging.py reads the fidelity set: neither subpackage imports the other
+both ways.
 """
 
 from __future__ import annotations

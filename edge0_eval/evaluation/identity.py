@@ -1,11 +1,11 @@
 """A model's identity: which weights and adapters produced a run's outputs.
 
-Computed where the model runs (model_wrappers/inferencer.py writes it into every sample's
-engine stats as `model_identity`), so a report made on another machine, without the model
-files, still knows it. Short digests (16 hex digits of sha256):
+Computed where the model runs (model_wrappers/inferencers/inferencer.py writes it into every
+sample's engine stats as `model_identity`), so a report made on another machine, without the
+model files, still knows it. Short digests (16 hex digits of sha256):
   weights    config.json, the tokenizer files, the expert index (experts.index.json: every
              expert bundle's crc32) and the resident or teacher weight files' names, sizes and
-             safetensors headers (fidelity_set.fingerprint)
+             safetensors headers (fidelity.sets.fingerprint)
   lora, prerouter, hedge   the whole adapter / heads files the engine resolved (None: none)
 `report` lets arms differ in identity (that is what is compared); `gate` says when the
 current run's identity differs from the baseline's, since that is the change being judged.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from edge0_eval.evaluation.fidelity_set import fingerprint
+from edge0_eval.evaluation.fidelity.sets import fingerprint
 from edge0_eval.formats.layout import INDEX_NAME, RESIDENT_NAME
 
 DIGITS = 16

@@ -1,0 +1,644 @@
+"""The fidelity section of the gap report, and its gate checks.
+
+Reads each arm's fidelity results (configs/datasets/edge0_fidelity.py: per-item kl, agreement,
+nll, greedy_match, source in `details`) from the OpenCompass runs the report reads. Per arm: the
+means, a 95% interval from the paired per-item differences against the teacher (mean +- t *
+sd / sqrt(n), as the benchmark tables), a per-source breakdown, and the decomposition
+  quantization   int4_exact        vs teacher
+  routing        prerouted_nolora  vs int4_exact
+  LoRA recovery  student           vs prerouted_nolora (positive: the LoRA brought it back)
+in KL (nats) and agreement (points). The teacher row is a sanity check: KL 0, agreement 100.
+
+Gate: teacher-forced scoring of a fixed set is deterministic, so the spread of the per-prompt
+changes across prompts is not noise (a fault on a few prompts widens it and would hide
+itself). Per non-teacher arm of the baseline, against the baseline's per-prompt values, FAIL
+when
+  mean KL move     |current KL - baseline KL|        > max(max_kl_rise x baseline KL,
+                                                          MIN_KL_RISE) + noise
+  mean agreement   baseline - current agreement      > max_agreement_drop + noise
+  prompts past     more than floor(max_prompts_past x prompts) prompts past their own
+                   tolerance: KL up by more than max(prompt_kl_rise x the prompt's baseline
+                   KL, the arm's mean allowance) + noise, or agreement down by more than
+                   prompt_agreement_drop points + noise
+A fall of the mean fails too: a move either way means the served path's numerics changed
+(on a random-weight model a wrong expert can as well lower KL); refresh the baseline when the
+change is intended. The KL thresholds are relative (KL scales differ by orders of magnitude
+between models). noise is measured, never assumed: a baseline made from several runs
+(`gate-baseline`) holds each prompt's values in every run, and the allowance is their range
+(the largest difference between two of its runs on any prompt: KL relative to the prompt's,
+agreement in points, allowed on every prompt and on the means); a single-run baseline allows
+none (the measure is deterministic). FAIL also when the
+arm's fidelity is missing or failed, either side has no per-prompt values, the items differ
+from the baseline's, or the teacher row is not KL 0 / agreement 100 (the set was made from
+another teacher).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.fidelity import positions as fidelity_positions
+from edge0_eval.evaluation.fidelity.sets import DATASET_ABBR, METRICS
+from edge0_eval.evaluation.outputs.runs import Run
+from edge0_eval.evaluation.outputs.samples import mean_half_width
+
+ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
+# (step, arm a, arm b): the step's figure is KL(a) - KL(b) and agreement(b) - agreement(a), so
+# quantization and routing are losses and lora_recovery a gain, each positive when as named.
+STEPS = (
+    ("quantization", "int4_exact", "teacher"),
+    ("routing", "prerouted_nolora", "int4_exact"),
+    ("lora_recovery", "prerouted_nolora", "student"),
+)
+DEFAULT_MAX_KL_RISE = 0.05  # relative: 5% of the baseline's KL
+MIN_KL_RISE = 1e-4  # nats: below this a rise is float noise
+DEFAULT_MAX_AGREEMENT_DROP = 2.0  # points
+DEFAULT_PROMPT_KL_RISE = 1.0  # relative, per prompt: its KL at most doubles
+DEFAULT_PROMPT_AGREEMENT_DROP = 10.0  # points, per prompt
+DEFAULT_MAX_PROMPTS_PAST = 0.01  # share of prompts allowed past their own tolerance
+# The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
+SANITY_KL = 1e-9
+POSITION_KEYS = ("kl_positions", "agree_positions")  # sets.score_item's
+
+
+def is_fidelity(dataset: str) -> bool:
+    return dataset.startswith(DATASET_ABBR)
+
+
+def _first(value):
+    # OpenCompass regroups details per example, each key a list over replicas (n = 1 here).
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _per_position(value) -> list | None:
+    """A per-position list of a detail, regrouped ([[...]]) or not ([...]); None if absent."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        value = value[0]
+    return value if isinstance(value, list) else None
+
+
+def load_arm(abbr: str, run: Run) -> dict:
+    """{status, dataset, items: {id: {metric..., source}}, notes} of one arm's fidelity."""
+    datasets = [d for d in run.datasets if is_fidelity(d)]
+    out = {"abbr": abbr, "status": "missing", "dataset": None, "items": {}, "notes": []}
+    if not datasets:
+        out["notes"].append(f"{abbr}: no fidelity dataset in {run.path}")
+        return out
+    out["dataset"] = datasets[0]
+    path = run.path / "results" / abbr / f"{datasets[0]}.json"
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        out["status"] = "failed"
+        out["notes"].append(f"{path}: unreadable or missing ({type(exc).__name__})")
+        return out
+    if "error" in result or not result.get("details"):
+        out["status"] = "failed"
+        out["notes"].append(f"{path}: {result.get('error') or 'no per-item details'}")
+        return out
+    details = result["details"]
+    details = list(details.values()) if isinstance(details, dict) else details
+    for detail in details:
+        if not isinstance(detail, dict) or "id" not in detail:
+            continue
+        row = {
+            m: _detail_number(path, _first(detail["id"]), m, _first(detail[m]))
+            for m in METRICS
+            if m in detail
+        }
+        _check_item(path, _first(detail["id"]), row)
+        if len(row) != len(METRICS):
+            out["status"] = "failed"
+            out["notes"].append(
+                f"{path}: item {_first(detail['id'])} lacks one of {METRICS}"
+            )
+            return out
+        row["source"] = str(_first(detail.get("source", "")))
+        # Results written before per-position figures were recorded have none (no profile).
+        for key in POSITION_KEYS:
+            row[key] = _per_position(detail.get(key))
+        out["items"][str(_first(detail["id"]))] = row
+    out["status"] = "ok" if out["items"] else "failed"
+    return out
+
+
+KL_ROUNDING = 1e-6  # a per-item mean KL this far below 0 is rounding, not corruption
+
+
+def _detail_number(path, item, metric: str, value) -> float:
+    """A metric of one item's details as the evaluator writes it: a JSON number (a string such
+    as "abc" or "0.5", a bool, null or NaN is a corrupt file, not something to convert)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+    ):
+        raise Edge0Error(
+            f"{path}: item {item}: {metric} is {value!r}, not a finite number; the "
+            f"fidelity results are corrupt, re-run that task (delete the file)"
+        )
+    return float(value)
+
+
+def _check_item(path, item, row: dict) -> None:
+    """Details hold KL in nats (finite, >= 0 but for rounding: an arm within float32 rounding
+    of the teacher can score -1e-8) and agreement as a share in [0, 1]."""
+    kl, agreement = row.get("kl"), row.get("agreement")
+    if kl is not None and not (math.isfinite(kl) and kl >= -KL_ROUNDING):
+        raise Edge0Error(
+            f"{path}: item {item}: kl {kl} is not a finite number >= 0; the "
+            f"fidelity results are corrupt, re-run that task (delete the file)"
+        )
+    if agreement is not None and not 0.0 <= agreement <= 1.0:
+        raise Edge0Error(
+            f"{path}: item {item}: agreement {agreement} is not a share in [0, 1]; "
+            f"the fidelity results are corrupt, re-run that task (delete the file)"
+        )
+
+
+def teacher_sane(kl: float, agreement: float) -> bool:
+    """The teacher on its own set: KL 0 (float noise allowed), agreement 100 points."""
+    return abs(kl) <= SANITY_KL and agreement == 100.0
+
+
+def _scale(metric: str) -> float:
+    return 100.0 if metric == "agreement" else 1.0  # agreement in points
+
+
+def _summary(items: dict, ids: list[str], teacher: dict | None) -> dict:
+    out = {"items": len(ids)}
+    for m in METRICS:
+        values = [items[i][m] * _scale(m) for i in ids]
+        out[m] = sum(values) / len(values)
+        if teacher is not None:
+            _, hw = mean_half_width(
+                [v - teacher[i][m] * _scale(m) for i, v in zip(ids, values)]
+            )
+            out[f"{m}_half_width"] = hw
+    return out
+
+
+def build(arms: dict) -> dict | None:
+    """The report's `fidelity` entry from arm -> (abbr, run); None when no run has fidelity."""
+    if not any(is_fidelity(d) for _, r in arms.values() for d in r.datasets):
+        return None
+    return summarize({arm: load_arm(abbr, r) for arm, (abbr, r) in arms.items()})
+
+
+def arm_items(abbr: str, rows: list[dict]) -> dict:
+    """load_arm's shape from scored rows (fidelity.score_model): for tests and tools."""
+    return {
+        "abbr": abbr,
+        "status": "ok",
+        "dataset": DATASET_ABBR,
+        "notes": [],
+        "items": {
+            r["id"]: {
+                **{m: float(r[m]) for m in METRICS},
+                "source": r["source"],
+                **{k: r.get(k) for k in POSITION_KEYS},
+            }
+            for r in rows
+        },
+    }
+
+
+def summarize(loaded: dict) -> dict:
+    """The section from arm -> load_arm(...) results."""
+    notes = [n for a in loaded.values() for n in a["notes"]]
+    teacher = loaded.get("teacher")
+    ids = sorted(teacher["items"]) if teacher and teacher["status"] == "ok" else []
+    table = {}
+    for arm, got in loaded.items():
+        entry = {
+            "abbr": got["abbr"],
+            "status": got["status"],
+            "dataset": got["dataset"],
+        }
+        if got["status"] == "ok" and ids and set(got["items"]) != set(ids):
+            entry["status"] = "items_mismatch"
+            notes.append(
+                f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
+                f"the teacher {len(ids)}; not paired"
+            )
+        if entry["status"] == "ok" and ids:
+            # The teacher's interval against itself says nothing: none.
+            versus = None if arm == "teacher" else teacher["items"]
+            entry.update(_summary(got["items"], ids, versus))
+            sources = sorted({got["items"][i]["source"] for i in ids})
+            entry["by_source"] = {
+                s: _summary(
+                    got["items"],
+                    [i for i in ids if got["items"][i]["source"] == s],
+                    versus,
+                )
+                for s in sources
+            }
+            rows = [got["items"][i] for i in ids]
+            if all(r.get("kl_positions") is not None for r in rows):
+                entry["positions"] = fidelity_positions.profile(
+                    [(r["kl_positions"], r["agree_positions"]) for r in rows]
+                )
+            else:
+                notes.append(
+                    f"fidelity: {arm} {got['abbr']}: no per-position figures (results "
+                    f"from before they were recorded); re-run its fidelity task for "
+                    f"the position view"
+                )
+        table[arm] = entry
+    per_item = {
+        arm: {
+            i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
+            for i in ids
+        }
+        for arm, e in table.items()
+        if e["status"] == "ok" and ids
+    }
+    decomposition = {}
+    for step, a, b in STEPS:
+        if all(table.get(x, {}).get("status") == "ok" for x in (a, b)) and ids:
+            decomposition[step] = {
+                m: dict(
+                    zip(
+                        ("delta", "half_width"),
+                        mean_half_width(
+                            [
+                                sign
+                                * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m])
+                                * _scale(m)
+                                for i in ids
+                            ]
+                        ),
+                    )
+                )
+                for m, sign in (("kl", 1.0), ("agreement", -1.0))
+            }
+    sanity = None
+    if table.get("teacher", {}).get("status") == "ok":
+        t = table["teacher"]
+        sanity = {
+            "kl": t["kl"],
+            "agreement": t["agreement"],
+            "ok": teacher_sane(t["kl"], t["agreement"]),
+        }
+        if not sanity["ok"]:
+            notes.append(
+                f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
+                f"{t['agreement']:.2f} on its own set: the set was made from another "
+                f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
+                f"it again, fidelity/sets.py)"
+            )
+    ok = (
+        bool(ids)
+        and all(e["status"] == "ok" for e in table.values())
+        and bool(sanity and sanity["ok"])
+    )
+    return {
+        "status": "ok" if ok else "incomplete",
+        "items": len(ids),
+        "units": {
+            "kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
+            "agreement": "points: % of positions whose argmax is the teacher's token",
+            "nll": "nats per teacher token",
+            "greedy_match": "positions",
+        },
+        "interval": "95%, paired per-item differences against the teacher",
+        "arms": table,
+        "decomposition": decomposition,
+        "teacher_sanity": sanity,
+        "per_item": per_item,
+        "notes": notes,
+    }
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def _f(value, digits: int = 4, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _pm(value, hw, digits: int) -> str:
+    return _f(value, digits) + (f" \u00b1{hw:.{digits}f}" if hw is not None else "")
+
+
+def _table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return (
+        "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+        + "\n"
+    )
+
+
+def markdown(fid: dict | None) -> str:
+    if fid is None:
+        return ""
+    md = [
+        "## Fidelity (teacher-forced)\n",
+        f"Each arm's next-token log-probs on the teacher's own greedy continuations, "
+        f"{fid['items']} prompts; KL(teacher || arm) in nats over the teacher's top-k plus a "
+        f"tail bucket, agreement = % of positions where the arm's argmax is the teacher's "
+        f"token, NLL of the teacher's tokens, greedy match = positions before the first "
+        f"disagreement. \u00b1: {fid['interval']}. Status: {fid['status']}.\n",
+    ]
+    rows = []
+    for arm, e in fid["arms"].items():
+        if e["status"] != "ok" or "kl" not in e:
+            rows.append([arm, e["abbr"], e["status"], "", "", "", ""])
+            continue
+        rows.append(
+            [
+                arm,
+                e["abbr"],
+                e["items"],
+                _pm(e["kl"], e.get("kl_half_width"), 4),
+                _pm(e["agreement"], e.get("agreement_half_width"), 2),
+                _pm(e["nll"], e.get("nll_half_width"), 3),
+                _pm(e["greedy_match"], e.get("greedy_match_half_width"), 2),
+            ]
+        )
+    md.append(
+        _table(
+            ["arm", "model", "items", "KL", "agreement", "NLL", "greedy match"], rows
+        )
+    )
+    if fid["decomposition"]:
+        md.append(
+            "Decomposition: quantization loss = int4 exact vs teacher, routing loss = "
+            "prerouted no LoRA vs int4 exact, LoRA recovery = student vs prerouted no LoRA; "
+            "KL in nats (rise for a loss, fall for the recovery), agreement in points "
+            "(drop for a loss, gain for the recovery); positive = as named.\n"
+        )
+        md.append(
+            _table(
+                ["step", "KL", "agreement"],
+                [
+                    [
+                        s,
+                        _pm(d["kl"]["delta"], d["kl"]["half_width"], 4),
+                        _pm(d["agreement"]["delta"], d["agreement"]["half_width"], 2),
+                    ]
+                    for s, d in fid["decomposition"].items()
+                ],
+            )
+        )
+    src_rows = [
+        [
+            arm,
+            s,
+            v["items"],
+            _f(v["kl"]),
+            _f(v["agreement"], 2),
+            _f(v["nll"], 3),
+            _f(v["greedy_match"], 2),
+        ]
+        for arm, e in fid["arms"].items()
+        for s, v in (e.get("by_source") or {}).items()
+    ]
+    if src_rows:
+        md.append("Per source:\n")
+        md.append(
+            _table(
+                ["arm", "source", "items", "KL", "agreement", "NLL", "greedy match"],
+                src_rows,
+            )
+        )
+    if fid["notes"]:
+        md.extend(f"- {n}" for n in fid["notes"])
+        md.append("")
+    md.append(fidelity_positions.markdown(fid["arms"]))
+    md.append("![fidelity](fidelity.png)\n")
+    return "\n".join(md)
+
+
+def write_plot(fid: dict | None, path) -> None:
+    if fid is None:
+        return
+    import matplotlib  # slow import: plotting only (gate reads this module too)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # slow import: plotting only
+
+    arms = [
+        a
+        for a in ARMS
+        if fid["arms"].get(a, {}).get("status") == "ok" and "kl" in fid["arms"][a]
+    ]
+    groups = ["all"] + sorted(
+        {s for a in arms for s in fid["arms"][a].get("by_source", {})}
+    )
+    by_position = any(fid["arms"].get(a, {}).get("positions") for a in arms)
+    fig, axes = plt.subplots(
+        1, 3 if by_position else 2, figsize=(16 if by_position else 11, 4)
+    )
+    width = 0.8 / max(1, len(arms))
+    for ax, metric, label in (
+        (axes[0], "kl", "KL(teacher || arm), nats (lower is better)"),
+        (axes[1], "agreement", "top-1 agreement, % (higher is better)"),
+    ):
+        for i, arm in enumerate(arms):
+            e = fid["arms"][arm]
+            values = [
+                e[metric] if g == "all" else e["by_source"].get(g, {}).get(metric, 0.0)
+                for g in groups
+            ]
+            errs = [
+                (e if g == "all" else e["by_source"].get(g, {})).get(
+                    f"{metric}_half_width"
+                )
+                or 0.0
+                for g in groups
+            ]
+            xs = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
+            ax.bar(xs, values, width, yerr=errs, capsize=3, label=arm)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_title(label, fontsize=9)
+    axes[1].set_ylim(0, 105)
+    if by_position:
+        fidelity_positions.plot(axes[2], {a: fid["arms"][a] for a in arms})
+    else:
+        # off the bars
+        axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(
+        f"teacher-forced fidelity, {fid['items']} prompts (error bars: 95% paired "
+        f"interval vs the teacher)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- gate
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """What the fidelity gate allows (the module docstring; `gate`'s options)."""
+
+    max_kl_rise: float = DEFAULT_MAX_KL_RISE
+    max_agreement_drop: float = DEFAULT_MAX_AGREEMENT_DROP
+    prompt_kl_rise: float = DEFAULT_PROMPT_KL_RISE
+    prompt_agreement_drop: float = DEFAULT_PROMPT_AGREEMENT_DROP
+    max_prompts_past: float = DEFAULT_MAX_PROMPTS_PAST
+
+
+def _noise(section: dict, arm: str) -> tuple[float, float]:
+    """The baseline's measured run-to-run variation of one arm: (KL ratio, agreement points),
+    the largest difference between two of its runs on any prompt, KL relative to the
+    prompt's (float noise scales with the value), agreement as is; (0, 0) from a single-run
+    baseline. Each prompt and the mean are allowed that much: KL ratio x its KL, the points."""
+    runs = (section.get("per_item_runs") or {}).get(arm) or {}
+    if not runs:
+        return 0.0, 0.0
+    kl = max(
+        (max(r[0] for r in rows) - min(r[0] for r in rows))
+        / max(sum(r[0] for r in rows) / len(rows), MIN_KL_RISE)
+        for rows in runs.values()
+    )
+    agree = max(
+        max(r[1] for r in rows) - min(r[1] for r in rows) for rows in runs.values()
+    )
+    return kl, 100.0 * agree
+
+
+def _prompts_past(
+    base: dict,
+    cur: dict,
+    mean_allowance: float,
+    noise: tuple[float, float],
+    tol: Tolerances,
+) -> list[tuple[str, float, float, float, float]]:
+    """The prompts past their own tolerance: (id, KL base, KL now, agreement base, now)."""
+    past = []
+    for i in sorted(base):
+        (kb, ab), (kc, ac) = base[i], cur[i]
+        kl_tol = max(tol.prompt_kl_rise * kb, mean_allowance) + noise[0] * kb
+        if kc - kb > kl_tol or 100.0 * (ab - ac) > tol.prompt_agreement_drop + noise[1]:
+            past.append((i, kb, kc, ab, ac))
+    return past
+
+
+def gate_checks(
+    current: dict, baseline: dict, tol: Tolerances = Tolerances()
+) -> list[dict]:
+    """One check per baseline arm: {name, result (pass | FAIL), reasons, kl, agreement}."""
+    base = baseline.get("fidelity")
+    if not base:
+        now = current.get("fidelity")
+        return (
+            []
+            if not now
+            else [
+                {
+                    "name": "fidelity",
+                    "result": "new",
+                    "items": (None, now["items"]),
+                    "reasons": ["not in the baseline; not gated"],
+                }
+            ]
+        )
+    cur = current.get("fidelity") or {"arms": {}, "items": None, "teacher_sanity": None}
+    checks = []
+    for arm, b in base["arms"].items():
+        check = {
+            "name": f"fidelity {arm}",
+            "result": "pass",
+            "reasons": [],
+            "items": (b.get("items"), None),
+            "kl": (b.get("kl"), None),
+            "agreement": (b.get("agreement"), None),
+        }
+        checks.append(check)
+
+        def fail(reason):
+            check["result"] = "FAIL"
+            check["reasons"].append(reason)
+
+        c = cur["arms"].get(arm)
+        if c is None:
+            fail("missing from the report")
+            continue
+        if b["status"] != "ok" or "kl" not in b:
+            fail(f"baseline not comparable ({b['status']})")
+        if c["status"] != "ok" or "kl" not in c:
+            fail(c["status"])
+        if check["result"] == "FAIL":
+            continue
+        check["kl"], check["agreement"] = (
+            (b["kl"], c["kl"]),
+            (b["agreement"], c["agreement"]),
+        )
+        check["items"] = (b["items"], c["items"])
+        if c["items"] != b["items"]:
+            fail(f"{c['items']} items, baseline {b['items']}")
+        per_item = [(r.get("per_item") or {}).get(arm) or {} for r in (base, cur)]
+        if all(per_item) and set(per_item[0]) != set(per_item[1]):
+            # The same count of other prompts (another set) is not the baseline's measurement.
+            ids = set(per_item[0]) ^ set(per_item[1])
+            fail(
+                f"item ids differ from the baseline's ({len(ids)} not shared, e.g. "
+                f"{sorted(ids)[0]}): scored on another set"
+            )
+        if arm == "teacher":
+            sanity = cur.get("teacher_sanity") or {}
+            if not sanity.get("ok"):
+                fail(
+                    f"teacher on its own set: KL {c['kl']:.3g}, agreement "
+                    f"{c['agreement']:.2f} (want 0 and 100): not the set's teacher"
+                )
+            continue
+        check["reasons"].append(
+            f"KL {b['kl']:.4f}->{c['kl']:.4f}, agreement "
+            f"{b['agreement']:.2f}->{c['agreement']:.2f}"
+        )
+        noise = _noise(base, arm)
+        kl_noise, agree_noise = noise[0] * b["kl"], noise[1]
+        rise, drop = c["kl"] - b["kl"], b["agreement"] - c["agreement"]
+        allowed = max(tol.max_kl_rise * b["kl"], MIN_KL_RISE)
+        measured = f" + {kl_noise:.5f} measured noise" if kl_noise else ""
+        if rise > allowed + kl_noise:
+            fail(
+                f"KL rose {rise:+.5f} > {allowed:.5f} ({tol.max_kl_rise:g} of the "
+                f"baseline){measured}"
+            )
+        elif -rise > allowed + kl_noise:
+            fail(
+                f"KL fell {rise:+.5f} beyond {allowed:.5f}{measured}: the served path "
+                f"changed; refresh the baseline if that is intended"
+            )
+        if drop > tol.max_agreement_drop + agree_noise:
+            fail(
+                f"agreement dropped {drop:.2f} > {tol.max_agreement_drop:g}"
+                + (f" + {agree_noise:.2f} measured noise" if agree_noise else "")
+            )
+        if not all(per_item):
+            where = "the baseline" if not per_item[0] else "this report"
+            fail(
+                f"{where} has no per-prompt values, so the per-prompt check cannot run; "
+                f"make it again with `edge0-eval report`"
+            )
+            continue
+        if set(per_item[0]) != set(per_item[1]):
+            continue
+        past = _prompts_past(per_item[0], per_item[1], allowed, noise, tol)
+        limit = math.floor(tol.max_prompts_past * len(per_item[0]))
+        if len(past) > limit:
+            worst = max(past, key=lambda p: p[2] - p[1])
+            fail(
+                f"{len(past)} of {len(per_item[0])} prompts past their own tolerance "
+                f"(KL up > {tol.prompt_kl_rise:g} of the prompt's, or agreement down > "
+                f"{tol.prompt_agreement_drop:g} points; at most {limit} allowed), e.g. "
+                f"{worst[0]}: KL {worst[1]:.4g}->{worst[2]:.4g}, agreement "
+                f"{100 * worst[3]:.1f}->{100 * worst[4]:.1f}"
+            )
+        elif past:
+            check["reasons"].append(
+                f"{len(past)} prompt(s) past their own tolerance (at most {limit} allowed)"
+            )
+    return checks
