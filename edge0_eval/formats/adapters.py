@@ -126,7 +126,28 @@ def read_adapter(
     path = Path(path)
     arrays, meta = read_adapter_file(path)
     arrays = _edge0_layout(arrays, path)
+    kind = _check_kind(arrays, meta, expect_kind, path)
+    pairs = _pairs(arrays, path)
+    r_meta = _meta_number(meta, "r", path, integer=True)
+    alpha_value = _alpha(meta, alpha, r_meta, path)
+    r, file_dtype = _check_pairs(arrays, pairs, r_meta, path)
+    return AdapterFile(
+        path=path,
+        pairs={m: (arrays[k["A"]], arrays[k["B"]]) for m, k in pairs.items()},
+        kind=kind,
+        format_version=meta.get("format_version"),
+        r=r,
+        alpha=alpha_value,
+        K=_meta_number(meta, "K", path, integer=True),
+        owners=_owners(meta, path),
+        step=_meta_number(meta, "step", path, integer=True),
+        file_dtype=file_dtype,
+        metadata=meta,
+    )
 
+
+def _check_kind(arrays: dict, meta: dict, expect_kind: str, path: Path) -> str:
+    """The file's kind (inferred from LoRA keys when absent), refused unless expected."""
     kind = meta.get("kind")
     all_lora = bool(arrays) and all(k.endswith((SUFFIX_A, SUFFIX_B)) for k in arrays)
     if kind is None and all_lora:
@@ -150,7 +171,11 @@ def read_adapter(
         raise CheckpointError(
             f"{path}: holds no tensors; expected <module>.lora_A/.lora_B pairs"
         )
+    return kind
 
+
+def _pairs(arrays: dict, path: Path) -> dict[str, dict[str, str]]:
+    """{module path: {"A": key, "B": key}}, every key in a complete pair."""
     pairs: dict[str, dict[str, str]] = {}
     for key in sorted(arrays, key=natural_key):
         if key.endswith(SUFFIX_A):
@@ -170,8 +195,11 @@ def read_adapter(
                     f"{path}: key {module_path + suffix!r} is missing "
                     f"(the file has {have!r}); the adapter is incomplete"
                 )
+    return pairs
 
-    r_meta = _meta_number(meta, "r", path, integer=True)
+
+def _alpha(meta: dict, alpha: float | None, r_meta: int | None, path: Path) -> float:
+    """alpha from the argument, else the metadata, else adapter_config.json; checked."""
     alpha_value = (
         float(alpha) if alpha is not None else _meta_number(meta, "alpha", path)
     )
@@ -195,25 +223,21 @@ def read_adapter(
             f"LoRA scale alpha/r would swamp the base model (Edge0 adapters "
             f"use r=16, alpha=32)"
         )
+    return alpha_value
 
+
+def _check_pairs(
+    arrays: dict, pairs: dict, r_meta: int | None, path: Path
+) -> tuple[int, str]:
+    """(rank, file dtype) after checking every pair's dtype, shape, rank and values."""
     ranks, file_dtypes = {}, set()
     for keys in pairs.values():
         key_a, key_b = keys["A"], keys["B"]
         for key in (key_a, key_b):
-            arr = arrays[key]
-            if arr.dtype not in _FILE_DTYPES.values():
-                raise CheckpointError(
-                    f"{path}: key {key!r} has dtype "
-                    f"{str(arr.dtype).split('.')[-1]}; expected "
-                    f"float16, bfloat16 or float32"
-                )
-            if arr.ndim != 2:
-                want = "[r, in]" if key == key_a else "[out, r]"
-                raise CheckpointError(
-                    f"{path}: key {key!r} has shape {tuple(arr.shape)}; "
-                    f"expected a matrix ({want})"
-                )
-            file_dtypes.add(str(arr.dtype).split(".")[-1])
+            _check_matrix(
+                arrays[key], key, "[r, in]" if key == key_a else "[out, r]", path
+            )
+            file_dtypes.add(str(arrays[key].dtype).split(".")[-1])
         a = arrays[key_a]
         r = a.shape[0]
         if r < 1:
@@ -246,19 +270,22 @@ def read_adapter(
                 f"{path}: key {key!r} holds NaN or infinite values; the "
                 f"adapter is corrupt"
             )
-    return AdapterFile(
-        path=path,
-        pairs={m: (arrays[k["A"]], arrays[k["B"]]) for m, k in pairs.items()},
-        kind=kind,
-        format_version=version,
-        r=r_meta if r_meta is not None else next(iter(ranks)),
-        alpha=alpha_value,
-        K=_meta_number(meta, "K", path, integer=True),
-        owners=_owners(meta, path),
-        step=_meta_number(meta, "step", path, integer=True),
-        file_dtype=",".join(sorted(file_dtypes)),
-        metadata=meta,
-    )
+    r = r_meta if r_meta is not None else next(iter(ranks))
+    return r, ",".join(sorted(file_dtypes))
+
+
+def _check_matrix(arr: mx.array, key: str, want: str, path: Path) -> None:
+    if arr.dtype not in _FILE_DTYPES.values():
+        raise CheckpointError(
+            f"{path}: key {key!r} has dtype "
+            f"{str(arr.dtype).split('.')[-1]}; expected "
+            f"float16, bfloat16 or float32"
+        )
+    if arr.ndim != 2:
+        raise CheckpointError(
+            f"{path}: key {key!r} has shape {tuple(arr.shape)}; "
+            f"expected a matrix ({want})"
+        )
 
 
 def _meta_number(

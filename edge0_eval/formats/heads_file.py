@@ -11,7 +11,7 @@ model, model_type. `read_heads` reads published files (which may lack start_laye
 num_experts: they are then taken from the shapes) and checks everything against the model it
 will serve but the (owner, consumer) pairs, which the engine checks against its MoE layers
 (engine/heads.py's `load_heads`, which builds the heads). Mixed heads' files (metadata
-context_consumers) are refused: that kind of head is no longer served (issue 26).
+context_consumers) are refused: that kind of head is no longer served.
 """
 
 from __future__ import annotations
@@ -188,6 +188,47 @@ def read_heads(
     path = Path(path)
     where = f"prerouter file {path}"
     meta = read_metadata(path)
+    _check_metadata(meta, path, hidden, num_experts, experts_per_token, model_type)
+    layers = _read_layers(path, meta)
+    consumer_of = _consumers_meta(meta, sorted(layers), where)
+    owners = _select_owners(layers, owners, where)
+    features = meta.get("features", "context")
+    if features not in ("context", NEXT_TOKEN):
+        raise CheckpointError(
+            f"{where}: metadata features={features!r} is unknown; this build "
+            f"reads 'context' (absent) and {NEXT_TOKEN!r}"
+        )
+    width = int(layers[owners[0]]["fc1"].shape[0])
+    config = PrerouterConfig(
+        owners=owners,
+        width=width,
+        experts_per_token=experts_per_token,
+        hidden=hidden,
+        num_experts=num_experts,
+        consumers=[consumer_of[n] for n in owners],
+        next_token=features == NEXT_TOKEN,
+    )
+    _check_shapes(layers, config, where)
+    meta_width = _int_meta(meta, "width", path)
+    if meta_width is not None and meta_width != width:
+        raise CheckpointError(
+            f"{where}: metadata width={meta_width} but fc1 has width {width}"
+        )
+    # checked for form; the heads define the first consumer
+    _int_meta(meta, "start_layer", path)
+    return _stacked(layers, config, dtype, where)
+
+
+def _check_metadata(
+    meta: dict,
+    path: Path,
+    hidden: int,
+    num_experts: int,
+    experts_per_token: int,
+    model_type: str | None,
+) -> None:
+    """Refuse a file whose metadata (kind, format, K, model type, sizes) does not fit."""
+    where = f"prerouter file {path}"
     kind = meta.get("kind")
     if kind != KIND:
         raise CheckpointError(
@@ -195,6 +236,7 @@ def read_heads(
             f"(a LoRA adapter or another file?)"
         )
     if "context_consumers" in meta:
+        # Mixed heads lost their comparison to context heads and left the engine.
         raise CheckpointError(
             f"{where} holds mixed heads (metadata context_consumers); that "
             f"kind of head is no longer served: retrain context heads with "
@@ -212,7 +254,7 @@ def read_heads(
         warnings.warn(
             f"{where} records no K (metadata key 'K'); served at the engine's "
             f"K={experts_per_token}",
-            stacklevel=2,
+            stacklevel=3,
         )
     elif k != experts_per_token:
         raise CheckpointError(
@@ -228,13 +270,17 @@ def read_heads(
         got = _int_meta(meta, key, path)
         if got is not None and got != want:
             raise CheckpointError(f"{where} has {key}={got}; the model has {want}")
+
+
+def _read_layers(path: Path, meta: dict) -> dict[int, dict[str, mx.array]]:
+    """The file's tensors by owner layer, each head complete and listed in the metadata."""
+    where = f"prerouter file {path}"
     try:
         weights = mx.load(str(path))
     except Exception as exc:
         raise CheckpointError(
             f"{where} is unreadable ({exc}); the file is truncated or corrupt"
         ) from None
-
     dtypes = {str(v.dtype).split(".")[-1] for v in weights.values()}
     if len(dtypes) > 1 or not dtypes <= {"float16", "bfloat16", "float32"}:
         raise CheckpointError(
@@ -252,8 +298,7 @@ def read_heads(
         layers.setdefault(int(m.group(1)), {})[m.group(2)] = value
     if "owners" in meta:
         try:
-            listed = json.loads(meta["owners"])
-            listed = [int(n) for n in listed]
+            listed = [int(n) for n in json.loads(meta["owners"])]
         except (ValueError, TypeError):
             raise CheckpointError(
                 f"{where}: metadata owners={meta['owners']!r} is not a JSON "
@@ -266,7 +311,11 @@ def read_heads(
             )
     if not layers:
         raise CheckpointError(f"{where} holds no heads")
-    consumer_of = _consumers_meta(meta, sorted(layers), where)
+    return layers
+
+
+def _select_owners(layers: dict, owners: list[int] | None, where: str) -> list[int]:
+    """The owners asked for (None: all), each with a complete head."""
     incomplete = {
         n: sorted({"fc1", "fc2", "linear_init"} - set(p)) for n, p in layers.items()
     }
@@ -276,70 +325,48 @@ def read_heads(
             f"{where}: heads incomplete, missing tensors {incomplete}"
         )
     if owners is None:
-        owners = sorted(layers)
-    else:
-        owners = sorted(int(n) for n in owners)
-        missing = [n for n in owners if n not in layers]
-        if missing:
-            raise CheckpointError(
-                f"{where} has no head for owner layer(s) {missing} (it holds "
-                f"{sorted(layers)})"
-            )
-    features = meta.get("features", "context")
-    if features not in ("context", NEXT_TOKEN):
+        return sorted(layers)
+    owners = sorted(int(n) for n in owners)
+    missing = [n for n in owners if n not in layers]
+    if missing:
         raise CheckpointError(
-            f"{where}: metadata features={features!r} is unknown; this build "
-            f"reads 'context' (absent) and {NEXT_TOKEN!r}"
+            f"{where} has no head for owner layer(s) {missing} (it holds "
+            f"{sorted(layers)})"
         )
-    next_token = features == NEXT_TOKEN
-    width = int(layers[owners[0]]["fc1"].shape[0])
-    config = PrerouterConfig(
-        owners=owners,
-        width=width,
-        experts_per_token=experts_per_token,
-        hidden=hidden,
-        num_experts=num_experts,
-        consumers=[consumer_of[n] for n in owners],
-        next_token=next_token,
-    )
-    for n in owners:
+    return owners
+
+
+def _check_shapes(layers: dict, config: PrerouterConfig, where: str) -> None:
+    hidden, experts, width = config.hidden, config.num_experts, config.width
+    for n in config.owners:
         for name, want in (
             ("fc1", (width, config.in_dim)),
-            ("fc2", (num_experts, width)),
-            ("linear_init", (num_experts, config.in_dim)),
+            ("fc2", (experts, width)),
+            ("linear_init", (experts, config.in_dim)),
         ):
             got = tuple(layers[n][name].shape)
             if got != want:
                 raise CheckpointError(
                     f"{where}: layers.{n}.{name}.weight has shape {list(got)}, expected "
-                    f"{list(want)} ({'2 x ' if next_token else ''}hidden {hidden} + 2 x "
-                    f"{num_experts} experts, width {width})"
+                    f"{list(want)} ({'2 x ' if config.next_token else ''}hidden {hidden} "
+                    f"+ 2 x {experts} experts, width {width})"
                 )
-    meta_width = _int_meta(meta, "width", path)
-    if meta_width is not None and meta_width != width:
-        raise CheckpointError(
-            f"{where}: metadata width={meta_width} but fc1 has width {width}"
-        )
-    # checked for form; the heads define the first consumer
-    _int_meta(meta, "start_layer", path)
-    stack = lambda name: mx.stack([layers[n][name] for n in owners])  # noqa: E731
-    fc1, fc2, linear = stack("fc1"), stack("fc2"), stack("linear_init")
+
+
+def _stacked(layers: dict, config: PrerouterConfig, dtype, where: str) -> HeadsFile:
+    """The heads stacked in owner order, cast to `dtype`, refused when not finite."""
+    names = ("fc1", "fc2", "linear_init")
+    stacks = [mx.stack([layers[n][name] for n in config.owners]) for name in names]
     if dtype is not None:
-        fc1, fc2, linear = fc1.astype(dtype), fc2.astype(dtype), linear.astype(dtype)
-    finite = mx.stack(
-        [
-            mx.all(mx.isfinite(fc1)),
-            mx.all(mx.isfinite(fc2)),
-            mx.all(mx.isfinite(linear)),
-        ]
-    ).tolist()
-    bad = [name for name, ok in zip(("fc1", "fc2", "linear_init"), finite) if not ok]
+        stacks = [s.astype(dtype) for s in stacks]
+    finite = mx.stack([mx.all(mx.isfinite(s)) for s in stacks]).tolist()
+    bad = [name for name, ok in zip(names, finite) if not ok]
     if bad:
         raise CheckpointError(
             f"{where}: {'/'.join(bad)} weights hold NaN or infinite values; "
             f"the heads are corrupt, train them again"
         )
-    return HeadsFile(config, fc1, fc2, linear)
+    return HeadsFile(config, *stacks)
 
 
 def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]:

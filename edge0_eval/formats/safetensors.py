@@ -68,20 +68,7 @@ def read_safetensors_header(
             f"safetensors file ({why}); {fix}"
         )
 
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad("shorter than the 8-byte header length")
-            n = int.from_bytes(head, "little")
-            if n < 2 or n > size - 8 or n > _MAX_HEADER:
-                raise bad(
-                    f"header length {n} does not fit the file's {size} bytes (truncated?)"
-                )
-            raw = f.read(n)
-    except OSError as exc:
-        raise unreadable(path, what, fix, exc) from None
+    n, size, raw = _header_bytes(path, what, fix, bad)
     try:
         header = json.loads(raw.decode("utf-8").rstrip(" "), parse_constant=no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -95,40 +82,9 @@ def read_safetensors_header(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
         raise bad("__metadata__ must be an object of string values")
-    tensors, spans = {}, []
-    for name, info in header.items():
-        if not isinstance(info, dict) or set(info) != {
-            "dtype",
-            "shape",
-            "data_offsets",
-        }:
-            raise bad(
-                f"tensor {name!r} entry must hold exactly dtype, shape, data_offsets"
-            )
-        code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        # A JSON object or list is unhashable: test the type before looking it up.
-        if not isinstance(code, str) or code not in ST_ITEMSIZE:
-            raise bad(f"tensor {name!r} has dtype {code!r}, not a safetensors dtype")
-        if not isinstance(shape, list) or not all(
-            type_ok(d, int) and d >= 0 for d in shape
-        ):
-            raise bad(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(type_ok(o, int) and o >= 0 for o in offsets)
-        ):
-            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
-        begin, end = offsets
-        numel = math.prod(shape)
-        if end - begin != numel * ST_ITEMSIZE[code]:
-            raise bad(
-                f"tensor {name!r}: data_offsets {begin}..{end} do not hold {code} {shape}"
-            )
-        tensors[name] = (code, list(shape), begin, end)
-        spans.append((begin, end, name))
+    tensors = {name: _tensor_entry(name, info, bad) for name, info in header.items()}
     pos = 0
-    for begin, end, name in sorted(spans):
+    for begin, end, name in sorted((t[2], t[3], name) for name, t in tensors.items()):
         if begin != pos:
             raise bad(
                 f"tensor {name!r} starts at {begin}, expected {pos} "
@@ -138,6 +94,50 @@ def read_safetensors_header(
     if 8 + n + pos != size:
         raise bad(f"tensors end at byte {8 + n + pos} but the file has {size} bytes")
     return tensors, dict(meta)
+
+
+def _header_bytes(path: Path, what: str, fix: str, bad) -> tuple[int, int, bytes]:
+    """(header length, file size, header bytes), the length checked against the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n < 2 or n > size - 8 or n > _MAX_HEADER:
+                raise bad(
+                    f"header length {n} does not fit the file's {size} bytes (truncated?)"
+                )
+            return n, size, f.read(n)
+    except OSError as exc:
+        raise unreadable(path, what, fix, exc) from None
+
+
+def _tensor_entry(name: str, info, bad) -> tuple[str, list[int], int, int]:
+    """(dtype code, shape, begin, end) of one header entry, its sizes consistent."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad(f"tensor {name!r} entry must hold exactly dtype, shape, data_offsets")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    # A JSON object or list is unhashable: test the type before looking it up.
+    if not isinstance(code, str) or code not in ST_ITEMSIZE:
+        raise bad(f"tensor {name!r} has dtype {code!r}, not a safetensors dtype")
+    if not isinstance(shape, list) or not all(
+        type_ok(d, int) and d >= 0 for d in shape
+    ):
+        raise bad(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type_ok(o, int) and o >= 0 for o in offsets)
+    ):
+        raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * ST_ITEMSIZE[code]:
+        raise bad(
+            f"tensor {name!r}: data_offsets {begin}..{end} do not hold {code} {shape}"
+        )
+    return code, list(shape), begin, end
 
 
 def checkpoint_float_dtype(directory: str | Path) -> str | None:
