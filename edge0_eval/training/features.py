@@ -144,180 +144,198 @@ def collect_features(
     else:
         engine = Engine.load(opts.model, served_options)
     try:
-        moe = list(engine.moe_layers)
-        if not moe:
-            raise ConfigError(f"{opts.model}: no MoE layer; nothing to preroute")
-        # Every MoE -> MoE pair, and the wrap-around pair (last MoE layer -> first, next token).
-        pairs = [n for n in moe if n + 1 in set(moe)] + [moe[-1]]
-        consumers = default_consumers(pairs, moe)
-        hidden = int(engine.family.hidden_size(engine.config))
-        num_experts = int(engine.index.num_experts)
         stale = store.matches(fingerprint) and not store.covers(owners or [])
         if not store.matches(fingerprint) or stale:
-            if store.dir.exists():
-                why = (
-                    "predate wrap-around heads"
-                    if stale
-                    else "were collected for another model, texts, K or token limits"
-                )
-                print(
-                    f"train-prerouter: features in {store.dir} {why}; collecting again",
-                    flush=True,
-                )
-                shutil.rmtree(store.dir)
-            store.dir.mkdir(parents=True)
-            docs = _documents(engine, opts)
-            if len(docs) < 2:
-                raise ConfigError(
-                    f"need at least 2 documents of 2+ tokens for a held-out split "
-                    f"by document; got {len(docs)} from {opts.texts}"
-                )
-            table, start = [], 0
-            for name, toks in docs:
-                table.append([name, start, len(toks)])
-                start += len(toks)
-            total = start
-            rule = engine.blocks[moe[-1]].rule
-            routers = {}
-            for c in consumers:
-                w, b = router_weight(engine.blocks[c])
-                routers[f"router.{c}"] = w
-                if b is not None:
-                    routers[f"router_bias.{c}"] = b
-            for n in moe:
-                bias = engine.blocks[n].rule.expert_bias
-                if bias is not None:
-                    routers[f"expert_bias.{n}"] = bias.astype(mx.float32)
-            mx.save_safetensors(str(store.dir / "routers.safetensors"), routers)
-            np.lib.format.open_memmap(
-                store.dir / "h.npy", "w+", np.float16, (total, len(pairs), hidden)
-            ).flush()
-            np.lib.format.open_memmap(
-                store.dir / "inds.npy",
-                "w+",
-                np.int16,
-                (total, len(moe), experts_per_token),
-            ).flush()
-            np.lib.format.open_memmap(
-                store.dir / "nr.npy",
-                "w+",
-                np.int16,
-                (total, len(pairs), experts_per_token),
-            ).flush()
-            meta = {
-                "fingerprint": fingerprint,
-                "model_type": engine.config["model_type"],
-                "moe_layers": moe,
-                "pairs": pairs,
-                "consumers": consumers,
-                "hidden": hidden,
-                "num_experts": num_experts,
-                "top_k": experts_per_token,
-                "rule": rule.to_json(),
-                "docs": table,
-                "tokens": total,
-                "n_layers": len(engine.family.layers(engine.model)),
-            }
-            write_json(store.dir / "progress.json", {"docs_done": 0})
-            write_json(store.dir / "data.json", meta)  # last: marks the store as set up
-            tokens_of = dict(enumerate(t for _, t in docs))
+            meta, tokens_of = _set_up_store(
+                engine, opts, store, fingerprint, experts_per_token, stale
+            )
         else:
-            meta = json.loads((store.dir / "data.json").read_text())
-            tokens_of = None
+            meta, tokens_of = _resumed_store(engine, opts, store)
         done = json.loads((store.dir / "progress.json").read_text())["docs_done"]
-        table = meta["docs"]
-        if tokens_of is None:  # resuming collection: re-tokenize (deterministic)
-            toks = _documents(engine, opts)
-            if [[n, len(t)] for n, t in toks] != [[d[0], d[2]] for d in table]:
-                raise CheckpointError(
-                    f"{store.dir}: tokenization no longer matches the "
-                    f"collected documents; rerun with --fresh"
-                )
-            tokens_of = dict(enumerate(t for _, t in toks))
-        store_consumers = meta.get("consumers") or [n + 1 for n in meta["pairs"]]
-        h = np.load(store.dir / "h.npy", mmap_mode="r+")
-        inds = np.load(store.dir / "inds.npy", mmap_mode="r+")
-        nr = np.load(store.dir / "nr.npy", mmap_mode="r+")
         record = store.collection() | {"path": opts.collect}
-        if opts.collect == "float32" and done < len(table):
-            record["check"] = check_float32(
-                opts.model,
-                served_options,
-                engine,
-                _check_sample(tokens_of, opts.check_tokens),
-            )
-            c = record["check"]
-            print(
-                f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "
-                f"tokens: top-K agreement mean {c['mean_agreement']:.4f}, worst "
-                f"{c['worst_agreement']:.4f} (layer {c['worst_layer']}; required "
-                f"{c['min_agreement']}), feature max relative diff "
-                f"{c['feature_max_rel_diff']:.2e}; {c['served_tok_s']:.1f} -> "
-                f"{c['float32_tok_s']:.1f} tok/s",
-                flush=True,
-            )
-        blocks = [engine.blocks[n] for n in moe]
-        for b in blocks:
-            b.capture = True
-        collected, started = 0, time.perf_counter()
-        chunk = max(1, engine.options.prefill_chunk)
-        bar = tqdm(
-            total=meta["tokens"],
-            initial=sum(d[2] for d in table[:done]),
-            desc="collect routing",
-            unit="tok",
-            disable=not opts.progress,
-        )
-        try:
-            for d in range(done, len(table)):
-                _, start, length = table[d]
-                tokens = tokens_of[d]
-                cache = engine.step.new_cache()
-                for s in range(0, length, chunk):
-                    piece = tokens[s : s + chunk]
-                    engine.step(
-                        mx.array(piece)[None],
-                        cache,
-                        plan_next=False,
-                        where=f"collecting document {d}",
-                    )
-                    hs, nrs = [], []
-                    for n, c in zip(meta["pairs"], store_consumers):
-                        x = engine.blocks[n].last[0][0]
-                        hs.append(x)
-                        consumer = engine.blocks[c]
-                        nrs.append(
-                            consumer.rule.select(consumer.router(x), experts_per_token)[
-                                0
-                            ]
-                        )
-                    ind = [b.last[1][0] for b in blocks]
-                    hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
-                    mx.eval(hs, nrs, ind)
-                    a, z = start + s, start + s + len(piece)
-                    h[a:z] = np.clip(np.array(hs.astype(mx.float32)), -65000, 65000)
-                    nr[a:z] = np.array(nrs).astype(np.int16)
-                    inds[a:z] = np.array(ind).astype(np.int16)
-                    bar.update(len(piece))
-                    collected += len(piece)
-                h.flush(), nr.flush(), inds.flush()
-                write_json(store.dir / "progress.json", {"docs_done": d + 1})
-        finally:
-            if collected:
-                seconds = time.perf_counter() - started
-                record["runs"] = record.get("runs", []) + [
-                    {
-                        "tokens": collected,
-                        "seconds": seconds,
-                        "tok_s": collected / seconds,
-                    }
-                ]
-            write_json(store.dir / COLLECTION_FILE, record)
-            bar.close()
-            for b in blocks:
-                b.capture = False
+        if opts.collect == "float32" and done < len(meta["docs"]):
+            record["check"] = _check_collector(engine, opts, served_options, tokens_of)
+        _collect(engine, opts, store, meta, tokens_of, done, record)
     finally:
         engine.close()
+
+
+def _set_up_store(
+    engine, opts, store: FeatureStore, fingerprint: dict, k: int, stale: bool
+) -> tuple[dict, dict]:
+    """A fresh store (its arrays, routers and metadata) for this model and texts:
+    (metadata, {document: tokens})."""
+    moe = list(engine.moe_layers)
+    if not moe:
+        raise ConfigError(f"{opts.model}: no MoE layer; nothing to preroute")
+    # Every MoE -> MoE pair, and the wrap-around pair (last MoE layer -> first, next token).
+    pairs = [n for n in moe if n + 1 in set(moe)] + [moe[-1]]
+    consumers = default_consumers(pairs, moe)
+    hidden = int(engine.family.hidden_size(engine.config))
+    if store.dir.exists():
+        why = (
+            "predate wrap-around heads"
+            if stale
+            else "were collected for another model, texts, K or token limits"
+        )
+        print(
+            f"train-prerouter: features in {store.dir} {why}; collecting again",
+            flush=True,
+        )
+        shutil.rmtree(store.dir)
+    store.dir.mkdir(parents=True)
+    docs = _documents(engine, opts)
+    if len(docs) < 2:
+        raise ConfigError(
+            f"need at least 2 documents of 2+ tokens for a held-out split "
+            f"by document; got {len(docs)} from {opts.texts}"
+        )
+    table, total = [], 0
+    for name, toks in docs:
+        table.append([name, total, len(toks)])
+        total += len(toks)
+    _save_routers(engine, store, consumers, moe)
+    for name, dtype, shape in (
+        ("h", np.float16, (total, len(pairs), hidden)),
+        ("inds", np.int16, (total, len(moe), k)),
+        ("nr", np.int16, (total, len(pairs), k)),
+    ):
+        np.lib.format.open_memmap(store.dir / f"{name}.npy", "w+", dtype, shape).flush()
+    meta = {
+        "fingerprint": fingerprint,
+        "model_type": engine.config["model_type"],
+        "moe_layers": moe,
+        "pairs": pairs,
+        "consumers": consumers,
+        "hidden": hidden,
+        "num_experts": int(engine.index.num_experts),
+        "top_k": k,
+        "rule": engine.blocks[moe[-1]].rule.to_json(),
+        "docs": table,
+        "tokens": total,
+        "n_layers": len(engine.family.layers(engine.model)),
+    }
+    write_json(store.dir / "progress.json", {"docs_done": 0})
+    write_json(store.dir / "data.json", meta)  # last: marks the store as set up
+    return meta, dict(enumerate(t for _, t in docs))
+
+
+def _save_routers(engine, store: FeatureStore, consumers: list[int], moe: list[int]):
+    """The consumers' routers and every MoE layer's expert bias, as the heads' targets."""
+    routers = {}
+    for c in consumers:
+        w, b = router_weight(engine.blocks[c])
+        routers[f"router.{c}"] = w
+        if b is not None:
+            routers[f"router_bias.{c}"] = b
+    for n in moe:
+        bias = engine.blocks[n].rule.expert_bias
+        if bias is not None:
+            routers[f"expert_bias.{n}"] = bias.astype(mx.float32)
+    mx.save_safetensors(str(store.dir / "routers.safetensors"), routers)
+
+
+def _resumed_store(engine, opts, store: FeatureStore) -> tuple[dict, dict]:
+    """(metadata, {document: tokens}) of a store being resumed: re-tokenized
+    (deterministic) and checked against the documents already collected."""
+    meta = json.loads((store.dir / "data.json").read_text())
+    toks = _documents(engine, opts)
+    if [[n, len(t)] for n, t in toks] != [[d[0], d[2]] for d in meta["docs"]]:
+        raise CheckpointError(
+            f"{store.dir}: tokenization no longer matches the "
+            f"collected documents; rerun with --fresh"
+        )
+    return meta, dict(enumerate(t for _, t in toks))
+
+
+def _check_collector(engine, opts, served_options, tokens_of: dict) -> dict:
+    """The float32 collector checked against the served int4 path, printed."""
+    c = check_float32(
+        opts.model,
+        served_options,
+        engine,
+        _check_sample(tokens_of, opts.check_tokens),
+    )
+    print(
+        f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "
+        f"tokens: top-K agreement mean {c['mean_agreement']:.4f}, worst "
+        f"{c['worst_agreement']:.4f} (layer {c['worst_layer']}; required "
+        f"{c['min_agreement']}), feature max relative diff "
+        f"{c['feature_max_rel_diff']:.2e}; {c['served_tok_s']:.1f} -> "
+        f"{c['float32_tok_s']:.1f} tok/s",
+        flush=True,
+    )
+    return c
+
+
+def _collect(engine, opts, store, meta, tokens_of, done: int, record: dict) -> None:
+    """Collect documents `done`.. into the store, recording progress after each."""
+    table, moe = meta["docs"], meta["moe_layers"]
+    arrays = {
+        name: np.load(store.dir / f"{name}.npy", mmap_mode="r+")
+        for name in ("h", "inds", "nr")
+    }
+    blocks = [engine.blocks[n] for n in moe]
+    for b in blocks:
+        b.capture = True
+    collected, started = 0, time.perf_counter()
+    bar = tqdm(
+        total=meta["tokens"],
+        initial=sum(d[2] for d in table[:done]),
+        desc="collect routing",
+        unit="tok",
+        disable=not opts.progress,
+    )
+    try:
+        for d in range(done, len(table)):
+            collected += _collect_document(engine, meta, tokens_of[d], d, arrays, bar)
+            write_json(store.dir / "progress.json", {"docs_done": d + 1})
+    finally:
+        if collected:
+            seconds = time.perf_counter() - started
+            record["runs"] = record.get("runs", []) + [
+                {"tokens": collected, "seconds": seconds, "tok_s": collected / seconds}
+            ]
+        write_json(store.dir / COLLECTION_FILE, record)
+        bar.close()
+        for b in blocks:
+            b.capture = False
+
+
+def _collect_document(engine, meta, tokens, d: int, arrays: dict, bar) -> int:
+    """One document's features, executed routing and next routers' choices, written
+    in prefill chunks; the tokens collected."""
+    _, start, length = meta["docs"][d]
+    k = meta["top_k"]
+    consumers = meta.get("consumers") or [n + 1 for n in meta["pairs"]]
+    blocks = [engine.blocks[n] for n in meta["moe_layers"]]
+    chunk = max(1, engine.options.prefill_chunk)
+    cache = engine.step.new_cache()
+    for s in range(0, length, chunk):
+        piece = tokens[s : s + chunk]
+        engine.step(
+            mx.array(piece)[None],
+            cache,
+            plan_next=False,
+            where=f"collecting document {d}",
+        )
+        hs, nrs = [], []
+        for n, c in zip(meta["pairs"], consumers):
+            x = engine.blocks[n].last[0][0]
+            hs.append(x)
+            consumer = engine.blocks[c]
+            nrs.append(consumer.rule.select(consumer.router(x), k)[0])
+        ind = [b.last[1][0] for b in blocks]
+        hs, nrs, ind = mx.stack(hs, 1), mx.stack(nrs, 1), mx.stack(ind, 1)
+        mx.eval(hs, nrs, ind)
+        a, z = start + s, start + s + len(piece)
+        arrays["h"][a:z] = np.clip(np.array(hs.astype(mx.float32)), -65000, 65000)
+        arrays["nr"][a:z] = np.array(nrs).astype(np.int16)
+        arrays["inds"][a:z] = np.array(ind).astype(np.int16)
+        bar.update(len(piece))
+    for a in arrays.values():
+        a.flush()
+    return length
 
 
 def _check_sample(tokens_of: dict, want: int) -> list[list[int]]:
