@@ -86,9 +86,8 @@ def train_prerouter(
     """The whole stage; returns the report dict. Test hooks (state.after_step): `stop_after`
     raises Interrupted after that step, `kill_after` SIGKILLs the process."""
     opts.validate()
-    model = Path(opts.model)
     out = Path(opts.out)
-    facts = model_facts(model)
+    facts = model_facts(Path(opts.model))
     experts_per_token, owners, width = resolve_heads(
         facts,
         experts_per_token=opts.experts_per_token,
@@ -96,11 +95,9 @@ def train_prerouter(
         start_layer=opts.start_layer,
         width=opts.width,
     )
-    consumers = default_consumers(owners, facts.moe_layers)
     ckpt = Path(f"{out}.ckpt")
     store = FeatureStore(ckpt / "features")
     state_path = ckpt / STATE_NAME
-
     data_fp = data_fingerprint(opts, experts_per_token)
     begin(state_path, opts.resume, opts.fresh)
     if state_path.is_file() and not store.matches(data_fp):
@@ -113,13 +110,61 @@ def train_prerouter(
     if opts.next_token:
         ensure_embeddings(opts, store, experts_per_token)
     store.open()
-    meta = store.meta
+    config = PrerouterConfig(
+        owners=owners,
+        width=width,
+        experts_per_token=experts_per_token,
+        hidden=store.meta["hidden"],
+        num_experts=store.meta["num_experts"],
+        consumers=default_consumers(owners, facts.moe_layers),
+        next_token=opts.next_token,
+    )
+    split = _split(opts, store.meta)
+    batches = Batches(store, owners, next_token=opts.next_token)
+    heads, init, train_seconds, losses = _fit(
+        opts, config, store, batches, split, state_path, data_fp, stop_after, kill_after
+    )
+    saved = _save(opts, heads, store.meta, config, split)
+    rule = store.rule(config.consumers)
+    held = evaluate({"heads": saved, "init": init}, batches, rule, split["held_pos"])
+    cap = np.random.default_rng([opts.seed, 1 << 40]).permutation(split["train_pos"])
+    train_eval = evaluate({"heads": saved}, batches, rule, np.sort(cap[:20000]))
+    report = _report(opts, store.meta, config, held, train_eval, losses, split)
+    report["training"]["seconds_this_run"] = train_seconds
+    report["collection"] = store.collection()
+    json_path, md_path = report_paths(out)
+    write_json(json_path, report)
+    md_path.write_text(_markdown(report))
+    print(_markdown(report))
+    print(f"wrote {out}, {json_path}, {md_path}")
+    return report
 
-    train_fp = {
+
+def _split(opts: PrerouterOptions, meta: dict) -> dict:
+    """Training and held-out documents (by document, seeded) and their positions."""
+    train_docs, held_docs = split_documents(len(meta["docs"]), opts.holdout, opts.seed)
+    if opts.train_tokens is not None:
+        train_docs = subset_documents(
+            train_docs, [d[2] for d in meta["docs"]], opts.train_tokens, opts.seed
+        )
+    split = {
+        "train_docs": train_docs,
+        "held_docs": held_docs,
+        "train_pos": positions(meta["docs"], train_docs),
+        "held_pos": positions(meta["docs"], held_docs),
+    }
+    if len(split["train_pos"]) == 0 or len(split["held_pos"]) == 0:
+        raise ConfigError("not enough tokens for both a training and a held-out split")
+    return split
+
+
+def _train_fingerprint(opts: PrerouterOptions, data_fp: dict, config) -> dict:
+    """What a saved training state must match to be resumed."""
+    fp = {
         "data": digest(data_fp),
-        "owners": owners,
-        "width": width,
-        "top_k": experts_per_token,
+        "owners": config.owners,
+        "width": config.width,
+        "top_k": config.experts_per_token,
         "steps": opts.steps,
         "lr": opts.lr,
         "batch": opts.batch,
@@ -127,23 +172,23 @@ def train_prerouter(
         "seed": opts.seed,
     }
     if opts.train_tokens is not None:  # absent otherwise: earlier states stay valid
-        train_fp["train_tokens"] = opts.train_tokens
+        fp["train_tokens"] = opts.train_tokens
     if opts.next_token:
-        train_fp["next_token"] = True
-    config = PrerouterConfig(
-        owners=owners,
-        width=width,
-        experts_per_token=experts_per_token,
-        hidden=meta["hidden"],
-        num_experts=meta["num_experts"],
-        consumers=consumers,
-        next_token=opts.next_token,
-    )
+        fp["next_token"] = True
+    return fp
+
+
+def _fit(
+    opts, config, store, batches, split, state_path, data_fp, stop_after, kill_after
+):
+    """(heads, their float32 initial copy, seconds, losses): heads warm-started from the
+    consumers' routers, resumed from `state_path` when it holds a state, then trained."""
+    train_fp = _train_fingerprint(opts, data_fp, config)
     routers = store.routers()
     heads = heads_from_router_weights(
         config,
-        [routers[f"router.{c}"] for c in consumers],
-        [routers.get(f"router_bias.{c}") for c in consumers],
+        [routers[f"router.{c}"] for c in config.consumers],
+        [routers.get(f"router_bias.{c}") for c in config.consumers],
         opts.seed,
     )
     init = heads.astype(mx.float32)
@@ -158,20 +203,8 @@ def train_prerouter(
         optimizer.state = opt_state
         mx.eval(heads.parameters(), optimizer.state)
         announce_resume("train-prerouter", state_path, step, opts.steps)
-
-    train_docs, held_docs = split_documents(len(meta["docs"]), opts.holdout, opts.seed)
-    if opts.train_tokens is not None:
-        train_docs = subset_documents(
-            train_docs, [d[2] for d in meta["docs"]], opts.train_tokens, opts.seed
-        )
-    train_pos = positions(meta["docs"], train_docs)
-    held_pos = positions(meta["docs"], held_docs)
-    if len(train_pos) == 0 or len(held_pos) == 0:
-        raise ConfigError("not enough tokens for both a training and a held-out split")
-    batches = Batches(store, owners, next_token=opts.next_token)
-    rule = store.rule(consumers)
     value_and_grad = nn.value_and_grad(heads, khot_cross_entropy)
-
+    train_pos = split["train_pos"]
     bar = tqdm(
         total=opts.steps,
         initial=step,
@@ -179,8 +212,7 @@ def train_prerouter(
         unit="step",
         disable=not opts.progress,
     )
-    ema = None
-    started = time.perf_counter()
+    ema, started = None, time.perf_counter()
     try:
         while step < opts.steps:
             rows = np.random.default_rng([opts.seed, step]).integers(
@@ -192,9 +224,8 @@ def train_prerouter(
             optimizer.update(heads, grads)
             mx.eval(heads.parameters(), optimizer.state, loss)
             step += 1
-            value = float(loss.item())
-            losses.append(value)
-            ema = value if ema is None else 0.95 * ema + 0.05 * value
+            losses.append(float(loss.item()))
+            ema = losses[-1] if ema is None else 0.95 * ema + 0.05 * losses[-1]
             bar.update(1)
             bar.set_postfix(loss=f"{ema:.4f}")
             if step % opts.ckpt_every == 0 or step == opts.steps:
@@ -207,14 +238,16 @@ def train_prerouter(
             after_step(step, stop_after, kill_after)
     finally:
         bar.close()
-    train_seconds = time.perf_counter() - started
+    return heads, init, time.perf_counter() - started, losses
 
-    save_dtype = getattr(mx, opts.save_dtype)
+
+def _save(opts: PrerouterOptions, heads, meta: dict, config, split: dict) -> object:
+    """Write the heads file, and read it back (what is evaluated is what was written)."""
     source = {
         "stage": "train-prerouter",
         "texts": [Path(t).name for t in opts.texts],
-        "docs_train": len(train_docs),
-        "docs_heldout": len(held_docs),
+        "docs_train": len(split["train_docs"]),
+        "docs_heldout": len(split["held_docs"]),
         "steps": opts.steps,
         "lr": opts.lr,
         "batch": opts.batch,
@@ -222,48 +255,23 @@ def train_prerouter(
         "loss": "softmax-ce-khot",
     }
     save_heads(
-        out,
+        opts.out,
         heads,
         {
             "source": source,
-            "model": model.resolve().name,
+            "model": Path(opts.model).resolve().name,
             "model_type": meta["model_type"],
         },
-        dtype=save_dtype,
+        dtype=getattr(mx, opts.save_dtype),
     )
-    saved = load_heads(
-        out,
+    return load_heads(
+        opts.out,
         hidden=meta["hidden"],
         num_experts=meta["num_experts"],
-        experts_per_token=experts_per_token,
-        owners=owners,
+        experts_per_token=config.experts_per_token,
+        owners=config.owners,
         dtype=mx.float32,
-    )  # evaluate what was written
-
-    held = evaluate({"heads": saved, "init": init}, batches, rule, held_pos)
-    cap = np.random.default_rng([opts.seed, 1 << 40]).permutation(train_pos)[:20000]
-    train_eval = evaluate({"heads": saved}, batches, rule, np.sort(cap))
-    report = _report(
-        opts,
-        meta,
-        config,
-        held,
-        train_eval,
-        losses,
-        train_docs,
-        held_docs,
-        train_pos,
-        held_pos,
-        train_seconds,
-        out,
     )
-    report["collection"] = store.collection()
-    json_path, md_path = report_paths(out)
-    write_json(json_path, report)
-    md_path.write_text(_markdown(report))
-    print(_markdown(report))
-    print(f"wrote {out}, {json_path}, {md_path}")
-    return report
 
 
 def evaluate(
@@ -303,20 +311,87 @@ def evaluate(
     }
 
 
-def _report(
-    opts,
-    meta,
-    config,
-    held,
-    train_eval,
-    losses,
-    train_docs,
-    held_docs,
-    train_pos,
-    held_pos,
-    seconds,
-    out,
-) -> dict:
+def _report(opts, meta, config, held, train_eval, losses, split) -> dict:
+    layers = _layer_rows(config, held, train_eval)
+    mean = lambda key: float(np.mean([r[key] for r in layers if key in r]))  # noqa: E731
+    tail = losses[-max(1, min(50, len(losses) // 10)) :]
+    return {
+        "heads": str(Path(opts.out)),
+        "model": str(Path(opts.model).resolve()),
+        "model_type": meta["model_type"],
+        "top_k": config.experts_per_token,
+        "owners": config.owners,
+        "start_layer": config.start_layer,
+        "width": config.width,
+        "hidden": config.hidden,
+        "num_experts": config.num_experts,
+        "selection_rule": meta["rule"],
+        "consumers": config.consumers,
+        "recall_definition": RECALL_DEFINITION,
+        "features": "next_token" if config.next_token else "context",
+        "baselines": _baselines(config.next_token),
+        "data": {
+            "texts": opts.texts,
+            "documents": len(meta["docs"]),
+            "docs_train": len(split["train_docs"]),
+            "docs_heldout": len(split["held_docs"]),
+            "samples_train": int(len(split["train_pos"])),
+            "samples_heldout": int(len(split["held_pos"])),
+            "tokens": meta["tokens"],
+            "split": "by document, seeded shuffle",
+            "train_tokens_cap": opts.train_tokens,
+            "jsonl_fields": "text, else prompt + completion",
+        },
+        "training": {
+            "steps": opts.steps,
+            "lr": opts.lr,
+            "batch": opts.batch,
+            "seed": opts.seed,
+            "loss": "softmax cross-entropy vs normalised K-hot target",
+            "final_loss": float(np.mean(tail)) if tail else None,
+            "first_loss": losses[0] if losses else None,
+        },
+        "layers": layers,
+        "mean": {
+            key: mean(key)
+            for key in (
+                "recall_heads",
+                "recall_prev_token",
+                "recall_next_router",
+                "recall_untrained_heads",
+                "recall_heads_train",
+                "recall_token_router",
+            )
+            if any(key in r for r in layers)
+        },
+        "all_layers_beat_baselines": all(r["beats_baselines"] for r in layers),
+    }
+
+
+RECALL_DEFINITION = (
+    "|predicted top-K & true executed top-K| / K, the consumer (layer N+1; the "
+    "wrap-around head's: the first MoE layer) at token t+1 from owner N's features at "
+    "token t; held-out documents"
+)
+
+
+def _baselines(next_token: bool) -> dict:
+    """What each baseline the heads are compared with predicts from."""
+    out = {
+        "prev_token": "the consumer's executed set at token t",
+        "next_router": "the consumer's router on the owner's MoE input at token "
+        "t, family selection rule",
+    }
+    if next_token:
+        out["token_router"] = (
+            "the consumer's router on the input embedding of token t+1 "
+            "(next-token heads only), family selection rule"
+        )
+    return out
+
+
+def _layer_rows(config, held: dict, train_eval: dict) -> list[dict]:
+    """Per head: held-out recall of the heads, the baselines and the untrained heads."""
     layers = []
     for i, (n, c) in enumerate(zip(config.owners, config.consumers)):
         row = {
@@ -341,74 +416,7 @@ def _report(
             if key in row
         )
         layers.append(row)
-    mean = lambda key: float(np.mean([r[key] for r in layers if key in r]))  # noqa: E731
-    tail = losses[-max(1, min(50, len(losses) // 10)) :]
-    return {
-        "heads": str(out),
-        "model": str(Path(opts.model).resolve()),
-        "model_type": meta["model_type"],
-        "top_k": config.experts_per_token,
-        "owners": config.owners,
-        "start_layer": config.start_layer,
-        "width": config.width,
-        "hidden": config.hidden,
-        "num_experts": config.num_experts,
-        "selection_rule": meta["rule"],
-        "consumers": config.consumers,
-        "recall_definition": "|predicted top-K & true executed top-K| / K, the consumer (layer "
-        "N+1; the wrap-around head's: the first MoE layer) at token t+1 "
-        "from owner N's features at token t; held-out documents",
-        "features": "next_token" if config.next_token else "context",
-        "baselines": {
-            "prev_token": "the consumer's executed set at token t",
-            "next_router": "the consumer's router on the owner's MoE input at token "
-            "t, family selection rule",
-        }
-        | (
-            {
-                "token_router": "the consumer's router on the input embedding of token t+1 "
-                "(next-token heads only), family selection rule"
-            }
-            if config.next_token
-            else {}
-        ),
-        "data": {
-            "texts": opts.texts,
-            "documents": len(meta["docs"]),
-            "docs_train": len(train_docs),
-            "docs_heldout": len(held_docs),
-            "samples_train": int(len(train_pos)),
-            "samples_heldout": int(len(held_pos)),
-            "tokens": meta["tokens"],
-            "split": "by document, seeded shuffle",
-            "train_tokens_cap": opts.train_tokens,
-            "jsonl_fields": "text, else prompt + completion",
-        },
-        "training": {
-            "steps": opts.steps,
-            "lr": opts.lr,
-            "batch": opts.batch,
-            "seed": opts.seed,
-            "loss": "softmax cross-entropy vs normalised K-hot target",
-            "final_loss": float(np.mean(tail)) if tail else None,
-            "first_loss": losses[0] if losses else None,
-            "seconds_this_run": seconds,
-        },
-        "layers": layers,
-        "mean": {
-            key: mean(key)
-            for key in (
-                "recall_heads",
-                "recall_prev_token",
-                "recall_next_router",
-                "recall_untrained_heads",
-                "recall_heads_train",
-                "recall_token_router",
-            )
-            if any(key in r for r in layers)
-        },
-        "all_layers_beat_baselines": all(r["beats_baselines"] for r in layers),
-    }
+    return layers
 
 
 def _markdown(r: dict) -> str:
