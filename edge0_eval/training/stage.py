@@ -270,143 +270,34 @@ def run_stage(
     impl = impl_class(opts)
     setup = prepare(opts)
     try:
-        engine = setup.engine
-        ckpt = Path(f"{opts.out}.ckpt")
         fingerprint = stage_fingerprint(opts, setup)
         optimizer = optim.Adam(learning_rate=opts.lr)
         step, history = restore_or_start(opts, setup, fingerprint, optimizer)
-
-        data_fp = {
-            k: fingerprint[k]
-            for k in (
-                "teacher",
-                "prompts",
-                "eval_prompts",
-                "heldout",
-                "seed",
-                "max_new_tokens",
-                "teacher_temperature",
-                "max_prompts",
-                "seq_len",
-            )
-        }
-        data = TeacherData(ckpt, data_fp)
-        jobs = [(f"heldout:{i}", p) for i, p in enumerate(setup.eval_prompts)]
-        if impl.needs_teacher_train:
-            jobs = [(f"train:{i}", p) for i, p in enumerate(setup.train_prompts)] + jobs
-
-        def generate(key: str, prompt: list[int]) -> list[int]:
-            # Held-out continuations are always greedy, so every stage scores the same targets.
-            temp = 0.0 if key.startswith("heldout:") else opts.teacher_temperature
-            budget = max(1, min(opts.max_new_tokens, opts.seq_len - len(prompt)))
-            return teacher_generate(
-                setup.teacher,
-                prompt,
-                budget,
-                temp,
-                stable_seed(opts.seed, key),
-                setup.stop_ids,
-            )
-
-        data.fill(jobs, generate, opts.progress, "teacher completions")
-        heldout = [
-            fit(data.example(k), opts.seq_len)
-            for k, _ in jobs
-            if k.startswith("heldout:")
-        ]
-        heldout = [e for e in heldout if e is not None]
-        if not heldout:
-            raise ConfigError(
-                f"no held-out prompt leaves room for a completion within --seq-len "
-                f"{opts.seq_len}; raise --seq-len"
-            )
-        impl.prepare(setup, data)
-
-        trainer = Trainer(engine, setup.path, optimizer)
+        heldout = _teacher_data(opts, setup, impl, fingerprint)
         meta = adapter_metadata(opts, setup)
         started = time.perf_counter()
-        bar = tqdm(
-            total=opts.steps,
-            initial=min(step, opts.steps),
-            unit="step",
-            desc=VERBS[opts.stage],
-            disable=not opts.progress,
+        step = _train(
+            opts,
+            setup,
+            impl,
+            optimizer,
+            (step, history),
+            fingerprint,
+            meta,
+            stop_after,
+            kill_after,
         )
-        ema = None
-        try:
-            while step < opts.steps:
-                batch, aux = impl.batch(setup, step)
-                stats = trainer.step(batch, impl.loss_fn, aux)
-                step += 1
-                history["loss"].append(stats.loss)
-                history["max_union"].append(stats.max_union)
-                history["micro_batches"].append(stats.micro_batches)
-                ema = stats.loss if ema is None else 0.9 * ema + 0.1 * stats.loss
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{stats.loss:.4f}", ema=f"{ema:.4f}", experts=stats.max_union
-                )
-                if step % opts.ckpt_every == 0 or step == opts.steps:
-                    checkpoint(opts, setup, optimizer, step, fingerprint, history, meta)
-                after_step(step, stop_after, kill_after)
-        finally:
-            bar.close()
         seconds = time.perf_counter() - started
-
         out = Path(opts.out)
-        save_adapter(engine.model, out, {**meta, "step": step}, dtype=opts.save_dtype)
+        save_adapter(
+            setup.engine.model, out, {**meta, "step": step}, dtype=opts.save_dtype
+        )
         variants = {"no_lora": None}
         if opts.init_adapter:
             variants["init"] = adapter_arrays(opts.init_adapter)
         variants["trained"] = adapter_arrays(out)  # evaluate what was written
         metrics = evaluate(setup, heldout, variants, opts.eval_batch, opts.progress)
-
-        losses = history["loss"]
-        index = engine.index
-        report = {
-            "stage": opts.stage,
-            "adapter": str(out),
-            "student": str(Path(opts.student).resolve()),
-            "teacher": str(Path(opts.teacher).resolve()),
-            "model_type": engine.config.get("model_type"),
-            "top_k": engine.experts_per_token,
-            "mode": opts.engine.mode,
-            "lora": setup.lora,
-            "init_adapter": opts.init_adapter,
-            "heldout": {
-                "prompts": len(heldout),
-                "tokens": metrics["trained"]["tokens"],
-                "source": "--eval-prompts"
-                if opts.eval_prompts
-                else f"seeded {opts.heldout:g} of --prompts",
-                "continuations": "teacher greedy, chat template applied",
-                "metrics": metrics,
-            },
-            "training": {
-                "steps": step,
-                "batch": opts.batch,
-                "lr": opts.lr,
-                "seq_len": opts.seq_len,
-                "max_new_tokens": opts.max_new_tokens,
-                "seed": opts.seed,
-                "train_prompts": setup.prompt_texts["train"],
-                "loss_name": impl.loss_name,
-                "first_loss": losses[0] if losses else None,
-                "last_loss": losses[-1] if losses else None,
-                "loss_history": losses,
-                "slots_per_layer": setup.slots,
-                "expert_buffer_mib": setup.slots * index.slot_bytes / 2**20,
-                "max_union": max(history["max_union"]) if history["max_union"] else 0,
-                "max_micro_batches": max(history["micro_batches"])
-                if history["micro_batches"]
-                else 0,
-                "grad_checkpoint": opts.grad_checkpoint,
-                "seconds_this_run": seconds,
-                "peak_memory_gib": mx.get_peak_memory() / 2**30,
-                **impl.report_extra(opts),
-            },
-            "random_weights_note": RANDOM_NOTE,
-        }
+        report = _report(opts, setup, impl, heldout, metrics, step, history, seconds)
         json_path, md_path = write_report(out, report)
         if opts.progress:
             print(markdown(report))
@@ -415,3 +306,136 @@ def run_stage(
     finally:
         setup.path.close()
         setup.engine.close()
+
+
+_DATA_KEYS = (
+    "teacher",
+    "prompts",
+    "eval_prompts",
+    "heldout",
+    "seed",
+    "max_new_tokens",
+    "teacher_temperature",
+    "max_prompts",
+    "seq_len",
+)
+
+
+def _teacher_data(
+    opts: StageOptions, setup, impl: StageImpl, fingerprint: dict
+) -> list:
+    """The teacher's continuations (cached beside the checkpoint) handed to the stage;
+    the held-out examples fitted to --seq-len."""
+    data = TeacherData(
+        Path(f"{opts.out}.ckpt"), {k: fingerprint[k] for k in _DATA_KEYS}
+    )
+    jobs = [(f"heldout:{i}", p) for i, p in enumerate(setup.eval_prompts)]
+    if impl.needs_teacher_train:
+        jobs = [(f"train:{i}", p) for i, p in enumerate(setup.train_prompts)] + jobs
+
+    def generate(key: str, prompt: list[int]) -> list[int]:
+        # Held-out continuations are always greedy, so every stage scores the same targets.
+        temp = 0.0 if key.startswith("heldout:") else opts.teacher_temperature
+        budget = max(1, min(opts.max_new_tokens, opts.seq_len - len(prompt)))
+        return teacher_generate(
+            setup.teacher,
+            prompt,
+            budget,
+            temp,
+            stable_seed(opts.seed, key),
+            setup.stop_ids,
+        )
+
+    data.fill(jobs, generate, opts.progress, "teacher completions")
+    heldout = [
+        fit(data.example(k), opts.seq_len) for k, _ in jobs if k.startswith("heldout:")
+    ]
+    heldout = [e for e in heldout if e is not None]
+    if not heldout:
+        raise ConfigError(
+            f"no held-out prompt leaves room for a completion within --seq-len "
+            f"{opts.seq_len}; raise --seq-len"
+        )
+    impl.prepare(setup, data)
+    return heldout
+
+
+def _train(
+    opts, setup, impl, optimizer, start, fingerprint, meta, stop_after, kill_after
+):
+    """Train from `start` = (step, history) to --steps, checkpointing; the last step."""
+    step, history = start
+    trainer = Trainer(setup.engine, setup.path, optimizer)
+    bar = tqdm(
+        total=opts.steps,
+        initial=min(step, opts.steps),
+        unit="step",
+        desc=VERBS[opts.stage],
+        disable=not opts.progress,
+    )
+    ema = None
+    try:
+        while step < opts.steps:
+            batch, aux = impl.batch(setup, step)
+            stats = trainer.step(batch, impl.loss_fn, aux)
+            step += 1
+            history["loss"].append(stats.loss)
+            history["max_union"].append(stats.max_union)
+            history["micro_batches"].append(stats.micro_batches)
+            ema = stats.loss if ema is None else 0.9 * ema + 0.1 * stats.loss
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{stats.loss:.4f}", ema=f"{ema:.4f}", experts=stats.max_union
+            )
+            if step % opts.ckpt_every == 0 or step == opts.steps:
+                checkpoint(opts, setup, optimizer, step, fingerprint, history, meta)
+            after_step(step, stop_after, kill_after)
+    finally:
+        bar.close()
+    return step
+
+
+def _report(opts, setup, impl, heldout, metrics, step, history, seconds) -> dict:
+    engine, losses = setup.engine, history["loss"]
+    return {
+        "stage": opts.stage,
+        "adapter": str(Path(opts.out)),
+        "student": str(Path(opts.student).resolve()),
+        "teacher": str(Path(opts.teacher).resolve()),
+        "model_type": engine.config.get("model_type"),
+        "top_k": engine.experts_per_token,
+        "mode": opts.engine.mode,
+        "lora": setup.lora,
+        "init_adapter": opts.init_adapter,
+        "heldout": {
+            "prompts": len(heldout),
+            "tokens": metrics["trained"]["tokens"],
+            "source": "--eval-prompts"
+            if opts.eval_prompts
+            else f"seeded {opts.heldout:g} of --prompts",
+            "continuations": "teacher greedy, chat template applied",
+            "metrics": metrics,
+        },
+        "training": {
+            "steps": step,
+            "batch": opts.batch,
+            "lr": opts.lr,
+            "seq_len": opts.seq_len,
+            "max_new_tokens": opts.max_new_tokens,
+            "seed": opts.seed,
+            "train_prompts": setup.prompt_texts["train"],
+            "loss_name": impl.loss_name,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "loss_history": losses,
+            "slots_per_layer": setup.slots,
+            "expert_buffer_mib": setup.slots * engine.index.slot_bytes / 2**20,
+            "max_union": max(history["max_union"], default=0),
+            "max_micro_batches": max(history["micro_batches"], default=0),
+            "grad_checkpoint": opts.grad_checkpoint,
+            "seconds_this_run": seconds,
+            "peak_memory_gib": mx.get_peak_memory() / 2**30,
+            **impl.report_extra(opts),
+        },
+        "random_weights_note": RANDOM_NOTE,
+    }

@@ -379,46 +379,69 @@ def load_dataset_result(
     preds = load_predictions(pred_dir, dataset) if pred_dir.is_dir() else None
     res.engine = engine_samples(pred_dir, dataset, preds) if pred_dir.is_dir() else []
     res.data = data_digest(preds)
+    mixed_models = _take_identity(res, pred_dir, dataset)
+    path = run.path / "results" / model / f"{dataset}.json"
+    if (model, dataset) in run.summary_failed:
+        res.notes.append("summary shows '-'")
+    details = _read_details(res, path, bench)
+    if details is None:
+        return res
+    n_config = ((run.scoring or {}).get(dataset) or {}).get("n") or 1
+    items = detail_items(details, n_config if isinstance(n_config, int) else 1)
+    replicas = _score_items(res, items, preds, bench, path)
+    if replicas is None:
+        return res
+    if res.data is not None and len(preds) == len(items) * replicas:
+        res.data["items"] = item_digests(preds, [item_id for item_id, _ in items])
+    res.status = "ok"
+    _check_consistency(res, run, path, pred_dir, preds, replicas)
+    if mixed_models:
+        res.status = "inconsistent"
+    return res
+
+
+def _take_identity(res: DatasetResult, pred_dir: Path, dataset: str) -> bool:
+    """Set the samples' model identity; True (with a note) when they mix models."""
     identities = sorted(
         {json.dumps(e.get("model_identity"), sort_keys=True) for e in res.engine}
     )
-    mixed_models = len(identities) > 1
-    if mixed_models:
+    if len(identities) > 1:
         res.notes.append(
             f"{pred_dir}: its {dataset} samples come from {len(identities)} "
             f"different models (model_identity in the engine stats; a run resumed "
             f"after the model changed?): re-run the dataset without -r"
         )
     res.identity = json.loads(identities[0]) if len(identities) == 1 else None
+    return len(identities) > 1
 
-    path = run.path / "results" / model / f"{dataset}.json"
-    if (model, dataset) in run.summary_failed:
-        res.notes.append("summary shows '-'")
+
+def _read_details(res: DatasetResult, path: Path, bench: Benchmark):
+    """The results file's per-item details, with its metric set on `res`; None (and a
+    note saying why) when the file gives no usable score."""
     if not path.exists():
         res.notes.append(f"no results file {path}")
-        return res
+        return None
     try:
         result = strict_loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         res.notes.append(f"{path}: unreadable ({exc})")
-        return res
+        return None
     if not isinstance(result, dict):
         res.notes.append(
             f"{path}: a JSON {type(result).__name__}, not a results object"
         )
-        return res
+        return None
     if "error" in result:
         res.notes.append(f"{path}: error: {result['error']}")
-        return res
+        return None
     res.metric = _pick_metric(result, bench.metric)
     if res.metric is None:
         res.notes.append(f"{path}: no metric {bench.metric or '(numeric)'}")
-        return res
+        return None
     res.reported = float(result[res.metric])
     if not math.isfinite(res.reported):
         res.notes.append(f"{path}: {res.metric} is {res.reported}")
-        return res
-
+        return None
     details = result.get("details")
     if not details:
         res.status = "no_details"
@@ -426,7 +449,7 @@ def load_dataset_result(
             f"{path}: no per-item details (run OpenCompass with "
             f"--dump-eval-details, its default)"
         )
-        return res
+        return None
     if (
         not isinstance(details, (dict, list))
         or isinstance(details, list)
@@ -437,15 +460,19 @@ def load_dataset_result(
             f"OpenCompass writes them); the file is corrupt, re-run that task "
             f"(delete the file first)"
         )
-    n_config = ((run.scoring or {}).get(dataset) or {}).get("n") or 1
-    items = detail_items(details, n_config if isinstance(n_config, int) else 1)
+    return details
+
+
+def _score_items(res: DatasetResult, items, preds, bench: Benchmark, path: Path):
+    """Each item's mean score, samples and extra metrics into `res`; the replicas per
+    item, or None when an item has no correctness field."""
     replicas = 1
     for k, (item_id, entries) in enumerate(items):
         per_entry = [replica_scores(d, bench.item_key) for d in entries]
         if any(v is None for v in per_entry):
             res.status = "no_details"
             res.notes.append(f"{path}: item {item_id} has no correctness field")
-            return res
+            return None
         if item_id in res.scores:
             raise Edge0Error(
                 f"{path}: item {item_id} appears twice in the details; the file "
@@ -469,10 +496,12 @@ def load_dataset_result(
             if all(v is not None for v in extra):
                 flat = [v for vs in extra for v in vs]
                 res.extra.setdefault(metric, {})[item_id] = sum(flat) / len(flat)
+    return replicas
 
-    if res.data is not None and len(preds) == len(items) * replicas:
-        res.data["items"] = item_digests(preds, [item_id for item_id, _ in items])
-    res.status = "ok"
+
+def _check_consistency(res, run: Run, path, pred_dir, preds, replicas: int) -> None:
+    """Mark `res` inconsistent (with notes) when its items, predictions and engine
+    stats do not reproduce the reported metric or each other."""
     mean = 100.0 * sum(res.scores.values()) / len(res.scores)
     if abs(mean - res.reported) > METRIC_TOLERANCE:
         res.status = "inconsistent"
@@ -492,21 +521,18 @@ def load_dataset_result(
         gone = (
             "the run has no predictions folder"
             if not (run.path / "predictions").is_dir()
-            else f"no predictions file for {dataset} in {pred_dir} (deleted?)"
+            else f"no predictions file for {res.dataset} in {pred_dir} (deleted?)"
         )
         res.notes.append(
-            f"{dataset}: {gone}, so its {', '.join(NEEDS_PREDICTIONS)} are not "
+            f"{res.dataset}: {gone}, so its {', '.join(NEEDS_PREDICTIONS)} are not "
             f"computed; restore the run's predictions or re-run the task"
         )
-    if mixed_models:
-        res.status = "inconsistent"
-    if preds is not None and len(preds) != len(res.scores) * replicas:
+    elif len(preds) != len(res.scores) * replicas:
         res.status = "inconsistent"
         res.notes.append(
             f"{path}: {len(res.scores)} scored items x {replicas} replicas but "
             f"{len(preds)} predictions"
         )
-    return res
 
 
 def _sample_files(
