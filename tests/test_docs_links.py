@@ -79,7 +79,7 @@ def test_a_broken_link_is_found(tmp_path):
         "README.md": "[ok](docs/a.md) [dir](docs/) ![img](docs/fig.png) [web](https://x.y)\n"
         "[anchor](#limits) [here](docs/a.md#part) `[code](nowhere.md)`\n"
         "```\n[fenced](nowhere.md)\n```\n",
-        "docs/a.md": "[up](../README.md) [gone](old.md)\n[out](../../shared/x.md)\n",
+        "docs/a.md": "[up](../README.md) [gone](old.md)\n[out](../../outside/x.md)\n",
         "docs/fig.png": "",
         "docs/b.md": "![gone](figs/missing.png)\n[abs](/etc/passwd)\n",
     }
@@ -89,7 +89,7 @@ def test_a_broken_link_is_found(tmp_path):
     found = broken_links(list(pages), lambda p: (tmp_path / p).read_text())
     assert found == [
         "docs/a.md:1: old.md",
-        "docs/a.md:2: ../../shared/x.md",
+        "docs/a.md:2: ../../outside/x.md",
         "docs/b.md:1: figs/missing.png",
         "docs/b.md:2: /etc/passwd",
     ]
