@@ -1,5 +1,5 @@
 """Bad options and input files of draft-vocab, init-prerouter, generate --prompts and fidelity
-make (issue 30): each is one clear error naming the option or file, exit 2, no traceback, and
+make: each is one clear error naming the option or file, exit 2, no traceback, and
 nothing written."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue #30: a corrupt fidelity section or a baseline without benchmarks is one clear error."""
+"""A corrupt fidelity section or a baseline without benchmarks is one clear error."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def test_report_flags_a_deleted_predictions_file(tmp_path):
 
 
 def test_report_without_predictions_says_what_it_could_not_compute(tmp_path, capsys):
-    """Issue 45: with the run's whole predictions/ folder deleted, every benchmark was "ok"
+    """With the run's whole predictions/ folder deleted, every benchmark was "ok"
     and truncation, finish reasons and thinking closure were silently absent."""
     outputs = _two_arm_run(tmp_path)
     good = tmp_path / "good"
@@ -379,7 +379,7 @@ def test_gate_refuses_corrupt_per_item_outcomes(per_item, tmp_path):
     assert load_report(str(_write(tmp_path / "ok.json", None, [row])))
 
 
-# -- the teacher's sanity, from its numbers (issue 45) -------------------------------------------
+# -- the teacher's sanity, from its numbers -------------------------------------------------
 
 
 def _with_teacher(kl=0.0, agreement=100.0, ok=True, sanity_kl=None, items=None):

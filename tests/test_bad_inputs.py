@@ -412,7 +412,7 @@ def test_heads_refused(case, engine, tmp_path):
 def test_header_field_of_the_wrong_json_type(
     kind, field, value, engine, edge0_qwen, tmp_path
 ):
-    """Issue 45: `"dtype": {}` in a heads file ended in `TypeError: unhashable type`."""
+    """`"dtype": {}` in a heads file ended in `TypeError: unhashable type`."""
     if kind == "resident":
         model = copy_model(edge0_qwen, tmp_path / "m")
         path, load = model / RESIDENT_NAME, lambda: Engine.load(model).close()

@@ -1,4 +1,4 @@
-"""Bad inputs left over from the first reliability pass (issue 30's "left from before")."""
+"""Bad inputs left over from the first reliability pass (inputs that still ended in a traceback)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_ctrl_c_is_one_line_not_a_traceback(edge0_qwen, monkeypatch, capsys):
     assert code == 130 and "interrupted" in err and "Traceback" not in err
 
 
-# -- LoRA alpha from the adapter_config.json beside the file (issue 25) ---------------------
+# -- LoRA alpha from the adapter_config.json beside the file ---------------------------
 
 
 def _lora_without_alpha(engine, path):

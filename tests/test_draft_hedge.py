@@ -240,7 +240,7 @@ def test_bad_draft_vocabularies_are_refused_naming_the_file(drafted):
         CheckpointError, match=r"ok.safetensors: a hedge serves next-token"
     ):
         _engine(converted, ctx, ok)
-    # a context-heads file as the hedge: no longer served (issue 26), one error naming it
+    # a context-heads file as the hedge: no longer served, one error naming it
     with pytest.raises(
         CheckpointError,
         match=r"ctx.safetensors holds prerouter heads: hedges "

@@ -325,7 +325,7 @@ def _v2_relabelled_v1(fset):
     ],
 )
 def test_unknown_versions_are_refused(tmp_path, edit, message):
-    """Issue 45: a set whose format version was 2 (a key the reader did not know, or v2 fields
+    """A set whose format version was 2 (a key the reader did not know, or v2 fields
     under a v1 label) was scored as v1."""
     fset = _valid_set()
     edit(fset)
@@ -377,7 +377,7 @@ def _infer(model, fset, out_dir):
 def test_a_teacher_arm_refuses_a_set_made_from_another_teacher(
     tiny_qwen, tiny_bailing, tmp_path
 ):
-    """Issue 45: a set whose fingerprint names another teacher was scored without a word when
+    """A set whose fingerprint names another teacher was scored without a word when
     the teacher's outputs matched (a run the preflight did not see: another partitioner, a
     set staged since). Refused before its first item, nothing written."""
     ours = _valid_set(fs.fingerprint(tiny_qwen))

@@ -48,7 +48,7 @@ def _overwrite(path):
 
 
 def _zero(path):
-    """The issue's fault: zeros over the whole file in place (same inode), on disk."""
+    """The fault as first reported: zeros over the whole file in place (same inode), on disk."""
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.write(bytes(size))
@@ -193,7 +193,7 @@ def test_zeroed_in_place_after_every_bundle_was_read(
 def test_generate_zeroed_in_place_stops_and_writes_nothing(
     edge0_qwen, heads, tmp_path, monkeypatch, capsys, crc_flag
 ):
-    """The issue's command: `generate --mode prerouted --slots-per-layer 4 --no-lora`, the
+    """The command first reported: `generate --mode prerouted --slots-per-layer 4 --no-lora`, the
     file zeroed in place (fsync) once every bundle has been read: exit 2, one line naming the
     file, no --json."""
     model = copy_model(edge0_qwen, tmp_path / "m")

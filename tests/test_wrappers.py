@@ -296,7 +296,7 @@ def test_both_arms_refuse_bad_sampling_values_before_loading(
 def test_removed_engine_options_are_refused_naming_them(
     edge0_qwen, monkeypatch, key, value
 ):
-    """Options of the deleted prerouter variants (#26) in an old config: one ConfigError
+    """Options of the deleted prerouter variants in an old config: one ConfigError
     naming the key, from the student and from its option check, before anything loads."""
     from edge0_eval.engine.engine import Engine
     from model_wrappers.models.edge0_model import Edge0Model, resolve_engine_options

@@ -51,8 +51,8 @@ edge0_gate_rounds = [0.125, 0.25, 0.5, 1.0]
 # rate, the paper's 35B figure (20.4 tok/s on an M4 Pro); none is published for the 8B tier, so
 # the same is assumed. overhead_s: model load, OpenCompass start and scoring per run (assumed;
 # `plan --from` measures it). Fidelity: 100 prompts x 1,024 teacher tokens, ASSUMED scored at
-# 200 positions/s (10x the decode rate): not measured on a tier's device (no device was lent for
-# issue 39; the 2-core CPU's layer-major figures are in reports/perf.md, (LM)); measure the
+# 200 positions/s (10x the decode rate): not measured on a tier's device (no GPU or Apple-silicon
+# run was made; the 2-core CPU's layer-major figures are in reports/perf.md, (LM)); measure the
 # student's machine with `edge0-eval fidelity bench --prompts 64 --json FILE` and size with
 # `plan --size-gate --fidelity-rate FILE`. churn: the share of items whose outcome changes
 # between runs of an unchanged student (the power figures' assumption).

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Issue 43 on a CUDA device: host work per decode step and the read bound, solo and batched,
-# before (BASE) and after (this checkout), for the `device` tool.
+# Host work per decode step and the read bound on a CUDA GPU, solo and batched, before (BASE)
+# and after (this checkout): the figures docs/performance.md gives for the CPU, on a GPU.
 #
-# Prepare here, in the project root: `bash ../shared/gpu/make_kit.sh` (writes the git-ignored
-# .gpu/, ~22 MB). Then one call (about 8 minutes, each step under its own time limit):
-#   run(command="bash docs/device/host_work_cuda.sh", carry=[".gpu"], timeout_s=570)
+# Needs: this project installed with MLX's CUDA build (`pip install "mlx[cuda]"` in place of
+# `mlx[cpu]`, see README, Setup) on a Linux machine with an NVIDIA GPU. Run from the project
+# root (about 8 minutes; each step runs under its own time limit, JSON and logs to $OUT):
+#   OUT=out bash docs/device/host_work_cuda.sh
 # BASE (default: the commit that added the profile's host figures, found by its subject,
 # before the host-work changes) comes from the checkout's own .git into a temporary folder, renamed
 # edge0_eval_base so that both run side by side in one process for the A/B.
 #
-# Steps (JSON and logs to $OUT):
+# Steps (EDGE0_STEPS picks some):
 #   synth   the 8-layer 35B shape (random weights) and untrained heads, owners 0..6, K = 4
 #   solo    bench compute-only,reactive,prerouted, cold, 3 rounds (round 0 compiles kernels):
 #           prerouted step / bound and the profile; BASE the same with 2 rounds
@@ -17,7 +18,7 @@
 #   ab      host ms per step, BASE and this checkout in one process, generate calls
 #           alternated after a warm-up, cold, B = 1 and B = 8 (medians)
 #   solo1   a solo generate and a batch of one, alternated on one engine: aggregate tok/s
-# Here, on the CPU (no install, no synth; the model and heads given), e.g. the A/B alone:
+# On the CPU (no GPU check, no synth; the model and heads given), e.g. the A/B alone:
 #   EDGE0_DRY=1 EDGE0_STEPS=ab EDGE0_AB="1:8:6 8:4:2" EDGE0_CACHE=warm \
 #       EDGE0_MODEL=S35_8 EDGE0_HEADS=S35_8/prerouter_k4.safetensors OUT=out \
 #       bash docs/device/host_work_cuda.sh
@@ -40,11 +41,10 @@ LOG="$OUT/log.txt"
 START=$(date +%s)
 say() { echo "[t+$(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
 
-if [ "$DRY" = 1 ]; then
-    PY=${PY:-python3}
-else
-    PY=python3
-    source .gpu/env.sh 2>&1 | tee -a "$LOG" || exit 3
+PY=${PY:-python3}
+if [ "$DRY" != 1 ]; then
+    "$PY" -c "import mlx.core as mx; assert mx.cuda.is_available()" 2>>"$LOG" ||
+        { say "MLX's CUDA backend is not available: install mlx[cuda] (README, Setup)"; exit 3; }
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 fi
 export PYTHONPATH=$PWD:$BASEDIR${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

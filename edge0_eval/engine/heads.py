@@ -335,7 +335,7 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     if not is_draft_file(hedge_path) and _holds_heads(hedge_path):
         raise CheckpointError(
             f"{hedge_path} holds prerouter heads: hedges of context heads "
-            f"are no longer served (issue 26), write a draft vocabulary "
+            f"are no longer served (slower than a draft hedge at every precision measured), write a draft vocabulary "
             f"with `edge0-eval draft-vocab` {fix}"
         )
     if not prerouter.next_token:

@@ -1,4 +1,4 @@
-"""Layer-major teacher-forced scoring (issue 39): a batch of sequences, one layer at a time.
+"""Layer-major teacher-forced scoring: a batch of sequences, one layer at a time.
 
 Teacher forcing knows every token up front, so nothing makes scoring run in position order.
 `LayerMajor` takes a batch of sequences (a prompt and the teacher's tokens each) and runs them

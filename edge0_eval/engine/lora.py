@@ -106,14 +106,6 @@ class LoRALinear(nn.Module):
         self.lora_A = a.astype(compute_dtype)
         self.lora_B = b.astype(compute_dtype)
 
-    @property
-    def input_dims(self) -> int:
-        return self.lora_A.shape[1]
-
-    @property
-    def output_dims(self) -> int:
-        return self.lora_B.shape[0]
-
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
         a = self.lora_A

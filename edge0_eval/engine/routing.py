@@ -32,7 +32,7 @@ hedged layer reads only what its hedge missed, and the hedge's other reads are c
 they have not started (`StreamingSwitchGLU.stage_begin`). Routing, and every logit, are those of
 the next-token heads alone: the hedge only changes when bundles are read. When the served
 tokens equal the drafts, the hedge's selection is the plan. (Mixed heads and hedges of context
-heads were deleted, issue 26: reports/variants.md.)
+heads were deleted, beaten by kept variants: reports/variants.md.)
 """
 
 from __future__ import annotations

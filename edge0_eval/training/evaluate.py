@@ -16,7 +16,6 @@ starting adapter, the trained adapter as written to disk) is scored against them
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -206,7 +205,3 @@ def markdown(r: dict) -> str:
         f"max {t['max_micro_batches']}.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def summary_json(report: dict) -> str:
-    return json.dumps(report["heldout"]["metrics"], indent=1)

@@ -45,10 +45,6 @@ def record(
     }
 
 
-def item_means(samples: dict[str, list[dict]]) -> dict[str, float]:
-    return {i: sum(s["score"] for s in rs) / len(rs) for i, rs in samples.items()}
-
-
 def samples_per_item(samples: dict[str, list[dict]]) -> int | None:
     """n when every item has n samples; None when they differ (or there are none)."""
     counts = {len(rs) for rs in samples.values()}

@@ -4,7 +4,7 @@ Arms in one process, interleaved (their order alternating by round), on the same
 and continuations (random ids: speed does not depend on the text, and a synthetic model has no
 teacher):
   steps        one decode step per position (`Sequence.step`; mlx-lm's one-token calls for a
-               teacher), each prompt prefilled first: fidelity scoring before issue 28
+               teacher), each prompt prefilled first: fidelity scoring before pieces
   pieces       pieces of `--chunk` positions (`Sequence.forced`), one prompt at a time
   layer-major  all `--prompts` prompts together, one layer at a time (engine/layer_major.py)
 steps and pieces score the first `--steps-prompts` prompts (a subset: they cost the same per
