@@ -313,34 +313,13 @@ def build_from_dense(
     transformers model holding those weights (to capture activations)."""
     t0 = time.time()
     o = options
-    num_experts, shared, experts_per_token = (
-        o.num_experts,
-        o.shared,
-        o.experts_per_token,
-    )
-    layers = hf_config["num_hidden_layers"]
-    inter = hf_config["intermediate_size"]
-    if shared < 0 or num_experts < 1 or (inter - shared) % num_experts:
-        raise ConfigError(
-            f"intermediate size {inter} minus --shared {shared} does not split "
-            f"into {num_experts} equal experts"
-        )
-    expert_size = (inter - shared) // num_experts
-    if expert_size % 64 or shared % 64:
-        raise ConfigError(
-            f"expert size {expert_size} and --shared {shared} must be multiples of "
-            "64 (the int4 group size along the down projection's input)"
-        )
-    if not 1 <= experts_per_token <= num_experts:
-        raise ConfigError(
-            f"--experts-per-token {experts_per_token} must be between 1 and --experts {num_experts}"
-        )
+    expert_size = _expert_size(hf_config, o)
     report: dict = {
         "source": source,
-        "num_experts": num_experts,
+        "num_experts": o.num_experts,
         "expert_size": expert_size,
-        "shared": shared,
-        "top_k": experts_per_token,
+        "shared": o.shared,
+        "top_k": o.experts_per_token,
         "seed": o.seed,
     }
     with output_dir(out) as tmp:
@@ -361,58 +340,79 @@ def build_from_dense(
             "held_out_tokens": int(held.size),
             "source": "Python standard library: docstring -> function chats",
         }
-
-        fit_inputs = capture_mlp_inputs(torch_model, fit)
-        held_inputs = capture_mlp_inputs(torch_model, held)
-
-        weights = {k: v for k, v in hf.items() if ".mlp." not in k}
-        if "lm_head.weight" not in weights:  # tied in SmolLM2; qwen2_moe has no tie
-            weights["lm_head.weight"] = hf["model.embed_tokens.weight"]
-        splits, routers, recalls = [], [], []
-        for layer in tqdm(range(layers), desc="split + fit routers", unit="layer"):
-            split, router, logits, recall = fit_layer(
-                hf,
-                f"model.layers.{layer}",
-                fit_inputs[layer],
-                held_inputs[layer],
-                o,
-                layer,
-            )
-            splits.append(split)
-            routers.append((router, logits))
-            recalls.append(recall)
-        # One tau for all layers: the largest power of two keeping tau * spread <= tau_spread.
-        spread = max(
-            float(np.abs(lg - lg.mean(axis=1, keepdims=True)).max())
-            for _, lg in routers
+        weights, report["router"] = _moe_weights(
+            hf, hf_config["num_hidden_layers"], torch_model, fit, held, o
         )
-        tau = float(2.0 ** np.floor(np.log2(o.tau_spread / spread)))
-        for layer, (split, (router, _)) in enumerate(zip(splits, routers)):
-            weights.update(
-                moe_layer_weights(f"model.layers.{layer}", hf, split, router, tau)
-            )
         config = moe_config(
-            hf_config, num_experts, expert_size, shared, experts_per_token
+            hf_config, o.num_experts, expert_size, o.shared, o.experts_per_token
         )
         save_checkpoint(teacher_dir, config, weights, tokenizer)
-        jitter = (
-            num_experts * _softmax(tau * np.concatenate([lg for _, lg in routers]))
-            - 1.0
-        )
-        report["router"] = {
-            "tau": tau,
-            "logit_spread": spread,
-            "weight_minus_one_max_abs": float(np.abs(jitter).max()),
-            "weight_minus_one_mean_abs": float(np.abs(jitter).mean()),
-            "recall_vs_oracle_per_layer": [round(r, 4) for r in recalls],
-        }
         check_rows = max(1, o.check_tokens // o.seq_len)
         report["checks"] = check(
-            dense_dir, teacher_dir, held[:check_rows], num_experts, list(o.check_k)
+            dense_dir, teacher_dir, held[:check_rows], o.num_experts, list(o.check_k)
         )
         report["build_seconds"] = round(time.time() - t0, 1)
         (tmp / "testbed.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _expert_size(hf_config: dict, o: TestbedOptions) -> int:
+    """Each expert's width, once the options are checked to split the dense MLP evenly."""
+    inter = hf_config["intermediate_size"]
+    if o.shared < 0 or o.num_experts < 1 or (inter - o.shared) % o.num_experts:
+        raise ConfigError(
+            f"intermediate size {inter} minus --shared {o.shared} does not split "
+            f"into {o.num_experts} equal experts"
+        )
+    expert_size = (inter - o.shared) // o.num_experts
+    if expert_size % 64 or o.shared % 64:
+        raise ConfigError(
+            f"expert size {expert_size} and --shared {o.shared} must be multiples of "
+            "64 (the int4 group size along the down projection's input)"
+        )
+    if not 1 <= o.experts_per_token <= o.num_experts:
+        raise ConfigError(
+            f"--experts-per-token {o.experts_per_token} must be between 1 and "
+            f"--experts {o.num_experts}"
+        )
+    return expert_size
+
+
+def _moe_weights(hf: dict, layers: int, torch_model, fit, held, o) -> tuple[dict, dict]:
+    """(the MoE teacher's weights, the router report): every layer's MLP split into
+    experts with a fitted router, all routers at one temperature."""
+    fit_inputs = capture_mlp_inputs(torch_model, fit)
+    held_inputs = capture_mlp_inputs(torch_model, held)
+    weights = {k: v for k, v in hf.items() if ".mlp." not in k}
+    if "lm_head.weight" not in weights:  # tied in SmolLM2; qwen2_moe has no tie
+        weights["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    splits, routers, recalls = [], [], []
+    for layer in tqdm(range(layers), desc="split + fit routers", unit="layer"):
+        split, router, logits, recall = fit_layer(
+            hf, f"model.layers.{layer}", fit_inputs[layer], held_inputs[layer], o, layer
+        )
+        splits.append(split)
+        routers.append((router, logits))
+        recalls.append(recall)
+    # One tau for all layers: the largest power of two keeping tau * spread <= tau_spread.
+    spread = max(
+        float(np.abs(lg - lg.mean(axis=1, keepdims=True)).max()) for _, lg in routers
+    )
+    tau = float(2.0 ** np.floor(np.log2(o.tau_spread / spread)))
+    for layer, (split, (router, _)) in enumerate(zip(splits, routers)):
+        weights.update(
+            moe_layer_weights(f"model.layers.{layer}", hf, split, router, tau)
+        )
+    jitter = (
+        o.num_experts * _softmax(tau * np.concatenate([lg for _, lg in routers])) - 1.0
+    )
+    return weights, {
+        "tau": tau,
+        "logit_spread": spread,
+        "weight_minus_one_max_abs": float(np.abs(jitter).max()),
+        "weight_minus_one_mean_abs": float(np.abs(jitter).mean()),
+        "recall_vs_oracle_per_layer": [round(r, 4) for r in recalls],
+    }
 
 
 def fit_layer(

@@ -165,78 +165,89 @@ class MLXLMModel(ChatModelBase):
                 samplers=[self._sampler(seed) for seed in seeds],
                 logits_processors=[self._processors() for _ in prompts],
             )
-            where = {uid: i for i, uid in enumerate(uids)}
-            totals = dict(prompt_s=0.0, decode_s=0.0, tokens=0)
-            left = len(prompts)
-            while left:
-                with gen.stats() as st:
-                    prompt_resps, gen_resps = gen.next()
-                if not prompt_resps and not gen_resps:
-                    raise RuntimeError(
-                        f"teacher: BatchGenerator stopped with {left} rows unfinished"
-                    )
-                totals["prompt_s"] += st.prompt_time
-                totals["decode_s"] += st.decode_time
-                totals["tokens"] += len(gen_resps)
-                # Prefill time belongs to the rows whose prompt was processed this call; the
-                # rest of the call (the first decode step's graph) to the rows entering decode.
-                chunk = [where[r.uid] for r in prompt_resps if not r.end_of_prompt]
-                entering = [where[r.uid] for r in prompt_resps if r.end_of_prompt]
-                other = max(0.0, st.wall_time - st.prompt_time - st.decode_time)
-                for i in chunk:
-                    figures[i]["prefill_s"] += st.prompt_time / len(chunk)
-                for i in entering:
-                    figures[i]["prefill_s"] += other / len(entering)
-                ended = []
-                for r in gen_resps:
-                    i = where[r.uid]
-                    if rows[i].finish is not None:
-                        continue
-                    figures[i]["decode_s"] += st.decode_time
-                    figures[i]["steps"] += 1
-                    if rows[i].add(r.token):
-                        figures[i]["wall_s"] = time.perf_counter() - start
-                        figures[i]["peak"] = mx.get_peak_memory()
-                        left -= 1
-                        if (
-                            r.finish_reason is None
-                        ):  # a stop word: only RowStop sees text
-                            ended.append(r.uid)
-                    elif r.finish_reason is not None:
-                        raise RuntimeError(
-                            f"teacher: BatchGenerator ended row {i} "
-                            f"({r.finish_reason}) before its stop rules did"
-                        )
-                if ended:
-                    gen.remove(ended)
+            totals = _decode_rows(
+                gen, {u: i for i, u in enumerate(uids)}, rows, figures, start
+            )
         finally:
             gen.close()
-        batch = {
-            "batch_wall_s": round(time.perf_counter() - start, 4),
-            "batch_prefill_tok_s": round(sum(map(len, prompts)) / totals["prompt_s"], 2)
-            if totals["prompt_s"] > 0
-            else 0.0,
-            "batch_decode_tok_s": round(totals["tokens"] / totals["decode_s"], 2)
-            if totals["decode_s"] > 0
-            else 0.0,
-        }
-        out = []
-        for ids, row, f in zip(prompts, rows, figures):
-            prefill, decode = f["prefill_s"], f["decode_s"]
-            stats = {
-                "wall_s": f["wall_s"],
-                "prefill_tok_s": round(len(ids) / prefill, 2) if prefill else 0.0,
-                # The row's own rate: its tokens over the decode steps it took part in.
-                "decode_tok_s": round(f["steps"] / decode, 2) if decode else 0.0,
-                "peak_memory_gib": round(f["peak"] / 2**30, 4),
-                "gen_wall_s": round(f["wall_s"], 4),
-                "cache": "resident",
-                **batch,
-            }
-            out.append(Answer.of(row, stats))
-        return out
+        return _answers(prompts, rows, figures, totals, time.perf_counter() - start)
 
     def fidelity_logprobs(self, items: list[dict]) -> list[dict]:
         """Teacher-forced log-probs of fidelity items (datasets/edge0_fidelity.py), scored
         together by the set's scorer (evaluation.fidelity.scoring.model_logprobs)."""
         return model_logprobs(self.model, items)
+
+
+def _decode_rows(gen, where: dict, rows: list, figures: list, start: float) -> dict:
+    """Step the generator until every row's stop rules end it, timing each row; the
+    batch's prompt and decode totals."""
+    totals = dict(prompt_s=0.0, decode_s=0.0, tokens=0)
+    left = len(rows)
+    while left:
+        with gen.stats() as st:
+            prompt_resps, gen_resps = gen.next()
+        if not prompt_resps and not gen_resps:
+            raise RuntimeError(
+                f"teacher: BatchGenerator stopped with {left} rows unfinished"
+            )
+        totals["prompt_s"] += st.prompt_time
+        totals["decode_s"] += st.decode_time
+        totals["tokens"] += len(gen_resps)
+        # Prefill time belongs to the rows whose prompt was processed this call; the
+        # rest of the call (the first decode step's graph) to the rows entering decode.
+        chunk = [where[r.uid] for r in prompt_resps if not r.end_of_prompt]
+        entering = [where[r.uid] for r in prompt_resps if r.end_of_prompt]
+        other = max(0.0, st.wall_time - st.prompt_time - st.decode_time)
+        for i in chunk:
+            figures[i]["prefill_s"] += st.prompt_time / len(chunk)
+        for i in entering:
+            figures[i]["prefill_s"] += other / len(entering)
+        ended = []
+        for r in gen_resps:
+            i = where[r.uid]
+            if rows[i].finish is not None:
+                continue
+            figures[i]["decode_s"] += st.decode_time
+            figures[i]["steps"] += 1
+            if rows[i].add(r.token):
+                figures[i]["wall_s"] = time.perf_counter() - start
+                figures[i]["peak"] = mx.get_peak_memory()
+                left -= 1
+                if r.finish_reason is None:  # a stop word: only RowStop sees text
+                    ended.append(r.uid)
+            elif r.finish_reason is not None:
+                raise RuntimeError(
+                    f"teacher: BatchGenerator ended row {i} "
+                    f"({r.finish_reason}) before its stop rules did"
+                )
+        if ended:
+            gen.remove(ended)
+    return totals
+
+
+def _answers(prompts, rows, figures, totals: dict, wall_s: float) -> List[Answer]:
+    """Each row's answer with its own figures and the batch's."""
+    batch = {
+        "batch_wall_s": round(wall_s, 4),
+        "batch_prefill_tok_s": round(sum(map(len, prompts)) / totals["prompt_s"], 2)
+        if totals["prompt_s"] > 0
+        else 0.0,
+        "batch_decode_tok_s": round(totals["tokens"] / totals["decode_s"], 2)
+        if totals["decode_s"] > 0
+        else 0.0,
+    }
+    out = []
+    for ids, row, f in zip(prompts, rows, figures):
+        prefill, decode = f["prefill_s"], f["decode_s"]
+        stats = {
+            "wall_s": f["wall_s"],
+            "prefill_tok_s": round(len(ids) / prefill, 2) if prefill else 0.0,
+            # The row's own rate: its tokens over the decode steps it took part in.
+            "decode_tok_s": round(f["steps"] / decode, 2) if decode else 0.0,
+            "peak_memory_gib": round(f["peak"] / 2**30, 4),
+            "gen_wall_s": round(f["wall_s"], 4),
+            "cache": "resident",
+            **batch,
+        }
+        out.append(Answer.of(row, stats))
+    return out
