@@ -123,65 +123,15 @@ def run(args: argparse.Namespace, options: EngineOptions) -> int:
         )
         for i in range(args.prompts)
     ]
-    subset = items[: args.steps_prompts]
     rounds = []
     with wired_limit(runner.module):
         for r in range(args.rounds):
+            # Arms alternate their order each round, so neither always runs warm.
             order = arms if r % 2 == 0 else arms[::-1]
-            got = {}
-            for arm in order:
-                if engine is not None and args.cache == "cold":
-                    engine.store.evict_page_cache()
-                before = engine.snapshot()["bytes"] if engine is not None else 0
-                mx.reset_peak_memory()
-                if arm == PRICED_SCORER:
-                    scorer.stats = LayerMajorStats()  # this run's figures alone
-                    seconds, rows = _layer_major(scorer, items, len(subset))
-                    done, prefill = items, None
-                else:
-                    prefill, score, rows = _stepwise(
-                        runner,
-                        arm,
-                        subset,
-                        args.chunk,
-                        args.wrap_pieces and engine is not None,
-                    )
-                    seconds, done = prefill + score, subset
-                scored = sum(len(i.tokens) for i in done)
-                prompt = sum(len(i.prompt) for i in done)
-                g = {
-                    "prompts": len(done),
-                    "scored_positions": scored,
-                    "seconds": seconds,
-                    "positions_per_s": scored / seconds,
-                    "peak_memory_gib": mx.get_peak_memory() / 2**30,
-                    "rows": rows,
-                }
-                if prefill is not None:
-                    g["prompt_tokens_per_s"] = prompt / prefill
-                    g["continuation_positions_per_s"] = scored / (seconds - prefill)
-                if engine is not None:
-                    g["bytes_read"] = engine.snapshot()["bytes"] - before
-                    g["bytes_per_position"] = g["bytes_read"] / scored
-                got[arm] = g
+            got = {arm: _arm(args, arm, runner, engine, scorer, items) for arm in order}
             rounds.append(_round_figures(got, order))
             print(
-                f"round {r + 1}: "
-                + "; ".join(
-                    f"{arm} {rounds[-1][arm]['positions_per_s']:.3f} positions/s"
-                    + (
-                        f", {rounds[-1][arm]['bytes_per_position'] / 2**20:.3f} MiB/pos"
-                        if "bytes_per_position" in rounds[-1][arm]
-                        else ""
-                    )
-                    + (
-                        ""
-                        if arm == "steps" or "steps" not in got
-                        else f", max |d log-prob| vs steps "
-                        f"{rounds[-1][arm]['max_abs_logprob_diff']:.3g}"
-                    )
-                    for arm in arms
-                )
+                f"round {r + 1}: " + "; ".join(_arm_line(rounds[-1], a) for a in arms)
             )
     out = _summary(args, arms, rounds, engine, scorer)
     if engine is not None:
@@ -191,6 +141,49 @@ def run(args: argparse.Namespace, options: EngineOptions) -> int:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _arm(args, arm: str, runner, engine, scorer, items: list[Forced]) -> dict:
+    """One arm's run over the items (the stepwise arms over the --steps-prompts subset)."""
+    subset = items[: args.steps_prompts]
+    if engine is not None and args.cache == "cold":
+        engine.store.evict_page_cache()
+    before = engine.snapshot()["bytes"] if engine is not None else 0
+    mx.reset_peak_memory()
+    if arm == PRICED_SCORER:
+        scorer.stats = LayerMajorStats()  # this run's figures alone
+        seconds, rows = _layer_major(scorer, items, len(subset))
+        done, prefill = items, None
+    else:
+        wrap = args.wrap_pieces and engine is not None
+        prefill, score, rows = _stepwise(runner, arm, subset, args.chunk, wrap)
+        seconds, done = prefill + score, subset
+    scored = sum(len(i.tokens) for i in done)
+    g = {
+        "prompts": len(done),
+        "scored_positions": scored,
+        "seconds": seconds,
+        "positions_per_s": scored / seconds,
+        "peak_memory_gib": mx.get_peak_memory() / 2**30,
+        "rows": rows,
+    }
+    if prefill is not None:
+        g["prompt_tokens_per_s"] = sum(len(i.prompt) for i in done) / prefill
+        g["continuation_positions_per_s"] = scored / (seconds - prefill)
+    if engine is not None:
+        g["bytes_read"] = engine.snapshot()["bytes"] - before
+        g["bytes_per_position"] = g["bytes_read"] / scored
+    return g
+
+
+def _arm_line(figures: dict, arm: str) -> str:
+    g = figures[arm]
+    line = f"{arm} {g['positions_per_s']:.3f} positions/s"
+    if "bytes_per_position" in g:
+        line += f", {g['bytes_per_position'] / 2**20:.3f} MiB/pos"
+    if arm != "steps" and "steps" in figures:
+        line += f", max |d log-prob| vs steps {g['max_abs_logprob_diff']:.3g}"
+    return line
 
 
 def _round_figures(got: dict, order) -> dict:
@@ -244,46 +237,9 @@ def _summary(args, arms, rounds, engine, scorer) -> dict:
             **scorer.stats.as_dict(),
         },
     }
-    # What a fidelity run costs per arm, prompts and positions apart (plan --fidelity-rate).
-    rates = {}
-    for arm in arms:
-        if arm == PRICED_SCORER:
-            rates[arm] = scorer.stats.rates()
-        else:
-            rates[arm] = {
-                "prompt_tokens_per_s": float(
-                    np.mean([x[arm]["prompt_tokens_per_s"] for x in later])
-                ),
-                "positions_per_s": float(
-                    np.mean([x[arm]["continuation_positions_per_s"] for x in later])
-                ),
-            }
-    out["rates"] = rates
+    out["rates"] = _rates(arms, later, scorer)
     if "steps" in arms:
-        out["ratio_over_steps"] = {
-            arm: mean[arm] / mean["steps"] for arm in arms if arm != "steps"
-        }
-        out["bit_identical"] = {
-            arm: all(x[arm]["max_abs_logprob_diff"] == 0.0 for x in rounds)
-            for arm in arms
-            if arm != "steps"
-        }
-        out["max_abs_logprob_diff"] = {
-            arm: max(x[arm]["max_abs_logprob_diff"] for x in rounds)
-            for arm in arms
-            if arm != "steps"
-        }
-        if engine is not None:
-            per = {
-                arm: float(np.mean([x[arm]["bytes_per_position"] for x in later]))
-                for arm in arms
-            }
-            out["bytes_per_position"] = per
-            out["bytes_ratio_steps_over"] = {
-                arm: (per["steps"] / per[arm] if per[arm] else None)
-                for arm in arms
-                if arm != "steps"
-            }
+        out.update(_against_steps(arms, rounds, later, mean, engine))
     if engine is not None:
         out["engine"] = {
             k: v
@@ -299,6 +255,49 @@ def _summary(args, arms, rounds, engine, scorer) -> dict:
                 "prerouter_features",
                 "wrap_passes_per_chunk",
             )
+        }
+    return out
+
+
+def _rates(arms, later: list, scorer) -> dict:
+    """What a fidelity run costs per arm, prompts and positions apart (plan --fidelity-rate)."""
+    rates = {}
+    for arm in arms:
+        if arm == PRICED_SCORER:
+            rates[arm] = scorer.stats.rates()
+            continue
+        rates[arm] = {
+            "prompt_tokens_per_s": float(
+                np.mean([x[arm]["prompt_tokens_per_s"] for x in later])
+            ),
+            "positions_per_s": float(
+                np.mean([x[arm]["continuation_positions_per_s"] for x in later])
+            ),
+        }
+    return rates
+
+
+def _against_steps(arms, rounds: list, later: list, mean: dict, engine) -> dict:
+    """Each arm against the step-by-step arm: speed, log-prob agreement, bytes read."""
+    others = [arm for arm in arms if arm != "steps"]
+    out = {
+        "ratio_over_steps": {arm: mean[arm] / mean["steps"] for arm in others},
+        "bit_identical": {
+            arm: all(x[arm]["max_abs_logprob_diff"] == 0.0 for x in rounds)
+            for arm in others
+        },
+        "max_abs_logprob_diff": {
+            arm: max(x[arm]["max_abs_logprob_diff"] for x in rounds) for arm in others
+        },
+    }
+    if engine is not None:
+        per = {
+            arm: float(np.mean([x[arm]["bytes_per_position"] for x in later]))
+            for arm in arms
+        }
+        out["bytes_per_position"] = per
+        out["bytes_ratio_steps_over"] = {
+            arm: (per["steps"] / per[arm] if per[arm] else None) for arm in others
         }
     return out
 
