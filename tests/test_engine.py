@@ -386,3 +386,23 @@ def test_bench_states_the_file_guards_cost(edge0_qwen, tmp_path, monkeypatch, ca
     assert targets["file_guard_us_per_check"] > 0
     assert "file_guard_reactive_decode_over_unguarded" in targets
     assert "file_guard_reactive_ms_per_token" in capsys.readouterr().out
+
+
+def test_public_api_names_and_docs_example(edge0_qwen, capsys):
+    """Every exported name is the defining module's object, and docs/engine.md's example
+    runs as written (on the tiny model; reactive, as it has no heads)."""
+    import importlib
+    from pathlib import Path
+
+    import edge0_eval
+
+    for name, module in edge0_eval._API.items():
+        assert getattr(edge0_eval, name) is getattr(
+            importlib.import_module(module), name
+        )
+    doc = (Path(__file__).parent.parent / "docs" / "engine.md").read_text()
+    (code,) = re.findall(r"## From Python.*?```python\n(.*?)```", doc, re.S)
+    assert "from edge0_eval import Engine, EngineOptions" in code
+    code = code.replace("path/to/converted", str(edge0_qwen))
+    exec(code.replace('mode="prerouted"', 'mode="reactive"'), {})
+    assert capsys.readouterr().out.strip()

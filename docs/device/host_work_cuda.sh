@@ -122,7 +122,7 @@ step solo1 && say "solo vs a batch of one, $CACHE" && timeout "${EDGE0_SOLO1_LIM
     "$PY" - "$MODEL" "$HEADS" "$CACHE" >"$OUT/solo1.jsonl" 2>&1 <<'EOF'
 import json, sys
 import numpy as np
-from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval import Engine, EngineOptions
 model, heads, cache = sys.argv[1:4]
 e = Engine.load(model, EngineOptions(mode="prerouted", experts_per_token=4, slots_per_layer=8,
                                      prerouter_path=heads))

@@ -146,43 +146,9 @@ class Engine:
         k, slots = resolved.experts_per_token, resolved.slots_per_layer
 
         mx.random.seed(options.seed)
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-        moe_in_model = family.moe_layers(model)
-        if moe_in_model != list(index.moe_layers):
-            raise CheckpointError(
-                f"{directory}: index lists MoE layers {index.moe_layers} but the "
-                f"config builds {moe_in_model}; re-run convert"
-            )
-        refuse_unserved_experts(
-            index,
-            directory / INDEX_NAME,
-            activation_dtype(options.compute_dtype, directory),
+        model, store, counters = _streaming_model(
+            directory, config, family, index, options, (slots, k)
         )
-        store = ExpertStore(
-            directory,
-            index,
-            io_workers=options.io_workers,
-            io_throttle_mbps=options.io_throttle_mbps,
-            verify_crc=options.verify_crc,
-        )
-        counters = Counters()
-        layers = family.layers(model)
-        compute_dtype = resolve_compute_dtype(options.compute_dtype)
-        for i in index.moe_layers:
-            switch = StreamingSwitchGLU(
-                i, index, store, slots, counters, scale_dtype=compute_dtype
-            )
-            # Instance-level replacement: mlx-lm's classes stay untouched.
-            layers[i].mlp = family.block_class(layers[i].mlp, switch, k)
-
-        check_resident(directory / RESIDENT_NAME, index)
-        resident = load_resident(directory / RESIDENT_NAME)
-        quantize_like_mlx_lm(model, config, resident)
-        check_resident_names(model, resident, directory / RESIDENT_NAME)
-        model.load_weights(list(resident.items()), strict=False)
-        # Slot buffers were made in their serving dtypes above and are filled by reads.
-        cast_floating(model, compute_dtype, skip=".switch_mlp.glu.")
         lora = None
         if resolved.lora_path is not None:
             # Unmerged: a parallel path on resident modules; int4 weights stay untouched.
@@ -195,10 +161,10 @@ class Engine:
             )
         model.eval()
         mx.eval(model.parameters())
-        del resident
 
         tokenizer = load_tokenizer_checked(directory, eos_token_ids(directory, config))
         if options.mode == "resident":
+            layers = family.layers(model)
             for i in index.moe_layers:
                 layers[i].mlp.switch_mlp.preload_all()
         engine = cls(
@@ -423,3 +389,48 @@ class Sequence:
             )
             self.position += len(piece)
             yield logits[0]
+
+
+def _streaming_model(directory: Path, config, family, index, options, width):
+    """(model, store, counters): mlx-lm's model with its MoE blocks replaced (on the
+    instance) by streaming ones reading the store, its resident weights loaded;
+    `width`: (slots per layer, K)."""
+    slots, k = width
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    moe_in_model = family.moe_layers(model)
+    if moe_in_model != list(index.moe_layers):
+        raise CheckpointError(
+            f"{directory}: index lists MoE layers {index.moe_layers} but the "
+            f"config builds {moe_in_model}; re-run convert"
+        )
+    refuse_unserved_experts(
+        index,
+        directory / INDEX_NAME,
+        activation_dtype(options.compute_dtype, directory),
+    )
+    store = ExpertStore(
+        directory,
+        index,
+        io_workers=options.io_workers,
+        io_throttle_mbps=options.io_throttle_mbps,
+        verify_crc=options.verify_crc,
+    )
+    counters = Counters()
+    layers = family.layers(model)
+    compute_dtype = resolve_compute_dtype(options.compute_dtype)
+    for i in index.moe_layers:
+        switch = StreamingSwitchGLU(
+            i, index, store, slots, counters, scale_dtype=compute_dtype
+        )
+        # Instance-level replacement: mlx-lm's classes stay untouched.
+        layers[i].mlp = family.block_class(layers[i].mlp, switch, k)
+
+    check_resident(directory / RESIDENT_NAME, index)
+    resident = load_resident(directory / RESIDENT_NAME)
+    quantize_like_mlx_lm(model, config, resident)
+    check_resident_names(model, resident, directory / RESIDENT_NAME)
+    model.load_weights(list(resident.items()), strict=False)
+    # Slot buffers were made in their serving dtypes above and are filled by reads.
+    cast_floating(model, compute_dtype, skip=".switch_mlp.glu.")
+    return model, store, counters

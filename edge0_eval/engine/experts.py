@@ -183,6 +183,69 @@ def slots_for_budget(budget_mib: float, slot_bytes: int) -> int:
     return int(budget_mib * 2**20 // slot_bytes)
 
 
+def _slot_linear(layout, proj: str, n_slots: int, scale_dtype) -> QuantizedSwitchLinear:
+    """mlx-lm's quantized switch linear holding `n_slots` empty expert slots."""
+    quant = layout.quant[proj]
+    q = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
+    nn.Module.__init__(q)
+    # The layer's own geometry: mlx-lm's __call__ passes these to gather_qmm.
+    q.group_size, q.bits, q.mode, q.global_scale = (
+        quant.group_size,
+        quant.bits,
+        quant.mode,
+        None,
+    )
+    for part in quant.parts:
+        t = layout.tensor(f"{proj}.{part}")
+        dtype = getattr(mx, t.dtype)  # the layout's dtype names are MLX's
+        if part in ("scales", "biases") and quant.mode == "affine":
+            if scale_dtype is not None:
+                # The compute dtype: on the CPU gather_qmm with float16 scales runs
+                # several times slower than with float32 ones.
+                dtype = scale_dtype
+        setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
+    q.freeze()
+    return q
+
+
+def _bundle_tensors(layout, glu) -> list[tuple]:
+    """Per bundle tensor, once, in the layout's order: (name, widen on the I/O thread
+    (float16 to float32 slots), its module, its part, stored as bfloat16 (numpy has
+    none: raw uint16 viewed in MLX), the cast the slot still needs (None: none))."""
+    tensors = []
+    for name in layout.names:
+        proj, part = name.split(".")
+        linear = getattr(glu, proj)
+        slot_dtype, dtype = linear[part].dtype, layout.tensor(name).dtype
+        widen = dtype == "float16" and slot_dtype == mx.float32
+        arrives = mx.float32 if widen else getattr(mx, dtype)  # after any view
+        cast = None if arrives == slot_dtype else slot_dtype
+        tensors.append((name, widen, linear, part, dtype == "bfloat16", cast))
+    return tensors
+
+
+def _read_plan(layout, tensors: list[tuple]) -> tuple[list, list]:
+    """How a bundle is read (`_sink`): its byte ranges in file order, each one tensor's
+    (its index in `tensors`) or padding (None); and each tensor's shape, the dtype it is
+    read as (numpy's) and the dtype of the array that keeps it (MLX's)."""
+    views = bundle_views(layout)
+    pieces, arrays, at = [], [], 0
+    for start, end, t in sorted(
+        (views[name][0], views[name][1], t) for t, name in enumerate(layout.names)
+    ):
+        if start > at:
+            pieces.append((None, start - at))
+        pieces.append((t, end - start))
+        at = end
+    if layout.bundle_stride > at:
+        pieces.append((None, layout.bundle_stride - at))
+    for name, (_, widen, *_) in zip(layout.names, tensors):
+        _, _, read_as, shape = views[name]
+        keep = mx.float32 if widen else getattr(mx, np.dtype(read_as).name)
+        arrays.append((shape, read_as, keep))
+    return pieces, arrays
+
+
 # -- the streaming switch ------------------------------------------------------------------
 class StreamingSwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU over `n_slots` quantized slot buffers, filled from the expert store."""
@@ -201,27 +264,7 @@ class StreamingSwitchGLU(nn.Module):
         hidden_dims, input_dims = layout.dims("gate_proj")
         self.glu = SwitchGLU(input_dims, hidden_dims, 1)
         for proj in PROJECTIONS:
-            quant = layout.quant[proj]
-            q = QuantizedSwitchLinear.__new__(QuantizedSwitchLinear)
-            nn.Module.__init__(q)
-            # The layer's own geometry: mlx-lm's __call__ passes these to gather_qmm.
-            q.group_size, q.bits, q.mode, q.global_scale = (
-                quant.group_size,
-                quant.bits,
-                quant.mode,
-                None,
-            )
-            for part in quant.parts:
-                t = layout.tensor(f"{proj}.{part}")
-                dtype = getattr(mx, t.dtype)  # the layout's dtype names are MLX's
-                if part in ("scales", "biases") and quant.mode == "affine":
-                    if scale_dtype is not None:
-                        # The compute dtype: on the CPU gather_qmm with float16 scales runs
-                        # several times slower than with float32 ones.
-                        dtype = scale_dtype
-                setattr(q, part, mx.zeros((n_slots, *t.shape), dtype=dtype))
-            q.freeze()
-            setattr(self.glu, proj, q)
+            setattr(self.glu, proj, _slot_linear(layout, proj, n_slots, scale_dtype))
         self._io = SimpleNamespace(
             layer=layer,
             index=index,
@@ -233,44 +276,8 @@ class StreamingSwitchGLU(nn.Module):
             resident=False,
             pending=None,
         )
-        # Per bundle tensor, once, in the layout's order: (name, widen on the I/O thread
-        # (float16 to float32 slots), its module, its part, stored as bfloat16 (numpy has
-        # none: raw uint16 viewed in MLX), the cast the slot still needs (None: none)).
-        self._io.tensors = []
-        for name in layout.names:
-            proj, part = name.split(".")
-            linear = getattr(self.glu, proj)
-            slot_dtype, dtype = linear[part].dtype, layout.tensor(name).dtype
-            widen = dtype == "float16" and slot_dtype == mx.float32
-            arrives = mx.float32 if widen else getattr(mx, dtype)  # after any view
-            self._io.tensors.append(
-                (
-                    name,
-                    widen,
-                    linear,
-                    part,
-                    dtype == "bfloat16",
-                    None if arrives == slot_dtype else slot_dtype,
-                )
-            )
-        # How a bundle is read (`_sink`): its byte ranges in file order, each one tensor's
-        # (its index above) or padding (None), with each tensor's shape, the dtype it is read
-        # as (numpy's) and the dtype of the array that keeps it (MLX's).
-        views = bundle_views(layout)
-        self._io.pieces, self._io.arrays, at = [], [], 0
-        for start, end, t in sorted(
-            (views[name][0], views[name][1], t) for t, name in enumerate(layout.names)
-        ):
-            if start > at:
-                self._io.pieces.append((None, start - at))
-            self._io.pieces.append((t, end - start))
-            at = end
-        if layout.bundle_stride > at:
-            self._io.pieces.append((None, layout.bundle_stride - at))
-        for name, (_, widen, *_) in zip(layout.names, self._io.tensors):
-            _, _, read_as, shape = views[name]
-            keep = mx.float32 if widen else getattr(mx, np.dtype(read_as).name)
-            self._io.arrays.append((shape, read_as, keep))
+        self._io.tensors = _bundle_tensors(layout, self.glu)
+        self._io.pieces, self._io.arrays = _read_plan(layout, self._io.tensors)
         # expert id -> slot: decided on the host, where loads are, and published whole on
         # the device as one new array when it changes (`_publish`), so prerouted decode
         # never syncs to map ids; a scatter into the device table cost more host time.

@@ -460,6 +460,33 @@ class ExpertIndex:
             raise CheckpointError(
                 f"{where}: layouts {unused} are used by no layer; {RECONVERT}"
             )
+        self._check_layouts(where)
+        if len(set(self.moe_layers)) != len(
+            self.moe_layers
+        ) or self.moe_layers != sorted(self.moe_layers):
+            raise CheckpointError(
+                f"{where}: moe_layers {self.moe_layers} must be distinct and "
+                f"ascending; {RECONVERT}"
+            )
+        if self.file_size != self.expected_file_size():
+            raise CheckpointError(
+                f"{where}: file_size {self.file_size} does not match "
+                f"{len(self.moe_layers)} layers x {self.num_experts} experts"
+            )
+        if self.crc32 and (
+            len(self.crc32) != len(self.moe_layers)
+            or any(len(row) != self.num_experts for row in self.crc32)
+        ):
+            raise CheckpointError(
+                f"{where}: crc32 must hold one row of {self.num_experts} "
+                f"checksums per MoE layer ({len(self.moe_layers)}); "
+                f"{RECONVERT}"
+            )
+        if directory is not None:
+            self._check_file(Path(directory) / self.file)
+
+    def _check_layouts(self, where: str) -> None:
+        """Each layout complete and aligned; all of one expert shape and scale dtype."""
         many = len(self.layouts) > 1
         for i, layout in enumerate(self.layouts):
             at = f"{where}: layouts[{i}]" if many else where
@@ -488,40 +515,20 @@ class ExpertIndex:
                 f"{where}: scales/biases mix dtypes {sorted(scale_dtypes)} across "
                 f"layers; a conversion writes one; {RECONVERT}"
             )
-        if len(set(self.moe_layers)) != len(
-            self.moe_layers
-        ) or self.moe_layers != sorted(self.moe_layers):
+
+    def _check_file(self, path: Path) -> None:
+        """The expert file exists with the size the index gives."""
+        if not path.is_file():
             raise CheckpointError(
-                f"{where}: moe_layers {self.moe_layers} must be distinct and "
-                f"ascending; {RECONVERT}"
+                f"{path} is missing (the expert file {INDEX_NAME} names "
+                f"in 'file'); re-run `edge0-eval convert`"
             )
-        if self.file_size != self.expected_file_size():
+        actual = path.stat().st_size
+        if actual != self.file_size:
             raise CheckpointError(
-                f"{where}: file_size {self.file_size} does not match "
-                f"{len(self.moe_layers)} layers x {self.num_experts} experts"
+                f"{path} is {actual} bytes but {INDEX_NAME} says {self.file_size}: "
+                f"the file is truncated or belongs to another conversion; re-run convert"
             )
-        if self.crc32 and (
-            len(self.crc32) != len(self.moe_layers)
-            or any(len(row) != self.num_experts for row in self.crc32)
-        ):
-            raise CheckpointError(
-                f"{where}: crc32 must hold one row of {self.num_experts} "
-                f"checksums per MoE layer ({len(self.moe_layers)}); "
-                f"{RECONVERT}"
-            )
-        if directory is not None:
-            path = Path(directory) / self.file
-            if not path.is_file():
-                raise CheckpointError(
-                    f"{path} is missing (the expert file {INDEX_NAME} names "
-                    f"in 'file'); re-run `edge0-eval convert`"
-                )
-            actual = path.stat().st_size
-            if actual != self.file_size:
-                raise CheckpointError(
-                    f"{path} is {actual} bytes but {INDEX_NAME} says {self.file_size}: "
-                    f"the file is truncated or belongs to another conversion; re-run convert"
-                )
 
 
 # -- field checks ------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.utils import load_tokenizer
 from opencompass.registry import MODELS
 
+from edge0_eval import Engine, EngineOptions
 from edge0_eval.engine.batch import Answer, sample_stats
-from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.inputs import penalties_of
-from edge0_eval.engine.options import EngineOptions, MissingAdapterError
+from edge0_eval.engine.options import MissingAdapterError
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity.scoring import model_logprobs
 
