@@ -15,11 +15,12 @@ from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_experts_per_token
+from edge0_eval.arguments.fields import add_fields
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads import init_heads_from_routers, save_heads
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.stage_options import add_head_layout_arguments
+from edge0_eval.training.stage_options import HEAD_LAYOUT, PrerouterOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=ct.output_path,
         help="heads file to write (.safetensors)",
     )
-    add_head_layout_arguments(parser)
+    add_fields(parser, PrerouterOptions, only=HEAD_LAYOUT)
     add_experts_per_token(
         parser, "serving K the heads are for (default: the tier's, else native)"
     )
