@@ -9,7 +9,15 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from edge0_eval import bench, distill, generate, serve, train_lora, train_prerouter
+from edge0_eval import (
+    bench,
+    distill,
+    fidelity,
+    generate,
+    serve,
+    train_lora,
+    train_prerouter,
+)
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.arguments.fields import add_fields, field_default, from_args, option
 from edge0_eval.engine.options import EngineOptions
@@ -20,14 +28,16 @@ from edge0_eval.training.stage_options import (
     StageOptions,
 )
 
-# options class -> the verbs whose command lines are generated from it
+# options class -> the verbs (with the action, for a verb that has actions) whose command
+# lines are generated from it
 CLASSES = {
-    EngineOptions: (generate, serve, bench),
-    PrerouterOptions: (train_prerouter,),
-    StageOptions: (train_lora, distill),
-    bench.BenchOptions: (bench,),
+    EngineOptions: ((generate,), (serve,), (bench,), (fidelity, "bench")),
+    PrerouterOptions: ((train_prerouter,),),
+    StageOptions: ((train_lora,), (distill,)),
+    bench.BenchOptions: ((bench,),),
+    fidelity.MakeOptions: ((fidelity, "make"),),
+    fidelity.BenchOptions: ((fidelity, "bench"),),
 }
-
 # A verb's deliberate change of a field's default: stage 3 starts from a trained adapter (a
 # smaller step); serve refuses --seed (a request gives its own).
 CHANGED = {(distill, "lr"): DISTILL_LR, (serve, "seed"): None}
@@ -39,10 +49,13 @@ def undeclared(cls) -> list[str]:
     return [f.name for f in fields(cls) if not f.metadata]
 
 
-def _parser(module) -> argparse.ArgumentParser:
+def _parser(module, action=None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
-    return parser
+    if action is None:
+        return parser
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[action]
 
 
 @pytest.mark.parametrize("cls", list(CLASSES), ids=lambda c: c.__name__)
@@ -60,12 +73,12 @@ def test_a_field_without_metadata_is_caught():
 
 
 @pytest.mark.parametrize(
-    "cls,module",
-    [(c, m) for c, ms in CLASSES.items() for m in ms],
-    ids=lambda x: getattr(x, "__name__", "").rsplit(".", 1)[-1],
+    "cls,verb",
+    [(c, v) for c, vs in CLASSES.items() for v in vs],
+    ids=lambda x: getattr(x, "__name__", None) or x[0].__name__.split(".")[-1],
 )
-def test_every_flag_defaults_to_its_field(cls, module):
-    parser = _parser(module)
+def test_every_flag_defaults_to_its_field(cls, verb):
+    parser, module = _parser(*verb), verb[0]
     flags = {a.dest: a for a in parser._actions if a.option_strings}
     for f in fields(cls):
         if f.metadata.get("flag", "") is False or f.metadata.get("required"):
