@@ -37,6 +37,7 @@ CLASSES = {
     bench.BenchOptions: ((bench,),),
     fidelity.MakeOptions: ((fidelity, "make"),),
     fidelity.BenchOptions: ((fidelity, "bench"),),
+    generate.GenerateOptions: ((generate,),),
 }
 # A verb's deliberate change of a field's default: stage 3 starts from a trained adapter (a
 # smaller step); serve refuses --seed (a request gives its own).
