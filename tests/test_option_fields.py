@@ -14,6 +14,7 @@ from edge0_eval import (
     distill,
     fidelity,
     generate,
+    plan,
     serve,
     train_lora,
     train_prerouter,
@@ -38,6 +39,7 @@ CLASSES = {
     fidelity.MakeOptions: ((fidelity, "make"),),
     fidelity.BenchOptions: ((fidelity, "bench"),),
     generate.GenerateOptions: ((generate,),),
+    plan.PlanFlags: ((plan,),),
 }
 # A verb's deliberate change of a field's default: stage 3 starts from a trained adapter (a
 # smaller step); serve refuses --seed (a request gives its own).
