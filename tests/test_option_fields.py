@@ -14,6 +14,7 @@ from edge0_eval import (
     distill,
     fidelity,
     generate,
+    make_tiny,
     plan,
     serve,
     train_lora,
@@ -21,6 +22,7 @@ from edge0_eval import (
 )
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.arguments.fields import add_fields, field_default, from_args, option
+from edge0_eval.checkpoints.tiny import TinyShape
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.training.stage_options import (
     DISTILL_LR,
@@ -40,6 +42,7 @@ CLASSES = {
     fidelity.BenchOptions: ((fidelity, "bench"),),
     generate.GenerateOptions: ((generate,),),
     plan.PlanFlags: ((plan,),),
+    TinyShape: ((make_tiny,),),
 }
 # A verb's deliberate change of a field's default: stage 3 starts from a trained adapter (a
 # smaller step); serve refuses --seed (a request gives its own).
