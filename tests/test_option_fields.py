@@ -17,11 +17,13 @@ from edge0_eval import (
     make_tiny,
     plan,
     serve,
+    testbed,
     train_lora,
     train_prerouter,
 )
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
 from edge0_eval.arguments.fields import add_fields, field_default, from_args, option
+from edge0_eval.checkpoints import testbed_model
 from edge0_eval.checkpoints.tiny import TinyShape
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.training.stage_options import (
@@ -43,6 +45,7 @@ CLASSES = {
     generate.GenerateOptions: ((generate,),),
     plan.PlanFlags: ((plan,),),
     TinyShape: ((make_tiny,),),
+    testbed_model.TestbedOptions: ((testbed, "build"),),
 }
 # A verb's deliberate change of a field's default: stage 3 starts from a trained adapter (a
 # smaller step); serve refuses --seed (a request gives its own).
