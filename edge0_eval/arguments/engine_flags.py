@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.fields import add_fields, from_args
 from edge0_eval.engine.options import EngineOptions
 
@@ -23,18 +22,6 @@ TOP_K_RENAMED = (
 
 def _renamed_top_k(text: str):
     raise argparse.ArgumentTypeError(TOP_K_RENAMED)
-
-
-def add_experts_per_token(
-    parser, help: str, default=None, type=ct.positive_int, refuse_old: bool = True
-) -> None:
-    """`--experts-per-token K`, the routing width; with `refuse_old`, the old spelling
-    `--top-k` is refused with the new name (a verb that samples defines its own --top-k)."""
-    parser.add_argument(
-        "--experts-per-token", type=type, default=default, metavar="K", help=help
-    )
-    if refuse_old:
-        refuse_top_k(parser)
 
 
 def refuse_top_k(parser) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from edge0_eval.engine.experts import slots_for_budget
@@ -128,7 +128,7 @@ class EngineOptions:
         action="store_const",
         const=None,
     )
-    prefill_chunk: int = option(512, flag=False)  # a config's choice, not a flag's
+    prefill_chunk: int = option(512, flag=False, type="positive_int")  # a config's
     compute_dtype: str = option(
         "auto",
         "activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)",
@@ -137,44 +137,23 @@ class EngineOptions:
     seed: int = option(0, "sampling seed", type="seed")
 
     def validate(self) -> None:
-        """Types and ranges of every field (a config can pass anything, NaN included)."""
-        if self.mode not in MODES:
-            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        for name in ("experts_per_token", "slots_per_layer", "hedge_layers"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}")
-        if not _is_int(self.io_workers) or self.io_workers < 1:
-            raise ConfigError(
-                f"io_workers must be a whole number >= 1, not {self.io_workers!r}"
-            )
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"seed must be a whole number >= 0, not {self.seed!r}")
-        if not _is_int(self.prefill_chunk) or self.prefill_chunk < 1:
-            raise ConfigError(
-                f"prefill_chunk must be a whole number >= 1, not {self.prefill_chunk!r}"
-            )
+        """Types and ranges of every field (a config can pass anything, NaN included): the
+        rule of its flag's type or choices, then what fields require of each other."""
+        for f in fields(self):
+            value, rule = getattr(self, f.name), _RULES.get(f.metadata.get("type"))
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ConfigError(
+                    f"{f.name} {value!r} is not one of {', '.join(choices)}"
+                )
+            if rule and not (value is None and f.default is None or rule[0](value)):
+                raise ConfigError(f"{f.name} must be {rule[1]}, not {value!r}")
         if self.expert_budget_mib is not None and self.slots_per_layer is not None:
             raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
-        for name in ("expert_budget_mib", "io_throttle_mbps", "lora_alpha"):
-            value = getattr(self, name)
-            if value is not None and not (
-                _is_number(value) and math.isfinite(value) and value > 0
-            ):
-                raise ConfigError(f"{name} must be a finite number > 0, not {value!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(
-                f"compute_dtype {self.compute_dtype!r} is not one of "
-                f"{', '.join(COMPUTE_DTYPES)}"
-            )
         if (
             self.clip_hidden != "auto"
             and self.clip_hidden is not None
-            and not (
-                _is_number(self.clip_hidden)
-                and math.isfinite(self.clip_hidden)
-                and self.clip_hidden > 0
-            )
+            and not _finite_positive(self.clip_hidden)
         ):
             raise ConfigError(
                 f"clip_hidden must be 'auto', None or a finite number > 0, "
@@ -332,6 +311,18 @@ class ResolvedOptions:
     hedge_path: Path | None  # staged early for next-token heads (a draft vocabulary);
     #                                 None: none
     clip_hidden: float | None  # per-layer hidden clipping limit; None: off
+
+
+def _finite_positive(value) -> bool:
+    return _is_number(value) and math.isfinite(value) and value > 0
+
+
+# A field's flag type -> the rule its value keeps however it is given, and the rule in words.
+_RULES = {
+    "positive_int": (lambda v: _is_int(v) and v >= 1, "a whole number >= 1"),
+    "seed": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "positive_float": (_finite_positive, "a finite number > 0"),
+}
 
 
 def _is_int(value) -> bool:
