@@ -22,10 +22,17 @@ from edge0_eval import (
     train_prerouter,
 )
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
-from edge0_eval.arguments.fields import add_fields, field_default, from_args, option
+from edge0_eval.arguments.fields import (
+    add_fields,
+    check_fields,
+    field_default,
+    from_args,
+    option,
+)
 from edge0_eval.checkpoints import testbed_model
 from edge0_eval.checkpoints.tiny import TinyShape
 from edge0_eval.engine.options import EngineOptions
+from edge0_eval.errors import ConfigError
 from edge0_eval.training.stage_options import (
     DISTILL_LR,
     STAGE_ONLY,
@@ -128,3 +135,19 @@ def test_a_flag_replaces_only_its_field():
     assert options_from_args(args) == EngineOptions(
         lora_path="L", verify_crc=False, io_workers=2
     )
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"steps": 0}, "--steps must be at least 1"),
+        ({"train_tokens": 1}, "--train-tokens must be at least 2"),
+        ({"collect": "fp8"}, "--collect must be one of served, float32, not 'fp8'"),
+        ({"save_dtype": "int4"}, "--save-dtype must be one of"),
+    ],
+)
+def test_a_field_below_its_least_or_off_its_choices_is_refused(changes, message):
+    """Options built without the flags (a test, a config) keep the fields' bounds."""
+    options = PrerouterOptions(model="M", texts=["a"], out="o", **changes)
+    with pytest.raises(ConfigError, match=message):
+        check_fields(options)

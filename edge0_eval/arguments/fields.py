@@ -15,6 +15,8 @@ nargs, action, const, required); `flag` is the flag's name when not `--field-nam
 without dashes is positional), `flag=False` a field with no flag. A `type` given as a string
 names a validator of value_types (for the engine's options, which sit below this layer). The
 flag's default is the field's; a bool defaults to store_true when False, --x/--no-x when True.
+`least` (no flag keyword) is the smallest value a field takes: `check_fields` holds it, and
+`choices`, however the options were made (a test or a config passes no flags).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from dataclasses import MISSING, fields
 
 from edge0_eval.arguments import value_types
 from edge0_eval.engine.options import option
+from edge0_eval.errors import ConfigError
 
-__all__ = ["add_fields", "field_flags", "from_args", "option"]
+__all__ = ["add_fields", "check_fields", "field_flags", "from_args", "option"]
 _KEYWORDS = ("type", "choices", "metavar", "nargs", "action", "const", "required")
 
 
@@ -40,7 +43,7 @@ def field_flags(cls, **changes) -> dict:
     out = {}
     for f in fields(cls):
         meta = {**f.metadata, **changes.get(f.name, {})}
-        name = meta.get("flag", "--" + f.name.replace("_", "-"))
+        name = _flag(f, meta)
         if name is False or not f.metadata:
             continue
         kw = {k: meta[k] for k in _KEYWORDS if k in meta}
@@ -74,3 +77,20 @@ def from_args(cls, args: argparse.Namespace, **given):
     """`cls` from the parsed arguments named as its fields; `given` values win."""
     names = {f.name for f in fields(cls)} - set(given)
     return cls(**{k: v for k, v in vars(args).items() if k in names}, **given)
+
+
+def check_fields(options) -> None:
+    """Each field's `least` and `choices`, as one ConfigError naming its flag."""
+    for f in fields(options):
+        value, flag = getattr(options, f.name), _flag(f, f.metadata)
+        least, choices = f.metadata.get("least"), f.metadata.get("choices")
+        if least is not None and value is not None and value < least:
+            raise ConfigError(f"{flag} must be at least {least}")
+        if choices and value not in choices:
+            raise ConfigError(
+                f"{flag} must be one of {', '.join(map(str, choices))}, not {value!r}"
+            )
+
+
+def _flag(f, meta) -> str:
+    return meta.get("flag", "--" + f.name.replace("_", "-"))

@@ -57,7 +57,6 @@ class EngineOptions:
     field's flag (arguments/engine_flags) is generated from its metadata."""
 
     mode: str = option("reactive", "how experts reach the slots", choices=MODES)
-    # The routing width K (a config's num_experts_per_tok); None: the model's native K.
     experts_per_token: int | None = option(
         None,
         "routing width: experts per token (default: the model's num_experts_per_tok)",
@@ -77,7 +76,6 @@ class EngineOptions:
         f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)",
         flag="--lora",
     )
-    # Used when neither the adapter's metadata nor an adapter_config.json beside it gives one.
     lora_alpha: float | None = option(
         None,
         "the adapter's LoRA alpha (scale alpha/r), for a file whose metadata "

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge0_eval.arguments.engine_flags import refuse_top_k
-from edge0_eval.arguments.fields import add_fields, field_default, from_args, option
+from edge0_eval.arguments.fields import (
+    add_fields,
+    check_fields,
+    field_default,
+    from_args,
+    option,
+)
 from edge0_eval.engine.engine import EngineOptions
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AGREEMENT
@@ -51,9 +57,7 @@ class RunOptions:
         False, "require an existing checkpoint (resuming is automatic anyway)"
     )
     save_dtype: str = option(
-        "float16",
-        f"dtype of the written heads or adapter: {' | '.join(SAVE_DTYPES)}",
-        metavar="DTYPE",
+        "float16", "dtype of the written heads or adapter", choices=SAVE_DTYPES
     )
     progress: bool = option(
         True, "no progress bars", flag="--no-progress", action="store_false"
@@ -71,14 +75,10 @@ def add_run_flags(parser: argparse.ArgumentParser, cls, **changes) -> None:
 
 
 def validate_run(opts) -> None:
-    """The checks of `RunOptions`' fields and of the steps, batch and learning rate."""
-    for name in ("steps", "batch", "ckpt_every"):
-        if getattr(opts, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    """The checks every stage shares: its fields' `least` and `choices`, and more."""
+    check_fields(opts)
     if not opts.lr > 0:
         raise ConfigError("--lr must be positive")
-    if opts.save_dtype not in SAVE_DTYPES:
-        raise ConfigError("--save-dtype must be float16, bfloat16 or float32")
     if opts.resume and opts.fresh:
         raise ConfigError("--resume and --fresh contradict each other")
 
@@ -118,24 +118,30 @@ class PrerouterOptions(RunOptions):
         None,
         "fc1 width (tiers 512; other models min(512, 2 x hidden))",
         type="positive_int",
+        least=1,
     )
     experts_per_token: int | None = option(
         None,
         "serving K (35B tier 4, 8B tier 8; other models: native top-k)",
         type=int,
         metavar="K",
+        least=1,
     )
-    steps: int = option(1000, "optimizer steps")
+    steps: int = option(1000, "optimizer steps", least=1)
     lr: float = option(1e-3, "Adam learning rate")
-    batch: int = option(256, "tokens per step")
+    batch: int = option(256, "tokens per step", least=1)
     holdout: float = option(0.1, "fraction of documents held out for the report")
     fresh: bool = option(
         False, "discard the training checkpoint (features of the same data kept)"
     )
-    ckpt_every: int = option(100, "steps between checkpoints")
-    max_doc_tokens: int = option(1024, "tokens kept per document (from its start)")
+    ckpt_every: int = option(100, "steps between checkpoints", least=1)
+    max_doc_tokens: int = option(
+        1024, "tokens kept per document (from its start)", least=2
+    )
     # 35B: ~160 KB of float16 features per token on disk
-    max_tokens: int = option(50_000, "total tokens collected over all documents")
+    max_tokens: int = option(
+        50_000, "total tokens collected over all documents", least=2
+    )
     expert_budget_mib: float | None = option(
         None,
         "engine expert slot budget while collecting (default 2K slots/layer)",
@@ -150,7 +156,7 @@ class PrerouterOptions(RunOptions):
         choices=COLLECT_MODES,
     )
     check_tokens: int = option(
-        CHECK_TOKENS, "tokens of the first documents the float32 check runs on"
+        CHECK_TOKENS, "tokens of the first documents the float32 check runs on", least=1
     )
     train_tokens: int | None = option(
         None,
@@ -158,6 +164,7 @@ class PrerouterOptions(RunOptions):
         "about this many tokens (learning curves; the held-out documents "
         "stay the same)",
         type=int,
+        least=2,
     )
     next_token: bool = option(
         False,
@@ -169,15 +176,6 @@ class PrerouterOptions(RunOptions):
 
     def validate(self) -> None:
         validate_run(self)
-        if self.collect not in COLLECT_MODES:
-            raise ConfigError(
-                f"--collect must be one of {', '.join(COLLECT_MODES)}, "
-                f"not {self.collect!r}"
-            )
-        if self.check_tokens < 1:
-            raise ConfigError("--check-tokens must be at least 1")
-        if self.train_tokens is not None and self.train_tokens < 2:
-            raise ConfigError("--train-tokens must be at least 2")
         if not self.texts:
             raise ConfigError("give at least one --text file")
         for text in self.texts:
@@ -185,12 +183,6 @@ class PrerouterOptions(RunOptions):
                 raise ConfigError(f"--text {text}: no such file")
         if not 0 < self.holdout < 1:
             raise ConfigError("--holdout must be a fraction strictly between 0 and 1")
-        if self.max_doc_tokens < 2 or self.max_tokens < 2:
-            raise ConfigError("--max-doc-tokens and --max-tokens must be at least 2")
-        if self.width is not None and self.width < 1:
-            raise ConfigError("--width must be at least 1")
-        if self.experts_per_token is not None and self.experts_per_token < 1:
-            raise ConfigError("--experts-per-token must be at least 1")
 
 
 def parse_owners(values: list[str] | None) -> list[int] | None:
@@ -253,7 +245,10 @@ class StageOptions(RunOptions):
     )
     stage: str = option("sft", flag=False)  # "sft" | "distill": the verb's
     max_prompts: int | None = option(
-        None, "use at most this many prompts of --prompts (first ones)", type=int
+        None,
+        "use at most this many prompts of --prompts (first ones)",
+        type=int,
+        least=1,
     )
     eval_prompts: list[str] | None = option(
         None,
@@ -264,8 +259,8 @@ class StageOptions(RunOptions):
     heldout: float = option(
         0.1, "fraction of --prompts held out when --eval-prompts is not given"
     )
-    eval_batch: int = option(4, "sequences per held-out evaluation batch")
-    rank: int | None = option(None, "LoRA rank r (default 16)", type=int)
+    eval_batch: int = option(4, "sequences per held-out evaluation batch", least=1)
+    rank: int | None = option(None, "LoRA rank r (default 16)", type=int, least=1)
     alpha: float | None = option(None, "LoRA alpha (default 32)", type=float)
     targets: list[str] | None = option(
         None,
@@ -280,15 +275,15 @@ class StageOptions(RunOptions):
     lr: float = option(
         1e-4, "Adam learning rate, constant (default 1e-4; distill 5e-5)"
     )
-    steps: int = option(100, "optimizer steps")
-    batch: int = option(4, "sequences per step")
+    steps: int = option(100, "optimizer steps", least=1)
+    batch: int = option(4, "sequences per step", least=1)
     fresh: bool = option(
         False, "discard an existing training checkpoint and start over"
     )
-    ckpt_every: int = option(10, "steps between checkpoints")
-    seq_len: int = option(512, "max tokens per sequence (prompt + completion)")
+    ckpt_every: int = option(10, "steps between checkpoints", least=1)
+    seq_len: int = option(512, "max tokens per sequence (prompt + completion)", least=2)
     max_new_tokens: int = option(
-        128, "completion length cap (teacher data, student samples)"
+        128, "completion length cap (teacher data, student samples)", least=1
     )
     grad_checkpoint: bool = option(
         False, "recompute each decoder layer in the backward pass (mx.checkpoint)"
@@ -299,7 +294,7 @@ class StageOptions(RunOptions):
         factory=lambda: EngineOptions(mode="prerouted", no_lora=True), flag=False
     )
     kl_topk: int = option(
-        64, "teacher top-k buckets (+ one tail bucket) of the KL losses"
+        64, "teacher top-k buckets (+ one tail bucket) of the KL losses", least=1
     )
     # stage 2
     teacher_temperature: float = option(
@@ -322,30 +317,17 @@ class StageOptions(RunOptions):
         validate_run(self)
         if not self.prompts:
             raise ConfigError("give at least one --prompts file")
-        for name in ("max_new_tokens", "eval_batch", "kl_topk"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.seq_len < 2:
-            raise ConfigError("--seq-len must be at least 2")
-        if self.rank is not None and self.rank < 1:
-            raise ConfigError("--rank must be at least 1")
         if self.alpha is not None and not self.alpha > 0:
             raise ConfigError("--alpha must be positive")
         if not 0 < self.heldout < 1:
             raise ConfigError("--heldout must be a fraction strictly between 0 and 1")
-        if self.loss not in ("kl", "ce"):
-            raise ConfigError("--loss must be kl or ce")
         self.engine.validate()
         if self.engine.mode not in MODES:
             raise ConfigError(f"--mode must be {' or '.join(MODES)}")
-        if self.engine.slots_per_layer is not None and self.engine.slots_per_layer < 1:
-            raise ConfigError("--slots-per-layer must be at least 1")
         if self.teacher_temperature < 0 or self.temperature < 0:
             raise ConfigError("temperatures must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError("--top-p must be in (0, 1]")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ConfigError("--max-prompts must be at least 1")
         if self.init_adapter and not Path(self.init_adapter).is_file():
             raise CheckpointError(f"--init-adapter {self.init_adapter}: no such file")
         if (
