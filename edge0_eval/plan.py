@@ -15,10 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
-from edge0_eval.arguments.fields import add_fields, option
+from edge0_eval.arguments.fields import add_fields, from_args, option
 from edge0_eval.evaluation.plan.planner import (
-    DEFAULT_CHURN,
-    DEFAULT_TASK_OVERHEAD_S,
     PlanOptions,
     make_plan,
     read_fidelity_rate,
@@ -26,59 +24,18 @@ from edge0_eval.evaluation.plan.planner import (
     render_gate_size,
     size_gate,
 )
-from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA
 
 
 @dataclass
 class PlanFlags:
-    """plan's options, each declared once (its flag from the field)."""
+    """plan's flags besides PlanOptions' (evaluation/plan/planner.py), each declared once."""
 
-    config: Path = option(
-        help="an OpenCompass config, e.g. configs/edge0_35b.py",
-        flag="config",
-        type=Path,
-    )
-    tok_s: float = option(
-        20.0,
-        "aggregate generated tokens/s of an arm (default 20, the "
-        "paper's 35B decode rate); --from measures it per arm instead",
-        type=ct.positive_float,
-    )
     arm_tok_s: list[tuple[str, float]] = option(
         help="one arm's rate (model abbr=tokens/s); repeatable",
         factory=list,
         type=ct.named(ct.positive_float, "ABBR"),
         metavar="ABBR=R",
         action="append",
-    )
-    previous: Path | None = option(
-        None,
-        "an earlier run folder of this config: measured lengths, rates and overhead",
-        flag="--from",
-        type=Path,
-    )
-    overhead_s: float | None = option(
-        None,
-        f"seconds per arm besides generation (load, start, scoring); "
-        f"default: measured by --from, else {DEFAULT_TASK_OVERHEAD_S:g}",
-        type=ct.nonneg_float,
-    )
-    churn: float = option(
-        DEFAULT_CHURN,
-        "share of items whose outcome changes between two runs of an "
-        "unchanged model (default 0.10)",
-        type=ct.float_range(0.0, 1.0, low_open=True),
-    )
-    alpha: float = option(
-        DEFAULT_ALPHA,
-        "the gate's false-fail rate",
-        type=ct.float_range(0.0, 0.5, low_open=True),
-    )
-    fidelity_tok_s: float | None = option(
-        None,
-        "teacher-forced scoring rate, prompt and continuation tokens/s "
-        "(default: measured by --from, else the arm's rate)",
-        type=ct.positive_float,
     )
     fidelity_rate: Path | None = option(
         None,
@@ -112,6 +69,7 @@ class PlanFlags:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fields(parser, PlanOptions)
     add_fields(parser, PlanFlags)
 
 
@@ -129,16 +87,8 @@ def run(args: argparse.Namespace) -> int:
         )
         print(render_gate_size(size, f"edge0-eval plan {args.config} --size-gate"))
         return 0
-    opts = PlanOptions(
-        config=args.config,
-        tok_s=args.tok_s,
-        arm_tok_s=dict(args.arm_tok_s),
-        previous=args.previous,
-        task_overhead_s=args.overhead_s,
-        churn=args.churn,
-        alpha=args.alpha,
-        fidelity_tok_s=args.fidelity_tok_s,
-        fidelity_rate=rate,
+    opts = from_args(
+        PlanOptions, args, arm_tok_s=dict(args.arm_tok_s), fidelity_rate=rate
     )
     plan = make_plan(opts)
     print(render(plan))

@@ -33,6 +33,7 @@ from edge0_eval.checkpoints import testbed_model
 from edge0_eval.checkpoints.tiny import TinyShape
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
+from edge0_eval.evaluation.plan.planner import PlanOptions
 from edge0_eval.training.stage_options import (
     DISTILL_LR,
     STAGE_ONLY,
@@ -51,6 +52,7 @@ CLASSES = {
     fidelity.BenchOptions: ((fidelity, "bench"),),
     generate.GenerateOptions: ((generate,),),
     plan.PlanFlags: ((plan,),),
+    PlanOptions: ((plan,),),
     TinyShape: ((make_tiny,),),
     testbed_model.TestbedOptions: ((testbed, "build"),),
 }

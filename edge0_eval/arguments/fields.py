@@ -13,7 +13,8 @@
 A field's metadata holds its flag: `help` and argparse's keywords (type, choices, metavar,
 nargs, action, const, required); `flag` is the flag's name when not `--field-name` (a name
 without dashes is positional), `flag=False` a field with no flag. A `type` given as a string
-names a validator of value_types (for the engine's options, which sit below this layer). The
+names a validator of value_types, a tuple one of its factories and the factory's arguments
+(for options below this layer: the engine's, a plan's). The
 flag's default is the field's; a bool defaults to store_true when False, --x/--no-x when True.
 `least` (no flag keyword) is the smallest value a field takes: `check_fields` holds it, and
 `choices`, however the options were made (a test or a config passes no flags).
@@ -48,8 +49,8 @@ def field_flags(cls, **changes) -> dict:
             continue
         kw = {k: meta[k] for k in _KEYWORDS if k in meta}
         kw["help"] = meta.get("help")
-        if isinstance(kw.get("type"), str):
-            kw["type"] = getattr(value_types, kw["type"])
+        if "type" in kw:
+            kw["type"] = _value_type(kw["type"])
         default = meta.get("default", field_default(f))
         if name.startswith("-"):
             kw["dest"] = f.name
@@ -94,3 +95,12 @@ def check_fields(options) -> None:
 
 def _flag(f, meta) -> str:
     return meta.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _value_type(spec):
+    """An argparse `type`: a value_types validator by name, or (factory name, *arguments)."""
+    if not isinstance(spec, (str, tuple)):
+        return spec
+    name, *params = (spec,) if isinstance(spec, str) else spec
+    found = getattr(value_types, name)
+    return found(*params) if params else found
