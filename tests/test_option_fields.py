@@ -12,6 +12,7 @@ import pytest
 from edge0_eval import (
     bench,
     distill,
+    draft_vocab,
     fidelity,
     generate,
     make_tiny,
@@ -53,6 +54,7 @@ CLASSES = {
     generate.GenerateOptions: ((generate,),),
     plan.PlanFlags: ((plan,),),
     PlanOptions: ((plan,),),
+    draft_vocab.DraftVocabOptions: ((draft_vocab,),),
     TinyShape: ((make_tiny,),),
     testbed_model.TestbedOptions: ((testbed, "build"),),
 }
