@@ -27,11 +27,8 @@ from edge0_eval.training.collect_fp32 import CHECK_TOKENS, COLLECT_MODES, MIN_AG
 MODES = ("prerouted", "reactive")  # the engine modes a student is trained in, as served
 SAVE_DTYPES = ("float16", "bfloat16", "float32")
 DISTILL_LR = 5e-5  # stage 3 starts from a trained adapter: a smaller step
-HEAD_LAYOUT = (
-    "start_layer",
-    "width",
-    "next_token",
-)  # stage 1's, shared with init-prerouter
+# the heads' layout: stage 1's fields, shared with init-prerouter
+HEAD_LAYOUT = ("start_layer", "width", "next_token")
 RESUME_RULE = (
     "Resume rule: checkpoints go to <out>.ckpt/ every --ckpt-every steps; running the same "
     "command again continues from the last one automatically (bit-identical to an "
