@@ -126,7 +126,8 @@ class EngineOptions:
         action="store_const",
         const=None,
     )
-    prefill_chunk: int = option(512, flag=False, type="positive_int")  # a config's
+    # prompt tokens per prefill pass: a config's choice, with no flag
+    prefill_chunk: int = option(512, flag=False, type="positive_int")
     compute_dtype: str = option(
         "auto",
         "activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)",
