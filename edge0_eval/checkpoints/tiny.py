@@ -18,21 +18,26 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from edge0_eval.checkpoints.tiny_configs import TINY_CONFIGS
 from edge0_eval.checkpoints.tokenizer import build_tokenizer
 from edge0_eval.checkpoints.writer import output_dir
+from edge0_eval.engine.options import option
 from edge0_eval.errors import ConfigError
 
 
 @dataclass
 class TinyShape:
-    family: str = "qwen3_5_moe"
-    layers: int = 4
-    experts: int = 16
-    experts_per_token: int = 4
-    hidden: int = 64
-    heads: int = 4
-    moe_intermediate: int = 64
-    seed: int = 0
-    dtype: str = "float16"
-    vocab_size: int = 512
+    """The checkpoint's shape; each field's metadata is its make-tiny flag."""
+
+    family: str = option("qwen3_5_moe", f"one of {', '.join(TINY_CONFIGS)}")
+    layers: int = option(4, "decoder layers")
+    experts: int = option(16, "experts per MoE layer")
+    experts_per_token: int = option(
+        4, "routing width written to the config", metavar="K"
+    )
+    hidden: int = option(64, "hidden size")
+    heads: int = option(4, "attention heads")
+    moe_intermediate: int = option(64, "an expert's intermediate size")
+    seed: int = option(0, "seed of the random weights")
+    dtype: str = option("float16", "float16 | bfloat16 | float32")
+    vocab_size: int = option(512, flag=False)  # the fixed tokenizer's
 
     def validate(self) -> None:
         if self.family not in TINY_CONFIGS:

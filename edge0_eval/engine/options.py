@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from edge0_eval.engine.experts import slots_for_budget
@@ -43,82 +43,116 @@ class MissingAdapterError(CheckpointError, ConfigError):
     file and an option to fix, so callers catching either kind see it."""
 
 
+def option(default=MISSING, help=None, *, factory=MISSING, **flag):
+    """A dataclass field declared once with its command-line flag: `help` and argparse's
+    keywords as metadata, from which arguments/fields.py makes the flag."""
+    return field(
+        default=default, default_factory=factory, metadata={"help": help, **flag}
+    )
+
+
 @dataclass
 class EngineOptions:
-    """Every engine option, as one typed object from CLI/config to where it is used."""
+    """Every engine option, as one typed object from CLI/config to where it is used; each
+    field's flag (arguments/engine_flags) is generated from its metadata."""
 
-    mode: str = "reactive"
-    # The routing width K (a config's num_experts_per_tok); None: the model's native K.
-    experts_per_token: int | None = None
-    # Expert slot buffers across all MoE layers, for one row: a batch (generate_batch) holds
-    # min(experts, rows x K) slots per layer while it runs when this holds fewer.
-    expert_budget_mib: float | None = None
-    slots_per_layer: int | None = None  # alternative to the budget
-    lora_path: str | None = None  # None: LORA_FILE beside the model, if present
-    # The adapter's alpha (scale alpha/r) when neither its metadata nor an adapter_config.json
-    # beside it gives one; it overrides both when given.
-    lora_alpha: float | None = None
-    prerouter_path: str | None = None  # None: PREROUTER_FILE beside the model
-    no_lora: bool = False
-    no_prerouter: bool = False
+    mode: str = option("reactive", "how experts reach the slots", choices=MODES)
+    experts_per_token: int | None = option(
+        None,
+        "routing width: experts per token (default: the model's num_experts_per_tok)",
+        type="positive_int",
+        metavar="K",
+    )
+    # For one row: a batch (generate_batch) holds min(experts, rows x K) slots per layer
+    # while it runs when this holds fewer.
+    expert_budget_mib: float | None = option(
+        None, "memory for expert slots across all MoE layers", type="positive_float"
+    )
+    slots_per_layer: int | None = option(
+        None, "expert slots per MoE layer (instead of a budget)", type="positive_int"
+    )
+    lora_path: str | None = option(
+        None,
+        f"LoRA adapter safetensors (default: MODEL/{LORA_FILE} if present)",
+        flag="--lora",
+    )
+    lora_alpha: float | None = option(
+        None,
+        "the adapter's LoRA alpha (scale alpha/r), for a file whose metadata "
+        "and adapter_config.json give none; overrides them when given",
+        type="positive_float",
+    )
+    prerouter_path: str | None = option(
+        None,
+        f"prerouter heads safetensors (default: MODEL/{PREROUTER_FILE})",
+        flag="--prerouter",
+    )
+    no_lora: bool = option(False, "serve the base model, without a LoRA adapter")
+    no_prerouter: bool = option(False, "route every layer with its true router")
     # Hedged staging (next-token heads): a draft vocabulary (the heads at a drafted token),
     # whose sets are read before the LM head for their layers; routing stays the prerouter's
-    # (engine/routing.py). None: HEDGE_FILE beside the model if present.
-    hedge_path: str | None = None
-    no_hedge: bool = False
-    # the hedge's first N layers in step order; None: all
-    hedge_layers: int | None = None
-    io_workers: int = 4
-    # storage emulation; figures it produces are emulated
-    io_throttle_mbps: float | None = None
-    verify_crc: bool = True  # crc32 of each bundle on its first read
-    measure_recall: bool = False  # prerouted: compare plans with the true router
+    # (engine/routing.py).
+    hedge_path: str | None = option(
+        None,
+        "hedge for next-token heads, staged before the LM head: a draft vocabulary "
+        f"(edge0-eval draft-vocab) (default: MODEL/{HEDGE_FILE} if present)",
+        flag="--hedge",
+    )
+    no_hedge: bool = option(False, "stage without a hedge")
+    hedge_layers: int | None = option(
+        None,
+        "hedge only the first N hedge layers in step order (default: all)",
+        type="positive_int",
+    )
+    io_workers: int = option(4, "expert reads in flight", type="positive_int")
+    io_throttle_mbps: float | None = option(
+        None,
+        "emulate storage of this bandwidth (figures are labelled emulated)",
+        type="positive_float",
+    )
+    verify_crc: bool = option(
+        True, "crc32 of each expert bundle on its first read (default on)"
+    )
+    measure_recall: bool = option(
+        False,
+        "prerouted: also run the true routers to report online recall (slower)",
+    )
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
     # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
-    clip_hidden: float | str | None = "auto"
-    prefill_chunk: int = 512
-    compute_dtype: str = "auto"  # auto: float32 on CPU (half is emulated there)
-    seed: int = 0
+    clip_hidden: float | str | None = option(
+        "auto",
+        "disable hidden-state clipping",
+        flag="--no-guard",
+        action="store_const",
+        const=None,
+    )
+    # prompt tokens per prefill pass: a config's choice, with no flag
+    prefill_chunk: int = option(512, flag=False, type="positive_int")
+    compute_dtype: str = option(
+        "auto",
+        "activation dtype (auto: float32 on CPU, checkpoint dtype elsewhere)",
+        choices=COMPUTE_DTYPES,
+    )
+    seed: int = option(0, "sampling seed", type="seed")
 
     def validate(self) -> None:
-        """Types and ranges of every field (a config can pass anything, NaN included)."""
-        if self.mode not in MODES:
-            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        for name in ("experts_per_token", "slots_per_layer", "hedge_layers"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}")
-        if not _is_int(self.io_workers) or self.io_workers < 1:
-            raise ConfigError(
-                f"io_workers must be a whole number >= 1, not {self.io_workers!r}"
-            )
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"seed must be a whole number >= 0, not {self.seed!r}")
-        if not _is_int(self.prefill_chunk) or self.prefill_chunk < 1:
-            raise ConfigError(
-                f"prefill_chunk must be a whole number >= 1, not {self.prefill_chunk!r}"
-            )
+        """Types and ranges of every field (a config can pass anything, NaN included): the
+        rule of its flag's type or choices, then what fields require of each other."""
+        for f in fields(self):
+            value, rule = getattr(self, f.name), _RULES.get(f.metadata.get("type"))
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ConfigError(
+                    f"{f.name} {value!r} is not one of {', '.join(choices)}"
+                )
+            if rule and not (value is None and f.default is None or rule[0](value)):
+                raise ConfigError(f"{f.name} must be {rule[1]}, not {value!r}")
         if self.expert_budget_mib is not None and self.slots_per_layer is not None:
             raise ConfigError("give expert_budget_mib or slots_per_layer, not both")
-        for name in ("expert_budget_mib", "io_throttle_mbps", "lora_alpha"):
-            value = getattr(self, name)
-            if value is not None and not (
-                _is_number(value) and math.isfinite(value) and value > 0
-            ):
-                raise ConfigError(f"{name} must be a finite number > 0, not {value!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(
-                f"compute_dtype {self.compute_dtype!r} is not one of "
-                f"{', '.join(COMPUTE_DTYPES)}"
-            )
         if (
             self.clip_hidden != "auto"
             and self.clip_hidden is not None
-            and not (
-                _is_number(self.clip_hidden)
-                and math.isfinite(self.clip_hidden)
-                and self.clip_hidden > 0
-            )
+            and not _finite_positive(self.clip_hidden)
         ):
             raise ConfigError(
                 f"clip_hidden must be 'auto', None or a finite number > 0, "
@@ -276,6 +310,18 @@ class ResolvedOptions:
     hedge_path: Path | None  # staged early for next-token heads (a draft vocabulary);
     #                                 None: none
     clip_hidden: float | None  # per-layer hidden clipping limit; None: off
+
+
+def _finite_positive(value) -> bool:
+    return _is_number(value) and math.isfinite(value) and value > 0
+
+
+# A field's flag type -> the rule its value keeps however it is given, and the rule in words.
+_RULES = {
+    "positive_int": (lambda v: _is_int(v) and v >= 1, "a whole number >= 1"),
+    "seed": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0"),
+    "positive_float": (_finite_positive, "a finite number > 0"),
+}
 
 
 def _is_int(value) -> bool:

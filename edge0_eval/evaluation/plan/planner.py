@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from edge0_eval.engine.options import option
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.benchmarks import benchmark_for
 from edge0_eval.evaluation.data_paths import data_root
@@ -243,17 +244,52 @@ def read_previous(run: Path) -> Measured:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    config: Path
-    tok_s: float  # aggregate generated tokens/s of an arm, all rows
-    arm_tok_s: dict[str, float] = field(default_factory=dict)  # model abbr -> rate
-    previous: Path | None = None  # an earlier run folder of the same config
-    # per arm: load, start, scoring (None: measured/prior)
-    task_overhead_s: float | None = None
-    churn: float = DEFAULT_CHURN
-    alpha: float = DEFAULT_ALPHA
-    # teacher-forced prompt + positions/s (None: measured)
-    fidelity_tok_s: float | None = None
-    fidelity_rate: FidelityRate | None = None  # measured by fidelity bench: wins
+    """What a plan prices; a field's metadata is its `edge0-eval plan` flag (plan.py)."""
+
+    config: Path = option(
+        help="an OpenCompass config, e.g. configs/edge0_35b.py",
+        flag="config",
+        type=Path,
+    )
+    tok_s: float = option(
+        20.0,
+        "aggregate generated tokens/s of an arm, all rows (default 20, the paper's 35B "
+        "decode rate); --from measures it per arm instead",
+        type="positive_float",
+    )
+    arm_tok_s: dict[str, float] = option(factory=dict, flag=False)  # plan --arm-tok-s
+    previous: Path | None = option(
+        None,
+        "an earlier run folder of this config: measured lengths, rates and overhead",
+        flag="--from",
+        type=Path,
+    )
+    task_overhead_s: float | None = option(
+        None,
+        "seconds per arm besides generation (load, start, scoring); default: measured "
+        f"by --from, else {DEFAULT_TASK_OVERHEAD_S:g}",
+        flag="--overhead-s",
+        type="nonneg_float",
+    )
+    churn: float = option(
+        DEFAULT_CHURN,
+        "share of items whose outcome changes between two runs of an unchanged model "
+        "(default 0.10)",
+        type=("float_range", 0.0, 1.0, True),
+    )
+    alpha: float = option(
+        DEFAULT_ALPHA,
+        "the gate's false-fail rate",
+        type=("float_range", 0.0, 0.5, True),
+    )
+    fidelity_tok_s: float | None = option(
+        None,
+        "teacher-forced scoring rate, prompt and continuation tokens/s (default: "
+        "measured by --from, else the arm's rate)",
+        type="positive_float",
+    )
+    # measured by fidelity bench (plan --fidelity-rate FILE): wins
+    fidelity_rate: FidelityRate | None = option(None, flag=False)
 
 
 @dataclass
