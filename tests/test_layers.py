@@ -92,8 +92,7 @@ def test_layer_imports_only_layers_below(layer):
         f"{path.relative_to(REPO)} -> {name}"
         for path in _files(layer)
         for name in _imports(path)
-        if _unit(name) not in BELOW[layer] | {layer}
-        and name != "model_wrappers"
+        if _unit(name) not in BELOW[layer] | {layer} and name != "model_wrappers"
     }
     assert not up, sorted(up)
 
