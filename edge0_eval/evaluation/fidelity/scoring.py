@@ -415,6 +415,13 @@ def template_thinks(tokenizer) -> bool:
     return len(texts) == 2
 
 
+def token_pieces(tokenizer, rows: dict) -> dict[str, str]:
+    """Each continuation token's and each position's top-3 ids' text (the report's page)."""
+    ids = {int(t) for t in rows["tokens"]}
+    ids |= {int(t) for top in rows["topk_ids"] for t in top[:3]}
+    return {str(t): tokenizer.decode([t]) for t in sorted(ids)}
+
+
 def make_set(
     teacher: str | Path,
     prompts: list[Prompt],
@@ -488,6 +495,7 @@ def make_set(
                     "prompt_ids": ids,
                     **rows,
                     "end": end,
+                    "pieces": token_pieces(tokenizer, rows),
                 }
             )
     if not items:
