@@ -485,52 +485,79 @@ def _ci(entry: dict | None, digits: int) -> str:
     )
 
 
-def figures_markdown(arms: dict) -> str:
-    """llama.cpp's `--kl-divergence` figures per arm, pooled over positions."""
+def figure_tables(arms: dict) -> list[tuple[str, list, list]]:
+    """llama.cpp's `--kl-divergence` figures per arm, pooled over positions, as (text,
+    header, rows) tables; none without figures."""
     have = {a: e["figures"] for a, e in arms.items() if e.get("figures")}
     if not have:
-        return ""
-    qs = list(fidelity_positions.FIGURE_QUANTILES)
+        return []
+    qs = [*fidelity_positions.FIGURE_QUANTILES, "max"]
+    directions = (("KL(teacher || arm)", "kl"), ("KL(arm || teacher)", "reverse_kl"))
     kl_rows = [
-        [a, label, f["positions"], _pm(d["mean"], d["se"], 5)]
-        + [_f(d[q], 5) for q in qs + ["max"]]
+        [a, label, f["positions"], _pm(f[key]["mean"], f[key]["se"], 5)]
+        + [_f(f[key][q], 5) for q in qs]
         for a, f in have.items()
-        for label, d in (
-            ("KL(teacher || arm)", f["kl"]),
-            ("KL(arm || teacher)", f["reverse_kl"]),
-        )
+        for label, key in directions
     ]
     dqs = ["mean", "rms", "min", *fidelity_positions.DP_QUANTILES, "max"]
     dp_rows = [
-        [a]
-        + [_f(f["delta_p"][q], 4, signed=q not in ("rms",)) for q in dqs]
+        [a, *(_f(f["delta_p"][q], 4, signed=q != "rms") for q in dqs)]
         + [f"{100 * f['delta_p']['share_large']:.2f}%"]
         + [_ci(f["agreement"], 2), _ci(f["ppl_ratio"], 4)]
         for a, f in have.items()
     ]
-    return (
-        "Pooled over every position of every prompt, as llama.cpp's `llama-perplexity "
-        "--kl-divergence` reports them; both KL directions over the same top-k plus tail "
-        "buckets, mean \u00b1 its standard error clustered by prompt:\n\n"
-        + _table(
-            ["arm", "direction", "positions", "mean \u00b1 SE", *qs, "max"], kl_rows
-        )
-        + "\nDelta p: the arm's minus the teacher's probability of the teacher's token "
-        f"(RMS, percentiles; share of |delta p| > {fidelity_positions.DP_LARGE:g}); "
-        "same top: agreement in % with its 95% interval clustered by prompt; PPL ratio: "
-        "perplexity of the teacher's tokens, arm / teacher, with its 95% interval (clustered "
-        "by prompt, on the log):\n\n"
-        + _table(
-            [
-                "arm",
-                *(f"delta p {q}" for q in dqs),
-                "|delta p| > 0.1",
-                "same top %",
-                "PPL ratio",
-            ],
+    large = f"|delta p| > {fidelity_positions.DP_LARGE:g}"
+    return [
+        (
+            "Pooled over every position of every prompt, as llama.cpp's `llama-perplexity "
+            "--kl-divergence` reports them; both KL directions over the same top-k plus "
+            "tail buckets, mean \u00b1 its standard error clustered by prompt:",
+            ["arm", "direction", "positions", "mean \u00b1 SE", *qs],
+            kl_rows,
+        ),
+        (
+            "delta p: the arm's minus the teacher's probability of the teacher's token "
+            f"(mean, RMS, percentiles; share of {large}); same top: agreement in % with "
+            "its 95% interval clustered by prompt; PPL ratio: perplexity of the teacher's "
+            "tokens, arm / teacher, with its 95% interval (clustered by prompt, on the log):",
+            ["arm", *(f"delta p {q}" for q in dqs), large, "same top %", "PPL ratio"],
             dp_rows,
-        )
+        ),
+    ]
+
+
+def figures_markdown(arms: dict) -> str:
+    return "\n".join(
+        f"{text}\n\n{_table(header, rows)}"
+        for text, header, rows in figure_tables(arms)
     )
+
+
+def _flat(prefix: str, value) -> dict:
+    """{"kl_mean": ..., "agreement_ci95_low": ...} from the nested figures."""
+    if isinstance(value, dict):
+        return {
+            k: v
+            for key, sub in value.items()
+            for k, v in _flat(f"{prefix}_{key}", sub).items()
+        }
+    if isinstance(value, list):
+        return {f"{prefix}_low": value[0], f"{prefix}_high": value[1]}
+    return {prefix: value}
+
+
+def csv_rows(fid: dict | None) -> tuple[list[str], list[dict]]:
+    """fidelity.csv: one row per arm with figures (columns, rows); none without."""
+    rows = [
+        {"arm": arm, **_flat("", e["figures"])}
+        for arm, e in ((fid or {}).get("arms") or {}).items()
+        if e.get("figures")
+    ]
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    rows = [{k: "" if v is None else v for k, v in r.items()} for r in rows]
+    return [c.lstrip("_") for c in columns], [
+        {k.lstrip("_"): v for k, v in r.items()} for r in rows
+    ]
 
 
 def write_plot(fid: dict | None, path) -> None:

@@ -41,6 +41,7 @@ from edge0_eval.evaluation.report.definitions import (
     headline,
     reference_for,
 )
+from edge0_eval.evaluation.report.flips import add_flips
 
 # v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
 # identity. A v1 report still reads (gate: with a note saying what it lacks).
@@ -109,6 +110,8 @@ def build_report(
         problems += check_versions(name, per_arm, abbrs)
         bench = next(collected[a][name][0] for a in arms if name in collected[a])
         rows.append(_benchmark_row(name, bench, per_arm, abbrs, reference))
+        if rows[-1]["status"] == "ok":
+            add_flips(rows[-1], per_arm, arms)
         notes += [n for ab in per_arm.values() for n in ab.notes]
         notes += [f"{name}: {n}" for n in rows[-1]["notes"]]
         notes += [

@@ -1,0 +1,254 @@
+"""report.html: the report as one page people read, offline and self-contained.
+
+The same figures as report.md (tables.py) and where they come from: each flipped item's
+question and both answers side by side, the first difference marked; per fidelity prompt,
+the teacher's continuation with each token shaded by the arm's KL (hover: the teacher's token,
+the arm's likeliest tokens), worst prompts first; the KL by position. No script, no request
+outside the file (the plot is inlined, the style is page.css): `<details>` opens and closes
+sections. Every text that came from a dataset or a model is escaped: it shows as its
+characters, never as markup.
+"""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+from pathlib import Path
+
+from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.report import tables
+
+CSS = Path(__file__).with_name("page.css")
+
+
+def _cells(row, tag: str = "td") -> str:
+    return "".join(f"<{tag}>{escape(str(c))}</{tag}>" for c in row)
+
+
+def _table(header: list, rows: list) -> str:
+    body = "".join(f"<tr>{_cells(r)}</tr>" for r in rows)
+    return f"<table><tr>{_cells(header, 'th')}</tr>{body}</table>"
+
+
+def _section(key: str, title: str, *parts: str) -> str:
+    return f'<section id="{key}"><h2>{escape(title)}</h2>{"".join(parts)}</section>'
+
+
+def _p(text: str) -> str:
+    return f"<p>{escape(text)}</p>"
+
+
+def first_difference(a: str, b: str) -> int:
+    """Where the two texts first differ (the shorter one's length when one starts the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+    )
+
+
+def _marked(text: str, at: int) -> str:
+    """`text` escaped, its character at `at` marked and the rest after it shaded."""
+    head, mark, rest = text[:at], text[at : at + 1], text[at + 1 :]
+    mark = f"<mark>{escape(mark)}</mark>" if mark else "<mark>(ends here)</mark>"
+    return f'{escape(head)}{mark}<span class="rest">{escape(rest)}</span>'
+
+
+def _flipped_item(bench: str, arm: str, item: str, t: dict) -> str:
+    at = first_difference(t["teacher"], t["arm"])
+    (ts, as_) = t["scores"]
+    kind = "right to wrong" if as_ < ts else "wrong to right"
+    sides = "".join(
+        f'<div><h4>{escape(who)}: score {s:.2f}</h4><div class="text">{_marked(text, at)}'
+        "</div></div>"
+        for who, s, text in (("teacher", ts, t["teacher"]), (arm, as_, t["arm"]))
+    )
+    return (
+        f"<details><summary>{escape(f'{bench} · {arm} · item {item} · {kind}')}</summary>"
+        f"<h4>question</h4><pre>{escape(t['question'])}</pre>"
+        f'<div class="pair">{sides}</div></details>'
+    )
+
+
+def _flips(report: dict) -> str:
+    rows = tables.flip_rows(report)
+    if not rows:
+        return ""
+    items = []
+    for r in report["benchmarks"]:
+        for arm, f in (r.get("flips") or {}).items():
+            flipped = f["right_to_wrong"] + f["wrong_to_right"]
+            items += [
+                _flipped_item(r["benchmark"], arm, i, t) for i, t in f["texts"].items()
+            ]
+            if flipped > len(f["texts"]):
+                items.append(
+                    _p(
+                        f"{r['benchmark']}, {arm}: {len(f['texts'])} of {flipped} flipped "
+                        "items shown; every id is in report.json"
+                    )
+                )
+    return _section(
+        "flips", "Flips", _p(tables.FLIPS_TEXT), _table(tables.FLIPS, rows), *items
+    )
+
+
+def _token(tid: int, kl: float, top: list, pieces: dict, scale: float) -> str:
+    text = pieces.get(str(tid), f"#{tid}")
+    alts = ", ".join(f"{pieces.get(str(i), f'#{i}')!r} {p:.3f}" for i, p in top)
+    hover = f"teacher's token {text!r} · KL {kl:.4g} · arm's top: {alts}"
+    return (
+        f'<span class="tok" style="--a:{min(1.0, kl / scale):.2f}" '
+        f'title="{escape(hover)}">{escape(text)}</span>'
+    )
+
+
+def _prompt(arm: str, page: dict, prompt: dict, scale: float, open_: bool) -> str:
+    pieces = prompt.get("pieces") or {}
+    tokens = "".join(
+        _token(tid, kl, top, pieces, scale)
+        for tid, (kl, top) in zip(prompt["tokens"], page["positions"])
+    )
+    head = f"{arm} · prompt {page['id']} ({prompt.get('source')}) · KL {page['kl']:.4g}"
+    return (
+        f"<details{' open' if open_ else ''}><summary>{escape(head)}</summary>"
+        f"<h4>prompt</h4><pre>{escape(prompt.get('prompt') or '')}</pre>"
+        f'<h4>teacher\'s continuation</h4><div class="tokens">{tokens}</div></details>'
+    )
+
+
+def _tokens(fid: dict) -> str:
+    parts = []
+    for arm, pages in (fid.get("pages") or {}).items():
+        kls = sorted(kl for p in pages for kl, _ in p["positions"])
+        scale = max(kls[int(0.99 * (len(kls) - 1))], 1e-9)  # p99: full colour
+        parts.append(
+            f"<h3>{escape(arm)}</h3>"
+            + _p(
+                f"{len(pages)} of {fid['items']} prompts, worst mean KL first; full "
+                f"colour at KL {scale:.4g} nats (the shown positions' 99th percentile)"
+            )
+        )
+        parts += [
+            _prompt(arm, p, fid["prompts"][p["id"]], scale, n == 0)
+            for n, p in enumerate(pages)
+        ]
+    return f'<div id="tokens">{"".join(parts)}</div>' if parts else ""
+
+
+def _curve(arms: dict) -> str:
+    """KL by position bucket, one polyline per arm, as inline SVG."""
+    lines = {
+        a: [(b["start"], b["kl"]) for b in e["positions"]["by_position"]]
+        for a, e in arms.items()
+        if e.get("positions") and a != "teacher"
+    }
+    points = [p for ps in lines.values() for p in ps]
+    if not points:
+        return ""
+    top = max(kl for _, kl in points) or 1.0
+    starts = sorted({s for s, _ in points})
+    x = {s: 60 + 520 * i / max(1, len(starts) - 1) for i, s in enumerate(starts)}
+    colours = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    svg = ['<line class="axis" x1="50" y1="210" x2="600" y2="210"/>']
+    svg += [f'<text x="{x[s] - 8:.0f}" y="226">{s}</text>' for s in starts]
+    svg.append(f'<text x="4" y="24">KL {top:.3g}</text><text x="4" y="208">0</text>')
+    for n, (arm, ps) in enumerate(lines.items()):
+        c = colours[n % len(colours)]
+        xy = " ".join(f"{x[s]:.0f},{210 - 190 * kl / top:.1f}" for s, kl in ps)
+        svg.append(
+            f'<polyline points="{xy}" fill="none" stroke="{c}" stroke-width="2"/>'
+        )
+        svg += [
+            f'<circle cx="{p.split(",")[0]}" cy="{p.split(",")[1]}" r="3" fill="{c}"/>'
+            for p in xy.split()
+        ]
+        svg.append(f'<text x="610" y="{30 + 16 * n}" fill="{c}">{escape(arm)}</text>')
+    return (
+        _p(
+            "Mean KL (nats) by continuation position: each point a bucket starting there "
+            "(its table above gives the intervals and prompt counts)"
+        )
+        + f'<svg width="720" height="240" role="img">{"".join(svg)}</svg>'
+    )
+
+
+def _fidelity(fid: dict | None) -> str:
+    if not fid:
+        return ""
+    tables_ = [
+        _p(text) + _table(header, rows)
+        for text, header, rows in fidelity_report.figure_tables(fid["arms"])
+    ]
+    means = [
+        [
+            a,
+            e["abbr"],
+            e.get("items", ""),
+            *(tables.fmt(e.get(m), 4) for m in fidelity_report.METRICS),
+        ]
+        for a, e in fid["arms"].items()
+    ]
+    return _section(
+        "fidelity",
+        "Fidelity (teacher-forced)",
+        _table(["arm", "model", "items", *fidelity_report.METRICS], means),
+        *tables_,
+        _curve(fid["arms"]),
+        _tokens(fid),
+    )
+
+
+def _plot(report: dict, png: Path) -> str:
+    if not tables.plot_informative(report) or not png.is_file():
+        return _p(tables.NO_PLOT.strip())
+    data = base64.b64encode(png.read_bytes()).decode()
+    return (
+        f'<img alt="teacher vs student" src="data:image/png;base64,{data}" width="720">'
+    )
+
+
+def render(report: dict, png: Path) -> str:
+    header, rows = tables.headline_rows(report)
+    arms = ", ".join(f"{a} = {v['abbr']}" for a, v in report["arms"].items())
+    body = [
+        f'<p class="meta">{escape(report["created"])} · <code>{escape(report["command"])}'
+        f"</code><br>arms: {escape(arms)}</p>",
+        '<nav><a href="#headline">headline</a><a href="#flips">flips</a>'
+        '<a href="#fidelity">fidelity</a><a href="#tokens">tokens</a>'
+        '<a href="#truncation">truncation</a><a href="#engine">engine</a></nav>',
+        _section("headline", "Headline", _table(header, rows), _plot(report, png)),
+    ]
+    if tables.decomposition_rows(report):
+        body.append(
+            _section(
+                "decomposition",
+                "Gap decomposition",
+                _p(tables.DECOMPOSITION_TEXT),
+                _table(tables.DECOMPOSITION, tables.decomposition_rows(report)),
+            )
+        )
+    body += [
+        _flips(report),
+        _fidelity(report.get("fidelity")),
+        _section(
+            "truncation",
+            "Truncation",
+            _p(tables.TRUNCATION_TEXT),
+            _table(tables.TRUNCATION, tables.truncation_rows(report)),
+        ),
+        _section(
+            "engine", "Engine stats", _table(tables.ENGINE, tables.engine_rows(report))
+        ),
+        _section("notes", "Notes", "".join(_p(n) for n in report["notes"]))
+        if report["notes"]
+        else "",
+    ]
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        "<title>Teacher-vs-student gap report</title>"
+        f"<style>{CSS.read_text(encoding='utf-8')}</style></head><body>"
+        f"<h1>Teacher-vs-student gap report</h1>{''.join(body)}</body></html>\n"
+    )
+
+
+def write_page(report: dict, path: Path) -> None:
+    path.write_text(render(report, path.with_name("report.png")), encoding="utf-8")
