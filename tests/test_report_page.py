@@ -162,8 +162,11 @@ def test_fidelity_figures_by_hand():
     lo, hi = math.exp(1 / 3 - 1.96 * 2 / 9), math.exp(1 / 3 + 1.96 * 2 / 9)
     assert f["ppl_ratio"]["ci95"] == pytest.approx([lo, hi])
     assert section["pages"]["student"][0]["id"] == "p0"  # worst KL first
+    columns, table = fidelity_report.csv_rows(section)  # fidelity.csv
+    assert table[1]["arm"] == "student" and table[1]["kl_mean"] == pytest.approx(0.2)
+    assert table[1]["ppl_ratio_ci95_high"] == pytest.approx(hi)
     md = fidelity_report.markdown(section)
-    assert "| student | KL(teacher || arm) | 3 | 0.20000 \u00b10.13333 |" in md
+    assert "| student | KL(teacher \u2016 arm) | 3 | 0.20000 \u00b10.13333 |" in md
     assert "1.3956 [" in md  # exp(1/3)
 
 
@@ -207,9 +210,7 @@ def test_hostile_answer_shows_as_text_and_runs_nothing(tmp_path):
 def test_page_reproduces_from_the_committed_tiny_report():
     """reports/tiny/report.html is what the page writer makes of reports/tiny/report.json."""
     report = json.loads((TINY / "report.json").read_text())
-    assert (
-        page.render(report, TINY / "report.png") == (TINY / "report.html").read_text()
-    )
+    assert page.render(report, TINY) == (TINY / "report.html").read_text()
 
 
 def test_tiny_page_has_no_external_url_and_is_small():

@@ -64,9 +64,7 @@ SANITY_KL = 1e-9
 # sets.score_item's per-position fields, each with its nesting depth (lists in lists).
 POSITION_KEYS = {"kl_positions": 1, "agree_positions": 1, "rkl_positions": 1}
 POSITION_KEYS.update({"dp_positions": 1, "top_positions": 3, "tokens": 1})
-PAGE_PROMPTS = (
-    25  # prompts per arm on the report's page (worst KL first); all in results
-)
+PAGE_PROMPTS = 25  # prompts per arm on the page (worst KL first); all in results
 
 
 def is_fidelity(dataset: str) -> bool:
@@ -362,14 +360,11 @@ def summarize(loaded: dict) -> dict:
     }
 
 
-UNITS = {
+UNITS = {  # the figures' units: docs/gate.md (the report)
     "kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
     "agreement": "points: % of positions whose argmax is the teacher's token",
     "nll": "nats per teacher token",
     "greedy_match": "positions",
-    "reverse_kl": "nats, KL(arm || teacher) over the same top-k + tail buckets",
-    "delta_p": "arm's minus teacher's probability of the teacher's token",
-    "ppl_ratio": "exp(mean NLL of the arm - the teacher's) over positions",
 }
 
 
@@ -492,7 +487,10 @@ def figure_tables(arms: dict) -> list[tuple[str, list, list]]:
     if not have:
         return []
     qs = [*fidelity_positions.FIGURE_QUANTILES, "max"]
-    directions = (("KL(teacher || arm)", "kl"), ("KL(arm || teacher)", "reverse_kl"))
+    directions = (
+        ("KL(teacher \u2016 arm)", "kl"),
+        ("KL(arm \u2016 teacher)", "reverse_kl"),
+    )
     kl_rows = [
         [a, label, f["positions"], _pm(f[key]["mean"], f[key]["se"], 5)]
         + [_f(f[key][q], 5) for q in qs]
@@ -506,7 +504,7 @@ def figure_tables(arms: dict) -> list[tuple[str, list, list]]:
         + [_ci(f["agreement"], 2), _ci(f["ppl_ratio"], 4)]
         for a, f in have.items()
     ]
-    large = f"|delta p| > {fidelity_positions.DP_LARGE:g}"
+    large = f"share abs(delta p) > {fidelity_positions.DP_LARGE:g}"
     return [
         (
             "Pooled over every position of every prompt, as llama.cpp's `llama-perplexity "
@@ -517,7 +515,7 @@ def figure_tables(arms: dict) -> list[tuple[str, list, list]]:
         ),
         (
             "delta p: the arm's minus the teacher's probability of the teacher's token "
-            f"(mean, RMS, percentiles; share of {large}); same top: agreement in % with "
+            f"(mean, RMS, percentiles; {large}); same top: agreement in % with "
             "its 95% interval clustered by prompt; PPL ratio: perplexity of the teacher's "
             "tokens, arm / teacher, with its 95% interval (clustered by prompt, on the log):",
             ["arm", *(f"delta p {q}" for q in dqs), large, "same top %", "PPL ratio"],
@@ -533,31 +531,24 @@ def figures_markdown(arms: dict) -> str:
     )
 
 
-def _flat(prefix: str, value) -> dict:
+def _flat(value, prefix: str = "") -> dict:
     """{"kl_mean": ..., "agreement_ci95_low": ...} from the nested figures."""
     if isinstance(value, dict):
         return {
             k: v
             for key, sub in value.items()
-            for k, v in _flat(f"{prefix}_{key}", sub).items()
+            for k, v in _flat(sub, f"{prefix}{key}_").items()
         }
     if isinstance(value, list):
-        return {f"{prefix}_low": value[0], f"{prefix}_high": value[1]}
-    return {prefix: value}
+        return {f"{prefix}low": value[0], f"{prefix}high": value[1]}
+    return {prefix.rstrip("_"): value}
 
 
 def csv_rows(fid: dict | None) -> tuple[list[str], list[dict]]:
     """fidelity.csv: one row per arm with figures (columns, rows); none without."""
-    rows = [
-        {"arm": arm, **_flat("", e["figures"])}
-        for arm, e in ((fid or {}).get("arms") or {}).items()
-        if e.get("figures")
-    ]
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    rows = [{k: "" if v is None else v for k, v in r.items()} for r in rows]
-    return [c.lstrip("_") for c in columns], [
-        {k.lstrip("_"): v for k, v in r.items()} for r in rows
-    ]
+    arms = ((fid or {}).get("arms") or {}).items()
+    rows = [{"arm": a, **_flat(e["figures"])} for a, e in arms if e.get("figures")]
+    return list(dict.fromkeys(k for r in rows for k in r)), rows
 
 
 def write_plot(fid: dict | None, path) -> None:

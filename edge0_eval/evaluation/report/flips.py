@@ -1,18 +1,8 @@
-"""Flips: which items an arm scores differently from the teacher, not only by how much.
-
-Equal accuracy can hide many flips (Dutta et al. 2024, "Accuracy is not all you need"). Per
-benchmark and non-teacher arm, paired on the teacher's items, each item's change
-d = arm - teacher of its score in [0, 1] (avg@n with several samples):
-  right_to_wrong   items with d <= -FLIP_SIZE (binary scores: right for the teacher, wrong
-                   for the arm); wrong_to_right with d >= +FLIP_SIZE
-  flip_rate        (right_to_wrong + wrong_to_right) / items, in %, with its 95% Wilson
-                   interval (binomial over items)
-  net              the mean of d in points: the row's delta (flips and the smaller changes
-                   together; with binary scores (wrong_to_right - right_to_wrong) / items)
-A graded score (avg@n, pass@k) flips when it moves by FLIP_SIZE or more. The page shows each
-flipped item's question and both answers (the first sample's), at most PAGE_ITEMS per
-benchmark and arm; every flipped id is in report.json.
-"""
+"""Flips: the items an arm scores differently from the teacher, not only by how much (equal
+accuracy can hide many: Dutta et al. 2024). Per benchmark and non-teacher arm, paired on the
+teacher's items, d = arm - teacher of an item's score in [0, 1]: right_to_wrong d <= -FLIP_SIZE,
+wrong_to_right d >= FLIP_SIZE, the flip rate with its Wilson interval, net = mean d in points
+(the delta). docs/gate.md defines each; the page shows PAGE_ITEMS flipped items' texts."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The same figures as report.md (tables.py) and where they come from: each flipped item's
 question and both answers side by side, the first difference marked; per fidelity prompt,
 the teacher's continuation with each token shaded by the arm's KL (hover: the teacher's token,
-the arm's likeliest tokens), worst prompts first; the KL by position. No script, no request
+the arm's likeliest tokens), worst prompts first; the plots, KL by position among them. No script, no request
 outside the file (the plot is inlined, the style is page.css): `<details>` opens and closes
 sections. Every text that came from a dataset or a model is escaped: it shows as its
 characters, never as markup.
@@ -134,44 +134,7 @@ def _tokens(fid: dict) -> str:
     return f'<div id="tokens">{"".join(parts)}</div>' if parts else ""
 
 
-def _curve(arms: dict) -> str:
-    """KL by position bucket, one polyline per arm, as inline SVG."""
-    lines = {
-        a: [(b["start"], b["kl"]) for b in e["positions"]["by_position"]]
-        for a, e in arms.items()
-        if e.get("positions") and a != "teacher"
-    }
-    points = [p for ps in lines.values() for p in ps]
-    if not points:
-        return ""
-    top = max(kl for _, kl in points) or 1.0
-    starts = sorted({s for s, _ in points})
-    x = {s: 60 + 520 * i / max(1, len(starts) - 1) for i, s in enumerate(starts)}
-    colours = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
-    svg = ['<line class="axis" x1="50" y1="210" x2="600" y2="210"/>']
-    svg += [f'<text x="{x[s] - 8:.0f}" y="226">{s}</text>' for s in starts]
-    svg.append(f'<text x="4" y="24">KL {top:.3g}</text><text x="4" y="208">0</text>')
-    for n, (arm, ps) in enumerate(lines.items()):
-        c = colours[n % len(colours)]
-        xy = " ".join(f"{x[s]:.0f},{210 - 190 * kl / top:.1f}" for s, kl in ps)
-        svg.append(
-            f'<polyline points="{xy}" fill="none" stroke="{c}" stroke-width="2"/>'
-        )
-        svg += [
-            f'<circle cx="{p.split(",")[0]}" cy="{p.split(",")[1]}" r="3" fill="{c}"/>'
-            for p in xy.split()
-        ]
-        svg.append(f'<text x="610" y="{30 + 16 * n}" fill="{c}">{escape(arm)}</text>')
-    return (
-        _p(
-            "Mean KL (nats) by continuation position: each point a bucket starting there "
-            "(its table above gives the intervals and prompt counts)"
-        )
-        + f'<svg width="720" height="240" role="img">{"".join(svg)}</svg>'
-    )
-
-
-def _fidelity(fid: dict | None) -> str:
+def _fidelity(fid: dict | None, png: Path) -> str:
     if not fid:
         return ""
     tables_ = [
@@ -192,21 +155,22 @@ def _fidelity(fid: dict | None) -> str:
         "Fidelity (teacher-forced)",
         _table(["arm", "model", "items", *fidelity_report.METRICS], means),
         *tables_,
-        _curve(fid["arms"]),
+        _p("KL and agreement per source, and KL by continuation position:"),
+        _png(png, "fidelity"),
         _tokens(fid),
     )
 
 
-def _plot(report: dict, png: Path) -> str:
-    if not tables.plot_informative(report) or not png.is_file():
-        return _p(tables.NO_PLOT.strip())
-    data = base64.b64encode(png.read_bytes()).decode()
-    return (
-        f'<img alt="teacher vs student" src="data:image/png;base64,{data}" width="720">'
-    )
+def _png(path: Path, alt: str) -> str:
+    """A plot inlined (the page is one file); nothing when the report has none."""
+    if not path.is_file():
+        return ""
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{alt}" src="data:image/png;base64,{data}" width="900">'
 
 
-def render(report: dict, png: Path) -> str:
+def render(report: dict, folder: Path) -> str:
+    """The page of `report`, its plots read from `folder`."""
     header, rows = tables.headline_rows(report)
     arms = ", ".join(f"{a} = {v['abbr']}" for a, v in report["arms"].items())
     body = [
@@ -215,7 +179,14 @@ def render(report: dict, png: Path) -> str:
         '<nav><a href="#headline">headline</a><a href="#flips">flips</a>'
         '<a href="#fidelity">fidelity</a><a href="#tokens">tokens</a>'
         '<a href="#truncation">truncation</a><a href="#engine">engine</a></nav>',
-        _section("headline", "Headline", _table(header, rows), _plot(report, png)),
+        _section(
+            "headline",
+            "Headline",
+            _table(header, rows),
+            _png(folder / "report.png", "scores")
+            if tables.plot_informative(report)
+            else _p(tables.NO_PLOT.strip()),
+        ),
     ]
     if tables.decomposition_rows(report):
         body.append(
@@ -228,7 +199,7 @@ def render(report: dict, png: Path) -> str:
         )
     body += [
         _flips(report),
-        _fidelity(report.get("fidelity")),
+        _fidelity(report.get("fidelity"), folder / "fidelity.png"),
         _section(
             "truncation",
             "Truncation",
@@ -251,4 +222,4 @@ def render(report: dict, png: Path) -> str:
 
 
 def write_page(report: dict, path: Path) -> None:
-    path.write_text(render(report, path.with_name("report.png")), encoding="utf-8")
+    path.write_text(render(report, path.parent), encoding="utf-8")

@@ -48,11 +48,7 @@ def ci_text(row: dict) -> str:
 
 
 NO_PLOT = "No score plot: every score is zero, so its bars would show nothing.\n"
-
-
 HEADLINE = ["benchmark", "metric", "items", "teacher", "student", "delta", "95% CI"]
-
-
 HEADLINE += ["status", "version"]
 
 
@@ -86,11 +82,7 @@ def headline_rows(report: dict) -> tuple[list[str], list[list]]:
 
 
 DECOMPOSITION = ["benchmark", "teacher", "int4 exact", "prerouted, no LoRA", "student"]
-
-
 DECOMPOSITION += ["quantization loss", "routing loss", "LoRA recovery", "total gap"]
-
-
 DECOMPOSITION_TEXT = (
     "quantization loss = teacher - int4 exact; routing loss = int4 exact - "
     "prerouted (no LoRA); LoRA recovery = student - prerouted (no LoRA); "
@@ -115,8 +107,6 @@ def decomposition_rows(report: dict) -> list[list]:
 
 
 FLIPS = ["benchmark", "arm", "items", "right to wrong", "wrong to right"]
-
-
 FLIPS += ["flip rate % [95% CI]", "net (points)"]
 
 
@@ -131,11 +121,7 @@ def flip_rows(report: dict) -> list[list]:
 
 
 TRUNCATION = ["benchmark", "arm", "outputs", "cut at the limit", "cut inside thinking"]
-
-
 TRUNCATION += ["vs teacher (points)"]
-
-
 TRUNCATION_TEXT = (
     "Outputs that stopped at the length limit (max_out_len), and of those the ones "
     "still inside their thinking block (scored by the open-thinking rule above). "
@@ -166,11 +152,7 @@ def truncation_rows(report: dict) -> list[list]:
 
 
 ENGINE = ["arm", "model", "samples", "decode tok/s per row (mean)", "batch size (max)"]
-
-
 ENGINE += ["batch decode tok/s (mean)", "prefill tok/s (mean)", "peak memory GiB (max)"]
-
-
 ENGINE += ["tokens", "cache"]
 
 
