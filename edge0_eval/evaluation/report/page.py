@@ -71,7 +71,8 @@ def _flipped_item(bench: str, arm: str, item: str, t: dict) -> str:
 def _flips(report: dict) -> str:
     rows = tables.flip_rows(report)
     if not rows:
-        return ""
+        old = any("flips" not in r for r in report["benchmarks"])
+        return _section("flips", "Flips", _p(tables.NO_FLIPS)) if old else ""
     items = []
     for r in report["benchmarks"]:
         for arm, f in (r.get("flips") or {}).items():

@@ -110,6 +110,12 @@ FLIPS = ["benchmark", "arm", "items", "right to wrong", "wrong to right"]
 FLIPS += ["flip rate % [95% CI]", "net (points)"]
 
 
+NO_FLIPS = (
+    "Flips: not computed; this report carries no per-item outcomes (a v1 report.json): "
+    "make it again with `edge0-eval report` from its run folders."
+)
+
+
 def flip_rows(report: dict) -> list[list]:
     return [
         [r["benchmark"], arm, f["items"], f["right_to_wrong"], f["wrong_to_right"]]

@@ -19,6 +19,7 @@ from edge0_eval.evaluation.report.tables import (
     ENGINE,
     FLIPS,
     FLIPS_TEXT,
+    NO_FLIPS,
     NO_PLOT,
     TRUNCATION,
     TRUNCATION_TEXT,
@@ -274,7 +275,8 @@ def _md_decomposition(report: dict) -> list[str]:
 def _md_flips(report: dict) -> list[str]:
     rows = flip_rows(report)
     if not rows:
-        return []
+        old = any("flips" not in r for r in report["benchmarks"])
+        return ["## Flips\n", NO_FLIPS + "\n"] if old else []
     ids = [
         f"- {r['benchmark']}, {arm}: right to wrong {', '.join(f['right_to_wrong_ids']) or '-'};"
         f" wrong to right {', '.join(f['wrong_to_right_ids']) or '-'}"
