@@ -124,23 +124,7 @@ def build_report(
         raise Edge0Error(
             "refusing to compare different prompts: " + "; ".join(problems)
         )
-    settings = {
-        arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
-        for arm, (abbr, r) in arms.items()
-    }
-    problems = settings_differences(settings, "teacher")
-    if problems:
-        raise Edge0Error(
-            "refusing to pair arms run with different settings: "
-            + "; ".join(problems)
-            + "; rerun one arm with the other's settings"
-        )
-    notes += [
-        f"{arm} {abbrs[arm]}: no config dump, so its generation and scoring settings are "
-        f"not compared"
-        for arm, st in settings.items()
-        if st["generation"] is None
-    ]
+    settings = _settings(arms, collected, notes)
 
     engine = {
         arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
@@ -175,6 +159,28 @@ def build_report(
         else {k: reference.get(k) for k in ("name", "source", "file")},
         "notes": notes,
     }
+
+
+def _settings(arms: dict, collected: dict, notes: list[str]) -> dict:
+    """Each arm's generation and scoring settings; arms whose settings differ refused."""
+    settings = {
+        arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
+        for arm, (abbr, r) in arms.items()
+    }
+    problems = settings_differences(settings, "teacher")
+    if problems:
+        raise Edge0Error(
+            "refusing to pair arms run with different settings: "
+            + "; ".join(problems)
+            + "; rerun one arm with the other's settings"
+        )
+    notes += [
+        f"{arm} {arms[arm][0]}: no config dump, so its generation and scoring settings are "
+        f"not compared"
+        for arm, st in settings.items()
+        if st["generation"] is None
+    ]
+    return settings
 
 
 def _open_thinking(settings: dict) -> dict:
