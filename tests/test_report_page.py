@@ -34,6 +34,8 @@ from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.fidelity.sets import score_item
 from edge0_eval.evaluation.report import page
 from edge0_eval.evaluation.report.flips import wilson
+from edge0_eval.evaluation.report.tables import NO_FLIPS, NO_PLOT
+from edge0_eval.evaluation.report.writers import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "reports" / "tiny"
@@ -53,10 +55,11 @@ def _run(root: Path, student_aime=("a", "b", "c", "d")) -> Path:
     return run.finish()
 
 
-def test_flips_by_hand(tmp_path):
+def test_flips_by_hand(tmp_path, capsys):
     """AIME T 1,1,1,0 S 1,0,1,0: item 1 right to wrong; GPQA T 1,0,1,0 S 1,0,0,1: one each way;
     MMLU-Pro pooled: math/1 right to wrong."""
     report = make_report(tmp_path, _run(tmp_path), args=["--arms", ARMS_4])
+    assert f"page: {tmp_path / 'rep' / 'report.html'}" in capsys.readouterr().out
     by = rows(report)
     aime = by["AIME 2026"]["flips"]["student"]
     assert (aime["right_to_wrong"], aime["wrong_to_right"]) == (1, 0)
@@ -205,6 +208,21 @@ def test_hostile_answer_shows_as_text_and_runs_nothing(tmp_path):
     assert got.stdout.count("<details") == text.count(
         "<details"
     )  # nothing closed early
+
+
+def test_a_plot_of_zero_bars_is_a_sentence(tmp_path):
+    """The testbed's scores are all zero (and its v1 report has no per-item outcomes)."""
+    report = json.loads((REPO / "reports" / "testbed" / "report.json").read_text())
+    (tmp_path / "report.png").write_bytes(b"a plot of a former report")
+    write_report(report, tmp_path)
+    assert not (tmp_path / "report.png").exists()
+    md, html = ((tmp_path / n).read_text() for n in ("report.md", "report.html"))
+    assert NO_PLOT in md and "report.png" not in md
+    assert NO_PLOT.strip() in html and "<img" not in html
+    assert NO_FLIPS in md and NO_FLIPS in html.replace("&#x27;", "'")
+    report["benchmarks"][0]["student"] = 1.0  # one bar: a plot again
+    write_report(report, tmp_path)
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_page_reproduces_from_the_committed_tiny_report():
