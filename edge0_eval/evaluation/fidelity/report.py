@@ -299,9 +299,12 @@ def _pages(loaded: dict, table: dict, ids: list[str]) -> tuple[dict, dict]:
     position's (KL, arm's top three of the teacher's top-k); and those prompts' text."""
     pages, prompts = {}, {}
     for arm, entry in table.items():
-        items = loaded[arm]["items"] if entry["status"] == "ok" else {}
-        shown = [i for i in ids if items[i].get("top_positions") and items[i]["tokens"]]
-        if arm == "teacher" or not shown:
+        items = loaded[arm]["items"]
+        ok = arm != "teacher" and entry["status"] == "ok"
+        shown = [
+            i for i in ids if ok and items[i]["top_positions"] and items[i]["tokens"]
+        ]
+        if not shown:
             continue
         worst = sorted(shown, key=lambda i: -items[i]["kl"])[:PAGE_PROMPTS]
         pages[arm] = [

@@ -1,12 +1,11 @@
 """report.html: the report as one page people read, offline and self-contained.
 
 The same figures as report.md (tables.py) and where they come from: each flipped item's
-question and both answers side by side, the first difference marked; per fidelity prompt,
-the teacher's continuation with each token shaded by the arm's KL (hover: the teacher's token,
-the arm's likeliest tokens), worst prompts first; the plots, KL by position among them. No script, no request
-outside the file (the plot is inlined, the style is page.css): `<details>` opens and closes
-sections. Every text that came from a dataset or a model is escaped: it shows as its
-characters, never as markup.
+question and both answers side by side, the first difference marked; per fidelity prompt, the
+teacher's continuation with each token shaded by the arm's KL (hover: the teacher's token, the
+arm's likeliest tokens), worst prompts first; the plots, KL by position among them. No script,
+no request outside the file (plots inlined, the style page.css): `<details>` opens and closes.
+Every text that came from a dataset or a model is escaped: it shows as its characters.
 """
 
 from __future__ import annotations
@@ -32,6 +31,15 @@ def _table(header: list, rows: list) -> str:
 
 def _section(key: str, title: str, *parts: str) -> str:
     return f'<section id="{key}"><h2>{escape(title)}</h2>{"".join(parts)}</section>'
+
+
+def _block(key: str, title: str, text: str, header: list, rows: list) -> str:
+    """A section of one table (and its text before it); nothing without rows."""
+    return (
+        _section(key, title, _p(text) if text else "", _table(header, rows))
+        if rows
+        else ""
+    )
 
 
 def _p(text: str) -> str:
@@ -189,30 +197,25 @@ def render(report: dict, folder: Path) -> str:
             else _p(tables.NO_PLOT.strip()),
         ),
     ]
-    if tables.decomposition_rows(report):
-        body.append(
-            _section(
-                "decomposition",
-                "Gap decomposition",
-                _p(tables.DECOMPOSITION_TEXT),
-                _table(tables.DECOMPOSITION, tables.decomposition_rows(report)),
-            )
-        )
     body += [
+        _block(
+            "decomposition",
+            "Gap decomposition",
+            tables.DECOMPOSITION_TEXT,
+            tables.DECOMPOSITION,
+            tables.decomposition_rows(report),
+        ),
         _flips(report),
         _fidelity(report.get("fidelity"), folder / "fidelity.png"),
-        _section(
+        _block(
             "truncation",
             "Truncation",
-            _p(tables.TRUNCATION_TEXT),
-            _table(tables.TRUNCATION, tables.truncation_rows(report)),
+            tables.TRUNCATION_TEXT,
+            tables.TRUNCATION,
+            tables.truncation_rows(report),
         ),
-        _section(
-            "engine", "Engine stats", _table(tables.ENGINE, tables.engine_rows(report))
-        ),
-        _section("notes", "Notes", "".join(_p(n) for n in report["notes"]))
-        if report["notes"]
-        else "",
+        _block("engine", "Engine stats", "", tables.ENGINE, tables.engine_rows(report)),
+        _block("notes", "Notes", "", ["note"], [[n] for n in report["notes"]]),
     ]
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
