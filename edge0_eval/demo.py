@@ -393,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
         print(summary[-1].read_text().replace(",", "\t"))
     report = report_and_gate(run_dir, work / "report", find_baseline(args.baseline))
     print(f"report: {report}")
+    print(f"page: {report.with_name('report.html')} (open it in a browser, offline)")
     print(
         f"demo ok: {len(TINY_MODELS)} arms x {len(TINY_DATASETS)} datasets + fidelity scored in "
         f"{run_dir} ({time.perf_counter() - start:.0f}s)"

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="DIR",
         type=ct.directory,
-        help="folder for report.md, report.csv, report.json, report.png",
+        help="folder for report.md, report.csv, report.json, report.png and the "
+        "page report.html",
     )
     parser.add_argument(
         "--arms",
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {out}/report.{{md,csv,json,png}}"
         + (f"; not ok: {', '.join(bad)}" if bad else "")
     )
+    print(f"page: {out / 'report.html'} (one file, opens offline in a browser)")
     if bad:
         # Missing or failed results must not look like a finished report to a script.
         print("edge0-eval report: incomplete (see the notes in report.md); exit 1")

@@ -39,17 +39,92 @@ def bucket_label(i: int) -> str:
     return f"{lo}-{POSITION_BUCKETS[i + 1] - 1}"
 
 
-def clustered_mean(sums: np.ndarray, counts: np.ndarray) -> tuple[float, float | None]:
-    """(sum(sums) / sum(counts), its 95% half-width with each item one cluster; None below two
-    items)."""
+def clustered_se(sums: np.ndarray, counts: np.ndarray) -> tuple[float, float | None]:
+    """(sum(sums) / sum(counts), its standard error with each item one cluster (a ratio
+    estimator: an item's positions are one observation); None below two items)."""
     total = float(counts.sum())
     mean = float(sums.sum()) / total
     n = len(sums)
     if n < 2:
         return mean, None
     resid = sums - mean * counts
-    var = n / (n - 1) * float((resid * resid).sum()) / total**2
-    return mean, Z95 * math.sqrt(var)
+    return mean, math.sqrt(n / (n - 1) * float((resid * resid).sum()) / total**2)
+
+
+def clustered_mean(sums: np.ndarray, counts: np.ndarray) -> tuple[float, float | None]:
+    """(sum(sums) / sum(counts), its 95% half-width with each item one cluster)."""
+    mean, se = clustered_se(sums, counts)
+    return mean, None if se is None else Z95 * se
+
+
+# llama.cpp's `llama-perplexity --kl-divergence` figures, pooled over positions (figures()).
+FIGURE_QUANTILES = {"median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99, "p99.9": 0.999}
+DP_QUANTILES = {"p1": 0.01, "p5": 0.05, "p10": 0.1, "median": 0.5, "p90": 0.9}
+DP_QUANTILES.update({"p95": 0.95, "p99": 0.99})
+DP_LARGE = 0.1  # |change of the teacher token's probability| counted as large
+FIGURE_KEYS = ("kl_positions", "rkl_positions", "dp_positions", "agree_positions")
+
+
+def _divergence(per_item: list[np.ndarray]) -> dict:
+    """Mean with its standard error clustered by prompt, quantiles and max of a per-position
+    divergence."""
+    every = np.concatenate(per_item)
+    counts = np.array([len(v) for v in per_item], dtype=np.float64)
+    mean, se = clustered_se(np.array([v.sum() for v in per_item]), counts)
+    out = {"mean": mean, "se": se}
+    out.update({k: float(np.quantile(every, q)) for k, q in FIGURE_QUANTILES.items()})
+    return {**out, "max": float(every.max())}
+
+
+def _interval(mean: float, se: float | None, transform=float) -> list | None:
+    return (
+        None if se is None else [transform(mean - Z95 * se), transform(mean + Z95 * se)]
+    )
+
+
+def figures(rows: list[dict], teacher_rows: list[dict] | None) -> dict | None:
+    """One arm's figures pooled over every position of every prompt, from its items (sets'
+    score_item fields, and `nll` and `positions`) paired with the teacher's; None when its
+    results lack the per-position fields (made before they were recorded)."""
+    if not rows or any(r.get(k) is None for r in rows for k in FIGURE_KEYS):
+        return None
+    arrays = {
+        k: [np.asarray(r[k], dtype=np.float64) for r in rows] for k in FIGURE_KEYS
+    }
+    counts = np.array([len(v) for v in arrays["kl_positions"]], dtype=np.float64)
+    dp = np.concatenate(arrays["dp_positions"])
+    agree, agree_se = clustered_se(
+        np.array([v.sum() for v in arrays["agree_positions"]]), counts
+    )
+    out = {
+        "positions": int(counts.sum()),
+        "kl": _divergence(arrays["kl_positions"]),
+        "reverse_kl": _divergence(arrays["rkl_positions"]),
+        "delta_p": {
+            "mean": float(dp.mean()),
+            "rms": float(np.sqrt((dp * dp).mean())),
+            "min": float(dp.min()),
+            **{k: float(np.quantile(dp, q)) for k, q in DP_QUANTILES.items()},
+            "max": float(dp.max()),
+            "share_large": float((np.abs(dp) > DP_LARGE).mean()),
+        },
+        "agreement": {
+            "value": 100 * agree,
+            "ci95": _interval(agree, agree_se, lambda v: 100 * v),
+        },
+        "ppl_ratio": None,
+    }
+    if teacher_rows is not None:
+        # log(ppl arm / ppl teacher) = the positions' mean NLL difference, clustered by prompt
+        sums = np.array(
+            [(r["nll"] - t["nll"]) * n for r, t, n in zip(rows, teacher_rows, counts)]
+        )
+        log_ratio, se = clustered_se(sums, counts)
+        out["ppl_ratio"] = {
+            "value": math.exp(log_ratio),
+            "ci95": _interval(log_ratio, se, math.exp),
+        }
+    return out
 
 
 def profile(items: list[tuple[list[float], list[int]]]) -> dict | None:

@@ -61,7 +61,10 @@ DEFAULT_PROMPT_AGREEMENT_DROP = 10.0  # points, per prompt
 DEFAULT_MAX_PROMPTS_PAST = 0.01  # share of prompts allowed past their own tolerance
 # The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
 SANITY_KL = 1e-9
-POSITION_KEYS = ("kl_positions", "agree_positions")  # sets.score_item's
+# sets.score_item's per-position fields, each with its nesting depth (lists in lists).
+POSITION_KEYS = {"kl_positions": 1, "agree_positions": 1, "rkl_positions": 1}
+POSITION_KEYS.update({"dp_positions": 1, "top_positions": 3, "tokens": 1})
+PAGE_PROMPTS = 25  # prompts per arm on the page (worst KL first); all in results
 
 
 def is_fidelity(dataset: str) -> bool:
@@ -73,9 +76,13 @@ def _first(value):
     return value[0] if isinstance(value, list) and value else value
 
 
-def _per_position(value) -> list | None:
-    """A per-position list of a detail, regrouped ([[...]]) or not ([...]); None if absent."""
-    if isinstance(value, list) and value and isinstance(value[0], list):
+def _depth(value) -> int:
+    return 1 + _depth(value[0]) if isinstance(value, list) and value else 0
+
+
+def _per_position(value, depth: int = 1) -> list | None:
+    """A per-position list of a detail, regrouped (one level more) or not; None if absent."""
+    if isinstance(value, list) and value and _depth(value) > depth:
         value = value[0]
     return value if isinstance(value, list) else None
 
@@ -118,8 +125,11 @@ def load_arm(abbr: str, run: Run) -> dict:
             return out
         row["source"] = str(_first(detail.get("source", "")))
         # Results written before per-position figures were recorded have none (no profile).
-        for key in POSITION_KEYS:
-            row[key] = _per_position(detail.get(key))
+        for key, depth in POSITION_KEYS.items():
+            row[key] = _per_position(detail.get(key), depth)
+        row["prompt"], row["pieces"] = (
+            _first(detail.get(k)) for k in ("prompt", "pieces")
+        )
         out["items"][str(_first(detail["id"]))] = row
     out["status"] = "ok" if out["items"] else "failed"
     return out
@@ -199,11 +209,120 @@ def arm_items(abbr: str, rows: list[dict]) -> dict:
             r["id"]: {
                 **{m: float(r[m]) for m in METRICS},
                 "source": r["source"],
-                **{k: r.get(k) for k in POSITION_KEYS},
+                **{k: r.get(k) for k in (*POSITION_KEYS, "prompt", "pieces")},
             }
             for r in rows
         },
     }
+
+
+def _arm_entry(arm: str, got: dict, ids: list[str], teacher, notes: list) -> dict:
+    """One arm's row of the section: means, intervals, per source, positions, figures."""
+    entry = {"abbr": got["abbr"], "status": got["status"], "dataset": got["dataset"]}
+    if got["status"] == "ok" and ids and set(got["items"]) != set(ids):
+        entry["status"] = "items_mismatch"
+        notes.append(
+            f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
+            f"the teacher {len(ids)}; not paired"
+        )
+    if entry["status"] != "ok" or not ids:
+        return entry
+    # The teacher's interval against itself says nothing: none.
+    versus = None if arm == "teacher" else teacher["items"]
+    entry.update(_summary(got["items"], ids, versus))
+    sources = sorted({got["items"][i]["source"] for i in ids})
+    entry["by_source"] = {
+        s: _summary(
+            got["items"], [i for i in ids if got["items"][i]["source"] == s], versus
+        )
+        for s in sources
+    }
+    rows = [got["items"][i] for i in ids]
+    if all(r.get("kl_positions") is not None for r in rows):
+        entry["positions"] = fidelity_positions.profile(
+            [(r["kl_positions"], r["agree_positions"]) for r in rows]
+        )
+    else:
+        notes.append(
+            f"fidelity: {arm} {got['abbr']}: no per-position figures (results "
+            f"from before they were recorded); re-run its fidelity task for "
+            f"the position view"
+        )
+    entry["figures"] = fidelity_positions.figures(
+        rows, [teacher["items"][i] for i in ids]
+    )
+    return entry
+
+
+def _decomposition(loaded: dict, table: dict, ids: list[str]) -> dict:
+    out = {}
+    for step, a, b in STEPS:
+        if not ids or any(table.get(x, {}).get("status") != "ok" for x in (a, b)):
+            continue
+        out[step] = {
+            m: dict(
+                zip(
+                    ("delta", "half_width"),
+                    mean_half_width(
+                        [
+                            sign
+                            * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m])
+                            * _scale(m)
+                            for i in ids
+                        ]
+                    ),
+                )
+            )
+            for m, sign in (("kl", 1.0), ("agreement", -1.0))
+        }
+    return out
+
+
+def _sanity(table: dict, notes: list) -> dict | None:
+    if table.get("teacher", {}).get("status") != "ok":
+        return None
+    t = table["teacher"]
+    sanity = {"kl": t["kl"], "agreement": t["agreement"]}
+    sanity["ok"] = teacher_sane(t["kl"], t["agreement"])
+    if not sanity["ok"]:
+        notes.append(
+            f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
+            f"{t['agreement']:.2f} on its own set: the set was made from another "
+            f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
+            f"it again, fidelity/sets.py)"
+        )
+    return sanity
+
+
+def _pages(loaded: dict, table: dict, ids: list[str]) -> tuple[dict, dict]:
+    """The page's token view: per non-teacher arm its PAGE_PROMPTS worst prompts by KL, each
+    position's (KL, arm's top three of the teacher's top-k); and those prompts' text."""
+    pages, prompts = {}, {}
+    for arm, entry in table.items():
+        items = loaded[arm]["items"]
+        ok = arm != "teacher" and entry["status"] == "ok"
+        shown = [
+            i for i in ids if ok and items[i]["top_positions"] and items[i]["tokens"]
+        ]
+        if not shown:
+            continue
+        worst = sorted(shown, key=lambda i: -items[i]["kl"])[:PAGE_PROMPTS]
+        pages[arm] = [
+            {
+                "id": i,
+                "kl": items[i]["kl"],
+                "positions": [
+                    list(p)
+                    for p in zip(items[i]["kl_positions"], items[i]["top_positions"])
+                ],
+            }
+            for i in worst
+        ]
+        for i in worst:
+            prompts[i] = {
+                k: items[i].get(k) for k in ("source", "prompt", "tokens", "pieces")
+            }
+    return pages, prompts
 
 
 def summarize(loaded: dict) -> dict:
@@ -211,44 +330,9 @@ def summarize(loaded: dict) -> dict:
     notes = [n for a in loaded.values() for n in a["notes"]]
     teacher = loaded.get("teacher")
     ids = sorted(teacher["items"]) if teacher and teacher["status"] == "ok" else []
-    table = {}
-    for arm, got in loaded.items():
-        entry = {
-            "abbr": got["abbr"],
-            "status": got["status"],
-            "dataset": got["dataset"],
-        }
-        if got["status"] == "ok" and ids and set(got["items"]) != set(ids):
-            entry["status"] = "items_mismatch"
-            notes.append(
-                f"fidelity: {arm} {got['abbr']} scored {len(got['items'])} items, "
-                f"the teacher {len(ids)}; not paired"
-            )
-        if entry["status"] == "ok" and ids:
-            # The teacher's interval against itself says nothing: none.
-            versus = None if arm == "teacher" else teacher["items"]
-            entry.update(_summary(got["items"], ids, versus))
-            sources = sorted({got["items"][i]["source"] for i in ids})
-            entry["by_source"] = {
-                s: _summary(
-                    got["items"],
-                    [i for i in ids if got["items"][i]["source"] == s],
-                    versus,
-                )
-                for s in sources
-            }
-            rows = [got["items"][i] for i in ids]
-            if all(r.get("kl_positions") is not None for r in rows):
-                entry["positions"] = fidelity_positions.profile(
-                    [(r["kl_positions"], r["agree_positions"]) for r in rows]
-                )
-            else:
-                notes.append(
-                    f"fidelity: {arm} {got['abbr']}: no per-position figures (results "
-                    f"from before they were recorded); re-run its fidelity task for "
-                    f"the position view"
-                )
-        table[arm] = entry
+    table = {
+        arm: _arm_entry(arm, got, ids, teacher, notes) for arm, got in loaded.items()
+    }
     per_item = {
         arm: {
             i: [loaded[arm]["items"][i]["kl"], loaded[arm]["items"][i]["agreement"]]
@@ -257,61 +341,34 @@ def summarize(loaded: dict) -> dict:
         for arm, e in table.items()
         if e["status"] == "ok" and ids
     }
-    decomposition = {}
-    for step, a, b in STEPS:
-        if all(table.get(x, {}).get("status") == "ok" for x in (a, b)) and ids:
-            decomposition[step] = {
-                m: dict(
-                    zip(
-                        ("delta", "half_width"),
-                        mean_half_width(
-                            [
-                                sign
-                                * (loaded[a]["items"][i][m] - loaded[b]["items"][i][m])
-                                * _scale(m)
-                                for i in ids
-                            ]
-                        ),
-                    )
-                )
-                for m, sign in (("kl", 1.0), ("agreement", -1.0))
-            }
-    sanity = None
-    if table.get("teacher", {}).get("status") == "ok":
-        t = table["teacher"]
-        sanity = {
-            "kl": t["kl"],
-            "agreement": t["agreement"],
-            "ok": teacher_sane(t["kl"], t["agreement"]),
-        }
-        if not sanity["ok"]:
-            notes.append(
-                f"fidelity: the teacher arm scores KL {t['kl']:.3g}, agreement "
-                f"{t['agreement']:.2f} on its own set: the set was made from another "
-                f"teacher, path or backend (a v1 set of a bailing_hybrid teacher: make "
-                f"it again, fidelity/sets.py)"
-            )
+    sanity = _sanity(table, notes)
     ok = (
         bool(ids)
         and all(e["status"] == "ok" for e in table.values())
         and bool(sanity and sanity["ok"])
     )
+    pages, prompts = _pages(loaded, table, ids)
     return {
         "status": "ok" if ok else "incomplete",
         "items": len(ids),
-        "units": {
-            "kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
-            "agreement": "points: % of positions whose argmax is the teacher's token",
-            "nll": "nats per teacher token",
-            "greedy_match": "positions",
-        },
+        "units": UNITS,
         "interval": "95%, paired per-item differences against the teacher",
         "arms": table,
-        "decomposition": decomposition,
+        "decomposition": _decomposition(loaded, table, ids),
         "teacher_sanity": sanity,
         "per_item": per_item,
+        "pages": pages,
+        "prompts": prompts,
         "notes": notes,
     }
+
+
+UNITS = {  # the figures' units: docs/gate.md (the report)
+    "kl": "nats, KL(teacher || arm) over the teacher's top-k + tail",
+    "agreement": "points: % of positions whose argmax is the teacher's token",
+    "nll": "nats per teacher token",
+    "greedy_match": "positions",
+}
 
 
 # --------------------------------------------------------------------------- writers
@@ -412,8 +469,89 @@ def markdown(fid: dict | None) -> str:
         md.extend(f"- {n}" for n in fid["notes"])
         md.append("")
     md.append(fidelity_positions.markdown(fid["arms"]))
+    md.append(figures_markdown(fid["arms"]))
     md.append("![fidelity](fidelity.png)\n")
     return "\n".join(md)
+
+
+def _ci(entry: dict | None, digits: int) -> str:
+    if not entry:
+        return "n/a"
+    ci = entry["ci95"]
+    return _f(entry["value"], digits) + (
+        f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else ""
+    )
+
+
+def figure_tables(arms: dict) -> list[tuple[str, list, list]]:
+    """llama.cpp's `--kl-divergence` figures per arm, pooled over positions, as (text,
+    header, rows) tables; none without figures."""
+    have = {a: e["figures"] for a, e in arms.items() if e.get("figures")}
+    if not have:
+        return []
+    qs = [*fidelity_positions.FIGURE_QUANTILES, "max"]
+    directions = (
+        ("KL(teacher \u2016 arm)", "kl"),
+        ("KL(arm \u2016 teacher)", "reverse_kl"),
+    )
+    kl_rows = [
+        [a, label, f["positions"], _pm(f[key]["mean"], f[key]["se"], 5)]
+        + [_f(f[key][q], 5) for q in qs]
+        for a, f in have.items()
+        for label, key in directions
+    ]
+    dqs = ["mean", "rms", "min", *fidelity_positions.DP_QUANTILES, "max"]
+    dp_rows = [
+        [a, *(_f(f["delta_p"][q], 4, signed=q != "rms") for q in dqs)]
+        + [f"{100 * f['delta_p']['share_large']:.2f}%"]
+        + [_ci(f["agreement"], 2), _ci(f["ppl_ratio"], 4)]
+        for a, f in have.items()
+    ]
+    large = f"share abs(delta p) > {fidelity_positions.DP_LARGE:g}"
+    return [
+        (
+            "Pooled over every position of every prompt, as llama.cpp's `llama-perplexity "
+            "--kl-divergence` reports them; both KL directions over the same top-k plus "
+            "tail buckets, mean \u00b1 its standard error clustered by prompt:",
+            ["arm", "direction", "positions", "mean \u00b1 SE", *qs],
+            kl_rows,
+        ),
+        (
+            "delta p: the arm's minus the teacher's probability of the teacher's token "
+            f"(mean, RMS, percentiles; {large}); same top: agreement in % with "
+            "its 95% interval clustered by prompt; PPL ratio: perplexity of the teacher's "
+            "tokens, arm / teacher, with its 95% interval (clustered by prompt, on the log):",
+            ["arm", *(f"delta p {q}" for q in dqs), large, "same top %", "PPL ratio"],
+            dp_rows,
+        ),
+    ]
+
+
+def figures_markdown(arms: dict) -> str:
+    return "\n".join(
+        f"{text}\n\n{_table(header, rows)}"
+        for text, header, rows in figure_tables(arms)
+    )
+
+
+def _flat(value, prefix: str = "") -> dict:
+    """{"kl_mean": ..., "agreement_ci95_low": ...} from the nested figures."""
+    if isinstance(value, dict):
+        return {
+            k: v
+            for key, sub in value.items()
+            for k, v in _flat(sub, f"{prefix}{key}_").items()
+        }
+    if isinstance(value, list):
+        return {f"{prefix}low": value[0], f"{prefix}high": value[1]}
+    return {prefix.rstrip("_"): value}
+
+
+def csv_rows(fid: dict | None) -> tuple[list[str], list[dict]]:
+    """fidelity.csv: one row per arm with figures (columns, rows); none without."""
+    arms = ((fid or {}).get("arms") or {}).items()
+    rows = [{"arm": a, **_flat(e["figures"])} for a, e in arms if e.get("figures")]
+    return list(dict.fromkeys(k for r in rows for k in r)), rows
 
 
 def write_plot(fid: dict | None, path) -> None:

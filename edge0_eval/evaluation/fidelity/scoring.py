@@ -415,6 +415,45 @@ def template_thinks(tokenizer) -> bool:
     return len(texts) == 2
 
 
+def _teacher_entry(teacher, compute_dtype: str) -> dict:
+    config = json.loads((Path(teacher) / "config.json").read_text())
+    return {
+        "name": Path(teacher).name,
+        "fingerprint": fingerprint(teacher),
+        "model_type": config.get("model_type"),
+        "compute_dtype": compute_dtype,
+        "dtype": activation_dtype(compute_dtype, teacher),
+        "scorer": LAYER_MAJOR,
+    }
+
+
+def _set_item(p, ids, tokens, rows, stop, min_new: int, tokenizer) -> dict | None:
+    """The set's item of prompt `p` from its teacher rows; None when it is left out (its
+    continuation, or what the teacher-forced pass kept of it, shorter than min_new)."""
+    if rows is None or len(rows["tokens"]) < min_new:
+        return None
+    kept = len(rows["tokens"])
+    end = (
+        "near_tie" if kept < len(tokens) else "stop" if tokens[-1] in stop else "length"
+    )
+    return {
+        "id": p.id,
+        "source": p.source,
+        "prompt": p.text,
+        "prompt_ids": ids,
+        **rows,
+        "end": end,
+        "pieces": token_pieces(tokenizer, rows),
+    }
+
+
+def token_pieces(tokenizer, rows: dict) -> dict[str, str]:
+    """Each continuation token's and each position's top-3 ids' text (the report's page)."""
+    ids = {int(t) for t in rows["tokens"]}
+    ids |= {int(t) for top in rows["topk_ids"] for t in top[:3]}
+    return {str(t): tokenizer.decode([t]) for t in sorted(ids)}
+
+
 def make_set(
     teacher: str | Path,
     prompts: list[Prompt],
@@ -465,48 +504,17 @@ def make_set(
             )
         )
         for n, (p, ids, tokens) in enumerate(zip(prompts, prompt_ids, continuations)):
-            if n not in rows_of:
-                short.append(p.id)
-                continue
-            rows = rows_of[n]
-            kept = len(rows["tokens"])
-            end = (
-                "near_tie"
-                if kept < len(tokens)
-                else "stop"
-                if tokens[-1] in stop
-                else "length"
-            )
-            if kept < min_new:
-                short.append(p.id)
-                continue
-            items.append(
-                {
-                    "id": p.id,
-                    "source": p.source,
-                    "prompt": p.text,
-                    "prompt_ids": ids,
-                    **rows,
-                    "end": end,
-                }
-            )
+            item = _set_item(p, ids, tokens, rows_of.get(n), stop, min_new, tokenizer)
+            (short if item is None else items).append(p.id if item is None else item)
     if not items:
         raise ConfigError(
             f"every continuation ended before --min-new {min_new} tokens; lower "
             f"it or give prompts that ask for long answers"
         )
-    config = json.loads((Path(teacher) / "config.json").read_text())
     return {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "teacher": {
-            "name": Path(teacher).name,
-            "fingerprint": fingerprint(teacher),
-            "model_type": config.get("model_type"),
-            "compute_dtype": compute_dtype,
-            "dtype": activation_dtype(compute_dtype, teacher),
-            "scorer": LAYER_MAJOR,
-        },
+        "teacher": _teacher_entry(teacher, compute_dtype),
         "max_new": max_new,
         "min_new": min_new,
         "top_k": top_k,

@@ -13,7 +13,9 @@ File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
   items     [{id, source, prompt (text), prompt_ids (chat template applied), tokens (the
              teacher's greedy continuation), topk_ids [P][K] (first = the token),
              topk_logprobs [P][K], rest [P] (1 - top-k mass), end ("stop", "length", or
-             "near_tie": cut where decode and the teacher-forced pass round a tie apart)}]
+             "near_tie": cut where decode and the teacher-forced pass round a tie apart),
+             pieces {token id: its text} for the continuation's and the top-3 ids
+             (optional: the report's page shows tokens by it)}]
 v2's rows come from the teacher-forced pass every arm is scored with (fidelity.teacher_rows);
 v1's (no min_new, left_out, end) were decoded one step at a time. Both read: the two are the
 same bits where a piece computes the bits of single steps (qwen3_5_moe, qwen2_moe:
@@ -103,19 +105,42 @@ def score_item(item: dict, arm_logprobs, arm_argmax) -> dict:
     kl = (np.exp(t_lp) * (t_lp - a_lp)).sum(axis=-1) + t_rest * (
         np.log(t_rest) - np.log(a_rest)
     )
+    # The reverse direction, KL(arm || teacher), over the same top-k plus tail buckets.
+    rkl = (np.exp(a_lp) * (a_lp - t_lp)).sum(axis=-1) + a_rest * (
+        np.log(a_rest) - np.log(t_rest)
+    )
     agree = argmax == tokens
     miss = np.flatnonzero(~agree)
     # tokens[i] is the teacher's argmax, the set's first top-k id: its arm log-prob is column 0.
-    # Per position (positions.py): KL to 6 significant digits, agreement 0/1.
+    # Per position (positions.py): KL both ways and the change of the teacher token's
+    # probability (arm - teacher) to 6 significant digits, agreement 0/1, and the arm's three
+    # likeliest of the teacher's top-k ids with their probabilities (the report's page).
+    top = np.argsort(-a_lp, axis=-1, kind="stable")[:, :3]
+    ids = item.get("topk_ids")  # absent only from hand-made rows (tests)
     return {
         "kl": float(kl.mean()),
         "agreement": float(agree.mean()),
         "nll": float(-a_lp[:, 0].mean()),
         "greedy_match": int(miss[0]) if miss.size else int(tokens.size),
         "positions": int(tokens.size),
-        "kl_positions": [float(f"{v:.6g}") for v in kl],
+        "kl_positions": _sig(kl),
         "agree_positions": [int(a) for a in agree],
+        "rkl_positions": _sig(rkl),
+        "dp_positions": _sig(np.exp(a_lp[:, 0]) - np.exp(t_lp[:, 0])),
+        "top_positions": None
+        if ids is None
+        else [
+            [[int(ids[p][c]), round(float(np.exp(a_lp[p, c])), 4)] for c in cols]
+            for p, cols in enumerate(top)
+        ],
+        "tokens": [int(t) for t in tokens],
+        "prompt": item.get("prompt", ""),
+        **({"pieces": item["pieces"]} if "pieces" in item else {}),
     }
+
+
+def _sig(values) -> list[float]:
+    return [float(f"{v:.6g}") for v in values]
 
 
 def scorer_of(fset: dict) -> str:
@@ -230,67 +255,78 @@ def _problem(fset) -> str | None:
     low = fset["min_new"] if v2 else 1
     if not isinstance(fset["items"], list) or not fset["items"]:
         return "no items"
-    k = fset["top_k"]
     seen = set()
     for n, item in enumerate(fset["items"]):
-        keys = (
-            "id",
-            "source",
-            "prompt_ids",
-            "tokens",
-            "topk_ids",
-            "topk_logprobs",
-            "rest",
+        problem = _item_problem(fset, n, item, seen, v2, low)
+        if problem:
+            return problem
+    return None
+
+
+def _item_problem(
+    fset: dict, n: int, item, seen: set, v2: bool, low: int
+) -> str | None:
+    """What is wrong with the set's item n (None: nothing)."""
+    k = fset["top_k"]
+    keys = (
+        "id",
+        "source",
+        "prompt_ids",
+        "tokens",
+        "topk_ids",
+        "topk_logprobs",
+        "rest",
+    )
+    if not isinstance(item, dict) or any(key not in item for key in keys):
+        return f"item {n} lacks one of {keys}"
+    extra = set(item) - set(ITEM_KEYS) - ({"end", "pieces"} if v2 else set())
+    if extra:
+        return (
+            f"item {n}: unknown key(s) {sorted(extra)} for format {fset['format']!r}"
+            + (" ('end' is v2's: a v2 set relabelled?)" if "end" in extra else "")
         )
-        if not isinstance(item, dict) or any(key not in item for key in keys):
-            return f"item {n} lacks one of {keys}"
-        extra = set(item) - set(ITEM_KEYS) - ({"end"} if v2 else set())
-        if extra:
+    pieces = item.get("pieces", {})
+    if not isinstance(pieces, dict) or not all(
+        isinstance(v, str) and k.isdigit() for k, v in pieces.items()
+    ):
+        return f"item {n}: 'pieces' must map token ids to their text"
+    if not (isinstance(item["id"], str) or _is_int(item["id"])):
+        return f"item {n}: id {item['id']!r} must be a string or a whole number"
+    where = f"item {n} ({item['id']})"
+    if item["id"] in seen:
+        return f"{where}: duplicate id"
+    seen.add(item["id"])
+    if not isinstance(item["source"], str):
+        return f"{where}: source must be a string"
+    for key in ("prompt_ids", "tokens"):
+        if not _is_ids(item[key]):
+            return f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
+    p = len(item["tokens"])
+    if not item["prompt_ids"] or not low <= p <= fset["max_new"]:
+        return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
+    if v2 and item.get("end") not in ENDS:
+        return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
+    rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
+    if not all(isinstance(r, list) for r in rows) or not all(len(r) == p for r in rows):
+        return f"{where}: top-k rows do not match its {p} tokens"
+    for i, (ids, lps, rest) in enumerate(zip(*rows)):
+        if not _is_ids(ids) or not isinstance(lps, list):
+            return f"{where} position {i}: top-k ids must be a list of token ids"
+        if len(ids) != len(lps) or not 1 <= len(ids) <= k or len(set(ids)) != len(ids):
             return (
-                f"item {n}: unknown key(s) {sorted(extra)} for format {fset['format']!r}"
-                + (" ('end' is v2's: a v2 set relabelled?)" if "end" in extra else "")
+                f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
+                f"log-probs, top_k {k}"
             )
-        if not (isinstance(item["id"], str) or _is_int(item["id"])):
-            return f"item {n}: id {item['id']!r} must be a string or a whole number"
-        where = f"item {n} ({item['id']})"
-        if item["id"] in seen:
-            return f"{where}: duplicate id"
-        seen.add(item["id"])
-        if not isinstance(item["source"], str):
-            return f"{where}: source must be a string"
-        for key in ("prompt_ids", "tokens"):
-            if not _is_ids(item[key]):
-                return (
-                    f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
-                )
-        p = len(item["tokens"])
-        if not item["prompt_ids"] or not low <= p <= fset["max_new"]:
-            return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
-        if v2 and item.get("end") not in ENDS:
-            return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
-        rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
-        if not all(isinstance(r, list) for r in rows) or not all(
-            len(r) == p for r in rows
-        ):
-            return f"{where}: top-k rows do not match its {p} tokens"
-        for i, (ids, lps, rest) in enumerate(zip(*rows)):
-            if not _is_ids(ids) or not isinstance(lps, list):
-                return f"{where} position {i}: top-k ids must be a list of token ids"
-            if (
-                len(ids) != len(lps)
-                or not 1 <= len(ids) <= k
-                or len(set(ids)) != len(ids)
-            ):
-                return (
-                    f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
-                    f"log-probs, top_k {k}"
-                )
-            if ids[0] != item["tokens"][i]:
-                return f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
-            if any(not _is_real(v) or v > 0 for v in lps):
-                return f"{where} position {i}: log-probs must be finite numbers <= 0"
-            if not _is_real(rest) or not 0 <= rest <= 1:
-                return f"{where} position {i}: tail mass {rest!r} must be a number in [0, 1]"
+        if ids[0] != item["tokens"][i]:
+            return (
+                f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
+            )
+        if any(not _is_real(v) or v > 0 for v in lps):
+            return f"{where} position {i}: log-probs must be finite numbers <= 0"
+        if not _is_real(rest) or not 0 <= rest <= 1:
+            return (
+                f"{where} position {i}: tail mass {rest!r} must be a number in [0, 1]"
+            )
     return None
 
 

@@ -41,6 +41,7 @@ from edge0_eval.evaluation.report.definitions import (
     headline,
     reference_for,
 )
+from edge0_eval.evaluation.report.flips import add_flips
 
 # v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
 # identity. A v1 report still reads (gate: with a note saying what it lacks).
@@ -109,6 +110,8 @@ def build_report(
         problems += check_versions(name, per_arm, abbrs)
         bench = next(collected[a][name][0] for a in arms if name in collected[a])
         rows.append(_benchmark_row(name, bench, per_arm, abbrs, reference))
+        if rows[-1]["status"] == "ok":
+            add_flips(rows[-1], per_arm, arms)
         notes += [n for ab in per_arm.values() for n in ab.notes]
         notes += [f"{name}: {n}" for n in rows[-1]["notes"]]
         notes += [
@@ -121,23 +124,7 @@ def build_report(
         raise Edge0Error(
             "refusing to compare different prompts: " + "; ".join(problems)
         )
-    settings = {
-        arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
-        for arm, (abbr, r) in arms.items()
-    }
-    problems = settings_differences(settings, "teacher")
-    if problems:
-        raise Edge0Error(
-            "refusing to pair arms run with different settings: "
-            + "; ".join(problems)
-            + "; rerun one arm with the other's settings"
-        )
-    notes += [
-        f"{arm} {abbrs[arm]}: no config dump, so its generation and scoring settings are "
-        f"not compared"
-        for arm, st in settings.items()
-        if st["generation"] is None
-    ]
+    settings = _settings(arms, collected, notes)
 
     engine = {
         arm: engine_summary([s for _, ab in collected[arm].values() for s in ab.engine])
@@ -172,6 +159,28 @@ def build_report(
         else {k: reference.get(k) for k in ("name", "source", "file")},
         "notes": notes,
     }
+
+
+def _settings(arms: dict, collected: dict, notes: list[str]) -> dict:
+    """Each arm's generation and scoring settings; arms whose settings differ refused."""
+    settings = {
+        arm: arm_settings(abbr, r, *fingerprint_parts(collected[arm], notes, arm))
+        for arm, (abbr, r) in arms.items()
+    }
+    problems = settings_differences(settings, "teacher")
+    if problems:
+        raise Edge0Error(
+            "refusing to pair arms run with different settings: "
+            + "; ".join(problems)
+            + "; rerun one arm with the other's settings"
+        )
+    notes += [
+        f"{arm} {arms[arm][0]}: no config dump, so its generation and scoring settings are "
+        f"not compared"
+        for arm, st in settings.items()
+        if st["generation"] is None
+    ]
+    return settings
 
 
 def _open_thinking(settings: dict) -> dict:

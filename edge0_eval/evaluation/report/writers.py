@@ -1,4 +1,5 @@
-"""The report's files: report.json, report.csv, report.md and report.png (and fidelity.png).
+"""The report's files: report.json, report.csv, report.md, report.html (page.py) and
+report.png (and fidelity.png, fidelity.csv).
 
 Everything here reads the dict `gap.build_report` makes; nothing is computed anew.
 """
@@ -11,9 +12,29 @@ from pathlib import Path
 
 from edge0_eval.errors import ConfigError, Edge0Error
 from edge0_eval.evaluation.fidelity import report as fidelity_report
-from edge0_eval.evaluation.outputs.samples import FLAG_ALPHA
+from edge0_eval.evaluation.report import page
+from edge0_eval.evaluation.report.tables import (
+    DECOMPOSITION,
+    DECOMPOSITION_TEXT,
+    ENGINE,
+    FLIPS,
+    FLIPS_TEXT,
+    NO_FLIPS,
+    NO_PLOT,
+    TRUNCATION,
+    TRUNCATION_TEXT,
+    decomposition_rows,
+    engine_rows,
+    flip_rows,
+    fmt,
+    headline_rows,
+    metric_label,
+    plot_informative,
+    plot_rows,
+    score,
+    truncation_rows,
+)
 
-# Plot legend per arm (the arms themselves, and their order, come from report["arms"]).
 ARM_LABELS = {
     "teacher": "teacher (fp16)",
     "int4_exact": "int4 exact routing",
@@ -36,9 +57,14 @@ def write_report(report: dict, out: Path) -> None:
         raise ConfigError(f"--out {out}: a file is in the way; name a folder") from None
     (out / "report.json").write_text(text, encoding="utf-8")
     _write_csv(report, out / "report.csv")
-    _write_plot(report, out / "report.png")
+    _write_rows(out / "fidelity.csv", *fidelity_report.csv_rows(report.get("fidelity")))
+    if plot_informative(report):
+        _write_plot(report, out / "report.png")
+    else:
+        (out / "report.png").unlink(missing_ok=True)  # a plot of a former report
     fidelity_report.write_plot(report.get("fidelity"), out / "fidelity.png")
     (out / "report.md").write_text(_markdown(report), encoding="utf-8")
+    page.write_page(report, out / "report.html")
 
 
 CSV_COLUMNS = [
@@ -70,7 +96,7 @@ def _csv_row(row: dict, name: str) -> dict:
     ci = row.get("delta_ci95") or [None, None]
     values = {
         "benchmark": name,
-        "metric": _metric_label(row),
+        "metric": metric_label(row),
         "status": row.get("status", ""),
         "items": row.get("items"),
         "version": row.get("version"),
@@ -95,12 +121,43 @@ def _csv_row(row: dict, name: str) -> dict:
     }
 
 
-def _write_csv(report: dict, path: Path) -> None:
+FLIP_COLUMNS = ("right_to_wrong", "wrong_to_right", "flip_rate")
+
+
+def _flip_cells(row: dict, arms: list[str]) -> dict:
+    """Per non-teacher arm: its flips against the teacher (flips.py), empty when none."""
+    cells = {}
+    for arm in arms:
+        f = (row.get("flips") or {}).get(arm) or {}
+        ci = f.get("flip_rate_ci95") or [None, None]
+        values = [f.get(k) for k in FLIP_COLUMNS] + ci
+        for key, v in zip(
+            FLIP_COLUMNS + ("flip_rate_ci_low", "flip_rate_ci_high"), values
+        ):
+            cells[f"{arm}_{key}"] = "" if v is None else repr(v)
+    return cells
+
+
+def _write_rows(path: Path, columns: list[str], rows: list[dict]) -> None:
+    if not rows:
+        path.unlink(missing_ok=True)
+        return
     with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _write_csv(report: dict, path: Path) -> None:
+    arms = [a for a in report["arms"] if a != "teacher"]
+    flips = [c for a in arms for c in _flip_cells({}, [a])]
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS + flips)
         writer.writeheader()
         for row in report["benchmarks"]:
-            writer.writerow(_csv_row(row, row["benchmark"]))
+            writer.writerow(
+                {**_csv_row(row, row["benchmark"]), **_flip_cells(row, arms)}
+            )
         avg = report["average"]
         writer.writerow(
             _csv_row(
@@ -115,52 +172,43 @@ def _write_csv(report: dict, path: Path) -> None:
         )
 
 
-def _fmt(value, digits: int = 2, signed: bool = False) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
-
-
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
-def _metric_label(row: dict) -> str:
-    """The headline's definition, short: 'pass@1, n=1', 'accuracy, avg@4'."""
-    d = row.get("definition")
-    if not d:
-        return ""
-    n = d.get("samples")
-    return f"{d['metric']}, " + (
-        "n=1" if n == 1 else f"avg@{n}" if n else "avg over samples"
-    )
-
-
-def _truncation_diff(diff: dict | None, arm: str) -> str:
-    if arm == "teacher":
-        return ""
-    if not diff:
-        return "n/a"
-    half = f" ±{diff['half_width']:.1f}" if diff["half_width"] is not None else ""
-    p = f" (p {diff['p_value']:.2g})" if diff.get("p_value") is not None else ""
-    return f"{diff['difference']:+.1f}{half}{p}" + (" FLAG" if diff["flag"] else "")
-
-
-def _ci_text(row: dict) -> str:
-    ci = row.get("delta_ci95")
-    return f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "n/a"
-
-
 def _markdown(report: dict) -> str:
-    arms = report["arms"]
-    has_ref = report["reference"] is not None
+    """report.md: one function per section, in this order."""
+    md = _md_header(report) + _md_headline(report)
+    md.append(fidelity_report.markdown(report.get("fidelity")))
+    for section in (
+        _md_decomposition,
+        _md_flips,
+        _md_pooled,
+        _md_extras,
+        _md_truncation,
+        _md_samples,
+        _md_engine,
+    ):
+        md += section(report)
+    if report["notes"]:
+        md.append("## Notes\n")
+        md.extend(f"- {n}" for n in report["notes"])
+        md.append("")
+    md.append(
+        "![teacher vs student](report.png)\n" if plot_informative(report) else NO_PLOT
+    )
+    return "\n".join(md)
+
+
+def _md_header(report: dict) -> list[str]:
     md = [
         "# Teacher-vs-student gap report\n",
         f"- date: {report['created']}",
         f"- command: `{report['command']}`",
-        "- arms: " + ", ".join(f"{a} = `{v['abbr']}`" for a, v in arms.items()),
+        "- arms: "
+        + ", ".join(f"{a} = `{v['abbr']}`" for a, v in report["arms"].items()),
         f"- delta = student - teacher, in points; 95% interval: {report['interval']['method']}",
     ]
     rule = report.get("open_thinking") or {}
@@ -182,60 +230,16 @@ def _markdown(report: dict) -> str:
         "- metric: what each headline measures per sample, and samples per item (n=1: one; "
         "avg@n: the mean over n samples per item, then over items)"
     )
-    if has_ref:
+    if report["reference"] is not None:
         md.append(
             f"- reference: {report['reference'].get('name') or ''} "
             f"{report['reference'].get('source') or ''}".rstrip()
         )
-    md.append("")
+    return md + [""]
 
-    header = [
-        "benchmark",
-        "metric",
-        "items",
-        "teacher",
-        "student",
-        "delta",
-        "95% CI",
-        "status",
-        "version",
-    ]
-    if has_ref:
-        header += ["ref teacher", "ref student", "ref delta"]
-    body = []
-    for r in report["benchmarks"] + [
-        dict(report["average"], benchmark="average", items=None, version=None)
-    ]:
-        status = r.get("status") or (
-            "complete" if r["complete"] else f"over {len(r['benchmarks'])} ok"
-        )
-        flagged = [
-            a
-            for a, v in (r.get("arms") or {}).items()
-            if (v.get("truncation_vs_teacher") or {}).get("flag")
-        ]
-        if flagged:
-            status += f" (truncation differs: {', '.join(flagged)})"
-        line = [
-            r["benchmark"],
-            _metric_label(r),
-            r["items"] if r["items"] is not None else "",
-            _fmt(r["teacher"]),
-            _fmt(r["student"]),
-            _fmt(r["delta"], signed=True),
-            _ci_text(r),
-            status,
-            r["version"] or "",
-        ]
-        if has_ref:
-            ref = r.get("reference") or {}
-            line += [
-                _fmt(ref.get("teacher"), 1),
-                _fmt(ref.get("student"), 1),
-                _fmt(ref.get("delta"), 1, signed=True),
-            ]
-        body.append(line)
-    md.append(_table(header, body))
+
+def _md_headline(report: dict) -> list[str]:
+    md = [_table(*headline_rows(report))]
     flags = [
         f"- {r['benchmark']}: {f}"
         for r in report["benchmarks"]
@@ -252,238 +256,121 @@ def _markdown(report: dict) -> str:
         for r in report["benchmarks"] + [dict(report["average"], benchmark="average")]
         if r.get("reference_omitted")
     ]
-    if has_ref and omitted:
+    if report["reference"] is not None and omitted:
         md.append(
             "A reference number is shown only beside a headline of the same definition "
             "(edge0_eval/evaluation/report/definitions.py):\n"
         )
         md.extend(omitted + [""])
-    md.append(fidelity_report.markdown(report.get("fidelity")))
+    return md
 
-    decs = [
-        (r["benchmark"], r["decomposition"])
+
+def _md_decomposition(report: dict) -> list[str]:
+    rows = decomposition_rows(report)
+    if not rows:
+        return []
+    return ["## Gap decomposition\n", DECOMPOSITION_TEXT, _table(DECOMPOSITION, rows)]
+
+
+def _md_flips(report: dict) -> list[str]:
+    rows = flip_rows(report)
+    if not rows:
+        old = any("flips" not in r for r in report["benchmarks"])
+        return ["## Flips\n", NO_FLIPS + "\n"] if old else []
+    ids = [
+        f"- {r['benchmark']}, {arm}: right to wrong {', '.join(f['right_to_wrong_ids']) or '-'};"
+        f" wrong to right {', '.join(f['wrong_to_right_ids']) or '-'}"
         for r in report["benchmarks"]
-        if r["decomposition"]
+        for arm, f in (r.get("flips") or {}).items()
+        if f["right_to_wrong"] + f["wrong_to_right"]
     ]
-    if decs:
-        if report["average"]["decomposition"]:
-            decs.append(("average", report["average"]["decomposition"]))
-        md.append("## Gap decomposition\n")
-        md.append(
-            "quantization loss = teacher - int4 exact; routing loss = int4 exact - "
-            "prerouted (no LoRA); LoRA recovery = student - prerouted (no LoRA); "
-            "total gap = teacher - student = quantization + routing - recovery.\n"
-        )
-        md.append(
-            _table(
-                [
-                    "benchmark",
-                    "teacher",
-                    "int4 exact",
-                    "prerouted, no LoRA",
-                    "student",
-                    "quantization loss",
-                    "routing loss",
-                    "LoRA recovery",
-                    "total gap",
-                ],
-                [
-                    [
-                        n,
-                        *(
-                            _fmt(d[k])
-                            for k in (
-                                "teacher",
-                                "int4_exact",
-                                "prerouted_nolora",
-                                "student",
-                            )
-                        ),
-                        *(
-                            _fmt(d[k], signed=True)
-                            for k in (
-                                "quantization_loss",
-                                "routing_loss",
-                                "lora_recovery",
-                                "total_gap",
-                            )
-                        ),
-                    ]
-                    for n, d in decs
-                ],
-            )
-        )
+    return [
+        "## Flips\n",
+        f"{FLIPS_TEXT}\n",
+        _table(FLIPS, rows),
+        *(["Flipped item ids:\n", *ids, ""] if ids else []),
+    ]
 
+
+def _md_pooled(report: dict) -> list[str]:
     pooled = [
         (r["benchmark"], a, v)
         for r in report["benchmarks"]
         for a, v in r["arms"].items()
         if "categories" in v
     ]
-    if pooled:
-        md.append("## Pooled per question vs mean of categories\n")
-        md.append(
-            "The headline is pooled over all questions (official MMLU-Pro figure); "
-            "OpenCompass's summary group is the unweighted mean of categories.\n"
-        )
-        md.append(
-            _table(
-                [
-                    "benchmark",
-                    "arm",
-                    "items",
-                    "pooled per question",
-                    "mean of categories",
-                    "categories",
-                ],
-                [
-                    [
-                        b,
-                        a,
-                        v["items"] or "",
-                        _fmt(v["score"]),
-                        _fmt(v["category_mean"]),
-                        len(v["datasets"]),
-                    ]
-                    for b, a, v in pooled
-                ],
-            )
-        )
+    if not pooled:
+        return []
+    header = ["benchmark", "arm", "items", "pooled per question", "mean of categories"]
+    rows = [
+        [b, a, v["items"] or "", fmt(v["score"]), fmt(v["category_mean"])]
+        + [len(v["datasets"])]
+        for b, a, v in pooled
+    ]
+    return [
+        "## Pooled per question vs mean of categories\n",
+        "The headline is pooled over all questions (official MMLU-Pro figure); "
+        "OpenCompass's summary group is the unweighted mean of categories.\n",
+        _table(header + ["categories"], rows),
+    ]
 
+
+def _md_extras(report: dict) -> list[str]:
     extras = [
-        (r["benchmark"], a, m, s)
+        [r["benchmark"], a, m, fmt(s)]
         for r in report["benchmarks"]
         for a, v in r["arms"].items()
         for m, s in v["extra"].items()
     ]
-    if extras:
-        md.append("## Secondary metrics\n")
-        md.append(
-            _table(
-                ["benchmark", "arm", "metric", "score"],
-                [[b, a, m, _fmt(s)] for b, a, m, s in extras],
-            )
-        )
+    if not extras:
+        return []
+    return [
+        "## Secondary metrics\n",
+        _table(["benchmark", "arm", "metric", "score"], extras),
+    ]
 
-    md.append("## Truncation\n")
-    md.append(
-        "Outputs that stopped at the length limit (max_out_len), and of those the ones "
-        "still inside their thinking block (scored by the open-thinking rule above). "
-        "vs teacher: the arm's rate minus the teacher's, paired on items (clustered by "
-        "item), with its 95% interval and the two-sided mid-p value of a paired sign-flip "
-        f"test of the per-item differences; FLAG: p < {FLAG_ALPHA:g}. n/a: the arm's "
-        "predictions carry no finish reasons.\n"
-    )
-    md.append(
-        _table(
-            [
-                "benchmark",
-                "arm",
-                "outputs",
-                "cut at the limit",
-                "cut inside thinking",
-                "vs teacher (points)",
-            ],
-            [
-                [r["benchmark"], a]
-                + (
-                    [
-                        t["outputs"],
-                        f"{t['length']} ({100 * t['length'] / t['outputs']:.1f}%)",
-                        t["open_thinking"],
-                    ]
-                    if (t := v.get("truncation"))
-                    else ["n/a"] * 3
-                )
-                + [_truncation_diff(v.get("truncation_vs_teacher"), a)]
-                for r in report["benchmarks"]
-                for a, v in r["arms"].items()
-            ],
-        )
-    )
 
+def _md_truncation(report: dict) -> list[str]:
+    return [
+        "## Truncation\n",
+        TRUNCATION_TEXT,
+        _table(TRUNCATION, truncation_rows(report)),
+    ]
+
+
+def _md_samples(report: dict) -> list[str]:
     repeated = [
         (r["benchmark"], a, v)
         for r in report["benchmarks"]
         for a, v in r["arms"].items()
         if (v.get("samples_per_item") or 1) > 1
     ]
-    if repeated:
-        md.append("## Samples per item\n")
-        md.append(
-            "avg@n: each item's mean over its n samples, then the mean over items; "
-            "pass@k (where the benchmark defines it): per item 1 - C(n-c, k)/C(n, k) for "
-            "c correct of n, then the mean. ±: 95%, clustered by item (an item's samples "
-            "are one observation).\n"
-        )
-        md.append(
-            _table(
-                ["benchmark", "arm", "items", "n", "avg@n", "pass@k"],
-                [
-                    [
-                        b,
-                        a,
-                        v["items"],
-                        v["samples_per_item"],
-                        f"{_fmt(v['score'])} ±{_fmt(v.get('score_half_width'))}",
-                        ", ".join(
-                            f"{k} {_fmt(p['score'])} ±{_fmt(p['half_width'])}"
-                            for k, p in (v.get("pass_at_k") or {}).items()
-                        )
-                        or "n/a",
-                    ]
-                    for b, a, v in repeated
-                ],
+    if not repeated:
+        return []
+    rows = [
+        [b, a, v["items"], v["samples_per_item"]]
+        + [f"{fmt(v['score'])} ±{fmt(v.get('score_half_width'))}"]
+        + [
+            ", ".join(
+                f"{k} {fmt(p['score'])} ±{fmt(p['half_width'])}"
+                for k, p in (v.get("pass_at_k") or {}).items()
             )
-        )
+            or "n/a"
+        ]
+        for b, a, v in repeated
+    ]
+    return [
+        "## Samples per item\n",
+        "avg@n: each item's mean over its n samples, then the mean over items; "
+        "pass@k (where the benchmark defines it): per item 1 - C(n-c, k)/C(n, k) for "
+        "c correct of n, then the mean. ±: 95%, clustered by item (an item's samples "
+        "are one observation).\n",
+        _table(["benchmark", "arm", "items", "n", "avg@n", "pass@k"], rows),
+    ]
 
-    md.append("## Engine stats\n")
-    eng_rows = []
-    for arm, stats in report["engine"].items():
-        if stats is None:
-            eng_rows.append([arm, arms[arm]["abbr"]] + ["n/a"] * 8)
-            continue
-        cache = (
-            ", ".join(f"{k} {v}" for k, v in sorted(stats["cache"].items())) or "n/a"
-        )
-        eng_rows.append(
-            [
-                arm,
-                arms[arm]["abbr"],
-                stats["samples"],
-                _fmt(stats["decode_tok_s"]),
-                stats.get("batch_size", 1),
-                _fmt(stats.get("batch_decode_tok_s")),
-                _fmt(stats["prefill_tok_s"]),
-                _fmt(stats["peak_memory_gib"]),
-                stats["tokens"] if stats["tokens"] is not None else "n/a",
-                cache,
-            ]
-        )
-    md.append(
-        _table(
-            [
-                "arm",
-                "model",
-                "samples",
-                "decode tok/s per row (mean)",
-                "batch size (max)",
-                "batch decode tok/s (mean)",
-                "prefill tok/s (mean)",
-                "peak memory GiB (max)",
-                "tokens",
-                "cache",
-            ],
-            eng_rows,
-        )
-    )
 
-    if report["notes"]:
-        md.append("## Notes\n")
-        md.extend(f"- {n}" for n in report["notes"])
-        md.append("")
-    md.append("![teacher vs student](report.png)\n")
-    return "\n".join(md)
+def _md_engine(report: dict) -> list[str]:
+    return ["## Engine stats\n", _table(ENGINE, engine_rows(report))]
 
 
 def _write_plot(report: dict, path: Path) -> None:
@@ -493,20 +380,7 @@ def _write_plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["benchmarks"] + [
-        dict(
-            report["average"],
-            benchmark="average",
-            status="ok" if report["average"]["benchmarks"] else "n/a",
-        )
-    ]
-    arms = list(report["arms"])  # build_report lists them in report.ARM_NAMES order
-
-    def score(row, arm):
-        if arm in ("teacher", "student"):
-            return row[arm]
-        return (row.get("decomposition") or {}).get(arm)
-
+    rows, arms = plot_rows(report), list(report["arms"])  # in ARM_NAMES order
     width = 0.8 / len(arms)
     fig, ax = plt.subplots(figsize=(max(7.5, 1.6 * len(rows) + 2.0), 4.5))
     for i, arm in enumerate(arms):
