@@ -8,7 +8,8 @@ engine never runs on the event loop.
                                                 n > 1 each choice's own too; streaming: the
                                                 chunk that finishes a choice)
   GET  /v1/models                               the one served model, with max_model_len
-  GET  /health                                  {"status": "ok", rows, waiting, counts};
+  GET  /health                                  {"status": "ok", requests (taken, not yet
+                                                answered), rows, waiting, counts};
                                                 503 "stopping" once shutdown has begun
 
 Every failure is a JSON error object: a bad request 400 naming the field (`param`), an unknown
@@ -158,7 +159,12 @@ async def health(request: web.Request) -> web.Response:
     else:
         status = "ok" if worker.is_alive() else "stopped"
     return web.json_response(
-        {"status": status, "model": request.app[SETTINGS]["served"], **worker.load()},
+        {
+            "status": status,
+            "model": request.app[SETTINGS]["served"],
+            "requests": request.app[BUSY].count,  # taken and not yet answered
+            **worker.load(),
+        },
         status=200 if status == "ok" else 503,
     )
 

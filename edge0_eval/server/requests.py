@@ -404,7 +404,7 @@ def _unread(body: dict, kind: str) -> list[str]:
         harmless = NOT_BUILT.get(key)
         if harmless is not None and not harmless(body[key], body):
             raise RequestError(
-                f"{key} {body[key]!r} is not supported by this server (the answer would "
+                f"{key} {repr(body[key])[:80]} is not supported by this server (the answer would "
                 f"ignore it); drop the field or send a value that changes nothing "
                 f'(e.g. tool_choice "none", response_format {{"type": "text"}})',
                 key,
@@ -418,7 +418,9 @@ def _model(body: dict, served: str) -> str:
     model = body.get("model")
     if model is None:
         return served  # as vLLM: the one served model
-    if not isinstance(model, str) or model != served:
+    if not isinstance(model, str):
+        raise RequestError(f"model must be a string: {served!r} is served", "model")
+    if model != served:
         raise RequestError(
             f"model {model!r} is not served here; this server serves {served!r}",
             "model",

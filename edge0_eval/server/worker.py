@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import wired_limit
 
@@ -254,6 +255,9 @@ class Worker(threading.Thread):
             self.ready.set()  # after load_error: start_engine reads it
             if self.engine is not None:
                 self.engine.close()
+            # This thread's MLX streams go with it: left to the process's exit, a stream's
+            # thread can be torn down running ("terminate called", SIGABRT) after a clean stop.
+            mx.clear_streams()
 
     def _leave(self, error: BaseException | None) -> None:
         """The thread is leaving: fail every request that would otherwise wait forever, those
