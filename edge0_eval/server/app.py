@@ -385,7 +385,8 @@ class Answer:
             "top_logprobs": [
                 None
                 if e["top_logprobs"] is None
-                else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                # ids that decode alike share a key: the likeliest's logprob (reversed)
+                else {t["token"]: t["logprob"] for t in reversed(e["top_logprobs"])}
                 for e in entries
             ],
             "text_offset": offsets,
