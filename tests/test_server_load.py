@@ -52,6 +52,7 @@ def _normal(i: int) -> dict:
         logprobs=True,
         chat_template_kwargs=TEMPLATE,
         stream=i % 3 == 0,
+        temperature=0,  # greedy (a request without one draws at the model's defaults)
     )
     if i % 2:
         body.update(temperature=0.8, top_p=0.95, seed=100 + i)
