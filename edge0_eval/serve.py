@@ -156,27 +156,10 @@ def run(args: argparse.Namespace) -> int:
             f"({type(exc).__name__}: {exc}); if memory ran out, try a smaller "
             f"--max-batch (now {args.max_batch})"
         ) from None
-    context = model_context(worker.engine)
-    if context is not None and worker.max_model_len > context:
-        # As vLLM: positions past the trained context are out of distribution for the model.
-        worker.close()
-        worker.join(timeout=30)
-        raise ConfigError(
-            f"--max-model-len {worker.max_model_len} is beyond {args.model}'s "
-            f"context of {context} tokens (max_position_embeddings in its "
-            f"config.json); give at most {context}"
-        )
-    if args.max_tokens is not None and args.max_tokens >= worker.max_model_len:
-        worker.close()
-        worker.join(timeout=30)
-        raise ConfigError(
-            f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
-            f"{worker.max_model_len} tokens (--max-model-len, default the model's "
-            f"context); give a smaller --max-tokens"
-        )
-    engine = worker.engine
-    vocab = int(engine.family.text_config(engine.config)["vocab_size"])
-    try:
+    try:  # the engine runs: a refusal from here stops it first
+        _check_lengths(worker, args, model_context(worker.engine))
+        engine = worker.engine
+        vocab = int(engine.family.text_config(engine.config)["vocab_size"])
         defaults = _defaults(args.model, args.generation_config, vocab)
     except Edge0Error:
         worker.close()
@@ -198,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
         )
     line = (
         f"up to {args.max_batch} requests decoded together; a request without "
-        f"sampling fields draws with {defaults} (--generation-config "
-        f"{args.generation_config})"
+        f"sampling fields draws with "
+        f"{', '.join(f'{k} {v}' for k, v in defaults.items())} "
+        f"(--generation-config {args.generation_config})"
     )
     try:
         asyncio.run(_serve(app, args.host, args.port, name, line))
@@ -207,6 +191,23 @@ def run(args: argparse.Namespace) -> int:
         worker.close()
         worker.join(timeout=30)
     return 0
+
+
+def _check_lengths(worker, args: argparse.Namespace, context: int | None) -> None:
+    """--max-model-len within the model's context, --max-tokens within --max-model-len."""
+    if context is not None and worker.max_model_len > context:
+        # As vLLM: positions past the trained context are out of distribution for the model.
+        raise ConfigError(
+            f"--max-model-len {worker.max_model_len} is beyond {args.model}'s "
+            f"context of {context} tokens (max_position_embeddings in its "
+            f"config.json); give at most {context}"
+        )
+    if args.max_tokens is not None and args.max_tokens >= worker.max_model_len:
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+            f"{worker.max_model_len} tokens (--max-model-len, default the model's "
+            f"context); give a smaller --max-tokens"
+        )
 
 
 def _defaults(model: str, source: str, vocab: int) -> dict:

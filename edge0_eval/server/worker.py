@@ -2,9 +2,10 @@
 
 MLX and the engine are single-threaded, so every request is handed to `Worker` as a `Job`
 (`submit`, `cancel`: thread-safe) and everything that touches the model or the tokenizer runs
-here: the chat template and tokenization when the job is admitted, then the batch decoder
-(engine/batch.py), between whose steps rows join and leave. A job is its request's `n`
-choices, each a row of the batch; each row carries its stop rule (engine/batch.py: stop ids,
+here: the chat template and tokenization when the job is admitted (and, for an echo with
+logprobs, the prompt's teacher-forced log-probs, scored there between two decode steps), then
+the batch decoder (engine/batch.py), between whose steps rows join and leave. A job is its
+request's prompts x `n` choices, each a row of the batch; each row carries its stop rule (engine/batch.py: stop ids,
 stop words and max_tokens end it inside the decoder, and a row that ended leaves before the
 next step) and its one text reader. After each step every row that took a token advances its
 choice: logprobs, streamed text read from the row's reader, and at the end the row's answer
