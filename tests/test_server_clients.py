@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 
 import httpx
 import numpy as np
 import pytest
 from live_server import LiveServer
+from perturbed_heads import heads_of_kind
 
 from edge0_eval import ConfigError, Engine, EngineOptions
 from edge0_eval.engine.inputs import row_seed
@@ -198,3 +201,46 @@ def test_the_defaults_are_read_as_vllm_reads_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 7}))
     with pytest.raises(ConfigError, match="generation_config.json.*top_p.*vllm"):
         _defaults(str(tmp_path), "auto", 1000)
+
+
+def test_prompt_scoring_between_decode_steps_leaves_the_rows_as_alone(
+    edge0_qwen, tmp_path
+):
+    """A prompt is scored on the engine thread between two decode steps of the rows already
+    running. Prerouted with few slots, the scoring's reads would evict what the prerouter
+    staged for the next step: the decoder drops that plan (BatchDecoder.between) and the
+    running row stays its solo self (without it, it did not), while the echoes equal the
+    engine's own scores."""
+    solo = Engine.load(edge0_qwen, EngineOptions(mode="reactive"))
+    heads = heads_of_kind(solo, tmp_path / "heads.safetensors", "context")
+    solo.close()
+    options = EngineOptions(
+        mode="prerouted", prerouter_path=str(heads), slots_per_layer=4
+    )
+    server = LiveServer(edge0_qwen, options, name=NAME, rows_at_once=1, max_tokens=None)
+    solo = Engine.load(edge0_qwen, options)
+    try:
+        long_ids = _prompt_ids(solo, "disk expert slot")
+        alone = solo.generate(long_ids, 120, seed=row_seed(0, long_ids))
+        ids = _prompt_ids(solo, "disk expert slot stream token route layer batch")
+        forced = forced_logprobs(EngineRunner(solo), ids[:1], ids[1:])
+        want = [float(lp[t]) for lp, t in zip(forced, ids[1:])]
+        answer = {}
+        body = dict(prompt=long_ids, max_tokens=120, temperature=0, seed=0)
+        thread = threading.Thread(
+            target=lambda: answer.update(
+                _post(server, "completions", body).json()["choices"][0]
+            )
+        )
+        thread.start()
+        while not server.health()["rows"]:
+            time.sleep(0.005)
+        echo = dict(prompt=ids, echo=True, logprobs=1, max_tokens=0)
+        for _ in range(4):
+            got = _post(server, "completions", echo).json()["choices"][0]
+            assert got["logprobs"]["token_logprobs"][1:] == want
+        thread.join(120)
+        assert answer["text"] == alone.text
+    finally:
+        server.close()
+        solo.close()
