@@ -82,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CORS: the origins (comma-separated, e.g. http://localhost:3000, or *) "
         "whose web pages may call this server (default: none, CORS off)",
     )
+    parser.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="sampling defaults of a request that gives none: auto, MODEL's "
+        "generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) over OpenAI's temperature 1.0; vllm, OpenAI's alone "
+        "(as vLLM's flag; default auto)",
+    )
     add_engine_arguments(parser)
     # A request gives its own seed or draws a fresh one: the engine's --seed means nothing
     # here, and is refused rather than ignored (run).
@@ -113,8 +122,7 @@ def _origins(text: str | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # The server's imports (MLX, aiohttp) only when it runs: `edge0-eval --help` stays fast.
-    from edge0_eval.engine.engine import Engine
-    from edge0_eval.engine.options import EngineOptions
+    from edge0_eval import Engine, EngineOptions
     from edge0_eval.evaluation.identity import model_identity
     from edge0_eval.server.app import make_app
     from edge0_eval.server.worker import Worker, model_context
@@ -148,32 +156,22 @@ def run(args: argparse.Namespace) -> int:
             f"({type(exc).__name__}: {exc}); if memory ran out, try a smaller "
             f"--max-batch (now {args.max_batch})"
         ) from None
-    context = model_context(worker.engine)
-    if context is not None and worker.max_model_len > context:
-        # As vLLM: positions past the trained context are out of distribution for the model.
+    try:  # the engine runs: a refusal from here stops it first
+        _check_lengths(worker, args, model_context(worker.engine))
+        engine = worker.engine
+        vocab = int(engine.family.text_config(engine.config)["vocab_size"])
+        defaults = _defaults(args.model, args.generation_config, vocab)
+    except Edge0Error:
         worker.close()
         worker.join(timeout=30)
-        raise ConfigError(
-            f"--max-model-len {worker.max_model_len} is beyond {args.model}'s "
-            f"context of {context} tokens (max_position_embeddings in its "
-            f"config.json); give at most {context}"
-        )
-    if args.max_tokens is not None and args.max_tokens >= worker.max_model_len:
-        worker.close()
-        worker.join(timeout=30)
-        raise ConfigError(
-            f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
-            f"{worker.max_model_len} tokens (--max-model-len, default the model's "
-            f"context); give a smaller --max-tokens"
-        )
-    engine = worker.engine
-    vocab = int(engine.family.text_config(engine.config)["vocab_size"])
+        raise
     app = make_app(
         worker,
         served=name,
         vocab=vocab,
         api_key=args.api_key,
         allowed_origins=origins,
+        defaults=defaults,
     )
     if not _loopback(args.host) and not args.api_key:
         print(
@@ -181,16 +179,55 @@ def run(args: argparse.Namespace) -> int:
             f"who can reach this port can use the model",
             file=sys.stderr,
         )
+    line = (
+        f"up to {args.max_batch} requests decoded together; a request without "
+        f"sampling fields draws with "
+        f"{', '.join(f'{k} {v}' for k, v in defaults.items())} "
+        f"(--generation-config {args.generation_config})"
+    )
     try:
-        asyncio.run(_serve(app, args.host, args.port, name, args.max_batch))
+        asyncio.run(_serve(app, args.host, args.port, name, line))
     finally:
         worker.close()
         worker.join(timeout=30)
     return 0
 
 
-async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
-    from edge0_eval.server.app import STOPPING, start
+def _check_lengths(worker, args: argparse.Namespace, context: int | None) -> None:
+    """--max-model-len within the model's context, --max-tokens within --max-model-len."""
+    if context is not None and worker.max_model_len > context:
+        # As vLLM: positions past the trained context are out of distribution for the model.
+        raise ConfigError(
+            f"--max-model-len {worker.max_model_len} is beyond {args.model}'s "
+            f"context of {context} tokens (max_position_embeddings in its "
+            f"config.json); give at most {context}"
+        )
+    if args.max_tokens is not None and args.max_tokens >= worker.max_model_len:
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+            f"{worker.max_model_len} tokens (--max-model-len, default the model's "
+            f"context); give a smaller --max-tokens"
+        )
+
+
+def _defaults(model: str, source: str, vocab: int) -> dict:
+    """The sampling defaults (--generation-config): MODEL's generation_config.json (auto)
+    over OpenAI's, as vLLM takes them."""
+    from edge0_eval.formats.json_files import read_json_file
+    from edge0_eval.server.requests import generation_defaults
+
+    path = Path(model) / "generation_config.json"
+    generation = None
+    if source == "auto" and path.is_file():
+        fix = (
+            "copy it again from the source checkpoint, or give --generation-config vllm"
+        )
+        generation = read_json_file(path, "generation_config.json", fix)
+    return generation_defaults(generation, vocab, str(path))
+
+
+async def _serve(app, host: str, port: int, name: str, line: str) -> None:
+    from edge0_eval.server.app import BUSY, STOPPING, start
 
     try:
         runner, port = await start(app, host, port)
@@ -200,16 +237,25 @@ async def _serve(app, host: str, port: int, name: str, max_batch: int) -> None:
             f"server on that port? choose another with --port"
         ) from None
     stop = asyncio.Event()
+
+    def signalled() -> None:
+        if stop.is_set():  # a second signal: now, the answers in flight unfinished
+            print("edge0-eval serve: stopped at once (a second signal)", flush=True)
+            os._exit(1)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
+    print(f"edge0-eval serve: {name} at http://{host}:{port}/v1 ({line})", flush=True)
+    await stop.wait()
+    # From here /health says "stopping" and new requests get a 503 `shutting_down`, still
+    # answered (a client sees why, not a refused connection), while the running ones finish.
+    app[STOPPING].set()
     print(
-        f"edge0-eval serve: {name} at http://{host}:{port}/v1 (up to {max_batch} requests "
-        f"decoded together)",
+        f"edge0-eval serve: stopping once the {app[BUSY].count} request(s) in flight "
+        f"are answered (a second signal stops at once)",
         flush=True,
     )
-    await stop.wait()
-    # From here /health says "stopping" and new requests are refused (503), while the
-    # cleanup lets the running ones finish.
-    app[STOPPING].set()
+    await app[BUSY].idle.wait()
     await runner.cleanup()

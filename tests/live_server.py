@@ -32,6 +32,7 @@ class LiveServer:
         api_key: str | None = None,
         allowed_origins: list[str] = (),
         max_model_len: int | None = None,
+        defaults: dict | None = None,
     ):
         self.worker = Worker(
             lambda: Engine.load(model, options),
@@ -49,6 +50,7 @@ class LiveServer:
             vocab=int(config["vocab_size"]),
             api_key=api_key,
             allowed_origins=allowed_origins,
+            defaults=defaults,
         )
         self.loop = asyncio.new_event_loop()
         started = threading.Event()

@@ -161,7 +161,7 @@ def test_a_stop_word_ends_the_row_and_is_cut(served):
 
 
 BAD = [  # (route, body, status, param)
-    ("chat", {"messages": MESSAGES[0]}, 400, "model"),
+    ("chat", {"model": 5, "messages": MESSAGES[0]}, 400, "model"),
     ("chat", {"model": "other", "messages": MESSAGES[0]}, 404, "model"),
     ("chat", {"model": NAME}, 400, "messages"),
     ("chat", {"model": NAME, "messages": []}, 400, "messages"),
@@ -190,7 +190,7 @@ BAD = [  # (route, body, status, param)
     ("chat", {"min_p": 1.5}, 400, "min_p"),
     ("chat", {"repetition_penalty": 0}, 400, "repetition_penalty"),
     ("chat", {"presence_context_size": 5}, 400, "presence_context_size"),
-    ("chat", {"max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"max_tokens": -1}, 400, "max_tokens"),
     ("chat", {"max_completion_tokens": -3}, 400, "max_completion_tokens"),
     ("chat", {"stop": 5}, 400, "stop"),
     ("chat", {"seed": -2}, 400, "seed"),
@@ -202,11 +202,15 @@ BAD = [  # (route, body, status, param)
     ("chat", {"top_logprobs": 2}, 400, "top_logprobs"),
     ("chat", {"chat_template_kwargs": ["thinking"]}, 400, "chat_template_kwargs"),
     ("chat", {"edge0_sample": -1}, 400, "edge0_sample"),
-    ("chat", {"temprature": 0.5}, 400, "temprature"),
+    ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat", {"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("chat", {"echo": True}, 400, "echo"),
     ("completion", {"model": NAME, "prompt": []}, 400, "prompt"),
     ("completion", {"model": NAME, "prompt": [10**9]}, 400, "prompt"),
     ("completion", {"model": NAME, "prompt": "x", "logprobs": 9}, 400, "logprobs"),
-    ("completion", {"model": NAME, "prompt": "x", "echo": True}, 400, "echo"),
+    ("completion", {"model": NAME, "prompt": ["x", 5]}, 400, "prompt"),
+    ("completion", {"model": NAME, "prompt": "x", "suffix": "y"}, 400, "suffix"),
 ]
 
 

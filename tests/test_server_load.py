@@ -32,7 +32,7 @@ LENGTHS = (4, 8, 16, 24, 32, 48)
 MALFORMED = [
     ({"temperature": -0.5}, "temperature"),
     ({"top_k": "ten"}, "top_k"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"messages": [{"role": "bot"}]}, "messages[0].role"),
     ({"stop": [""]}, "stop"),
     ({"frequency_context_size": 3}, "frequency_context_size"),
@@ -52,6 +52,7 @@ def _normal(i: int) -> dict:
         logprobs=True,
         chat_template_kwargs=TEMPLATE,
         stream=i % 3 == 0,
+        temperature=0,  # greedy (a request without one draws at the model's defaults)
     )
     if i % 2:
         body.update(temperature=0.8, top_p=0.95, seed=100 + i)

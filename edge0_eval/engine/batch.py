@@ -765,6 +765,14 @@ class BatchDecoder:
         if row in self.waiting:
             self.waiting.remove(row)
 
+    def between(self) -> None:
+        """Another sequence runs on the engine before the next step (the server's prompt
+        scoring): what was planned for that step is dropped, and the step plans again."""
+        pr = self.engine.prerouter
+        if pr is not None and self.active:
+            pr.abandon(self.plans)
+            self.plans = self.plans.take(list(range(len(self.active))))
+
     @property
     def pending(self) -> bool:
         """Rows are waiting or decoding."""

@@ -8,7 +8,8 @@ engine never runs on the event loop.
                                                 n > 1 each choice's own too; streaming: the
                                                 chunk that finishes a choice)
   GET  /v1/models                               the one served model, with max_model_len
-  GET  /health                                  {"status": "ok", rows, waiting, counts};
+  GET  /health                                  {"status": "ok", requests (taken, not yet
+                                                answered), rows, waiting, counts};
                                                 503 "stopping" once shutdown has begun
 
 Every failure is a JSON error object: a bad request 400 naming the field (`param`), an unknown
@@ -42,6 +43,26 @@ STOPPING = web.AppKey("stopping", asyncio.Event)
 # string runs to the end: one pass (a scan restarted at each of its quotes was quadratic).
 JSON_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]')
 SETTINGS = web.AppKey("settings", dict)
+
+
+class Busy:
+    """The requests being answered: a shutdown waits until none is (`idle`)."""
+
+    def __init__(self):
+        self.count, self.idle = 0, asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self.idle.set()
+
+
+BUSY = web.AppKey("busy", Busy)
 
 
 def _error(exc: RequestError) -> web.Response:
@@ -122,7 +143,8 @@ async def cors(request: web.Request, handler):
 
 def _authorized(request: web.Request) -> None:
     key = request.app[SETTINGS]["api_key"]
-    if key and request.headers.get("Authorization") != f"Bearer {key}":
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if key and (scheme.lower() != "bearer" or given.strip() != key):
         raise RequestError(
             "a valid API key is required (Authorization: Bearer KEY)",
             status=401,
@@ -137,7 +159,12 @@ async def health(request: web.Request) -> web.Response:
     else:
         status = "ok" if worker.is_alive() else "stopped"
     return web.json_response(
-        {"status": status, "model": request.app[SETTINGS]["served"], **worker.load()},
+        {
+            "status": status,
+            "model": request.app[SETTINGS]["served"],
+            "requests": request.app[BUSY].count,  # taken and not yet answered
+            **worker.load(),
+        },
         status=200 if status == "ok" else 503,
     )
 
@@ -155,6 +182,8 @@ async def models(request: web.Request) -> web.Response:
                     "created": settings["created"],
                     "owned_by": "edge0-eval",
                     "max_model_len": request.app[WORKER].max_model_len,
+                    # what a request without sampling fields draws with (an extension)
+                    "sampling_defaults": settings["defaults"],
                 }
             ],
         }
@@ -171,8 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     _authorized(request)
-    worker, settings = request.app[WORKER], request.app[SETTINGS]
-    if not worker.is_alive():  # nothing would ever answer the request
+    if not request.app[WORKER].is_alive():  # nothing would ever answer the request
         raise stopped_error()
     if request.app[STOPPING].is_set():
         raise RequestError(
@@ -182,6 +210,17 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             kind="server_error",
             code="shutting_down",
         )
+    busy = request.app[BUSY]
+    busy.enter()  # from here a shutdown waits for this answer
+    try:
+        return await _answer(request, await _spec(request, kind))
+    finally:
+        busy.leave()
+
+
+async def _spec(request: web.Request, kind: str) -> RequestSpec:
+    """The request's body, read and checked; ignored fields logged."""
+    worker, settings = request.app[WORKER], request.app[SETTINGS]
     raw = await request.read()
     try:
         try:
@@ -194,6 +233,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             served=settings["served"],
             vocab=settings["vocab"],
             max_model_len=worker.max_model_len,
+            defaults=settings["defaults"],
         )
     except RecursionError:  # reading it, or writing a value into an error message
         field = _deepest_field(raw)
@@ -202,6 +242,14 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             f"deeply (Python reads up to about 1000 levels); send flat values",
             field,
         ) from None
+    if spec.ignored:  # as vLLM: read past, and said once
+        log.warning("fields ignored in a request: %s", ", ".join(spec.ignored))
+    return spec
+
+
+async def _answer(request: web.Request, spec: RequestSpec) -> web.StreamResponse:
+    """Queue the request's job and relay its events: the whole answer, or a stream."""
+    worker, settings = request.app[WORKER], request.app[SETTINGS]
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def post(event: tuple) -> None:  # called on the worker thread
@@ -221,7 +269,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             raise event[1]
         if not spec.stream:
             done = []
-            while len(done) < spec.n:
+            while len(done) < spec.choices:
                 event = await events.get()
                 if event[0] == "error":
                     ended = True
@@ -274,7 +322,7 @@ async def _stream(
     response: web.StreamResponse, answer: "Answer", events: asyncio.Queue
 ) -> bool:
     """Relay the worker's events as server-sent events; True once the answer has ended."""
-    for index in range(answer.spec.n):
+    for index in range(answer.spec.choices):
         await _send(response, answer.chunk(index, "", [], first=True))
     done = []
     while True:
@@ -285,7 +333,7 @@ async def _stream(
         if event[0] == "done":
             done.append(event[1])
             await _send(response, answer.last(event[1]))
-            if len(done) < answer.spec.n:
+            if len(done) < answer.spec.choices:
                 continue
             if answer.spec.include_usage:
                 await _send(response, answer.usage_chunk(done))
@@ -335,15 +383,20 @@ class Answer:
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [
-                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries
+                None
+                if e["top_logprobs"] is None
+                # ids that decode alike share a key: the likeliest's logprob (reversed)
+                else {t["token"]: t["logprob"] for t in reversed(e["top_logprobs"])}
+                for e in entries
             ],
             "text_offset": offsets,
         }
 
     def _usage(self, done: list[Finished]) -> dict:
-        """As vLLM counts: the prompt once, every token generated for every choice (a final
+        """As vLLM counts: each prompt once, every token generated for every choice (a final
         stop id included)."""
-        n, m = done[0].prompt_tokens, sum(d.generated for d in done)
+        n = sum(d.prompt_tokens for d in done if d.index % self.spec.n == 0)
+        m = sum(d.generated for d in done)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
     def whole(self, done: list[Finished]) -> dict:
@@ -395,7 +448,9 @@ class Answer:
         else:
             choice["text"] = text
         self.offsets[index] += len(text)
-        return {**self._base(self._chunk_object), "choices": [choice]}
+        chunk = {**self._base(self._chunk_object), "choices": [choice]}
+        # OpenAI: with include_usage, every chunk but the last has "usage": null
+        return chunk | ({"usage": None} if self.spec.include_usage else {})
 
     def last(self, done: Finished) -> dict:
         """The chunk that finishes a choice, with its stats."""
@@ -435,18 +490,23 @@ def make_app(
     vocab: int,
     api_key: str | None = None,
     allowed_origins: list[str] = (),
+    defaults: dict | None = None,
 ) -> web.Application:
-    """allowed_origins: the origins browsers may call from (CORS; "*": any; none: off)."""
+    """allowed_origins: the origins browsers may call from (CORS; "*": any; none: off).
+    defaults: the sampling fields of a request that gives none (requests.generation_defaults;
+    None: greedy)."""
     # cors outside errors: an error object carries the CORS headers too (a browser reads it).
     app = web.Application(middlewares=[cors, errors], client_max_size=MAX_BODY)
     app[WORKER] = worker
     app[STOPPING] = asyncio.Event()
+    app[BUSY] = Busy()
     app[SETTINGS] = dict(
         served=served,
         vocab=vocab,
         api_key=api_key,
         allowed_origins=list(allowed_origins),
         created=int(time.time()),
+        defaults=dict(defaults or {}),
     )
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

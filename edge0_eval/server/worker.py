@@ -2,9 +2,10 @@
 
 MLX and the engine are single-threaded, so every request is handed to `Worker` as a `Job`
 (`submit`, `cancel`: thread-safe) and everything that touches the model or the tokenizer runs
-here: the chat template and tokenization when the job is admitted, then the batch decoder
-(engine/batch.py), between whose steps rows join and leave. A job is its request's `n`
-choices, each a row of the batch; each row carries its stop rule (engine/batch.py: stop ids,
+here: the chat template and tokenization when the job is admitted (and, for an echo with
+logprobs, the prompt's teacher-forced log-probs, scored there between two decode steps), then
+the batch decoder (engine/batch.py), between whose steps rows join and leave. A job is its
+request's prompts x `n` choices, each a row of the batch; each row carries its stop rule (engine/batch.py: stop ids,
 stop words and max_tokens end it inside the decoder, and a row that ended leaves before the
 next step) and its one text reader. After each step every row that took a token advances its
 choice: logprobs, streamed text read from the row's reader, and at the end the row's answer
@@ -30,6 +31,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import wired_limit
 
 from edge0_eval.engine.batch import (
@@ -41,6 +44,7 @@ from edge0_eval.engine.batch import (
     stop_token_ids,
 )
 from edge0_eval.engine.inputs import chat_ids, fit_prompt, row_seed
+from edge0_eval.evaluation.fidelity.scoring import EngineRunner, forced_logprobs
 from edge0_eval.server.requests import (
     CONTEXT_EXCEEDED,
     DEFAULT_MAX_MODEL_LEN,
@@ -75,6 +79,15 @@ class Choice:
     stream: "TextStream | None"
     seen: int = 0  # the row's tokens taken so far
     logprobs: list = field(default_factory=list)
+    echo: tuple[str, list] | None = None  # the prompt's text and logprobs (echo)
+    echoed: bool = False  # streamed: the echo has gone out
+
+    def echoing(self, text: str, logprobs: list) -> tuple[str, list]:
+        """Streamed: the echo before the choice's first text (once)."""
+        if self.echo is None or self.echoed:
+            return text, logprobs
+        self.echoed = True
+        return self.echo[0] + text, self.echo[1] + logprobs
 
 
 @dataclass(eq=False)
@@ -243,6 +256,9 @@ class Worker(threading.Thread):
             self.ready.set()  # after load_error: start_engine reads it
             if self.engine is not None:
                 self.engine.close()
+            # This thread's MLX streams go with it: left to the process's exit, a stream's
+            # thread can be torn down running ("terminate called", SIGABRT) after a clean stop.
+            mx.clear_streams()
 
     def _leave(self, error: BaseException | None) -> None:
         """The thread is leaving: fail every request that would otherwise wait forever, those
@@ -324,16 +340,48 @@ class Worker(threading.Thread):
                 self.decoder.cancel(choice.row)
 
     def _admit(self, job: Job) -> None:
-        """Tokenize the request and queue its rows, one per choice."""
+        """Tokenize the request's prompts and queue their rows, `n` per prompt (choice
+        p * n + i: prompt p's i-th); a prompt refused refuses the request, before any row."""
+        spec, tok = job.spec, self.tokenizer
+        rows = []
+        for prompt in spec.prompts:
+            ids = self._tokens(job, prompt)
+            max_tokens = None if ids is None else self._room(job, ids)
+            if max_tokens is None:
+                return
+            rows.append((prompt, ids, max_tokens))
+        stop_ids = stop_token_ids(tok, spec.stop)
+        for p, (prompt, ids, max_tokens) in enumerate(rows):
+            echo = self._echo(prompt, ids, spec.logprobs) if spec.echo else None
+            for i in range(spec.n):
+                sample = spec.sample + i
+                seed = row_seed(spec.seed, ids, sample)
+                stop = StopRule(tok, max_tokens, stop_ids, spec.stop)
+                row = self.decoder.add(
+                    (id(job), p * spec.n + i),
+                    ids,
+                    stop=stop,
+                    seed=seed,
+                    sampling=spec.sampling,
+                    top_logprobs=spec.logprobs,
+                )
+                stream = TextStream(spec.stop, stop.reader) if spec.stream else None
+                choice = Choice(p * spec.n + i, row, sample, seed, stream, echo=echo)
+                job.choices.append(choice)
+                self.jobs[row] = (job, choice)
+        job.left = spec.choices
+
+    def _tokens(self, job: Job, prompt) -> list[int] | None:
+        """A prompt's token ids (fitted to edge0_max_seq_len); None: refused."""
         spec, tok = job.spec, self.tokenizer
         try:
             if spec.kind == "chat":
-                ids = chat_ids(tok, spec.prompt, spec.chat_template_kwargs)
-            elif isinstance(spec.prompt, str):
+                ids = chat_ids(tok, prompt, spec.chat_template_kwargs)
+            elif isinstance(prompt, str):
                 # as mlx-lm's server encodes a prompt
-                ids = list(tok.encode(spec.prompt))
+                ids = list(tok.encode(prompt))
             else:
-                ids = list(spec.prompt)
+                ids = list(prompt)
         except Exception as exc:  # noqa: BLE001 - the template refused the messages
             if spec.kind == "chat":
                 param = (
@@ -345,53 +393,59 @@ class Worker(threading.Thread):
             self._refuse(
                 job, RequestError(f"{what}: {type(exc).__name__}: {exc}", param)
             )
-            return
+            return None
         if spec.max_seq_len is not None:
             ids = fit_prompt(ids, spec.max_seq_len, spec.max_tokens or 0)
         if not ids:
             self._refuse(job, RequestError("the prompt has no tokens", "prompt"))
-            return
+            return None
+        return ids
+
+    def _room(self, job: Job, ids: list[int]) -> int | None:
+        """The row's max_tokens: the request's, or the rest of the row (as vLLM); None:
+        refused, the row would not fit."""
+        spec = job.spec
         param = "messages" if spec.kind == "chat" else "prompt"
         room = self.max_model_len - len(ids)
         max_tokens = spec.max_tokens
         if max_tokens is None:  # as vLLM: the rest of the row
             max_tokens = room if self.max_tokens is None else min(room, self.max_tokens)
-        if max_tokens < 1 or max_tokens > room:
-            asked = (
-                f"and max_tokens {max_tokens}: {len(ids) + max_tokens} in all"
-                if spec.max_tokens is not None
-                else "leaving no room for an answer"
-            )
-            self._refuse(
-                job,
-                RequestError(
-                    f"the prompt ({param}) is {len(ids)} tokens {asked}, more than the "
-                    f"{self.max_model_len} a row may hold on this server "
-                    f"(--max-model-len); shorten the prompt, ask for fewer tokens, or "
-                    f"give edge0_max_seq_len to cut the prompt",
-                    param,
-                    code=CONTEXT_EXCEEDED,
-                ),
-            )
-            return
-        stop_ids = stop_token_ids(tok, spec.stop)
-        for index in range(spec.n):
-            sample = spec.sample + index
-            seed = row_seed(spec.seed, ids, sample)
-            stop = StopRule(tok, max_tokens, stop_ids, spec.stop)
-            row = self.decoder.add(
-                (id(job), index),
-                ids,
-                stop=stop,
-                seed=seed,
-                sampling=spec.sampling,
-                top_logprobs=spec.logprobs,
-            )
-            stream = TextStream(spec.stop, stop.reader) if spec.stream else None
-            choice = Choice(index, row, sample, seed, stream)
-            job.choices.append(choice)
-            self.jobs[row] = (job, choice)
-        job.left = spec.n
+        if 1 <= max_tokens <= room or (spec.max_tokens == 0 and room >= 0):
+            return max_tokens
+        asked = (
+            f"and max_tokens {max_tokens}: {len(ids) + max_tokens} in all"
+            if spec.max_tokens is not None
+            else "leaving no room for an answer"
+        )
+        self._refuse(
+            job,
+            RequestError(
+                f"the prompt ({param}) is {len(ids)} tokens {asked}, more than the "
+                f"{self.max_model_len} a row may hold on this server "
+                f"(--max-model-len); shorten the prompt, ask for fewer tokens, or "
+                f"give edge0_max_seq_len to cut the prompt",
+                param,
+                code=CONTEXT_EXCEEDED,
+            ),
+        )
+        return None
+
+    def _echo(self, prompt, ids: list[int], k: int | None) -> tuple[str, list]:
+        """An echoed prompt: its text and, with logprobs, each token's entry (the first's
+        null, as OpenAI and vLLM give it), teacher-forced on the engine's served path as
+        the fidelity scorer forces a continuation (scoring.forced_logprobs)."""
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        if k is None:
+            return text, []
+        first = self._logprob_entry(ids[0], 0.0, [])
+        entries = [{**first, "logprob": None, "top_logprobs": None}]
+        self.decoder.between()
+        forced = forced_logprobs(EngineRunner(self.engine), ids[:1], ids[1:])
+        for token, lp in zip(ids[1:], forced):
+            top = np.argpartition(-lp, k - 1)[:k] if k else []
+            top = sorted(((int(t), float(lp[t])) for t in top), key=lambda p: -p[1])
+            entries.append(self._logprob_entry(token, float(lp[token]), top))
+        return text, entries
 
     def _refuse(self, job: Job, error: RequestError) -> None:
         self.counts["refused"] += 1
@@ -418,7 +472,7 @@ class Worker(threading.Thread):
         if row.done:
             self._finish(job, choice, logprobs)
         elif choice.stream is not None:
-            text = choice.stream.update()
+            text, logprobs = choice.echoing(choice.stream.update(), logprobs)
             if text or logprobs:
                 job.post(("delta", choice.index, text, logprobs))
 
@@ -429,9 +483,10 @@ class Worker(threading.Thread):
         del self.jobs[row]
         text, hit = row.stop.text()
         if choice.stream is not None:
-            rest = choice.stream.finish(text)
+            rest, logprobs = choice.echoing(choice.stream.finish(text), logprobs)
             if rest or logprobs:
                 job.post(("delta", choice.index, rest, logprobs))
+        echo, echoed = choice.echo or ("", [])
         job.left -= 1
         if job.left == 0:
             job.ended = True
@@ -441,12 +496,12 @@ class Worker(threading.Thread):
                 "done",
                 Finished(
                     choice.index,
-                    text,
+                    echo + text,
                     finish_reason(row.stop),
                     len(row.prompt),
                     row.output,
                     len(row.tokens),
-                    choice.logprobs,
+                    echoed + choice.logprobs,
                     self._stats(job, choice, hit),
                 ),
             )
