@@ -280,10 +280,12 @@ class Edge0APIModel(SampleStatsLog, OpenAISDK):
             seed=s["seed"],
             logprobs=True,
         )
+        # Every sampling field explicit: a server's generation_config.json defaults (as
+        # vLLM's and edge0-eval serve's) must not reach rows the in-process arms draw without.
         extra = dict(
             top_k=s["top_k"],
             min_p=s["min_p"],
-            **penalties_of(s),
+            **{"repetition_penalty": 1.0, **penalties_of(s)},
             chat_template_kwargs=self.chat_template_kwargs,
             edge0_sample=sample,
             edge0_max_seq_len=self.max_seq_len,
