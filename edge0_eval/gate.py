@@ -14,6 +14,7 @@ import math
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.gate import fidelity_checks
 from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
 from edge0_eval.evaluation.gate.baselines import spread_lines
 from edge0_eval.evaluation.gate.checks import (
@@ -94,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=fidelity_report.DEFAULT_MAX_KL_RISE,
         metavar="R",
         help="fidelity: allowed move of an arm's mean KL, either way, as a share of the "
-        "baseline's (plus the noise a multi-run baseline measured) (default "
+        "baseline's, or the noise of the mean a baseline of several runs measured if larger "
+        "(default "
         f"{fidelity_report.DEFAULT_MAX_KL_RISE})",
     )
     parser.add_argument(
@@ -145,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--max-gap-increase", args.max_gap_increase),
         ("--max-drop", args.max_drop),
@@ -178,13 +180,34 @@ def run(args: argparse.Namespace) -> int:
         raise Edge0Error(
             "--order-seed is the order of a sequential run: pass --sequential"
         )
-    baseline = load_report(args.baseline)
-    rounds = [load_report(path) for path in args.report]
-    current = rounds[-1]
-    paths, args.report = args.report, args.report[-1]
-    first_round = (
-        gate_sequential.check_rounds(paths, rounds) if args.sequential else None
-    )
+
+
+def _judged_arms(baseline: dict) -> list[str]:
+    """The arms the gate judges: teacher and student for the benchmarks, and every fidelity
+    arm of the baseline."""
+    arms = ["teacher", "student"] if baseline["benchmarks"] else []
+    fidelity = list((baseline.get("fidelity") or {}).get("arms") or {})
+    return arms + [a for a in fidelity if a not in arms]
+
+
+def _check_arms(args: argparse.Namespace, baseline: dict, current: dict) -> None:
+    """Fail closed at the arm level: an arm absent from either report's settings (or a v1
+    baseline's `arms: {}`) would be compared on nothing."""
+    for path, report in ((args.baseline, baseline), (args.report, current)):
+        settings = _settings(report)
+        missing = [a for a in _judged_arms(baseline) if settings.get(a) is None]
+        if missing:
+            fix = (
+                "make it again with `edge0-eval report` (for a baseline of several runs, "
+                "then `edge0-eval gate-baseline`)"
+            )
+            raise Edge0Error(
+                f"{path}: arm(s) {missing} have no settings in its 'arms', so the gate "
+                f"cannot verify they were run like the other report's; {fix}"
+            )
+
+
+def _check_settings(args: argparse.Namespace, baseline: dict, current: dict) -> None:
     if current["benchmarks"] and not baseline["benchmarks"]:
         # Every benchmark would show as "new" and pass ungated.
         raise Edge0Error(
@@ -192,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(current['benchmarks'])}; regenerate the baseline with "
             f"`edge0-eval report` on runs that include them"
         )
+    _check_arms(args, baseline, current)
     problems = baseline_differences(
         _settings(current), _settings(baseline), part=args.sequential
     )
@@ -203,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
             + "; gate against a baseline run with the same settings, both reports made "
             "by this `edge0-eval report` from runs with their config dumps"
         )
+
+
+def _notes(args: argparse.Namespace, baseline: dict, current: dict) -> None:
     for path, report in ((args.baseline, baseline), (args.report, current)):
         if report["schema"] != SCHEMA:
             print(
@@ -222,12 +249,25 @@ def run(args: argparse.Namespace) -> int:
             f"gate: baseline of {baseline['baseline']['runs']} runs; its own spread: "
             + "; ".join(spread)
         )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    baseline = load_report(args.baseline)
+    rounds = [load_report(path) for path in args.report]
+    current = rounds[-1]
+    paths, args.report = args.report, args.report[-1]
+    first_round = (
+        gate_sequential.check_rounds(paths, rounds) if args.sequential else None
+    )
+    _check_settings(args, baseline, current)
+    _notes(args, baseline, current)
     checks = evaluate(
         current,
         baseline,
         args.max_gap_increase,
         args.max_drop,
-        fidelity_report.Tolerances(
+        fidelity_checks.Tolerances(
             args.max_kl_rise,
             args.max_agreement_drop,
             args.prompt_kl_rise,
@@ -240,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
         order_seed=args.order_seed or "",
     )
     print(format_table(checks))
+    return _verdict(args, checks, baseline)
+
+
+def _verdict(args: argparse.Namespace, checks: list, baseline: dict) -> int:
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
     if failed:
         print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
@@ -299,9 +343,10 @@ def _summary(args: argparse.Namespace, checks: list, baseline: dict) -> None:
     )
     if arms:
         parts.append(
-            f"fidelity of {arms} arms, mean KL move at most {args.max_kl_rise:g} of the "
-            f"baseline's, agreement drop at most {args.max_agreement_drop:g}, and at most "
-            f"{args.max_prompts_past:g} of the prompts past their own tolerance"
+            f"fidelity of {arms} arms: "
+            + "; ".join(
+                f"{c.benchmark[9:]}: {c.allowance}" for c in checks if c.allowance
+            )
         )
     print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
     if paired_n or sequential_n:

@@ -24,8 +24,8 @@ And always FAIL (never pass) when the benchmark is missing from the report, an a
 a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
 reproduce the metric, the item count differs from the baseline, or the prompt version changed.
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
-With fidelity in the baseline, one more check per arm (fidelity.report.gate_checks: the mean
-KL and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
+With fidelity in the baseline, one more check per arm (gate/fidelity_checks.py: the mean KL
+and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
 With --sequential (a gate run in rounds, gate_run.py) the paired tests are the anytime-valid
 sequential tests of evaluation/gate/sequential_checks.py, over the rounds' reports.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.gate import fidelity_checks
 from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
 from edge0_eval.evaluation.significance import paired, sequential
 
@@ -61,6 +61,7 @@ class Check:
     blind: bool = False  # cannot see the drop it is asked about
     rule: str | None = None  # sequential: regressed | within | undecided
     pending: bool = False  # sequential: undecided with items left (next round)
+    allowance: str | None = None  # fidelity: what each rule allows, in its units
 
     def fail(self, reason: str) -> None:
         self.result = "FAIL"
@@ -205,7 +206,7 @@ def evaluate(
     baseline: dict,
     max_gap_increase: float,
     max_drop: float,
-    fidelity: fidelity_report.Tolerances = fidelity_report.Tolerances(),
+    fidelity: fidelity_checks.Tolerances = fidelity_checks.Tolerances(),
     alpha: float = paired.DEFAULT_ALPHA,
     first_round: dict | None = None,
     drops: dict[str, float] | None = None,
@@ -291,8 +292,9 @@ def evaluate(
                     (None, row["student"]),
                 )
             )
-    for fc in fidelity_report.gate_checks(current, baseline, fidelity):
+    for fc in fidelity_checks.gate_checks(current, baseline, fidelity):
         checks.append(Check(fc["name"], fc["result"], fc["reasons"], fc["items"]))
+        checks[-1].blind, checks[-1].allowance = fc.get("blind"), fc.get("allowance")
     return checks
 
 
