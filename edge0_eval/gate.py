@@ -21,10 +21,12 @@ from edge0_eval.evaluation.gate.checks import (
     BLIND_EXIT,
     DEFAULT_MAX_DROP,
     DEFAULT_MAX_GAP_INCREASE,
+    Rounds,
     evaluate,
     format_table,
 )
 from edge0_eval.evaluation.gate.inputs import load_report
+from edge0_eval.evaluation.gate.rounds import check_rounds
 from edge0_eval.evaluation.outputs.settings import baseline_differences, model_changes
 from edge0_eval.evaluation.report.gap import SCHEMA
 from edge0_eval.evaluation.significance import paired
@@ -139,6 +141,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"was asked about; without it that exits {BLIND_EXIT}",
     )
     parser.add_argument(
+        "--rounds",
+        type=lambda text: [ct.positive_float(f) for f in text.split(",")],
+        default=None,
+        metavar="F,...",
+        help="--sequential: the config's cumulative round shares (gate-run passes them), "
+        "so each round is checked to hold exactly the items its share gives; without it, "
+        "a prefix of the run's order",
+    )
+    parser.add_argument(
         "--order-seed",
         default=None,
         metavar="SEED",
@@ -176,9 +187,9 @@ def _check_args(args: argparse.Namespace) -> None:
             "gate run took its sample in, which `gate-run --sequential` drew and wrote to "
             "WORK/order_seed.txt"
         )
-    if not args.sequential and args.order_seed is not None:
+    if not args.sequential and (args.order_seed is not None or args.rounds):
         raise Edge0Error(
-            "--order-seed is the order of a sequential run: pass --sequential"
+            "--order-seed and --rounds describe a sequential run: pass --sequential"
         )
 
 
@@ -257,8 +268,15 @@ def run(args: argparse.Namespace) -> int:
     rounds = [load_report(path) for path in args.report]
     current = rounds[-1]
     paths, args.report = args.report, args.report[-1]
-    first_round = (
-        gate_sequential.check_rounds(paths, rounds) if args.sequential else None
+    rounds = (
+        Rounds(
+            gate_sequential.check_rounds(paths, rounds),
+            args.order_seed,
+            len(paths),
+            check_rounds(args.rounds) if args.rounds else None,
+        )
+        if args.sequential
+        else None
     )
     _check_settings(args, baseline, current)
     _notes(args, baseline, current)
@@ -275,9 +293,8 @@ def run(args: argparse.Namespace) -> int:
             args.max_prompts_past,
         ),
         alpha=args.alpha,
-        first_round=first_round,
+        rounds=rounds,
         drops=dict(args.benchmark_drop),
-        order_seed=args.order_seed or "",
     )
     print(format_table(checks))
     return _verdict(args, checks, baseline)

@@ -232,7 +232,12 @@ def gate_run(
             "--baseline",
             baseline,
         ]
-        args += ["--sequential", "--order-seed", seed] if sequential else []
+        shares = ",".join(f"{f:g}" for f in rounds)
+        args += (
+            ["--sequential", "--order-seed", seed, "--rounds", shares]
+            if sequential
+            else []
+        )
         args += [a for d in drops for a in ("--benchmark-drop", d)]
         args += ["--accept-blind"] if accept_blind else []
         code = cli_main(args)

@@ -427,7 +427,7 @@ def make_plan(opts: PlanOptions) -> Plan:
             "edge0_gate"
         ):  # a gate config: what its sequential rule detects, too
             p["sequential_drop"] = sequential.detectable_drop(
-                p["items"], opts.churn, None, level
+                p["items"], opts.churn, None, sequential.sequential_alpha(level)
             )
     if any(l.tokens_source == "limit" for l in lines):
         notes.append(
@@ -711,7 +711,8 @@ def size_gate(
     for bench in gate["benchmarks"]:
         size.samples.update(_stratify(items[bench], sizes[bench]))
         n = sum(size.samples[d] for d in sizes[bench])
-        seq = sequential.detectable_drop(n, churn[bench], None, level) if n else None
+        seq_level = sequential.sequential_alpha(level)
+        seq = sequential.detectable_drop(n, churn[bench], None, seq_level) if n else None
         fixed = paired.detectable_drop(n, churn[bench], level) if n else None
         size.drops[bench] = math.ceil(seq * 10) / 10 if seq is not None else 100.0
         size.rows.append(
