@@ -712,7 +712,9 @@ def size_gate(
         size.samples.update(_stratify(items[bench], sizes[bench]))
         n = sum(size.samples[d] for d in sizes[bench])
         seq_level = sequential.sequential_alpha(level)
-        seq = sequential.detectable_drop(n, churn[bench], None, seq_level) if n else None
+        seq = (
+            sequential.detectable_drop(n, churn[bench], None, seq_level) if n else None
+        )
         fixed = paired.detectable_drop(n, churn[bench], level) if n else None
         size.drops[bench] = math.ceil(seq * 10) / 10 if seq is not None else 100.0
         size.rows.append(
@@ -724,6 +726,10 @@ def size_gate(
                 churn=churn[bench],
                 fixed=fixed,
                 sequential=seq,
+                collapse=(
+                    collapse_from(n, level),
+                    collapse_from(n, level * sequential.FALLBACK_SHARE),
+                ),
             )
         )
         if n == 0:
@@ -732,6 +738,14 @@ def size_gate(
                 f"share of the budget: not sampled"
             )
     return size
+
+
+def collapse_from(items: int, level: float) -> float | None:
+    """The least student score (points) whose collapse to 0 the exact paired test at `level`
+    catches every time: d items lost, all one way, give p = 2^-d (None: not on these items).
+    The sequential mode's is its last round's fixed test, at FALLBACK_SHARE of the level."""
+    lost = math.ceil(math.log2(1 / level))
+    return 100.0 * lost / items if 0 < lost <= items else None
 
 
 def render_gate_size(size: GateSize, gate_cmd: str) -> str:
@@ -743,15 +757,17 @@ def render_gate_size(size: GateSize, gate_cmd: str) -> str:
         f"fidelity rate: {size.fidelity_source}",
         "",
         "| benchmark | items of | s/item | churn | drop detectable at 80% power: fixed "
-        "| sequential |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| sequential | a collapse to 0 caught every time from a score of: fixed | "
+        "sequential |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    shown = lambda v: "none" if v is None else f"{v:.1f}"  # noqa: E731
     for r in size.rows:
-        f = "none" if r["fixed"] is None else f"{r['fixed']:.1f}"
-        q = "none" if r["sequential"] is None else f"{r['sequential']:.1f}"
         out.append(
             f"| {r['benchmark']} | {r['items']} of {r['population']} | "
-            f"{r['seconds_per_item']:.3g} | {100 * r['churn']:.1f}% | {f} | {q} |"
+            f"{r['seconds_per_item']:.3g} | {100 * r['churn']:.1f}% | {shown(r['fixed'])} "
+            f"| {shown(r['sequential'])} | {shown(r['collapse'][0])} | "
+            f"{shown(r['collapse'][1])} |"
         )
     out += [
         "",
