@@ -268,7 +268,10 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     from edge0_eval.evaluation.report.gap import SCHEMA
 
     def report(fidelity):
-        return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity}
+        # Every arm the gate judges carries its settings (it refuses arms without).
+        settings = {"generation": {"max_out_len": 1}, "scoring": {}, "model": {}}
+        arms = {a: {"settings": settings} for a in (fidelity or {}).get("arms", {})}
+        return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity, "arms": arms}
 
     base = tmp_path / "base.json"
     base.write_text(json.dumps(report(baseline["fidelity"])))
