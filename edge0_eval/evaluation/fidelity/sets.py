@@ -230,67 +230,78 @@ def _problem(fset) -> str | None:
     low = fset["min_new"] if v2 else 1
     if not isinstance(fset["items"], list) or not fset["items"]:
         return "no items"
-    k = fset["top_k"]
-    seen = set()
+    seen: set = set()
     for n, item in enumerate(fset["items"]):
-        keys = (
-            "id",
-            "source",
-            "prompt_ids",
-            "tokens",
-            "topk_ids",
-            "topk_logprobs",
-            "rest",
+        problem = _item_problem(fset, n, item, v2, low, seen)
+        if problem:
+            return problem
+    return None
+
+
+def _item_problem(
+    fset: dict, n: int, item, v2: bool, low: int, seen: set
+) -> str | None:
+    """Why item n of the set is malformed (None: it is not); `seen` collects the ids."""
+    k = fset["top_k"]
+    keys = (
+        "id",
+        "source",
+        "prompt_ids",
+        "tokens",
+        "topk_ids",
+        "topk_logprobs",
+        "rest",
+    )
+    if not isinstance(item, dict) or any(key not in item for key in keys):
+        return f"item {n} lacks one of {keys}"
+    extra = set(item) - set(ITEM_KEYS) - ({"end"} if v2 else set())
+    if extra:
+        return (
+            f"item {n}: unknown key(s) {sorted(extra)} for format {fset['format']!r}"
+            + (" ('end' is v2's: a v2 set relabelled?)" if "end" in extra else "")
         )
-        if not isinstance(item, dict) or any(key not in item for key in keys):
-            return f"item {n} lacks one of {keys}"
-        extra = set(item) - set(ITEM_KEYS) - ({"end"} if v2 else set())
-        if extra:
+    if not (isinstance(item["id"], str) or _is_int(item["id"])):
+        return f"item {n}: id {item['id']!r} must be a string or a whole number"
+    where = f"item {n} ({item['id']})"
+    if item["id"] in seen:
+        return f"{where}: duplicate id"
+    seen.add(item["id"])
+    if not isinstance(item["source"], str):
+        return f"{where}: source must be a string"
+    for key in ("prompt_ids", "tokens"):
+        if not _is_ids(item[key]):
+            return f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
+    p = len(item["tokens"])
+    if not item["prompt_ids"] or not low <= p <= fset["max_new"]:
+        return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
+    if v2 and item.get("end") not in ENDS:
+        return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
+    return _rows_problem(item, where, p, k)
+
+
+def _rows_problem(item: dict, where: str, p: int, k: int) -> str | None:
+    """Why an item's top-k rows do not fit its p tokens and top_k k (None: they do)."""
+    rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
+    if not all(isinstance(r, list) for r in rows) or not all(len(r) == p for r in rows):
+        return f"{where}: top-k rows do not match its {p} tokens"
+    for i, (ids, lps, rest) in enumerate(zip(*rows)):
+        if not _is_ids(ids) or not isinstance(lps, list):
+            return f"{where} position {i}: top-k ids must be a list of token ids"
+        if len(ids) != len(lps) or not 1 <= len(ids) <= k or len(set(ids)) != len(ids):
             return (
-                f"item {n}: unknown key(s) {sorted(extra)} for format {fset['format']!r}"
-                + (" ('end' is v2's: a v2 set relabelled?)" if "end" in extra else "")
+                f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
+                f"log-probs, top_k {k}"
             )
-        if not (isinstance(item["id"], str) or _is_int(item["id"])):
-            return f"item {n}: id {item['id']!r} must be a string or a whole number"
-        where = f"item {n} ({item['id']})"
-        if item["id"] in seen:
-            return f"{where}: duplicate id"
-        seen.add(item["id"])
-        if not isinstance(item["source"], str):
-            return f"{where}: source must be a string"
-        for key in ("prompt_ids", "tokens"):
-            if not _is_ids(item[key]):
-                return (
-                    f"{where}: {key} must be a list of token ids (whole numbers >= 0)"
-                )
-        p = len(item["tokens"])
-        if not item["prompt_ids"] or not low <= p <= fset["max_new"]:
-            return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
-        if v2 and item.get("end") not in ENDS:
-            return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
-        rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
-        if not all(isinstance(r, list) for r in rows) or not all(
-            len(r) == p for r in rows
-        ):
-            return f"{where}: top-k rows do not match its {p} tokens"
-        for i, (ids, lps, rest) in enumerate(zip(*rows)):
-            if not _is_ids(ids) or not isinstance(lps, list):
-                return f"{where} position {i}: top-k ids must be a list of token ids"
-            if (
-                len(ids) != len(lps)
-                or not 1 <= len(ids) <= k
-                or len(set(ids)) != len(ids)
-            ):
-                return (
-                    f"{where} position {i}: {len(ids)} ids (distinct?) and {len(lps)} "
-                    f"log-probs, top_k {k}"
-                )
-            if ids[0] != item["tokens"][i]:
-                return f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
-            if any(not _is_real(v) or v > 0 for v in lps):
-                return f"{where} position {i}: log-probs must be finite numbers <= 0"
-            if not _is_real(rest) or not 0 <= rest <= 1:
-                return f"{where} position {i}: tail mass {rest!r} must be a number in [0, 1]"
+        if ids[0] != item["tokens"][i]:
+            return (
+                f"{where} position {i}: token {item['tokens'][i]} is not the top-1 id"
+            )
+        if any(not _is_real(v) or v > 0 for v in lps):
+            return f"{where} position {i}: log-probs must be finite numbers <= 0"
+        if not _is_real(rest) or not 0 <= rest <= 1:
+            return (
+                f"{where} position {i}: tail mass {rest!r} must be a number in [0, 1]"
+            )
     return None
 
 
