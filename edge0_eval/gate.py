@@ -13,7 +13,6 @@ import math
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.fidelity import report as fidelity_report
 from edge0_eval.evaluation.gate import fidelity_checks
 from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
 from edge0_eval.evaluation.gate.baselines import spread_lines
@@ -94,45 +93,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-kl-rise",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_MAX_KL_RISE,
+        default=fidelity_checks.DEFAULT_MAX_KL_RISE,
         metavar="R",
         help="fidelity: allowed move of an arm's mean KL, either way, as a share of the "
         "baseline's, or the noise of the mean a baseline of several runs measured if larger "
         "(default "
-        f"{fidelity_report.DEFAULT_MAX_KL_RISE})",
+        f"{fidelity_checks.DEFAULT_MAX_KL_RISE})",
     )
     parser.add_argument(
         "--max-agreement-drop",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
+        default=fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP,
         metavar="P",
         help="fidelity: allowed drop of an arm's mean top-1 agreement, in points "
-        f"(default {fidelity_report.DEFAULT_MAX_AGREEMENT_DROP})",
+        f"(default {fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP})",
     )
     parser.add_argument(
         "--prompt-kl-rise",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_PROMPT_KL_RISE,
+        default=fidelity_checks.DEFAULT_PROMPT_KL_RISE,
         metavar="R",
         help="fidelity: a prompt is past its tolerance when its KL rises by more than "
         "R x its baseline KL (at least the arm's mean allowance) (default "
-        f"{fidelity_report.DEFAULT_PROMPT_KL_RISE})",
+        f"{fidelity_checks.DEFAULT_PROMPT_KL_RISE})",
     )
     parser.add_argument(
         "--prompt-agreement-drop",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_PROMPT_AGREEMENT_DROP,
+        default=fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP,
         metavar="P",
         help="fidelity: ... or its agreement drops by more than P points (default "
-        f"{fidelity_report.DEFAULT_PROMPT_AGREEMENT_DROP})",
+        f"{fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP})",
     )
     parser.add_argument(
         "--max-prompts-past",
         type=ct.float_range(0.0, 1.0),
-        default=fidelity_report.DEFAULT_MAX_PROMPTS_PAST,
+        default=fidelity_checks.DEFAULT_MAX_PROMPTS_PAST,
         metavar="Q",
         help="fidelity: an arm fails when more than floor(Q x prompts) prompts are past "
-        f"their tolerance (default {fidelity_report.DEFAULT_MAX_PROMPTS_PAST})",
+        f"their tolerance (default {fidelity_checks.DEFAULT_MAX_PROMPTS_PAST})",
     )
     parser.add_argument(
         "--accept-blind",
@@ -193,28 +192,18 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
-def _judged_arms(baseline: dict) -> list[str]:
-    """The arms the gate judges: teacher and student for the benchmarks, and every fidelity
-    arm of the baseline."""
-    arms = ["teacher", "student"] if baseline["benchmarks"] else []
-    fidelity = list((baseline.get("fidelity") or {}).get("arms") or {})
-    return arms + [a for a in fidelity if a not in arms]
-
-
 def _check_arms(args: argparse.Namespace, baseline: dict, current: dict) -> None:
-    """Fail closed at the arm level: an arm absent from either report's settings (or a v1
-    baseline's `arms: {}`) would be compared on nothing."""
+    """Fail closed at the arm level: every arm the gate judges (teacher and student for the
+    benchmarks, each fidelity arm of the baseline) has settings in both reports' `arms`."""
+    judged = {"teacher", "student"} if baseline["benchmarks"] else set()
+    judged |= set((baseline.get("fidelity") or {}).get("arms") or {})
     for path, report in ((args.baseline, baseline), (args.report, current)):
-        settings = _settings(report)
-        missing = [a for a in _judged_arms(baseline) if settings.get(a) is None]
+        missing = sorted(a for a in judged if _settings(report).get(a) is None)
         if missing:
-            fix = (
-                "make it again with `edge0-eval report` (for a baseline of several runs, "
-                "then `edge0-eval gate-baseline`)"
-            )
             raise Edge0Error(
                 f"{path}: arm(s) {missing} have no settings in its 'arms', so the gate "
-                f"cannot verify they were run like the other report's; {fix}"
+                f"cannot verify they were run like the other report's; make it again with "
+                f"`edge0-eval report` (several runs: then `edge0-eval gate-baseline`)"
             )
 
 

@@ -335,28 +335,27 @@ def weights_sha256(path: Path, names: list[str]) -> list[str]:
         cache = json.loads((path / DIGEST_CACHE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         cache = {}
-    cache = cache if isinstance(cache, dict) else {}
-    out, changed = [], False
+    cache, stale = cache if isinstance(cache, dict) else {}, False
     for name in names:
         st = (path / name).stat()
-        stamp = [st.st_size, st.st_mtime_ns]
-        entry = cache.get(name)
-        if not (isinstance(entry, dict) and entry.get("stamp") == stamp):
-            h = hashlib.sha256()
+        stamp, entry = [st.st_size, st.st_mtime_ns], cache.get(name)
+        if not (  # a corrupt or stale entry is recomputed, never trusted
+            isinstance(entry, dict)
+            and entry.get("stamp") == stamp
+            and isinstance(entry.get("sha256"), str)
+        ):
             with open(path / name, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            entry = cache[name] = {"stamp": stamp, "sha256": h.hexdigest()}
-            changed = True
-        out.append(str(entry.get("sha256")))
-    if changed:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            cache[name], stale = {"stamp": stamp, "sha256": digest}, True
+    if stale:
         try:
-            tmp = path / f"{DIGEST_CACHE}.tmp"
-            tmp.write_text(json.dumps(cache, indent=1), encoding="utf-8")
-            tmp.replace(path / DIGEST_CACHE)
+            (path / f"{DIGEST_CACHE}.tmp").write_text(
+                json.dumps(cache), encoding="utf-8"
+            )
+            (path / f"{DIGEST_CACHE}.tmp").replace(path / DIGEST_CACHE)
         except OSError:
             pass
-    return out
+    return [cache[name]["sha256"] for name in names]
 
 
 def fingerprint(

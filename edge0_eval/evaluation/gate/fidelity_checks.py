@@ -1,32 +1,22 @@
 """The gate's fidelity checks: each arm's teacher-forced KL and agreement against the baseline's.
 
-Teacher-forced scoring of a fixed set is close to deterministic, so the spread of the
-per-prompt changes across prompts is not noise (a fault on a few prompts widens it and would
-hide itself). Per arm of the baseline, with b and c the baseline's and this report's means,
-FAIL when
-  mean KL move     |c - b|  > max(max_kl_rise x b, MIN_KL_RISE, noise_kl)
-  mean agreement   b - c    > max(max_agreement_drop, noise_agreement)
-  prompts past     more than floor(max_prompts_past x prompts) prompts past their own
-                   tolerance: KL up by more than max(prompt_kl_rise x the prompt's baseline KL,
-                   the arm's mean allowance) + range_kl x that KL, or agreement down by more
-                   than prompt_agreement_drop + range_agreement points
-A fall of the mean KL fails too (the served path's numerics changed; refresh the baseline if
-that is intended). The noise terms are measured, never assumed, from a baseline of R >= 2 runs
-(`gate-baseline`, per prompt its R values): with s_i^2 prompt i's variance over the runs, the
-variance of an arm's mean over n prompts is V = sum(s_i^2) / n^2 (prompts' run-to-run noise
-independent: a shift common to every prompt is what a regression looks like, judged, never
-allowed), and this report's mean differs from the runs' mean by V (1 + 1/R). So
-  noise = t_q(df) x sqrt(V (1 + 1/R)),   df = (sum s_i^2)^2 (R - 1) / sum s_i^4 (Satterthwaite),
-q = 1 - NOISE_ALPHA / 2 for the KL move (either way), 1 - NOISE_ALPHA for the agreement drop
-(in points): each mean rule fails a run of unchanged fidelity with probability at most
-NOISE_ALPHA (on average over baselines), so both together at most 1%. A check whose noise
-term exceeds its tolerance cannot see the move asked about: it says so and counts as blind.
-The per-prompt ranges (range_kl: the largest difference between two runs on any prompt
-relative to that prompt's KL; range_agreement in points) feed only the per-prompt rule. A
-one-run baseline measures no noise: the tolerances alone, as the pass line says. FAIL also
-when the arm's fidelity is missing or failed, either side has no per-prompt values, the
-items differ from the baseline's, or the teacher row is not KL 0 / agreement 100 (the set
-was made from another teacher).
+Scoring a fixed set is close to deterministic, so the spread of the per-prompt changes is not
+noise (a fault on a few prompts widens it and would hide itself). Per arm, with b and c the
+baseline's and this report's means, FAIL when
+  mean KL move     |c - b| > max(max_kl_rise x b, MIN_KL_RISE, noise_kl)   (a fall too)
+  mean agreement   b - c   > max(max_agreement_drop, noise_agreement)
+  prompts past     more than floor(max_prompts_past x n) prompts whose KL rose by more than
+                   max(prompt_kl_rise x its KL, the mean allowance) + range_kl x its KL, or
+                   agreement fell by more than prompt_agreement_drop + range_agreement
+noise is measured from a baseline of R >= 2 runs: with s_i^2 prompt i's variance over them,
+V = sum(s_i^2) / n^2 is the variance of a mean (a shift common to every prompt is what a
+regression looks like: judged, not allowed), and noise = t_q(df) sqrt(V (1 + 1/R)), df by
+Satterthwaite, q = 1 - NOISE_ALPHA/2 (KL, nats) or 1 - NOISE_ALPHA (agreement, points): each
+mean rule fails an unchanged arm at most NOISE_ALPHA of the time. A noise term beyond its
+tolerance is blind ("cannot see"). The per-prompt ranges (range_kl relative to the prompt's
+KL) feed only the per-prompt rule. A one-run baseline: the tolerances alone. FAIL also when an
+arm's fidelity is missing or failed, a side has no per-prompt values, the items differ, or the
+teacher row is not KL 0 / agreement 100 (docs/gate.md: the formulas and measured rates).
 """
 
 from __future__ import annotations
@@ -37,18 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from edge0_eval.evaluation.fidelity.report import (
-    DEFAULT_MAX_AGREEMENT_DROP,
-    DEFAULT_MAX_KL_RISE,
-    DEFAULT_MAX_PROMPTS_PAST,
-    DEFAULT_PROMPT_AGREEMENT_DROP,
-    DEFAULT_PROMPT_KL_RISE,
-    MIN_KL_RISE,
-)
-
-NOISE_ALPHA = (
-    0.005  # per mean rule: the two fail an unchanged arm at most 1% of the time
-)
+DEFAULT_MAX_KL_RISE = 0.05  # relative: 5% of the baseline's KL
+MIN_KL_RISE = 1e-4  # nats: below this a rise is float noise
+DEFAULT_MAX_AGREEMENT_DROP = 2.0  # points
+DEFAULT_PROMPT_KL_RISE = 1.0  # relative, per prompt: its KL at most doubles
+DEFAULT_PROMPT_AGREEMENT_DROP = 10.0  # points, per prompt
+DEFAULT_MAX_PROMPTS_PAST = 0.01  # share of prompts allowed past their own tolerance
+# Per mean rule: the two fail an unchanged arm at most 1% of the time.
+NOISE_ALPHA = 0.005
 
 
 @dataclass(frozen=True)
@@ -113,29 +99,17 @@ def _prompts_past(base: dict, cur: dict, mean_allowance: float, n: Noise, tol):
     return past
 
 
-def _new(current: dict) -> list[dict]:
-    now = current.get("fidelity")
-    if not now:
-        return []
-    reasons = ["not in the baseline; not gated"]
-    return [
-        {
-            "name": "fidelity",
-            "result": "new",
-            "items": (None, now["items"]),
-            "reasons": reasons,
-        }
-    ]
-
-
 def gate_checks(
     current: dict, baseline: dict, tol: Tolerances = Tolerances()
 ) -> list[dict]:
     """One check per baseline arm: {name, result (pass | FAIL), reasons, items, blind,
     allowance}."""
-    base = baseline.get("fidelity")
+    base, now = baseline.get("fidelity"), current.get("fidelity")
     if not base:
-        return _new(current)
+        new = dict(
+            name="fidelity", result="new", items=(None, (now or {}).get("items"))
+        )
+        return [dict(new, reasons=["not in the baseline; not gated"])] if now else []
     cur = current.get("fidelity") or {"arms": {}, "items": None, "teacher_sanity": None}
     return [_arm_check(arm, base, cur, tol) for arm in base["arms"]]
 
