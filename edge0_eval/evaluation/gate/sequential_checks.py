@@ -15,12 +15,9 @@ whole sample):
 each by sequential.sequential_change at sequential.sequential_alpha of the test's level:
 `regressed` (FAIL), `within` the benchmark's threshold (a decided pass), or `undecided`. A
 benchmark is decided when either change regressed or both are within; the rule and the item
-and round where it fired are printed. Undecided when the sample is used up: the fixed paired
-tests over every item scored decide, at the rest of the level (FALLBACK_SHARE), so a collapse
-that the bets are too slow to see on a few items fails as in the fixed gate; a pass there
-cannot see the threshold, said so. Each round holds exactly the items its order seed and
-round give (round_problems: the first items of every dataset's draw, in the baseline's order,
-taken in the seed's order); a lost, extra or renamed item fails the benchmark.
+and round where it fired are printed. Undecided on the whole sample: the fixed tests decide at
+the rest of the level (FALLBACK_SHARE: a collapse on a few items fails); a pass there cannot
+see the threshold, said so. A round holding other items than its seed and round give fails.
 """
 
 from __future__ import annotations
