@@ -17,7 +17,9 @@ def test_a_same_shape_teachers_set_is_refused_at_the_preflight(
     tiny_qwen, tmp_path, monkeypatch
 ):
     other = write_tiny(tmp_path / "seed1", TinyShape(family="qwen3_5_moe", seed=1))
-    assert (other / "config.json").read_bytes() == (tiny_qwen / "config.json").read_bytes()
+    assert (other / "config.json").read_bytes() == (
+        tiny_qwen / "config.json"
+    ).read_bytes()
     made_by = fs.fingerprint(other)
     assert made_by != fs.fingerprint(tiny_qwen)
     # Hashed once: the digest is cached beside the checkpoint, by name, size and mtime.
@@ -31,7 +33,9 @@ def test_a_same_shape_teachers_set_is_refused_at_the_preflight(
     fs.write_set(fset, path)
     datasets = [{"abbr": fs.DATASET_ABBR}]
     assert preflight_problems(datasets, [("teacher", str(other), True, "auto")]) == []
-    (problem,) = preflight_problems(datasets, [("teacher", str(tiny_qwen), True, "auto")])
+    (problem,) = preflight_problems(
+        datasets, [("teacher", str(tiny_qwen), True, "auto")]
+    )
     assert "fingerprints differ" in problem and str(tiny_qwen) in problem
     assert fset["teacher"]["name"] in problem and str(path) in problem
 
