@@ -13,17 +13,19 @@ import math
 
 from edge0_eval.arguments import value_types as ct
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.gate import fidelity_checks
 from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
 from edge0_eval.evaluation.gate.baselines import spread_lines
 from edge0_eval.evaluation.gate.checks import (
     BLIND_EXIT,
     DEFAULT_MAX_DROP,
     DEFAULT_MAX_GAP_INCREASE,
+    Rounds,
     evaluate,
     format_table,
 )
 from edge0_eval.evaluation.gate.inputs import load_report
+from edge0_eval.evaluation.gate.rounds import check_rounds
 from edge0_eval.evaluation.outputs.settings import baseline_differences, model_changes
 from edge0_eval.evaluation.report.gap import SCHEMA
 from edge0_eval.evaluation.significance import paired
@@ -91,50 +93,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-kl-rise",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_MAX_KL_RISE,
+        default=fidelity_checks.DEFAULT_MAX_KL_RISE,
         metavar="R",
         help="fidelity: allowed move of an arm's mean KL, either way, as a share of the "
-        "baseline's (plus the noise a multi-run baseline measured) (default "
-        f"{fidelity_report.DEFAULT_MAX_KL_RISE})",
+        "baseline's, or the noise of the mean a baseline of several runs measured if larger "
+        "(default "
+        f"{fidelity_checks.DEFAULT_MAX_KL_RISE})",
     )
     parser.add_argument(
         "--max-agreement-drop",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_MAX_AGREEMENT_DROP,
+        default=fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP,
         metavar="P",
         help="fidelity: allowed drop of an arm's mean top-1 agreement, in points "
-        f"(default {fidelity_report.DEFAULT_MAX_AGREEMENT_DROP})",
+        f"(default {fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP})",
     )
     parser.add_argument(
         "--prompt-kl-rise",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_PROMPT_KL_RISE,
+        default=fidelity_checks.DEFAULT_PROMPT_KL_RISE,
         metavar="R",
         help="fidelity: a prompt is past its tolerance when its KL rises by more than "
         "R x its baseline KL (at least the arm's mean allowance) (default "
-        f"{fidelity_report.DEFAULT_PROMPT_KL_RISE})",
+        f"{fidelity_checks.DEFAULT_PROMPT_KL_RISE})",
     )
     parser.add_argument(
         "--prompt-agreement-drop",
         type=ct.nonneg_float,
-        default=fidelity_report.DEFAULT_PROMPT_AGREEMENT_DROP,
+        default=fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP,
         metavar="P",
         help="fidelity: ... or its agreement drops by more than P points (default "
-        f"{fidelity_report.DEFAULT_PROMPT_AGREEMENT_DROP})",
+        f"{fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP})",
     )
     parser.add_argument(
         "--max-prompts-past",
         type=ct.float_range(0.0, 1.0),
-        default=fidelity_report.DEFAULT_MAX_PROMPTS_PAST,
+        default=fidelity_checks.DEFAULT_MAX_PROMPTS_PAST,
         metavar="Q",
         help="fidelity: an arm fails when more than floor(Q x prompts) prompts are past "
-        f"their tolerance (default {fidelity_report.DEFAULT_MAX_PROMPTS_PAST})",
+        f"their tolerance (default {fidelity_checks.DEFAULT_MAX_PROMPTS_PAST})",
     )
     parser.add_argument(
         "--accept-blind",
         action="store_true",
         help="pass (exit 0) when nothing failed but a check cannot see the drop it "
         f"was asked about; without it that exits {BLIND_EXIT}",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=lambda text: [ct.positive_float(f) for f in text.split(",")],
+        default=None,
+        metavar="F,...",
+        help="--sequential: the config's cumulative round shares (gate-run passes them), "
+        "so each round is checked to hold exactly the items its share gives; without it, "
+        "a prefix of the run's order",
     )
     parser.add_argument(
         "--order-seed",
@@ -145,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--max-gap-increase", args.max_gap_increase),
         ("--max-drop", args.max_drop),
@@ -174,17 +186,28 @@ def run(args: argparse.Namespace) -> int:
             "gate run took its sample in, which `gate-run --sequential` drew and wrote to "
             "WORK/order_seed.txt"
         )
-    if not args.sequential and args.order_seed is not None:
+    if not args.sequential and (args.order_seed is not None or args.rounds):
         raise Edge0Error(
-            "--order-seed is the order of a sequential run: pass --sequential"
+            "--order-seed and --rounds describe a sequential run: pass --sequential"
         )
-    baseline = load_report(args.baseline)
-    rounds = [load_report(path) for path in args.report]
-    current = rounds[-1]
-    paths, args.report = args.report, args.report[-1]
-    first_round = (
-        gate_sequential.check_rounds(paths, rounds) if args.sequential else None
-    )
+
+
+def _check_arms(args: argparse.Namespace, baseline: dict, current: dict) -> None:
+    """Fail closed at the arm level: every arm the gate judges (teacher and student for the
+    benchmarks, each fidelity arm of the baseline) has settings in both reports' `arms`."""
+    judged = {"teacher", "student"} if baseline["benchmarks"] else set()
+    judged |= set((baseline.get("fidelity") or {}).get("arms") or {})
+    for path, report in ((args.baseline, baseline), (args.report, current)):
+        missing = sorted(a for a in judged if _settings(report).get(a) is None)
+        if missing:
+            raise Edge0Error(
+                f"{path}: arm(s) {missing} have no settings in its 'arms', so the gate "
+                f"cannot verify they were run like the other report's; make it again with "
+                f"`edge0-eval report` (several runs: then `edge0-eval gate-baseline`)"
+            )
+
+
+def _check_settings(args: argparse.Namespace, baseline: dict, current: dict) -> None:
     if current["benchmarks"] and not baseline["benchmarks"]:
         # Every benchmark would show as "new" and pass ungated.
         raise Edge0Error(
@@ -192,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(current['benchmarks'])}; regenerate the baseline with "
             f"`edge0-eval report` on runs that include them"
         )
+    _check_arms(args, baseline, current)
     problems = baseline_differences(
         _settings(current), _settings(baseline), part=args.sequential
     )
@@ -203,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
             + "; gate against a baseline run with the same settings, both reports made "
             "by this `edge0-eval report` from runs with their config dumps"
         )
+
+
+def _notes(args: argparse.Namespace, baseline: dict, current: dict) -> None:
     for path, report in ((args.baseline, baseline), (args.report, current)):
         if report["schema"] != SCHEMA:
             print(
@@ -222,12 +249,32 @@ def run(args: argparse.Namespace) -> int:
             f"gate: baseline of {baseline['baseline']['runs']} runs; its own spread: "
             + "; ".join(spread)
         )
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    baseline = load_report(args.baseline)
+    rounds = [load_report(path) for path in args.report]
+    current = rounds[-1]
+    paths, args.report = args.report, args.report[-1]
+    rounds = (
+        Rounds(
+            gate_sequential.check_rounds(paths, rounds),
+            args.order_seed,
+            len(paths),
+            check_rounds(args.rounds) if args.rounds else None,
+        )
+        if args.sequential
+        else None
+    )
+    _check_settings(args, baseline, current)
+    _notes(args, baseline, current)
     checks = evaluate(
         current,
         baseline,
         args.max_gap_increase,
         args.max_drop,
-        fidelity_report.Tolerances(
+        fidelity_checks.Tolerances(
             args.max_kl_rise,
             args.max_agreement_drop,
             args.prompt_kl_rise,
@@ -235,11 +282,14 @@ def run(args: argparse.Namespace) -> int:
             args.max_prompts_past,
         ),
         alpha=args.alpha,
-        first_round=first_round,
+        rounds=rounds,
         drops=dict(args.benchmark_drop),
-        order_seed=args.order_seed or "",
     )
     print(format_table(checks))
+    return _verdict(args, checks, baseline)
+
+
+def _verdict(args: argparse.Namespace, checks: list, baseline: dict) -> int:
     failed = [c.benchmark for c in checks if c.result == "FAIL"]
     if failed:
         print(f"gate: FAIL ({len(failed)} of {len(checks)}: {', '.join(failed)})")
@@ -299,9 +349,10 @@ def _summary(args: argparse.Namespace, checks: list, baseline: dict) -> None:
     )
     if arms:
         parts.append(
-            f"fidelity of {arms} arms, mean KL move at most {args.max_kl_rise:g} of the "
-            f"baseline's, agreement drop at most {args.max_agreement_drop:g}, and at most "
-            f"{args.max_prompts_past:g} of the prompts past their own tolerance"
+            f"fidelity of {arms} arms: "
+            + "; ".join(
+                f"{c.benchmark[9:]}: {c.allowance}" for c in checks if c.allowance
+            )
         )
     print(f"gate: pass ({len(checks) - arms} benchmarks: " + "; ".join(parts) + ")")
     if paired_n or sequential_n:

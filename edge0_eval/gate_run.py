@@ -119,6 +119,89 @@ def _teacher_run(run: Path, datasets: list[str]) -> tuple[str, Path]:
     return teachers[0], run
 
 
+def _order_seed(work: Path, sequential: bool, order_seed: str | None) -> str:
+    """The run's order seed: drawn before anything is scored, so no outcome can choose it, and
+    recorded to redo a run ("" for a whole run: the draw's own order)."""
+    if order_seed is not None and not (sequential and order_seed.isalnum()):
+        raise ConfigError(
+            "--order-seed: letters and digits, for a --sequential run (a whole run takes "
+            "its sample in the draw's order)"
+        )
+    if not sequential:
+        return ""
+    seed = order_seed or secrets.token_hex(8)
+    (work / "order_seed.txt").write_text(seed + "\n", encoding="utf-8")
+    print(f"gate-run: order seed {seed} (written to {work / 'order_seed.txt'})")
+    return seed
+
+
+def _teacher(cfg: dict, teacher_from: Path | None, sequential: bool):
+    """(teacher arm name, run) from --teacher-from, or None; checked against the config."""
+    models = [m["abbr"] for m in cfg["models"]]
+    if teacher_from is not None and sequential:
+        raise ConfigError(
+            "--teacher-from: a sequential run scores every arm in each round; "
+            "run the teacher in the config's arms"
+        )
+    datasets = [d["abbr"] for d in cfg["datasets"]]
+    teacher = _teacher_run(teacher_from, datasets) if teacher_from is not None else None
+    if teacher and any(m.endswith("teacher") for m in models):
+        raise ConfigError(
+            "--teacher-from: the config runs a teacher arm too; leave it out of "
+            "EDGE0_ARMS"
+        )
+    return teacher
+
+
+def _score_round(config, work, env, cfg, number, tag, run_dir) -> Path:
+    """One OpenCompass run of round `number` (later rounds score the grown prefix afresh in
+    the same folder), its results checked; returns the run folder."""
+    models = [m["abbr"] for m in cfg["models"]]
+    if run_dir is not None:
+        for model in models:
+            for d in cfg["datasets"]:
+                if sample_size(d) is not None:
+                    (run_dir / "results" / model / f"{d['abbr']}.json").unlink(
+                        missing_ok=True
+                    )
+        shutil.rmtree(run_dir / "summary", ignore_errors=True)
+    run_dir = run_opencompass(
+        config,
+        work / "opencompass",
+        env,
+        work / f"opencompass_{number}.log",
+        reuse=run_dir.name if run_dir else None,
+    )
+    problems = check_run(run_dir, models, [d["abbr"] for d in cfg["datasets"]])
+    if problems:
+        raise Edge0Error(
+            f"the OpenCompass run in {run_dir} ({tag}) is incomplete:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return run_dir
+
+
+def _report(run_dir: Path, teacher, models: list[str], out: Path, tag: str) -> str:
+    runs = [run_dir] + ([teacher[1]] if teacher else [])
+    arms = models + ([teacher[0]] if teacher else [])
+    # Relative paths: the report records its command, and reports get committed.
+    command = ["report", *(os.path.relpath(r) for r in runs), "--out"]
+    if cli_main(command + [os.path.relpath(out), "--arms", arm_spec(arms)]) != 0:
+        raise Edge0Error(f"`edge0-eval report` failed on {run_dir} ({tag})")
+    return str(out / "report.json")
+
+
+def _gate_args(reports, baseline, seed, rounds, gate, accept_blind) -> list[str]:
+    """`gate` on the reports so far (a sequential run's rounds, or the whole run's one)."""
+    args = ["gate", *(reports if seed else reports[-1:]), "--baseline", baseline]
+    if seed:
+        shares = ",".join(f"{f:g}" for f in rounds)
+        args += ["--sequential", "--order-seed", seed, "--rounds", shares]
+    for bench, drop in (gate.get("drops") or {}).items():
+        args += ["--benchmark-drop", f"{bench}={drop}"]
+    return args + (["--accept-blind"] if accept_blind else [])
+
+
 def gate_run(
     config: Path,
     baseline: str,
@@ -133,68 +216,26 @@ def gate_run(
     (0 also when baseline is 'none': run and report only)."""
     work.mkdir(parents=True, exist_ok=True)
     work = work.resolve()
-    if order_seed is not None and not (sequential and order_seed.isalnum()):
-        raise ConfigError(
-            "--order-seed: letters and digits, for a --sequential run (a whole run takes "
-            "its sample in the draw's order)"
-        )
-    seed = ""
-    if sequential:
-        # Drawn before anything is scored, so no outcome can choose it; recorded to redo a run.
-        seed = order_seed or secrets.token_hex(8)
-        (work / "order_seed.txt").write_text(seed + "\n", encoding="utf-8")
-        print(f"gate-run: order seed {seed} (written to {work / 'order_seed.txt'})")
+    seed = _order_seed(work, sequential, order_seed)
     cfg = load_config_with(config, {**env, "EDGE0_GATE_ROUND": "0"})
     gate = cfg.get("edge0_gate") or {}
     models = [m["abbr"] for m in cfg["models"]]
-    datasets = [d["abbr"] for d in cfg["datasets"]]
-    if teacher_from is not None and sequential:
-        raise ConfigError(
-            "--teacher-from: a sequential run scores every arm in each round; "
-            "run the teacher in the config's arms"
-        )
-    teacher = _teacher_run(teacher_from, datasets) if teacher_from is not None else None
-    if teacher and any(m.endswith("teacher") for m in models):
-        raise ConfigError(
-            "--teacher-from: the config runs a teacher arm too; leave it out of "
-            "EDGE0_ARMS"
-        )
+    teacher = _teacher(cfg, teacher_from, sequential)
     reporting = (
         teacher is not None
         or any(m.endswith("teacher") for m in models)
         and any(not m.endswith("teacher") for m in models)
     )
-    sampled = [d["abbr"] for d in cfg["datasets"] if sample_size(d) is not None]
-    drops = [f"{b}={v}" for b, v in (gate.get("drops") or {}).items()]
     rounds = check_rounds(gate.get("rounds")) if sequential else [1.0]
     reports, run_dir, start = [], None, time.perf_counter()
     for number in range(1, len(rounds) + 1):
         tag = f"round {number} of {len(rounds)}" if sequential else "whole sample"
-        if run_dir is not None:  # later rounds score the grown prefix afresh
-            for model in models:
-                for abbr in sampled:
-                    (run_dir / "results" / model / f"{abbr}.json").unlink(
-                        missing_ok=True
-                    )
-            shutil.rmtree(run_dir / "summary", ignore_errors=True)
         round_env = {
             **env,
             "EDGE0_GATE_ROUND": str(number if sequential else 0),
             "EDGE0_GATE_SEED": seed,
         }
-        run_dir = run_opencompass(
-            config,
-            work / "opencompass",
-            round_env,
-            work / f"opencompass_{number}.log",
-            reuse=run_dir.name if run_dir else None,
-        )
-        problems = check_run(run_dir, models, datasets)
-        if problems:
-            raise Edge0Error(
-                f"the OpenCompass run in {run_dir} ({tag}) is incomplete:\n  - "
-                + "\n  - ".join(problems)
-            )
+        run_dir = _score_round(config, work, round_env, cfg, number, tag, run_dir)
         if not reporting:  # one arm alone (e.g. the teacher, for --teacher-from)
             print(
                 f"gate-run: {', '.join(models)} scored in {run_dir}: no teacher and student "
@@ -202,39 +243,14 @@ def gate_run(
             )
             return 0
         out = work / (f"report_round{number}" if sequential else "report")
-        runs = [run_dir] + ([teacher[1]] if teacher else [])
-        arms = models + ([teacher[0]] if teacher else [])
-        # Relative paths: the report records its command, and reports get committed.
-        if (
-            cli_main(
-                [
-                    "report",
-                    *(os.path.relpath(r) for r in runs),
-                    "--out",
-                    os.path.relpath(out),
-                    "--arms",
-                    arm_spec(arms),
-                ]
-            )
-            != 0
-        ):
-            raise Edge0Error(f"`edge0-eval report` failed on {run_dir} ({tag})")
-        reports.append(str(out / "report.json"))
+        reports.append(_report(run_dir, teacher, models, out, tag))
         print(
             f"{tag}: scored in {time.perf_counter() - start:.0f} s; report {reports[-1]}",
             flush=True,
         )
         if baseline == "none":
             continue
-        args = [
-            "gate",
-            *(reports if sequential else reports[-1:]),
-            "--baseline",
-            baseline,
-        ]
-        args += ["--sequential", "--order-seed", seed] if sequential else []
-        args += [a for d in drops for a in ("--benchmark-drop", d)]
-        args += ["--accept-blind"] if accept_blind else []
+        args = _gate_args(reports, baseline, seed, rounds, gate, accept_blind)
         code = cli_main(args)
         if code != UNDECIDED_EXIT or not sequential:
             verdict = {0: "pass", 1: "FAIL", BLIND_EXIT: "BLIND"}.get(

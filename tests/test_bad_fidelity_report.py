@@ -411,14 +411,23 @@ def test_gate_recomputes_the_teacher_sanity(case, tmp_path):
     assert "teacher_sanity" in message
 
 
+def _judged(path):
+    """The report with settings for every arm the gate judges (it refuses arms without)."""
+    report = json.loads(path.read_text())
+    settings = {"generation": {"max_out_len": 1}, "scoring": {}, "model": {}}
+    report["arms"] = {a: {"settings": settings} for a in report["fidelity"]["arms"]}
+    path.write_text(json.dumps(report))
+    return path
+
+
 def test_gate_fails_an_insane_teacher_it_is_told_about(tmp_path, capsys):
     """The control: the same numbers with the flag saying so load, and fail the teacher."""
-    baseline = _write(tmp_path / "base.json", _with_teacher())
+    baseline = _judged(_write(tmp_path / "base.json", _with_teacher()))
     load_report(str(baseline))
-    honest = _write(tmp_path / "now.json", _with_teacher(kl=0.5, ok=False))
+    honest = _judged(_write(tmp_path / "now.json", _with_teacher(kl=0.5, ok=False)))
     assert main(["gate", str(honest), "--baseline", str(baseline)]) == 1
     assert "not the set's teacher" in capsys.readouterr().out
-    lying = _write(tmp_path / "lie.json", _with_teacher(kl=0.5))
+    lying = _judged(_write(tmp_path / "lie.json", _with_teacher(kl=0.5)))
     assert main(["gate", str(lying), "--baseline", str(baseline)]) == 2
     err = capsys.readouterr().err
     assert str(lying) in err and "Traceback" not in err

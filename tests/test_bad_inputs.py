@@ -669,8 +669,13 @@ def _row(**kw):
 def _report(path: Path, rows, raw: str | None = None) -> Path:
     from edge0_eval.evaluation.report.gap import SCHEMA
 
+    # Every arm the gate judges carries its settings (it refuses arms without).
+    settings = {"generation": {"max_out_len": 1}, "scoring": {}, "model": {}}
+    arms = {a: {"settings": settings} for a in ("teacher", "student")}
     text = (
-        raw if raw is not None else json.dumps({"schema": SCHEMA, "benchmarks": rows})
+        raw
+        if raw is not None
+        else json.dumps({"schema": SCHEMA, "benchmarks": rows, "arms": arms})
     )
     path.write_text(text)
     return path

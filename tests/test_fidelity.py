@@ -18,6 +18,7 @@ from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.fidelity import report as fr
 from edge0_eval.evaluation.fidelity import scoring as fid
 from edge0_eval.evaluation.fidelity import sets as fs
+from edge0_eval.evaluation.gate import fidelity_checks as fc
 from edge0_eval.evaluation.report.gap import build_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +228,7 @@ def test_unmodified_student_passes_the_fidelity_gate(
     }
     assert fid_section["arms"]["int4_exact"]["kl"] > 0
     again = _fidelity(teacher_set, student_dir)
-    checks = fr.gate_checks(again, baseline)
+    checks = fc.gate_checks(again, baseline)
     assert [c["name"] for c in checks] == [f"fidelity {a}" for a in fr.ARMS]
     assert _failed(checks) == {}
 
@@ -249,7 +250,7 @@ def test_silent_fault_fails_the_fidelity_gate(
     broken = tmp_path / "broken"
     shutil.copytree(student_dir, broken)
     fault(broken)
-    checks = fr.gate_checks(_fidelity(teacher_set, broken), baseline)
+    checks = fc.gate_checks(_fidelity(teacher_set, broken), baseline)
     failed = _failed(checks)
     assert {f"fidelity {a}" for a in failing} <= set(failed), checks
     assert not {f"fidelity {a}" for a in passing | {"teacher"}} & set(failed), failed
@@ -267,7 +268,10 @@ def test_gate_names_fidelity_and_the_arm(baseline, tmp_path, capsys):
     from edge0_eval.evaluation.report.gap import SCHEMA
 
     def report(fidelity):
-        return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity}
+        # Every arm the gate judges carries its settings (it refuses arms without).
+        settings = {"generation": {"max_out_len": 1}, "scoring": {}, "model": {}}
+        arms = {a: {"settings": settings} for a in (fidelity or {}).get("arms", {})}
+        return {"schema": SCHEMA, "benchmarks": [], "fidelity": fidelity, "arms": arms}
 
     base = tmp_path / "base.json"
     base.write_text(json.dumps(report(baseline["fidelity"])))
@@ -345,7 +349,7 @@ def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
         positions = section["arms"][arm]["positions"]  # per-position lists, regrouped
         assert positions["positions"] == 12 * section["items"]
         assert positions["kl_mean"] == pytest.approx(section["arms"][arm]["kl"])
-    assert fr.gate_checks({"fidelity": section}, baseline)[1]["result"] == "pass"
+    assert fc.gate_checks({"fidelity": section}, baseline)[1]["result"] == "pass"
     # A fidelity-only run (no benchmark datasets) is a complete report.
     run = arms["teacher"][1]
     assert build_report([run], arms, None, "test")["status"] == "ok"
@@ -359,7 +363,7 @@ def test_report_reads_opencompass_fidelity_results(baseline, tmp_path):
         and section["arms"]["student"]["status"] == "failed"
     )
     assert build_report([run], arms, None, "test")["status"] == "incomplete"
-    failed = _failed(fr.gate_checks({"fidelity": section}, baseline))
+    failed = _failed(fc.gate_checks({"fidelity": section}, baseline))
     assert list(failed) == ["fidelity student"]
 
 
@@ -542,7 +546,7 @@ def test_another_set_of_the_same_size_fails_the_fidelity_gate(baseline):
     for per_arm in other["fidelity"]["per_item"].values():
         for item in list(per_arm):
             per_arm[f"other/{item}"] = per_arm.pop(item)
-    failed = _failed(fr.gate_checks(other, baseline))
+    failed = _failed(fc.gate_checks(other, baseline))
     assert set(failed) == {f"fidelity {a}" for a in fr.ARMS}, failed
     assert all(
         "item ids differ from the baseline's" in " ".join(r) for r in failed.values()

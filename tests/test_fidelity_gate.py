@@ -1,4 +1,4 @@
-"""The fidelity checks of the gate (evaluation.fidelity.report.gate_checks) judged as the
+"""The fidelity checks of the gate (evaluation.gate.fidelity_checks.gate_checks) judged as the
 deterministic measure teacher-forced scoring is, by simulation with fixed seeds: a fault on a
 few prompts fails however much it widens the spread of the per-prompt changes (the old check
 allowed the threshold plus 1.96 standard errors of those changes, so the fault hid itself), a
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from edge0_eval.evaluation.fidelity import report as fr
+from edge0_eval.evaluation.gate import fidelity_checks as fc
 
 PROMPTS = 100
 SEEDS = 200
@@ -55,7 +55,7 @@ def _broken(rng, kl, agreement, prompts: int, rise: float):
 
 
 def _verdict(current: dict, baseline: dict) -> dict:
-    (check,) = fr.gate_checks({"fidelity": current}, {"fidelity": baseline})
+    (check,) = fc.gate_checks({"fidelity": current}, {"fidelity": baseline})
     return check
 
 
@@ -99,7 +99,7 @@ def test_a_clean_rescoring_passes_and_measured_noise_is_allowed():
     baseline allows none and fails them; a baseline of two scorings measured the noise and
     allows it, so a third scoring passes."""
     rng = np.random.default_rng(62)
-    exact = fr.Tolerances(max_kl_rise=0.0, prompt_kl_rise=0.0)
+    exact = fc.Tolerances(max_kl_rise=0.0, prompt_kl_rise=0.0)
     one_run_failed = 0
     for _ in range(SEEDS):
         kl, ag = _student(rng)
@@ -114,9 +114,9 @@ def test_a_clean_rescoring_passes_and_measured_noise_is_allowed():
             }
         }
         third = {"fidelity": _section(runs[2], ag)}
-        (check,) = fr.gate_checks(third, {"fidelity": two}, exact)
+        (check,) = fc.gate_checks(third, {"fidelity": two}, exact)
         assert check["result"] == "pass", check
-        (check,) = fr.gate_checks(third, {"fidelity": one}, exact)
+        (check,) = fc.gate_checks(third, {"fidelity": one}, exact)
         one_run_failed += check["result"] == "FAIL"
     assert one_run_failed == SEEDS
     # Beyond the noise: five prompts' KL up 2.2x are past their tolerance (their own KL);

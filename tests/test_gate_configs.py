@@ -18,7 +18,12 @@ from opencompass.openicl.icl_dataset_reader import load_partial_dataset
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.evaluation.gate import rounds
-from edge0_eval.evaluation.plan.planner import PlanOptions, make_plan, size_gate
+from edge0_eval.evaluation.plan.planner import (
+    PlanOptions,
+    make_plan,
+    render_gate_size,
+    size_gate,
+)
 from edge0_eval.evaluation.plan.progress import Progress, line, task_specs
 from edge0_eval.evaluation.plan.run_config import load_config
 
@@ -153,6 +158,14 @@ def test_config_sizes_are_the_sizing_commands(name, aime_root):
         # The sample fits the budget: fidelity, overhead and benchmarks within the hour.
         s = size.seconds
         assert s["overhead"] + s["fidelity"] + s["benchmarks"] <= s["budget"]
+        # What each mode catches for a collapse to 0 on the hour's 14 items: 8 lost items all
+        # one way (p = 2^-8 < 0.05 / 8) for the fixed test, 10 (the last round's test at a
+        # fifth of that) for the sequential mode, so a 71% student (10 of 14) collapsing fails.
+        table = render_gate_size(size, "plan")
+        assert (
+            "| HumanEval | 14 of 164 |" in table
+            and "| 74.1 | 91.2 | 57.1 | 71.4 |" in table
+        )
 
 
 def test_sizing_stratifies_mmlu_pro_by_category(aime_root):

@@ -4,14 +4,16 @@ not one run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from oc_tree import OCRun
 
 from edge0_eval.cli import main
 from edge0_eval.evaluation.gate.rounds import run_order
-from edge0_eval.evaluation.gate.sequential_checks import UNDECIDED_EXIT
+from edge0_eval.evaluation.gate.sequential_checks import UNDECIDED_EXIT, check_benchmark
 
 T, S = "qwen-teacher-fp16", "edge0-student"
 ITEMS = 120
@@ -110,7 +112,7 @@ def test_undecided_on_the_whole_sample_cannot_see(tmp_path, baseline, capsys):
     assert gate(baseline, report(tmp_path, "all", churn), extra=[]) == 0
     out = capsys.readouterr().out
     assert (
-        "cannot see a 2-point drop: the whole sample (120 items) left it undecided"
+        "cannot see a 2-point drop: the whole sample (120 items) left the sequential rule undecided"
         in out
     )
     assert "cannot see the drop asked about (GPQA-Diamond" in out
@@ -235,3 +237,68 @@ def test_a_teacher_without_a_student_item_is_one_failure(
     line = _line(capsys.readouterr().out)
     assert "the baseline's teacher has no outcome for 1 of the student's items" in line
     assert f"(e.g. {gone})" in line
+
+
+def test_a_round_that_lost_items_fails(tmp_path, baseline, capsys):
+    """The last round's report with 30 of the items the baseline student passed removed: the
+    round no longer holds what its order seed and round give, so the gate fails as the fixed
+    gate does (before, it passed 'within')."""
+    path = report(tmp_path, "all", TEACHER)
+    data = json.loads(path.read_text())
+    row = data["benchmarks"][0]
+    lost = [i for i, v in row["arms"]["student"]["per_item"].items() if v == 1][:30]
+    for entry in row["arms"].values():
+        for i in lost:
+            del entry["per_item"][i]
+    path.write_text(json.dumps(data))
+    assert gate(baseline, path) == 1
+    assert "GPQA_diamond holds 90 items" in _line(capsys.readouterr().out)
+    rounds = ["--rounds", "0.25,0.5,1"]
+    # With the config's shares a round must hold exactly its share: 30 of 120 is round 1's,
+    # not round 2's.
+    first = report(tmp_path, "r1", TEACHER, items=30)
+    assert gate(baseline, first, extra=ASK + rounds) == UNDECIDED_EXIT
+    capsys.readouterr()
+    assert gate(baseline, first, first, extra=ASK + rounds) == 1
+    assert "round 2: teacher GPQA_diamond holds 30 items" in capsys.readouterr().out
+
+
+def _collapse_runs(rng, alpha: float, runs: int, collapse: bool) -> float:
+    """The share of `runs` sequential gates over a 14-item benchmark (the hour gate's) that
+    fail: a student that passed 10 of 14 (71%) and now passes none, or, unchanged, a run
+    whose items each pass at the baseline's own rate; each run its own order seed."""
+    failed = 0
+    for k in range(runs):
+        ids = [str(i) for i in range(14)]
+        rates = rng.permutation([0.95] * 10 + [0.05] * 4)
+        base_s = {i: float(rng.random() < r) for i, r in zip(ids, rates)}
+        if collapse:
+            base_s = {i: float(r > 0.5) for i, r in zip(ids, rates)}
+        now = {
+            i: 0.0 if collapse else float(rng.random() < r) for i, r in zip(ids, rates)
+        }
+        rows = [
+            {
+                "arms": {
+                    "teacher": {"per_item": dict.fromkeys(ids, 1.0)},
+                    "student": {"per_item": s},
+                }
+            }
+            for s in (base_s, now)
+        ]
+        verdict = check_benchmark(*rows, {}, 20.0, 20.0, alpha, f"s{k}")
+        failed += bool(verdict.failures)
+    return failed / runs
+
+
+def test_a_collapse_fails_in_sequential_mode_with_the_level_kept():
+    """A 14-item benchmark whose student collapses from 71% to 0: the bets alone caught it
+    31% of the time (the rest ended undecided, a pass); the last round's fixed test over all
+    items (at a fifth of the level, the bets at the rest) fails it every time. 1,000 runs at
+    the hour gate's per-test level (0.05 / 8); unchanged students fail at most alpha (1,000
+    runs at 0.05, binomial 99% bound)."""
+    rng = np.random.default_rng(57)
+    caught = _collapse_runs(rng, 0.05 / 8, 1000, collapse=True)
+    false = _collapse_runs(rng, 0.05, 1000, collapse=False)
+    print(f"collapse caught {caught:.3f}; unchanged false FAIL {false:.3f} at 0.05")
+    assert caught >= 0.95 and false <= 0.05 + 0.018

@@ -69,7 +69,7 @@ def teacher_run(gate_env, tmp_path_factory):
 def clean(gate_env, teacher_run, tmp_path_factory):
     work = tmp_path_factory.mktemp("clean")
     env = {**gate_env, "EDGE0_ARMS": STUDENTS}
-    # The sample is sized for 11.7 points, not the 2 asked by default: accepted, by name.
+    # The sample is sized for 12.0 points, not the 2 asked by default: accepted, by name.
     code = gate_run(
         CONFIG, str(BASELINE), work, env, teacher_from=teacher_run, accept_blind=True
     )

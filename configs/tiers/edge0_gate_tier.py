@@ -17,7 +17,7 @@
 # PRIOR_TOKENS), so the hour's 57,000 benchmark tokens at 20 tok/s buy 14 items in all (1 to 5
 # per benchmark: no drop is detectable at all on 1 to 3 items, 75 points on 4). Thinking off,
 # the same time buys 56 items at the 1,024-token bound (more once lengths are measured), 14
-# per benchmark: drops of ~74 points (fixed test; 90 sequential; each of the gate's 8 tests at
+# per benchmark: drops of ~74 points (fixed test; 91 sequential; each of the gate's 8 tests at
 # alpha 0.05 / 8, so the gate as a whole fails an unchanged student at most 5% of the time)
 # are detectable, enough to catch a broken student, not one that lost a few points. Long thinking is what fidelity
 # covers, teacher-forced. AIME is left out: its problems need the long reasoning that
@@ -93,10 +93,10 @@ edge0_gate_sized = dict(
         "IFBench": 14,
     },
     drops={
-        "HumanEval": 90.2,
-        "GPQA-Diamond": 90.2,
-        "MMLU-Pro": 90.2,
-        "IFBench": 90.2,
+        "HumanEval": 91.3,
+        "GPQA-Diamond": 91.3,
+        "MMLU-Pro": 91.3,
+        "IFBench": 91.3,
     },
 )
 edge0_gate_tiers = {"35b": edge0_gate_sized, "8b": edge0_gate_sized}

@@ -1,4 +1,4 @@
-"""The fidelity section of the gap report, and its gate checks.
+"""The fidelity section of the gap report.
 
 Reads each arm's fidelity results (configs/datasets/edge0_fidelity.py: per-item kl, agreement,
 nll, greedy_match, source in `details`) from the OpenCompass runs the report reads. Per arm: the
@@ -9,35 +9,13 @@ sd / sqrt(n), as the benchmark tables), a per-source breakdown, and the decompos
   LoRA recovery  student           vs prerouted_nolora (positive: the LoRA brought it back)
 in KL (nats) and agreement (points). The teacher row is a sanity check: KL 0, agreement 100.
 
-Gate: teacher-forced scoring of a fixed set is deterministic, so the spread of the per-prompt
-changes across prompts is not noise (a fault on a few prompts widens it and would hide
-itself). Per non-teacher arm of the baseline, against the baseline's per-prompt values, FAIL
-when
-  mean KL move     |current KL - baseline KL|        > max(max_kl_rise x baseline KL,
-                                                          MIN_KL_RISE) + noise
-  mean agreement   baseline - current agreement      > max_agreement_drop + noise
-  prompts past     more than floor(max_prompts_past x prompts) prompts past their own
-                   tolerance: KL up by more than max(prompt_kl_rise x the prompt's baseline
-                   KL, the arm's mean allowance) + noise, or agreement down by more than
-                   prompt_agreement_drop points + noise
-A fall of the mean fails too: a move either way means the served path's numerics changed
-(on a random-weight model a wrong expert can as well lower KL); refresh the baseline when the
-change is intended. The KL thresholds are relative (KL scales differ by orders of magnitude
-between models). noise is measured, never assumed: a baseline made from several runs
-(`gate-baseline`) holds each prompt's values in every run, and the allowance is their range
-(the largest difference between two of its runs on any prompt: KL relative to the prompt's,
-agreement in points, allowed on every prompt and on the means); a single-run baseline allows
-none (the measure is deterministic). FAIL also when the
-arm's fidelity is missing or failed, either side has no per-prompt values, the items differ
-from the baseline's, or the teacher row is not KL 0 / agreement 100 (the set was made from
-another teacher).
+Its gate checks (and their defaults) are evaluation/gate/fidelity_checks.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.fidelity import positions as fidelity_positions
@@ -53,12 +31,6 @@ STEPS = (
     ("routing", "prerouted_nolora", "int4_exact"),
     ("lora_recovery", "prerouted_nolora", "student"),
 )
-DEFAULT_MAX_KL_RISE = 0.05  # relative: 5% of the baseline's KL
-MIN_KL_RISE = 1e-4  # nats: below this a rise is float noise
-DEFAULT_MAX_AGREEMENT_DROP = 2.0  # points
-DEFAULT_PROMPT_KL_RISE = 1.0  # relative, per prompt: its KL at most doubles
-DEFAULT_PROMPT_AGREEMENT_DROP = 10.0  # points, per prompt
-DEFAULT_MAX_PROMPTS_PAST = 0.01  # share of prompts allowed past their own tolerance
 # The teacher scored on its own set reproduces its numbers exactly; allow float noise only.
 SANITY_KL = 1e-9
 # sets.score_item's per-position fields, each with its nesting depth (lists in lists).
@@ -610,173 +582,3 @@ def write_plot(fid: dict | None, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------- gate
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    """What the fidelity gate allows (the module docstring; `gate`'s options)."""
-
-    max_kl_rise: float = DEFAULT_MAX_KL_RISE
-    max_agreement_drop: float = DEFAULT_MAX_AGREEMENT_DROP
-    prompt_kl_rise: float = DEFAULT_PROMPT_KL_RISE
-    prompt_agreement_drop: float = DEFAULT_PROMPT_AGREEMENT_DROP
-    max_prompts_past: float = DEFAULT_MAX_PROMPTS_PAST
-
-
-def _noise(section: dict, arm: str) -> tuple[float, float]:
-    """The baseline's measured run-to-run variation of one arm: (KL ratio, agreement points),
-    the largest difference between two of its runs on any prompt, KL relative to the
-    prompt's (float noise scales with the value), agreement as is; (0, 0) from a single-run
-    baseline. Each prompt and the mean are allowed that much: KL ratio x its KL, the points."""
-    runs = (section.get("per_item_runs") or {}).get(arm) or {}
-    if not runs:
-        return 0.0, 0.0
-    kl = max(
-        (max(r[0] for r in rows) - min(r[0] for r in rows))
-        / max(sum(r[0] for r in rows) / len(rows), MIN_KL_RISE)
-        for rows in runs.values()
-    )
-    agree = max(
-        max(r[1] for r in rows) - min(r[1] for r in rows) for rows in runs.values()
-    )
-    return kl, 100.0 * agree
-
-
-def _prompts_past(
-    base: dict,
-    cur: dict,
-    mean_allowance: float,
-    noise: tuple[float, float],
-    tol: Tolerances,
-) -> list[tuple[str, float, float, float, float]]:
-    """The prompts past their own tolerance: (id, KL base, KL now, agreement base, now)."""
-    past = []
-    for i in sorted(base):
-        (kb, ab), (kc, ac) = base[i], cur[i]
-        kl_tol = max(tol.prompt_kl_rise * kb, mean_allowance) + noise[0] * kb
-        if kc - kb > kl_tol or 100.0 * (ab - ac) > tol.prompt_agreement_drop + noise[1]:
-            past.append((i, kb, kc, ab, ac))
-    return past
-
-
-def gate_checks(
-    current: dict, baseline: dict, tol: Tolerances = Tolerances()
-) -> list[dict]:
-    """One check per baseline arm: {name, result (pass | FAIL), reasons, kl, agreement}."""
-    base = baseline.get("fidelity")
-    if not base:
-        now = current.get("fidelity")
-        return (
-            []
-            if not now
-            else [
-                {
-                    "name": "fidelity",
-                    "result": "new",
-                    "items": (None, now["items"]),
-                    "reasons": ["not in the baseline; not gated"],
-                }
-            ]
-        )
-    cur = current.get("fidelity") or {"arms": {}, "items": None, "teacher_sanity": None}
-    checks = []
-    for arm, b in base["arms"].items():
-        check = {
-            "name": f"fidelity {arm}",
-            "result": "pass",
-            "reasons": [],
-            "items": (b.get("items"), None),
-            "kl": (b.get("kl"), None),
-            "agreement": (b.get("agreement"), None),
-        }
-        checks.append(check)
-
-        def fail(reason):
-            check["result"] = "FAIL"
-            check["reasons"].append(reason)
-
-        c = cur["arms"].get(arm)
-        if c is None:
-            fail("missing from the report")
-            continue
-        if b["status"] != "ok" or "kl" not in b:
-            fail(f"baseline not comparable ({b['status']})")
-        if c["status"] != "ok" or "kl" not in c:
-            fail(c["status"])
-        if check["result"] == "FAIL":
-            continue
-        check["kl"], check["agreement"] = (
-            (b["kl"], c["kl"]),
-            (b["agreement"], c["agreement"]),
-        )
-        check["items"] = (b["items"], c["items"])
-        if c["items"] != b["items"]:
-            fail(f"{c['items']} items, baseline {b['items']}")
-        per_item = [(r.get("per_item") or {}).get(arm) or {} for r in (base, cur)]
-        if all(per_item) and set(per_item[0]) != set(per_item[1]):
-            # The same count of other prompts (another set) is not the baseline's measurement.
-            ids = set(per_item[0]) ^ set(per_item[1])
-            fail(
-                f"item ids differ from the baseline's ({len(ids)} not shared, e.g. "
-                f"{sorted(ids)[0]}): scored on another set"
-            )
-        if arm == "teacher":
-            sanity = cur.get("teacher_sanity") or {}
-            if not sanity.get("ok"):
-                fail(
-                    f"teacher on its own set: KL {c['kl']:.3g}, agreement "
-                    f"{c['agreement']:.2f} (want 0 and 100): not the set's teacher"
-                )
-            continue
-        check["reasons"].append(
-            f"KL {b['kl']:.4f}->{c['kl']:.4f}, agreement "
-            f"{b['agreement']:.2f}->{c['agreement']:.2f}"
-        )
-        noise = _noise(base, arm)
-        kl_noise, agree_noise = noise[0] * b["kl"], noise[1]
-        rise, drop = c["kl"] - b["kl"], b["agreement"] - c["agreement"]
-        allowed = max(tol.max_kl_rise * b["kl"], MIN_KL_RISE)
-        measured = f" + {kl_noise:.5f} measured noise" if kl_noise else ""
-        if rise > allowed + kl_noise:
-            fail(
-                f"KL rose {rise:+.5f} > {allowed:.5f} ({tol.max_kl_rise:g} of the "
-                f"baseline){measured}"
-            )
-        elif -rise > allowed + kl_noise:
-            fail(
-                f"KL fell {rise:+.5f} beyond {allowed:.5f}{measured}: the served path "
-                f"changed; refresh the baseline if that is intended"
-            )
-        if drop > tol.max_agreement_drop + agree_noise:
-            fail(
-                f"agreement dropped {drop:.2f} > {tol.max_agreement_drop:g}"
-                + (f" + {agree_noise:.2f} measured noise" if agree_noise else "")
-            )
-        if not all(per_item):
-            where = "the baseline" if not per_item[0] else "this report"
-            fail(
-                f"{where} has no per-prompt values, so the per-prompt check cannot run; "
-                f"make it again with `edge0-eval report`"
-            )
-            continue
-        if set(per_item[0]) != set(per_item[1]):
-            continue
-        past = _prompts_past(per_item[0], per_item[1], allowed, noise, tol)
-        limit = math.floor(tol.max_prompts_past * len(per_item[0]))
-        if len(past) > limit:
-            worst = max(past, key=lambda p: p[2] - p[1])
-            fail(
-                f"{len(past)} of {len(per_item[0])} prompts past their own tolerance "
-                f"(KL up > {tol.prompt_kl_rise:g} of the prompt's, or agreement down > "
-                f"{tol.prompt_agreement_drop:g} points; at most {limit} allowed), e.g. "
-                f"{worst[0]}: KL {worst[1]:.4g}->{worst[2]:.4g}, agreement "
-                f"{100 * worst[3]:.1f}->{100 * worst[4]:.1f}"
-            )
-        elif past:
-            check["reasons"].append(
-                f"{len(past)} prompt(s) past their own tolerance (at most {limit} allowed)"
-            )
-    return checks

@@ -4,7 +4,7 @@ fidelity make`).
 
 File (JSON, or gzipped JSON: written so for a .gz name, read by content), format
 "edge0-eval/fidelity/v2":
-  teacher   {name, fingerprint (sha256 of config, tokenizer and weight headers), model_type,
+  teacher   {name, fingerprint (sha256 of config, tokenizer, weight headers and bytes), model_type,
              compute_dtype (as asked), dtype (what it ran in there; absent in older sets),
              scorer (the teacher-forced scorer that made its log-probs: "layer-major";
              absent in older sets, whose rows came from "pieces")}
@@ -306,6 +306,11 @@ def _item_problem(
         return f"{where}: empty prompt, or not min_new..max_new continuation tokens"
     if v2 and item.get("end") not in ENDS:
         return f"{where}: end {item.get('end')!r}, expected one of {ENDS}"
+    return _rows_problem(item, where, p, k)
+
+
+def _rows_problem(item: dict, where: str, p: int, k: int) -> str | None:
+    """Why an item's top-k rows do not fit its p tokens and top_k k (None: they do)."""
     rows = (item["topk_ids"], item["topk_logprobs"], item["rest"])
     if not all(isinstance(r, list) for r in rows) or not all(len(r) == p for r in rows):
         return f"{where}: top-k rows do not match its {p} tokens"
@@ -349,14 +354,49 @@ def vocab_problem(fset: dict, vocab_size: int) -> str | None:
     return None
 
 
+# Beside a checkpoint: each weight file's sha256 by name, size and mtime, so a 70 GB teacher
+# is read once (a read-only checkpoint is read on every fingerprint instead).
+DIGEST_CACHE = ".edge0_weights_sha256.json"
+
+
+def weights_sha256(path: Path, names: list[str]) -> list[str]:
+    """The sha256 of each weight file's bytes, from DIGEST_CACHE while its size and mtime hold."""
+    try:
+        cache = json.loads((path / DIGEST_CACHE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cache = {}
+    cache, stale = cache if isinstance(cache, dict) else {}, False
+    for name in names:
+        st = (path / name).stat()
+        stamp, entry = [st.st_size, st.st_mtime_ns], cache.get(name)
+        if not (  # a corrupt or stale entry is recomputed, never trusted
+            isinstance(entry, dict)
+            and entry.get("stamp") == stamp
+            and isinstance(entry.get("sha256"), str)
+        ):
+            with open(path / name, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            cache[name], stale = {"stamp": stamp, "sha256": digest}, True
+    if stale:
+        try:
+            (path / f"{DIGEST_CACHE}.tmp").write_text(
+                json.dumps(cache), encoding="utf-8"
+            )
+            (path / f"{DIGEST_CACHE}.tmp").replace(path / DIGEST_CACHE)
+        except OSError:
+            pass
+    return [cache[name]["sha256"] for name in names]
+
+
 def fingerprint(
     path: str | Path,
     weight_files: list[str] | None = None,
     extra_files: tuple[str, ...] = (),
 ) -> str:
     """sha256 over config.json, the tokenizer files (and `extra_files`, whole) and every weight
-    file's name, size and safetensors header: cheap on a 70 GB teacher, yet any re-saved weight
-    changes it. weight_files: the names to include (default: every *.safetensors)."""
+    file's name, size, safetensors header and bytes (weights_sha256: hashed once, cached beside
+    the checkpoint), so two teachers of one shape (a base and its fine-tune, two seeds) differ.
+    weight_files: the names to include (default: every *.safetensors)."""
     path = Path(path)
     h = hashlib.sha256()
     for name in (
@@ -372,8 +412,9 @@ def fingerprint(
         if weight_files is None
         else sorted(n for n in weight_files if (path / n).is_file())
     )
-    for weights in (path / n for n in names):
-        h.update(f"{weights.name}\0{weights.stat().st_size}\0".encode())
+    for name, digest in zip(names, weights_sha256(path, names)):
+        weights = path / name
+        h.update(f"{weights.name}\0{weights.stat().st_size}\0{digest}\0".encode())
         with open(weights, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             h.update(f.read(min(size, 1 << 26)))

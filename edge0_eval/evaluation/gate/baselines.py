@@ -10,8 +10,8 @@ mean of its R scores (`per_item`, what every check reads) and the R scores thems
 and bounds the false-fail rate per baseline, not only on average over baselines. Its own
 spread is reported per benchmark (`baseline_runs`: each run's scores, their sd, and the churn:
 the share of items whose student score differs between two runs, averaged over pairs of runs),
-and per fidelity arm (each run's mean KL and agreement, and the largest per-prompt range):
-the run-to-run variation the fidelity checks allow, measured rather than assumed.
+and per fidelity arm (each run's mean KL and agreement, and the largest per-prompt range); the
+fidelity checks size their allowances from the per-prompt runs (gate/fidelity_checks.py).
 
 The runs must be one config's, one model's and one code's: the same settings (fail closed,
 settings.baseline_differences), the same model identity, the same benchmarks and items, every
@@ -213,6 +213,7 @@ def spread_lines(baseline: dict) -> list[str]:
         lines.append(
             f"fidelity {arm}: KL "
             + ", ".join(f"{v:.4g}" for v in spread["kl"])
-            + f"; largest per-prompt KL range {spread['max_prompt_kl_range']:.3g}"
+            + f" (sd of the means {_sd(spread['kl']):.3g}); largest per-prompt KL range "
+            f"{spread['max_prompt_kl_range']:.3g} (the per-prompt rule's)"
         )
     return lines

@@ -24,8 +24,8 @@ And always FAIL (never pass) when the benchmark is missing from the report, an a
 a task failed (OpenCompass shows '-' and still exits 0), details are absent or do not
 reproduce the metric, the item count differs from the baseline, or the prompt version changed.
 gap = teacher - student, in points. Both thresholds default to 2.0 points.
-With fidelity in the baseline, one more check per arm (fidelity.report.gate_checks: the mean
-KL and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
+With fidelity in the baseline, one more check per arm (gate/fidelity_checks.py: the mean KL
+and agreement, and each prompt against its own tolerance), named `fidelity ARM`.
 With --sequential (a gate run in rounds, gate_run.py) the paired tests are the anytime-valid
 sequential tests of evaluation/gate/sequential_checks.py, over the rounds' reports.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
-from edge0_eval.evaluation.fidelity import report as fidelity_report
+from edge0_eval.evaluation.gate import fidelity_checks
 from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
 from edge0_eval.evaluation.significance import paired, sequential
 
@@ -61,6 +61,7 @@ class Check:
     blind: bool = False  # cannot see the drop it is asked about
     rule: str | None = None  # sequential: regressed | within | undecided
     pending: bool = False  # sequential: undecided with items left (next round)
+    allowance: str | None = None  # fidelity: what each rule allows, in its units
 
     def fail(self, reason: str) -> None:
         self.result = "FAIL"
@@ -81,23 +82,6 @@ def _arm_problems(row: dict) -> str:
 def _per_item(row: dict, arm: str, key: str = "per_item") -> dict | None:
     items = row.get("arms", {}).get(arm, {}).get(key)
     return items if isinstance(items, dict) and items else None
-
-
-def _tests(bt: dict, bs: dict, ct_: dict, cs: dict, base: dict, alpha: float):
-    """(student drop, gap widening) as paired changes: against the baseline's runs when it
-    holds several (gate-baseline), else against its one run."""
-    runs = [_per_item(base, arm, "per_item_runs") for arm in ("teacher", "student")]
-    if all(runs):
-        rt, rs = runs
-        gap_runs = {i: [s - t for s, t in zip(rs[i], rt[i])] for i in rs if i in rt}
-        return (
-            paired.baseline_change(rs, cs, alpha),
-            paired.baseline_change(gap_runs, {i: cs[i] - ct_[i] for i in cs}, alpha),
-        )
-    # Per item, student - teacher: its drop is the gap's widening.
-    return paired.change(bs, cs, alpha), paired.change(
-        {i: bs[i] - bt[i] for i in bs}, {i: cs[i] - ct_[i] for i in cs}, alpha
-    )
 
 
 def _paired_checks(
@@ -125,7 +109,7 @@ def _paired_checks(
     if unpaired:
         check.fail(unpaired)
         return True
-    student, gap = _tests(bt, bs, ct_, cs, base, alpha)
+    student, gap = gate_sequential.fixed_tests(bt, bs, ct_, cs, base, alpha)
     check.drop, check.gap_increase = student.drop, gap.drop
     check.p_values, check.detectable = (
         (student.p_value, gap.p_value),
@@ -153,43 +137,61 @@ def _paired_checks(
     return True
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """A sequential gate run's reports: each item's first round (benchmark -> item -> round),
+    the run's order seed, the round judged, and the config's cumulative shares (None: the
+    rounds' items are checked as prefixes of the seed's order only)."""
+
+    first_round: dict
+    seed: str
+    number: int
+    shares: list[float] | None = None
+
+
 def _sequential_check(
     check: Check,
     base: dict,
     cur: dict,
-    first_round: dict,
-    max_gap_increase: float,
-    max_drop: float,
+    asked: tuple[float, float],
     alpha: float,
-    seed: str,
+    rounds: Rounds,
+    baseline: dict,
 ) -> None:
+    drop_asked, gap_asked = asked
+    wrong = gate_sequential.round_problems(
+        baseline, base, cur, rounds.seed, rounds.number, rounds.shares
+    )
+    if wrong:
+        check.fail(wrong)
+        return
     verdict = gate_sequential.check_benchmark(
         base,
         cur,
-        first_round.get(base["benchmark"], {}),
-        max_drop,
-        max_gap_increase,
+        rounds.first_round.get(base["benchmark"], {}),
+        drop_asked,
+        gap_asked,
         alpha,
-        seed,
+        rounds.seed,
     )
     check.rule, check.drop, check.gap_increase = (
         verdict.rule,
         verdict.drop,
         verdict.gap_increase,
     )
-    if (
-        verdict.student[0] is not None
-    ):  # both on the items seen so far, not the whole sample
+    if verdict.student[0] is not None:  # on the items seen so far, not the whole sample
         check.student, check.gap = verdict.student, verdict.gap
     check.blind = check.blind or (verdict.rule == "undecided" and verdict.exhausted)
     churn = (base.get("baseline_runs") or {}).get("churn")
     if churn is not None:
         # The threshold was sized at a declared churn; the baseline's runs measured it.
-        seen = sequential.detectable_drop(base["items"], churn, None, alpha)
-        if seen is None or seen > max_drop:
+        seen = sequential.detectable_drop(
+            base["items"], churn, None, sequential.sequential_alpha(alpha)
+        )
+        if seen is None or seen > drop_asked:
             check.blind = True
             check.reasons.append(
-                f"cannot see a {max_drop:g}-point drop at the churn the baseline's runs "
+                f"cannot see a {drop_asked:g}-point drop at the churn the baseline's runs "
                 f"measured ({100 * churn:.1f}%): the sequential rule catches "
                 f"{'none' if seen is None else f'{seen:.1f} points'} at 80% power there "
                 f"(re-size: `plan CONFIG --size-gate --churn-from BASELINE.json`)"
@@ -200,87 +202,95 @@ def _sequential_check(
         check.fail(reason)
 
 
+def _unpaired_check(check: Check, base: dict, cur: dict, asked: tuple) -> None:
+    """A baseline without per-item outcomes: the old half-width rule (no level claimed)."""
+    drop_asked, gap_asked = asked
+    check.reasons.append(
+        "unpaired: the baseline has no per-item outcomes (regenerate it "
+        "with `edge0-eval report` to pair)"
+    )
+    # No interval (a single item) means no allowance for noise.
+    hw = cur["delta_half_width"] or 0.0
+    check.half_width = hw
+    check.gap_increase = cur["gap"] - base["gap"]
+    check.drop = base["student"] - cur["student"]
+    if check.gap_increase > gap_asked + hw:
+        check.fail(f"gap widened {check.gap_increase:+.2f} > {gap_asked:g} + {hw:.2f}")
+    if check.drop > drop_asked + hw:
+        check.fail(f"student dropped {check.drop:.2f} > {drop_asked:g} + {hw:.2f}")
+
+
+def _benchmark_check(base, cur, asked, limits, level, rounds, baseline) -> Check:
+    """One baseline benchmark's check; asked: the benchmark's own drop (or None), limits:
+    (max drop, max gap increase)."""
+    check = Check(base["benchmark"])
+    drops = (asked, asked) if asked else limits
+    if cur is None:
+        check.fail("missing from the report")
+        return check
+    check.items = (base["items"], cur["items"])
+    check.gap = (base["gap"], cur["gap"])
+    check.student = (base["student"], cur["student"])
+    if base["status"] != "ok":
+        check.fail(f"baseline not comparable: {_arm_problems(base)}")
+    if cur["status"] != "ok":
+        check.fail(_arm_problems(cur))
+    if check.result == "FAIL":
+        return check
+    if cur["items"] != base["items"] and rounds is None:
+        check.fail(f"{cur['items']} items, baseline {base['items']}")
+    if base["version"] and cur["version"] and base["version"] != cur["version"]:
+        check.fail(f"prompt version {cur['version']}, baseline {base['version']}")
+    if asked and asked > min(limits):
+        # The sample was sized for a larger drop than the one asked about: a pass (even
+        # a decided `within`) says nothing about the smaller one.
+        check.blind = True
+        check.reasons.append(
+            f"cannot see a {min(limits):g}-point drop: this sample is sized for "
+            f"{asked:g} points"
+        )
+    if rounds is not None:
+        _sequential_check(check, base, cur, drops, level, rounds, baseline)
+    elif not _paired_checks(check, base, cur, drops[1], drops[0], level):
+        _unpaired_check(check, base, cur, drops)
+    return check
+
+
 def evaluate(
     current: dict,
     baseline: dict,
     max_gap_increase: float,
     max_drop: float,
-    fidelity: fidelity_report.Tolerances = fidelity_report.Tolerances(),
+    fidelity: fidelity_checks.Tolerances = fidelity_checks.Tolerances(),
     alpha: float = paired.DEFAULT_ALPHA,
-    first_round: dict | None = None,
+    rounds: Rounds | None = None,
     drops: dict[str, float] | None = None,
-    order_seed: str = "",
 ) -> list[Check]:
-    """The checks of every baseline benchmark; first_round (benchmark -> item -> round) makes
-    them sequential (their items in the order of the run's order seed), drops gives a
-    benchmark its own max drop and max gap increase."""
+    """The checks of every baseline benchmark, then the new ones and fidelity's; rounds makes
+    them sequential (gate.py), drops gives a benchmark its own max drop and max gap
+    increase."""
     rows = {r["benchmark"]: r for r in current["benchmarks"]}
-    checks = []
     level = paired.per_test_alpha(alpha, len(baseline["benchmarks"]))
-    unknown = sorted(
-        set(drops or {}) - {r["benchmark"] for r in baseline["benchmarks"]}
-    )
+    names = [r["benchmark"] for r in baseline["benchmarks"]]
+    unknown = sorted(set(drops or {}) - set(names))
     if unknown:
         raise Edge0Error(
             f"--benchmark-drop names {unknown}, not benchmarks of the baseline"
         )
-    for base in baseline["benchmarks"]:
-        check = Check(base["benchmark"])
-        asked = (drops or {}).get(base["benchmark"])
-        drop_asked, gap_asked = (
-            (asked, asked) if asked else (max_drop, max_gap_increase)
+    checks = [
+        _benchmark_check(
+            base,
+            rows.get(base["benchmark"]),
+            (drops or {}).get(base["benchmark"]),
+            (max_drop, max_gap_increase),
+            level,
+            rounds,
+            baseline,
         )
-        checks.append(check)
-        cur = rows.get(base["benchmark"])
-        if cur is None:
-            check.fail("missing from the report")
-            continue
-        check.items = (base["items"], cur["items"])
-        check.gap = (base["gap"], cur["gap"])
-        check.student = (base["student"], cur["student"])
-        if base["status"] != "ok":
-            check.fail(f"baseline not comparable: {_arm_problems(base)}")
-        if cur["status"] != "ok":
-            check.fail(_arm_problems(cur))
-        if check.result == "FAIL":
-            continue
-        if cur["items"] != base["items"] and first_round is None:
-            check.fail(f"{cur['items']} items, baseline {base['items']}")
-        if base["version"] and cur["version"] and base["version"] != cur["version"]:
-            check.fail(f"prompt version {cur['version']}, baseline {base['version']}")
-        if asked and asked > min(max_drop, max_gap_increase):
-            # The sample was sized for a larger drop than the one asked about: a pass (even
-            # a decided `within`) says nothing about the smaller one.
-            check.blind = True
-            check.reasons.append(
-                f"cannot see a {min(max_drop, max_gap_increase):g}-point drop: "
-                f"this sample is sized for {asked:g} points"
-            )
-        if first_round is not None:
-            _sequential_check(
-                check, base, cur, first_round, gap_asked, drop_asked, level, order_seed
-            )
-            continue
-        if _paired_checks(check, base, cur, gap_asked, drop_asked, level):
-            continue
-        check.reasons.append(
-            "unpaired: the baseline has no per-item outcomes (regenerate it "
-            "with `edge0-eval report` to pair)"
-        )
-        # No interval (a single item) means no allowance for noise.
-        hw = cur["delta_half_width"] or 0.0
-        check.half_width = hw
-        check.gap_increase = cur["gap"] - base["gap"]
-        check.drop = base["student"] - cur["student"]
-        if check.gap_increase > gap_asked + hw:
-            check.fail(
-                f"gap widened {check.gap_increase:+.2f} > {gap_asked:g} + {hw:.2f}"
-            )
-        if check.drop > drop_asked + hw:
-            check.fail(f"student dropped {check.drop:.2f} > {drop_asked:g} + {hw:.2f}")
-    known = {c.benchmark for c in checks}
+        for base in baseline["benchmarks"]
+    ]
     for name, row in rows.items():
-        if name not in known:
+        if name not in names:
             checks.append(
                 Check(
                     name,
@@ -291,8 +301,9 @@ def evaluate(
                     (None, row["student"]),
                 )
             )
-    for fc in fidelity_report.gate_checks(current, baseline, fidelity):
+    for fc in fidelity_checks.gate_checks(current, baseline, fidelity):
         checks.append(Check(fc["name"], fc["result"], fc["reasons"], fc["items"]))
+        checks[-1].blind, checks[-1].allowance = fc.get("blind"), fc.get("allowance")
     return checks
 
 

@@ -216,6 +216,25 @@ def _check_fidelity(path: str, fid) -> None:
                 )
         if "items" in entry:
             whole(f"{where}: items", entry["items"])
+    _check_fidelity_values(fid, bad, number)
+    sanity = fid.get("teacher_sanity")
+    if sanity is not None and not (
+        isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)
+    ):
+        bad(" teacher_sanity", f"is {sanity!r}, not an object with a boolean 'ok'")
+    if sanity is not None:
+        number(" teacher_sanity kl", sanity.get("kl"), *_ARM_RANGES["kl"])
+        number(
+            " teacher_sanity agreement",
+            sanity.get("agreement"),
+            *_ARM_RANGES["agreement"],
+        )
+        _check_teacher_sanity(fid, sanity, bad)
+
+
+def _check_fidelity_values(fid: dict, bad, number) -> None:
+    """per_item [KL >= 0, agreement share in [0, 1]] per item; decomposition deltas finite
+    with half-widths >= 0 (bad and number: _check_fidelity's reporters)."""
     per_item = fid.get("per_item", {})
     if not isinstance(per_item, dict):
         bad(" per_item", "is not an object")
@@ -246,19 +265,6 @@ def _check_fidelity(path: str, fid) -> None:
                 math.inf,
                 optional=True,
             )
-    sanity = fid.get("teacher_sanity")
-    if sanity is not None and not (
-        isinstance(sanity, dict) and isinstance(sanity.get("ok"), bool)
-    ):
-        bad(" teacher_sanity", f"is {sanity!r}, not an object with a boolean 'ok'")
-    if sanity is not None:
-        number(" teacher_sanity kl", sanity.get("kl"), *_ARM_RANGES["kl"])
-        number(
-            " teacher_sanity agreement",
-            sanity.get("agreement"),
-            *_ARM_RANGES["agreement"],
-        )
-        _check_teacher_sanity(fid, sanity, bad)
 
 
 def _check_teacher_sanity(fid: dict, sanity: dict, bad) -> None:

@@ -12,23 +12,30 @@ whole sample):
   student drop    baseline student - current student, per item
   gap widening    (current gap - baseline gap) per item, halved into [-1, 1] for the test
                   (its threshold too; printed in points of the gap)
-each by sequential.sequential_change: `regressed` (FAIL), `within` the benchmark's threshold
-(a decided pass), or `undecided`. A benchmark is decided when either change regressed or both
-are within; the rule and the item and round where it fired are printed. Undecided when the
-sample is used up: a pass that cannot see the threshold, said so like the fixed gate's.
+each by sequential.sequential_change at sequential.sequential_alpha of the test's level:
+`regressed` (FAIL), `within` the benchmark's threshold (a decided pass), or `undecided`. A
+benchmark is decided when either change regressed or both are within; the rule and the item
+and round where it fired are printed. Undecided on the whole sample: the fixed tests decide at
+the rest of the level (FALLBACK_SHARE: a collapse on a few items fails); a pass there cannot
+see the threshold, said so. A round holding other items than its seed and round give fails.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from edge0_eval.errors import Edge0Error
+from edge0_eval.evaluation.gate.rounds import run_order
+from edge0_eval.evaluation.significance import paired
 from edge0_eval.evaluation.significance.sequential import (
+    FALLBACK_SHARE,
     REGRESSED,
     UNDECIDED,
     WITHIN,
     Sequential,
     order,
+    sequential_alpha,
     sequential_change,
 )
 
@@ -132,6 +139,89 @@ def _said(
     )
 
 
+def fixed_tests(bt: dict, bs: dict, ct_: dict, cs: dict, base: dict, alpha: float):
+    """(student drop, gap widening) as paired changes: against the baseline's runs when it
+    holds several (gate-baseline), else against its one run."""
+    runs = [
+        (base.get("arms", {}).get(a) or {}).get("per_item_runs")
+        for a in ("teacher", "student")
+    ]
+    if all(runs):
+        rt, rs = runs
+        gap_runs = {i: [s - t for s, t in zip(rs[i], rt[i])] for i in rs if i in rt}
+        return (
+            paired.baseline_change(rs, cs, alpha),
+            paired.baseline_change(gap_runs, {i: cs[i] - ct_[i] for i in cs}, alpha),
+        )
+    # Per item, student - teacher: its drop is the gap's widening.
+    return paired.change(bs, cs, alpha), paired.change(
+        {i: bs[i] - bt[i] for i in bs}, {i: cs[i] - ct_[i] for i in cs}, alpha
+    )
+
+
+def seed_orders(baseline: dict, row: dict, seed: str) -> dict[str, list[str]] | None:
+    """Per dataset of the row, its item ids in the order a run with this seed takes them: the
+    draw (the baseline's items in their order, a whole run's) in rounds.run_order. None when
+    the baseline does not record its draw (its settings' data items)."""
+    arm = (baseline.get("arms") or {}).get("student") or {}
+    scoring = (arm.get("settings") or {}).get("scoring") or {}
+    ids = _per_item(row, "student") or {}
+    out = {}
+    for ds in row.get("datasets") or []:
+        drawn = list(((scoring.get(ds) or {}).get("data") or {}).get("items") or {})
+        if not drawn:
+            return None
+        prefix = f"{ds}/" if f"{ds}/{drawn[0]}" in ids else ""
+        out[ds] = [prefix + drawn[j] for j in run_order(len(drawn), seed, ds)]
+    return out
+
+
+def round_problems(
+    baseline: dict, base_row: dict, cur_row: dict, seed: str, round_no: int, shares
+) -> str | None:
+    """Why the round's items are not those its order seed and round give (None: they are):
+    per dataset the first ceil(share x K) of its seed order; without the shares (a `gate`
+    run by hand), a prefix of that order."""
+    orders = seed_orders(baseline, base_row, seed)
+    if orders is None:
+        return (
+            "the baseline records no draw (its settings' data items) to check the round's "
+            "items against; make it again with `edge0-eval report`"
+        )
+    if shares is not None and round_no > len(shares):
+        return f"round {round_no}: the gate run has {len(shares)} rounds"
+    for arm in ("teacher", "student"):
+        ids = set(_per_item(cur_row, arm) or {})
+        for ds, seq in orders.items():
+            mine = (
+                {i for i in ids if i.startswith(f"{ds}/")} if len(orders) > 1 else ids
+            )
+            m = math.ceil(shares[round_no - 1] * len(seq)) if shares else len(mine)
+            want = set(seq[:m])
+            lost, extra = sorted(want - mine), sorted(mine - want)
+            if lost or extra:
+                return (
+                    f"round {round_no}: {arm} {ds} holds {len(mine)} items, its order "
+                    f"seed and round give {len(want)}: {len(lost)} lost (e.g. "
+                    f"{(lost or ['-'])[0]}), {len(extra)} not the round's (e.g. "
+                    f"{(extra or ['-'])[0]}); a round holds exactly those items"
+                )
+    return None
+
+
+def _fallback(verdict: Verdict, outcomes: list, base: dict, alpha: float) -> None:
+    """The last round, undecided: the fixed tests over every item, at FALLBACK_SHARE x alpha."""
+    level = alpha * FALLBACK_SHARE
+    student, gap = fixed_tests(*outcomes, base, level)
+    for what, test in (("student dropped", student), ("gap widened", gap)):
+        if test.p_value < level:
+            verdict.rule = REGRESSED
+            verdict.failures.append(
+                f"undecided at the last round, so the fixed test over all {test.items} "
+                f"items: {what} {test.drop:.2f} ({test.p_text()} < {level:.3g})"
+            )
+
+
 def check_benchmark(
     base: dict,
     cur: dict,
@@ -146,14 +236,9 @@ def check_benchmark(
         _per_item(r, arm) for r in (base, cur) for arm in ("teacher", "student")
     ]
     if any(o is None for o in outcomes):
-        return Verdict(
-            UNDECIDED,
-            False,
-            failures=[
-                "sequential: the baseline or this report has no per-item outcomes for both arms "
-                "(regenerate it with `edge0-eval report`)"
-            ],
-        )
+        why = "the baseline or this report has no per-item outcomes for both arms"
+        fix = "(regenerate it with `edge0-eval report`)"
+        return Verdict(UNDECIDED, False, failures=[f"sequential: {why} {fix}"])
     bt, bs, ct_, cs = outcomes
     foreign = sorted(set(cs) - set(bs))
     if foreign:
@@ -169,17 +254,44 @@ def check_benchmark(
     if unpaired:
         return Verdict(UNDECIDED, False, failures=[f"sequential: {unpaired}"])
     seq = sequence(first_round, cs, seed)
-    student = sequential_change([bs[i] - cs[i] for i in seq], max_drop, alpha)
+    level = sequential_alpha(alpha)
+    student = sequential_change([bs[i] - cs[i] for i in seq], max_drop, level)
     gap = sequential_change(
         [((bs[i] - bt[i]) - (cs[i] - ct_[i])) / 2 for i in seq],
         max_gap_increase / 2,
-        alpha,
+        level,
     )
+    verdict = _scores(bt, bs, ct_, cs, seq)
+    said = [
+        _said(student, "student drop", first_round, seq),
+        _said(gap, "gap widening", first_round, seq, scale=2.0),
+    ]
+    verdict.notes = said
+    if REGRESSED in (student.rule, gap.rule):
+        verdict.rule = REGRESSED
+        verdict.failures = [
+            s for s, r in zip(said, (student, gap)) if r.rule == REGRESSED
+        ]
+    elif student.rule == gap.rule == WITHIN:
+        verdict.rule = WITHIN
+    elif verdict.exhausted:
+        _fallback(verdict, outcomes, base, alpha)
+        verdict.notes.append(
+            f"cannot see a {max_drop:g}-point drop: the whole sample ({len(cs)} items) left "
+            f"the sequential rule undecided"
+        )
+    else:
+        verdict.notes.append(f"{len(cs)} of {len(bs)} items so far: run the next round")
+    return verdict
+
+
+def _scores(bt: dict, bs: dict, ct_: dict, cs: dict, seq: list[str]) -> Verdict:
+    """An undecided Verdict with both runs' scores on the items seen so far (the baseline's
+    whole sample is more items)."""
 
     def mean(values) -> float:
         return 100.0 * sum(values) / len(seq)
 
-    # Scores on the items seen so far, both runs (the baseline's whole sample is more items).
     verdict = Verdict(
         UNDECIDED,
         len(cs) == len(bs),
@@ -188,29 +300,6 @@ def check_benchmark(
     )
     verdict.drop = verdict.student[0] - verdict.student[1]
     verdict.gap_increase = verdict.gap[1] - verdict.gap[0]
-    said = [
-        _said(student, "student drop", first_round, seq),
-        _said(gap, "gap widening", first_round, seq, scale=2.0),
-    ]
-    if REGRESSED in (student.rule, gap.rule):
-        verdict.rule = REGRESSED
-        verdict.failures = [
-            s for s, r in zip(said, (student, gap)) if r.rule == REGRESSED
-        ]
-        return verdict
-    if student.rule == gap.rule == WITHIN:
-        verdict.rule = WITHIN
-        verdict.notes = said
-        return verdict
-    if verdict.exhausted:
-        verdict.notes = said + [
-            f"cannot see a {max_drop:g}-point drop: the whole sample "
-            f"({len(cs)} items) left it undecided"
-        ]
-    else:
-        verdict.notes = said + [
-            f"{len(cs)} of {len(bs)} items so far: run the next round"
-        ]
     return verdict
 
 

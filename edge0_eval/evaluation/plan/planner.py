@@ -362,48 +362,43 @@ def _fidelity_rate(
     return rate, "assumed: decode rate"
 
 
-def make_plan(opts: PlanOptions) -> Plan:
-    cfg = load_config(opts.config)
-    models, datasets = list(cfg.get("models") or []), list(cfg.get("datasets") or [])
-    if not models or not datasets:
-        raise ConfigError(
-            f"{opts.config}: the config has no "
-            f"{'models' if not models else 'datasets'} to plan"
-        )
-    measured = read_previous(opts.previous) if opts.previous else None
-    notes = []
-    counted = {}
-    fidelity_split = None
+def _count(cfg: dict, datasets: list, notes: list[str]):
+    """Per dataset abbr (items, samples, items' source, fidelity positions or None), and the
+    fidelity set's (prompt tokens, positions) when one is staged or declared."""
+    counted, fidelity_split = {}, None
     for d in datasets:
         abbr = dataset_abbr(d)
-        if abbr == FIDELITY_ABBR:
-            staged = fidelity_counts()
-            declared = (cfg.get("edge0_gate") or {}).get("fidelity_positions")
-            source = "fidelity set"
-            if staged is None and isinstance(declared, int) and declared > 0:
-                # A gate config declares its set's positions (prompts not declared).
-                staged, source = (1, 0, declared), "gate config"
-                notes.append(
-                    f"{abbr}: no fidelity set staged; the gate config's "
-                    f"fidelity_positions ({declared:,}) are priced, their prompts not "
-                    f"(the config does not declare them)"
-                )
-            if staged is None:
-                notes.append(
-                    f"{abbr}: no fidelity set at {data_root() / SET_PATH}; its cost "
-                    f"is left out (make one with `edge0-eval fidelity make`)"
-                )
-                continue
-            fidelity_split = staged[1:]  # (prompt tokens, positions)
-            counted[abbr] = (staged[0], 1, source, staged[1] + staged[2])
-        else:
+        if abbr != FIDELITY_ABBR:
             items, source = count_items(d)
             counted[abbr] = (items, int(d.get("n", 1)), source, None)
+            continue
+        staged = fidelity_counts()
+        declared = (cfg.get("edge0_gate") or {}).get("fidelity_positions")
+        source = "fidelity set"
+        if staged is None and isinstance(declared, int) and declared > 0:
+            # A gate config declares its set's positions (prompts not declared).
+            staged, source = (1, 0, declared), "gate config"
+            notes.append(
+                f"{abbr}: no fidelity set staged; the gate config's "
+                f"fidelity_positions ({declared:,}) are priced, their prompts not "
+                f"(the config does not declare them)"
+            )
+        if staged is None:
+            notes.append(
+                f"{abbr}: no fidelity set at {data_root() / SET_PATH}; its cost "
+                f"is left out (make one with `edge0-eval fidelity make`)"
+            )
+            continue
+        fidelity_split = staged[1:]  # (prompt tokens, positions)
+        counted[abbr] = (staged[0], 1, source, staged[1] + staged[2])
+    return counted, fidelity_split
+
+
+def _lines(opts, models, counted, measured, fidelity_split, notes) -> list[Line]:
     lines = []
     for m in models:
         arm = arm_abbr(m)
         for abbr, (items, samples, items_source, positions) in counted.items():
-            bench = benchmark_for(abbr).name
             per, source = tokens_per_sample(
                 m, abbr, measured.tokens if measured else None, positions, items
             )
@@ -417,7 +412,7 @@ def make_plan(opts: PlanOptions) -> Plan:
                 Line(
                     arm,
                     abbr,
-                    bench,
+                    benchmark_for(abbr).name,
                     items,
                     samples,
                     items_source,
@@ -429,6 +424,44 @@ def make_plan(opts: PlanOptions) -> Plan:
                     tokens / rate / 3600,
                 )
             )
+    return lines
+
+
+def _power(opts: PlanOptions, counted: dict, gate: bool) -> dict[str, dict]:
+    """Per benchmark what a paired gate on its items detects (and a gate config's sequential
+    rule), each test at the gate's level over these benchmarks (paired.per_test_alpha)."""
+    power = {}
+    for abbr, (items, _, _, positions) in counted.items():
+        if positions is None:
+            p = power.setdefault(benchmark_for(abbr).name, {"items": 0})
+            p["items"] += items
+    level = per_test_alpha(opts.alpha, len(power))
+    for p in power.values():
+        p.update(
+            churn=opts.churn,
+            alpha=opts.alpha,
+            test_alpha=level,
+            detectable_drop=detectable_drop(p["items"], opts.churn, level),
+        )
+        if gate:
+            p["sequential_drop"] = sequential.detectable_drop(
+                p["items"], opts.churn, None, sequential.sequential_alpha(level)
+            )
+    return power
+
+
+def make_plan(opts: PlanOptions) -> Plan:
+    cfg = load_config(opts.config)
+    models, datasets = list(cfg.get("models") or []), list(cfg.get("datasets") or [])
+    if not models or not datasets:
+        raise ConfigError(
+            f"{opts.config}: the config has no "
+            f"{'models' if not models else 'datasets'} to plan"
+        )
+    measured = read_previous(opts.previous) if opts.previous else None
+    notes = []
+    counted, fidelity_split = _count(cfg, datasets, notes)
+    lines = _lines(opts, models, counted, measured, fidelity_split, notes)
     overhead = opts.task_overhead_s
     if overhead is None:
         overhead = (
@@ -444,27 +477,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     for a in arms.values():
         a["overhead_s"] = overhead
         a["total_hours"] = a["hours"] + overhead / 3600
-    power = {}
-    for abbr, (items, samples, _, positions) in counted.items():
-        if positions is not None:
-            continue
-        p = power.setdefault(benchmark_for(abbr).name, {"items": 0})
-        p["items"] += items
-    # The gate's level for each of its tests over these benchmarks (paired.per_test_alpha).
-    level = per_test_alpha(opts.alpha, len(power))
-    for bench, p in power.items():
-        p.update(
-            churn=opts.churn,
-            alpha=opts.alpha,
-            test_alpha=level,
-            detectable_drop=detectable_drop(p["items"], opts.churn, level),
-        )
-        if cfg.get(
-            "edge0_gate"
-        ):  # a gate config: what its sequential rule detects, too
-            p["sequential_drop"] = sequential.detectable_drop(
-                p["items"], opts.churn, None, level
-            )
+    power = _power(opts, counted, bool(cfg.get("edge0_gate")))
     if any(l.tokens_source == "limit" for l in lines):
         notes.append(
             "'limit': no measured length and no prior for this setting, so every "
@@ -665,6 +678,56 @@ def measured_churn(path: Path, benchmarks: list[str]) -> dict[str, float]:
     return churn
 
 
+def _allocate(budget: float, sizes: dict, cost: dict) -> dict[str, int]:
+    """Items per benchmark: the budget shared equally, a benchmark that fits whole taking its
+    whole population and leaving the rest to the others."""
+    share, open_ = budget, dict(sizes)
+    items: dict[str, int] = {}
+    while open_:
+        each = share / len(open_)
+        whole = [b for b in open_ if sum(open_[b].values()) * cost[b] <= each]
+        if not whole:
+            break
+        for b in whole:
+            items[b] = sum(open_.pop(b).values())
+            share -= items[b] * cost[b]
+    for b in open_:
+        items[b] = min(int(share / len(open_) / cost[b]), sum(sizes[b].values()))
+    return items
+
+
+def _size_row(
+    size, bench: str, items: int, sizes: dict, cost: float, churn: float, level
+):
+    """One benchmark's sample (stratified), threshold and what each mode detects."""
+    size.samples.update(_stratify(items, sizes))
+    n = sum(size.samples[d] for d in sizes)
+    seq_level = sequential.sequential_alpha(level)
+    seq = sequential.detectable_drop(n, churn, None, seq_level) if n else None
+    fixed = paired.detectable_drop(n, churn, level) if n else None
+    size.drops[bench] = math.ceil(seq * 10) / 10 if seq is not None else 100.0
+    size.rows.append(
+        dict(
+            benchmark=bench,
+            items=n,
+            population=sum(sizes.values()),
+            seconds_per_item=cost,
+            churn=churn,
+            fixed=fixed,
+            sequential=seq,
+            collapse=(
+                collapse_from(n, level),
+                collapse_from(n, level * sequential.FALLBACK_SHARE),
+            ),
+        )
+    )
+    if n == 0:
+        size.notes.append(
+            f"{bench}: one item costs {cost:.0f} s, more than its share of the budget: "
+            f"not sampled"
+        )
+
+
 def size_gate(
     config: Path,
     *,
@@ -717,18 +780,7 @@ def size_gate(
             f"{config}: edge0_gate benchmarks {missing} have no dataset in "
             f"edge0_gate_sources (the datasets the sample is drawn from)"
         )
-    share, open_ = budget, dict(sizes)
-    items: dict[str, int] = {}
-    while open_:
-        each = share / len(open_)
-        whole = [b for b in open_ if sum(open_[b].values()) * cost[b] <= each]
-        if not whole:
-            break
-        for b in whole:
-            items[b] = sum(open_.pop(b).values())
-            share -= items[b] * cost[b]
-    for b in open_:
-        items[b] = min(int(share / len(open_) / cost[b]), sum(sizes[b].values()))
+    items = _allocate(budget, sizes, cost)
     size = GateSize(
         arm,
         {},
@@ -745,28 +797,18 @@ def size_gate(
         gate["alpha"], len(gate["benchmarks"])
     )
     for bench in gate["benchmarks"]:
-        size.samples.update(_stratify(items[bench], sizes[bench]))
-        n = sum(size.samples[d] for d in sizes[bench])
-        seq = sequential.detectable_drop(n, churn[bench], None, level) if n else None
-        fixed = paired.detectable_drop(n, churn[bench], level) if n else None
-        size.drops[bench] = math.ceil(seq * 10) / 10 if seq is not None else 100.0
-        size.rows.append(
-            dict(
-                benchmark=bench,
-                items=n,
-                population=sum(sizes[bench].values()),
-                seconds_per_item=cost[bench],
-                churn=churn[bench],
-                fixed=fixed,
-                sequential=seq,
-            )
+        _size_row(
+            size, bench, items[bench], sizes[bench], cost[bench], churn[bench], level
         )
-        if n == 0:
-            size.notes.append(
-                f"{bench}: one item costs {cost[bench]:.0f} s, more than its "
-                f"share of the budget: not sampled"
-            )
     return size
+
+
+def collapse_from(items: int, level: float) -> float | None:
+    """The least student score (points) whose collapse to 0 the exact paired test at `level`
+    catches every time: d items lost, all one way, give p = 2^-d (None: not on these items).
+    The sequential mode's is its last round's fixed test, at FALLBACK_SHARE of the level."""
+    lost = math.ceil(math.log2(1 / level))
+    return 100.0 * lost / items if 0 < lost <= items else None
 
 
 def render_gate_size(size: GateSize, gate_cmd: str) -> str:
@@ -778,15 +820,17 @@ def render_gate_size(size: GateSize, gate_cmd: str) -> str:
         f"fidelity rate: {size.fidelity_source}",
         "",
         "| benchmark | items of | s/item | churn | drop detectable at 80% power: fixed "
-        "| sequential |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| sequential | a collapse to 0 caught every time from a score of: fixed | "
+        "sequential |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    shown = lambda v: "none" if v is None else f"{v:.1f}"  # noqa: E731
     for r in size.rows:
-        f = "none" if r["fixed"] is None else f"{r['fixed']:.1f}"
-        q = "none" if r["sequential"] is None else f"{r['sequential']:.1f}"
         out.append(
             f"| {r['benchmark']} | {r['items']} of {r['population']} | "
-            f"{r['seconds_per_item']:.3g} | {100 * r['churn']:.1f}% | {f} | {q} |"
+            f"{r['seconds_per_item']:.3g} | {100 * r['churn']:.1f}% | {shown(r['fixed'])} "
+            f"| {shown(r['sequential'])} | {shown(r['collapse'][0])} | "
+            f"{shown(r['collapse'][1])} |"
         )
     out += [
         "",
