@@ -83,6 +83,29 @@ SE = {  # the paired standard errors, by hand
 }
 ITEMS = {"AIME 2026": 4, "HumanEval": 5, "GPQA-Diamond": 4, "MMLU-Pro": 4, "IFBench": 4}
 HW = {name: t95(ITEMS[name]) * se for name, se in SE.items()}
+# Items whose outcome rose / fell, student against teacher, by hand from the tables above.
+MOVES = {
+    "AIME 2026": (0, 1),
+    "HumanEval": (0, 1),
+    "GPQA-Diamond": (1, 1),
+    "MMLU-Pro": (0, 1),
+    "IFBench": (0, 1),
+}
+
+
+def exact_ci(name: str) -> list[float]:
+    """0/1 items, fewer than 50: the exact interval, each share's Clopper-Pearson bounds at
+    97.5% (a union bound), in points."""
+    n, (up, down) = ITEMS[name], MOVES[name]
+
+    def bounds(k):
+        low = stats.beta.ppf(0.0125, k, n - k + 1) if k else 0.0
+        return low, stats.beta.ppf(0.9875, k + 1, n - k) if k < n else 1.0
+
+    (ul, uh), (dl, dh) = bounds(up), bounds(down)
+    return [100 * (ul - dh), 100 * (uh - dl)]
+
+
 EXPECTED = {  # benchmark: (items, teacher, student)
     "AIME 2026": (4, 75.0, 50.0),
     "HumanEval": (5, 80.0, 60.0),
@@ -148,10 +171,13 @@ def test_teacher_student_numbers(tmp_path):
         assert r["student"] == pytest.approx(s, abs=1e-12)
         assert r["delta"] == pytest.approx(s - t, abs=1e-12)
         assert r["gap"] == pytest.approx(t - s, abs=1e-12)
-        assert r["delta_half_width"] == pytest.approx(HW[name], rel=1e-12)
-        assert r["delta_ci95"] == pytest.approx(
-            [s - t - HW[name], s - t + HW[name]], rel=1e-12
+        lo, hi = exact_ci(name)
+        assert r["delta_ci95"] == pytest.approx([lo, hi], rel=1e-9)
+        assert lo < s - t < hi and hi - lo > 2 * HW[name] * 0.5
+        assert r["delta_half_width"] == pytest.approx(
+            max(s - t - lo, hi - (s - t)), rel=1e-9
         )
+        assert r["delta_se"] == pytest.approx(SE[name], rel=1e-12)
         assert r["decomposition"] is None
 
     mmlu = rows(rep)["MMLU-Pro"]
@@ -185,13 +211,14 @@ def test_teacher_student_numbers(tmp_path):
     assert list(table) == ORDER + ["average"]
     assert float(table["HumanEval"]["delta"]) == -20.0
     # full precision
-    assert float(table["GPQA-Diamond"]["half_width"]) == HW["GPQA-Diamond"]
+    gpqa = rows(rep)["GPQA-Diamond"]
+    assert float(table["GPQA-Diamond"]["half_width"]) == gpqa["delta_half_width"]
     assert float(table["average"]["student"]) == 47.0
     md = (out / "report.md").read_text()
     assert f"edge0-eval report {run_dir.parent} --out {out}" in md
     assert rep["created"][:10] in md
     assert (
-        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-75.53, +35.53] | ok |"
+        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-76.44, +58.12] | ok |"
         in md
     )
     assert "| teacher | qwen-teacher-fp16 | n/a |" in md
@@ -474,7 +501,7 @@ def test_reference_columns_only_beside_the_same_definition(tmp_path):
     assert "AIME 2026" in rep["average"]["reference_omitted"]
     md = (tmp_path / "rep" / "report.md").read_text()
     assert (
-        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-75.53, +35.53] | ok |"
+        "| HumanEval | pass@1, n=1 | 5 | 80.00 | 60.00 | -20.00 | [-76.44, +58.12] | ok |"
         in md
     )
     assert "| 95.1 | 90.9 | -4.2 |" in md
@@ -684,7 +711,13 @@ def test_real_opencompass_outputs(tmp_path):
     # teacher 111110, student 111000 per set: diffs 0,0,0,-100,-100,0 (twice), mean -100/3,
     # deviations +100/3 (8 items) and -200/3 (4 items)
     var = (8 * (100 / 3) ** 2 + 4 * (200 / 3) ** 2) / 11
-    assert mmlu["delta_half_width"] == pytest.approx(t95(12) * math.sqrt(var / 12))
+    assert mmlu["delta_se"] == pytest.approx(math.sqrt(var / 12))
+    # 12 items of 0/1 outcomes, 4 fell: the exact interval, by hand
+    fell = stats.beta.ppf([0.0125, 0.9875], [4, 5], [9, 8])
+    rose_high = stats.beta.ppf(0.9875, 1, 12)
+    assert mmlu["delta_ci95"] == pytest.approx(
+        [-100 * fell[1], 100 * (rose_high - fell[0])]
+    )
     assert rows(rep)["GPQA-Diamond"]["status"] == "failed"
 
 

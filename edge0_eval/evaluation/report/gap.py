@@ -42,6 +42,7 @@ from edge0_eval.evaluation.report.definitions import (
     reference_for,
 )
 from edge0_eval.evaluation.report.flips import add_flips
+from edge0_eval.evaluation.significance.paired import EXACT_BELOW, exact_interval
 
 # v2: per-sample records, the open-thinking rule, headline definitions, data digests and model
 # identity. A v1 report still reads (gate: with a note saying what it lacks).
@@ -252,6 +253,11 @@ def _benchmark_row(
             half = sampling.t95(len(diffs) - 1) * se
             row["delta_se"], row["delta_half_width"] = se, half
             row["delta_ci95"] = [mean - half, mean + half]
+        exact = exact_interval(diffs, unit=100.0) if len(diffs) < EXACT_BELOW else None
+        if exact is not None:
+            # Few 0/1 items: the t interval under-covers, and is width 0 when all agree.
+            row["delta_ci95"] = list(exact)
+            row["delta_half_width"] = max(mean - exact[0], exact[1] - mean)
         row["decomposition"] = _decomposition(per_arm, row["notes"])
         for arm, ab in per_arm.items():
             diff = (
