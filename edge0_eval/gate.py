@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 
 from edge0_eval.arguments import value_types as ct
+from edge0_eval.arguments.fields import add_fields, option
 from edge0_eval.errors import Edge0Error
 from edge0_eval.evaluation.gate import fidelity_checks
 from edge0_eval.evaluation.gate import sequential_checks as gate_sequential
@@ -31,130 +33,123 @@ from edge0_eval.evaluation.report.gap import SCHEMA
 from edge0_eval.evaluation.significance import paired
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "report",
+def _share_list(text: str) -> list[float]:
+    return [ct.positive_float(f) for f in text.split(",")]
+
+
+@dataclass
+class GateOptions:
+    """The gate's flags, each declared once."""
+
+    report: list[str] = option(
+        help="report.json from edge0-eval report; with --sequential, the reports of the "
+        "rounds so far in round order (the last is judged)",
+        flag="report",
         metavar="REPORT.json",
         nargs="+",
-        help="report.json from edge0-eval report; with --sequential, the "
-        "reports of the rounds so far in round order (the last is judged)",
     )
-    parser.add_argument(
-        "--baseline",
+    baseline: str = option(
+        help="the report.json to compare against",
         required=True,
         metavar="BASELINE.json",
-        help="the report.json to compare against",
     )
-    parser.add_argument(
-        "--max-gap-increase",
+    max_gap_increase: float = option(
+        DEFAULT_MAX_GAP_INCREASE,
+        "the widening of teacher - student, in points, the gate must be able to detect "
+        "(paired: a power statement; unpaired baseline: allowed beyond the half-width) "
+        f"(default {DEFAULT_MAX_GAP_INCREASE})",
         type=ct.nonneg_float,
-        default=DEFAULT_MAX_GAP_INCREASE,
         metavar="P",
-        help="the widening of teacher - student, in points, the "
-        "gate must be able to detect (paired: a power statement; unpaired "
-        "baseline: allowed beyond the half-width) (default "
-        f"{DEFAULT_MAX_GAP_INCREASE})",
     )
-    parser.add_argument(
-        "--max-drop",
+    max_drop: float = option(
+        DEFAULT_MAX_DROP,
+        "the drop of the student's score, in points, the gate must be able to detect "
+        "(paired: a power statement; unpaired baseline: allowed beyond the half-width) "
+        f"(default {DEFAULT_MAX_DROP})",
         type=ct.nonneg_float,
-        default=DEFAULT_MAX_DROP,
         metavar="P",
-        help="the drop of the student's score, in points, the gate must be able "
-        "to detect (paired: a power statement; unpaired baseline: allowed "
-        f"beyond the half-width) (default {DEFAULT_MAX_DROP})",
     )
-    parser.add_argument(
-        "--alpha",
+    alpha: float = option(
+        paired.DEFAULT_ALPHA,
+        "false-fail rate of the benchmark checks together on a run of unchanged "
+        "quality; each of the 2 tests per benchmark runs at A / (2 x benchmarks) "
+        f"(default {paired.DEFAULT_ALPHA})",
         type=ct.float_range(0.0, 0.5, low_open=True),
-        default=paired.DEFAULT_ALPHA,
         metavar="A",
-        help="false-fail rate of the benchmark checks together on a run of "
-        "unchanged quality; each of the 2 tests per benchmark runs at A / "
-        f"(2 x benchmarks) (default {paired.DEFAULT_ALPHA})",
     )
-    parser.add_argument(
-        "--sequential",
-        action="store_true",
-        help="sequential tests that may stop after any round: each benchmark "
-        "regressed, within its max drop, or undecided (exit 3: run the next "
-        "round)",
+    sequential: bool = option(
+        False,
+        "sequential tests that may stop after any round: each benchmark regressed, "
+        "within its max drop, or undecided (exit 3: run the next round)",
     )
-    parser.add_argument(
-        "--benchmark-drop",
+    benchmark_drop: list = option(
+        help="the max drop and max gap increase of one benchmark, in points (e.g. "
+        "'MMLU-Pro=8'); repeatable; others take --max-drop and --max-gap-increase",
+        factory=list,
         action="append",
-        default=[],
         metavar="NAME=P",
         type=ct.named(ct.float_range(0.0, 100.0, low_open=True)),
-        help="the max drop and max gap increase of one benchmark, in points "
-        "(e.g. 'MMLU-Pro=8'); repeatable; others take --max-drop and "
-        "--max-gap-increase",
     )
-    parser.add_argument(
-        "--max-kl-rise",
+    max_kl_rise: float = option(
+        fidelity_checks.DEFAULT_MAX_KL_RISE,
+        "fidelity: allowed move of an arm's mean KL, either way, as a share of the "
+        "baseline's, or the noise of the mean a baseline of several runs measured if "
+        f"larger (default {fidelity_checks.DEFAULT_MAX_KL_RISE})",
         type=ct.nonneg_float,
-        default=fidelity_checks.DEFAULT_MAX_KL_RISE,
         metavar="R",
-        help="fidelity: allowed move of an arm's mean KL, either way, as a share of the "
-        "baseline's, or the noise of the mean a baseline of several runs measured if larger "
-        "(default "
-        f"{fidelity_checks.DEFAULT_MAX_KL_RISE})",
     )
-    parser.add_argument(
-        "--max-agreement-drop",
-        type=ct.nonneg_float,
-        default=fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP,
-        metavar="P",
-        help="fidelity: allowed drop of an arm's mean top-1 agreement, in points "
+    max_agreement_drop: float = option(
+        fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP,
+        "fidelity: allowed drop of an arm's mean top-1 agreement, in points "
         f"(default {fidelity_checks.DEFAULT_MAX_AGREEMENT_DROP})",
-    )
-    parser.add_argument(
-        "--prompt-kl-rise",
         type=ct.nonneg_float,
-        default=fidelity_checks.DEFAULT_PROMPT_KL_RISE,
-        metavar="R",
-        help="fidelity: a prompt is past its tolerance when its KL rises by more than "
-        "R x its baseline KL (at least the arm's mean allowance) (default "
-        f"{fidelity_checks.DEFAULT_PROMPT_KL_RISE})",
-    )
-    parser.add_argument(
-        "--prompt-agreement-drop",
-        type=ct.nonneg_float,
-        default=fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP,
         metavar="P",
-        help="fidelity: ... or its agreement drops by more than P points (default "
-        f"{fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP})",
     )
-    parser.add_argument(
-        "--max-prompts-past",
-        type=ct.float_range(0.0, 1.0),
-        default=fidelity_checks.DEFAULT_MAX_PROMPTS_PAST,
-        metavar="Q",
-        help="fidelity: an arm fails when more than floor(Q x prompts) prompts are past "
+    prompt_kl_rise: float = option(
+        fidelity_checks.DEFAULT_PROMPT_KL_RISE,
+        "fidelity: a prompt is past its tolerance when its KL rises by more than R x "
+        "its baseline KL (at least the arm's mean allowance) "
+        f"(default {fidelity_checks.DEFAULT_PROMPT_KL_RISE})",
+        type=ct.nonneg_float,
+        metavar="R",
+    )
+    prompt_agreement_drop: float = option(
+        fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP,
+        "fidelity: ... or its agreement drops by more than P points "
+        f"(default {fidelity_checks.DEFAULT_PROMPT_AGREEMENT_DROP})",
+        type=ct.nonneg_float,
+        metavar="P",
+    )
+    max_prompts_past: float = option(
+        fidelity_checks.DEFAULT_MAX_PROMPTS_PAST,
+        "fidelity: an arm fails when more than floor(Q x prompts) prompts are past "
         f"their tolerance (default {fidelity_checks.DEFAULT_MAX_PROMPTS_PAST})",
+        type=ct.float_range(0.0, 1.0),
+        metavar="Q",
     )
-    parser.add_argument(
-        "--accept-blind",
-        action="store_true",
-        help="pass (exit 0) when nothing failed but a check cannot see the drop it "
-        f"was asked about; without it that exits {BLIND_EXIT}",
+    accept_blind: bool = option(
+        False,
+        "pass (exit 0) when nothing failed but a check cannot see the drop it was asked "
+        f"about; without it that exits {BLIND_EXIT}",
     )
-    parser.add_argument(
-        "--rounds",
-        type=lambda text: [ct.positive_float(f) for f in text.split(",")],
-        default=None,
+    rounds: list[float] | None = option(
+        None,
+        "--sequential: the config's cumulative round shares (gate-run passes them), so "
+        "each round is checked to hold exactly the items its share gives; without it, a "
+        "prefix of the run's order",
+        type=_share_list,
         metavar="F,...",
-        help="--sequential: the config's cumulative round shares (gate-run passes them), "
-        "so each round is checked to hold exactly the items its share gives; without it, "
-        "a prefix of the run's order",
     )
-    parser.add_argument(
-        "--order-seed",
-        default=None,
+    order_seed: str | None = option(
+        None,
+        "--sequential: the gate run's order seed (gate-run draws it before round 1 and "
+        "passes it; it is in WORK/order_seed.txt)",
         metavar="SEED",
-        help="--sequential: the gate run's order seed (gate-run draws it before "
-        "round 1 and passes it; it is in WORK/order_seed.txt)",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_fields(parser, GateOptions)
 
 
 def _check_args(args: argparse.Namespace) -> None:
