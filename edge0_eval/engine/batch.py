@@ -189,11 +189,7 @@ class StopRule:
     """
 
     def __init__(
-        self,
-        tokenizer,
-        max_tokens: int,
-        stop_ids: set,
-        stop_words: list[str] = (),
+        self, tokenizer, max_tokens: int, stop_ids: set, stop_words: list[str] = ()
     ):
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens

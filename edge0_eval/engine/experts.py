@@ -310,10 +310,7 @@ class StreamingSwitchGLU(nn.Module):
             old = linear[part]
             if n_slots > old_n:
                 new = mx.concatenate(
-                    [
-                        old,
-                        mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype),
-                    ]
+                    [old, mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype)]
                 )
             else:
                 # a copy: the slice would keep it all
@@ -605,11 +602,7 @@ class StreamingSwitchGLU(nn.Module):
             loads = [(e, slot) for _, rows in kept for _, e, slot in rows] + loads
             reads = kept + reads
         io.pending = StagedSet(
-            experts=experts,
-            mapping=mapping,
-            loads=loads,
-            reads=reads,
-            hedge=outcome,
+            experts=experts, mapping=mapping, loads=loads, reads=reads, hedge=outcome
         )
         return io.pending
 

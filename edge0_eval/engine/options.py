@@ -114,8 +114,7 @@ class EngineOptions:
         True, "crc32 of each expert bundle on its first read (default on)"
     )
     measure_recall: bool = option(
-        False,
-        "prerouted: also run the true routers to report online recall (slower)",
+        False, "prerouted: also run the true routers to report online recall (slower)"
     )
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
     # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).

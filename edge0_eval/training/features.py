@@ -251,10 +251,7 @@ def _resumed_store(engine, opts, store: FeatureStore) -> tuple[dict, dict]:
 def _check_collector(engine, opts, served_options, tokens_of: dict) -> dict:
     """The float32 collector checked against the served int4 path, printed."""
     c = check_float32(
-        opts.model,
-        served_options,
-        engine,
-        _check_sample(tokens_of, opts.check_tokens),
+        opts.model, served_options, engine, _check_sample(tokens_of, opts.check_tokens)
     )
     print(
         f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "

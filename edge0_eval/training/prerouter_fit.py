@@ -61,9 +61,7 @@ from edge0_eval.training.features import (
 )
 from edge0_eval.training.losses import khot_cross_entropy, recall
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.stage_options import (
-    PrerouterOptions,
-)
+from edge0_eval.training.stage_options import PrerouterOptions
 from edge0_eval.training.state import (
     after_step,
     announce_resume,

@@ -40,9 +40,7 @@ from edge0_eval.training.models import (
     training_slots,
 )
 from edge0_eval.training.served import ServedPath
-from edge0_eval.training.stage_options import (
-    StageOptions,
-)
+from edge0_eval.training.stage_options import StageOptions
 from edge0_eval.training.state import (
     after_step,
     announce_resume,
