@@ -37,19 +37,9 @@ from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
-TINY_MODELS = (
-    "edge0-tiny-teacher",
-    "edge0-tiny-int4-exact",
-    "edge0-tiny-prerouted-nolora",
-    "edge0-tiny-student",
-)
-TINY_DATASETS = (
-    "aime2026",
-    "IFBench",
-    "openai_humaneval",
-    "GPQA_diamond",
-    "mmlu_pro_math",
-    "mmlu_pro_physics",
+TINY_MODELS = tuple(f"edge0-tiny-{arm.replace('_', '-')}" for arm in TINY_ARMS)
+TINY_DATASETS = tuple(
+    "aime2026 IFBench openai_humaneval GPQA_diamond mmlu_pro_math mmlu_pro_physics".split()
 )
 TINY_FIDELITY = "edge0_fidelity"
 # The tiny fidelity set: prompts per source and teacher tokens per prompt.
@@ -154,17 +144,8 @@ def make_agreement_set(config: Path, env: dict[str, str]) -> Path:
     with its exact settings through its own model class; remade when either changed."""
     cfg = opencompass_run.load_config_with(config, {**env, "EDGE0_ARMS": "teacher"})
     (model,) = cfg["models"]
-    settings = {
-        k: model.get(k)
-        for k in (
-            "max_out_len",
-            "max_seq_len",
-            "generation_kwargs",
-            "chat_template_kwargs",
-            "stop_words",
-            "meta_template",
-        )
-    }
+    keys = ("max_out_len", "max_seq_len", "generation_kwargs", "chat_template_kwargs")
+    settings = {k: model.get(k) for k in (*keys, "stop_words", "meta_template")}
     settings = json.loads(json.dumps(settings, default=str))
     prompts = agreement.prompts()
     header = {

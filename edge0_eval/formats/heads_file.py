@@ -87,6 +87,12 @@ class HeadsFile:
     linear: mx.array
 
 
+_TENSOR_KEYS = (
+    "kind K owners consumers width hidden num_experts format_version features "
+    "context_consumers"
+).split()
+
+
 def write_heads(
     path: str | Path, heads: HeadsFile, metadata: dict | None = None, dtype=mx.float16
 ) -> Path:
@@ -122,18 +128,7 @@ def write_heads(
     if cfg.next_token:
         meta["features"] = NEXT_TOKEN
     for key, value in (metadata or {}).items():
-        if key in (
-            "kind",
-            "K",
-            "owners",
-            "consumers",
-            "width",
-            "hidden",
-            "num_experts",
-            "format_version",
-            "features",
-            "context_consumers",
-        ):
+        if key in _TENSOR_KEYS:
             continue  # these describe the tensors; they come from the heads
         meta[key] = value if isinstance(value, str) else json.dumps(value)
     return write_safetensors(path, arrays, meta)

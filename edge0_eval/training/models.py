@@ -44,25 +44,12 @@ from edge0_eval.training.stage_options import PrerouterOptions, StageOptions
 
 # Architecture keys that teacher and student config.json must agree on (those present).
 ARCH_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "full_attention_interval",
-    "intermediate_size",
-    "shared_expert_intermediate_size",
-    "first_k_dense_replace",
-    "layer_group_size",
-    "num_shared_experts",
-    "linear_num_value_heads",
-    "linear_num_key_heads",
-)
+    "model_type vocab_size hidden_size num_hidden_layers num_experts "
+    "num_experts_per_tok moe_intermediate_size num_attention_heads num_key_value_heads "
+    "head_dim full_attention_interval intermediate_size "
+    "shared_expert_intermediate_size first_k_dense_replace layer_group_size "
+    "num_shared_experts linear_num_value_heads linear_num_key_heads"
+).split()
 
 
 # -- teacher and student checks --------------------------------------------------------------------
