@@ -238,14 +238,21 @@ def _save_routers(engine, store: FeatureStore, consumers: list[int], moe: list[i
 def _resumed_store(engine, opts, store: FeatureStore) -> tuple[dict, dict]:
     """(metadata, {document: tokens}) of a store being resumed: re-tokenized
     (deterministic) and checked against the documents already collected."""
+    meta, toks = _collected_documents(engine, opts, store)
+    return meta, dict(enumerate(t for _, t in toks))
+
+
+def _collected_documents(engine, opts, store: FeatureStore) -> tuple[dict, list]:
+    """(the store's metadata, the documents tokenized again), checked to be the ones
+    collected (tokenization is deterministic)."""
     meta = json.loads((store.dir / "data.json").read_text())
-    toks = _documents(engine, opts)
-    if [[n, len(t)] for n, t in toks] != [[d[0], d[2]] for d in meta["docs"]]:
+    docs = _documents(engine, opts)
+    if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:
         raise CheckpointError(
             f"{store.dir}: tokenization no longer matches the "
             f"collected documents; rerun with --fresh"
         )
-    return meta, dict(enumerate(t for _, t in toks))
+    return meta, docs
 
 
 def _check_collector(engine, opts, served_options, tokens_of: dict) -> dict:
@@ -359,15 +366,9 @@ def ensure_embeddings(
     path = store.dir / EMBEDDINGS_FILE
     if path.is_file():
         return
-    meta = json.loads((store.dir / "data.json").read_text())
     engine = Engine.load(opts.model, collector_options(opts, experts_per_token))
     try:
-        docs = _documents(engine, opts)
-        if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:
-            raise CheckpointError(
-                f"{store.dir}: tokenization no longer matches the collected "
-                f"documents; rerun with --fresh"
-            )
+        meta, docs = _collected_documents(engine, opts, store)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in docs])
         embed = engine.family.embedding(engine.model)
         tmp = store.dir / f".{EMBEDDINGS_FILE}.tmp.npy"
