@@ -124,9 +124,8 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
     rows = []
     for lineno, record in iter_jsonl(path):
         unknown = sorted(set(record) - set(ROW_KEYS))
-        if (
-            unknown
-        ):  # a per-row option this reader does not apply would be ignored silently
+        if unknown:
+            # a per-row option this reader does not apply would be ignored silently
             raise ConfigError(
                 f"--prompts {path}:{lineno}: unknown key "
                 f"{', '.join(map(repr, unknown))}; the accepted keys are "
@@ -140,9 +139,8 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
             )
         try:
             prompt.encode("utf-8")
-        except (
-            UnicodeEncodeError
-        ) as exc:  # a lone surrogate such as "\\ud800" from JSON
+        except UnicodeEncodeError as exc:
+            # a lone surrogate such as "\\ud800" from JSON
             raise ConfigError(
                 f'--prompts {path}:{lineno}: "prompt" is not valid Unicode text '
                 f"({exc.reason} at character {exc.start}); fix the line's "
@@ -217,14 +215,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _penalties(args) -> dict:
-    return {
-        k: v
-        for k, v in (
-            ("presence_penalty", args.presence_penalty),
-            ("repetition_penalty", args.repetition_penalty),
-        )
-        if v is not None
-    }
+    given = {k: getattr(args, k) for k in ("presence_penalty", "repetition_penalty")}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _sampling(args) -> dict:
@@ -241,14 +233,8 @@ def _sampling(args) -> dict:
 
 def _entry(result) -> dict:
     """A row as --json writes it: every token decoded, the answer and how it ended."""
-    return {
-        "tokens": result.tokens,
-        "output": result.output,
-        "text": result.text,
-        "finish": result.finish,
-        "stop_word": result.stop_word,
-        "stats": result.stats,
-    }
+    keys = ("tokens", "output", "text", "finish", "stop_word", "stats")
+    return {k: getattr(result, k) for k in keys}
 
 
 def _run_one(engine: Engine, args) -> None:

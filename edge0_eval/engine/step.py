@@ -328,9 +328,8 @@ class DecodeStep:
                     evaluate(self.counters, h, wait=mx.async_eval)
                     self.counters.early_evals += 1
                 self.prerouter.finish(layer, staged)
-            if (
-                ahead is None
-            ):  # pinned: the staged set is the whole route, nothing to read
+            if ahead is None:
+                # pinned: the staged set is the whole route, nothing to read
                 return Route(
                     inds, mask=planned, pinned=staged is not None and planned is None
                 )

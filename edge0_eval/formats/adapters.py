@@ -101,9 +101,8 @@ def read_adapter_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, 
     try:
         arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(list(arrays.values()))
-    except (
-        Exception
-    ) as exc:  # MLX raises RuntimeError/ValueError for bad headers and offsets
+    except Exception as exc:
+        # MLX raises RuntimeError/ValueError for bad headers and offsets
         raise CheckpointError(
             f"{path}: not a readable safetensors file ({exc}); the file is "
             f"truncated or corrupt, download or save it again"

@@ -336,9 +336,8 @@ class ExpertIndex:
             "moe_layers": list(self.moe_layers),
             "module_path": self.module_path,
         }
-        if (
-            quant is not None
-        ):  # version 1, field for field as it has always been written
+        if quant is not None:
+            # version 1, field for field as it has always been written
             layout = self.layouts[0]
             body = {
                 "bits": quant.bits,

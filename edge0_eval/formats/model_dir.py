@@ -170,9 +170,8 @@ def load_resident(path: Path) -> dict:
         raise CheckpointError(f"{path} not found; re-run `edge0-eval convert`")
     try:
         return mx.load(str(path))
-    except (
-        Exception
-    ) as exc:  # MLX raises RuntimeError/ValueError for truncated headers or data
+    except Exception as exc:
+        # MLX raises RuntimeError/ValueError for truncated headers or data
         raise CheckpointError(
             f"{path} is unreadable ({exc}); the file is truncated or corrupt, "
             f"re-run `edge0-eval convert`"
@@ -222,9 +221,8 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
             )
     try:
         tokenizer = load_tokenizer(directory, eos_token_ids=eos_token_ids)
-    except (
-        Exception
-    ) as exc:  # transformers/tokenizers raise many types for corrupt files
+    except Exception as exc:
+        # transformers/tokenizers raise many types for corrupt files
         raise CheckpointError(
             f"{directory}: the tokenizer files do not load ({type(exc).__name__}"
             f": {str(exc)[:200]}); copy them again from the source "
