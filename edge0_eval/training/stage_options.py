@@ -187,28 +187,18 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
     if not values:
         return None
     out = []
-    for value in values:
-        for part in str(value).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            for sep in ("..", "-"):
-                if sep in part:
-                    lo, hi = part.split(sep, 1)
-                    try:
-                        out.extend(range(int(lo), int(hi) + 1))
-                    except ValueError:
-                        raise ConfigError(
-                            f"--owners: cannot read range {part!r}"
-                        ) from None
-                    break
-            else:
-                try:
-                    out.append(int(part))
-                except ValueError:
-                    raise ConfigError(
-                        f"--owners: {part!r} is not a layer number"
-                    ) from None
+    for part in (p.strip() for value in values for p in str(value).split(",")):
+        sep = ".." if ".." in part else "-" if "-" in part else None
+        try:
+            if sep:
+                lo, hi = part.split(sep, 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                out.append(int(part))
+        except ValueError:
+            if sep:
+                raise ConfigError(f"--owners: cannot read range {part!r}") from None
+            raise ConfigError(f"--owners: {part!r} is not a layer number") from None
     return out
 
 
