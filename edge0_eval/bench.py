@@ -542,11 +542,10 @@ def _print_profiles(rows: list[dict]) -> None:
             if row.get("hedge_precision") is not None:
                 extra += (
                     f", hedge {row['hedge_kind']} precision "
-                    f"{row['hedge_precision']:.3f} (layers "
-                    f"{len(row['hedge_layers'])}, heads host "
-                    f"{row['hedge_host_ms_per_step']:.2f} ms, wasted loads/step "
-                    f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
-                    f"{row['hedge_cancelled_per_step']:.1f})"
+                    f"{row['hedge_precision']:.3f} (layers {len(row['hedge_layers'])}, "
+                    f"heads host {row['hedge_host_ms_per_step']:.2f} ms, wasted "
+                    f"loads/step {row['hedge_wasted_loads_per_step']:.1f}, "
+                    f"cancelled/step {row['hedge_cancelled_per_step']:.1f})"
                 )
             if row.get("draft_match_rate") is not None:
                 extra += f", draft = token {row['draft_match_rate']:.3f}"

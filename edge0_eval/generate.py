@@ -42,9 +42,8 @@ class GenerateOptions:
     )
     raw: bool = option(False, "do not apply the chat template")
     chat_template_config: dict = option(
-        help="extra arguments for the chat template as a JSON object, as in "
-        "mlx-lm's generate: '{\"enable_thinking\": false}' turns "
-        "thinking off",
+        help="extra arguments for the chat template as a JSON object, as in mlx-lm's "
+        "generate: '{\"enable_thinking\": false}' turns thinking off",
         factory=dict,
         type=ct.json_object,
     )
@@ -143,8 +142,7 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
             # a lone surrogate such as "\\ud800" from JSON
             raise ConfigError(
                 f'--prompts {path}:{lineno}: "prompt" is not valid Unicode text '
-                f"({exc.reason} at character {exc.start}); fix the line's "
-                f"escapes"
+                f"({exc.reason} at character {exc.start}); fix the line's escapes"
             ) from None
         if seed is not None and (
             isinstance(seed, bool)

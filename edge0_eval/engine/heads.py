@@ -312,9 +312,8 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
         )
     if not prerouter.next_token:
         raise CheckpointError(
-            f"{hedge_path}: a hedge serves next-token prerouter heads, whose "
-            f"plans wait for the token; these heads plan before the LM head "
-            f"already {fix}"
+            f"{hedge_path}: a hedge serves next-token prerouter heads, whose plans "
+            f"wait for the token; these heads plan before the LM head already {fix}"
         )
     ids = load_draft_vocab(hedge_path, family.embedding(model).weight.shape[0])
     layers = sorted(prerouter.consumers)

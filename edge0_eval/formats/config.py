@@ -50,17 +50,15 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
         if f.name not in params:
             if required:
                 raise CheckpointError(
-                    f"{path}: required key {key!r} is missing; restore "
-                    f"config.json from the source checkpoint and "
-                    f"{RECONVERT}"
+                    f"{path}: required key {key!r} is missing; restore config.json "
+                    f"from the source checkpoint and {RECONVERT}"
                 )
             continue
         value = params[f.name]
         if hint is not None and not type_ok(value, hint):
             raise CheckpointError(
                 f"{path}: key {key!r} is {value!r}, which is not a valid "
-                f"{getattr(hint, '__name__', hint)}; fix config.json or "
-                f"{RECONVERT}"
+                f"{getattr(hint, '__name__', hint)}; fix config.json or {RECONVERT}"
             )
         if hint is int and f.name not in ("bos_token_id", "pad_token_id") and value < 0:
             raise CheckpointError(

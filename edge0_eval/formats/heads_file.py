@@ -383,10 +383,9 @@ def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]
             raise ValueError
     except (KeyError, ValueError, TypeError):
         raise CheckpointError(
-            f"{where}: metadata consumers={meta['consumers']!r} is not a JSON "
-            f"list of layer numbers, one per owner in metadata owners="
-            f"{meta.get('owners')!r}; write the file again with save_heads "
-            f"(init-prerouter / train-prerouter)"
+            f"{where}: metadata consumers={meta['consumers']!r} is not a JSON list of "
+            f"layer numbers, one per owner in metadata owners={meta.get('owners')!r}; "
+            "write the file again with save_heads (init-prerouter / train-prerouter)"
         ) from None
     odd = [f"{n} -> {c}" for n, c in zip(listed, consumers) if c != n + 1 and c > n]
     if odd or len(set(consumers)) != len(consumers):

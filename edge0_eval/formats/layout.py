@@ -477,9 +477,8 @@ class ExpertIndex:
             or any(len(row) != self.num_experts for row in self.crc32)
         ):
             raise CheckpointError(
-                f"{where}: crc32 must hold one row of {self.num_experts} "
-                f"checksums per MoE layer ({len(self.moe_layers)}); "
-                f"{RECONVERT}"
+                f"{where}: crc32 must hold one row of {self.num_experts} checksums per "
+                f"MoE layer ({len(self.moe_layers)}); {RECONVERT}"
             )
         if directory is not None:
             self._check_file(Path(directory) / self.file)

@@ -224,9 +224,8 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
     except Exception as exc:
         # transformers/tokenizers raise many types for corrupt files
         raise CheckpointError(
-            f"{directory}: the tokenizer files do not load ({type(exc).__name__}"
-            f": {str(exc)[:200]}); copy them again from the source "
-            f"checkpoint"
+            f"{directory}: the tokenizer files do not load ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); copy them again from the source checkpoint"
         ) from None
     n = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else None
     if n is not None and n < 8:
@@ -249,9 +248,8 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
         except Exception as exc:
             raise CheckpointError(
                 f"{directory}: the chat template does not render "
-                f"({type(exc).__name__}: {str(exc)[:200]}); fix "
-                f"tokenizer_config.json / chat_template.jinja or copy them "
-                f"again from the source checkpoint"
+                f"({type(exc).__name__}: {str(exc)[:200]}); fix tokenizer_config.json "
+                "/ chat_template.jinja or copy them again from the source checkpoint"
             ) from None
     return tokenizer
 
@@ -259,7 +257,6 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
 def _check_tokenizer_files(directory: Path) -> None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(
-            f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
-            f"the source checkpoint's tokenizer files into it or "
-            f"{RECONVERT}"
+            f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the "
+            f"source checkpoint's tokenizer files into it or {RECONVERT}"
         )
