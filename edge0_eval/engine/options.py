@@ -256,11 +256,7 @@ class EngineOptions:
     def _prerouter_path(self, directory: Path) -> Path | None:
         if self.mode != "prerouted" or self.no_prerouter:
             return None
-        path = (
-            Path(self.prerouter_path)
-            if self.prerouter_path
-            else directory / PREROUTER_FILE
-        )
+        path = Path(self.prerouter_path or directory / PREROUTER_FILE)
         if not path.is_file():
             raise MissingAdapterError(
                 f"prerouter heads {path} is missing (prerouted mode needs prerouter heads); "

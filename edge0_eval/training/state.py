@@ -145,9 +145,5 @@ def write_json(path: Path, obj) -> None:
 
 
 def report_paths(out: Path) -> tuple[Path, Path]:
-    stem = (
-        out.name[: -len(".safetensors")]
-        if out.name.endswith(".safetensors")
-        else out.name
-    )
+    stem = out.name.removesuffix(".safetensors")
     return out.with_name(f"{stem}.report.json"), out.with_name(f"{stem}.report.md")
