@@ -585,13 +585,8 @@ _FIELDS_V2 = _COMMON_FIELDS | {
     ),
 }
 _HEAD = ("model_type", "num_experts", "moe_layers", "module_path")
-_REQUIRED_V1 = _HEAD + (
-    "bits",
-    "group_size",
-    "mode",
-    "tensors",
-    "bundle_bytes",
-    "bundle_stride",
+_REQUIRED_V1 = _HEAD + tuple(
+    "bits group_size mode tensors bundle_bytes bundle_stride".split()
 )
 _REQUIRED_V2 = _HEAD + ("layouts", "layer_layouts")
 _TENSOR_KEYS = {"name", "shape", "dtype", "offset", "nbytes"}

@@ -106,12 +106,9 @@ def sha256_file(path: Path) -> str:
 
 
 _MODEL_JSON = (
-    "config.json",
-    "experts.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "model.safetensors.index.json",
-)
+    "config.json experts.index.json tokenizer.json tokenizer_config.json "
+    "model.safetensors.index.json"
+).split()
 
 
 def model_fingerprint(model: str | Path) -> dict:
