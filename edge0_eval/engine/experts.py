@@ -377,11 +377,9 @@ class StreamingSwitchGLU(nn.Module):
         the reads stay spread over them) and RUN_BUNDLES, each one slot write per tensor;
         cancellable: one bundle a task, so that each read can be cancelled alone."""
         loads = sorted(loads, key=lambda load: load[1])
-        limit = (
-            1
-            if cancellable
-            else min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
-        )
+        limit = 1
+        if not cancellable:
+            limit = min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
         sizes, last = [], None
         for _, slot in loads:
             if sizes and sizes[-1] < limit and slot == last + 1:
@@ -619,11 +617,9 @@ class StreamingSwitchGLU(nn.Module):
         # routed set: its cancelled reads' experts were forgotten, and a slot that went to
         # another expert must not receive its bundle, so only the rows still theirs are
         # written.
-        reads = (
-            staged.reads
-            if intact
-            else [(f, rs) for f, rs in staged.reads if not f.cancelled()]
-        )
+        reads = staged.reads
+        if not intact:
+            reads = [(f, rs) for f, rs in staged.reads if not f.cancelled()]
         started = time.perf_counter()
         try:
             parts = results([f for f, _ in reads])

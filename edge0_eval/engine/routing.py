@@ -137,11 +137,9 @@ class RoutingRule:
     def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
         """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
         scores = self.scores(logits)
-        sel = (
-            scores
-            if self.expert_bias is None
-            else scores + self.expert_bias.astype(mx.float32)
-        )
+        sel = scores
+        if self.expert_bias is not None:
+            sel = scores + self.expert_bias.astype(mx.float32)
         inds = top_k_ids(limit_groups(sel, self.n_group, self.topk_group), k)
         return inds, self.weights(scores, inds)
 
@@ -449,11 +447,8 @@ class Prerouter:
         if xs[0].shape[1] >= 2:
             prev = onehot(mx.stack([i[:, -2] for i in ids]), num_experts, x.dtype)
         else:
-            prev = (
-                plans.onehot
-                if plans is not None and plans.onehot is not None
-                else mx.zeros_like(now)
-            )
+            prev = None if plans is None else plans.onehot
+            prev = mx.zeros_like(now) if prev is None else prev
         following = Plans(build_features(x, now, prev), now)
         if not stage:
             return following
@@ -478,11 +473,9 @@ class Prerouter:
             if matches == len(plans.drafted[0]):
                 selected = plans.drafted[1]
         if selected is None:
-            feats = (
-                plans.feats
-                if not self.next_token
-                else append_next_embedding(plans.feats, self.embedding(tokens))
-            )
+            feats = plans.feats
+            if self.next_token:
+                feats = append_next_embedding(plans.feats, self.embedding(tokens))
             selected = self.rule.select(self.heads(feats), self.experts_per_token)
         inds = selected[0]  # [O, B, K]
         staged = {}

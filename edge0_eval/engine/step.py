@@ -169,11 +169,9 @@ class DecodeStep:
             h, events = self._fixed_point(tokens, cache, plans, planned)
         else:
             h, events = self.forward(tokens, cache, plans, planned=planned)
-        following = (
-            pr.after_step(plans, h, samplers, stage=stage)
-            if pr is not None and plan_next
-            else None
-        )
+        following = None
+        if pr is not None and plan_next:
+            following = pr.after_step(plans, h, samplers, stage=stage)
         logits = self.logits(h if all_logits else h[:, -1:])
         built = time.perf_counter()
         last = logits[:, -1]
