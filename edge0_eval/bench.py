@@ -323,25 +323,41 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
     }
 
 
-def _print_table(rows: list[dict], by_model: bool = False) -> None:
-    cols = [
-        *([("model", "model", "{}")] if by_model else []),
-        ("arm", "arm", "{}"),
-        ("cache", "cache", "{}"),
-        ("decode tok/s", "decode_tok_s", "{:.2f}"),
-        ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
-        ("peak GiB", "peak_memory_gib", "{:.3f}"),
-        ("RSS GiB", "rss_gib", "{:.3f}"),
-        ("MiB/token", "bytes_per_token", "{:.2f}"),
-        ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
-        ("hit rate", "decode_hit_rate", "{:.2f}"),
-        ("dropped", "dropped_experts", "{}"),
-    ]
-    _print_rows(cols, rows)
+# (header, key, format) of each column of the table of single-row runs, and of batched ones
+COLUMNS = [
+    ("arm", "arm", "{}"),
+    ("cache", "cache", "{}"),
+    ("decode tok/s", "decode_tok_s", "{:.2f}"),
+    ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
+    ("peak GiB", "peak_memory_gib", "{:.3f}"),
+    ("RSS GiB", "rss_gib", "{:.3f}"),
+    ("MiB/token", "bytes_per_token", "{:.2f}"),
+    ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+    ("hit rate", "decode_hit_rate", "{:.2f}"),
+    ("dropped", "dropped_experts", "{}"),
+]
+BATCH_COLUMNS = [
+    ("arm", "mode", "{}"),
+    ("B", "batch", "{}"),
+    ("cache", "cache", "{}"),
+    ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
+    ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
+    ("MiB/token", "bytes_per_token", "{:.2f}"),
+    ("union/layer", "mean_union_per_layer", "{:.2f}"),
+    ("peak GiB", "peak_memory_gib", "{:.3f}"),
+    ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+    ("slot MiB", "expert_buffer_mib", "{:.1f}"),
+    ("storage", "storage", "{}"),
+]
 
 
-def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
-    """One line per row: (header, key, format) per column, bytes_per_token shown in MiB."""
+def _print_rows(
+    cols: list[tuple[str, str, str]], rows: list[dict], by_model: bool
+) -> None:
+    """One line per row, the model's label first when several are benched, bytes_per_token
+    shown in MiB."""
+    if by_model:
+        cols = [("model", "model", "{}"), *cols]
     print(" | ".join(c[0] for c in cols))
     for row in rows:
         cells = []
@@ -351,24 +367,6 @@ def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
                 value = value / 2**20
             cells.append("-" if value is None else fmt.format(value))
         print(" | ".join(cells))
-
-
-def _print_batch_table(rows: list[dict], by_model: bool = False) -> None:
-    cols = [
-        *([("model", "model", "{}")] if by_model else []),
-        ("arm", "mode", "{}"),
-        ("B", "batch", "{}"),
-        ("cache", "cache", "{}"),
-        ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
-        ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
-        ("MiB/token", "bytes_per_token", "{:.2f}"),
-        ("union/layer", "mean_union_per_layer", "{:.2f}"),
-        ("peak GiB", "peak_memory_gib", "{:.3f}"),
-        ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
-        ("slot MiB", "expert_buffer_mib", "{:.1f}"),
-        ("storage", "storage", "{}"),
-    ]
-    _print_rows(cols, rows)
 
 
 def _models(args) -> dict[str, str]:
@@ -481,9 +479,8 @@ def run(args: argparse.Namespace) -> int:
             f"B prompts of {args.prompt_tokens} tokens, each starting "
             f"further into the same text; all B rows decode at once"
         )
-        _print_batch_table(report["runs"], len(models) > 1)
-    else:
-        _print_table(report["runs"], len(models) > 1)
+    columns = BATCH_COLUMNS if args.batch else COLUMNS
+    _print_rows(columns, report["runs"], len(models) > 1)
     if args.profile:
         _print_profiles(report["runs"])
     report["targets"] = compare_targets(report) if len(models) > 1 else targets(report)
