@@ -138,10 +138,8 @@ def check_resident(path: str | Path, index=None) -> dict:
             if code != "U8":
                 scale_codes.setdefault(code, name)
         elif code == "U32":
-            if (
-                not name.endswith(".weight")
-                or f"{name[: -len('.weight')]}.scales" not in tensors
-            ):
+            base = name.removesuffix(".weight")
+            if base == name or f"{base}.scales" not in tensors:
                 raise CheckpointError(
                     f"{path}: {name} is packed U32 but has no "
                     f"quantization scales beside it; {RECONVERT}"

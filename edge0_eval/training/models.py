@@ -55,14 +55,10 @@ ARCH_KEYS = (
 # -- teacher and student checks --------------------------------------------------------------------
 
 
-def _text_config(config: dict) -> dict:
-    family = FAMILIES.get(config.get("model_type"))
-    return config if family is None else family.text_config(config)
-
-
 def architecture(model_dir: str | Path) -> dict:
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = _text_config(config)
+    family = FAMILIES.get(config.get("model_type"))
+    text = config if family is None else family.text_config(config)
     arch = {"model_type": config.get("model_type")}
     for key in ARCH_KEYS[1:]:
         if key in text:
