@@ -506,12 +506,8 @@ class Prerouter:
             time.perf_counter() - started - (c.eval_wait_seconds - waits)
         )
         hedges = self._stage(np.array(selected[0]), self.draft_layers)
-        return Plans(
-            plans.feats,
-            plans.onehot,
-            hedges=hedges,
-            drafted=(np.array(tokens), selected),
-        )
+        drafted = (np.array(tokens), selected)
+        return Plans(plans.feats, plans.onehot, hedges=hedges, drafted=drafted)
 
     def _stage(
         self, ids: np.ndarray, layers: list[int], hedges: dict | None = None
@@ -582,12 +578,8 @@ class Prerouter:
         if self.next_token:
             emb = self.embedding(tokens)
             following = mx.concatenate([emb[:, 1:], mx.zeros_like(emb[:, :1])], axis=1)
-        feats = build_features(
-            x[None],
-            now[None],
-            mx.concatenate([first, now[:, :-1]], axis=1)[None],
-            following,
-        )
+        prev = mx.concatenate([first, now[:, :-1]], axis=1)
+        feats = build_features(x[None], now[None], prev[None], following)
         logits = self.heads.select_owners([owner])(feats)[0]
         return self.blocks[self.consumer_of[owner]].rule.select(
             logits, self.experts_per_token

@@ -126,13 +126,8 @@ class DecodeStep:
         for start, end in pieces[:-1]:
             self(mx.array(tokens[start:end])[None], cache, plan_next=False, where=where)
         start, end = pieces[-1]
-        logits, plans = self(
-            mx.array(tokens[start:end])[None],
-            cache,
-            stage=stage,
-            samplers=samplers,
-            where=where,
-        )
+        piece = mx.array(tokens[start:end])[None]
+        logits, plans = self(piece, cache, stage=stage, samplers=samplers, where=where)
         return logits[0], plans
 
     def __call__(
@@ -179,23 +174,16 @@ class DecodeStep:
         finite = mx.isfinite(logits).all(axis=(1, 2))
         # Evaluated with the rest, so reading the verdict below syncs nothing more.
         all_finite = finite.all()
-        evaluate(
-            self.counters,
-            last,
-            finite,
-            all_finite,
-            events,
-            [c.state for c in cache if c is not None],
-        )
+        states = [c.state for c in cache if c is not None]
+        evaluate(self.counters, last, finite, all_finite, events, states)
         if events is not None:
             self.counters.guard_events += events.item()
         if not all_finite.item():
             self.counters.nonfinite_events += 1
-            bad = (
-                ""
-                if rows is None
-                else f" (prompt(s) {[r for r, ok in zip(rows, finite.tolist()) if not ok]})"
-            )
+            bad = ""
+            if rows is not None:
+                failed = [r for r, ok in zip(rows, finite.tolist()) if not ok]
+                bad = f" (prompt(s) {failed})"
             raise NonFiniteError(
                 f"{self.name}: non-finite logits {where}{bad}; a resident weight, expert or "
                 f"adapter holds NaN/Inf, or an activation overflowed (try --verify-crc, "

@@ -95,12 +95,8 @@ def run_documents(
             cache = engine.step.new_cache()
             for s in range(0, len(doc), chunk):
                 piece = doc[s : s + chunk]
-                engine.step(
-                    mx.array(piece)[None],
-                    cache,
-                    plan_next=False,
-                    where=f"collecting document {d}",
-                )
+                where = f"collecting document {d}"
+                engine.step(mx.array(piece)[None], cache, plan_next=False, where=where)
                 h = mx.stack([b.last[0][0] for b in blocks], 1)
                 ind = mx.stack([b.last[1][0] for b in blocks], 1)
                 mx.eval(h, ind)

@@ -317,12 +317,8 @@ def _collect_document(engine, meta, tokens, d: int, arrays: dict, bar) -> int:
     cache = engine.step.new_cache()
     for s in range(0, length, chunk):
         piece = tokens[s : s + chunk]
-        engine.step(
-            mx.array(piece)[None],
-            cache,
-            plan_next=False,
-            where=f"collecting document {d}",
-        )
+        where = f"collecting document {d}"
+        engine.step(mx.array(piece)[None], cache, plan_next=False, where=where)
         hs, nrs = [], []
         for n, c in zip(meta["pairs"], consumers):
             x = engine.blocks[n].last[0][0]
@@ -386,11 +382,9 @@ def ensure_embeddings(
 
 
 def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:
+    docs = read_documents(opts.texts)
     return tokenize_documents(
-        engine.tokenizer,
-        read_documents(opts.texts),
-        opts.max_tokens,
-        opts.max_doc_tokens,
+        engine.tokenizer, docs, opts.max_tokens, opts.max_doc_tokens
     )
 
 

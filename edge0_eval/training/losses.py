@@ -86,3 +86,13 @@ def recall(pred: mx.array, true: mx.array, num_experts: int) -> mx.array:
     """|pred & true| / K per row: [..., K] x [..., K] -> [...]."""
     k = true.shape[-1]
     return (onehot(pred, num_experts) * onehot(true, num_experts)).sum(axis=-1) / k
+
+
+def masked_kl(logits: mx.array, rows, batch, aux: dict, direction: str) -> mx.array:
+    """`bucket_kl` of the batch's `rows` against the teacher's buckets `aux`
+    (`teacher_topk`), summed over their loss positions."""
+    r = mx.array(rows)
+    per = bucket_kl(
+        logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], direction
+    )
+    return (per * mx.array(batch.loss_mask[rows])).sum()
