@@ -458,12 +458,8 @@ class Batches:
 
     def features(self, batch: dict) -> mx.array:
         e = self.num_experts
-        return build_features(
-            batch["h"],
-            onehot(batch["cur"], e),
-            onehot(batch["prev"], e),
-            batch.get("next_emb"),
-        )
+        cur, prev = onehot(batch["cur"], e), onehot(batch["prev"], e)
+        return build_features(batch["h"], cur, prev, batch.get("next_emb"))
 
     def token_router_logits(self, batch: dict) -> mx.array:
         """Baseline of next-token heads: each consumer's router on token t+1's embedding."""
