@@ -337,12 +337,8 @@ class PrerouterHeads(nn.Module):
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
 
     def astype(self, dtype) -> "PrerouterHeads":
-        return PrerouterHeads(
-            self.config,
-            self.fc1.astype(dtype),
-            self.fc2.astype(dtype),
-            self.linear.astype(dtype),
-        )
+        weights = (w.astype(dtype) for w in (self.fc1, self.fc2, self.linear))
+        return PrerouterHeads(self.config, *weights)
 
 
 def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
