@@ -28,6 +28,7 @@ import platform
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -187,35 +188,35 @@ def _prompt(tokenizer, n: int, row: int = 0) -> list[int]:
     return (ids * ((start + n) // max(1, len(ids)) + 1))[start : start + n]
 
 
-def run_engine_arm(
-    model_dir, mode: str, args, cold: bool, file_guard: bool = True
-) -> dict:
-    options = options_from_args(args, mode=mode)
-    engine = Engine.load(model_dir, options)
+@contextmanager
+def _engine(model_dir, mode: str, args, cold: bool, file_guard: bool = True):
+    """The arm's engine, its page cache evicted when `cold`, its counters reset, wired."""
+    engine = Engine.load(model_dir, options_from_args(args, mode=mode))
     try:
         engine.store.file_guard = file_guard
         if cold:
             engine.store.evict_page_cache()
         engine.store.reset_stats()
-        prompt = _prompt(engine.tokenizer, args.prompt_tokens)
         with wired_limit(engine.model):
-            result = engine.generate(
-                prompt, max_tokens=args.tokens, stop_token_ids=set()
-            )
-        stats = result.stats
-        stats["blocked_gbps"] = (
-            stats["decode_bytes_read"]
-            / (
-                stats["blocked_load_ms_per_step"]
-                * max(1, stats["generated_tokens"] - 1)
-                / 1000
-            )
-            if stats["blocked_load_ms_per_step"] > 0
-            else None
-        )
-        return stats
+            yield engine
     finally:
         engine.close()
+
+
+def run_engine_arm(
+    model_dir, mode: str, args, cold: bool, file_guard: bool = True
+) -> dict:
+    with _engine(model_dir, mode, args, cold, file_guard) as engine:
+        prompt = _prompt(engine.tokenizer, args.prompt_tokens)
+        stats = engine.generate(
+            prompt, max_tokens=args.tokens, stop_token_ids=set()
+        ).stats
+    steps = max(1, stats["generated_tokens"] - 1)
+    blocked_s = stats["blocked_load_ms_per_step"] * steps / 1000
+    stats["blocked_gbps"] = (
+        stats["decode_bytes_read"] / blocked_s if blocked_s > 0 else None
+    )
+    return stats
 
 
 GUARD_ARMS = ("reactive", "prerouted")
@@ -238,36 +239,29 @@ def measure_file_guard(directory, checks: int = 100_000) -> dict:
 
 def run_batch_arm(model_dir, mode: str, args, cold: bool, batch: int) -> dict:
     """`batch` prompts decoded together: the batch's figures, and every row's decode rate."""
-    engine = Engine.load(model_dir, options_from_args(args, mode=mode))
-    try:
-        if cold:
-            engine.store.evict_page_cache()
-        engine.store.reset_stats()
+    with _engine(model_dir, mode, args, cold) as engine:
         prompts = [
             _prompt(engine.tokenizer, args.prompt_tokens, row) for row in range(batch)
         ]
-        with wired_limit(engine.model):
-            results = engine.generate_batch(
-                prompts, max_tokens=args.tokens, batch_size=batch, stop_token_ids=set()
-            )
-        stats = dict(results[0].stats)
-        rows = [r.stats for r in results]
-        row_rates = [r["decode_tok_s"] for r in rows]
-        stats.update(
-            {
-                "batch": batch,
-                # aggregate, every row's tokens
-                "decode_tok_s": stats["batch_decode_tok_s"],
-                "row_decode_tok_s": row_rates,
-                "mean_row_decode_tok_s": sum(row_rates) / len(row_rates),
-                "prefill_tok_s": sum(r["prompt_tokens"] for r in rows)
-                / stats["batch_prefill_s"],
-                "generated_tokens": stats["batch_generated_tokens"],
-            }
+        results = engine.generate_batch(
+            prompts, max_tokens=args.tokens, batch_size=batch, stop_token_ids=set()
         )
-        return stats
-    finally:
-        engine.close()
+    stats = dict(results[0].stats)
+    rows = [r.stats for r in results]
+    row_rates = [r["decode_tok_s"] for r in rows]
+    stats.update(
+        {
+            "batch": batch,
+            # aggregate, every row's tokens
+            "decode_tok_s": stats["batch_decode_tok_s"],
+            "row_decode_tok_s": row_rates,
+            "mean_row_decode_tok_s": sum(row_rates) / len(row_rates),
+            "prefill_tok_s": sum(r["prompt_tokens"] for r in rows)
+            / stats["batch_prefill_s"],
+            "generated_tokens": stats["batch_generated_tokens"],
+        }
+    )
+    return stats
 
 
 def run_compute_only_arm(model_dir, args) -> dict:
@@ -329,25 +323,41 @@ def run_mlx_lm_arm(model_dir, args) -> dict:
     }
 
 
-def _print_table(rows: list[dict], by_model: bool = False) -> None:
-    cols = [
-        *([("model", "model", "{}")] if by_model else []),
-        ("arm", "arm", "{}"),
-        ("cache", "cache", "{}"),
-        ("decode tok/s", "decode_tok_s", "{:.2f}"),
-        ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
-        ("peak GiB", "peak_memory_gib", "{:.3f}"),
-        ("RSS GiB", "rss_gib", "{:.3f}"),
-        ("MiB/token", "bytes_per_token", "{:.2f}"),
-        ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
-        ("hit rate", "decode_hit_rate", "{:.2f}"),
-        ("dropped", "dropped_experts", "{}"),
-    ]
-    _print_rows(cols, rows)
+# (header, key, format) of each column of the table of single-row runs, and of batched ones
+COLUMNS = [
+    ("arm", "arm", "{}"),
+    ("cache", "cache", "{}"),
+    ("decode tok/s", "decode_tok_s", "{:.2f}"),
+    ("prefill tok/s", "prefill_tok_s", "{:.1f}"),
+    ("peak GiB", "peak_memory_gib", "{:.3f}"),
+    ("RSS GiB", "rss_gib", "{:.3f}"),
+    ("MiB/token", "bytes_per_token", "{:.2f}"),
+    ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+    ("hit rate", "decode_hit_rate", "{:.2f}"),
+    ("dropped", "dropped_experts", "{}"),
+]
+BATCH_COLUMNS = [
+    ("arm", "mode", "{}"),
+    ("B", "batch", "{}"),
+    ("cache", "cache", "{}"),
+    ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
+    ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
+    ("MiB/token", "bytes_per_token", "{:.2f}"),
+    ("union/layer", "mean_union_per_layer", "{:.2f}"),
+    ("peak GiB", "peak_memory_gib", "{:.3f}"),
+    ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
+    ("slot MiB", "expert_buffer_mib", "{:.1f}"),
+    ("storage", "storage", "{}"),
+]
 
 
-def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
-    """One line per row: (header, key, format) per column, bytes_per_token shown in MiB."""
+def _print_rows(
+    cols: list[tuple[str, str, str]], rows: list[dict], by_model: bool
+) -> None:
+    """One line per row, the model's label first when several are benched, bytes_per_token
+    shown in MiB."""
+    if by_model:
+        cols = [("model", "model", "{}"), *cols]
     print(" | ".join(c[0] for c in cols))
     for row in rows:
         cells = []
@@ -357,24 +367,6 @@ def _print_rows(cols: list[tuple[str, str, str]], rows: list[dict]) -> None:
                 value = value / 2**20
             cells.append("-" if value is None else fmt.format(value))
         print(" | ".join(cells))
-
-
-def _print_batch_table(rows: list[dict], by_model: bool = False) -> None:
-    cols = [
-        *([("model", "model", "{}")] if by_model else []),
-        ("arm", "mode", "{}"),
-        ("B", "batch", "{}"),
-        ("cache", "cache", "{}"),
-        ("aggregate tok/s", "decode_tok_s", "{:.2f}"),
-        ("per-row tok/s", "mean_row_decode_tok_s", "{:.2f}"),
-        ("MiB/token", "bytes_per_token", "{:.2f}"),
-        ("union/layer", "mean_union_per_layer", "{:.2f}"),
-        ("peak GiB", "peak_memory_gib", "{:.3f}"),
-        ("blocked ms/step", "blocked_load_ms_per_step", "{:.2f}"),
-        ("slot MiB", "expert_buffer_mib", "{:.1f}"),
-        ("storage", "storage", "{}"),
-    ]
-    _print_rows(cols, rows)
 
 
 def _models(args) -> dict[str, str]:
@@ -487,9 +479,8 @@ def run(args: argparse.Namespace) -> int:
             f"B prompts of {args.prompt_tokens} tokens, each starting "
             f"further into the same text; all B rows decode at once"
         )
-        _print_batch_table(report["runs"], len(models) > 1)
-    else:
-        _print_table(report["runs"], len(models) > 1)
+    columns = BATCH_COLUMNS if args.batch else COLUMNS
+    _print_rows(columns, report["runs"], len(models) > 1)
     if args.profile:
         _print_profiles(report["runs"])
     report["targets"] = compare_targets(report) if len(models) > 1 else targets(report)
@@ -548,11 +539,10 @@ def _print_profiles(rows: list[dict]) -> None:
             if row.get("hedge_precision") is not None:
                 extra += (
                     f", hedge {row['hedge_kind']} precision "
-                    f"{row['hedge_precision']:.3f} (layers "
-                    f"{len(row['hedge_layers'])}, heads host "
-                    f"{row['hedge_host_ms_per_step']:.2f} ms, wasted loads/step "
-                    f"{row['hedge_wasted_loads_per_step']:.1f}, cancelled/step "
-                    f"{row['hedge_cancelled_per_step']:.1f})"
+                    f"{row['hedge_precision']:.3f} (layers {len(row['hedge_layers'])}, "
+                    f"heads host {row['hedge_host_ms_per_step']:.2f} ms, wasted "
+                    f"loads/step {row['hedge_wasted_loads_per_step']:.1f}, "
+                    f"cancelled/step {row['hedge_cancelled_per_step']:.1f})"
                 )
             if row.get("draft_match_rate") is not None:
                 extra += f", draft = token {row['draft_match_rate']:.3f}"
@@ -625,11 +615,13 @@ def checkpoint_bytes(model_dir) -> int:
     )
 
 
-def _mean(rows, arm, key, batch=None):
+def _mean(rows, arm, key, **match):
+    """The mean of `key` over `arm`'s rows whose other fields equal `match` (absent: None)."""
+    match["arm"] = arm
     values = [
         r[key]
         for r in rows
-        if r["arm"] == arm and r.get(key) is not None and r.get("batch") == batch
+        if r.get(key) is not None and all(r.get(k) == v for k, v in match.items())
     ]
     return sum(values) / len(values) if values else None
 
@@ -656,7 +648,8 @@ def batch_targets(report: dict) -> dict:
     for arm in sorted({r["arm"] for r in rows if r.get("batch") is not None}):
         for batch in (b for b in sizes if b != 1):
             for name, key in BATCH_RATIOS.items():
-                base, value = _mean(rows, arm, key, 1), _mean(rows, arm, key, batch)
+                base = _mean(rows, arm, key, batch=1)
+                value = _mean(rows, arm, key, batch=batch)
                 if base and value is not None:
                     out[f"{arm}_b{batch}_over_b1_{name}"] = round(value / base, 3)
     if report.get("emulated"):
@@ -669,10 +662,8 @@ def targets(report: dict) -> dict:
     rows, out = report["runs"], {}
     if any(r.get("batch") is not None for r in rows):
         return batch_targets(report)
-    pre_tps, rea_tps = (
-        _mean(rows, "prerouted", "decode_tok_s"),
-        _mean(rows, "reactive", "decode_tok_s"),
-    )
+    pre_tps = _mean(rows, "prerouted", "decode_tok_s")
+    rea_tps = _mean(rows, "reactive", "decode_tok_s")
     comp_tps = _mean(rows, "compute-only", "decode_tok_s")
     raw = report.get("raw_reads")
     if pre_tps and comp_tps and raw:
@@ -687,16 +678,12 @@ def targets(report: dict) -> dict:
         out["blocked_prerouted_over_reactive"] = round(pre_b / rea_b, 3)
     if pre_tps and rea_tps:
         out["decode_prerouted_over_reactive"] = round(pre_tps / rea_tps, 3)
-    res_tps, ref_tps = (
-        _mean(rows, "resident", "decode_tok_s"),
-        _mean(rows, "mlx-lm", "decode_tok_s"),
-    )
+    res_tps = _mean(rows, "resident", "decode_tok_s")
+    ref_tps = _mean(rows, "mlx-lm", "decode_tok_s")
     if res_tps and ref_tps:
         out["warm_engine_over_mlx_lm"] = round(res_tps / ref_tps, 3)
-    res_pre, ref_pre = (
-        _mean(rows, "resident", "prefill_tok_s"),
-        _mean(rows, "mlx-lm", "prefill_tok_s"),
-    )
+    res_pre = _mean(rows, "resident", "prefill_tok_s")
+    ref_pre = _mean(rows, "mlx-lm", "prefill_tok_s")
     if res_pre and ref_pre:
         out["warm_prefill_engine_over_mlx_lm"] = round(res_pre / ref_pre, 3)
     achieved = _mean(rows, "reactive", "demand_read_gbps")
@@ -733,28 +720,16 @@ def compare_targets(report: dict) -> dict:
         bundles = models[label]["slot_bytes"] / models[first]["slot_bytes"]
         out[f"bundle_bytes {label} over {first}"] = round(bundles, 4)
         for arm in ("reactive", "prerouted", "resident"):
-            rows = [r for r in report["runs"] if r["arm"] == arm]
-            base = _mean_of(rows, first, "bytes_per_token")
-            value = _mean_of(rows, label, "bytes_per_token")
-            if base and value is not None:
-                out[f"{arm} bytes_per_token {label} over {first}"] = round(
-                    value / base, 4
-                )
-                out[f"{arm} bytes_per_token {label} over {first} / bundle ratio"] = (
-                    round(value / base / bundles, 4)
-                )
-            base = _mean_of(rows, first, "decode_tok_s")
-            value = _mean_of(rows, label, "decode_tok_s")
-            if base and value is not None:
-                out[f"{arm} decode_tok_s {label} over {first}"] = round(value / base, 3)
+            for key, digits in (("bytes_per_token", 4), ("decode_tok_s", 3)):
+                base = _mean(report["runs"], arm, key, model=first)
+                value = _mean(report["runs"], arm, key, model=label)
+                if not base or value is None:
+                    continue
+                name = f"{arm} {key} {label} over {first}"
+                out[name] = round(value / base, digits)
+                if key == "bytes_per_token":
+                    out[f"{name} / bundle ratio"] = round(value / base / bundles, 4)
     return out
-
-
-def _mean_of(rows: list[dict], model: str, key: str) -> float | None:
-    values = [
-        r[key] for r in rows if r.get("model") == model and r.get(key) is not None
-    ]
-    return sum(values) / len(values) if values else None
 
 
 def file_guard_targets(report: dict) -> dict:
@@ -765,10 +740,8 @@ def file_guard_targets(report: dict) -> dict:
         return out
     out["file_guard_us_per_check"] = round(guard["us_per_check"], 3)
     for arm in GUARD_ARMS:
-        on, off = (
-            _mean(rows, arm, "decode_tok_s"),
-            _mean(rows, arm + NO_GUARD, "decode_tok_s"),
-        )
+        on = _mean(rows, arm, "decode_tok_s")
+        off = _mean(rows, arm + NO_GUARD, "decode_tok_s")
         reads = _mean(rows, arm, "reads_per_token")
         if on and off:
             out[f"file_guard_{arm}_decode_over_unguarded"] = round(on / off, 3)

@@ -13,70 +13,32 @@ import sys
 
 from edge0_eval.errors import Edge0Error
 
+# verb -> one-line help; the verb's module is edge0_eval.<verb with "_" for "-">
+_HELP = {
+    "make-tiny": "write a tiny random-weight mlx-lm MoE checkpoint",
+    "make-synthetic": "write a full-shape random checkpoint in streaming layout",
+    "convert": "convert an mlx-lm checkpoint to the int4 streaming layout",
+    "generate": "generate text with the streaming engine",
+    "serve": "serve the engine over an OpenAI-compatible HTTP API",
+    "bench": "benchmark the engine (arms interleaved in one process)",
+    "init-prerouter": "write untrained prerouter heads (warm start)",
+    "draft-vocab": "write a draft vocabulary (a draft-token hedge)",
+    "train-prerouter": "stage 1: distil prerouter heads",
+    "train-lora": "stage 2: student-path LoRA SFT",
+    "distill": "stage 3: on-policy distillation",
+    "data": "stage and verify OpenCompass benchmark data offline",
+    "report": "teacher-vs-student gap report from OpenCompass outputs",
+    "gate": "CI regression gate on a report",
+    "gate-run": "run a gate config and gate it",
+    "gate-baseline": "a gate baseline from several runs' reports",
+    "fidelity": "make a teacher-forced fidelity set from a teacher",
+    "plan": "what an OpenCompass run will cost: tokens, hours, power",
+    "demo": "run the embedded default end to end",
+    "testbed": "real-weight MoE testbed from SmolLM2",
+}
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny": (
-        "edge0_eval.make_tiny",
-        "write a tiny random-weight mlx-lm MoE checkpoint",
-    ),
-    "make-synthetic": (
-        "edge0_eval.make_synthetic",
-        "write a full-shape random checkpoint in streaming layout",
-    ),
-    "convert": (
-        "edge0_eval.convert",
-        "convert an mlx-lm checkpoint to the int4 streaming layout",
-    ),
-    "generate": ("edge0_eval.generate", "generate text with the streaming engine"),
-    "serve": (
-        "edge0_eval.serve",
-        "serve the engine over an OpenAI-compatible HTTP API",
-    ),
-    "bench": (
-        "edge0_eval.bench",
-        "benchmark the engine (arms interleaved in one process)",
-    ),
-    "init-prerouter": (
-        "edge0_eval.init_prerouter",
-        "write untrained prerouter heads (warm start)",
-    ),
-    "draft-vocab": (
-        "edge0_eval.draft_vocab",
-        "write a draft vocabulary (a draft-token hedge)",
-    ),
-    "train-prerouter": (
-        "edge0_eval.train_prerouter",
-        "stage 1: distil prerouter heads",
-    ),
-    "train-lora": ("edge0_eval.train_lora", "stage 2: student-path LoRA SFT"),
-    "distill": ("edge0_eval.distill", "stage 3: on-policy distillation"),
-    "data": (
-        "edge0_eval.data",
-        "stage and verify OpenCompass benchmark data offline",
-    ),
-    "report": (
-        "edge0_eval.report",
-        "teacher-vs-student gap report from OpenCompass outputs",
-    ),
-    "gate": ("edge0_eval.gate", "CI regression gate on a report"),
-    "gate-run": ("edge0_eval.gate_run", "run a gate config and gate it"),
-    "gate-baseline": (
-        "edge0_eval.gate_baseline",
-        "a gate baseline from several runs' reports",
-    ),
-    "fidelity": (
-        "edge0_eval.fidelity",
-        "make a teacher-forced fidelity set from a teacher",
-    ),
-    "plan": (
-        "edge0_eval.plan",
-        "what an OpenCompass run will cost: tokens, hours, power",
-    ),
-    "demo": ("edge0_eval.demo", "run the embedded default end to end"),
-    "testbed": (
-        "edge0_eval.testbed",
-        "real-weight MoE testbed from SmolLM2",
-    ),
+    verb: (f"edge0_eval.{verb.replace('-', '_')}", text) for verb, text in _HELP.items()
 }
 
 

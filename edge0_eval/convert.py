@@ -18,9 +18,8 @@ from edge0_eval.formats.layout import ExpertIndex
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "src",
-        help=f"checkpoint directory mlx-lm loads: an mlx-community "
-        f"conversion or a Hugging Face original "
-        f"({', '.join(SUPPORTED_MODEL_TYPES)})",
+        help="checkpoint directory mlx-lm loads: an mlx-community conversion or a "
+        f"Hugging Face original ({', '.join(SUPPORTED_MODEL_TYPES)})",
     )
     parser.add_argument("out", help="output directory (must not exist or be empty)")
     parser.add_argument(

@@ -20,9 +20,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge0_eval import gate_run
+from edge0_eval.arguments.fields import add_fields, option
 from edge0_eval.checkpoints.conversion import convert
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
 from edge0_eval.engine.options import LORA_FILE, PREROUTER_FILE
@@ -37,19 +39,9 @@ from model_wrappers.models.mlx_lm_model import MLXLMModel
 
 # What configs/edge0_tiny.py evaluates (tests check the two stay in step).
 TINY_ARMS = ("teacher", "int4_exact", "prerouted_nolora", "student")
-TINY_MODELS = (
-    "edge0-tiny-teacher",
-    "edge0-tiny-int4-exact",
-    "edge0-tiny-prerouted-nolora",
-    "edge0-tiny-student",
-)
-TINY_DATASETS = (
-    "aime2026",
-    "IFBench",
-    "openai_humaneval",
-    "GPQA_diamond",
-    "mmlu_pro_math",
-    "mmlu_pro_physics",
+TINY_MODELS = tuple(f"edge0-tiny-{arm.replace('_', '-')}" for arm in TINY_ARMS)
+TINY_DATASETS = tuple(
+    "aime2026 IFBench openai_humaneval GPQA_diamond mmlu_pro_math mmlu_pro_physics".split()
 )
 TINY_FIDELITY = "edge0_fidelity"
 # The tiny fidelity set: prompts per source and teacher tokens per prompt.
@@ -57,40 +49,34 @@ TINY_FIDELITY_LIMIT, TINY_FIDELITY_MAX_NEW = 6, 16
 AGREEMENT_BATCH = 32  # prompts per generate call when the tiny teacher answers the set
 
 
+@dataclass
+class DemoOptions:
+    """demo's flags, each declared once."""
+
+    work_dir: str = option(
+        "outputs/demo", "where models, data and results go (default: outputs/demo)"
+    )
+    config: str | None = option(
+        None, "OpenCompass config (default: configs/edge0_tiny.py of this checkout)"
+    )
+    fresh: bool = option(False, "rebuild the tiny models instead of reusing them")
+    baseline: str | None = option(
+        None,
+        "gate the run against this report.json (default: reports/tiny/report.json, "
+        "with --gate reports/tiny_gate/report.json of this checkout, when present)",
+    )
+    gate: bool = option(
+        False,
+        "run the tiny gate (configs/edge0_tiny_gate.py: fidelity and agreement with "
+        "the teacher) instead, with `gate-run`",
+    )
+    sequential: bool = option(
+        False, "with --gate: in rounds, stopping when the sequential rule decides"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--work-dir",
-        default="outputs/demo",
-        help="where models, data and results go (default: outputs/demo)",
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="OpenCompass config (default: configs/edge0_tiny.py of this checkout)",
-    )
-    parser.add_argument(
-        "--fresh",
-        action="store_true",
-        help="rebuild the tiny models instead of reusing them",
-    )
-    parser.add_argument(
-        "--baseline",
-        default=None,
-        help="gate the run against this report.json (default: "
-        "reports/tiny/report.json, with --gate reports/tiny_gate/report.json "
-        "of this checkout, when present)",
-    )
-    parser.add_argument(
-        "--gate",
-        action="store_true",
-        help="run the tiny gate (configs/edge0_tiny_gate.py: fidelity and "
-        "agreement with the teacher) instead, with `gate-run`",
-    )
-    parser.add_argument(
-        "--sequential",
-        action="store_true",
-        help="with --gate: in rounds, stopping when the sequential rule decides",
-    )
+    add_fields(parser, DemoOptions)
 
 
 def find_config(explicit: str | None = None, name: str = "edge0_tiny.py") -> Path:
@@ -154,17 +140,8 @@ def make_agreement_set(config: Path, env: dict[str, str]) -> Path:
     with its exact settings through its own model class; remade when either changed."""
     cfg = opencompass_run.load_config_with(config, {**env, "EDGE0_ARMS": "teacher"})
     (model,) = cfg["models"]
-    settings = {
-        k: model.get(k)
-        for k in (
-            "max_out_len",
-            "max_seq_len",
-            "generation_kwargs",
-            "chat_template_kwargs",
-            "stop_words",
-            "meta_template",
-        )
-    }
+    keys = ("max_out_len", "max_seq_len", "generation_kwargs", "chat_template_kwargs")
+    settings = {k: model.get(k) for k in (*keys, "stop_words", "meta_template")}
     settings = json.loads(json.dumps(settings, default=str))
     prompts = agreement.prompts()
     header = {
@@ -246,8 +223,8 @@ def tiny_prompts(path: Path) -> Path:
     return path
 
 
-def _edge0(*args: str) -> None:
-    cmd = [sys.executable, "-m", "edge0_eval", *args]
+def _edge0(*args) -> None:
+    cmd = [sys.executable, "-m", "edge0_eval", *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise Edge0Error(
@@ -261,33 +238,14 @@ def train_student_adapters(work: Path, teacher: Path, student: Path) -> None:
     heads = student / PREROUTER_FILE
     if not heads.exists():
         corpus = tiny_corpus(work / "corpus")
-        _edge0(
-            "train-prerouter",
-            str(student),
-            "--text",
-            *map(str, corpus),
-            "--out",
-            str(heads),
-            "--steps",
-            "300",
-            "--max-tokens",
-            "6000",
-            "--no-progress",
-        )
+        quick = ("--steps", "300", "--max-tokens", "6000", "--no-progress")
+        _edge0("train-prerouter", student, "--text", *corpus, "--out", heads, *quick)
     lora = student / LORA_FILE
     if not lora.exists():
         prompts = tiny_prompts(work / "prompts.jsonl")
+        quick = ("--steps", "30", "--no-progress")
         _edge0(
-            "train-lora",
-            str(teacher),
-            str(student),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(lora),
-            "--steps",
-            "30",
-            "--no-progress",
+            "train-lora", teacher, student, "--prompts", prompts, "--out", lora, *quick
         )
 
 
@@ -337,27 +295,13 @@ def find_baseline(explicit: str | None) -> Path | None:
 def report_and_gate(run_dir: Path, out: Path, baseline: Path | None) -> Path:
     """The gap report of a tiny run, gated against `baseline` (a committed report.json)."""
     # Relative paths: the report records its command, and reports get committed.
-    _edge0(
-        "report",
-        os.path.relpath(run_dir),
-        "--out",
-        os.path.relpath(out),
-        "--arms",
-        TINY_ARM_SPEC,
-    )
+    rel = os.path.relpath
+    _edge0("report", rel(run_dir), "--out", rel(out), "--arms", TINY_ARM_SPEC)
     if baseline is not None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "edge0_eval",
-            "gate",
-            str(out / "report.json"),
-            "--baseline",
-            str(baseline),
-            # 2-3 items per benchmark see no small drop: the tiny suite checks the pipeline,
-            # and the gate still prints what it cannot see.
-            "--accept-blind",
-        ]
+        cmd = [sys.executable, "-m", "edge0_eval", "gate", str(out / "report.json")]
+        # 2-3 items per benchmark see no small drop: the tiny suite checks the pipeline,
+        # and the gate still prints what it cannot see.
+        cmd += ["--baseline", str(baseline), "--accept-blind"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         print(proc.stdout)
         if proc.returncode != 0:

@@ -65,11 +65,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--tokens {args.tokens} exceeds the model's vocabulary of {vocab}"
             )
+        texts = read_documents(args.text)
         docs = tokenize_documents(
-            probe.tokenizer,
-            read_documents(args.text),
-            args.max_tokens,
-            args.max_doc_tokens,
+            probe.tokenizer, texts, args.max_tokens, args.max_doc_tokens
         )
     finally:
         probe.close()

@@ -42,9 +42,8 @@ class GenerateOptions:
     )
     raw: bool = option(False, "do not apply the chat template")
     chat_template_config: dict = option(
-        help="extra arguments for the chat template as a JSON object, as in "
-        "mlx-lm's generate: '{\"enable_thinking\": false}' turns "
-        "thinking off",
+        help="extra arguments for the chat template as a JSON object, as in mlx-lm's "
+        "generate: '{\"enable_thinking\": false}' turns thinking off",
         factory=dict,
         type=ct.json_object,
     )
@@ -124,9 +123,8 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
     rows = []
     for lineno, record in iter_jsonl(path):
         unknown = sorted(set(record) - set(ROW_KEYS))
-        if (
-            unknown
-        ):  # a per-row option this reader does not apply would be ignored silently
+        if unknown:
+            # a per-row option this reader does not apply would be ignored silently
             raise ConfigError(
                 f"--prompts {path}:{lineno}: unknown key "
                 f"{', '.join(map(repr, unknown))}; the accepted keys are "
@@ -140,13 +138,11 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
             )
         try:
             prompt.encode("utf-8")
-        except (
-            UnicodeEncodeError
-        ) as exc:  # a lone surrogate such as "\\ud800" from JSON
+        except UnicodeEncodeError as exc:
+            # a lone surrogate such as "\\ud800" from JSON
             raise ConfigError(
                 f'--prompts {path}:{lineno}: "prompt" is not valid Unicode text '
-                f"({exc.reason} at character {exc.start}); fix the line's "
-                f"escapes"
+                f"({exc.reason} at character {exc.start}); fix the line's escapes"
             ) from None
         if seed is not None and (
             isinstance(seed, bool)
@@ -217,14 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _penalties(args) -> dict:
-    return {
-        k: v
-        for k, v in (
-            ("presence_penalty", args.presence_penalty),
-            ("repetition_penalty", args.repetition_penalty),
-        )
-        if v is not None
-    }
+    given = {k: getattr(args, k) for k in ("presence_penalty", "repetition_penalty")}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _sampling(args) -> dict:
@@ -241,14 +231,8 @@ def _sampling(args) -> dict:
 
 def _entry(result) -> dict:
     """A row as --json writes it: every token decoded, the answer and how it ended."""
-    return {
-        "tokens": result.tokens,
-        "output": result.output,
-        "text": result.text,
-        "finish": result.finish,
-        "stop_word": result.stop_word,
-        "stats": result.stats,
-    }
+    keys = ("tokens", "output", "text", "finish", "stop_word", "stats")
+    return {k: getattr(result, k) for k in keys}
 
 
 def _run_one(engine: Engine, args) -> None:

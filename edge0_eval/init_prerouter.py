@@ -47,11 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=ct.positive_float,
         default=0.0,
         metavar="S",
-        help="with --next-token: S x the consumer's router (rows shuffled) over "
-        "the embedding columns instead of zeros, so the untrained heads "
-        "route by the token too and a draft hedge (--hedge) misses their "
-        "sets when its draft is wrong; for speed benchmarks of hedged "
-        "staging",
+        help="with --next-token: S x the consumer's router (rows shuffled) over the "
+        "embedding columns instead of zeros, so the untrained heads route by the token "
+        "too and a draft hedge (--hedge) misses their sets when its draft is wrong; "
+        "for speed benchmarks of hedged staging",
     )
 
 

@@ -67,11 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {}
-    if args.experts is not None:
-        overrides["num_experts"] = args.experts
-    if args.vocab is not None:
-        overrides["vocab_size"] = args.vocab
+    given = {"num_experts": args.experts, "vocab_size": args.vocab}
+    overrides = {k: v for k, v in given.items() if v is not None}
     quantization = Quantization(args.bits, args.group_size, args.mode, args.recipe)
     out = write_synthetic(
         args.out,

@@ -32,11 +32,7 @@ import mlx.core as mx
 from mlx_lm.utils import save_config
 from tqdm import tqdm
 
-from edge0_eval.checkpoints.conversion_plan import (
-    Plan,
-    make_plan,
-    new_index,
-)
+from edge0_eval.checkpoints.conversion_plan import Plan, make_plan, new_index
 from edge0_eval.checkpoints.source import Checkpoint, to_numpy
 from edge0_eval.checkpoints.writer import (
     BundleWriter,

@@ -245,9 +245,8 @@ def _plan_quantized(ckpt, model, bits, group_size, switches):
                 )
             if ckpt.dtype(f"{path}.weight") != "uint32":
                 raise CheckpointError(
-                    f"{ckpt.path}: {path}.weight is "
-                    f"{ckpt.dtype(f'{path}.weight')}, not the packed "
-                    f"uint32 a quantized tensor is"
+                    f"{ckpt.path}: {path}.weight is {ckpt.dtype(f'{path}.weight')}, "
+                    "not the packed uint32 a quantized tensor is"
                 )
             q = Quant(
                 m.bits, module_group_size(m), m.mode, m.get("global_scale") is not None

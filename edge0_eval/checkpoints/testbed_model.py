@@ -454,12 +454,8 @@ def fit_layer(
         moefy.expert_output_norms(held_acts, down, split), o.experts_per_token
     )
     logits = held_x @ router.T
-    return (
-        split,
-        router,
-        logits,
-        moefy.recall(moefy.topk(logits, o.experts_per_token), oracle),
-    )
+    recall = moefy.recall(moefy.topk(logits, o.experts_per_token), oracle)
+    return split, router, logits, recall
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

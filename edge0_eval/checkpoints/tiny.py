@@ -44,14 +44,8 @@ class TinyShape:
             raise ConfigError(
                 f"unknown family {self.family!r}; choose one of {', '.join(TINY_CONFIGS)}"
             )
-        for name in (
-            "layers",
-            "experts",
-            "experts_per_token",
-            "hidden",
-            "heads",
-            "moe_intermediate",
-        ):
+        sizes = "layers experts experts_per_token hidden heads moe_intermediate"
+        for name in sizes.split():
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.experts_per_token > self.experts:

@@ -87,19 +87,10 @@ from edge0_eval.errors import ConfigError
 # the reads of a step are shared by its rows: a row's bytes are those of its own prefill and
 # of the steps it took part in).
 POOL_KEYS = (
-    "decode_hit_rate",
-    "cache_hit_rate",
-    "decode_bytes_read",
-    "prefill_bytes_read",
-    "bytes_per_token",
-    "reads_per_token",
-    "blocked_load_ms_per_step",
-    "bytes_read",
-    "evictions",
-    "rss_gib",
-    "mean_union_per_layer",
-    "expert_buffer_mib",
-)
+    "decode_hit_rate cache_hit_rate decode_bytes_read prefill_bytes_read "
+    "bytes_per_token reads_per_token blocked_load_ms_per_step bytes_read evictions "
+    "rss_gib mean_union_per_layer expert_buffer_mib"
+).split()
 
 
 def trim_at_stop(text: str, stop_words: list[str]) -> tuple[str, str | None]:
@@ -189,11 +180,7 @@ class StopRule:
     """
 
     def __init__(
-        self,
-        tokenizer,
-        max_tokens: int,
-        stop_ids: set,
-        stop_words: list[str] = (),
+        self, tokenizer, max_tokens: int, stop_ids: set, stop_words: list[str] = ()
     ):
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens

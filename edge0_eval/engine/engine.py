@@ -99,11 +99,8 @@ class Engine:
         self.slot_bytes = index.slot_bytes  # one slot in every MoE layer
         self.blocks = {i: self.family.layers(model)[i].mlp for i in self.moe_layers}
         self._last = {}
-        self.prerouter = (
-            None
-            if resolved.prerouter_path is None
-            else attach_prerouter(self, resolved.prerouter_path)
-        )
+        heads = resolved.prerouter_path
+        self.prerouter = None if heads is None else attach_prerouter(self, heads)
         # The one step every caller runs (step.py).
         self.step = DecodeStep(
             model,
@@ -295,23 +292,16 @@ class Engine:
         when the configured budget (the B = 1 budget) holds fewer, so a batch's union of
         experts always fits; then the configured size again."""
         configured = self.resolved.slots_per_layer
-        self._resize_slots(
-            max(
-                configured,
-                min(rows_at_once * self.experts_per_token, self.index.num_experts),
-            )
-        )
+        wanted = min(rows_at_once * self.experts_per_token, self.index.num_experts)
+        self._resize_slots(max(configured, wanted))
         try:
             yield self
         finally:
             self._resize_slots(configured)
 
     def _stop_ids(self, stop_token_ids: set[int] | None) -> set[int]:
-        return (
-            set(self.tokenizer.eos_token_ids)
-            if stop_token_ids is None
-            else set(stop_token_ids)
-        )
+        ids = self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids
+        return set(ids)
 
     def _resize_slots(self, n_slots: int) -> None:
         """Every MoE layer's slot pool to `n_slots` (not in resident mode: all are held)."""
@@ -404,11 +394,8 @@ def _streaming_model(directory: Path, config, family, index, options, width):
             f"{directory}: index lists MoE layers {index.moe_layers} but the "
             f"config builds {moe_in_model}; re-run convert"
         )
-    refuse_unserved_experts(
-        index,
-        directory / INDEX_NAME,
-        activation_dtype(options.compute_dtype, directory),
-    )
+    dtype = activation_dtype(options.compute_dtype, directory)
+    refuse_unserved_experts(index, directory / INDEX_NAME, dtype)
     store = ExpertStore(
         directory,
         index,

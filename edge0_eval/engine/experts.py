@@ -310,10 +310,7 @@ class StreamingSwitchGLU(nn.Module):
             old = linear[part]
             if n_slots > old_n:
                 new = mx.concatenate(
-                    [
-                        old,
-                        mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype),
-                    ]
+                    [old, mx.zeros((n_slots - old_n, *old.shape[1:]), dtype=old.dtype)]
                 )
             else:
                 # a copy: the slice would keep it all
@@ -380,11 +377,9 @@ class StreamingSwitchGLU(nn.Module):
         the reads stay spread over them) and RUN_BUNDLES, each one slot write per tensor;
         cancellable: one bundle a task, so that each read can be cancelled alone."""
         loads = sorted(loads, key=lambda load: load[1])
-        limit = (
-            1
-            if cancellable
-            else min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
-        )
+        limit = 1
+        if not cancellable:
+            limit = min(RUN_BUNDLES, -(-len(loads) // self._io.store.io_workers))
         sizes, last = [], None
         for _, slot in loads:
             if sizes and sizes[-1] < limit and slot == last + 1:
@@ -605,11 +600,7 @@ class StreamingSwitchGLU(nn.Module):
             loads = [(e, slot) for _, rows in kept for _, e, slot in rows] + loads
             reads = kept + reads
         io.pending = StagedSet(
-            experts=experts,
-            mapping=mapping,
-            loads=loads,
-            reads=reads,
-            hedge=outcome,
+            experts=experts, mapping=mapping, loads=loads, reads=reads, hedge=outcome
         )
         return io.pending
 
@@ -626,11 +617,9 @@ class StreamingSwitchGLU(nn.Module):
         # routed set: its cancelled reads' experts were forgotten, and a slot that went to
         # another expert must not receive its bundle, so only the rows still theirs are
         # written.
-        reads = (
-            staged.reads
-            if intact
-            else [(f, rs) for f, rs in staged.reads if not f.cancelled()]
-        )
+        reads = staged.reads
+        if not intact:
+            reads = [(f, rs) for f, rs in staged.reads if not f.cancelled()]
         started = time.perf_counter()
         try:
             parts = results([f for f, _ in reads])

@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 
 from edge0_eval.engine.draft import DraftHead
-from edge0_eval.engine.mlx_compat import resolve_compute_dtype
+from edge0_eval.engine.mlx_compat import dequantized, resolve_compute_dtype
 from edge0_eval.engine.routing import Prerouter, PrerouterHeads, stack_rules
 from edge0_eval.errors import CheckpointError, ConfigError
 from edge0_eval.formats.draft_file import is_draft_file, load_draft_vocab
@@ -143,28 +143,13 @@ def check_owners(
 
 
 def load_heads(
-    path: str | Path,
-    *,
-    hidden: int,
-    num_experts: int,
-    experts_per_token: int,
-    owners: list[int] | None = None,
-    dtype=None,
-    model_type: str | None = None,
-    moe_layers: list[int] | None = None,
+    path: str | Path, *, moe_layers: list[int] | None = None, **model
 ) -> PrerouterHeads:
-    """Heads from the file at `path`, checked by formats/heads_file.py's `read_heads` against a
-    model with `hidden`, `num_experts`, served at `experts_per_token` (see there for `owners`, `dtype`,
-    `model_type`); `moe_layers` (the serving model's) checks every (owner, consumer) pair."""
-    heads = read_heads(
-        path,
-        hidden=hidden,
-        num_experts=num_experts,
-        experts_per_token=experts_per_token,
-        owners=owners,
-        dtype=dtype,
-        model_type=model_type,
-    )
+    """Heads from the file at `path`, checked by formats/heads_file.py's `read_heads` against
+    the `model` it is given there (`hidden`, `num_experts`, `experts_per_token`, and optional
+    `owners`, `dtype`, `model_type`: see there); `moe_layers` (the serving model's) checks every
+    (owner, consumer) pair."""
+    heads = read_heads(path, **model)
     config = heads.config
     if moe_layers is not None:
         problems = pair_problems(config.owners, config.consumers, list(moe_layers))
@@ -184,12 +169,8 @@ def save_heads(
     dtype=mx.float16,
 ) -> Path:
     """Write heads in the published layout (formats/heads_file.py's `write_heads`)."""
-    return write_heads(
-        path,
-        HeadsFile(heads.config, heads.fc1, heads.fc2, heads.linear),
-        metadata,
-        dtype,
-    )
+    file = HeadsFile(heads.config, heads.fc1, heads.fc2, heads.linear)
+    return write_heads(path, file, metadata, dtype)
 
 
 # -- warm start from the routers ----------------------------------------------------------------
@@ -198,17 +179,8 @@ def save_heads(
 def router_weight(block) -> tuple[mx.array, mx.array | None]:
     """The router's weight [E, H] as float32 (8-bit routers dequantized) and bias [E] or None."""
     linear = block.router
-    if isinstance(linear, nn.QuantizedLinear):
-        weight = mx.dequantize(
-            linear.weight,
-            linear.scales,
-            linear.get("biases"),
-            group_size=linear.group_size,
-            bits=linear.bits,
-            mode=getattr(linear, "mode", "affine"),
-        )
-    else:
-        weight = linear.weight
+    quantized = isinstance(linear, nn.QuantizedLinear)
+    weight = dequantized(linear) if quantized else linear.weight
     bias = linear.get("bias") if "bias" in linear else None
     return weight.astype(mx.float32), None if bias is None else bias.astype(mx.float32)
 
@@ -340,9 +312,8 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
         )
     if not prerouter.next_token:
         raise CheckpointError(
-            f"{hedge_path}: a hedge serves next-token prerouter heads, whose "
-            f"plans wait for the token; these heads plan before the LM head "
-            f"already {fix}"
+            f"{hedge_path}: a hedge serves next-token prerouter heads, whose plans "
+            f"wait for the token; these heads plan before the LM head already {fix}"
         )
     ids = load_draft_vocab(hedge_path, family.embedding(model).weight.shape[0])
     layers = sorted(prerouter.consumers)

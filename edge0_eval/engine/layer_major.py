@@ -289,21 +289,14 @@ class LayerMajor:
             "experts_per_token": int(text.get("num_experts_per_tok") or 1),
             "moe_intermediate": int(text.get("moe_intermediate_size") or 0),
         }
-        step = DecodeStep(
-            model,
-            family,
-            {},
-            None,
-            None,
-            Counters(),
-            "teacher",
-            EngineOptions.prefill_chunk,  # unused: the teacher's pieces are `cuts`
-        )
+        chunk = EngineOptions.prefill_chunk  # unused: the teacher's pieces are `cuts`
+        step = DecodeStep(model, family, {}, None, None, Counters(), "teacher", chunk)
+        cuts = None if family.split_prefill else cuts
         return cls(
             step,
             moe_layers=moe,
             dims=dims,
-            cuts=None if family.split_prefill else cuts,
+            cuts=cuts,
             new_cache=step.new_cache,
             **kwargs,
         )

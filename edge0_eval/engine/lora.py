@@ -323,11 +323,7 @@ def load_adapter(
                 f"{module_path!r} needs [{out_dims}, {r}] (r from {key_a!r})"
             )
         planned.append((module_path, base, a, b))
-    if (
-        experts_per_token is not None
-        and adapter.K is not None
-        and adapter.K != experts_per_token
-    ):
+    if experts_per_token is not None and adapter.K not in (None, experts_per_token):
         warnings.warn(
             f"{path}: the adapter was trained at K={adapter.K}, the engine routes "
             f"top-{experts_per_token}",

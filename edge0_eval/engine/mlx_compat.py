@@ -38,6 +38,18 @@ def upcast_unquantized_experts_for_cpu(model: nn.Module) -> int:
     return changed
 
 
+def dequantized(module) -> mx.array:
+    """A quantized module's weight, dequantized in its own mode, as float32."""
+    return mx.dequantize(
+        module.weight,
+        module.scales,
+        module.get("biases"),
+        group_size=module.group_size,
+        bits=module.bits,
+        mode=getattr(module, "mode", "affine"),
+    ).astype(mx.float32)
+
+
 def backend_name() -> str:
     """MLX's backend for the default device, in words: 'cpu', 'Metal' or 'CUDA'."""
     if on_cpu():

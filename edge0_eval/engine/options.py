@@ -114,8 +114,7 @@ class EngineOptions:
         True, "crc32 of each expert bundle on its first read (default on)"
     )
     measure_recall: bool = option(
-        False,
-        "prerouted: also run the true routers to report online recall (slower)",
+        False, "prerouted: also run the true routers to report online recall (slower)"
     )
     # Per-layer hidden clipping (NaN -> 0, |h| <= limit); None disables it; "auto": the
     # family's default (Family.clip_hidden: +-1000 on bailing_hybrid only).
@@ -257,11 +256,7 @@ class EngineOptions:
     def _prerouter_path(self, directory: Path) -> Path | None:
         if self.mode != "prerouted" or self.no_prerouter:
             return None
-        path = (
-            Path(self.prerouter_path)
-            if self.prerouter_path
-            else directory / PREROUTER_FILE
-        )
+        path = Path(self.prerouter_path or directory / PREROUTER_FILE)
         if not path.is_file():
             raise MissingAdapterError(
                 f"prerouter heads {path} is missing (prerouted mode needs prerouter heads); "

@@ -137,11 +137,9 @@ class RoutingRule:
     def select(self, logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
         """logits [..., E] -> (inds [..., K], weights [..., K] float32)."""
         scores = self.scores(logits)
-        sel = (
-            scores
-            if self.expert_bias is None
-            else scores + self.expert_bias.astype(mx.float32)
-        )
+        sel = scores
+        if self.expert_bias is not None:
+            sel = scores + self.expert_bias.astype(mx.float32)
         inds = top_k_ids(limit_groups(sel, self.n_group, self.topk_group), k)
         return inds, self.weights(scores, inds)
 
@@ -339,12 +337,8 @@ class PrerouterHeads(nn.Module):
         return PrerouterHeads(cfg, self.fc1[idx], self.fc2[idx], self.linear[idx])
 
     def astype(self, dtype) -> "PrerouterHeads":
-        return PrerouterHeads(
-            self.config,
-            self.fc1.astype(dtype),
-            self.fc2.astype(dtype),
-            self.linear.astype(dtype),
-        )
+        weights = (w.astype(dtype) for w in (self.fc1, self.fc2, self.linear))
+        return PrerouterHeads(self.config, *weights)
 
 
 def onehot(inds: mx.array, num_experts: int, dtype=mx.float32) -> mx.array:
@@ -449,11 +443,8 @@ class Prerouter:
         if xs[0].shape[1] >= 2:
             prev = onehot(mx.stack([i[:, -2] for i in ids]), num_experts, x.dtype)
         else:
-            prev = (
-                plans.onehot
-                if plans is not None and plans.onehot is not None
-                else mx.zeros_like(now)
-            )
+            prev = None if plans is None else plans.onehot
+            prev = mx.zeros_like(now) if prev is None else prev
         following = Plans(build_features(x, now, prev), now)
         if not stage:
             return following
@@ -478,11 +469,9 @@ class Prerouter:
             if matches == len(plans.drafted[0]):
                 selected = plans.drafted[1]
         if selected is None:
-            feats = (
-                plans.feats
-                if not self.next_token
-                else append_next_embedding(plans.feats, self.embedding(tokens))
-            )
+            feats = plans.feats
+            if self.next_token:
+                feats = append_next_embedding(plans.feats, self.embedding(tokens))
             selected = self.rule.select(self.heads(feats), self.experts_per_token)
         inds = selected[0]  # [O, B, K]
         staged = {}
@@ -513,12 +502,8 @@ class Prerouter:
             time.perf_counter() - started - (c.eval_wait_seconds - waits)
         )
         hedges = self._stage(np.array(selected[0]), self.draft_layers)
-        return Plans(
-            plans.feats,
-            plans.onehot,
-            hedges=hedges,
-            drafted=(np.array(tokens), selected),
-        )
+        drafted = (np.array(tokens), selected)
+        return Plans(plans.feats, plans.onehot, hedges=hedges, drafted=drafted)
 
     def _stage(
         self, ids: np.ndarray, layers: list[int], hedges: dict | None = None
@@ -589,12 +574,8 @@ class Prerouter:
         if self.next_token:
             emb = self.embedding(tokens)
             following = mx.concatenate([emb[:, 1:], mx.zeros_like(emb[:, :1])], axis=1)
-        feats = build_features(
-            x[None],
-            now[None],
-            mx.concatenate([first, now[:, :-1]], axis=1)[None],
-            following,
-        )
+        prev = mx.concatenate([first, now[:, :-1]], axis=1)
+        feats = build_features(x[None], now[None], prev[None], following)
         logits = self.heads.select_owners([owner])(feats)[0]
         return self.blocks[self.consumer_of[owner]].rule.select(
             logits, self.experts_per_token

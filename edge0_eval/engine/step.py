@@ -126,13 +126,8 @@ class DecodeStep:
         for start, end in pieces[:-1]:
             self(mx.array(tokens[start:end])[None], cache, plan_next=False, where=where)
         start, end = pieces[-1]
-        logits, plans = self(
-            mx.array(tokens[start:end])[None],
-            cache,
-            stage=stage,
-            samplers=samplers,
-            where=where,
-        )
+        piece = mx.array(tokens[start:end])[None]
+        logits, plans = self(piece, cache, stage=stage, samplers=samplers, where=where)
         return logits[0], plans
 
     def __call__(
@@ -169,11 +164,9 @@ class DecodeStep:
             h, events = self._fixed_point(tokens, cache, plans, planned)
         else:
             h, events = self.forward(tokens, cache, plans, planned=planned)
-        following = (
-            pr.after_step(plans, h, samplers, stage=stage)
-            if pr is not None and plan_next
-            else None
-        )
+        following = None
+        if pr is not None and plan_next:
+            following = pr.after_step(plans, h, samplers, stage=stage)
         logits = self.logits(h if all_logits else h[:, -1:])
         built = time.perf_counter()
         last = logits[:, -1]
@@ -181,23 +174,16 @@ class DecodeStep:
         finite = mx.isfinite(logits).all(axis=(1, 2))
         # Evaluated with the rest, so reading the verdict below syncs nothing more.
         all_finite = finite.all()
-        evaluate(
-            self.counters,
-            last,
-            finite,
-            all_finite,
-            events,
-            [c.state for c in cache if c is not None],
-        )
+        states = [c.state for c in cache if c is not None]
+        evaluate(self.counters, last, finite, all_finite, events, states)
         if events is not None:
             self.counters.guard_events += events.item()
         if not all_finite.item():
             self.counters.nonfinite_events += 1
-            bad = (
-                ""
-                if rows is None
-                else f" (prompt(s) {[r for r, ok in zip(rows, finite.tolist()) if not ok]})"
-            )
+            bad = ""
+            if rows is not None:
+                failed = [r for r, ok in zip(rows, finite.tolist()) if not ok]
+                bad = f" (prompt(s) {failed})"
             raise NonFiniteError(
                 f"{self.name}: non-finite logits {where}{bad}; a resident weight, expert or "
                 f"adapter holds NaN/Inf, or an activation overflowed (try --verify-crc, "
@@ -328,9 +314,8 @@ class DecodeStep:
                     evaluate(self.counters, h, wait=mx.async_eval)
                     self.counters.early_evals += 1
                 self.prerouter.finish(layer, staged)
-            if (
-                ahead is None
-            ):  # pinned: the staged set is the whole route, nothing to read
+            if ahead is None:
+                # pinned: the staged set is the whole route, nothing to read
                 return Route(
                     inds, mask=planned, pinned=staged is not None and planned is None
                 )

@@ -490,10 +490,7 @@ class ExpertStore:
         return finish()
 
     def read_many(
-        self,
-        pairs: list[tuple[int, int]],
-        sink=None,
-        chunks: list[int] | None = None,
+        self, pairs: list[tuple[int, int]], sink=None, chunks: list[int] | None = None
     ) -> list:
         """Read several bundles concurrently (queue depth = io_workers) ahead of prefetches;
         chunks: as `submit_many`'s, over `pairs` (a chunk holds one layer's bundles)."""

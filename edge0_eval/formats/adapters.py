@@ -101,9 +101,8 @@ def read_adapter_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, 
     try:
         arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(list(arrays.values()))
-    except (
-        Exception
-    ) as exc:  # MLX raises RuntimeError/ValueError for bad headers and offsets
+    except Exception as exc:
+        # MLX raises RuntimeError/ValueError for bad headers and offsets
         raise CheckpointError(
             f"{path}: not a readable safetensors file ({exc}); the file is "
             f"truncated or corrupt, download or save it again"
@@ -208,10 +207,9 @@ def _alpha(meta: dict, alpha: float | None, r_meta: int | None, path: Path) -> f
     if alpha_value is None:
         raise CheckpointError(
             f"{path}: metadata key 'alpha' is missing, no alpha was given "
-            f"(--lora-alpha / lora_alpha) and no {ADAPTER_CONFIG} beside it "
-            f"gives one (PEFT 'lora_alpha', or mlx-lm 'lora_parameters' rank "
-            f"and scale); the LoRA scale alpha/r is unknown (Edge0 adapters "
-            f"use r=16, alpha=32)"
+            f"(--lora-alpha / lora_alpha) and no {ADAPTER_CONFIG} beside it gives one "
+            "(PEFT 'lora_alpha', or mlx-lm 'lora_parameters' rank and scale); the LoRA "
+            "scale alpha/r is unknown (Edge0 adapters use r=16, alpha=32)"
         )
     if r_meta is not None and r_meta < 1:
         raise CheckpointError(
@@ -277,9 +275,8 @@ def _check_pairs(
 def _check_matrix(arr: mx.array, key: str, want: str, path: Path) -> None:
     if arr.dtype not in _FILE_DTYPES.values():
         raise CheckpointError(
-            f"{path}: key {key!r} has dtype "
-            f"{str(arr.dtype).split('.')[-1]}; expected "
-            f"float16, bfloat16 or float32"
+            f"{path}: key {key!r} has dtype {str(arr.dtype).split('.')[-1]}; expected "
+            "float16, bfloat16 or float32"
         )
     if arr.ndim != 2:
         raise CheckpointError(
@@ -301,8 +298,7 @@ def _meta_number(
     if not math.isfinite(value) or (integer and value != int(value)):
         raise CheckpointError(
             f"{where}: metadata key {key!r} is {meta[key]!r}, not "
-            f"{'an integer' if integer else 'a number'}; the adapter file "
-            f"is malformed"
+            f"{'an integer' if integer else 'a number'}; the adapter file is malformed"
         )
     return int(value) if integer else value
 
@@ -349,9 +345,8 @@ def _edge0_layout(arrays: dict[str, mx.array], path: Path) -> dict[str, mx.array
         for k, v in arrays.items():
             if not k.endswith((_MLX_A, _MLX_B)):
                 raise CheckpointError(
-                    f"{path}: an mlx-lm adapter holding {k!r} (a DoRA "
-                    f"magnitude or a full fine-tune); only plain LoRA "
-                    f"adapters are served"
+                    f"{path}: an mlx-lm adapter holding {k!r} (a DoRA magnitude or a "
+                    "full fine-tune); only plain LoRA adapters are served"
                 )
             if v.ndim != 2:
                 raise CheckpointError(
@@ -412,9 +407,8 @@ def _refuse_unsupported_config(config: dict, config_path: Path) -> None:
     if kind != "lora" or peft != "LORA" or config.get("use_dora"):
         what = kind if kind != "lora" else ("DoRA" if config.get("use_dora") else peft)
         raise CheckpointError(
-            f"{config_path}: a {what!r} adapter; only plain LoRA adapters "
-            f"are served (merge it into the checkpoint with its trainer, "
-            f"then convert that)"
+            f"{config_path}: a {what!r} adapter; only plain LoRA adapters are served "
+            "(merge it into the checkpoint with its trainer, then convert that)"
         )
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):

@@ -50,17 +50,15 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
         if f.name not in params:
             if required:
                 raise CheckpointError(
-                    f"{path}: required key {key!r} is missing; restore "
-                    f"config.json from the source checkpoint and "
-                    f"{RECONVERT}"
+                    f"{path}: required key {key!r} is missing; restore config.json "
+                    f"from the source checkpoint and {RECONVERT}"
                 )
             continue
         value = params[f.name]
         if hint is not None and not type_ok(value, hint):
             raise CheckpointError(
                 f"{path}: key {key!r} is {value!r}, which is not a valid "
-                f"{getattr(hint, '__name__', hint)}; fix config.json or "
-                f"{RECONVERT}"
+                f"{getattr(hint, '__name__', hint)}; fix config.json or {RECONVERT}"
             )
         if hint is int and f.name not in ("bos_token_id", "pad_token_id") and value < 0:
             raise CheckpointError(
@@ -69,14 +67,9 @@ def _check_args(args_class, params: dict, path: Path, prefix: str = "") -> None:
 
 
 REQUIRED_KEYS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "vocab_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
+    "hidden_size num_hidden_layers num_attention_heads vocab_size num_experts "
+    "num_experts_per_tok moe_intermediate_size"
+).split()
 
 
 def read_config(path: str | Path, family_for: FamilyLookup) -> dict:
@@ -116,10 +109,8 @@ def read_config(path: str | Path, family_for: FamilyLookup) -> dict:
                 f"{path}: required key {where + key!r} is missing; restore "
                 f"config.json from the source checkpoint and {RECONVERT}"
             )
-    for key in (
-        "num_experts",
-        "num_experts_per_tok",
-    ):  # mlx-lm accepts 0; routing cannot
+    # mlx-lm accepts 0; routing cannot
+    for key in ("num_experts", "num_experts_per_tok"):
         if not (type_ok(text_config[key], int) and text_config[key] >= 1):
             raise CheckpointError(
                 f"{path}: key {where + key!r} is {text_config[key]!r}; it must "

@@ -58,9 +58,8 @@ def load_draft_vocab(path: Path, vocab_size: int) -> mx.array:
         )
     if meta.get("format_version") != str(FORMAT_VERSION):
         raise CheckpointError(
-            f"{path}: draft vocabulary format_version "
-            f"{meta.get('format_version')!r}; this version reads "
-            f"{FORMAT_VERSION}; {fix}"
+            f"{path}: draft vocabulary format_version {meta.get('format_version')!r}; "
+            f"this version reads {FORMAT_VERSION}; {fix}"
         )
     if ids.ndim != 1 or ids.size == 0 or not mx.issubdtype(ids.dtype, mx.integer):
         raise CheckpointError(
@@ -75,9 +74,8 @@ def load_draft_vocab(path: Path, vocab_size: int) -> mx.array:
         or np.unique(values).size != values.size
     ):
         raise CheckpointError(
-            f"{path}: ids for a vocabulary of {meta.get('vocab_size')} tokens "
-            f"(range {values.min()}..{values.max()}, unique "
-            f"{np.unique(values).size} of {values.size}); this model has "
-            f"{vocab_size}; {fix} for this model"
+            f"{path}: ids for a vocabulary of {meta.get('vocab_size')} tokens (range "
+            f"{values.min()}..{values.max()}, unique {np.unique(values).size} of "
+            f"{values.size}); this model has {vocab_size}; {fix} for this model"
         )
     return mx.array(values.astype(np.int32))

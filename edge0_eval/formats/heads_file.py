@@ -87,6 +87,12 @@ class HeadsFile:
     linear: mx.array
 
 
+_TENSOR_KEYS = (
+    "kind K owners consumers width hidden num_experts format_version features "
+    "context_consumers"
+).split()
+
+
 def write_heads(
     path: str | Path, heads: HeadsFile, metadata: dict | None = None, dtype=mx.float16
 ) -> Path:
@@ -122,18 +128,7 @@ def write_heads(
     if cfg.next_token:
         meta["features"] = NEXT_TOKEN
     for key, value in (metadata or {}).items():
-        if key in (
-            "kind",
-            "K",
-            "owners",
-            "consumers",
-            "width",
-            "hidden",
-            "num_experts",
-            "format_version",
-            "features",
-            "context_consumers",
-        ):
+        if key in _TENSOR_KEYS:
             continue  # these describe the tensors; they come from the heads
         meta[key] = value if isinstance(value, str) else json.dumps(value)
     return write_safetensors(path, arrays, meta)
@@ -388,10 +383,9 @@ def _consumers_meta(meta: dict, stored: list[int], where: str) -> dict[int, int]
             raise ValueError
     except (KeyError, ValueError, TypeError):
         raise CheckpointError(
-            f"{where}: metadata consumers={meta['consumers']!r} is not a JSON "
-            f"list of layer numbers, one per owner in metadata owners="
-            f"{meta.get('owners')!r}; write the file again with save_heads "
-            f"(init-prerouter / train-prerouter)"
+            f"{where}: metadata consumers={meta['consumers']!r} is not a JSON list of "
+            f"layer numbers, one per owner in metadata owners={meta.get('owners')!r}; "
+            "write the file again with save_heads (init-prerouter / train-prerouter)"
         ) from None
     odd = [f"{n} -> {c}" for n, c in zip(listed, consumers) if c != n + 1 and c > n]
     if odd or len(set(consumers)) != len(consumers):

@@ -336,9 +336,8 @@ class ExpertIndex:
             "moe_layers": list(self.moe_layers),
             "module_path": self.module_path,
         }
-        if (
-            quant is not None
-        ):  # version 1, field for field as it has always been written
+        if quant is not None:
+            # version 1, field for field as it has always been written
             layout = self.layouts[0]
             body = {
                 "bits": quant.bits,
@@ -478,9 +477,8 @@ class ExpertIndex:
             or any(len(row) != self.num_experts for row in self.crc32)
         ):
             raise CheckpointError(
-                f"{where}: crc32 must hold one row of {self.num_experts} "
-                f"checksums per MoE layer ({len(self.moe_layers)}); "
-                f"{RECONVERT}"
+                f"{where}: crc32 must hold one row of {self.num_experts} checksums per "
+                f"MoE layer ({len(self.moe_layers)}); {RECONVERT}"
             )
         if directory is not None:
             self._check_file(Path(directory) / self.file)
@@ -587,13 +585,8 @@ _FIELDS_V2 = _COMMON_FIELDS | {
     ),
 }
 _HEAD = ("model_type", "num_experts", "moe_layers", "module_path")
-_REQUIRED_V1 = _HEAD + (
-    "bits",
-    "group_size",
-    "mode",
-    "tensors",
-    "bundle_bytes",
-    "bundle_stride",
+_REQUIRED_V1 = _HEAD + tuple(
+    "bits group_size mode tensors bundle_bytes bundle_stride".split()
 )
 _REQUIRED_V2 = _HEAD + ("layouts", "layer_layouts")
 _TENSOR_KEYS = {"name", "shape", "dtype", "offset", "nbytes"}

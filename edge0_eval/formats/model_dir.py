@@ -138,10 +138,8 @@ def check_resident(path: str | Path, index=None) -> dict:
             if code != "U8":
                 scale_codes.setdefault(code, name)
         elif code == "U32":
-            if (
-                not name.endswith(".weight")
-                or f"{name[: -len('.weight')]}.scales" not in tensors
-            ):
+            base = name.removesuffix(".weight")
+            if base == name or f"{base}.scales" not in tensors:
                 raise CheckpointError(
                     f"{path}: {name} is packed U32 but has no "
                     f"quantization scales beside it; {RECONVERT}"
@@ -170,9 +168,8 @@ def load_resident(path: Path) -> dict:
         raise CheckpointError(f"{path} not found; re-run `edge0-eval convert`")
     try:
         return mx.load(str(path))
-    except (
-        Exception
-    ) as exc:  # MLX raises RuntimeError/ValueError for truncated headers or data
+    except Exception as exc:
+        # MLX raises RuntimeError/ValueError for truncated headers or data
         raise CheckpointError(
             f"{path} is unreadable ({exc}); the file is truncated or corrupt, "
             f"re-run `edge0-eval convert`"
@@ -222,13 +219,11 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
             )
     try:
         tokenizer = load_tokenizer(directory, eos_token_ids=eos_token_ids)
-    except (
-        Exception
-    ) as exc:  # transformers/tokenizers raise many types for corrupt files
+    except Exception as exc:
+        # transformers/tokenizers raise many types for corrupt files
         raise CheckpointError(
-            f"{directory}: the tokenizer files do not load ({type(exc).__name__}"
-            f": {str(exc)[:200]}); copy them again from the source "
-            f"checkpoint"
+            f"{directory}: the tokenizer files do not load ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); copy them again from the source checkpoint"
         ) from None
     n = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else None
     if n is not None and n < 8:
@@ -251,9 +246,8 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
         except Exception as exc:
             raise CheckpointError(
                 f"{directory}: the chat template does not render "
-                f"({type(exc).__name__}: {str(exc)[:200]}); fix "
-                f"tokenizer_config.json / chat_template.jinja or copy them "
-                f"again from the source checkpoint"
+                f"({type(exc).__name__}: {str(exc)[:200]}); fix tokenizer_config.json "
+                "/ chat_template.jinja or copy them again from the source checkpoint"
             ) from None
     return tokenizer
 
@@ -261,7 +255,6 @@ def load_tokenizer_checked(directory: str | Path, eos_token_ids=None, vocab_size
 def _check_tokenizer_files(directory: Path) -> None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(
-            f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy "
-            f"the source checkpoint's tokenizer files into it or "
-            f"{RECONVERT}"
+            f"{directory}: no tokenizer ({' / '.join(TOKENIZER_FILES)}); copy the "
+            f"source checkpoint's tokenizer files into it or {RECONVERT}"
         )

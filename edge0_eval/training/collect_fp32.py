@@ -24,6 +24,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from edge0_eval.engine.engine import Engine, EngineOptions
+from edge0_eval.engine.mlx_compat import dequantized
 from edge0_eval.errors import CheckpointError
 
 COLLECT_MODES = ("served", "float32")
@@ -33,24 +34,13 @@ MIN_AGREEMENT = 0.98
 CHECK_TOKENS = 384
 
 
-def _dequantized(module) -> mx.array:
-    return mx.dequantize(
-        module.weight,
-        module.scales,
-        module.get("biases"),
-        group_size=module.group_size,
-        bits=module.bits,
-        mode=getattr(module, "mode", "affine"),
-    ).astype(mx.float32)
-
-
 def dequantize_model(model: nn.Module) -> int:
     """Replace every quantized linear, embedding and switch linear by its float32 equivalent
     (instance-level module replacement); returns how many were replaced."""
     replaced = []
     for path, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
-            weight = _dequantized(module)
+            weight = dequantized(module)
             has_bias = "bias" in module
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
             linear.weight = weight
@@ -58,12 +48,12 @@ def dequantize_model(model: nn.Module) -> int:
                 linear.bias = module.bias.astype(mx.float32)
             replaced.append((path, linear))
         elif isinstance(module, nn.QuantizedEmbedding):
-            weight = _dequantized(module)
+            weight = dequantized(module)
             embedding = nn.Embedding(weight.shape[0], weight.shape[1])
             embedding.weight = weight
             replaced.append((path, embedding))
         elif isinstance(module, QuantizedSwitchLinear):
-            weight = _dequantized(module)  # [experts, out, in]
+            weight = dequantized(module)  # [experts, out, in]
             switch = SwitchLinear(
                 weight.shape[2], weight.shape[1], weight.shape[0], bias="bias" in module
             )
@@ -105,12 +95,8 @@ def run_documents(
             cache = engine.step.new_cache()
             for s in range(0, len(doc), chunk):
                 piece = doc[s : s + chunk]
-                engine.step(
-                    mx.array(piece)[None],
-                    cache,
-                    plan_next=False,
-                    where=f"collecting document {d}",
-                )
+                where = f"collecting document {d}"
+                engine.step(mx.array(piece)[None], cache, plan_next=False, where=where)
                 h = mx.stack([b.last[0][0] for b in blocks], 1)
                 ind = mx.stack([b.last[1][0] for b in blocks], 1)
                 mx.eval(h, ind)

@@ -100,14 +100,11 @@ def read_documents(paths: list[str]) -> list[Document]:
                 docs.append(Document(str(path), raw))
             continue
         for lineno, record in iter_jsonl(path, raw):
+            pair = (record.get("prompt"), record.get("completion"))
             if isinstance(record.get("text"), str):
                 text = record["text"]
-            elif isinstance(record.get("prompt"), str) or isinstance(
-                record.get("completion"), str
-            ):
-                text = str(record.get("prompt") or "") + str(
-                    record.get("completion") or ""
-                )
+            elif any(isinstance(part, str) for part in pair):
+                text = "".join(str(part or "") for part in pair)
             else:
                 raise ConfigError(
                     f'{path}:{lineno}: no string field "text" (or "prompt"/'

@@ -53,17 +53,13 @@ def evaluate(
     path = setup.path
     modules = lora_modules(model)
     saved_scales = {p: m.scale for p, m in modules.items()}
-    current = {k: v for k, v in lora_state(model).items()}
+    current = dict(lora_state(model))
     sums = {name: np.zeros(3) for name in variants}
     n_tokens = 0
     try:
-        chunks = [
-            examples[i : i + batch_size] for i in range(0, len(examples), batch_size)
-        ]
-        for chunk in tqdm(
-            chunks, desc="held-out eval", unit="batch", disable=not progress
-        ):
-            batch = collate(chunk)
+        starts = range(0, len(examples), batch_size)
+        for i in tqdm(starts, desc="held-out eval", unit="batch", disable=not progress):
+            batch = collate(examples[i : i + batch_size])
             mask = mx.array(batch.loss_mask)
             lt = teacher_log_probs(setup.teacher, batch.tokens)
             t_top = mx.argmax(lt, axis=-1)
@@ -89,17 +85,12 @@ def evaluate(
         for p, m in modules.items():
             m.scale = saved_scales[p]
         set_lora_state(model, current)
-    out = {}
-    for name, s in sums.items():
-        denom = max(1, n_tokens)
-        out[name] = {
-            "kl": float(s[0] / denom),
-            "top1": float(s[1] / denom),
-            "nll": float(s[2] / denom),
-            "tokens": int(n_tokens),
-            "prompts": len(examples),
-        }
-    return out
+    denom, figures = max(1, n_tokens), ("kl", "top1", "nll")
+    return {
+        name: {k: float(v / denom) for k, v in zip(figures, s)}
+        | {"tokens": int(n_tokens), "prompts": len(examples)}
+        for name, s in sums.items()
+    }
 
 
 def adapter_arrays(path: str | Path) -> dict:
@@ -165,6 +156,13 @@ def _pct(new: float, old: float) -> str:
     return f"{100 * (new - old) / old:+.1f}%"
 
 
+VARIANT_LABELS = {
+    "no_lora": "no LoRA",
+    "init": "starting adapter",
+    "trained": "trained adapter (as written)",
+}
+
+
 def markdown(r: dict) -> str:
     m = r["heldout"]["metrics"]
     t = r["training"]
@@ -182,13 +180,8 @@ def markdown(r: dict) -> str:
         "| variant | KL(student‖teacher) | top-1 agreement | NLL of teacher tokens |",
         "|---|---:|---:|---:|",
     ]
-    for name in ("no_lora", "init", "trained"):
+    for name, label in VARIANT_LABELS.items():
         if name in m:
-            label = {
-                "no_lora": "no LoRA",
-                "init": "starting adapter",
-                "trained": "trained adapter (as written)",
-            }[name]
             lines.append(
                 f"| {label} | {m[name]['kl']:.6f} | {m[name]['top1']:.4f} | "
                 f"{m[name]['nll']:.4f} |"

@@ -238,23 +238,27 @@ def _save_routers(engine, store: FeatureStore, consumers: list[int], moe: list[i
 def _resumed_store(engine, opts, store: FeatureStore) -> tuple[dict, dict]:
     """(metadata, {document: tokens}) of a store being resumed: re-tokenized
     (deterministic) and checked against the documents already collected."""
+    meta, toks = _collected_documents(engine, opts, store)
+    return meta, dict(enumerate(t for _, t in toks))
+
+
+def _collected_documents(engine, opts, store: FeatureStore) -> tuple[dict, list]:
+    """(the store's metadata, the documents tokenized again), checked to be the ones
+    collected (tokenization is deterministic)."""
     meta = json.loads((store.dir / "data.json").read_text())
-    toks = _documents(engine, opts)
-    if [[n, len(t)] for n, t in toks] != [[d[0], d[2]] for d in meta["docs"]]:
+    docs = _documents(engine, opts)
+    if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:
         raise CheckpointError(
             f"{store.dir}: tokenization no longer matches the "
             f"collected documents; rerun with --fresh"
         )
-    return meta, dict(enumerate(t for _, t in toks))
+    return meta, docs
 
 
 def _check_collector(engine, opts, served_options, tokens_of: dict) -> dict:
     """The float32 collector checked against the served int4 path, printed."""
     c = check_float32(
-        opts.model,
-        served_options,
-        engine,
-        _check_sample(tokens_of, opts.check_tokens),
+        opts.model, served_options, engine, _check_sample(tokens_of, opts.check_tokens)
     )
     print(
         f"train-prerouter: float32 collector vs served int4 path on {c['tokens']} "
@@ -313,12 +317,8 @@ def _collect_document(engine, meta, tokens, d: int, arrays: dict, bar) -> int:
     cache = engine.step.new_cache()
     for s in range(0, length, chunk):
         piece = tokens[s : s + chunk]
-        engine.step(
-            mx.array(piece)[None],
-            cache,
-            plan_next=False,
-            where=f"collecting document {d}",
-        )
+        where = f"collecting document {d}"
+        engine.step(mx.array(piece)[None], cache, plan_next=False, where=where)
         hs, nrs = [], []
         for n, c in zip(meta["pairs"], consumers):
             x = engine.blocks[n].last[0][0]
@@ -362,15 +362,9 @@ def ensure_embeddings(
     path = store.dir / EMBEDDINGS_FILE
     if path.is_file():
         return
-    meta = json.loads((store.dir / "data.json").read_text())
     engine = Engine.load(opts.model, collector_options(opts, experts_per_token))
     try:
-        docs = _documents(engine, opts)
-        if [[n, len(t)] for n, t in docs] != [[d[0], d[2]] for d in meta["docs"]]:
-            raise CheckpointError(
-                f"{store.dir}: tokenization no longer matches the collected "
-                f"documents; rerun with --fresh"
-            )
+        meta, docs = _collected_documents(engine, opts, store)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in docs])
         embed = engine.family.embedding(engine.model)
         tmp = store.dir / f".{EMBEDDINGS_FILE}.tmp.npy"
@@ -388,11 +382,9 @@ def ensure_embeddings(
 
 
 def _documents(engine, opts: PrerouterOptions) -> list[tuple[str, list[int]]]:
+    docs = read_documents(opts.texts)
     return tokenize_documents(
-        engine.tokenizer,
-        read_documents(opts.texts),
-        opts.max_tokens,
-        opts.max_doc_tokens,
+        engine.tokenizer, docs, opts.max_tokens, opts.max_doc_tokens
     )
 
 
@@ -466,12 +458,8 @@ class Batches:
 
     def features(self, batch: dict) -> mx.array:
         e = self.num_experts
-        return build_features(
-            batch["h"],
-            onehot(batch["cur"], e),
-            onehot(batch["prev"], e),
-            batch.get("next_emb"),
-        )
+        cur, prev = onehot(batch["cur"], e), onehot(batch["prev"], e)
+        return build_features(batch["h"], cur, prev, batch.get("next_emb"))
 
     def token_router_logits(self, batch: dict) -> mx.array:
         """Baseline of next-token heads: each consumer's router on token t+1's embedding."""

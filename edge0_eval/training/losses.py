@@ -24,12 +24,17 @@ def teacher_topk(lt: mx.array, k: int) -> dict:
     """
     k = max(1, min(k, lt.shape[-1] - 1))
     ids = mx.argpartition(-lt, kth=k - 1, axis=-1)[..., :k]
-    lt_top = mx.take_along_axis(lt, ids, axis=-1)
-    in_top = mx.put_along_axis(
-        mx.zeros(lt.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1
-    )
-    lt_tail = mx.logsumexp(mx.where(in_top, -mx.inf, lt), axis=-1)
+    lt_top, lt_tail = _buckets(lt, ids)
     return {"ids": ids, "lt_top": lt_top, "lt_tail": lt_tail}
+
+
+def _buckets(logp: mx.array, ids: mx.array) -> tuple[mx.array, mx.array]:
+    """Log-probs `logp` at `ids`, and the log of the mass outside them."""
+    top = mx.take_along_axis(logp, ids, axis=-1)
+    in_top = mx.put_along_axis(
+        mx.zeros(logp.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1
+    )
+    return top, mx.logsumexp(mx.where(in_top, -mx.inf, logp), axis=-1)
 
 
 def bucket_kl(
@@ -47,11 +52,7 @@ def bucket_kl(
     log p_t); forward: KL(teacher || student) = sum_b p_t (log p_t - log p_s).
     """
     ls = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    ls_top = mx.take_along_axis(ls, ids, axis=-1)
-    in_top = mx.put_along_axis(
-        mx.zeros(ls.shape, dtype=mx.bool_), ids, mx.array(True), axis=-1
-    )
-    ls_tail = mx.logsumexp(mx.where(in_top, -mx.inf, ls), axis=-1)
+    ls_top, ls_tail = _buckets(ls, ids)
     if direction == "reverse":
         return (mx.exp(ls_top) * (ls_top - lt_top)).sum(axis=-1) + mx.exp(ls_tail) * (
             ls_tail - lt_tail
@@ -85,3 +86,13 @@ def recall(pred: mx.array, true: mx.array, num_experts: int) -> mx.array:
     """|pred & true| / K per row: [..., K] x [..., K] -> [...]."""
     k = true.shape[-1]
     return (onehot(pred, num_experts) * onehot(true, num_experts)).sum(axis=-1) / k
+
+
+def masked_kl(logits: mx.array, rows, batch, aux: dict, direction: str) -> mx.array:
+    """`bucket_kl` of the batch's `rows` against the teacher's buckets `aux`
+    (`teacher_topk`), summed over their loss positions."""
+    r = mx.array(rows)
+    per = bucket_kl(
+        logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], direction
+    )
+    return (per * mx.array(batch.loss_mask[rows])).sum()

@@ -44,38 +44,21 @@ from edge0_eval.training.stage_options import PrerouterOptions, StageOptions
 
 # Architecture keys that teacher and student config.json must agree on (those present).
 ARCH_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "full_attention_interval",
-    "intermediate_size",
-    "shared_expert_intermediate_size",
-    "first_k_dense_replace",
-    "layer_group_size",
-    "num_shared_experts",
-    "linear_num_value_heads",
-    "linear_num_key_heads",
-)
+    "model_type vocab_size hidden_size num_hidden_layers num_experts "
+    "num_experts_per_tok moe_intermediate_size num_attention_heads num_key_value_heads "
+    "head_dim full_attention_interval intermediate_size "
+    "shared_expert_intermediate_size first_k_dense_replace layer_group_size "
+    "num_shared_experts linear_num_value_heads linear_num_key_heads"
+).split()
 
 
 # -- teacher and student checks --------------------------------------------------------------------
 
 
-def _text_config(config: dict) -> dict:
-    family = FAMILIES.get(config.get("model_type"))
-    return config if family is None else family.text_config(config)
-
-
 def architecture(model_dir: str | Path) -> dict:
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = _text_config(config)
+    family = FAMILIES.get(config.get("model_type"))
+    text = config if family is None else family.text_config(config)
     arch = {"model_type": config.get("model_type")}
     for key in ARCH_KEYS[1:]:
         if key in text:

@@ -33,7 +33,7 @@ from edge0_eval.training.batches import (
     fit,
     stable_seed,
 )
-from edge0_eval.training.losses import bucket_kl, teacher_topk
+from edge0_eval.training.losses import masked_kl, teacher_topk
 from edge0_eval.training.stage import StageImpl, run_stage
 from edge0_eval.training.stage_options import StageOptions
 from edge0_eval.training.teacher import teacher_log_probs
@@ -83,11 +83,7 @@ class Distill(StageImpl):
         return batch, aux
 
     def loss_fn(self, logits, rows, batch, aux):
-        r = mx.array(rows)
-        per = bucket_kl(
-            logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], "reverse"
-        )
-        return (per * mx.array(batch.loss_mask[rows])).sum()
+        return masked_kl(logits, rows, batch, aux, "reverse")
 
     def report_extra(self, opts: StageOptions) -> dict:
         return {

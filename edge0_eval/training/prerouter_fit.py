@@ -61,9 +61,7 @@ from edge0_eval.training.features import (
 )
 from edge0_eval.training.losses import khot_cross_entropy, recall
 from edge0_eval.training.models import model_facts, resolve_heads
-from edge0_eval.training.stage_options import (
-    PrerouterOptions,
-)
+from edge0_eval.training.stage_options import PrerouterOptions
 from edge0_eval.training.state import (
     after_step,
     announce_resume,
@@ -352,17 +350,10 @@ def _report(opts, meta, config, held, train_eval, losses, split) -> dict:
             "first_loss": losses[0] if losses else None,
         },
         "layers": layers,
+        # every recall figure the rows hold, in their order
         "mean": {
             key: mean(key)
-            for key in (
-                "recall_heads",
-                "recall_prev_token",
-                "recall_next_router",
-                "recall_untrained_heads",
-                "recall_heads_train",
-                "recall_token_router",
-            )
-            if any(key in r for r in layers)
+            for key in dict.fromkeys(k for r in layers for k in r if "recall_" in k)
         },
         "all_layers_beat_baselines": all(r["beats_baselines"] for r in layers),
     }
@@ -406,14 +397,9 @@ def _layer_rows(config, held: dict, train_eval: dict) -> list[dict]:
         }
         if "token_router" in held:
             row["recall_token_router"] = held["token_router"][i]
+        baselines = ("recall_prev_token", "recall_next_router", "recall_token_router")
         row["beats_baselines"] = row["recall_heads"] > max(
-            row[key]
-            for key in (
-                "recall_prev_token",
-                "recall_next_router",
-                "recall_token_router",
-            )
-            if key in row
+            row[key] for key in baselines if key in row
         )
         layers.append(row)
     return layers
@@ -460,10 +446,8 @@ def _markdown(r: dict) -> str:
     c = r.get("collection") or {}
     runs = c.get("runs") or []
     if runs:
-        tokens, seconds = (
-            sum(x["tokens"] for x in runs),
-            sum(x["seconds"] for x in runs),
-        )
+        tokens = sum(x["tokens"] for x in runs)
+        seconds = sum(x["seconds"] for x in runs)
         lines += [
             "",
             f"Collected with the {c.get('path', 'served')} path: {tokens} tokens in "

@@ -115,11 +115,8 @@ class ServedPath:
             )
             inds = {layer: self.blocks[layer].last[1] for layer in self.moe}
         else:
-            cache, outs, inds = (
-                self.engine.step.new_cache(),
-                [],
-                {layer: [] for layer in self.moe},
-            )
+            cache, outs = self.engine.step.new_cache(), []
+            inds = {layer: [] for layer in self.moe}
             for p in range(length):
                 last, plans = step(
                     mx.array(tokens[:, p : p + 1]),

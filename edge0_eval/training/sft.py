@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from edge0_eval.errors import ConfigError
 from edge0_eval.training.batches import batch_indices, collate, fit
-from edge0_eval.training.losses import bucket_kl, cross_entropy_loss, teacher_topk
+from edge0_eval.training.losses import cross_entropy_loss, masked_kl, teacher_topk
 from edge0_eval.training.stage import StageImpl, run_stage
 from edge0_eval.training.stage_options import StageOptions
 from edge0_eval.training.teacher import teacher_log_probs
@@ -83,11 +83,7 @@ class SFT(StageImpl):
     def loss_fn(self, logits, rows, batch, aux):
         if self.opts.loss == "ce":
             return cross_entropy_loss(logits, rows, batch, aux)
-        r = mx.array(rows)
-        per = bucket_kl(
-            logits, aux["ids"][r], aux["lt_top"][r], aux["lt_tail"][r], "forward"
-        )
-        return (per * mx.array(batch.loss_mask[rows])).sum()
+        return masked_kl(logits, rows, batch, aux, "forward")
 
     def report_extra(self, opts: StageOptions) -> dict:
         return {

@@ -40,9 +40,7 @@ from edge0_eval.training.models import (
     training_slots,
 )
 from edge0_eval.training.served import ServedPath
-from edge0_eval.training.stage_options import (
-    StageOptions,
-)
+from edge0_eval.training.stage_options import StageOptions
 from edge0_eval.training.state import (
     after_step,
     announce_resume,
@@ -135,16 +133,9 @@ def prepare(opts: StageOptions) -> Setup:
 def stage_fingerprint(opts: StageOptions, setup: Setup) -> dict:
     """Settings and inputs that determine the trained adapter (a change blocks resuming)."""
     keys = (
-        "stage",
-        "heldout",
-        "lr",
-        "batch",
-        "seq_len",
-        "max_new_tokens",
-        "seed",
-        "teacher_temperature",
-        "max_prompts",
-    )
+        "stage heldout lr batch seq_len max_new_tokens seed teacher_temperature "
+        "max_prompts"
+    ).split()
     fp = {k: getattr(opts, k) for k in keys}
     # "top_k": the fingerprint's name for K since before the option was experts_per_token.
     fp.update(mode=opts.engine.mode, top_k=opts.engine.experts_per_token)
@@ -309,16 +300,9 @@ def run_stage(
 
 
 _DATA_KEYS = (
-    "teacher",
-    "prompts",
-    "eval_prompts",
-    "heldout",
-    "seed",
-    "max_new_tokens",
-    "teacher_temperature",
-    "max_prompts",
-    "seq_len",
-)
+    "teacher prompts eval_prompts heldout seed max_new_tokens teacher_temperature "
+    "max_prompts seq_len"
+).split()
 
 
 def _teacher_data(

@@ -105,10 +105,9 @@ class PrerouterOptions(RunOptions):
     )
     start_layer: int | None = option(
         None,
-        "first consuming layer (default: 0 for the 35B and 8B tiers, "
-        "i.e. every MoE layer with the wrap-around head; other models the "
-        "first MoE layer + 1; the reference heads start at 7 (35B) and 8 "
-        "(8B))",
+        "first consuming layer (default: 0 for the 35B and 8B tiers, i.e. every MoE "
+        "layer with the wrap-around head; other models the first MoE layer + 1; the "
+        "reference heads start at 7 (35B) and 8 (8B))",
         type="nonneg_int",
     )
     width: int | None = option(
@@ -157,18 +156,16 @@ class PrerouterOptions(RunOptions):
     )
     train_tokens: int | None = option(
         None,
-        "train on a seeded random subset of the training documents of "
-        "about this many tokens (learning curves; the held-out documents "
-        "stay the same)",
+        "train on a seeded random subset of the training documents of about this many "
+        "tokens (learning curves; the held-out documents stay the same)",
         type=int,
         least=2,
     )
     next_token: bool = option(
         False,
-        "heads also see the sampled next token's input embedding: "
-        "higher recall, but their reads start after the LM head and the "
-        "sampling instead of overlapping them (default: the published "
-        "context features)",
+        "heads also see the sampled next token's input embedding: higher recall, but "
+        "their reads start after the LM head and the sampling instead of overlapping "
+        "them (default: the published context features)",
     )
 
     def validate(self) -> None:
@@ -187,28 +184,18 @@ def parse_owners(values: list[str] | None) -> list[int] | None:
     if not values:
         return None
     out = []
-    for value in values:
-        for part in str(value).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            for sep in ("..", "-"):
-                if sep in part:
-                    lo, hi = part.split(sep, 1)
-                    try:
-                        out.extend(range(int(lo), int(hi) + 1))
-                    except ValueError:
-                        raise ConfigError(
-                            f"--owners: cannot read range {part!r}"
-                        ) from None
-                    break
-            else:
-                try:
-                    out.append(int(part))
-                except ValueError:
-                    raise ConfigError(
-                        f"--owners: {part!r} is not a layer number"
-                    ) from None
+    for part in (p.strip() for value in values for p in str(value).split(",")):
+        sep = ".." if ".." in part else "-" if "-" in part else None
+        try:
+            if sep:
+                lo, hi = part.split(sep, 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                out.append(int(part))
+        except ValueError:
+            if sep:
+                raise ConfigError(f"--owners: cannot read range {part!r}") from None
+            raise ConfigError(f"--owners: {part!r} is not a layer number") from None
     return out
 
 

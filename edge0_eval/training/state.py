@@ -106,12 +106,9 @@ def sha256_file(path: Path) -> str:
 
 
 _MODEL_JSON = (
-    "config.json",
-    "experts.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "model.safetensors.index.json",
-)
+    "config.json experts.index.json tokenizer.json tokenizer_config.json "
+    "model.safetensors.index.json"
+).split()
 
 
 def model_fingerprint(model: str | Path) -> dict:
@@ -145,9 +142,5 @@ def write_json(path: Path, obj) -> None:
 
 
 def report_paths(out: Path) -> tuple[Path, Path]:
-    stem = (
-        out.name[: -len(".safetensors")]
-        if out.name.endswith(".safetensors")
-        else out.name
-    )
+    stem = out.name.removesuffix(".safetensors")
     return out.with_name(f"{stem}.report.json"), out.with_name(f"{stem}.report.md")

@@ -90,21 +90,13 @@ FAMILY = Family(
     gate_selects=True,
     clip_hidden=1000.0,
     split_prefill=False,
-    lora_targets=(  # linear attention; MLA (embed_q/unembed_out are MultiLinear, not
-        # Linear); both kinds' output; the shared experts; the dense layer-0 MLP (the
-        # router `mlp.gate.gate_proj` does not end with `.mlp.gate_proj`)
-        "attention.query_key_value",
-        "attention.g_proj",
-        "attention.q_proj",
-        "attention.q_a_proj",
-        "attention.q_b_proj",
-        "attention.kv_a_proj_with_mqa",
-        "attention.dense",
-        "mlp.shared_experts.gate_proj",
-        "mlp.shared_experts.up_proj",
-        "mlp.shared_experts.down_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
+    # linear attention; MLA (embed_q/unembed_out are MultiLinear, not Linear); both
+    # kinds' output; the shared experts; the dense layer-0 MLP (the router
+    # `mlp.gate.gate_proj` does not end with `.mlp.gate_proj`)
+    lora_targets=tuple(
+        "attention.query_key_value attention.g_proj attention.q_proj attention.q_a_proj "
+        "attention.q_b_proj attention.kv_a_proj_with_mqa attention.dense "
+        "mlp.shared_experts.gate_proj mlp.shared_experts.up_proj "
+        "mlp.shared_experts.down_proj mlp.gate_proj mlp.up_proj mlp.down_proj".split()
     ),
 )

@@ -77,14 +77,5 @@ class Family:
 # Checked against mlx-lm 0.32's qwen3_5.py / bailing_hybrid.py / qwen2_moe.py. Patterns that a
 # config does not build (MLA's q_a_proj when q_lora_rank is None) match nothing. The shared
 # experts' out=1 gates are left out; routers and routed experts never carry LoRA (lora.py).
-ATTENTION = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-)
-SHARED = (
-    "mlp.shared_expert.gate_proj",
-    "mlp.shared_expert.up_proj",
-    "mlp.shared_expert.down_proj",
-)
+ATTENTION = tuple(f"self_attn.{p}_proj" for p in "qkvo")
+SHARED = tuple(f"mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down"))

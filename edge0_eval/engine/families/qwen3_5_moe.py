@@ -65,6 +65,11 @@ def layer_args(text, h, cache):
     )
 
 
+GATED_DELTA = tuple(
+    f"linear_attn.{p}"
+    for p in "in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj".split()
+)
+
 FAMILY = Family(
     "qwen3_5_moe",
     QwenStreamingMoE,
@@ -73,13 +78,6 @@ FAMILY = Family(
     embed_name="embed_tokens",
     layer_args=layer_args,
     text_config_key="text_config",
-    lora_targets=ATTENTION
-    + (  # full attention every 4th layer, GatedDeltaNet the rest
-        "linear_attn.in_proj_qkv",
-        "linear_attn.in_proj_z",
-        "linear_attn.in_proj_b",
-        "linear_attn.in_proj_a",
-        "linear_attn.out_proj",
-    )
-    + SHARED,
+    # full attention every 4th layer, GatedDeltaNet (linear attention) the rest
+    lora_targets=ATTENTION + GATED_DELTA + SHARED,
 )
