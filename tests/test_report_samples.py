@@ -171,7 +171,8 @@ def test_truncation_that_differs_beyond_its_noise_is_flagged(tmp_path):
     assert he["arms"]["student"]["truncation_vs_teacher"]["flag"] is False
     md = (tmp_path / "rep" / "report.md").read_text()
     assert (
-        "| AIME 2026 | accuracy, n=1 | 6 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | "
+        # six 0/1 items that all agree: the exact interval, 1 - 0.0125^(1/6) each way
+        "| AIME 2026 | accuracy, n=1 | 6 | 50.00 | 50.00 | +0.00 | [-51.83, +51.83] | "
         "ok (truncation differs: student) |" in md
     )
     assert (
@@ -179,7 +180,7 @@ def test_truncation_that_differs_beyond_its_noise_is_flagged(tmp_path):
         in md
     )
     assert (
-        "| GPQA-Diamond | accuracy, n=1 | 4 | 50.00 | 50.00 | +0.00 | [+0.00, +0.00] | ok |"
+        "| GPQA-Diamond | accuracy, n=1 | 4 | 50.00 | 50.00 | +0.00 | [-66.56, +66.56] | ok |"
         in md
     )
 
