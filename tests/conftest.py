@@ -3,10 +3,12 @@ of the tiny config that several test files read."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from perturbed_heads import heads_of_kind
 
 from edge0_eval.checkpoints.tiny import TinyShape, write_tiny
@@ -42,12 +44,21 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def tiny_env(tmp_path_factory):
+def tiny_env(tmp_path_factory, worker_id):
     """Tiny teacher, converted student with trained adapters, and fixture data, as `edge0-eval
-    demo` prepares them (about 100 s: made once for every OpenCompass test)."""
+    demo` prepares them (about 100 s of CPU: made once for every OpenCompass test, and under
+    pytest-xdist once for both workers, the second waiting on a lock in their shared base
+    temporary folder). Tests that break a model break a copy."""
     from edge0_eval.demo import prepare
 
-    return prepare(tmp_path_factory.mktemp("demo"))
+    if worker_id == "master":
+        return prepare(tmp_path_factory.mktemp("demo"))
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(str(shared / "tiny_env.lock")):
+        made = shared / "tiny_env.json"
+        if not made.is_file():
+            made.write_text(json.dumps(prepare(shared / "tiny_env")))
+        return json.loads(made.read_text())
 
 
 @pytest.fixture(scope="session")
