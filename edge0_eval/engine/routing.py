@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,9 +48,6 @@ from edge0_eval.engine.counters import Counters
 from edge0_eval.engine.experts import StagedSet, StreamingSwitchGLU, evaluate
 from edge0_eval.errors import ConfigError
 from edge0_eval.formats.heads_file import PrerouterConfig
-
-if TYPE_CHECKING:  # the draft hedge's head imports LoRA, which imports the families
-    from edge0_eval.engine.draft import DraftHead
 
 # -- expert selection --------------------------------------------------------------------
 # mlx-lm's Gate adds this to the normaliser; a no-op for any real sum of k probabilities.
@@ -422,7 +418,9 @@ class Prerouter:
         # the wrap-around head's consumer runs first.
         self.ahead = {o for o, c in self.consumer_of.items() if c == o + 1}
         self.wrap = next(((o, c) for o, c in self.consumer_of.items() if c <= o), None)
-        self.draft: DraftHead | None = None  # a draft-token hedge of `draft_layers`
+        # a draft-token hedge of `draft_layers` (engine/draft.py's DraftHead, attached by
+        # engine/heads.py: this module never imports it, which imports LoRA and the families)
+        self.draft = None
         self.draft_layers: list[int] = []
         for owner in self.owners:
             blocks[owner].capture = True
