@@ -188,7 +188,10 @@ def test_quantized_source_same_logits_as_mlx_lm_load(fixture, request, tmp_path)
 
 
 def test_index_bundles_and_side_files(tiny_bailing_q4, tmp_path):
-    src = tiny_bailing_q4
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bailing_q4, src)
+    # a local cache of the source's own files (the weights' digests) is not a side file
+    (src / ".edge0_weights_sha256.json").write_text("{}")
     out = convert(src, tmp_path / "out", progress=False)
     index = ExpertIndex.load(out)
     config = json.loads((src / "config.json").read_text())
@@ -225,7 +228,8 @@ def test_index_bundles_and_side_files(tiny_bailing_q4, tmp_path):
         "special_tokens_map.json",
     }
     assert not any("switch_mlp" in k for k in mx.load(str(out / RESIDENT_NAME)))
-    assert nothing_written(tmp_path, {"out"})  # temp dir renamed, nothing left over
+    # the temp dir renamed, nothing left over
+    assert nothing_written(tmp_path, {"out", "src"})
     # One affine quantization for every expert: format_version 1, field for field as builds
     # before version 2 wrote and read it.
     assert list(json.loads((out / INDEX_NAME).read_text())) == [

@@ -63,10 +63,12 @@ class BundleWriter:
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, chat template, code...: every regular non-weight file."""
+    """Tokenizer, generation config, chat template, code...: every regular non-weight file
+    but hidden ones (local caches, such as the weights' digests, describe the source's files)."""
     for path in sorted(src.iterdir()):
         if (
             path.is_file()
+            and not path.name.startswith(".")
             and path.name != "config.json"
             and not _WEIGHT_FILE.search(path.name)
         ):
