@@ -195,7 +195,8 @@ def _gate_args(reports, baseline, seed, rounds, gate, accept_blind) -> list[str]
     """`gate` on the reports so far (a sequential run's rounds, or the whole run's one)."""
     args = ["gate", *(reports if seed else reports[-1:]), "--baseline", baseline]
     if seed:
-        shares = ",".join(f"{f:g}" for f in rounds)
+        # repr: the gate recomputes each round's items from the shares, so no digit may go
+        shares = ",".join(repr(float(f)) for f in rounds)
         args += ["--sequential", "--order-seed", seed, "--rounds", shares]
     for bench, drop in (gate.get("drops") or {}).items():
         args += ["--benchmark-drop", f"{bench}={drop}"]

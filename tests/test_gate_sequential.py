@@ -101,6 +101,18 @@ def test_broken_student_fails_in_the_first_round(tmp_path, baseline, capsys):
     assert "FAIL" in _line(out) and "student drop: regressed" in _line(out)
     assert "(round 1; e-value" in _line(out)
     assert "gate: FAIL (1 of 1: GPQA-Diamond)" in out
+    assert _line(out).count("student drop: regressed") == 1  # said once, as a failure
+
+
+def test_gate_run_passes_round_shares_to_the_gate_digit_for_digit():
+    """The gate recomputes each round's items from the shares: ceil(2/3 x 3) = 2, but a
+    share printed as 0.666667 would give 3."""
+    from edge0_eval.gate import _share_list
+    from edge0_eval.gate_run import _gate_args
+
+    rounds = [1 / 3, 2 / 3, 1.0]
+    args = _gate_args(["r1.json"], "b.json", "7", rounds, {}, False)
+    assert _share_list(args[args.index("--rounds") + 1]) == rounds
 
 
 def test_undecided_on_the_whole_sample_cannot_see(tmp_path, baseline, capsys):

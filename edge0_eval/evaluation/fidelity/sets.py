@@ -374,8 +374,13 @@ def weights_sha256(path: Path, names: list[str]) -> list[str]:
             and entry.get("stamp") == stamp
             and isinstance(entry.get("sha256"), str)
         ):
+            h = (
+                hashlib.sha256()
+            )  # hashlib.file_digest is Python 3.11's; 3.10 is supported
             with open(path / name, "rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+            digest = h.hexdigest()
             cache[name], stale = {"stamp": stamp, "sha256": digest}, True
     if stale:
         try:

@@ -266,13 +266,14 @@ def check_benchmark(
         _said(student, "student drop", first_round, seq),
         _said(gap, "gap widening", first_round, seq, scale=2.0),
     ]
-    verdict.notes = said
-    if REGRESSED in (student.rule, gap.rule):
+    if REGRESSED in (student.rule, gap.rule):  # its lines are the failures, said once
         verdict.rule = REGRESSED
         verdict.failures = [
             s for s, r in zip(said, (student, gap)) if r.rule == REGRESSED
         ]
-    elif student.rule == gap.rule == WITHIN:
+        return verdict
+    verdict.notes = said
+    if student.rule == gap.rule == WITHIN:
         verdict.rule = WITHIN
     elif verdict.exhausted:
         _fallback(verdict, outcomes, base, alpha)
