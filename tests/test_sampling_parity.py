@@ -187,6 +187,13 @@ def test_a_greedy_batch_is_drawn_at_once_and_as_mlx_lm_draws(
     assert not RowSampler(
         temperature=0.0, top_p=1.0, seed=0, penalties={"presence_penalty": 1.5}
     ).greedy
+    # Penalties that change nothing (as the served arm sends repetition 1) stay greedy.
+    neutral = {
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0,
+    }
+    assert RowSampler(temperature=0.0, top_p=1.0, seed=0, penalties=neutral).greedy
 
 
 class Recorder:

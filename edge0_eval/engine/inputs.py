@@ -204,6 +204,12 @@ def check_penalties(penalties: Mapping[str, Any]) -> dict:
             raise ConfigError(
                 f"{size} has no effect without {penalty}; set both or neither"
             )
+    # A penalty that changes nothing (repetition 1, presence or frequency 0) is off: mlx-lm
+    # would still run it, and a row with a processor leaves the batched greedy path.
+    for penalty, neutral in zip(PENALTIES, (1, 0, 0)):
+        if penalty in out and out[penalty] == neutral:
+            del out[penalty]
+            out.pop(penalty.replace("penalty", "context_size"), None)
     return out
 
 
