@@ -159,6 +159,14 @@ def test_a_list_of_prompts_with_n_gives_each_prompt_n_choices(served):
             generated += len(alone.tokens)
     assert out["usage"]["prompt_tokens"] == prompt_tokens
     assert out["usage"]["completion_tokens"] == generated
+    # streamed, the same choices arrive piece by piece, each joined to its whole text
+    stream = _post(server, "completions", dict(body, stream=True, logprobs=1)).text
+    events = [e[6:] for e in stream.split("\n\n") if e and e != "data: [DONE]"]
+    joined = [""] * 6
+    for event in events:
+        for c in json.loads(event)["choices"]:
+            joined[c["index"]] += c["text"]
+    assert joined == [c["text"] for c in out["choices"]]
 
 
 # the defaults a request that gives temperature still takes from GENERATION

@@ -356,7 +356,7 @@ class Answer:
         self.chat = spec.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.offsets = [0] * spec.n  # completions' text_offset, per choice
+        self.offsets = [0] * spec.choices  # completions' text_offset, per choice
 
     def _base(self, obj: str) -> dict:
         return {

@@ -56,7 +56,7 @@ def _prediction(run, abbr: str, item: str, datasets: list[str], cache: dict):
     """The first sample's prediction record of `item` (`dataset/k` when pooled)."""
     dataset, _, k = item.rpartition("/")
     dataset = dataset or datasets[0]
-    key = (abbr, dataset)
+    key = (str(run.path), abbr, dataset)  # arms may share an abbr across runs
     if key not in cache:
         folder = run.path / "predictions" / abbr
         cache[key] = load_predictions(folder, dataset) if folder.is_dir() else None

@@ -70,7 +70,8 @@ def headline_rows(report: dict) -> tuple[list[str], list[list]]:
         ]
         if flagged:
             status += f" (truncation differs: {', '.join(flagged)})"
-        line = [r["benchmark"], metric_label(r), r["items"] or ""]
+        items = "" if r["items"] is None else r["items"]  # 0 items is said, not blank
+        line = [r["benchmark"], metric_label(r), items]
         line += [fmt(r["teacher"]), fmt(r["student"]), fmt(r["delta"], signed=True)]
         line += [ci_text(r), status, r["version"] or ""]
         if has_ref:
