@@ -306,9 +306,9 @@ def attach_prerouter(engine, path: Path) -> Prerouter:
     fix = f"(prerouter heads: {path}); pass a draft vocabulary (--hedge) or none (--no-hedge)"
     if not is_draft_file(hedge_path) and _holds_heads(hedge_path):
         raise CheckpointError(
-            f"{hedge_path} holds prerouter heads: hedges of context heads "
-            f"are no longer served (slower than a draft hedge at every precision measured), write a draft vocabulary "
-            f"with `edge0-eval draft-vocab` {fix}"
+            f"{hedge_path} holds prerouter heads: hedges of context heads are no longer "
+            f"served (slower than a draft hedge at every precision measured), write a "
+            f"draft vocabulary with `edge0-eval draft-vocab` {fix}"
         )
     if not prerouter.next_token:
         raise CheckpointError(
