@@ -816,11 +816,14 @@ class BatchDecoder:
         one decode step of the active rows. Returns the rows that took a token or failed."""
         pr = self.engine.prerouter
         touched: list[Row] = []
-        # Between steps: finished rows leave, waiting rows take their places.
-        t0, before = time.perf_counter(), self._snapshot()
+        # Between steps: finished rows leave, waiting rows take their places (counted in
+        # the decode figures; a step with neither takes no snapshot).
         keep = [j for j, r in enumerate(self.active) if not r.done]
         joining = bool(self.waiting) and len(keep) < self.rows_at_once
-        if pr is not None and (len(keep) < len(self.active) or joining):
+        moving = joining or len(keep) < len(self.active)
+        if moving:
+            t0, before = time.perf_counter(), self._snapshot()
+        if pr is not None and moving:
             if keep or self.waiting:
                 # Planned for the old rows inside the last step; a joiner's prefill must not
                 # run it either. After the batch's last step the plan is left in flight (the
@@ -836,7 +839,8 @@ class BatchDecoder:
                     c.filter(idx)
             else:
                 self.cache = None
-        self._account(t0, before)
+        if moving:
+            self._account(t0, before)
         joined = []
         # One row joining an empty batch plans its first step in its prefill, as a solo
         # sequence does (a batch of one is a solo run: Engine.generate).
@@ -888,6 +892,9 @@ class BatchDecoder:
         cpu0, waits = time.thread_time(), _waits(c)
         eval_cpu = c.eval_wait_cpu_seconds
         samplers = [r.sampler for r in active]
+        # Greedy rows (evaluation's usual setting) are drawn together, in the step's own
+        # evaluation; a row with its own key or penalties is drawn by its sampler.
+        greedy = all(s.greedy for s in samplers)
         last, self.plans = e.step(
             mx.array([[r.tokens[-1]] for r in active]),
             self.cache,
@@ -895,12 +902,10 @@ class BatchDecoder:
             samplers=samplers,
             where=f"at batched decode step {self.decode['batch_steps'] + 1}",
             rows=[r.key for r in active],
+            draw=greedy_tokens if greedy else None,
         )
-        # Greedy rows (evaluation's usual setting) are drawn together; a row with its own
-        # key or penalties is drawn by its sampler.
-        if all(s.greedy for s in samplers):
-            drawn = greedy_tokens(last)
-            evaluate(c, drawn)
+        if greedy:
+            last, drawn = last
             tokens = drawn.tolist()
         else:
             drawn = [s(last[j]) for j, s in enumerate(samplers)]

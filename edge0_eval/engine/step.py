@@ -143,6 +143,7 @@ class DecodeStep:
         all_logits: bool = False,
         where: str = "at a step",
         rows: list[int] | None = None,
+        draw=None,
     ) -> tuple[mx.array, Plans | None]:
         """Logits of `tokens` [B, L] continuing `cache` (updated in place): [B, vocab] of the
         last position (all_logits: [B, L, vocab]), evaluated and finite; and the next step's
@@ -153,6 +154,8 @@ class DecodeStep:
         whose pool loads what it routes). planned [B, L]: where False, layers route truly
         (training's prompt positions). samplers: the rows' samplers, for a draft hedge.
         where / rows: name the step and the rows (prompt numbers) in a NonFiniteError.
+        draw: a function of the last logits (the rows' greedy tokens), evaluated with them so
+        that a step syncs once; the first value returned is then (last logits, draw's result).
         """
         started = time.perf_counter()
         pr = self.prerouter
@@ -175,7 +178,8 @@ class DecodeStep:
         # Evaluated with the rest, so reading the verdict below syncs nothing more.
         all_finite = finite.all()
         states = [c.state for c in cache if c is not None]
-        evaluate(self.counters, last, finite, all_finite, events, states)
+        drawn = None if draw is None else draw(last)
+        evaluate(self.counters, last, finite, all_finite, events, states, drawn)
         if events is not None:
             self.counters.guard_events += events.item()
         if not all_finite.item():
@@ -192,6 +196,8 @@ class DecodeStep:
         self.counters.steps += 1
         self.counters.build_seconds += built - started
         self.counters.eval_seconds += time.perf_counter() - built
+        if drawn is not None:
+            return (last, drawn), following
         return (logits if all_logits else last), following
 
     def forward(
