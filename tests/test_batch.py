@@ -22,6 +22,7 @@ from perturbed_heads import perturbed_heads
 
 from edge0_eval.cli import main
 from edge0_eval.engine import batch as batch_module
+from edge0_eval.engine import step as step_module
 from edge0_eval.engine.batch import StopRule
 from edge0_eval.engine.engine import Engine, NonFiniteError
 from edge0_eval.engine.experts import LayerSlots, StreamingSwitchGLU
@@ -351,6 +352,34 @@ def test_a_greedy_row_beside_a_sampled_one_equals_both_solo_runs(edge0_qwen):
         assert greedy.tokens == engine.generate(p, 12, stop_token_ids=set()).tokens
         solo = engine.generate(q, 12, seed=5, stop_token_ids=set(), **kw).tokens
         assert sampled.tokens == solo
+    finally:
+        engine.close()
+
+
+def test_a_greedy_step_evaluates_once(edge0_qwen, monkeypatch):
+    """Greedy rows are drawn in the step's own evaluation: a resident greedy decode step
+    waits on one evaluation (no second one for the tokens); a sampled row still draws
+    after it."""
+    from edge0_eval.engine import experts
+
+    engine = Engine.load(edge0_qwen, EngineOptions(mode="resident"))
+    waits, evaluate = [], experts.evaluate
+
+    def counted(counters, *arrays, wait=mx.eval):
+        waits.append(wait)
+        evaluate(counters, *arrays, wait=wait)
+
+    try:
+        prompt = engine.tokenizer.encode(TEXTS[0])
+        for module in (batch_module, step_module):
+            monkeypatch.setattr(module, "evaluate", counted)
+        per_step = {}
+        for name, kw in [("greedy", {}), ("sampled", dict(temperature=0.9, seed=5))]:
+            waits.clear()
+            engine.generate(prompt, 5, stop_token_ids=set(), **kw)
+            # 5 tokens: the prefill's and 4 decode steps'
+            per_step[name] = sum(w is mx.eval for w in waits) - 1
+        assert per_step == {"greedy": 4, "sampled": 8}
     finally:
         engine.close()
 

@@ -143,7 +143,7 @@ class DecodeStep:
         all_logits: bool = False,
         where: str = "at a step",
         rows: list[int] | None = None,
-        draw=None,
+        draw: Callable[[mx.array], mx.array] | None = None,
     ) -> tuple[mx.array, Plans | None]:
         """Logits of `tokens` [B, L] continuing `cache` (updated in place): [B, vocab] of the
         last position (all_logits: [B, L, vocab]), evaluated and finite; and the next step's
