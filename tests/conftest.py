@@ -41,6 +41,19 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     # Registered by pytest-xdist when it is installed; here for runs without it.
     config.addinivalue_line("markers", "xdist_group(name): pytest-xdist unit of work")
+    if not hasattr(config, "workerinput"):
+        _write_yapf_grammar_cache()
+
+
+def _write_yapf_grammar_cache() -> None:
+    """OpenCompass dumps its config through yapf, whose first import in a user's cache folder
+    writes a grammar pickle that later imports read. Two workers' `opencompass` runs on a fresh
+    machine race there: one reads the file while the other is still writing it (EOFError).
+    Importing yapf once here, before the workers start, writes it while nothing else runs."""
+    try:
+        import yapf  # noqa: F401
+    except ImportError:
+        pass  # without the eval extra the OpenCompass tests skip or fail on their own
 
 
 @pytest.fixture(scope="session")
