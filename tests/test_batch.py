@@ -535,6 +535,14 @@ def test_rows_join_and_leave_a_running_batch_and_equal_their_solo_runs(family, m
         while decoder.pending:
             assert all(r.error is None for r in decoder.step())
     assert decoder.decode["batch_joined"] >= 2
+    # A row's decode figures span the steps it took part in, a token each after its
+    # prefill's; over the rows, each step's rows and the steps' time shared out.
+    figures = [rows[k].figures.as_dict(len(rows[k].tokens)) for k in range(6)]
+    steps = [f["decode_steps"] for f in figures]
+    assert steps == [max(len(rows[k].tokens) - 1, 0) for k in range(6)]
+    assert sum(steps) == decoder.decode["batch_tokens"]
+    shares = sum(f["decode_s"] for f in figures)
+    assert shares == pytest.approx(decoder.decode["step_wall_s"])
     assert rows[1].cancelled and rows[1].tokens == solo[1][0][:cut] and cut < MAX_TOKENS
     assert rows[4].tokens == [] and 4 not in [r.key for r in decoder.active]
     kept = [0, 2, 3, 5]

@@ -267,28 +267,24 @@ def decode_figures(d: dict, steps: int, tokens: int) -> dict:
 @dataclass
 class RowFigures:
     """What one row cost: its own prefill, and the decode steps it took part in (a step's
-    reads and time are shared by its rows: `decode_share_s` is the row's share of the time,
-    `decode` and `step_tokens` the whole steps')."""
+    reads and time are shared by its rows: `decode_s` is the row's share of the time, the
+    reads and `step_tokens` the whole steps'). Those steps' figures are the difference of the
+    batch's step ledger (`BatchDecoder.reading`) as the row joined and as it left: a step
+    adds to the batch's figures once, not to each row's."""
 
     prompt_tokens: int
     prefill_s: float = 0.0
     prefill: Counter = field(default_factory=Counter)  # engine snapshot difference
-    steps: int = 0
-    decode_share_s: float = 0.0
-    decode_wall_s: float = 0.0
-    decode: Counter = field(default_factory=Counter)  # summed over its steps
-    step_tokens: int = 0  # tokens those steps decoded, every row's
-
-    def add_step(self, diff: dict, seconds: float, rows: int) -> None:
-        self.steps += 1
-        self.decode_share_s += seconds / rows
-        self.decode_wall_s += seconds
-        self.decode.update(diff)
-        self.step_tokens += rows
+    joined: Counter | None = None  # the ledger as it joined the running rows
+    left: Counter | None = None  # and as it left them (None: in, or never joined)
 
     def as_dict(self, generated: int) -> dict:
         """The row's figures, serialised (generated: the tokens it decoded)."""
-        pre, dec, steps = self.prefill, self.decode, self.steps
+        first, last, dec = self.joined, self.left, Counter()
+        if first is not None and last is not None:
+            dec = Counter({key: value - first[key] for key, value in last.items()})
+        pre, steps = self.prefill, dec["batch_steps"]
+        wall = dec["step_wall_s"]
         return {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": generated,
@@ -298,17 +294,15 @@ class RowFigures:
             ),
             "prefill_bytes_read": pre["bytes"],
             "decode_steps": steps,
-            "decode_s": self.decode_share_s,
-            "decode_wall_s": self.decode_wall_s,
+            "decode_s": dec["step_share_s"],
+            "decode_wall_s": wall,
             # The row's own stream rate: its tokens over the wall time of its steps.
-            "decode_tok_s": (
-                steps / self.decode_wall_s if self.decode_wall_s > 0 else 0.0
-            ),
-            **decode_figures(dec, steps, self.step_tokens),
+            "decode_tok_s": steps / wall if wall > 0 else 0.0,
+            **decode_figures(dec, steps, dec["batch_tokens"]),
             "bytes_read": pre["bytes"] + dec["bytes"],
             "reads": pre["reads"] + dec["reads"],
             "blocked_load_s": pre["blocked"] + dec["blocked"],
-            "batch_mean_rows_per_step": self.step_tokens / steps if steps else 1.0,
+            "batch_mean_rows_per_step": dec["batch_tokens"] / steps if steps else 1.0,
         }
 
 
@@ -705,12 +699,18 @@ class BatchDecoder:
         self.active: list[Row] = []
         self.cache: list | None = None
         self.plans: Plans | None = None if engine.prerouter is None else Plans()
-        # The decode figures: snapshot differences (Engine.snapshot) summed over the steps.
-        self.decode = Counter()
+        # The decode figures: snapshot differences (`snapshot`) summed over the steps and
+        # the rows' leaving and joining between them; `moved`, the latter alone.
+        self.decode, self.moved = Counter(), Counter()
 
     def _snapshot(self) -> dict:
         e = self.engine
         return snapshot(e.counters, e.store, e.blocks)
+
+    def reading(self) -> Counter:
+        """The step ledger now: the decode figures of the steps alone, so far."""
+        moved = self.moved
+        return Counter({key: value - moved[key] for key, value in self.decode.items()})
 
     # -- rows -------------------------------------------------------------------------------
     def add(
@@ -751,6 +751,8 @@ class BatchDecoder:
         row.done = row.cancelled = True
         if row in self.waiting:
             self.waiting.remove(row)
+        elif row in self.active:
+            row.figures.left = self.reading()
 
     def between(self) -> None:
         """Another sequence runs on the engine before the next step (the server's prompt
@@ -840,7 +842,7 @@ class BatchDecoder:
             else:
                 self.cache = None
         if moving:
-            self._account(t0, before)
+            self._account(t0, before, self.decode, self.moved)
         joined = []
         # One row joining an empty batch plans its first step in its prefill, as a solo
         # sequence does (a batch of one is a solo run: Engine.generate).
@@ -868,6 +870,9 @@ class BatchDecoder:
                 for mine, theirs in zip(self.cache, new):
                     mine.extend(theirs)
             self.active += [r for r, _, _ in joined]
+            mark = self.reading()
+            for r, _, _ in joined:
+                r.figures.joined = mark
             if pr is not None:
                 parts = [self.plans] + [p for *_, p in joined]
                 self.plans = parts[1] if alone else Plans.join(parts)
@@ -875,8 +880,9 @@ class BatchDecoder:
             try:
                 self._step()
             except Exception as exc:  # noqa: BLE001 - every row of the step fails
+                mark = self.reading()
                 for row in self.active:
-                    row.error, row.done = exc, True
+                    row.error, row.done, row.figures.left = exc, True, mark
                 touched += [r for r in self.active if r not in touched]
                 self.active, self.cache = [], None
                 self.plans = None if pr is None else Plans()
@@ -921,19 +927,24 @@ class BatchDecoder:
         c.host_cpu_seconds += (
             time.thread_time() - cpu0 - (c.eval_wait_cpu_seconds - eval_cpu)
         )
-        self.decode["batch_steps"] += 1
-        self.decode["batch_tokens"] += len(active)
-        diff = self._account(t0, before)
+        d = self.decode
+        d["batch_steps"] += 1
+        d["batch_tokens"] += len(active)
+        d["step_wall_s"] += dt
+        d["step_share_s"] += dt / len(active)
+        self._account(t0, before, d)
         for r in active:
-            r.figures.add_step(diff, dt, len(active))
+            if r.done:
+                r.figures.left = self.reading()
 
-    def _account(self, t0: float, before: dict) -> dict:
-        """Add the decode work since (t0, before) to the batch's decode figures; returns it."""
-        after, d = self._snapshot(), self.decode
-        d["batch_seconds"] += time.perf_counter() - t0
-        diff = {key: value - before[key] for key, value in after.items()}
-        d.update(diff)
-        return diff
+    def _account(self, t0: float, before: dict, *ledgers: Counter) -> None:
+        """Add the decode work since (t0, before) to each of `ledgers`."""
+        after = self._snapshot()
+        seconds = time.perf_counter() - t0
+        for d in ledgers:
+            d["batch_seconds"] += seconds
+            for key, value in after.items():
+                d[key] += value - before[key]
 
     # -- figures ----------------------------------------------------------------------------
     def batch_stats(self, rows: list[Row]) -> dict:
