@@ -268,7 +268,7 @@ def decode_figures(d: dict, steps: int, tokens: int) -> dict:
 class RowFigures:
     """What one row cost: its own prefill, and the decode steps it took part in (a step's
     reads and time are shared by its rows: `decode_s` is the row's share of the time, the
-    reads and `step_tokens` the whole steps'). Those steps' figures are the difference of the
+    reads and tokens are the whole steps'). Those steps' figures are the difference of the
     batch's step ledger (`BatchDecoder.reading`) as the row joined and as it left: a step
     adds to the batch's figures once, not to each row's."""
 
