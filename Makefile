@@ -31,11 +31,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two workers (pytest-xdist), one per core here; tests/conftest.py keeps each file, and the
-# tests sharing the tiny OpenCompass run, on one worker. WORKERS=0 runs in this process.
+# Two workers (pytest-xdist), one per core here, each file on one worker; tests/conftest.py
+# orders the files and makes the shared tiny models and OpenCompass run once for both.
+# WORKERS=0 runs in this process.
 WORKERS ?= 2
 test: lint browser
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The report page's test reads report.html in headless Chromium (Debian's `chromium`);
 # installed once when missing (as root, or with sudo), nothing to do when present. Where it

@@ -17,30 +17,21 @@ from edge0_eval.engine.lora import apply_lora, save_adapter
 from edge0_eval.evaluation.plan.opencompass_run import offline_env, opencompass_command
 
 TINY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "edge0_tiny.py"
-# The session fixture several files' OpenCompass tests read: one unit of work.
-SHARED = "tiny_run"
-# The two longest units (minutes each), started first, one per worker.
-FIRST = (SHARED, "tests/test_tiny_gate.py")
+# The two longest files (minutes each), started first, one per worker.
+FIRST = ("tests/test_opencompass_api.py", "tests/test_tiny_gate.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Units of work for pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): each test
-    file is one, as with --dist loadfile, except that every test reading tiny_run joins one
-    unit, so that the run is made once, on one worker. The longest units go first: xdist
-    hands units out in order, so each worker starts on one and the rest fill in around them.
-    Without xdist the marks are inert and only the order changes."""
-    units = {}
-    for item in items:
-        unit = SHARED if SHARED in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(unit))
-        units[item] = unit
+    """Units of work for pytest-xdist (`make test` runs `-n 2 --dist loadfile`): each test
+    file is one. The longest go first: xdist hands units out in order, so each worker starts
+    on one and the rest fill in around them. (The files that read tiny_run share it across
+    workers by a lock, as tiny_env: xdist's loadgroup, which would keep them on one worker,
+    groups nothing under pytest 9, whose node ids it can no longer rename.)"""
     rank = {unit: n for n, unit in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(units[item], len(FIRST)))
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(FIRST)))
 
 
 def pytest_configure(config):
-    # Registered by pytest-xdist when it is installed; here for runs without it.
-    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist unit of work")
     if not hasattr(config, "workerinput"):
         _write_yapf_grammar_cache()
 
@@ -75,13 +66,26 @@ def tiny_env(tmp_path_factory, worker_id):
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tiny_env, tmp_path_factory) -> Path:
+def tiny_run(tiny_env, tmp_path_factory, worker_id) -> Path:
     """The run folder of the real `opencompass configs/edge0_tiny.py` on tiny_env, as `edge0-eval
     demo` runs it: four in-process arms, greedy, batch_size 4, six datasets and fidelity. Made
     once (about 2 min alone: each arm's task is a process that imports OpenCompass) for the
-    tests that read it: test_opencompass_tiny checks the run, test_batch_wrappers regenerates
-    its predictions alone, test_opencompass_api compares served arms with its student."""
-    work = tmp_path_factory.mktemp("tiny_run") / "out"
+    tests that read it, and under pytest-xdist once for both workers, as tiny_env:
+    test_opencompass_tiny checks the run, test_batch_wrappers regenerates its predictions
+    alone, test_opencompass_api compares served arms with its student. Read only."""
+    if worker_id == "master":
+        return _tiny_run(tiny_env, tmp_path_factory.mktemp("tiny_run"))
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(str(shared / "tiny_run.lock")):
+        made = shared / "tiny_run.json"
+        if not made.is_file():
+            made.write_text(json.dumps(str(_tiny_run(tiny_env, shared / "tiny_run"))))
+        return Path(json.loads(made.read_text()))
+
+
+def _tiny_run(tiny_env: dict, folder: Path) -> Path:
+    work = folder / "out"
+    work.mkdir(parents=True)
     # cwd: OpenCompass leaves tmp/ and icl_inference_output/ in its working directory.
     proc = subprocess.run(
         opencompass_command() + [str(TINY_CONFIG), "-w", str(work)],
@@ -89,7 +93,7 @@ def tiny_run(tiny_env, tmp_path_factory) -> Path:
         capture_output=True,
         text=True,
         timeout=900,
-        cwd=work.parent,
+        cwd=folder,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = [p for p in work.iterdir() if p.is_dir()]
