@@ -933,9 +933,11 @@ class BatchDecoder:
         d["step_wall_s"] += dt
         d["step_share_s"] += dt / len(active)
         self._account(t0, before, d)
-        for r in active:
-            if r.done:
-                r.figures.left = self.reading()
+        ended = [r for r in active if r.done]
+        if ended:
+            mark = self.reading()
+            for r in ended:
+                r.figures.left = mark
 
     def _account(self, t0: float, before: dict, *ledgers: Counter) -> None:
         """Add the decode work since (t0, before) to each of `ledgers`."""
