@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,22 +48,30 @@ def _write_yapf_grammar_cache() -> None:
         pass  # without the eval extra the OpenCompass tests skip or fail on their own
 
 
+def _made_once(tmp_path_factory, worker_id, name: str, make):
+    """`make(folder)` (its result JSON-able) run once for the test session, in a new folder:
+    under pytest-xdist once for all workers, the others waiting on a lock in their shared
+    base temporary folder and reading its result there. A make that failed left no result:
+    the next worker to need it makes it again, in a folder of its own."""
+    if worker_id == "master":
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(str(shared / f"{name}.lock")):
+        made = shared / f"{name}.json"
+        if not made.is_file():
+            folder = Path(tempfile.mkdtemp(prefix=name, dir=shared))
+            made.write_text(json.dumps(make(folder)))
+        return json.loads(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_env(tmp_path_factory, worker_id):
     """Tiny teacher, converted student with trained adapters, and fixture data, as `edge0-eval
     demo` prepares them (about 100 s of CPU: made once for every OpenCompass test, and under
-    pytest-xdist once for both workers, the second waiting on a lock in their shared base
-    temporary folder). Tests that break a model break a copy."""
+    pytest-xdist once for both workers). Tests that break a model break a copy."""
     from edge0_eval.demo import prepare
 
-    if worker_id == "master":
-        return prepare(tmp_path_factory.mktemp("demo"))
-    shared = tmp_path_factory.getbasetemp().parent
-    with FileLock(str(shared / "tiny_env.lock")):
-        made = shared / "tiny_env.json"
-        if not made.is_file():
-            made.write_text(json.dumps(prepare(shared / "tiny_env")))
-        return json.loads(made.read_text())
+    return _made_once(tmp_path_factory, worker_id, "tiny_env", prepare)
 
 
 @pytest.fixture(scope="session")
@@ -73,14 +82,11 @@ def tiny_run(tiny_env, tmp_path_factory, worker_id) -> Path:
     tests that read it, and under pytest-xdist once for both workers, as tiny_env:
     test_opencompass_tiny checks the run, test_batch_wrappers regenerates its predictions
     alone, test_opencompass_api compares served arms with its student. Read only."""
-    if worker_id == "master":
-        return _tiny_run(tiny_env, tmp_path_factory.mktemp("tiny_run"))
-    shared = tmp_path_factory.getbasetemp().parent
-    with FileLock(str(shared / "tiny_run.lock")):
-        made = shared / "tiny_run.json"
-        if not made.is_file():
-            made.write_text(json.dumps(str(_tiny_run(tiny_env, shared / "tiny_run"))))
-        return Path(json.loads(made.read_text()))
+
+    def make(folder: Path) -> str:
+        return str(_tiny_run(tiny_env, folder))
+
+    return Path(_made_once(tmp_path_factory, worker_id, "tiny_run", make))
 
 
 def _tiny_run(tiny_env: dict, folder: Path) -> Path:
