@@ -31,7 +31,7 @@ arms = {"zlib": zlib.crc32, "zlib-ng": zlib_ng.crc32, "off": None}
 if len(sys.argv) > 7:
     arms = {a: arms[a] for a in sys.argv[7].split(",")}
 prompts = [_prompt(engine.tokenizer, 8, r) for r in range(batch)]
-ms, host, crc_ms = ({a: [] for a in arms} for _ in range(3))
+ms, host, crc_ms, blocked = ({a: [] for a in arms} for _ in range(4))
 toks = {}
 names = list(arms)
 for r in range(rounds):
@@ -52,25 +52,33 @@ for r in range(rounds):
         ms[arm].append(1000 * st["batch_decode_s"] / steps)
         host[arm].append(1000 * (engine.counters.host_seconds - h0) / steps)
         crc_ms[arm].append(1000 * s.stats.crc_seconds / steps)
+        blocked[arm].append(st["blocked_load_ms_per_step"])
         toks.setdefault(arm, [row.tokens for row in rows])
         print(
             r,
             arm,
             f"{ms[arm][-1]:.1f} ms/step host {host[arm][-1]:.2f} "
-            f"crc {crc_ms[arm][-1]:.2f} ms/step ({s.stats.crc_bundles} bundles)",
+            f"blocked {blocked[arm][-1]:.2f} crc {crc_ms[arm][-1]:.2f} ms/step "
+            f"({s.stats.crc_bundles} bundles)",
             flush=True,
         )
 later = slice(1, None)  # round 0: MLX's first-use costs
 for arm in arms:
     print(
         f"{arm}: ms/step median {statistics.median(ms[arm][later]):.1f}, host "
-        f"{statistics.median(host[arm][later]):.2f}, crc "
+        f"{statistics.median(host[arm][later]):.2f}, blocked "
+        f"{statistics.median(blocked[arm][later]):.2f}, crc "
         f"{statistics.median(crc_ms[arm][later]):.2f}"
     )
-for a, b in (("zlib-ng", "zlib"),):
+for a, b in (("zlib-ng", "zlib"), ("off", "zlib")):
     if a in arms and b in arms:
-        d = [x - y for x, y in zip(host[a][later], host[b][later])]
-        print(f"host {a} - {b}: paired median {statistics.median(d):+.2f} ms")
+        for name, xs in (("host", host), ("blocked", blocked)):
+            d = [x - y for x, y in zip(xs[a][later], xs[b][later])]
+            lower = sum(x < 0 for x in d)
+            print(
+                f"{name} {a} - {b}: paired median {statistics.median(d):+.2f} ms "
+                f"(lower in {lower} of {len(d)})"
+            )
 for a, b in (("zlib-ng", "zlib"), ("off", "zlib"), ("zlib-ng", "off")):
     if a not in arms or b not in arms:
         continue
