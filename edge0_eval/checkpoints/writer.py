@@ -9,11 +9,10 @@ import re
 import shutil
 import tempfile
 import threading
-import zlib
 from pathlib import Path
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.formats.layout import ExpertIndex, pack_bundle
+from edge0_eval.formats.layout import ExpertIndex, crc32, pack_bundle
 
 # Files in SRC that are weights (or weight indexes) and so are not copied to OUT.
 _WEIGHT_FILE = re.compile(
@@ -54,7 +53,7 @@ class BundleWriter:
                     f"bundle ({layer}, {e}) would land at the wrong offset"
                 )
             bundle = pack_bundle(layout, expert_arrays(e))
-            crcs.append(zlib.crc32(bundle))
+            crcs.append(crc32(bundle))
             self.file.write(bundle)
         self.index.crc32.append(crcs)
 

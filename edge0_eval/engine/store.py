@@ -32,7 +32,6 @@ import math
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import CancelledError
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0_eval.errors import CheckpointError, ConfigError
-from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex
+from edge0_eval.formats.layout import INDEX_NAME, ExpertIndex, crc32
 
 
 # -- the file guard ----------------------------------------------------------------------
@@ -429,7 +428,7 @@ class ExpertStore:
         started = time.perf_counter()
         crc = 0
         for view in views:
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
         with self._lock:
             self.stats.crc_bundles += 1
             self.stats.crc_seconds += time.perf_counter() - started

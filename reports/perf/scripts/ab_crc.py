@@ -1,6 +1,6 @@
 """Harness of reports/perf/2026-12-08-crc.md: the expert bundles' first-read checksum by
-Python's zlib module (the engine's), by zlib-ng (the same CRC-32, `pip install zlib-ng` first)
-and not at all, interleaved in one engine.
+Python's zlib module (the engine's before that page), by zlib-ng (the same CRC-32, the
+engine's since) and not at all, interleaved in one engine.
 
 Every run starts as a fresh process would: no bundle verified yet; with `cold`, the expert file
 evicted from the page cache before it (real disk). argv: model heads rounds tokens batch
@@ -9,14 +9,12 @@ cold|warm [arms, comma-separated: zlib, zlib-ng, off; all three when left out]
 
 import statistics
 import sys
-import types
 import zlib
-
-from zlib_ng import zlib_ng
 
 import edge0_eval.engine.store as store
 from edge0_eval import Engine, EngineOptions
 from edge0_eval.bench import _prompt
+from edge0_eval.formats.layout import crc32
 
 path, heads = sys.argv[1], sys.argv[2]
 rounds, tokens, batch = map(int, sys.argv[3:6])
@@ -27,7 +25,7 @@ engine = Engine.load(
         mode="prerouted", experts_per_token=4, slots_per_layer=8, prerouter_path=heads
     ),
 )
-arms = {"zlib": zlib.crc32, "zlib-ng": zlib_ng.crc32, "off": None}
+arms = {"zlib": zlib.crc32, "zlib-ng": crc32, "off": None}
 if len(sys.argv) > 7:
     arms = {a: arms[a] for a in sys.argv[7].split(",")}
 prompts = [_prompt(engine.tokenizer, 8, r) for r in range(batch)]
@@ -38,7 +36,7 @@ for r in range(rounds):
     for arm in names[r % len(names) :] + names[: r % len(names)]:
         s = engine.store
         s.verify_crc = arms[arm] is not None
-        store.zlib = types.SimpleNamespace(crc32=arms[arm] or zlib.crc32)
+        store.crc32 = arms[arm] or crc32
         s._verified[:] = False
         if cold:
             s.evict_page_cache()
