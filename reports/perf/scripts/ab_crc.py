@@ -2,9 +2,11 @@
 Python's zlib module (the engine's before that page), by zlib-ng (the same CRC-32, the
 engine's since) and not at all, interleaved in one engine.
 
-Every run starts as a fresh process would: no bundle verified yet; with `cold`, the expert file
-evicted from the page cache before it (real disk). argv: model heads rounds tokens batch
-cold|warm [arms, comma-separated: zlib, zlib-ng, off; all three when left out]
+Imports the store's `crc32` (3b4bf80 and later; before it the store called `zlib.crc32`, and
+the page's runs swapped that). Every run starts as a fresh process would: no bundle verified
+yet; with `cold`, the expert file evicted from the page cache before it (real disk). argv:
+model heads rounds tokens batch cold|warm [arms, comma-separated: zlib, zlib-ng, off; all
+three when left out]
 """
 
 import statistics

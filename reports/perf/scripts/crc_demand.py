@@ -1,7 +1,7 @@
 """Harness of reports/perf/2026-12-08-crc.md's figures without decode: crc32 alone on one bundle,
 and a layer-0 demand read of 4 random experts by each checksum arm (warm page cache, real disk).
 
-Imports the engine's internals of b59e6b2 and later (the store's `crc32`, the switch's
+Imports the engine's internals of 3b4bf80 and later (the store's `crc32`, the switch's
 `_chunks`, `_sink` and `_write_slots`). `pip install isal` for its row of the first table.
 argv: model heads
 """
