@@ -54,6 +54,9 @@ for r in range(rounds):
         crc_ms[arm].append(1000 * s.stats.crc_seconds / steps)
         blocked[arm].append(st["blocked_load_ms_per_step"])
         toks.setdefault(arm, [row.tokens for row in rows])
+        assert toks[arm] == [row.tokens for row in rows], (
+            f"round {r}: {arm}'s tokens moved"
+        )
         print(
             r,
             arm,

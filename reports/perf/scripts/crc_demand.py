@@ -12,6 +12,7 @@ import statistics
 import sys
 import threading
 import time
+import timeit
 import zlib
 
 import mlx.core as mx
@@ -28,17 +29,6 @@ try:
     functions["isal"] = isal_zlib.crc32
 except ImportError:
     pass
-
-
-def per_call(f, data, calls=50) -> float:
-    """Seconds a call, the best of 5 runs of `calls`."""
-    runs = []
-    for _ in range(5):
-        started = time.perf_counter()
-        for _ in range(calls):
-            f(data)
-        runs.append((time.perf_counter() - started) / calls)
-    return min(runs)
 
 
 def counted(seconds=0.5) -> int:
@@ -63,7 +53,7 @@ def pace_beside(f) -> float:
 bundle = os.urandom(int(1.69 * 2**20))
 for name, f in functions.items():
     assert f(bundle) == zlib.crc32(bundle)
-    best = per_call(f, bundle)
+    best = min(timeit.repeat(lambda: f(bundle), number=50, repeat=5)) / 50
     print(
         f"{name}: {1000 * best:.3f} ms a bundle, {len(bundle) / best / 1e9:.1f} GB/s; "
         f"a Python thread beside it: {pace_beside(f):.2f} of its pace alone"
